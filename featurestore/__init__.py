@@ -1,0 +1,26 @@
+"""featurestore: one Python definition per feature, materialized to a Delta history store and Redis."""
+
+from featurestore.definitions import (
+    Entity,
+    FeatureService,
+    FeatureView,
+    Field,
+    FileSource,
+    PushSource,
+    SqlSource,
+)
+from featurestore.feature_store import FeatureStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Entity",
+    "FeatureService",
+    "FeatureStore",
+    "FeatureView",
+    "Field",
+    "FileSource",
+    "PushSource",
+    "SqlSource",
+    "__version__",
+]

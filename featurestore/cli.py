@@ -1,0 +1,104 @@
+"""The ``featurestore`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from featurestore.errors import FeatureStoreError
+
+app = typer.Typer(
+    help="featurestore: one Python definition per feature, point-in-time-correct training data, Redis serving.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
+
+
+def _store(repo: Path):
+    from featurestore.feature_store import FeatureStore
+
+    return FeatureStore(repo)
+
+
+def _parse_time(value: Optional[str]) -> Optional[datetime]:
+    if value is None:
+        return None
+    ts = datetime.fromisoformat(value)
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+
+
+@app.command()
+def init(path: Path = typer.Argument(Path("feature_repo"), help="Folder to create."), project: str = typer.Option("my_project", help="Project name.")) -> None:
+    """Scaffold a feature repo with an example entity, source and view."""
+    from featurestore.scaffold import scaffold
+
+    scaffold(path, project)
+    console.print(f"Created feature repo in [bold]{path}[/]. Next: [cyan]featurestore --help[/] or [cyan]featurestore plan -r {path}[/]")
+
+
+@app.command()
+def plan(repo: Path = RepoOption) -> None:
+    """Show what `apply` would change (added / changed / removed objects)."""
+    console.print(_store(repo).plan().describe())
+
+
+@app.command()
+def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", help="Allow removing views and deleting their data.")) -> None:
+    """Validate the definitions and record them in the registry."""
+    store = _store(repo)
+    result = store.apply(force=force)
+    console.print(result.describe())
+    if not result.empty:
+        console.print(f"Applied registry version {store.registry.current()['version']}.")
+    store.close()
+
+
+@app.command("list")
+def list_objects(repo: Path = RepoOption) -> None:
+    """List entities, feature views, and feature services."""
+    store = _store(repo)
+    table = Table("kind", "name", "details")
+    for e in store.list_entities():
+        table.add_row("entity", e.name, "keys: " + ", ".join(e.join_keys))
+    for v in store.list_feature_views():
+        ttl = str(v.ttl) if v.ttl is not None else "none"
+        table.add_row("feature view", v.name, f"{len(v.schema)} features, ttl {ttl}, entities: {', '.join(e.name for e in v.entities)}")
+    for s in store.list_feature_services():
+        table.add_row("feature service", s.name, f"{len(s.feature_refs())} features")
+    console.print(table)
+
+
+@app.command()
+def describe(name: str = typer.Argument(..., help="Name of an entity, view, service or push source."), repo: Path = RepoOption) -> None:
+    """Print an object's definition as the registry stores it."""
+    store = _store(repo)
+    for kind, objects in store.definitions.all().items():
+        if name in objects:
+            spec = objects[name].to_spec()
+            console.print_json(json.dumps({"defined_at": str(objects[name].location), **spec}, default=str))
+            return
+    raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
+
+
+def main() -> None:
+    try:
+        app()
+    except FeatureStoreError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

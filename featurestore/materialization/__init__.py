@@ -1,0 +1,1 @@
+"""One computation per view feeds both stores: source → transformation → typed history rows."""

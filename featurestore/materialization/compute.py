@@ -1,0 +1,110 @@
+"""Turn a view's rows (registered in DuckDB as ``view_rows``) into typed history rows.
+
+Rows that break the schema (null or mistyped key, null or unparseable timestamp, a value
+that does not cast to the declared type) are split off with a reason, never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import duckdb
+import pyarrow as pa
+
+from featurestore.definitions import FeatureView
+from featurestore.sources import ident, quote
+from featurestore.types import DType, duckdb_type
+
+
+@dataclass
+class Computed:
+    rows: pa.Table      # history schema, every row valid
+    rejects: pa.Table   # reason, raw row as JSON, event time if known
+
+
+def utc_sql(ts: datetime) -> str:
+    """A SQL literal of ``ts`` as naive UTC (naive input is taken as UTC)."""
+    if ts.tzinfo is not None:
+        ts = ts.astimezone(timezone.utc).replace(tzinfo=None)
+    return f"TIMESTAMP {quote(ts.isoformat(sep=' '))}"
+
+
+def compute(
+    con: duckdb.DuckDBPyConnection,
+    view: FeatureView,
+    key_types: dict[str, DType],
+    history_schema: pa.Schema,
+    run_id: int,
+    ingest_time: datetime,
+    start: datetime | None = None,
+    end: datetime | None = None,
+) -> Computed:
+    con.execute("SET TimeZone = 'UTC'")
+    ts_col = ident(view.source.timestamp_field)
+    created_col = view.source.created_timestamp_field
+    as_ts = "TRY_CAST(TRY_CAST({} AS TIMESTAMPTZ) AS TIMESTAMP)"
+    typed = [f"{as_ts.format(ts_col)} AS __event"]
+    typed.append(f"{as_ts.format(ident(created_col))} AS __created" if created_col else "NULL::TIMESTAMP AS __created")
+    reasons: list[str] = []
+    for key, dtype in key_types.items():
+        k = ident(key)
+        typed.append(f"TRY_CAST({k} AS {duckdb_type(dtype)}) AS __k_{key}")
+        reasons += [f"WHEN {k} IS NULL THEN 'null join key {key}'", f"WHEN __k_{key} IS NULL THEN 'join key {key} is not {dtype.name}'"]
+    reasons += [f"WHEN {ts_col} IS NULL THEN 'null event timestamp'", "WHEN __event IS NULL THEN 'unparseable event timestamp'"]
+    if created_col:
+        reasons.append(f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'")
+    for f in view.schema:
+        c = ident(f.name)
+        typed.append(f"TRY_CAST({c} AS {duckdb_type(f.dtype)}) AS __f_{f.name}")
+        reasons.append(f"WHEN {c} IS NOT NULL AND __f_{f.name} IS NULL THEN 'feature {f.name} is not {f.dtype.name}'")
+    window = []
+    if start is not None:
+        window.append(f"__event >= {utc_sql(start)}")
+    if end is not None:
+        window.append(f"__event < {utc_sql(end)}")
+    in_window = " AND ".join(window) or "TRUE"
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE __checked AS
+        SELECT *, CASE {' '.join(reasons)} END AS __reason
+        FROM (SELECT *, {', '.join(typed)} FROM view_rows)
+        WHERE __event IS NULL OR ({in_window})"""
+    )
+    keys = [f"__k_{k}" for k in key_types]
+    feats = [f"__f_{f.name}" for f in view.schema]
+    identity = ", ".join([*keys, "__event", "__created", *feats])
+    ingest = utc_sql(ingest_time)
+    rows = con.sql(
+        f"""SELECT {', '.join(f'__k_{k} AS {ident(k)}' for k in key_types)},
+            __event AS event_timestamp,
+            COALESCE(__created, {ingest}) AS created_timestamp,
+            {int(run_id)}::BIGINT AS _run_id,
+            (hash({identity}) >> 1)::BIGINT AS _row_id,
+            {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)}
+        FROM __checked WHERE __reason IS NULL"""
+    ).to_arrow_table()
+    rejects = _rejects(con, run_id)
+    return Computed(rows.cast(history_schema), rejects)
+
+
+def _rejects(con: duckdb.DuckDBPyConnection, run_id: int) -> pa.Table:
+    columns = [c for c in con.sql("SELECT * FROM __checked LIMIT 0").columns if not c.startswith("__")]
+    struct = ", ".join(f"{quote(c)}: {ident(c)}" for c in columns)
+    return con.sql(
+        f"""SELECT __reason AS reason, {int(run_id)}::BIGINT AS run_id,
+            to_json({{{struct}}})::VARCHAR AS row
+        FROM __checked WHERE __reason IS NOT NULL"""
+    ).to_arrow_table()
+
+
+def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
+    """Each entity's newest row by (event, created, run, row id): the join's tie-break order."""
+    if rows.num_rows == 0:
+        return rows
+    con = duckdb.connect()
+    con.register("r", rows)
+    keys = ", ".join(ident(k) for k in join_keys)
+    return con.sql(
+        f"""SELECT * FROM r QUALIFY row_number() OVER (
+            PARTITION BY {keys} ORDER BY event_timestamp DESC, created_timestamp DESC, _run_id DESC, _row_id DESC) = 1"""
+    ).to_arrow_table().cast(rows.schema)

@@ -1,0 +1,129 @@
+"""Run materialization: compute each view once, write history then the online store.
+
+Crash safety: before touching the stores a view is marked ``online_synced: false``; only
+after Redis has every latest row is it marked true. A re-run of a crashed job (or the
+first online run after an offline-only one) writes the latest rows of *all* computed
+rows online, not only the rows new to the history table; otherwise only new rows go.
+Both writes are idempotent (history dedupes by ``_row_id``, Redis keeps the larger
+order key), so a re-run always converges to the state of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import duckdb
+import pyarrow as pa
+from rich.console import Console
+from rich.progress import Progress
+
+from featurestore.definitions import FeatureView
+from featurestore.errors import BadRowsError
+from featurestore.materialization.compute import compute, latest_per_entity
+from featurestore.sources import register_view_rows
+
+if TYPE_CHECKING:
+    from featurestore.feature_store import FeatureStore
+
+
+@dataclass
+class ViewReport:
+    view: str
+    computed_rows: int = 0
+    new_offline_rows: int = 0
+    online_rows: int = 0
+    rejected_rows: int = 0
+    reject_sample: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class MaterializationReport:
+    views: list[ViewReport] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = []
+        for v in self.views:
+            lines.append(
+                f"{v.view}: {v.computed_rows} rows computed, {v.new_offline_rows} new in history, "
+                f"{v.online_rows} written online, {v.rejected_rows} rejected"
+            )
+            lines += [f"    rejected: {r}" for r in v.reject_sample]
+        return "\n".join(lines)
+
+
+class Materializer:
+    def __init__(self, store: "FeatureStore", progress: bool = False):
+        self.store = store
+        self.progress = progress
+
+    def run(
+        self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, incremental: bool = False,
+        online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
+    ) -> MaterializationReport:
+        defs = self.store.definitions
+        selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
+        end = end or datetime.now(timezone.utc)
+        report = MaterializationReport()
+        with Progress(console=Console(stderr=True), disable=not self.progress, transient=True) as bar:
+            task = bar.add_task("materializing", total=len(selected))
+            for view in selected:
+                bar.update(task, description=f"materializing {view.name}")
+                con = duckdb.connect()
+                register_view_rows(con, view, self.store.config.repo_path, self.store.config.data_dir)
+                report.views.append(
+                    self.write_view(con, view, start=None if incremental else start, end=end,
+                                    online=online, offline=offline, on_bad_rows=on_bad_rows)
+                )
+                bar.advance(task)
+        return report
+
+    def write_view(
+        self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
+        online: bool, offline: bool, on_bad_rows: str = "reject",
+    ) -> ViewReport:
+        """Compute ``view_rows`` registered in ``con`` and write them to the selected stores."""
+        defs, registry = self.store.definitions, self.store.registry
+        run_id = registry.next_run_id()
+        now = datetime.now(timezone.utc)
+        computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end)
+        report = ViewReport(view.name, computed_rows=computed.rows.num_rows, rejected_rows=computed.rejects.num_rows)
+        if computed.rejects.num_rows:
+            report.reject_sample = computed.rejects.slice(0, 5).to_pylist()
+            if on_bad_rows == "fail":
+                raise BadRowsError(
+                    f"view {view.name!r}: {computed.rejects.num_rows} source rows break the schema, e.g. "
+                    f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'"
+                )
+            self.store.offline_store.write_rejects(view.name, computed.rejects)
+
+        write_offline, write_online = offline and view.offline, online and view.online
+        synced = registry.watermarks().get(view.name, {}).get("online_synced", False)
+        if view.online and (write_offline or write_online):
+            registry.set_watermark(view.name, online_synced=False)
+        fresh = computed.rows
+        if write_offline:
+            fresh = self.store.offline_store.append_returning(view.name, computed.rows)
+            report.new_offline_rows = fresh.num_rows
+        if write_online:
+            candidates = fresh if (synced and write_offline) else computed.rows
+            latest = latest_per_entity(candidates, view.join_keys)
+            features = [(f.name, f.dtype) for f in view.schema]
+            self.store.online_store.write_latest(view.name, latest, view.join_keys, features)
+            report.online_rows = latest.num_rows
+        marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
+        if end is not None:
+            marks["end"] = end.isoformat()
+        if computed.rows.num_rows:
+            marks["max_event_timestamp"] = _max_iso(computed.rows)
+        if write_online:
+            marks["online_synced"] = True
+        registry.set_watermark(view.name, **marks)
+        return report
+
+
+def _max_iso(rows: pa.Table) -> str:
+    import pyarrow.compute as pc
+
+    return pc.max(rows["event_timestamp"]).as_py().isoformat()

@@ -1,0 +1,47 @@
+"""The interface a history store implements. A second backend is a new file beside delta.py."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import duckdb
+import pyarrow as pa
+
+# Columns every history table has besides join keys and features.
+#   event_timestamp    when the fact happened (UTC)
+#   created_timestamp  when it was known: the source's created column, else the ingest time
+#   _run_id            the write run that stored the row (later run = later ingest)
+#   _row_id            63-bit hash of keys, event time, source created time and values: the row's
+#                      identity, used to make re-runs idempotent and to order ties within a run
+HISTORY_COLUMNS = ["event_timestamp", "created_timestamp", "_run_id", "_row_id"]
+
+
+class OfflineStore(Protocol):
+    def append(self, view: str, rows: pa.Table) -> int:
+        """Append rows not already stored (by ``_row_id``); return how many were new."""
+
+    def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
+        """Expose the view's history (at ``version``) in ``con`` as ``name``; return the version read."""
+
+    def version(self, view: str) -> int | None:
+        """Current table version, None when nothing was ever written."""
+
+    def write_rejects(self, view: str, rejects: pa.Table) -> None:
+        """Keep source rows that broke the schema, with the reason."""
+
+    def drop(self, view: str) -> None:
+        """Delete the view's history (after the user confirmed removal)."""
+
+
+def history_schema(view_keys: dict[str, pa.DataType], features: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    """Schema of a view's history table (without the partition column)."""
+    return pa.schema(
+        [
+            *view_keys.items(),
+            ("event_timestamp", pa.timestamp("us", tz="UTC")),
+            ("created_timestamp", pa.timestamp("us", tz="UTC")),
+            ("_run_id", pa.int64()),
+            ("_row_id", pa.int64()),
+            *features,
+        ]
+    )

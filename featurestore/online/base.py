@@ -1,0 +1,25 @@
+"""The interface an online store implements. A second backend is a new file beside redis_store.py."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import pyarrow as pa
+
+# One lookup: an entity key and the view fields wanted from it.
+Lookup = tuple[bytes, Sequence[str]]
+
+
+class OnlineStore(Protocol):
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence) -> int:
+        """Store each entity's row unless a stored one is newer (event, created, run, row id)."""
+
+    def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+        """One round trip: for each lookup, the encoded value of each wanted view (None if absent)."""
+
+    async def read_async(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+        """``read`` for async servers."""
+
+    def drop_view(self, view: str) -> None: ...
+
+    def close(self) -> None: ...

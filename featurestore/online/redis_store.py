@@ -1,0 +1,144 @@
+"""Online store on Redis (embedded redis-server by default, or any ``redis://``/``rediss://`` URL).
+
+Writes go through a Lua script so the compare-and-set is atomic in Redis: concurrent
+materializations or pushes cannot regress a value. Reads are one pipelined round trip
+of HMGETs. Layout: see ``featurestore.online.codec``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pyarrow as pa
+import redis
+import redis.asyncio as aioredis
+
+from featurestore.config import RepoConfig
+from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online.base import Lookup
+from featurestore.online.codec import encode_values, entity_keys, key_prefix
+from featurestore.online.embedded import EmbeddedRedis
+
+# KEYS: entity keys; ARGV[1]: view field; ARGV[i+1]: value for KEYS[i].
+# A value replaces the stored one only if its 32-byte order key is larger: compared as
+# eight big-endian uint32s (exact; Lua numbers are doubles and string < depends on locale).
+WRITE_IF_NEWER = """
+local field = ARGV[1]
+local written = 0
+for i, key in ipairs(KEYS) do
+  local new = ARGV[i + 1]
+  local old = redis.call('HGET', key, field)
+  local newer = true
+  if old then
+    local o = {struct.unpack('>I4I4I4I4I4I4I4I4', old)}
+    local n = {struct.unpack('>I4I4I4I4I4I4I4I4', new)}
+    newer = false
+    for j = 1, 8 do
+      if n[j] ~= o[j] then newer = n[j] > o[j]; break end
+    end
+  end
+  if newer then
+    redis.call('HSET', key, field, new)
+    written = written + 1
+  end
+end
+return written
+"""
+
+CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
+
+
+class RedisOnlineStore:
+    def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None):
+        self.url = url
+        self.project = project
+        self.embedded = embedded
+        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        self._async: aioredis.Redis | None = None
+        self._write = self.client.register_script(WRITE_IF_NEWER)
+
+    @classmethod
+    def from_config(cls, config: RepoConfig) -> "RedisOnlineStore":
+        if config.embedded_redis:
+            embedded = EmbeddedRedis(config.data_dir)
+            return cls(embedded.ensure_running(), config.project, embedded)
+        return cls(config.online_url, config.project)
+
+    @property
+    def prefix(self) -> bytes:
+        return key_prefix(self.project)
+
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence) -> int:
+        if rows.num_rows == 0:
+            return 0
+        keys = entity_keys(self.project, rows, join_keys)
+        values = encode_values(rows, features)
+        written = 0
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for start in range(0, len(keys), CHUNK):
+                self._write(keys=keys[start:start + CHUNK], args=[view, *values[start:start + CHUNK]], client=pipe)
+            written = sum(pipe.execute())
+        except redis.ConnectionError as exc:
+            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+        return written
+
+    def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key, fields in lookups:
+                pipe.hmget(key, fields)
+            return pipe.execute()
+        except redis.ConnectionError as exc:
+            self._recover()
+            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+
+    @property
+    def async_client(self) -> aioredis.Redis:
+        if self._async is None:
+            self._async = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2, max_connections=256)
+        return self._async
+
+    async def read_async(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+        try:
+            if len(lookups) == 1:
+                key, fields = lookups[0]
+                return [await self.async_client.hmget(key, fields)]
+            pipe = self.async_client.pipeline(transaction=False)
+            for key, fields in lookups:
+                pipe.hmget(key, fields)
+            return await pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            self._recover()
+            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+
+    def _recover(self) -> None:
+        """An embedded server whose owner exited is restarted by whoever notices."""
+        if self.embedded is not None:
+            try:
+                self.embedded.ensure_running()
+            except OnlineStoreUnavailable:
+                pass
+
+    def ping(self) -> bool:
+        return bool(self.client.ping())
+
+    async def ping_async(self) -> bool:
+        try:
+            return bool(await self.async_client.ping())
+        except (redis.RedisError, OSError) as exc:
+            self._recover()
+            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+
+    def drop_view(self, view: str) -> None:
+        for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
+            self.client.hdel(key, view)
+
+    def announce_registry_change(self, version: int) -> None:
+        """Tell running servers (pub/sub) that the registry changed."""
+        self.client.publish(self.prefix + b"registry", str(version))
+
+    def close(self) -> None:
+        self.client.close()
+        if self.embedded is not None:
+            self.embedded.stop()

@@ -1,0 +1,142 @@
+"""Import a repo's definition modules (only those listed in featurestore.yaml) and collect objects."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from featurestore.config import RepoConfig
+from featurestore.definitions import Entity, FeatureService, FeatureView, PushSource, content_hash
+from featurestore.errors import DefinitionError, NotFoundError
+from featurestore.types import DType
+
+
+@dataclass
+class Definitions:
+    """Every object a repo defines, by kind and name."""
+
+    entities: dict[str, Entity] = field(default_factory=dict)
+    feature_views: dict[str, FeatureView] = field(default_factory=dict)
+    feature_services: dict[str, FeatureService] = field(default_factory=dict)
+    push_sources: dict[str, PushSource] = field(default_factory=dict)
+    # join-key types per view: declared on the entity, else read from the source at validation
+    key_types: dict[str, dict[str, DType]] = field(default_factory=dict)
+
+    def all(self) -> dict[str, dict]:
+        return {
+            "entity": self.entities,
+            "feature_view": self.feature_views,
+            "feature_service": self.feature_services,
+            "push_source": self.push_sources,
+        }
+
+    def specs(self) -> dict[str, dict[str, dict]]:
+        """``{kind: {name: {"hash": ..., "spec": ...}}}``, the registry's persisted form."""
+        out: dict[str, dict[str, dict]] = {}
+        for kind, objects in self.all().items():
+            out[kind] = {}
+            for name, obj in objects.items():
+                spec = obj.to_spec()
+                out[kind][name] = {"hash": content_hash(spec), "spec": spec}
+        return out
+
+    def history_schema(self, view: FeatureView):
+        """Arrow schema of the view's history table."""
+        from featurestore.offline.base import history_schema
+
+        keys = {k: t.arrow for k, t in self.key_types[view.name].items()}
+        return history_schema(keys, [(f.name, f.dtype.arrow) for f in view.schema])
+
+    def view(self, name: str) -> FeatureView:
+        try:
+            return self.feature_views[name]
+        except KeyError:
+            raise NotFoundError(f"feature view {name!r} not found; known views: {sorted(self.feature_views)}") from None
+
+    def service(self, name: str) -> FeatureService:
+        try:
+            return self.feature_services[name]
+        except KeyError:
+            raise NotFoundError(
+                f"feature service {name!r} not found; known services: {sorted(self.feature_services)}"
+            ) from None
+
+    def push_source(self, name: str) -> PushSource:
+        try:
+            return self.push_sources[name]
+        except KeyError:
+            raise NotFoundError(f"push source {name!r} not found; known: {sorted(self.push_sources)}") from None
+
+
+def load_definitions(config: RepoConfig) -> tuple[Definitions, list[str]]:
+    """Import the configured modules; return the objects and problems found while collecting."""
+    defs = Definitions()
+    problems: list[str] = []
+    seen: dict[tuple[str, str], object] = {}
+    package = "featurestore_repo_" + hashlib.sha1(str(config.repo_path).encode()).hexdigest()[:8]
+    sys.path.insert(0, str(config.repo_path))
+    try:
+        for module_file in config.modules:
+            path = config.repo_path / module_file
+            if not path.exists():
+                problems.append(f"module {module_file!r} listed in featurestore.yaml does not exist in {config.repo_path}")
+                continue
+            try:
+                module = _import(path, f"{package}.{path.stem}")
+            except Exception:
+                problems.append(f"importing {path} failed:\n{traceback.format_exc(limit=-3)}")
+                continue
+            for value in list(vars(module).values()):
+                for obj in _with_dependencies(value):
+                    _collect(obj, defs, seen, problems)
+    finally:
+        sys.path.remove(str(config.repo_path))
+    return defs, problems
+
+
+def _import(path: Path, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _with_dependencies(value: object) -> list[object]:
+    """The object plus the entities and push sources it refers to (they need not be top level)."""
+    if isinstance(value, FeatureView):
+        extra = [value.source] if isinstance(value.source, PushSource) else []
+        return [value, *value.entities, *extra]
+    if isinstance(value, (Entity, FeatureService, PushSource)):
+        return [value]
+    return []
+
+
+_KINDS = {Entity: "entity", FeatureView: "feature_view", FeatureService: "feature_service", PushSource: "push_source"}
+
+
+def _collect(obj: object, defs: Definitions, seen: dict, problems: list[str]) -> None:
+    kind = _KINDS[type(obj)]
+    key = (kind, obj.name)  # type: ignore[attr-defined]
+    previous = seen.get(key)
+    if previous is obj:
+        return
+    if previous is not None:
+        problems.append(
+            f"{kind.replace('_', ' ')} {obj.name!r} is defined twice: at {previous.location} "  # type: ignore
+            f"and at {obj.location}; give each a unique name"  # type: ignore[attr-defined]
+        )
+        return
+    seen[key] = obj
+    defs.all()[kind][obj.name] = obj  # type: ignore[attr-defined]
+
+
+def require_valid(defs: Definitions, problems: list[str]) -> Definitions:
+    if problems:
+        raise DefinitionError(problems)
+    return defs

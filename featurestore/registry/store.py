@@ -1,0 +1,115 @@
+"""The applied registry state on disk: atomic writes, a history of versions, watermarks.
+
+Layout under the registry directory::
+
+    registry.json            current applied state (version, time, every object's spec + hash)
+    history/v00001.json      every applied version, immutable
+    watermarks.json          per-view materialization progress
+    run_seq                  monotonic counter giving each write run a unique ingest id
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write temp file, fsync, rename, fsync dir: readers see the old or the new file, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True, default=str).encode()
+
+
+class RegistryStore:
+    """Persisted applied state of one repo."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.file = self.path / "registry.json"
+
+    def current(self) -> dict[str, Any]:
+        if not self.file.exists():
+            return {"version": 0, "applied_at": None, "objects": {}}
+        return json.loads(self.file.read_text())
+
+    def version(self, number: int) -> dict[str, Any]:
+        file = self.path / "history" / f"v{number:05d}.json"
+        if not file.exists():
+            raise FileNotFoundError(f"registry version {number} not found in {self.path / 'history'}")
+        return json.loads(file.read_text())
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.stem[1:]) for p in (self.path / "history").glob("v*.json"))
+
+    def apply(self, objects: dict[str, dict[str, dict]]) -> dict[str, Any]:
+        with self._lock():
+            state = {
+                "version": self.current()["version"] + 1,
+                "applied_at": datetime.now(timezone.utc).isoformat(),
+                "objects": objects,
+            }
+            data = _dumps(state)
+            atomic_write(self.path / "history" / f"v{state['version']:05d}.json", data)
+            atomic_write(self.file, data)
+        return state
+
+    # -- materialization progress
+
+    def watermarks(self) -> dict[str, dict[str, Any]]:
+        file = self.path / "watermarks.json"
+        return json.loads(file.read_text()) if file.exists() else {}
+
+    def set_watermark(self, view: str, **values: Any) -> None:
+        with self._lock():
+            marks = self.watermarks()
+            marks[view] = {**marks.get(view, {}), **values}
+            atomic_write(self.path / "watermarks.json", _dumps(marks))
+
+    def drop_watermark(self, view: str) -> None:
+        with self._lock():
+            marks = self.watermarks()
+            marks.pop(view, None)
+            atomic_write(self.path / "watermarks.json", _dumps(marks))
+
+    def next_run_id(self) -> int:
+        """A number no earlier write run got; orders runs for the ingest tie-break."""
+        with self._lock():
+            file = self.path / "run_seq"
+            current = int(file.read_text()) if file.exists() else 0
+            atomic_write(file, str(current + 1).encode())
+            return current + 1
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

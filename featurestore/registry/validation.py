@@ -1,0 +1,105 @@
+"""Check definitions against each other and against their sources; report every problem at once."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+
+from featurestore.config import RepoConfig
+from featurestore.definitions import FeatureView, FeatureViewProjection
+from featurestore.registry.loader import Definitions
+from featurestore.sources import view_output_schema
+from featurestore.types import String, castable, from_arrow, is_timestamp_like
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED = {"event_timestamp", "created_timestamp", "_ingest_seq", "_row_id", "event_date"}
+
+
+def validate(defs: Definitions, config: RepoConfig) -> list[str]:
+    problems: list[str] = []
+    for kind, objects in defs.all().items():
+        for name, obj in objects.items():
+            if not _NAME.match(name):
+                problems.append(
+                    f"{kind.replace('_', ' ')} {name!r} ({obj.location}): names must be letters, digits and "
+                    "underscores, not starting with a digit; rename it"
+                )
+    for view in defs.feature_views.values():
+        problems += _validate_view(view, config, defs)
+    for service in defs.feature_services.values():
+        for item in service.features:
+            view = item.view if isinstance(item, FeatureViewProjection) else item
+            where = f"feature service {service.name!r} ({service.location})"
+            if not isinstance(view, FeatureView):
+                problems.append(f"{where}: {item!r} is not a feature view; list views or view[[...]] projections")
+                continue
+            if defs.feature_views.get(view.name) is not view:
+                problems.append(f"{where}: feature view {view.name!r} is not defined in the repo's modules; add its module to featurestore.yaml")
+                continue
+            if isinstance(item, FeatureViewProjection):
+                for f in item.features:
+                    if f not in view.feature_names:
+                        problems.append(
+                            f"{where}: feature {f!r} is not in view {view.name!r}; its features are {view.feature_names}"
+                        )
+    return problems
+
+
+def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions) -> list[str]:
+    where = f"feature view {view.name!r} ({view.location})"
+    problems: list[str] = []
+    if view.ttl is not None and (not isinstance(view.ttl, timedelta) or view.ttl < timedelta(0)):
+        problems.append(f"{where}: ttl must be a timedelta >= 0 (or None for no limit), got {view.ttl!r}")
+    if not view.entities:
+        problems.append(f"{where}: give it at least one entity")
+    if not view.schema:
+        problems.append(f"{where}: schema is empty; list its features as Field(name, dtype)")
+    names = [f.name for f in view.schema]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"{where}: feature {dup!r} appears twice in schema; remove one")
+    for f in view.schema:
+        if f.name in RESERVED or f.name in view.join_keys:
+            problems.append(f"{where}: feature {f.name!r} uses a reserved or join-key name; rename it")
+    try:
+        schema = view_output_schema(view, config.repo_path, config.data_dir)
+    except Exception as exc:
+        what = "its transformation" if view.transformation is not None else "its source"
+        problems.append(f"{where}: reading {what} failed: {str(exc).strip().splitlines()[0]}; fix the source path or query")
+        return problems
+    produced = "produced by the transformation" if view.transformation is not None else "in the source"
+    key_types = defs.key_types.setdefault(view.name, {})
+    for entity in view.entities:
+        for key, declared in entity.key_types().items():
+            if key in schema.names:
+                key_types[key] = declared or from_arrow(schema.field(key).type) or String
+            if key not in schema.names:
+                problems.append(
+                    f"{where}: join key {key!r} of entity {entity.name!r} is not {produced} "
+                    f"(columns: {schema.names}); add it or fix the entity's join_keys"
+                )
+            elif declared is not None and not castable(schema.field(key).type, declared):
+                problems.append(
+                    f"{where}: join key {key!r} is {declared!r} on entity {entity.name!r} but "
+                    f"{schema.field(key).type} {produced}; make the types agree"
+                )
+    ts = view.source.timestamp_field
+    if ts not in schema.names:
+        problems.append(f"{where}: timestamp field {ts!r} is not {produced} (columns: {schema.names}); set timestamp_field")
+    elif not is_timestamp_like(schema.field(ts).type):
+        problems.append(f"{where}: timestamp field {ts!r} is {schema.field(ts).type}, not a timestamp; cast it in the source")
+    created = view.source.created_timestamp_field
+    if created and created not in schema.names:
+        problems.append(f"{where}: created_timestamp_field {created!r} is not {produced}; fix or remove it")
+    for f in view.schema:
+        if f.name not in schema.names:
+            problems.append(f"{where}: feature {f.name!r} is not {produced} (columns: {schema.names}); add it or remove the Field")
+        elif not castable(schema.field(f.name).type, f.dtype):
+            suggestion = from_arrow(schema.field(f.name).type)
+            hint = f"declare it as {suggestion!r}" if suggestion else "cast it in a transformation"
+            problems.append(
+                f"{where}: feature {f.name!r} is declared {f.dtype!r} but is {schema.field(f.name).type} {produced}; {hint}"
+            )
+    return problems
+
+

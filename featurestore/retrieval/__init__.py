@@ -1,0 +1,1 @@
+"""Reading features back: point-in-time joins (offline), lookups (online), dataset export."""

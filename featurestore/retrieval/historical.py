@@ -1,0 +1,200 @@
+"""Point-in-time-correct joins in DuckDB over the views' history tables.
+
+For each entity row at time t and each requested view, the result holds the view's row
+with the same join keys and the largest (event time, created time, run, row id) among
+rows with ``event_timestamp <= t`` (and, with a ttl, ``>= t - ttl``; both inclusive).
+No match gives nulls. Every input row comes out exactly once, in input order.
+
+Plan: each view's history is first reduced to one row per (keys, event time), keeping
+the tie-break winner; an ASOF LEFT JOIN then finds the latest row at or before t. With
+``as_of="created"`` rows also need ``created_timestamp <= t`` (what the online store
+could have known at t), which an ASOF join cannot express: a range join ranked per
+entity row is used instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from featurestore.definitions import FeatureService
+from featurestore.errors import RequestError
+from featurestore.retrieval.refs import ViewRequest, resolve
+from featurestore.sources import ident, quote
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from featurestore.feature_store import FeatureStore
+
+ROW = "__fs_row"
+TS = "__fs_ts"
+BATCH_ROWS = 256 * 1024
+
+
+@dataclass
+class RetrievalJob:
+    """A prepared join; nothing runs until ``to_arrow``/``to_df``/``to_parquet``/``batches``."""
+
+    con: duckdb.DuckDBPyConnection
+    sql: str
+    table_versions: dict[str, int | None]   # Delta version read per view (for manifests)
+    feature_types: dict[str, pa.DataType]   # output feature column -> declared Arrow type
+
+    @classmethod
+    def build(
+        cls, store: "FeatureStore", entity_df: Any, features: Sequence[str] | None,
+        feature_service: str | FeatureService | None, full_feature_names: bool,
+        as_of: Literal["event", "created"] = "event", versions: dict[str, int | None] | None = None,
+    ) -> "RetrievalJob":
+        if as_of not in ("event", "created"):
+            raise RequestError(f"as_of must be 'event' or 'created', not {as_of!r}")
+        defs = store.definitions
+        requests = resolve(defs, features, feature_service, full_feature_names)
+        con = duckdb.connect()
+        con.execute("SET TimeZone = 'UTC'")
+        entity_columns, ts_column = _register_entities(con, entity_df)
+        table_versions: dict[str, int | None] = {}
+        for i, req in enumerate(requests):
+            missing = [k for k in req.view.join_keys if k not in entity_columns]
+            if missing:
+                raise RequestError(
+                    f"entity rows lack join key(s) {missing} needed by view {req.view.name!r}; "
+                    f"entity columns are {entity_columns}"
+                )
+            clash = [n for n in req.output_names if n in entity_columns]
+            if clash:
+                raise RequestError(f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True")
+            wanted = (versions or {}).get(req.view.name)
+            table_versions[req.view.name] = store.offline_store.register(
+                con, req.view.name, f"__hist{i}", defs.history_schema(req.view), version=wanted
+            )
+        sql = _join_sql(requests, entity_columns, ts_column, as_of)
+        types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
+        return cls(con, sql, table_versions, types)
+
+    def _fix_types(self, batch: pa.RecordBatch | pa.Table):
+        schema = pa.schema([pa.field(f.name, self.feature_types.get(f.name, f.type)) for f in batch.schema])
+        return batch.cast(schema) if schema != batch.schema else batch
+
+    def batches(self, rows_per_batch: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+        """Stream the result in input order, memory bounded by DuckDB."""
+        reader = self.con.sql(self.sql).to_arrow_reader(rows_per_batch)
+        for batch in reader:
+            yield self._fix_types(batch)
+
+    def to_arrow(self) -> pa.Table:
+        return self._fix_types(self.con.sql(self.sql).to_arrow_table())
+
+    def to_df(self) -> "pd.DataFrame":
+        return self.to_arrow().to_pandas()
+
+    def to_parquet(self, path: str | Path, on_batch: Any = None) -> int:
+        """Write the result to one Parquet file (deterministic bytes for the same rows); return rows."""
+        rows = 0
+        writer: pq.ParquetWriter | None = None
+        try:
+            for batch in self.batches():
+                if writer is None:
+                    writer = pq.ParquetWriter(str(path), batch.schema, compression="zstd")
+                writer.write_batch(batch, row_group_size=BATCH_ROWS)
+                rows += batch.num_rows
+                if on_batch:
+                    on_batch(batch.num_rows)
+        finally:
+            if writer is not None:
+                writer.close()
+        return rows
+
+
+def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
+    """Expose entity rows as ``__entities`` with ``__fs_row`` (input order) and ``__fs_ts`` (naive UTC)."""
+    if isinstance(entity_df, (str, Path)) and str(entity_df).endswith(".parquet"):
+        con.execute(f"CREATE TEMP VIEW __raw AS SELECT * FROM read_parquet({quote(str(entity_df))}, file_row_number=true)")
+        row_expr = "file_row_number"
+    else:
+        if isinstance(entity_df, str):
+            table = con.sql(entity_df).to_arrow_table()
+        elif isinstance(entity_df, pa.Table):
+            table = entity_df
+        else:
+            try:
+                table = pa.Table.from_pandas(entity_df, preserve_index=False)
+            except Exception as exc:
+                raise RequestError(
+                    f"entity_df must be a pandas DataFrame, pyarrow Table, .parquet path or SQL string, not {type(entity_df).__name__}"
+                ) from exc
+        import numpy as np
+
+        con.register("__raw", table.append_column(ROW, pa.array(np.arange(table.num_rows, dtype=np.int64))))
+        row_expr = ROW
+    schema = con.sql("SELECT * FROM __raw LIMIT 0").to_arrow_table().schema
+    columns = [n for n in schema.names if n not in (ROW, "file_row_number")]
+    timestamps = [f.name for f in schema if f.name in columns and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))]
+    if "event_timestamp" in columns:
+        ts = "event_timestamp"
+    elif len(timestamps) == 1:
+        ts = timestamps[0]
+    else:
+        raise RequestError(
+            f"entity rows need an 'event_timestamp' column (or exactly one timestamp column); found timestamp columns {timestamps}"
+        )
+    ts_type = schema.field(ts).type
+    if not (pa.types.is_timestamp(ts_type) or pa.types.is_date(ts_type)):
+        raise RequestError(f"entity column {ts!r} is {ts_type}, not a timestamp; convert it (pd.to_datetime)")
+    nulls = con.execute(f"SELECT count(*) FROM __raw WHERE {ident(ts)} IS NULL").fetchone()[0]
+    if nulls:
+        raise RequestError(f"{nulls} entity rows have a null {ts!r}; every row needs a time to join at")
+    select = ", ".join(ident(c) for c in columns)
+    con.execute(
+        f"""CREATE TEMP VIEW __entities AS SELECT {select},
+            CAST(CAST({ident(ts)} AS TIMESTAMPTZ) AS TIMESTAMP) AS {TS}, {row_expr} AS {ROW} FROM __raw"""
+    )
+    return columns, ts
+
+
+def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str) -> str:
+    ctes, joins, outputs = [], [], []
+    for i, req in enumerate(requests):
+        view, alias = req.view, f"v{i}"
+        keys = ", ".join(ident(k) for k in view.join_keys)
+        feats = ", ".join(ident(f) for f in req.features)
+        ranked = "ORDER BY created_timestamp DESC, _run_id DESC, _row_id DESC"
+        if as_of == "event":
+            ctes.append(
+                f"""{alias} AS (SELECT {keys}, CAST(event_timestamp AS TIMESTAMP) AS __ev, {feats} FROM __hist{i}
+                QUALIFY row_number() OVER (PARTITION BY {keys}, event_timestamp {ranked}) = 1)"""
+            )
+            on = " AND ".join([f"e.{ident(k)} = {alias}.{ident(k)}" for k in view.join_keys] + [f"e.{TS} >= {alias}.__ev"])
+            joins.append(f"ASOF LEFT JOIN {alias} ON {on}")
+        else:
+            on = " AND ".join(
+                [f"e.{ident(k)} = h.{ident(k)}" for k in view.join_keys]
+                + [f"CAST(h.event_timestamp AS TIMESTAMP) <= e.{TS}", f"CAST(h.created_timestamp AS TIMESTAMP) <= e.{TS}"]
+            )
+            ctes.append(
+                f"""{alias} AS (SELECT e.{ROW}, CAST(h.event_timestamp AS TIMESTAMP) AS __ev, {', '.join('h.' + ident(f) for f in req.features)}
+                FROM __entities e JOIN __hist{i} h ON {on}
+                QUALIFY row_number() OVER (PARTITION BY e.{ROW} ORDER BY h.event_timestamp DESC, h.created_timestamp DESC,
+                    h._run_id DESC, h._row_id DESC) = 1)"""
+            )
+            joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
+        ttl = view.ttl
+        for feature, name in zip(req.features, req.output_names):
+            value = f"{alias}.{ident(feature)}"
+            if ttl is not None:
+                micros = int(ttl.total_seconds() * 1_000_000)
+                value = f"CASE WHEN {alias}.__ev >= e.{TS} - INTERVAL ({micros}) MICROSECONDS THEN {value} END"
+            outputs.append(f"{value} AS {ident(name)}")
+    entity_select = ", ".join(
+        f"CAST(e.{TS} AS TIMESTAMPTZ) AS {ident(c)}" if c == ts_column else f"e.{ident(c)}" for c in entity_columns
+    )
+    return (
+        f"WITH e AS (SELECT * FROM __entities), {', '.join(ctes)} "
+        f"SELECT {entity_select}, {', '.join(outputs)} FROM e {' '.join(joins)} ORDER BY e.{ROW}"
+    )

@@ -1,0 +1,105 @@
+"""Reading sources as DuckDB SQL, and the schemas they (and transformations) produce.
+
+One place knows how to turn a source definition into rows, so validation (which
+needs schemas) and materialization (which needs rows) cannot disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from featurestore.definitions import FeatureView, FileSource, PushSource, Source, SqlSource
+
+
+def quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def push_log_path(data_dir: Path, source_name: str) -> Path:
+    return Path(data_dir) / "push" / source_name
+
+
+def register_source(
+    con: duckdb.DuckDBPyConnection, source: Source, repo_path: Path, data_dir: Path, name: str = "source"
+) -> None:
+    """Make ``source`` queryable in ``con`` as the view ``name``."""
+    if isinstance(source, SqlSource):
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS {source.query}")
+        return
+    if isinstance(source, PushSource):
+        from deltalake import DeltaTable  # local: only pushes need it
+
+        path = push_log_path(data_dir, source.name)
+        if (path / "_delta_log").exists():
+            con.register(name, DeltaTable(str(path)).to_pyarrow_dataset())
+        else:
+            schema = pa.schema([(f.name, f.dtype.arrow) for f in source.schema])
+            con.register(name, schema.empty_table())
+        return
+    path = Path(source.path)
+    path = path if path.is_absolute() else repo_path / path
+    if source.format == "delta":
+        from deltalake import DeltaTable
+
+        con.register(name, DeltaTable(str(path)).to_pyarrow_dataset())
+    elif source.format == "csv":
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT * FROM read_csv_auto({quote(str(path))})")
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT * FROM read_parquet({quote(str(path))})")
+
+
+def register_view_rows(
+    con: duckdb.DuckDBPyConnection, view: FeatureView, repo_path: Path, data_dir: Path, name: str = "view_rows"
+) -> None:
+    """Register the view's rows (source after transformation) as ``name``."""
+    register_source(con, view.source, repo_path, data_dir, "source")
+    transformation = view.transformation
+    if transformation is None:
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT * FROM source")
+    elif isinstance(transformation, str):
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS {transformation}")
+    else:
+        con.register(name, run_python_transformation(transformation, con.sql("SELECT * FROM source").to_arrow_table()))
+
+
+def run_python_transformation(fn: Any, table: pa.Table) -> pa.Table:
+    """Call a user function with an Arrow table; accept an Arrow table or pandas frame back."""
+    out = fn(table)
+    if isinstance(out, pa.Table):
+        return out
+    try:
+        return pa.Table.from_pandas(out, preserve_index=False)
+    except Exception as exc:  # pragma: no cover - message path
+        raise TypeError(f"transformation returned {type(out).__name__}; return a pyarrow Table or pandas DataFrame") from exc
+
+
+def relation_schema(con: duckdb.DuckDBPyConnection, name: str) -> pa.Schema:
+    return con.sql(f"SELECT * FROM {ident(name)} LIMIT 0").to_arrow_table().schema
+
+
+def source_schema(source: Source, repo_path: Path, data_dir: Path) -> pa.Schema:
+    if isinstance(source, PushSource):
+        return pa.schema([(f.name, f.dtype.arrow) for f in source.schema])
+    con = duckdb.connect()
+    register_source(con, source, repo_path, data_dir)
+    return relation_schema(con, "source")
+
+
+def view_output_schema(view: FeatureView, repo_path: Path, data_dir: Path) -> pa.Schema:
+    """Columns the view's transformation produces (the source's, when there is none)."""
+    con = duckdb.connect()
+    register_source(con, view.source, repo_path, data_dir, "source")
+    if view.transformation is None:
+        return relation_schema(con, "source")
+    if isinstance(view.transformation, str):
+        return con.sql(f"SELECT * FROM ({view.transformation}) LIMIT 0").to_arrow_table().schema
+    empty = con.sql("SELECT * FROM source LIMIT 0").to_arrow_table()
+    return run_python_transformation(view.transformation, empty).schema
