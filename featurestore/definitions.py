@@ -24,7 +24,11 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 def _caller_location() -> tuple[str, int]:
     """File and line of the user code that constructed a definition."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    # skip our own frames and the __init__ that @dataclass generates (its file is "<string>")
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or (frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__")
+    ):
         frame = frame.f_back
     if frame is None:
         return ("<unknown>", 0)

@@ -40,7 +40,7 @@ class FeatureStore:
         """The repo's definitions, loaded and validated once (raises DefinitionError)."""
         if self._definitions is None:
             defs, problems = load_definitions(self.config)
-            problems += validate(defs, self.config) if not problems else []
+            problems += validate(defs, self.config)
             if problems:
                 raise DefinitionError(problems)
             self._definitions = defs

