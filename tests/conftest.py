@@ -11,11 +11,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import redis
+from hypothesis import settings
 
 from featurestore import FeatureStore
 from featurestore.online.embedded import EmbeddedRedis
 
 _projects = itertools.count()
+
+# CI runs a few hundred random cases per property; HYPOTHESIS_PROFILE=thorough runs thousands.
+settings.register_profile("ci", max_examples=150)
+settings.register_profile("thorough", max_examples=3000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
