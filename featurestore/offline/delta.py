@@ -52,7 +52,7 @@ class DeltaOfflineStore:
         table = self._table(view)
         if table is not None:
             dates = [str(d) for d in pc.unique(rows[PARTITION]).to_pylist()]
-            files = table.file_uris(partition_filters=[(PARTITION, "in", dates)])
+            files = table.file_uris(file_pruning_predicate=[(PARTITION, "in", dates)])
             if files:
                 file_list = "[" + ", ".join(quote(f) for f in files) + "]"
                 new = f"SELECT * FROM ({new}) ANTI JOIN (SELECT _row_id FROM read_parquet({file_list})) USING (_row_id)"

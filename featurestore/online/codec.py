@@ -162,8 +162,8 @@ def _reader(dtype: DType) -> Callable[[bytes, int], tuple[Any, int]]:
     def var(b: bytes, p: int) -> tuple[Any, int]:
         (length,) = _LEN.unpack_from(b, p)
         raw = b[p + 4:p + 4 + length]
-        if dtype.is_array:
-            return orjson.loads(raw), p + 4 + length
+        if dtype.is_array:  # a null array is stored empty (its bitmap bit says null); "[]" is never empty
+            return (orjson.loads(raw) if length else None), p + 4 + length
         return (raw.decode() if dtype.name == "String" else raw), p + 4 + length
 
     return var

@@ -1,0 +1,251 @@
+"""Materialization into both stores, online statuses, monotonic writes, crash recovery, consistency."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from featurestore.errors import BadRowsError, RequestError
+
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+TS = pa.timestamp("us", tz="UTC")
+
+ALL_TYPES = """
+from datetime import timedelta
+from featurestore import Entity, FeatureView, Field, FileSource, PushSource
+from featurestore.types import *
+
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+src = FileSource(path="data/users.parquet", timestamp_field="ts", created_timestamp_field="created")
+users = FeatureView(
+    name="users", entities=[user], source=src, ttl=timedelta(days={ttl_days}),
+    schema=[Field("i32", Int32), Field("i64", Int64), Field("f32", Float32), Field("f64", Float64),
+            Field("s", String), Field("b", Bool), Field("raw", Bytes), Field("when", UnixTimestamp),
+            Field("ai", Array(Int64)), Field("as_", Array(String)), Field("af", Array(Float32))],
+)
+pushed = PushSource(name="user_push", schema=[Field("user_id", Int64), Field("score", Float64),
+                                              Field("event_timestamp", UnixTimestamp)])
+scores = FeatureView(name="scores", entities=[user], source=pushed, schema=[Field("score", Float64)])
+"""
+
+
+def random_users(n_users: int, n_rows: int, seed: int) -> pa.Table:
+    rnd = random.Random(seed)
+    maybe = lambda v: None if rnd.random() < 0.15 else v  # noqa: E731
+    rows = []
+    for _ in range(n_rows):
+        event = NOW - timedelta(hours=rnd.randint(1, 24 * 20))
+        rows.append(
+            {
+                "user_id": rnd.randint(1, n_users),
+                "ts": event,
+                "created": event + timedelta(minutes=rnd.choice([0, 0, 5])),
+                "i32": maybe(rnd.randint(-(2**31), 2**31 - 1)),
+                "i64": maybe(rnd.randint(-(2**63), 2**63 - 1)),
+                "f32": maybe(rnd.uniform(-1e3, 1e3)),
+                "f64": maybe(rnd.uniform(-1e9, 1e9)),
+                "s": maybe(rnd.choice(["", "a", "ünïcode", "x" * 50])),
+                "b": maybe(rnd.random() < 0.5),
+                "raw": maybe(bytes(rnd.randrange(256) for _ in range(rnd.randint(0, 8)))),
+                "when": maybe(NOW - timedelta(seconds=rnd.randint(0, 10**7), microseconds=rnd.randint(0, 999999))),
+                "ai": maybe([rnd.randint(-100, 100) for _ in range(rnd.randint(0, 4))]),
+                "as_": maybe([rnd.choice(["p", "q", "r,s"]) for _ in range(rnd.randint(0, 3))]),
+                "af": maybe([rnd.uniform(-1, 1) for _ in range(rnd.randint(0, 3))]),
+            }
+        )
+    schema = pa.schema(
+        [("user_id", pa.int64()), ("ts", TS), ("created", TS), ("i32", pa.int32()), ("i64", pa.int64()),
+         ("f32", pa.float32()), ("f64", pa.float64()), ("s", pa.string()), ("b", pa.bool_()), ("raw", pa.binary()),
+         ("when", TS), ("ai", pa.list_(pa.int64())), ("as_", pa.list_(pa.string())), ("af", pa.list_(pa.float32()))]
+    )
+    return pa.Table.from_pylist(rows, schema)
+
+
+FEATURES = ["i32", "i64", "f32", "f64", "s", "b", "raw", "when", "ai", "as_", "af"]
+
+
+@pytest.fixture
+def users_store(make_store):
+    def build(table: pa.Table, ttl_days: int = 30):
+        return make_store(ALL_TYPES.replace("{ttl_days}", str(ttl_days)), {"users": table})
+
+    return build
+
+
+def online_vs_offline(store, ids, at):
+    refs = [f"users:{f}" for f in FEATURES]
+    online = store.get_online_features([{"user_id": i} for i in ids], features=refs, full_feature_names=False)
+    entity_df = pd.DataFrame({"user_id": ids, "event_timestamp": [at] * len(ids)})
+    offline = store.get_historical_features(entity_df, features=refs).to_arrow()
+    return online, offline
+
+
+def test_online_equals_offline_for_every_type(users_store):
+    store = users_store(random_users(n_users=40, n_rows=600, seed=1))
+    report = store.materialize(None, NOW)
+    assert report.views[0].computed_rows == 600 and report.views[0].rejected_rows == 0
+    ids = list(range(1, 46))  # 41..45 are unknown
+    online, offline = online_vs_offline(store, ids, NOW)
+    values = online.to_values()
+    for f in FEATURES:
+        typ = offline.schema.field(f).type
+        online_col = pa.array(values[f], typ)  # same dtype, so float32/list<float32> compare bit for bit
+        assert online_col.equals(offline[f].combine_chunks()), f
+    statuses = online.to_dict()["results"]
+    assert {s for col in statuses[1:] for s in col["statuses"]} <= {"PRESENT", "NULL_VALUE", "NOT_FOUND"}
+    assert all(s == "NOT_FOUND" for col in statuses[1:] for s in col["statuses"][40:])
+
+
+def test_each_status_and_ttl_enforced_online(users_store):
+    t = pa.table({"user_id": [1, 2, 3], "ts": pa.array([NOW - timedelta(hours=1), NOW - timedelta(days=3), NOW - timedelta(hours=1)], TS)})
+    base = random_users(3, 3, seed=2).drop_columns(["user_id", "ts"])
+    table = pa.table({**{c: t[c] for c in t.column_names}, **{c: base[c] for c in base.column_names}})
+    table = table.set_column(table.schema.get_field_index("i64"), "i64", pa.array([5, 6, None], pa.int64()))
+    store = users_store(table, ttl_days=2)
+    store.materialize(None, NOW)
+    response = store.get_online_features([{"user_id": 1}, {"user_id": 2}, {"user_id": 3}, {"user_id": 4}], features=["users:i64"])
+    column = response.to_dict()["results"][1]
+    assert column["statuses"] == ["PRESENT", "OUTSIDE_MAX_AGE", "NULL_VALUE", "NOT_FOUND"]
+    assert column["values"] == [5, None, None, None]
+    assert column["event_timestamps"][1] is not None and column["event_timestamps"][3] is None
+    # offline agrees: the 3-day-old row is outside the 2-day ttl at NOW
+    offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=["users:i64"]).to_arrow()
+    assert offline["i64"].to_pylist() == [5, None, None]
+
+
+def test_same_event_time_correction_wins_online_and_offline(users_store, tmp_path):
+    event = NOW - timedelta(hours=2)
+    first = random_users(1, 1, seed=3)
+    store = users_store(first)
+    store.materialize(None, NOW)
+    # a correction: same event time, later created time, new value
+    corrected = first.set_column(first.schema.get_field_index("created"), "created", pa.array([event + timedelta(hours=1)], TS))
+    corrected = corrected.set_column(corrected.schema.get_field_index("ts"), "ts", pa.array([first["ts"][0].as_py()], TS))
+    corrected = corrected.set_column(corrected.schema.get_field_index("i64"), "i64", pa.array([424242], pa.int64()))
+    pq.write_table(pa.concat_tables([first, corrected]), store.config.repo_path / "data" / "users.parquet")
+    store.materialize(None, NOW)
+    online, offline = online_vs_offline(store, [1], NOW)
+    assert online.to_values()["i64"] == [424242] == offline["i64"].to_pylist()
+    # and the stale value does not come back when the old row is re-materialized alone
+    pq.write_table(first, store.config.repo_path / "data" / "users.parquet")
+    store.materialize(None, NOW)
+    assert store.get_online_features([{"user_id": 1}], features=["users:i64"]).to_values()["i64"] == [424242]
+
+
+def test_older_push_never_overwrites_newer(users_store):
+    store = users_store(random_users(2, 5, seed=4))
+    new = {"user_id": [7], "score": [2.0], "event_timestamp": [NOW - timedelta(minutes=1)]}
+    old = {"user_id": [7], "score": [1.0], "event_timestamp": [NOW - timedelta(hours=1)]}
+    store.push("user_push", pd.DataFrame(new))
+    store.push("user_push", pd.DataFrame(old))
+    assert store.get_online_features([{"user_id": 7}], features=["scores:score"]).to_values()["score"] == [2.0]
+    history = store.get_historical_features(pd.DataFrame({"user_id": [7, 7], "event_timestamp": [NOW - timedelta(minutes=30), NOW]}), features=["scores:score"]).to_df()
+    assert history["score"].tolist() == [1.0, 2.0]
+
+
+def test_push_rejects_bad_input_and_loses_nothing(users_store):
+    store = users_store(random_users(2, 5, seed=5))
+    with pytest.raises(RequestError, match="lacks column"):
+        store.push("user_push", {"user_id": [1]})
+    with pytest.raises(RequestError, match="to"):
+        store.push("user_push", {"user_id": [1], "score": [1.0], "event_timestamp": [NOW]}, to="everywhere")
+    with pytest.raises(RequestError, match="null join key"):
+        store.push("user_push", pa.table({"user_id": pa.array([None, 3], pa.int64()), "score": [1.0, 2.0], "event_timestamp": pa.array([NOW, NOW], TS)}))
+    assert store.get_online_features([{"user_id": 3}], features=["scores:score"]).to_dict()["results"][1]["statuses"] == ["NOT_FOUND"]
+    with pytest.raises(Exception, match="not found"):
+        store.push("no_such_source", {"x": [1]})
+
+
+def test_bad_source_rows_go_to_rejects_or_fail_the_run(users_store):
+    table = random_users(3, 6, seed=6)
+    ids = table["user_id"].to_pylist()
+    ids[0] = None
+    table = table.set_column(0, "user_id", pa.array(ids, pa.int64()))
+    ts = table["ts"].to_pylist()
+    ts[1] = None
+    table = table.set_column(1, "ts", pa.array(ts, TS))
+    store = users_store(table)
+    with pytest.raises(BadRowsError, match="2 source rows"):
+        store.materialize(None, NOW, on_bad_rows="fail")
+    assert store.offline_store.version("users") is None  # nothing written
+    report = store.materialize(None, NOW)
+    assert (report.views[0].rejected_rows, report.views[0].computed_rows) == (2, 4)
+    rejects = store.offline_store.rejects("users").to_pylist()
+    assert sorted(r["reason"] for r in rejects) == ["null event timestamp", "null join key user_id"]
+    assert '"user_id":null' in next(r["row"] for r in rejects if "join key" in r["reason"]).replace(" ", "")
+
+
+def test_materialization_is_idempotent_and_incremental_catches_late_rows(users_store):
+    table = random_users(10, 100, seed=7)
+    store = users_store(table)
+    store.materialize(None, NOW)
+    assert store.materialize(None, NOW).views[0].new_offline_rows == 0
+    assert store.offline_store.version("users") == 0
+    # a late row: event time long ago, arriving after the last run, newest for user 99
+    late = random_users(1, 1, seed=8)
+    late = late.set_column(0, "user_id", pa.array([99], pa.int64()))
+    pq.write_table(pa.concat_tables([table, late]), store.config.repo_path / "data" / "users.parquet")
+    report = store.materialize_incremental(views=["users"])
+    assert report.views[0].new_offline_rows == 1 and report.views[0].online_rows == 1
+    online, offline = online_vs_offline(store, [99], NOW)
+    assert online.to_values()["i64"] == offline["i64"].to_pylist()
+    assert online.to_dict()["results"][1]["statuses"][0] in ("PRESENT", "NULL_VALUE")
+
+
+def test_crash_between_stores_then_rerun_converges(users_store, monkeypatch):
+    table = random_users(20, 200, seed=9)
+    store = users_store(table)
+    online_store = store.online_store
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-materialization")
+
+    monkeypatch.setattr(online_store, "write_latest", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.materialize(None, NOW)
+    monkeypatch.undo()
+    assert store.registry.watermarks()["users"]["online_synced"] is False
+    store.materialize(None, NOW)  # history already has every row; Redis must still get them all
+    online, offline = online_vs_offline(store, list(range(1, 21)), NOW)
+    for f in FEATURES:
+        assert pa.array(online.to_values()[f], offline.schema.field(f).type).equals(offline[f].combine_chunks()), f
+
+
+def test_crash_inside_delta_write_leaves_previous_version(users_store, monkeypatch):
+    import featurestore.offline.delta as delta
+
+    store = users_store(random_users(5, 20, seed=10))
+    store.materialize(None, NOW)
+    more = random_users(5, 20, seed=11)
+    pq.write_table(pa.concat_tables([random_users(5, 20, seed=10), more]), store.config.repo_path / "data" / "users.parquet")
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(delta, "write_deltalake", crash)
+    with pytest.raises(OSError):
+        store.materialize(None, NOW)
+    monkeypatch.undo()
+    assert store.offline_store.version("users") == 0
+    store.materialize(None, NOW)
+    assert store.offline_store.version("users") == 1
+    online, offline = online_vs_offline(store, [1, 2, 3, 4, 5], NOW)
+    assert online.to_values()["i64"] == offline["i64"].to_pylist()
+
+
+def test_online_request_errors(users_store):
+    store = users_store(random_users(2, 4, seed=12))
+    store.materialize(None, NOW)
+    with pytest.raises(RequestError, match="takes Int64"):
+        store.get_online_features([{"user_id": "1"}], features=["users:i64"])
+    with pytest.raises(RequestError, match="missing join key"):
+        store.get_online_features([{"other": 1}], features=["users:i64"])
+    with pytest.raises(RequestError, match="no entities"):
+        store.get_online_features({"user_id": []}, features=["users:i64"])
+    with pytest.raises(Exception, match="not found"):
+        store.get_online_features([{"user_id": 1}], features=["users:nope"])
