@@ -92,6 +92,54 @@ def describe(name: str = typer.Argument(..., help="Name of an entity, view, serv
     raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
 
 
+@app.command()
+def materialize(
+    start: str = typer.Argument(..., help="Start of the event-time window (ISO 8601; naive = UTC)."),
+    end: str = typer.Argument(..., help="End of the window, exclusive."),
+    views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
+    fail_on_bad_rows: bool = typer.Option(False, help="Fail instead of sending bad source rows to the rejects table."),
+    repo: Path = RepoOption,
+) -> None:
+    """Compute views over [START, END) and write the history store and Redis."""
+    with _store(repo) as store:
+        report = store.materialize(_parse_time(start), _parse_time(end), views or None,
+                                   on_bad_rows="fail" if fail_on_bad_rows else "reject", progress=True)
+        console.print(report.describe())
+
+
+@app.command("materialize-incremental")
+def materialize_incremental(
+    end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
+    views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
+    repo: Path = RepoOption,
+) -> None:
+    """Write every row not yet materialized, late arrivals included."""
+    with _store(repo) as store:
+        console.print(store.materialize_incremental(_parse_time(end), views or None, progress=True).describe())
+
+
+@app.command()
+def export(
+    out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
+    service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
+    entities: Optional[Path] = typer.Option(None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."),
+    from_manifest: Optional[Path] = typer.Option(None, "--from-manifest", help="Reproduce an earlier export byte for byte."),
+    repo: Path = RepoOption,
+) -> None:
+    """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""
+    from featurestore.retrieval.export import reproduce
+
+    store = _store(repo)
+    if from_manifest is not None:
+        manifest = reproduce(store, from_manifest, out, progress=True)
+        console.print(f"Reproduced {manifest['row_count']} rows into {out}; data files match the manifest's SHA-256.")
+        return
+    if not service or not entities:
+        raise FeatureStoreError("pass --service and --entities (or --from-manifest)")
+    manifest = store.export_training_dataset(str(entities), service, out, progress=True)
+    console.print(f"Exported {manifest['row_count']} rows to {out} (manifest {manifest['manifest_hash'][:12]}).")
+
+
 def main() -> None:
     try:
         app()

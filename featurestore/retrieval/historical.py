@@ -70,10 +70,13 @@ class RetrievalJob:
             clash = [n for n in req.output_names if n in entity_columns]
             if clash:
                 raise RequestError(f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True")
-            wanted = (versions or {}).get(req.view.name)
-            table_versions[req.view.name] = store.offline_store.register(
-                con, req.view.name, f"__hist{i}", defs.history_schema(req.view), version=wanted
-            )
+            schema = defs.history_schema(req.view)
+            if versions is not None and versions.get(req.view.name) is None:
+                con.register(f"__hist{i}", schema.empty_table())  # pinned to "nothing written yet"
+                table_versions[req.view.name] = None
+            else:
+                wanted = versions.get(req.view.name) if versions is not None else None
+                table_versions[req.view.name] = store.offline_store.register(con, req.view.name, f"__hist{i}", schema, version=wanted)
         sql = _join_sql(requests, entity_columns, ts_column, as_of)
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
         return cls(con, sql, table_versions, types)
