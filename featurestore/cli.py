@@ -140,6 +140,29 @@ def export(
     console.print(f"Exported {manifest['row_count']} rows to {out} (manifest {manifest['manifest_hash'][:12]}).")
 
 
+@app.command()
+def serve(
+    repo: Path = RepoOption,
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(6566, help="Port (Feast's default)."),
+    workers: int = typer.Option(1, help="Worker processes."),
+) -> None:
+    """Run the feature server (OpenAPI docs at /docs)."""
+    _run_server("serving.feature_server:app_factory", repo, host, port, workers)
+
+
+def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) -> None:
+    import os
+
+    import uvicorn
+
+    from serving.common import REPO_ENV
+
+    _store(repo).definitions  # fail here, readably, rather than in every worker
+    os.environ[REPO_ENV] = str(repo.resolve())
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning")
+
+
 def main() -> None:
     try:
         app()

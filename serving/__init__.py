@@ -1,0 +1,1 @@
+"""HTTP servers: the feature server (online lookups, push, materialize) and the inference server."""

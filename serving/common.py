@@ -1,0 +1,116 @@
+"""What both servers share: error → status mapping, JSON encoding, metrics, registry refresh."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from featurestore import FeatureStore
+from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable, RequestError
+
+REPO_ENV = "FEATURESTORE_REPO"
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(type(value).__name__)
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body, default=_default, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
+
+
+def error_status(exc: Exception) -> int:
+    if isinstance(exc, NotFoundError):
+        return 404
+    if isinstance(exc, RequestError):
+        return 422
+    if isinstance(exc, OnlineStoreUnavailable):
+        return 503
+    return 400
+
+
+class Metrics:
+    """Prometheus metrics for one app (its own registry, so tests can build many apps)."""
+
+    def __init__(self, prefix: str):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(f"{prefix}_requests_total", "Requests by endpoint and status.", ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram(
+            f"{prefix}_request_seconds", "Request latency by endpoint.", ["endpoint"], registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
+        )
+        self.redis_errors = Counter(f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry)
+
+    def observe(self, endpoint: str, status: int, started: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    def response(self) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    @app.exception_handler(FeatureStoreError)
+    async def _feature_store_error(request: Request, exc: FeatureStoreError) -> JSONResponse:
+        if isinstance(exc, OnlineStoreUnavailable):
+            metrics.redis_errors.inc()
+        return JSONResponse({"detail": str(exc)}, status_code=error_status(exc))
+
+
+class RegistryWatcher:
+    """Reloads the repo's definitions when ``apply`` writes a new registry version.
+
+    Requests read ``current`` (already loaded); a background task polls the registry file
+    (one ``stat`` a second) and swaps in a fully loaded store, so no request parses anything.
+    """
+
+    def __init__(self, repo: Path, on_change: Callable[[FeatureStore], None] | None = None, interval: float = 1.0):
+        self.repo = repo
+        self.interval = interval
+        self.on_change = on_change
+        self.current = self._load()
+        self._mtime = self._stat()
+
+    def _load(self) -> FeatureStore:
+        store = FeatureStore(self.repo)
+        store.definitions  # parse and validate now, not on a request
+        return store
+
+    def _stat(self) -> float:
+        with contextlib.suppress(FileNotFoundError):
+            return os.stat(self.current.registry.file).st_mtime
+        return 0.0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            mtime = self._stat()
+            if mtime != self._mtime:
+                self._mtime = mtime
+                try:
+                    fresh = await asyncio.to_thread(self._load)
+                except FeatureStoreError:
+                    continue  # keep serving the last good definitions
+                fresh._online = self.current._online  # keep the warm connection pool
+                self.current = fresh
+                if self.on_change:
+                    self.on_change(fresh)
+
+
+def repo_from_env() -> Path:
+    return Path(os.environ.get(REPO_ENV, ".")).resolve()

@@ -1,0 +1,180 @@
+"""The feature server: Feast-compatible online lookups, push, materialization, health, metrics.
+
+``POST /get-online-features`` accepts and answers Feast's JSON shape, so a Feast client
+switches by changing the URL. The hot path parses JSON with orjson, builds keys from
+definitions held in memory and makes one pipelined Redis round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import orjson
+import pandas as pd
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
+from featurestore.retrieval.online import OnlineQuery
+from serving.common import Metrics, RegistryWatcher, error_status, install_error_handlers, json_response, repo_from_env
+
+
+class GetOnlineFeaturesRequest(BaseModel):
+    """Feast's request body."""
+
+    features: Optional[list[str]] = Field(None, description="'view:feature' references (or use feature_service).")
+    feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
+    entities: dict[str, list[Any]] = Field(..., description="Join key -> list of values; request-time inputs also go here.")
+    full_feature_names: bool = Field(False, description="Name features 'view__feature'.")
+
+    model_config = {"json_schema_extra": {"examples": [
+        {"features": ["card_activity:txn_count_1h", "card_profile:credit_limit"], "entities": {"card_id": [1, 2]}}
+    ]}}
+
+
+class OnlineFeaturesResponse(BaseModel):
+    metadata: dict[str, list[str]] = Field(..., examples=[{"feature_names": ["card_id", "txn_count_1h"]}])
+    results: list[dict[str, list[Any]]] = Field(..., examples=[[
+        {"values": [1], "statuses": ["PRESENT"], "event_timestamps": [None]},
+        {"values": [3], "statuses": ["PRESENT"], "event_timestamps": ["2024-05-01T10:00:00Z"]},
+    ]])
+
+
+class PushRequest(BaseModel):
+    push_source_name: str = Field(..., examples=["transactions"])
+    df: dict[str, list[Any]] = Field(..., description="Column name -> values; timestamps as ISO 8601 strings.")
+    to: Literal["online", "offline", "online_and_offline"] = "online_and_offline"
+
+
+class MaterializeRequest(BaseModel):
+    start_ts: Optional[datetime] = Field(None, description="Window start (inclusive); omit for all history.")
+    end_ts: Optional[datetime] = Field(None, description="Window end (exclusive); default now.")
+    feature_views: Optional[list[str]] = None
+
+
+class MaterializeIncrementalRequest(BaseModel):
+    end_ts: Optional[datetime] = None
+    feature_views: Optional[list[str]] = None
+
+
+ERRORS = {
+    404: {"description": "Unknown feature, view, service or push source."},
+    422: {"description": "Malformed request: missing or mistyped keys, empty or oversized request."},
+    503: {"description": "The online store (Redis) is unreachable; retry later."},
+}
+
+
+def create_app(repo: str | Path | None = None) -> FastAPI:
+    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    metrics = Metrics("featurestore_feature_server")
+    decoders: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(watcher.run())
+        yield
+        task.cancel()
+        watcher.current.close()
+
+    app = FastAPI(
+        title="featurestore feature server",
+        description="Online feature lookups (Feast-compatible), push, materialization. Statuses are true: "
+        "PRESENT, NOT_FOUND, NULL_VALUE, OUTSIDE_MAX_AGE (ttl is enforced online).",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    watcher.on_change = lambda store: decoders.clear()
+    install_error_handlers(app, metrics)
+
+    @app.post(
+        "/get-online-features", response_model=OnlineFeaturesResponse, responses=ERRORS,
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": GetOnlineFeaturesRequest.model_json_schema()}}}},
+        summary="Latest feature values for entities, column-major (Feast's shape)",
+    )
+    async def get_online_features(request: Request) -> Response:
+        started = time.perf_counter()
+        status = 200
+        try:
+            body = _parse_lookup(await request.body())
+            store = watcher.current
+            query = OnlineQuery.prepare(
+                store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
+                bool(body.get("full_feature_names", False)), store.config.max_request_entities, decoders,
+            )
+            raw = await store.online_store.read_async(query.lookups)
+            return json_response(query.assemble(raw, datetime.now(timezone.utc)).to_dict())
+        except FeatureStoreError as exc:
+            status = error_status(exc)
+            if isinstance(exc, OnlineStoreUnavailable):
+                metrics.redis_errors.inc()
+            return json_response({"detail": str(exc)}, status)
+        finally:
+            metrics.observe("get-online-features", status, started)
+
+    @app.post("/push", responses=ERRORS, summary="Write rows of a push source to the online and/or offline store")
+    def push(body: PushRequest) -> dict[str, Any]:
+        store = watcher.current
+        source = store.definitions.push_source(body.push_source_name)
+        frame = pd.DataFrame(body.df)
+        for field in source.schema:
+            if field.dtype.name == "UnixTimestamp" and field.name in frame:
+                try:
+                    frame[field.name] = pd.to_datetime(frame[field.name], utc=True)
+                except (ValueError, TypeError) as exc:
+                    raise RequestError(f"column {field.name!r} holds values that are not timestamps: {exc}") from exc
+        rows = store.push(body.push_source_name, frame, to=body.to)
+        return {"pushed_rows": rows}
+
+    @app.post("/materialize", responses=ERRORS, summary="Materialize views over an event-time window into both stores")
+    def materialize(body: MaterializeRequest) -> dict[str, Any]:
+        report = watcher.current.materialize(body.start_ts, body.end_ts, body.feature_views)
+        return {"views": [vars(v) for v in report.views]}
+
+    @app.post("/materialize-incremental", responses=ERRORS, summary="Materialize everything not yet written (late rows included)")
+    def materialize_incremental(body: MaterializeIncrementalRequest) -> dict[str, Any]:
+        report = watcher.current.materialize_incremental(body.end_ts, body.feature_views)
+        return {"views": [vars(v) for v in report.views]}
+
+    @app.get("/health", responses={503: ERRORS[503]}, summary="Liveness and Redis reachability")
+    async def health() -> Response:
+        try:
+            await watcher.current.online_store.ping_async()
+        except OnlineStoreUnavailable as exc:
+            metrics.redis_errors.inc()
+            return json_response({"status": "unavailable", "detail": str(exc)}, 503)
+        return json_response({"status": "ok", "registry_version": watcher.current.registry.current()["version"]})
+
+    @app.get("/metrics", summary="Prometheus metrics: request counts, latency histogram, Redis errors")
+    async def prometheus() -> Response:
+        return metrics.response()
+
+    return app
+
+
+def _parse_lookup(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object with 'entities' and 'features' or 'feature_service'")
+    if not isinstance(body.get("entities"), dict):
+        raise RequestError("'entities' must be an object mapping each join key to a list of values")
+    features = body.get("features")
+    if features is not None and (not isinstance(features, list) or not all(isinstance(f, str) for f in features)):
+        raise RequestError("'features' must be a list of 'view:feature' strings")
+    if body.get("feature_service") is not None and not isinstance(body["feature_service"], str):
+        raise RequestError("'feature_service' must be a string")
+    return body
+
+
+def app_factory() -> FastAPI:
+    """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
+    return create_app()

@@ -1,0 +1,151 @@
+"""The feature server against real Redis: Feast's shape, 4xx for bad input, 503 and recovery."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from featurestore import FeatureStore
+from featurestore.online.embedded import EmbeddedRedis
+from serving.feature_server import create_app
+
+from .conftest import write_repo
+
+NOW = datetime.now(timezone.utc)
+
+DEFS = """
+from datetime import timedelta
+from featurestore import Entity, FeatureService, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+events = PushSource(name="events", schema=[Field("card_id", Int64), Field("amount", Float64), Field("country", String),
+                                           Field("event_timestamp", UnixTimestamp)])
+spend = FeatureView(name="spend", entities=[card], source=events, ttl=timedelta(hours=1),
+                    schema=[Field("amount", Float64), Field("country", String)])
+svc = FeatureService(name="svc", features=[spend[["amount"]]])
+"""
+
+
+@pytest.fixture
+def client(tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+    with TestClient(create_app(root)) as c:
+        yield c
+
+
+def push(client, card_ids, amounts, when):
+    return client.post("/push", json={"push_source_name": "events", "df": {
+        "card_id": card_ids, "amount": amounts, "country": ["FR"] * len(card_ids),
+        "event_timestamp": [w.isoformat() for w in when]}})
+
+
+def test_lookup_in_feasts_shape(client):
+    assert push(client, [1, 2], [10.5, 20.0], [NOW - timedelta(minutes=1), NOW - timedelta(hours=2)]).json() == {"pushed_rows": 2}
+    body = client.post("/get-online-features", json={"features": ["spend:amount", "spend:country"], "entities": {"card_id": [1, 2, 3]}}).json()
+    assert body["metadata"]["feature_names"] == ["card_id", "amount", "country"]
+    assert body["results"][0]["values"] == [1, 2, 3]
+    assert body["results"][1]["values"] == [10.5, None, None]
+    assert body["results"][1]["statuses"] == ["PRESENT", "OUTSIDE_MAX_AGE", "NOT_FOUND"]
+    assert body["results"][1]["event_timestamps"][0].endswith("Z")
+    by_service = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1]}, "full_feature_names": True}).json()
+    assert by_service["metadata"]["feature_names"] == ["card_id", "spend__amount"]
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"features": ["nope:amount"], "entities": {"card_id": [1]}}, 404, "feature view 'nope'"),
+        ({"features": ["spend:nope"], "entities": {"card_id": [1]}}, 404, "feature 'nope' not found"),
+        ({"feature_service": "nope", "entities": {"card_id": [1]}}, 404, "feature service 'nope'"),
+        ({"features": ["spend:amount"], "entities": {"card_id": ["x"]}}, 422, "takes Int64"),
+        ({"features": ["spend:amount"], "entities": {"other": [1]}}, 422, "missing join key"),
+        ({"features": ["spend:amount"], "entities": {"card_id": []}}, 422, "no entities"),
+        ({"features": ["spend:amount"], "entities": {"card_id": list(range(10_001))}}, 422, "limit"),
+        ({"features": "spend:amount", "entities": {"card_id": [1]}}, 422, "list"),
+        ({"features": ["spend:amount"]}, 422, "entities"),
+        ({"entities": {"card_id": [1]}}, 422, "exactly one"),
+        ([1, 2], 422, "JSON object"),
+    ],
+)
+def test_bad_lookups_get_4xx_with_a_message(client, body, status, message):
+    response = client.post("/get-online-features", json=body)
+    assert response.status_code == status
+    assert message in response.json()["detail"]
+
+
+def test_bad_push_and_invalid_json_are_4xx(client):
+    assert client.post("/get-online-features", content=b"{not json").status_code == 422
+    assert client.post("/push", json={"push_source_name": "events", "df": {"card_id": [1]}, "to": "moon"}).status_code == 422
+    assert client.post("/push", json={"push_source_name": "nope", "df": {"card_id": [1]}}).status_code == 404
+    r = client.post("/push", json={"push_source_name": "events", "df": {"card_id": [1], "amount": [1.0], "country": ["x"], "event_timestamp": ["not a time"]}})
+    assert r.status_code == 422 and "timestamp" in r.json()["detail"]
+    r = client.post("/push", json={"push_source_name": "events", "df": {"card_id": ["abc"], "amount": [1.0], "country": ["x"], "event_timestamp": [NOW.isoformat()]}})
+    assert r.status_code == 422
+
+
+def test_health_metrics_and_openapi(client):
+    assert client.get("/health").json()["status"] == "ok"
+    client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}})
+    text = client.get("/metrics").text
+    assert 'featurestore_feature_server_requests_total{endpoint="get-online-features",status="200"}' in text
+    assert "featurestore_feature_server_request_seconds_bucket" in text
+    spec = client.get("/openapi.json").json()
+    assert {"/get-online-features", "/push", "/materialize", "/materialize-incremental", "/health", "/metrics"} <= set(spec["paths"])
+    assert "examples" in str(spec["paths"]["/get-online-features"]) or "example" in str(spec)
+
+
+def test_materialize_endpoints(client):
+    push(client, [5], [1.0], [NOW - timedelta(minutes=5)])
+    r = client.post("/materialize-incremental", json={})
+    assert r.status_code == 200 and r.json()["views"][0]["view"] == "spend"
+    assert client.post("/materialize", json={"feature_views": ["nope"]}).status_code == 404
+
+
+def test_redis_stopped_and_restarted_under_a_running_server(tmp_path, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    server = EmbeddedRedis(tmp_path / "own-redis")
+    url = server.ensure_running()
+    root = write_repo(tmp_path / "repo", DEFS, url=url)
+    FeatureStore(root).apply()
+    try:
+        with TestClient(create_app(root)) as client:
+            push(client, [1], [3.0], [NOW])
+            lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+            assert client.post("/get-online-features", json=lookup).status_code == 200
+            server.stop()
+            down = client.post("/get-online-features", json=lookup)
+            assert down.status_code == 503 and "unreachable" in down.json()["detail"]
+            assert client.get("/health").status_code == 503
+            assert "featurestore_feature_server_redis_errors_total 2.0" in client.get("/metrics").text
+            server.ensure_running()  # same socket, persisted data
+            up = client.post("/get-online-features", json=lookup)
+            assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
+    finally:
+        server.stop()
+
+
+def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
+    import time
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    FeatureStore(root).apply()
+    app = create_app(root)
+    with TestClient(app) as client:
+        assert client.post("/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}).status_code == 404
+        (root / "features.py").write_text(DEFS + "\nspend2 = FeatureView(name='spend2', entities=[card], source=events, schema=[Field('amount', Float64)])\n")
+        FeatureStore(root).apply()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if client.post("/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}).status_code == 200:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the server did not pick up the applied registry")
