@@ -163,6 +163,131 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning")
 
 
+@app.command("serve-model")
+def serve_model(
+    repo: Path = RepoOption,
+    model: str = typer.Option("fraud", help="Registered model name."),
+    stage: str = typer.Option("production", help="Stage alias to serve (follows promotions)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(8000, help="Port."),
+    workers: int = typer.Option(1, help="Worker processes (replicas all follow promotions)."),
+) -> None:
+    """Run the inference server: POST /predict scores from online features."""
+    import os
+
+    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"] = model, stage
+    _run_server("serving.inference_server:app_factory", repo, host, port, workers)
+
+
+@app.command("train")
+def train_command(
+    dataset: Path = typer.Option(..., "--dataset", "-d", help="Exported dataset folder (has manifest.json)."),
+    label: str = typer.Option("label", help="Label column."),
+    task: str = typer.Option("classification", help="classification or regression."),
+    request_input: list[str] = typer.Option(None, "--request-input", help="Request-time input column (repeatable)."),
+    epochs: int = typer.Option(4, help="Epochs."),
+    resume: Optional[str] = typer.Option(None, help="Resume this run id from its last checkpoint."),
+    register: Optional[str] = typer.Option(None, help="Register the trained model under this name."),
+    repo: Path = RepoOption,
+) -> None:
+    """Train an MLP on an exported dataset; the run is tracked under <data_dir>/runs."""
+    from featurestore.training.trainer import TrainConfig, train
+
+    store = _store(repo)
+    config = TrainConfig(dataset=str(dataset), label=label, task=task, request_inputs=request_input or [], epochs=epochs)  # type: ignore[arg-type]
+    run = train(config, store.config.data_dir / "runs", resume=resume)
+    console.print(f"run {run.name}: {json.loads((run / 'final.json').read_text())}")
+    if register:
+        from serving.inference_server import model_registry
+
+        console.print(f"registered {register} v{model_registry(store).register(register, run)}")
+
+
+runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
+models_app = typer.Typer(help="The model registry: versions and stage aliases.", no_args_is_help=True)
+app.add_typer(runs_app, name="runs")
+app.add_typer(models_app, name="models")
+
+
+@runs_app.command("list")
+def runs_list(repo: Path = RepoOption) -> None:
+    """List runs with their final metrics."""
+    root = _store(repo).config.data_dir / "runs"
+    table = Table("run", "metrics")
+    for run in sorted(root.iterdir()) if root.exists() else []:
+        final = run / "final.json"
+        table.add_row(run.name, final.read_text().replace("\n", " ") if final.exists() else "(unfinished)")
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, repo: Path = RepoOption) -> None:
+    """Show a run's parameters, final metrics and loss-curve path."""
+    run = _store(repo).config.data_dir / "runs" / run_id
+    if not run.exists():
+        raise FeatureStoreError(f"no run {run_id!r}; see `featurestore runs list`")
+    for name in ("params.json", "final.json"):
+        if (run / name).exists():
+            console.print(f"[bold]{name}[/]")
+            console.print_json((run / name).read_text())
+    console.print(f"loss curve: {run / 'loss.png'}")
+
+
+@models_app.command("list")
+def models_list(repo: Path = RepoOption) -> None:
+    """List registered models, versions, aliases and metrics."""
+    from serving.inference_server import model_registry
+
+    registry = model_registry(_store(repo))
+    table = Table("model", "version", "stages", "metrics", "feature service")
+    for name in registry.names():
+        aliases = registry.aliases(name)
+        for version in registry.versions(name):
+            card = registry.card(name, version)
+            stages = ", ".join(s for s, v in aliases.items() if v == version)
+            metrics = ", ".join(f"{k}={v:.4f}" for k, v in card["metrics"].items() if isinstance(v, float))
+            table.add_row(name, str(version), stages, metrics, card["feature_service"])
+    console.print(table)
+
+
+@models_app.command("promote")
+def models_promote(name: str, version: int, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption) -> None:
+    """Point a stage alias at a version; running inference servers switch to it."""
+    from serving.inference_server import model_registry
+
+    with _store(repo) as store:
+        model_registry(store).promote(name, version, stage)
+    console.print(f"{name} {stage} → v{version}")
+
+
+@app.command("check-consistency")
+def check_consistency_command(model: str = typer.Option("fraud", help="Model whose feature log to check."), repo: Path = RepoOption) -> None:
+    """Compare served feature vectors (feature log) with the history store, and rescore offline."""
+    from featurestore.consistency import check_consistency
+
+    with _store(repo) as store:
+        report = check_consistency(store, model)
+    console.print(report.describe())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    repo: Path = typer.Option(Path("definitions"), "--repo", "-r", help="The example repo (definitions/)."),
+    data_dir: Optional[Path] = typer.Option(None, help="Where to put data (default: a new temp folder)."),
+    cards: int = typer.Option(2000, help="Number of cards to simulate."),
+    days: int = typer.Option(30, help="Days of history."),
+    replay_days: float = typer.Option(2, help="Held-out days replayed through the inference server."),
+) -> None:
+    """Run the end-to-end fraud demo on embedded defaults and print AUC, latency and consistency."""
+    from featurestore.demo.pipeline import run_demo
+
+    result = run_demo(repo, data_dir, cards=cards, days=days, replay_days=replay_days)
+    if not result.consistency.ok:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,1 @@
+"""The card-fraud demo: a seeded data generator and the end-to-end pipeline (`featurestore demo`)."""

@@ -1,0 +1,1 @@
+"""Training on exported datasets: preprocessing shared with inference, an MLP recipe, runs, model registry."""

@@ -1,0 +1,31 @@
+"""The model: an MLP over standardized numbers and embedded strings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TabularMLP(nn.Module):
+    def __init__(self, numeric_width: int, vocab_sizes: list[int], hidden: list[int] = (64, 32), embedding_dim: int = 8, outputs: int = 1):
+        super().__init__()
+        self.embeddings = nn.ModuleList(nn.Embedding(size, embedding_dim) for size in vocab_sizes)
+        layers: list[nn.Module] = []
+        width = numeric_width + embedding_dim * len(vocab_sizes)
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        layers.append(nn.Linear(width, outputs))
+        self.mlp = nn.Sequential(*layers)
+        self.config = {"numeric_width": numeric_width, "vocab_sizes": list(vocab_sizes), "hidden": list(hidden), "embedding_dim": embedding_dim, "outputs": outputs}
+
+    def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
+        parts = [x_num] + [emb(x_cat[:, i]) for i, emb in enumerate(self.embeddings)]
+        return self.mlp(torch.cat(parts, dim=1)).squeeze(-1)
+
+
+def score(model: TabularMLP, x_num: torch.Tensor, x_cat: torch.Tensor, task: str) -> torch.Tensor:
+    """Scores as served: probabilities for classification, values for regression (float32)."""
+    with torch.inference_mode():
+        out = model(x_num, x_cat)
+        return torch.sigmoid(out) if task == "classification" else out

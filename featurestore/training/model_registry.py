@@ -1,0 +1,131 @@
+"""Model registry: immutable versions with a model card, and stage aliases.
+
+Layout under ``<data_dir>/models``::
+
+    <name>/<version>/model.pt          weights + architecture
+    <name>/<version>/preprocessing.json
+    <name>/<version>/card.json         service, definition hashes, dataset manifest hash, metrics, weights hash
+    <name>/aliases.json                {"production": 3, "staging": 4}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from featurestore.errors import FeatureStoreError, NotFoundError
+from featurestore.registry.store import atomic_write
+from featurestore.training.model import TabularMLP, score
+from featurestore.training.preprocessing import Preprocessor
+
+STAGES = ("staging", "production")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    version: int
+    model: TabularMLP
+    preprocessor: Preprocessor
+    card: dict[str, Any]
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.preprocessor.numeric + self.preprocessor.categorical
+
+    def predict(self, columns: Mapping[str, Any]) -> np.ndarray:
+        """float32 scores for columns of feature values (Arrow arrays or lists), nulls allowed."""
+        x_num, x_cat = self.preprocessor.transform(columns)
+        return score(self.model, x_num, x_cat, self.card["task"]).numpy().astype(np.float32)
+
+
+class ModelRegistry:
+    def __init__(self, root: Path, announce: Callable[[str, int, str], None] | None = None):
+        self.root = Path(root)
+        self.announce = announce
+
+    def register(self, name: str, run_dir: Path) -> int:
+        run_dir = Path(run_dir)
+        state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        params = json.loads((run_dir / "params.json").read_text())
+        final = json.loads((run_dir / "final.json").read_text())
+        versions = self.versions(name)
+        version = (versions[-1] if versions else 0) + 1
+        staging = self.root / name / f".v{version}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        torch.save({"state_dict": state["model"], "config": state["model_config"]}, staging / "model.pt")
+        (staging / "preprocessing.json").write_text(json.dumps(state["preprocessor"], indent=2))
+        card = {
+            "name": name, "version": version, "task": params["config"]["task"],
+            "feature_service": params["feature_service"], "features": params["features"],
+            "request_inputs": params["config"]["request_inputs"], "definition_hashes": params["definition_hashes"],
+            "dataset_manifest_hash": params["dataset_manifest_hash"], "metrics": final, "run": run_dir.name,
+            "code_version": params["code_version"], "registered_at": datetime.now(timezone.utc).isoformat(),
+            "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
+        }
+        (staging / "card.json").write_text(json.dumps(card, indent=2))
+        staging.rename(self.root / name / str(version))  # versions appear whole, never partly written
+        return version
+
+    def versions(self, name: str) -> list[int]:
+        folder = self.root / name
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.exists() else []
+
+    def aliases(self, name: str) -> dict[str, int]:
+        file = self.root / name / "aliases.json"
+        return json.loads(file.read_text()) if file.exists() else {}
+
+    def promote(self, name: str, version: int, stage: str) -> None:
+        if stage not in STAGES:
+            raise FeatureStoreError(f"stage must be one of {STAGES}, not {stage!r}")
+        if version not in self.versions(name):
+            raise NotFoundError(f"model {name!r} has no version {version}; versions: {self.versions(name)}")
+        aliases = {**self.aliases(name), stage: version}
+        atomic_write(self.root / name / "aliases.json", json.dumps(aliases, indent=2).encode())
+        if self.announce:
+            self.announce(name, version, stage)
+
+    def resolve(self, name: str, ref: str | int) -> int:
+        if isinstance(ref, int) or str(ref).isdigit():
+            version = int(ref)
+        else:
+            version = self.aliases(name).get(str(ref))  # type: ignore[assignment]
+            if version is None:
+                raise NotFoundError(f"model {name!r} has no {ref!r} version; promote one with `featurestore models promote`")
+        if version not in self.versions(name):
+            raise NotFoundError(f"model {name!r} has no version {version}")
+        return version
+
+    def card(self, name: str, version: int) -> dict[str, Any]:
+        return json.loads((self.root / name / str(version) / "card.json").read_text())
+
+    def load(self, name: str, ref: str | int = "production") -> LoadedModel:
+        version = self.resolve(name, ref)
+        folder = self.root / name / str(version)
+        card = self.card(name, version)
+        if hashlib.sha256((folder / "model.pt").read_bytes()).hexdigest() != card["weights_sha256"]:
+            raise FeatureStoreError(f"model {name} v{version}: weights do not match the card's hash (file modified?)")
+        saved = torch.load(folder / "model.pt", weights_only=False)
+        cfg = saved["config"]
+        model = TabularMLP(cfg["numeric_width"], cfg["vocab_sizes"], cfg["hidden"], cfg["embedding_dim"], cfg["outputs"])
+        model.load_state_dict(saved["state_dict"])
+        model.eval()
+        pre = Preprocessor.from_dict(json.loads((folder / "preprocessing.json").read_text()))
+        return LoadedModel(name, version, model, pre, card)
+
+
+def stale_views(card: dict[str, Any], current_hashes: Mapping[str, str]) -> list[str]:
+    """Views whose definitions changed since the model's training data was exported."""
+    return sorted(v for v, h in card["definition_hashes"].items() if current_hashes.get(v) != h)

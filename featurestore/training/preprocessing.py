@@ -1,0 +1,89 @@
+"""Feature preprocessing, fitted on the training split and used unchanged at inference.
+
+Numbers are standardized with the training split's mean and std; a null becomes 0 plus a
+1 in its indicator column (so "missing" is a signal the model learns, the same way for
+NOT_FOUND / OUTSIDE_MAX_AGE online as for nulls offline). Strings map through a
+vocabulary (index 0 = unknown or null) to an embedding. Everything is vectorized over
+Arrow arrays; one row at serving goes through the very same code as a batch in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+
+@dataclass
+class Preprocessor:
+    numeric: list[str]
+    categorical: list[str]
+    means: list[float] = field(default_factory=list)
+    stds: list[float] = field(default_factory=list)
+    vocabularies: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def fit(cls, table: pa.Table, numeric: Sequence[str], categorical: Sequence[str], max_vocab: int = 1000) -> "Preprocessor":
+        means, stds = [], []
+        for name in numeric:
+            values = pc.cast(table[name], pa.float64())
+            mean = pc.mean(values).as_py()
+            std = pc.stddev(values).as_py()
+            means.append(float(mean) if mean is not None else 0.0)
+            stds.append(float(std) if std else 1.0)
+        vocabularies = {}
+        for name in categorical:
+            counts = pc.value_counts(table[name].drop_null()).to_pylist()
+            counts.sort(key=lambda c: (-c["counts"], str(c["values"])))
+            vocabularies[name] = [str(c["values"]) for c in counts[:max_vocab]]
+        return cls(list(numeric), list(categorical), means, stds, vocabularies)
+
+    @property
+    def numeric_width(self) -> int:
+        return 2 * len(self.numeric)
+
+    @property
+    def vocab_sizes(self) -> list[int]:
+        return [len(self.vocabularies[c]) + 1 for c in self.categorical]
+
+    def transform(self, columns: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arrow arrays (or Python lists) by name → (float32 [n, 2·numeric], int64 [n, categorical])."""
+        numeric = []
+        for name, mean, std in zip(self.numeric, self.means, self.stds):
+            values = _array(columns[name], pa.float64())
+            present = values.is_valid().to_numpy(zero_copy_only=False)
+            raw = values.fill_null(mean).to_numpy(zero_copy_only=False)
+            numeric.append(np.where(present, (raw - mean) / std, 0.0).astype(np.float32))
+            numeric.append((~present).astype(np.float32))
+        n = len(numeric[0]) if numeric else len(_array(columns[self.categorical[0]], pa.string()))
+        x_num = torch.from_numpy(np.stack(numeric, axis=1) if numeric else np.zeros((n, 0), np.float32))
+        cats = []
+        for name in self.categorical:
+            vocab = pa.array(self.vocabularies[name], pa.string())
+            idx = pc.index_in(pc.cast(_array(columns[name], pa.string()), pa.string()), value_set=vocab)
+            cats.append(pc.add(idx, 1).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+        x_cat = torch.from_numpy(np.stack(cats, axis=1) if cats else np.zeros((n, 0), np.int64))
+        return x_num, x_cat
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Preprocessor":
+        return cls(**data)
+
+
+def _array(values: Any, typ: pa.DataType) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array):
+        if pa.types.is_string(typ) and not pa.types.is_string(values.type):
+            return pc.cast(values, pa.string())
+        return pc.cast(values, typ) if not pa.types.is_string(typ) else values
+    if pa.types.is_string(typ):
+        return pa.array([None if v is None else str(v) for v in values], pa.string())
+    return pa.array(values, typ)

@@ -1,0 +1,225 @@
+"""The inference server: online features (one Redis round trip) → saved preprocessing → model.
+
+Loads the model version behind a stage alias, refuses one trained on definitions that have
+since changed, swaps to a newly promoted version between requests when the registry
+announces it (Redis pub/sub), and logs every served feature vector off the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from featurestore import FeatureStore
+from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
+from featurestore.feature_logging import FeatureLogger, log_path
+from featurestore.retrieval.online import PRESENT, OnlineQuery
+from featurestore.training.model_registry import LoadedModel, ModelRegistry, stale_views
+from serving.common import Metrics, RegistryWatcher, error_status, install_error_handlers, json_response, repo_from_env
+
+
+class PredictRequest(BaseModel):
+    instances: list[dict[str, Any]] = Field(..., description="Entity keys and request-time inputs, one object per prediction.")
+    model_config = {"json_schema_extra": {"examples": [{"instances": [{"card_id": 17, "merchant_id": 4, "amount": 129.9}]}]}}
+
+
+def model_registry(store: FeatureStore) -> ModelRegistry:
+    def announce(name: str, version: int, stage: str) -> None:
+        store.online_store.client.publish(models_channel(store), f"{name}:{version}:{stage}")
+
+    return ModelRegistry(store.config.data_dir / "models", announce)
+
+
+def models_channel(store: FeatureStore) -> bytes:
+    return store.online_store.prefix + b"models"
+
+
+def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:
+    """Load a model version; refuse it if its feature definitions changed since training."""
+    loaded = model_registry(store).load(name, ref)
+    service = store.get_feature_service(loaded.card["feature_service"])
+    views = list(dict.fromkeys(r.split(":")[0] for r in service.feature_refs()))
+    stale = stale_views(loaded.card, store.definition_hashes(views))
+    if stale:
+        raise FeatureStoreError(
+            f"model {name} v{loaded.version} was trained on older definitions of {stale}; "
+            "retrain on a fresh export (or restore those definitions) before serving it"
+        )
+    return loaded
+
+
+def log_schema(store: FeatureStore, loaded: LoadedModel) -> pa.Schema:
+    service = store.get_feature_service(loaded.card["feature_service"])
+    defs = store.definitions
+    fields: list[pa.Field] = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string()),
+                              pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
+    keys: dict[str, pa.DataType] = {}
+    for ref in service.feature_refs():
+        view = defs.view(ref.split(":")[0])
+        keys.update({k: t.arrow for k, t in defs.key_types[view.name].items()})
+    fields += [pa.field(k, t) for k, t in keys.items()]
+    fields += [pa.field(i, pa.float64()) for i in loaded.card["request_inputs"]]
+    for ref in service.feature_refs():
+        view_name, feature = ref.split(":")
+        fields += [pa.field(feature, defs.view(view_name).field(feature).dtype.arrow), pa.field(f"{feature}__status", pa.string())]
+    fields.append(pa.field("score", pa.float32()))
+    return pa.schema(fields)
+
+
+class ModelHolder:
+    """The serving model; replaced by one attribute assignment, so a request sees old or new, whole."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+
+
+def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage: str = "production", log_features: bool = True) -> FastAPI:
+    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    store = watcher.current
+    holder = ModelHolder(load_checked(store, model_name, stage))
+    metrics = Metrics("featurestore_inference_server")
+    logger = FeatureLogger(log_path(store.config.data_dir, model_name), log_schema(store, holder.loaded)) if log_features else None
+    decoders: dict[str, Any] = {}
+
+    async def follow_promotions() -> None:
+        """Swap in a newly promoted version between requests (each replica does the same)."""
+        while True:
+            try:
+                pubsub = watcher.current.online_store.async_client.pubsub()
+                await pubsub.subscribe(models_channel(watcher.current))
+                async for message in pubsub.listen():
+                    if message["type"] != "message":
+                        continue
+                    name, version, promoted_stage = message["data"].decode().split(":")
+                    if name == model_name and promoted_stage == stage and int(version) != holder.loaded.version:
+                        try:
+                            holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, int(version))
+                        except FeatureStoreError as exc:
+                            print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis went away: resubscribe when it is back
+                await asyncio.sleep(1.0)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks = [asyncio.create_task(watcher.run()), asyncio.create_task(follow_promotions())]
+        # promotions made while we were starting are picked up here
+        latest = model_registry(store).resolve(model_name, stage)
+        if latest != holder.loaded.version:
+            holder.loaded = load_checked(store, model_name, latest)
+        yield
+        for task in tasks:
+            task.cancel()
+        if logger:
+            logger.close()
+        watcher.current.close()
+
+    app = FastAPI(
+        title="featurestore inference server",
+        description=f"Scores with model '{model_name}' ({stage}) from online features; statuses and event times per feature.",
+        version="0.1.0", lifespan=lifespan,
+    )
+    install_error_handlers(app, metrics)
+
+    @app.post(
+        "/predict", summary="Score one or more instances",
+        responses={404: {"description": "Unknown model or feature."}, 422: {"description": "Missing or mistyped keys or inputs."}, 503: {"description": "Redis unreachable."}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
+    )
+    async def predict(request: Request) -> Response:
+        started = time.perf_counter()
+        status = 200
+        try:
+            return json_response(await _predict(await request.body()))
+        except FeatureStoreError as exc:
+            status = error_status(exc)
+            if isinstance(exc, OnlineStoreUnavailable):
+                metrics.redis_errors.inc()
+            return json_response({"detail": str(exc)}, status)
+        finally:
+            metrics.observe("predict", status, started)
+
+    async def _predict(raw_body: bytes) -> dict[str, Any]:
+        try:
+            body = orjson.loads(raw_body)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from exc
+        instances = body.get("instances") if isinstance(body, dict) else None
+        if isinstance(body, dict) and "instances" not in body:
+            instances = [body]  # a single instance
+        if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
+            raise RequestError("send {'instances': [{key: value, ...}, ...]} with at least one instance")
+        loaded, current = holder.loaded, watcher.current
+        columns = {k: [i.get(k) for i in instances] for k in instances[0]}
+        inputs: dict[str, list[float]] = {}
+        for name in loaded.card["request_inputs"]:
+            values = columns.get(name)
+            if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise RequestError(f"every instance needs a numeric request input {name!r}")
+            inputs[name] = [float(v) for v in values]
+        query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
+                                    False, current.config.max_request_entities, decoders)
+        served_at = datetime.now(timezone.utc)
+        response = query.assemble(await current.online_store.read_async(query.lookups), served_at)
+        n = len(instances)
+        keys = len(query.key_names)
+        model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
+        scores = loaded.predict({**model_columns, **inputs})
+        feature_names = response.feature_names[keys:]
+        if logger:
+            entry: dict[str, list[Any]] = {
+                "served_at": [served_at] * n, "request_id": [uuid.uuid4().hex] * n,
+                "model_name": [loaded.name] * n, "model_version": [loaded.version] * n,
+                **dict(zip(query.key_names, query.key_columns)), **inputs, "score": scores.tolist(),
+            }
+            for name, values, statuses in zip(feature_names, response.values[keys:], response.statuses[keys:]):
+                entry[name], entry[f"{name}__status"] = values, statuses
+            logger.log(entry)
+        predictions = []
+        for row in range(n):
+            predictions.append({
+                "score": float(scores[row]),
+                "features": {
+                    name: {"value": response.values[keys + j][row], "status": response.statuses[keys + j][row],
+                           "event_timestamp": response.event_timestamps[keys + j][row]}
+                    for j, name in enumerate(feature_names)
+                },
+                "missing_features": [name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT],
+            })
+        return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
+
+    @app.get("/health", summary="Liveness, model version and Redis reachability")
+    async def health() -> Response:
+        body = {"model": holder.loaded.name, "version": holder.loaded.version}
+        try:
+            await watcher.current.online_store.ping_async()
+        except OnlineStoreUnavailable as exc:
+            return json_response({**body, "status": "unavailable", "detail": str(exc)}, 503)
+        return json_response({**body, "status": "ok"})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        return metrics.response()
+
+    app.state.logger = logger
+    app.state.holder = holder
+    return app
+
+
+def app_factory() -> FastAPI:
+    import os
+
+    return create_app(None, os.environ.get("FEATURESTORE_MODEL", "fraud"), os.environ.get("FEATURESTORE_STAGE", "production"))
