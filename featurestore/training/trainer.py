@@ -122,8 +122,7 @@ def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progre
                 loss.backward()
                 optimizer.step()
                 step += 1
-                if step % 20 == 0:
-                    log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
+                log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
             metrics = evaluate(model, val_data, config.task)
             log.write(json.dumps({"step": step, "epoch": epoch, **{f"val_{k}": v for k, v in metrics.items()}}) + "\n")
             log.flush()

@@ -1,0 +1,220 @@
+"""Trainer, model registry, inference server (real Redis), promotion broadcast, staleness, consistency."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from fastapi.testclient import TestClient
+from torch.utils.data import DataLoader
+
+from featurestore import FeatureStore
+from featurestore.consistency import check_consistency
+from featurestore.demo.generate import generate, label_rows
+from featurestore.errors import FeatureStoreError
+from featurestore.online.embedded import EmbeddedRedis
+from featurestore.training.dataset import ExportedDataset
+from featurestore.training.preprocessing import Preprocessor
+from featurestore.training.trainer import TrainConfig, split_time, train
+from serving.inference_server import create_app, load_checked, model_registry
+
+DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small fraud pipeline run once: data, materialization, export, a trained and promoted model."""
+    data_dir = tmp_path_factory.mktemp("fraud")
+    redis_server = EmbeddedRedis(data_dir / "redis-own")
+    env = {"FEATURESTORE_DATA_DIR": str(data_dir), "REDIS_URL": redis_server.ensure_running()}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    data = generate(n_cards=300, days=10, seed=3)
+    store = FeatureStore(DEFINITIONS)
+    store.apply()
+    store.push("card_profiles", data.profiles)
+    store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
+    store.materialize_incremental()
+    dataset = data_dir / "dataset"
+    store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", dataset)
+    config = TrainConfig(dataset=str(dataset), request_inputs=["amount"], epochs=2)
+    run = train(config, data_dir / "runs", progress=False)
+    registry = model_registry(store)
+    registry.promote("fraud", registry.register("fraud", run), "production")
+    yield {"store": store, "data": data, "dataset": dataset, "run": run, "config": config, "env": env, "data_dir": data_dir}
+    store.close()
+    redis_server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_run_is_tracked_with_hashes_metrics_and_plot(trained):
+    run = trained["run"]
+    params = json.loads((run / "params.json").read_text())
+    assert set(params) >= {"dataset_manifest_hash", "definition_hashes", "code_version", "config"}
+    assert set(params["definition_hashes"]) == {"card_profile", "card_activity", "merchant_risk"}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("train_loss" in s for s in steps) and any("val_auc" in s for s in steps)
+    final = json.loads((run / "final.json").read_text())
+    assert final["val_auc"] > 0.75  # the planted fraud signal is learned
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_training_resumes_from_checkpoint(trained, tmp_path):
+    config = TrainConfig(**{**trained["config"].__dict__, "epochs": 1})
+    run = train(config, tmp_path, progress=False)
+    first = json.loads((run / "final.json").read_text())["step"]
+    resumed = train(TrainConfig(**{**config.__dict__, "epochs": 2}), tmp_path, resume=run.name, progress=False)
+    assert resumed == run
+    assert json.loads((run / "final.json").read_text())["step"] == 2 * first
+
+
+def test_dataset_yields_every_training_row_once_across_workers(trained):
+    dataset = trained["dataset"]
+    table = pq.read_table(dataset / "data-00000.parquet")
+    split = split_time(dataset, 0.2)
+    pre = Preprocessor.fit(table, ["amount", "txn_count_1h"], ["home_country"])
+    data = ExportedDataset(dataset, pre, "label", batch_size=64, time_range=(None, split))
+    expected = pc.sum(pc.less(pc.cast(table["event_timestamp"], pa.int64()), split)).as_py()
+    for workers in (0, 2):
+        rows = sum(len(y) for _, _, y in DataLoader(data, batch_size=None, num_workers=workers))
+        assert rows == expected
+
+
+def test_preprocessing_handles_nulls_and_unknown_categories_identically():
+    table = pa.table({"x": [1.0, 3.0, None], "c": ["a", "b", None]})
+    pre = Preprocessor.fit(table, ["x"], ["c"])
+    batch = pre.transform({"x": table["x"], "c": table["c"]})
+    single = pre.transform({"x": [None], "c": ["never seen"]})
+    assert batch[0][2].tolist() == single[0][0].tolist() == [0.0, 1.0]
+    assert single[1].tolist() == [[0]] and batch[1][2].tolist() == [0]
+
+
+def test_model_versions_are_immutable_and_promotable(trained):
+    registry = model_registry(trained["store"])
+    before = registry.versions("fraud")
+    version = registry.register("fraud", trained["run"])
+    assert version == before[-1] + 1 and registry.versions("fraud")[:-1] == before
+    card = registry.card("fraud", version)
+    assert card["dataset_manifest_hash"] and card["weights_sha256"] and card["feature_service"] == "fraud_model_v1"
+    registry.promote("fraud", version, "staging")
+    assert registry.aliases("fraud")["staging"] == version
+    with pytest.raises(FeatureStoreError, match="stage must be"):
+        registry.promote("fraud", version, "prod")
+    with pytest.raises(FeatureStoreError, match="no version"):
+        registry.promote("fraud", 999, "staging")
+
+
+def test_inference_server_scores_reports_statuses_and_logs(trained):
+    app = create_app(DEFINITIONS, "fraud", "production")
+    with TestClient(app) as client:
+        one = client.post("/predict", json={"card_id": 1, "merchant_id": 2, "amount": 10.0})
+        assert one.status_code == 200, one.text
+        prediction = one.json()["predictions"][0]
+        assert 0.0 <= prediction["score"] <= 1.0
+        assert prediction["features"]["credit_limit"]["status"] == "PRESENT"
+        batch = client.post("/predict", json={"instances": [
+            {"card_id": 2, "merchant_id": 3, "amount": 5.0}, {"card_id": 999_999, "merchant_id": 3, "amount": 900.0}]})
+        unknown = batch.json()["predictions"][1]
+        assert unknown["features"]["credit_limit"]["status"] == "NOT_FOUND"
+        assert "credit_limit" in unknown["missing_features"]
+        assert client.post("/predict", json={"instances": [{"card_id": 1, "merchant_id": 2}]}).status_code == 422
+        assert client.post("/predict", json={"instances": [{"card_id": "x", "merchant_id": 2, "amount": 1.0}]}).status_code == 422
+        assert client.post("/predict", content=b"nope").status_code == 422
+        assert client.get("/health").json()["status"] == "ok"
+        assert "/predict" in client.get("/openapi.json").json()["paths"]
+    report = check_consistency(trained["store"], "fraud")  # the logger flushed at shutdown
+    assert report.rows == 3
+    assert report.ok, report.describe()
+
+
+def test_consistency_catches_planted_skew(trained):
+    store = trained["store"]
+    app = create_app(DEFINITIONS, "fraud", "production")
+    # plant skew: a writer bypassing the materialization puts a value in Redis the history store never saw
+    view = store.get_feature_view("card_profile")
+    forged = pa.table({
+        "card_id": pa.array([7], pa.int64()),
+        "event_timestamp": pa.array([trained["data"].transactions["event_timestamp"][-1].as_py() + timedelta(days=1)], pa.timestamp("us", tz="UTC")),
+        "created_timestamp": pa.array([trained["data"].transactions["event_timestamp"][-1].as_py()], pa.timestamp("us", tz="UTC")),
+        "_run_id": pa.array([10**9], pa.int64()), "_row_id": pa.array([1], pa.int64()),
+        "credit_limit": [123456.0], "account_age_days": pa.array([1], pa.int32()), "home_country": ["ZZ"],
+    })
+    store.online_store.write_latest("card_profile", forged, ["card_id"], [(f.name, f.dtype) for f in view.schema])
+    with TestClient(app) as client:
+        assert client.post("/predict", json={"card_id": 7, "merchant_id": 1, "amount": 50.0}).status_code == 200
+    report = check_consistency(store, "fraud")
+    assert not report.ok
+    assert report.feature_match["credit_limit"] < 1.0
+    assert any(m["feature"] == "credit_limit" and m["card_id"] == 7 and m["online"] == 123456.0 for m in report.mismatches)
+
+
+def test_stale_model_is_refused_naming_the_changed_view(trained, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    text = (repo / "features.py").read_text().replace("count(*) OVER w1h AS txn_count_1h", "count(*) OVER w24h AS txn_count_1h")
+    (repo / "features.py").write_text(text)
+    store = FeatureStore(repo)  # same data dir (env), so same model registry
+    with pytest.raises(FeatureStoreError, match=r"older definitions of \['card_activity'\]"):
+        load_checked(store, "fraud", "production")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_promotion_is_broadcast_to_every_replica(trained):
+    env = {**os.environ, **trained["env"]}
+    ports = [_free_port(), _free_port()]
+    servers = [
+        subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--port", str(p)],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for p in ports
+    ]
+    try:
+        registry = model_registry(trained["store"])
+        current = registry.resolve("fraud", "production")
+        for port in ports:
+            _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == current, servers)
+        new = registry.register("fraud", trained["run"])
+        registry.promote("fraud", new, "production")
+        for port in ports:
+            _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == new, servers)
+            body = httpx.post(f"http://127.0.0.1:{port}/predict", json={"card_id": 1, "merchant_id": 1, "amount": 1.0}).json()
+            assert body["model"]["version"] == new
+    finally:
+        for s in servers:
+            s.terminate()
+            s.wait(timeout=30)
+
+
+def _wait_for(condition, servers, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for s in servers:
+            if s.poll() is not None:
+                pytest.fail(f"server exited: {s.stderr.read().decode()[-2000:]}")
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.2)
+    pytest.fail("condition not met in time")
