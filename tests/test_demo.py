@@ -19,4 +19,5 @@ def test_demo_runs_end_to_end_and_proves_consistency(tmp_path):
     assert "AUC offline" in out and "AUC online" in out and "p99" in out
     assert "all features                 100.000%" in out
     assert "training and serving saw the same values" in out
-    assert not list(Path("/tmp").glob(f"featurestore-*{tmp_path.name}*.sock"))
+    leftover = subprocess.run(["pgrep", "-f", f"{tmp_path}/redis"], capture_output=True, text=True).stdout
+    assert leftover == "", "the embedded redis-server was left running"

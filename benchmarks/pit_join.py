@@ -1,0 +1,168 @@
+"""Point-in-time join: `get_historical_features(...).to_arrow()` vs a hand-written DuckDB ASOF JOIN.
+
+Seeded data: 100k entities, 5M history rows, 1M entity rows, 10 features of mixed types,
+stored once as a Delta table (the reference reads the same Parquet files). Each side runs
+in its own fresh process, so wall time and peak RSS are its own. Usage:
+
+    python benchmarks/pit_join.py                      # full size
+    python benchmarks/pit_join.py --history 500000 --entity-rows 100000 --entities 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import peak_rss_mb, run_child  # noqa: E402
+
+HERE = Path(__file__).resolve()
+START = datetime(2024, 1, 1, tzinfo=timezone.utc)
+TS = pa.timestamp("us", tz="UTC")
+FEATURES = [("f_f64_a", "Float64"), ("f_f64_b", "Float64"), ("f_f64_c", "Float64"), ("f_f32_a", "Float32"), ("f_f32_b", "Float32"),
+            ("f_i64_a", "Int64"), ("f_i64_b", "Int64"), ("f_i32", "Int32"), ("f_str", "String"), ("f_bool", "Bool")]
+
+DEFS = """
+from datetime import timedelta
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import *
+
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+src = PushSource(name="src", schema=[Field("user_id", Int64), Field("event_timestamp", UnixTimestamp), {fields}])
+stats = FeatureView(name="stats", entities=[user], source=src, ttl=timedelta(days=30), schema=[{fields}])
+"""
+
+
+def setup(root: Path, entities: int, history: int, entity_rows: int, seed: int) -> None:
+    from featurestore import FeatureStore
+
+    fields = ", ".join(f'Field("{n}", {t})' for n, t in FEATURES)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "featurestore.yaml").write_text("project: bench_pit\nmodules: [features.py]\n")
+    (root / "features.py").write_text(DEFS.replace("{fields}", fields))
+    rng = np.random.default_rng(seed)
+    span = 90 * 86_400 * 10**6
+    start_us = int(START.timestamp() * 1e6)
+    # whole seconds: equal event times (ties) happen, as in real data
+    event = start_us + rng.integers(0, span // 10**6, history) * 10**6
+    table = pa.table({
+        "user_id": rng.integers(1, entities + 1, history),
+        "event_timestamp": pa.array(event, pa.int64()).cast(TS),
+        "created_timestamp": pa.array(event + rng.integers(0, 3, history) * 10**6, pa.int64()).cast(TS),
+        "_run_id": np.ones(history, np.int64),
+        "_row_id": rng.permutation(history).astype(np.int64),
+        "f_f64_a": rng.normal(size=history), "f_f64_b": rng.normal(size=history), "f_f64_c": rng.normal(size=history),
+        "f_f32_a": rng.normal(size=history).astype(np.float32), "f_f32_b": rng.normal(size=history).astype(np.float32),
+        "f_i64_a": rng.integers(0, 10**6, history), "f_i64_b": rng.integers(0, 10**6, history),
+        "f_i32": rng.integers(0, 1000, history).astype(np.int32),
+        "f_str": pa.array(rng.integers(0, 100, history).astype(str)), "f_bool": rng.random(history) < 0.5,
+    })
+    store = FeatureStore(root)
+    store.offline_store.append("stats", table.cast(store.definitions.history_schema(store.get_feature_view("stats"))))
+    entity = pa.table({
+        "user_id": rng.integers(1, int(entities * 1.1) + 1, entity_rows),
+        "event_timestamp": pa.array(start_us + rng.integers(0, span + 10 * 86_400 * 10**6, entity_rows), pa.int64()).cast(TS),
+        "label": rng.integers(0, 2, entity_rows).astype(np.int32),
+    })
+    import pyarrow.parquet as pq
+
+    pq.write_table(entity, root / "entities.parquet")
+
+
+def run_ours(root: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    from featurestore import FeatureStore
+
+    store = FeatureStore(root)
+    store.definitions
+    entity = pq.read_table(root / "entities.parquet")
+    refs = [f"stats:{n}" for n, _ in FEATURES]
+    t0 = time.perf_counter()
+    result = store.get_historical_features(entity, features=refs).to_arrow()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": result.num_rows, "checksum": _checksum(result), "peak_rss_mb": peak_rss_mb()}
+
+
+REFERENCE = """
+WITH latest AS (
+    SELECT user_id, CAST(event_timestamp AS TIMESTAMP) AS ev, {features} FROM read_parquet({files})
+    QUALIFY row_number() OVER (PARTITION BY user_id, event_timestamp ORDER BY created_timestamp DESC, _run_id DESC, _row_id DESC) = 1
+), e AS (
+    SELECT *, CAST(event_timestamp AS TIMESTAMP) AS t, row_number() OVER () AS rn FROM entities
+)
+SELECT e.user_id, e.event_timestamp, e.label, {ttl_features}
+FROM e ASOF LEFT JOIN latest l ON e.user_id = l.user_id AND e.t >= l.ev
+ORDER BY e.rn
+"""
+
+
+def run_reference(root: Path) -> dict:
+    import duckdb
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable
+
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+    entities = pq.read_table(root / "entities.parquet")  # noqa: F841 - scanned by name
+    files = "[" + ", ".join(f"'{f}'" for f in DeltaTable(str(root / "data" / "offline" / "stats")).file_uris()) + "]"
+    names = [n for n, _ in FEATURES]
+    sql = REFERENCE.format(
+        features=", ".join(names), files=files,
+        ttl_features=", ".join(f"CASE WHEN l.ev >= e.t - INTERVAL 30 DAYS THEN l.{n} END AS {n}" for n in names),
+    )
+    t0 = time.perf_counter()
+    result = con.sql(sql).to_arrow_table()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": result.num_rows, "checksum": _checksum(result), "peak_rss_mb": peak_rss_mb()}
+
+
+def _checksum(table: pa.Table) -> str:
+    import pyarrow.compute as pc
+
+    parts = [str(pc.sum(pc.cast(table["f_i64_a"], pa.float64())).as_py()), str(table["f_f64_a"].null_count), str(table.num_rows)]
+    return "/".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entities", type=int, default=100_000)
+    parser.add_argument("--history", type=int, default=5_000_000)
+    parser.add_argument("--entity-rows", type=int, default=1_000_000)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--data-dir", type=Path, default=HERE.parent / ".data" / "pit_join")
+    parser.add_argument("--child", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps((run_ours if args.child == "ours" else run_reference)(args.data_dir)))
+        return
+    tag = f"{args.entities}-{args.history}-{args.entity_rows}-{args.seed}"
+    root = args.data_dir / tag
+    if not (root / "entities.parquet").exists():
+        print(f"generating {args.history:,} history rows for {args.entities:,} entities, {args.entity_rows:,} entity rows ...")
+        t0 = time.perf_counter()
+        setup(root, args.entities, args.history, args.entity_rows, args.seed)
+        print(f"  written in {time.perf_counter() - t0:.1f}s to {root}")
+    results = {}
+    for side in ("reference", "ours", "reference", "ours"):  # interleaved; best of two each
+        r = run_child(str(HERE), "--child", side, "--data-dir", str(root))
+        if side not in results or r["seconds"] < results[side]["seconds"]:
+            results[side] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], results.get(side, {}).get("peak_rss_mb", 0))}
+    ours, ref = results["ours"], results["reference"]
+    assert ours["rows"] == ref["rows"] == args.entity_rows, (ours, ref)
+    print(f"{'':24}{'wall s':>10}{'peak RSS MB':>14}")
+    print(f"{'hand-written ASOF SQL':24}{ref['seconds']:>10.2f}{ref['peak_rss_mb']:>14.0f}")
+    print(f"{'get_historical_features':24}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
+    print(f"ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
+    print(f"results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
+
+
+if __name__ == "__main__":
+    main()
