@@ -160,7 +160,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
 
     _store(repo).definitions  # fail here, readably, rather than in every worker
     os.environ[REPO_ENV] = str(repo.resolve())
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning")
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
 
 
 @app.command("serve-model")

@@ -30,8 +30,15 @@ def _default(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
+JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_UTC_Z  # datetimes as 2024-05-01T10:00:00Z
+
+
+def dumps(body: Any) -> bytes:
+    return orjson.dumps(body, default=_default, option=JSON_OPTIONS)
+
+
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body, default=_default, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status, media_type="application/json")
+    return Response(dumps(body), status_code=status, media_type="application/json")
 
 
 def error_status(exc: Exception) -> int:
@@ -55,10 +62,15 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
         )
         self.redis_errors = Counter(f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry)
+        self._children: dict[tuple[str, int], tuple] = {}
 
     def observe(self, endpoint: str, status: int, started: float) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
-        self.latency.labels(endpoint).observe(time.perf_counter() - started)
+        key = (endpoint, status)
+        children = self._children.get(key)
+        if children is None:  # label lookups take a lock; do them once per (endpoint, status)
+            children = self._children[key] = (self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint))
+        children[0].inc()
+        children[1].observe(time.perf_counter() - started)
 
     def response(self) -> Response:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
@@ -114,3 +126,34 @@ class RegistryWatcher:
 
 def repo_from_env() -> Path:
     return Path(os.environ.get(REPO_ENV, ".")).resolve()
+
+
+class FastLane:
+    """Serve a few hot POST routes as plain ASGI, before FastAPI's routing and middleware.
+
+    The FastAPI app still declares those routes (OpenAPI docs, same handler); everything
+    else, lifespan included, goes to it. ``handlers`` map a path to ``async (body) -> (status, bytes)``.
+    """
+
+    def __init__(self, app: FastAPI, handlers: dict[str, Callable]):
+        self.app = app
+        self.handlers = handlers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.handlers.get(scope.get("path")) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        status, payload = await handler(body)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})

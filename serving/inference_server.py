@@ -91,7 +91,6 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     holder = ModelHolder(load_checked(store, model_name, stage))
     metrics = Metrics("featurestore_inference_server")
     logger = FeatureLogger(log_path(store.config.data_dir, model_name), log_schema(store, holder.loaded)) if log_features else None
-    decoders: dict[str, Any] = {}
 
     async def follow_promotions() -> None:
         """Swap in a newly promoted version between requests (each replica does the same)."""
@@ -171,7 +170,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
                 raise RequestError(f"every instance needs a numeric request input {name!r}")
             inputs[name] = [float(v) for v in values]
         query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
-                                    False, current.config.max_request_entities, decoders)
+                                    False, current.config.max_request_entities)
         served_at = datetime.now(timezone.utc)
         response = query.assemble(await current.online_store.read_async(query.lookups), served_at)
         n = len(instances)

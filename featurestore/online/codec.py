@@ -13,9 +13,10 @@ Value (one per view field), written in bulk from Arrow columns:
     32 bytes  order key: event µs, created µs, run id, row id; each int64 big-endian with the
               sign bit flipped, so the Lua write script compares rows like the offline tie-break
     ceil(F/8) null bitmap, bit i set when feature i is null
-    per feature, in schema order:
-              Int32/Float32: 4 bytes LE; Int64/Float64/UnixTimestamp (µs): 8 bytes LE; Bool: 1 byte;
-              String/Bytes: uint32 LE length + bytes; Array(...): uint32 length + JSON text
+    fixed     the fixed-width features in schema order, big-endian: Int32/Float32 4 bytes,
+              Int64/Float64/UnixTimestamp (µs) 8 bytes, Bool 1 byte
+    lengths   uint32 big-endian per variable-width feature (String, Bytes, Array)
+    data      their bytes in schema order: UTF-8, raw bytes, or JSON text for arrays
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ from featurestore.types import DType
 
 ORDER_KEY_BYTES = 32
 _SIGN = np.uint64(1 << 63)
-_HEADER = struct.Struct(">QQQQ")
-_LEN = struct.Struct("<I")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
-_FIXED: dict[str, tuple[str, int]] = {
-    "Int32": ("<i4", 4),
-    "Int64": ("<i8", 8),
-    "Float32": ("<f4", 4),
-    "Float64": ("<f8", 8),
-    "UnixTimestamp": ("<i8", 8),
-    "Bool": ("<u1", 1),
+# numpy type, width, struct code: big-endian like the order key, so one struct reads a row
+_FIXED: dict[str, tuple[str, int, str]] = {
+    "Int32": (">i4", 4, "i"),
+    "Int64": (">i8", 8, "q"),
+    "Float32": (">f4", 4, "f"),
+    "Float64": (">f8", 8, "d"),
+    "UnixTimestamp": (">i8", 8, "q"),
+    "Bool": ("u1", 1, "?"),
 }
 
 
@@ -57,11 +57,11 @@ def key_prefix(project: str) -> bytes:
 
 def entity_key(project: str, key_values: dict[str, Any]) -> bytes:
     """The Redis key of one entity (values as text, exactly as ``entity_keys`` writes them)."""
-    inner = "\x1f".join(f"{name}={_key_text(key_values[name])}" for name in sorted(key_values))
+    inner = "\x1f".join(f"{name}={key_text(key_values[name])}" for name in sorted(key_values))
     return key_prefix(project) + b"{" + inner.encode() + b"}"
 
 
-def _key_text(value: Any) -> str:
+def key_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
@@ -92,6 +92,10 @@ def _micros(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return pc.cast(pc.cast(column, pa.timestamp("us", tz="UTC")), pa.int64()).to_numpy(zero_copy_only=False)
 
 
+def _is_fixed(dtype: DType) -> bool:
+    return dtype.name in _FIXED
+
+
 def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> list[bytes]:
     """Encode every row of ``table`` (history columns + features) in bulk."""
     n = table.num_rows
@@ -107,66 +111,77 @@ def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> lis
     for i, (name, _) in enumerate(features):
         is_null = table[name].is_null().to_numpy(zero_copy_only=False).astype(np.uint8)
         bits[:, i // 8] |= is_null << (i % 8)
-    parts.append(_fixed(bits[:, :nbytes].tobytes(), nbytes, n) if nbytes else None)
+    parts.append(_fixed(bits[:, :nbytes].tobytes(), nbytes, n))
 
-    for name, dtype in features:
-        column = table[name]
-        if dtype.name in _FIXED:
-            np_type, width = _FIXED[dtype.name]
-            if dtype.name == "UnixTimestamp":
-                values = np.nan_to_num(_micros(column.fill_null(0)) if column.null_count < n else np.zeros(n)).astype(np_type)
-            else:
-                values = column.fill_null(False if dtype.name == "Bool" else 0).to_numpy(zero_copy_only=False).astype(np_type)
-            parts.append(_fixed(values.tobytes(), width, n))
+    for name, dtype in features:  # fixed-width block
+        if not _is_fixed(dtype):
             continue
+        column = table[name]
+        np_type, width, _ = _FIXED[dtype.name]
+        if dtype.name == "UnixTimestamp":
+            values = _micros(column.fill_null(0)).astype(np_type)
+        else:
+            values = column.fill_null(False if dtype.name == "Bool" else 0).to_numpy(zero_copy_only=False).astype(np_type)
+        parts.append(_fixed(values.tobytes(), width, n))
+    var_data = []
+    for name, dtype in features:  # lengths, then bytes, of variable-width features
+        if _is_fixed(dtype):
+            continue
+        column = table[name]
         if dtype.is_array:
             con = duckdb.connect()
             con.register("t", pa.table({"v": column}))
             column = con.sql("SELECT to_json(v)::VARCHAR AS v FROM t").to_arrow_table()["v"]
         data = pc.cast(column, pa.binary()).fill_null(b"")
-        lengths = pc.binary_length(data).to_numpy(zero_copy_only=False).astype("<u4")
-        parts += [_fixed(lengths.tobytes(), 4, n), data]
-    joined = pc.binary_join_element_wise(*[p for p in parts if p is not None], b"")
+        parts.append(_fixed(pc.binary_length(data).to_numpy(zero_copy_only=False).astype(">u4").tobytes(), 4, n))
+        var_data.append(data)
+    joined = pc.binary_join_element_wise(*parts, *var_data, b"")
     return joined.to_pylist()
 
 
+def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -> Callable[[bytes], tuple[int, list[Any]]]:
+    """A decoder for one view's values: ``decode(value) -> (event µs, values of the wanted features)``.
 
-def make_decoder(features: Sequence[tuple[str, DType]]) -> Callable[[bytes, Sequence[int]], tuple[int, list[Any]]]:
-    """A decoder for one view's values: ``decode(value, wanted_indexes) -> (event µs, values)``."""
+    One ``struct.unpack_from`` reads the order key, bitmap, every fixed-width value and the
+    variable-width lengths; only strings, bytes and arrays need further slicing.
+    """
     nbytes = (len(features) + 7) // 8
-    readers: list[Callable[[bytes, int], tuple[Any, int]]] = [_reader(dtype) for _, dtype in features]
+    fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
+    var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
+    layout = struct.Struct(">q24x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var))
+    head, first_len = layout.size, 2 + len(fixed)
+    plan = []  # per wanted feature: bitmap byte, bit mask, how to read it, where it is
+    for i in wanted:
+        dtype = features[i][1]
+        if _is_fixed(dtype):
+            kind = "time" if dtype.name == "UnixTimestamp" else "fixed"
+            plan.append((i >> 3, 1 << (i & 7), kind, 2 + fixed.index(i)))
+        else:
+            kind = "str" if dtype.name == "String" else "json" if dtype.is_array else "bytes"
+            plan.append((i >> 3, 1 << (i & 7), kind, var.index(i)))
+    needs_var = any(kind in ("str", "json", "bytes") for _, _, kind, _ in plan)
 
-    def decode(value: bytes, wanted: Sequence[int]) -> tuple[int, list[Any]]:
-        event_us = (_HEADER.unpack_from(value)[0] ^ (1 << 63))
-        if event_us >= 1 << 63:
-            event_us -= 1 << 64
-        bitmap = value[ORDER_KEY_BYTES:ORDER_KEY_BYTES + nbytes]
-        pos = ORDER_KEY_BYTES + nbytes
-        decoded = []
-        for read in readers:
-            item, pos = read(value, pos)
-            decoded.append(item)
-        return event_us, [None if bitmap[i >> 3] >> (i & 7) & 1 else decoded[i] for i in wanted]
+    def decode(value: bytes) -> tuple[int, list[Any]]:
+        parts = layout.unpack_from(value)
+        bitmap = parts[1]
+        if needs_var:
+            offsets = [head]
+            for length in parts[first_len:]:
+                offsets.append(offsets[-1] + length)
+        out: list[Any] = []
+        for byte, mask, kind, where in plan:
+            if bitmap[byte] & mask:
+                out.append(None)
+            elif kind == "fixed":
+                out.append(parts[where])
+            elif kind == "time":
+                out.append(micros_to_datetime(parts[where]))
+            else:
+                raw = value[offsets[where]:offsets[where + 1]]
+                out.append(raw.decode() if kind == "str" else orjson.loads(raw) if kind == "json" else raw)
+        return parts[0] ^ -(1 << 63), out  # undo the order key's sign flip
 
     return decode
-
-
-def _reader(dtype: DType) -> Callable[[bytes, int], tuple[Any, int]]:
-    if dtype.name in _FIXED:
-        np_type, width = _FIXED[dtype.name]
-        fmt = struct.Struct({"<i4": "<i", "<i8": "<q", "<f4": "<f", "<f8": "<d", "<u1": "<?"}[np_type])
-        if dtype.name == "UnixTimestamp":
-            return lambda b, p: (micros_to_datetime(fmt.unpack_from(b, p)[0]), p + width)
-        return lambda b, p: (fmt.unpack_from(b, p)[0], p + width)
-
-    def var(b: bytes, p: int) -> tuple[Any, int]:
-        (length,) = _LEN.unpack_from(b, p)
-        raw = b[p + 4:p + 4 + length]
-        if dtype.is_array:  # a null array is stored empty (its bitmap bit says null); "[]" is never empty
-            return (orjson.loads(raw) if length else None), p + 4 + length
-        return (raw.decode() if dtype.name == "String" else raw), p + 4 + length
-
-    return var
 
 
 def micros_to_datetime(us: int) -> datetime:

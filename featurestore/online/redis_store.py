@@ -85,6 +85,9 @@ class RedisOnlineStore:
 
     def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
         try:
+            if len(lookups) == 1:  # one command needs no pipeline
+                key, fields = lookups[0]
+                return [self.client.hmget(key, fields)]
             pipe = self.client.pipeline(transaction=False)
             for key, fields in lookups:
                 pipe.hmget(key, fields)

@@ -25,6 +25,8 @@ class Definitions:
     push_sources: dict[str, PushSource] = field(default_factory=dict)
     # join-key types per view: declared on the entity, else read from the source at validation
     key_types: dict[str, dict[str, DType]] = field(default_factory=dict)
+    # compiled online lookups by request signature (definitions are immutable once loaded)
+    query_cache: dict = field(default_factory=dict, repr=False)
 
     def all(self) -> dict[str, dict]:
         return {

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
-from featurestore.online.codec import entity_key, make_decoder, micros_to_datetime
+from featurestore.online.codec import entity_key, key_text, key_prefix, make_decoder, micros_to_datetime
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.refs import ViewRequest, resolve
-from featurestore.types import DType
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -37,11 +36,14 @@ class OnlineResponse:
     event_timestamps: list[list[datetime | None]]
 
     def to_dict(self) -> dict[str, Any]:
-        """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``."""
+        """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``.
+
+        Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``.
+        """
         return {
             "metadata": {"feature_names": self.feature_names},
             "results": [
-                {"values": v, "statuses": s, "event_timestamps": [t.isoformat().replace("+00:00", "Z") if t else None for t in ts]}
+                {"values": v, "statuses": s, "event_timestamps": ts}
                 for v, s, ts in zip(self.values, self.statuses, self.event_timestamps)
             ],
         }
@@ -60,8 +62,8 @@ class OnlineResponse:
 
 
 _KEY_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "Int32": lambda v: isinstance(v, int) and not isinstance(v, bool) and -(2**31) <= v < 2**31,
-    "Int64": lambda v: isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63,
+    "Int32": lambda v: type(v) is int and -(2**31) <= v < 2**31,
+    "Int64": lambda v: type(v) is int and -(2**63) <= v < 2**63,
     "String": lambda v: isinstance(v, str),
     "Bool": lambda v: isinstance(v, bool),
     "Bytes": lambda v: isinstance(v, (bytes, str)),
@@ -69,90 +71,137 @@ _KEY_CHECKS: dict[str, Callable[[Any], bool]] = {
 
 
 @dataclass
+class _Group:
+    """Views sharing one entity key: one HMGET per entity fetches all of them."""
+
+    keyset: tuple[str, ...]
+    fields: list[str]                 # view names = hash fields
+    key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> Redis key
+
+
+@dataclass
 class _ViewPlan:
     request: ViewRequest
-    slots: list[tuple[int, int]]          # per entity row: (lookup index, field position)
-    decode: Callable
-    wanted: list[int]
+    group: int
+    position: int                     # index of this view's field in its group's HMGET
+    decode: Callable[[bytes], tuple[int, list[Any]]]
+    width: int                        # number of features asked from this view
     ttl_us: int | None
 
 
 @dataclass
-class OnlineQuery:
+class QueryTemplate:
+    """Everything about a lookup that depends only on what is asked, not for whom: built once, cached."""
+
     key_names: list[str]
-    key_columns: list[list[Any]]
+    key_checks: list[tuple[str, str, Callable[[Any], bool]]]
+    groups: list[_Group]
     views: list[_ViewPlan]
-    lookups: list[tuple[bytes, list[str]]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool) -> "QueryTemplate":
+        requests = resolve(defs, features, feature_service, full_feature_names)
+        needed: list[str] = []
+        for req in requests:
+            needed += [k for k in req.view.join_keys if k not in needed]
+        checks = []
+        for name in needed:
+            dtype = defs.key_types[next(r.view.name for r in requests if name in r.view.join_keys)][name]
+            checks.append((name, dtype.name, _KEY_CHECKS.get(dtype.name, lambda v: v is not None)))
+        groups: dict[tuple[str, ...], _Group] = {}
+        views = []
+        for req in requests:
+            keyset = tuple(sorted(req.view.join_keys))
+            if keyset not in groups:
+                groups[keyset] = _Group(keyset, [], _key_builder(project, keyset))
+            group = groups[keyset]
+            group.fields.append(req.view.name)
+            wanted = [req.view.feature_names.index(f) for f in req.features]
+            decode = make_decoder([(f.name, f.dtype) for f in req.view.schema], wanted)
+            ttl = int(req.view.ttl.total_seconds() * 1_000_000) if req.view.ttl is not None else None
+            views.append(_ViewPlan(req, list(groups).index(keyset), len(group.fields) - 1, decode, len(wanted), ttl))
+        return cls(needed, checks, list(groups.values()), views)
+
+
+def _key_builder(project: str, keyset: tuple[str, ...]) -> Callable[[tuple], bytes]:
+    if len(keyset) == 1:
+        head = key_prefix(project) + b"{" + keyset[0].encode() + b"="
+        return lambda values: head + key_text(values[0]).encode() + b"}"
+    return lambda values: entity_key(project, dict(zip(keyset, values)))
+
+
+@dataclass
+class OnlineQuery:
+    template: QueryTemplate
+    key_columns: list[list[Any]]
+    lookups: list[tuple[bytes, list[str]]]
+    slots: list[list[int]]            # per group, per entity row: index into lookups
+
+    @property
+    def key_names(self) -> list[str]:
+        return self.template.key_names
 
     @classmethod
     def prepare(
         cls, defs: Definitions, project: str, entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]],
         features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool,
-        max_entities: int = 10_000, decoders: dict | None = None,
+        max_entities: int = 10_000, cache: dict | None = None,
     ) -> "OnlineQuery":
-        requests = resolve(defs, features, feature_service, full_feature_names)
+        signature = (tuple(features) if features is not None else None,
+                     feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
+                     full_feature_names)
+        cache = cache if cache is not None else defs.query_cache
+        template = cache.get(signature)
+        if template is None:
+            template = cache[signature] = QueryTemplate.build(defs, project, features, feature_service, full_feature_names)
         columns = _as_columns(entities)
         n = len(next(iter(columns.values()))) if columns else 0
         if n == 0:
             raise RequestError("no entities given; pass at least one entity row")
         if n > max_entities:
             raise RequestError(f"{n} entities in one request; the limit is {max_entities} (split the request)")
-        needed: list[str] = []
-        for req in requests:
-            needed += [k for k in req.view.join_keys if k not in needed]
-        missing = [k for k in needed if k not in columns]
+        missing = [k for k in template.key_names if k not in columns]
         if missing:
             raise RequestError(f"missing join key(s) {missing} for the requested features; got {sorted(columns)}")
-        for name in needed:
-            dtype = defs.key_types[next(r.view.name for r in requests if name in r.view.join_keys)][name]
-            check = _KEY_CHECKS.get(dtype.name, lambda v: v is not None)
+        for name, type_name, check in template.key_checks:
             for value in columns[name]:
                 if not check(value):
-                    raise RequestError(f"join key {name!r} takes {dtype.name} values; got {value!r} ({type(value).__name__})")
-        query = cls(needed, [list(columns[k]) for k in needed], [])
-        index: dict[bytes, int] = {}
-        groups: dict[tuple[str, ...], list[ViewRequest]] = {}
-        for req in requests:
-            groups.setdefault(tuple(sorted(req.view.join_keys)), []).append(req)
-        for keyset, reqs in groups.items():
-            fields = [r.view.name for r in reqs]
-            slots_per_view: list[list[tuple[int, int]]] = [[] for _ in reqs]
-            for row in range(n):
-                key = entity_key(project, {k: columns[k][row] for k in keyset})
+                    raise RequestError(f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})")
+        lookups: list[tuple[bytes, list[str]]] = []
+        slots = []
+        for group in template.groups:
+            index: dict[bytes, int] = {}
+            rows = []
+            for values in zip(*(columns[k] for k in group.keyset)):
+                key = group.key_of(values)
                 pos = index.get(key)
                 if pos is None:  # repeated entities share one lookup
-                    pos = index[key] = len(query.lookups)
-                    query.lookups.append((key, fields))
-                for j in range(len(reqs)):
-                    slots_per_view[j].append((pos, j))
-            for req, slots in zip(reqs, slots_per_view):
-                decode, all_features = _decoder(req.view, decoders)
-                wanted = [all_features.index(f) for f in req.features]
-                ttl = int(req.view.ttl.total_seconds() * 1_000_000) if req.view.ttl is not None else None
-                query.views.append(_ViewPlan(req, slots, decode, wanted, ttl))
-        order = {r.view.name: i for i, r in enumerate(requests)}
-        query.views.sort(key=lambda v: order[v.request.view.name])
-        return query
+                    pos = index[key] = len(lookups)
+                    lookups.append((key, group.fields))
+                rows.append(pos)
+            slots.append(rows)
+        return cls(template, [columns[k] for k in template.key_names], lookups, slots)
 
     def assemble(self, raw: list[list[bytes | None]], now: datetime | None = None) -> OnlineResponse:
         now_us = int((now.timestamp() if now else time.time()) * 1_000_000)
         n = len(self.key_columns[0])
-        names = list(self.key_names)
+        names = list(self.template.key_names)
         values: list[list[Any]] = [list(c) for c in self.key_columns]
         statuses: list[list[str]] = [[PRESENT] * n for _ in self.key_columns]
         times: list[list[datetime | None]] = [[None] * n for _ in self.key_columns]
-        for plan in self.views:
-            width = len(plan.wanted)
-            cols_v = [[None] * n for _ in range(width)]
+        for plan in self.template.views:
+            width = plan.width
+            cols_v: list[list[Any]] = [[None] * n for _ in range(width)]
             cols_s = [[NOT_FOUND] * n for _ in range(width)]
             cols_t: list[list[datetime | None]] = [[None] * n for _ in range(width)]
-            for row, (pos, j) in enumerate(plan.slots):
-                blob = raw[pos][j]
+            decode, ttl_us, position = plan.decode, plan.ttl_us, plan.position
+            for row, pos in enumerate(self.slots[plan.group]):
+                blob = raw[pos][position]
                 if blob is None:
                     continue
-                event_us, decoded = plan.decode(blob, plan.wanted)
+                event_us, decoded = decode(blob)
                 event = micros_to_datetime(event_us)
-                expired = plan.ttl_us is not None and event_us < now_us - plan.ttl_us
+                expired = ttl_us is not None and event_us < now_us - ttl_us
                 for c in range(width):
                     cols_t[c][row] = event
                     if expired:
@@ -167,15 +216,6 @@ class OnlineQuery:
             statuses += cols_s
             times += cols_t
         return OnlineResponse(names, values, statuses, times)
-
-
-def _decoder(view, cache: dict | None) -> tuple[Callable, list[str]]:
-    features: list[tuple[str, DType]] = [(f.name, f.dtype) for f in view.schema]
-    if cache is None:
-        return make_decoder(features), [f for f, _ in features]
-    if view.name not in cache:
-        cache[view.name] = (make_decoder(features), [f for f, _ in features])
-    return cache[view.name]
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
