@@ -190,27 +190,29 @@ class OnlineQuery:
         statuses: list[list[str]] = [[PRESENT] * n for _ in self.key_columns]
         times: list[list[datetime | None]] = [[None] * n for _ in self.key_columns]
         for plan in self.template.views:
-            width = plan.width
-            cols_v: list[list[Any]] = [[None] * n for _ in range(width)]
-            cols_s = [[NOT_FOUND] * n for _ in range(width)]
-            cols_t: list[list[datetime | None]] = [[None] * n for _ in range(width)]
-            decode, ttl_us, position = plan.decode, plan.ttl_us, plan.position
-            for row, pos in enumerate(self.slots[plan.group]):
+            width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
+            cutoff = now_us - ttl_us if ttl_us is not None else None
+            blank, not_found, outside, present = [None] * width, [NOT_FOUND] * width, [OUTSIDE_MAX_AGE] * width, [PRESENT] * width
+            row_values, row_statuses, row_times = [], [], []
+            for pos in self.slots[plan.group]:
                 blob = raw[pos][position]
                 if blob is None:
+                    row_values.append(blank)
+                    row_statuses.append(not_found)
+                    row_times.append(None)
                     continue
                 event_us, decoded = decode(blob)
-                event = micros_to_datetime(event_us)
-                expired = ttl_us is not None and event_us < now_us - ttl_us
-                for c in range(width):
-                    cols_t[c][row] = event
-                    if expired:
-                        cols_s[c][row] = OUTSIDE_MAX_AGE
-                    elif decoded[c] is None:
-                        cols_s[c][row] = NULL_VALUE
-                    else:
-                        cols_v[c][row] = decoded[c]
-                        cols_s[c][row] = PRESENT
+                row_times.append(micros_to_datetime(event_us))
+                if cutoff is not None and event_us < cutoff:
+                    row_values.append(blank)
+                    row_statuses.append(outside)
+                else:
+                    row_values.append(decoded)
+                    row_statuses.append(present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded])
+            # rows -> columns in C (zip), not value by value in Python
+            cols_v = [list(c) for c in zip(*row_values)]
+            cols_s = [list(c) for c in zip(*row_statuses)]
+            cols_t = [list(row_times) for _ in range(width)]
             names += plan.request.output_names
             values += cols_v
             statuses += cols_s
