@@ -12,7 +12,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from featurestore.definitions import FeatureView, FileSource, PushSource, Source, SqlSource
+from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
 
 
 def quote(value: str) -> str:

@@ -18,7 +18,6 @@ from typing import Any, Literal, Optional
 import orjson
 import pandas as pd
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
 
 from featurestore import FeatureStore

@@ -249,3 +249,20 @@ def test_online_request_errors(users_store):
         store.get_online_features({"user_id": []}, features=["users:i64"])
     with pytest.raises(Exception, match="not found"):
         store.get_online_features([{"user_id": 1}], features=["users:nope"])
+
+
+def test_tie_without_created_column_resolves_the_same_online_and_offline(make_store):
+    """Feast picks one row online and another offline here; both stores must agree."""
+    defs = """
+from featurestore import Entity, FeatureView, Field, FileSource
+from featurestore.types import Int64
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+v = FeatureView(name="v", entities=[user], source=FileSource(path="data/t.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
+"""
+    event = NOW - timedelta(minutes=10)
+    rows = pa.table({"user_id": pa.array([1] * 6 + [2] * 2, pa.int64()), "ts": pa.array([event] * 8, TS), "x": pa.array([5, 9, 1, 7, 3, 8, 4, 6], pa.int64())})
+    store = make_store(defs, {"t": rows})
+    store.materialize(None, NOW)
+    online = store.get_online_features({"user_id": [1, 2]}, features=["v:x"]).to_values()["x"]
+    offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2], "event_timestamp": [NOW, NOW]}), features=["v:x"]).to_df()["x"].tolist()
+    assert online == offline and None not in online

@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import tempfile

@@ -8,7 +8,7 @@ Split in three steps so the SDK (sync) and the servers (async) share everything 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 

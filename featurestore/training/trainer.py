@@ -137,7 +137,7 @@ def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progre
 
 def evaluate(model: TabularMLP, data: ExportedDataset, task: str) -> dict[str, float]:
     model.eval()
-    labels, scores, losses = [], [], []
+    labels, scores = [], []
     for x_num, x_cat, y in data:
         s = score(model, x_num, x_cat, task)
         labels.append(y.numpy())
