@@ -67,7 +67,6 @@ class FeatureStore:
                 self.offline_store.drop(change.name)
                 self.online_store.drop_view(change.name)
                 self.registry.drop_watermark(change.name)
-        self.online_store.announce_registry_change(self.registry.current()["version"])
         return plan
 
     def list_entities(self) -> list[Entity]:

@@ -137,10 +137,6 @@ class RedisOnlineStore:
         for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
             self.client.hdel(key, view)
 
-    def announce_registry_change(self, version: int) -> None:
-        """Tell running servers (pub/sub) that the registry changed."""
-        self.client.publish(self.prefix + b"registry", str(version))
-
     def close(self) -> None:
         self.client.close()
         if self.embedded is not None:
