@@ -106,6 +106,8 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
     latency = {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "max": float(lat.max())}
     console.rule("[bold]results")
     console.print(f"AUC offline (validation split): {offline_auc:.3f}   AUC online (replayed payments): {online_auc:.3f}")
+    console.print(f"  (online, a payment sees the stores as of the last {batch_hours:g} h micro-batch: earlier payments of a burst in "
+                  "the same batch are not materialized yet, while training rows see every earlier payment)")
     console.print(f"/predict latency over {len(lat)} requests: p50 {latency['p50']:.2f} ms, p99 {latency['p99']:.2f} ms")
     console.print(report.describe())
     console.print("[bold green]training and serving saw the same values[/]" if report.ok else "[bold red]skew found: see mismatches above[/]")
