@@ -91,9 +91,9 @@ def _rejects(con: duckdb.DuckDBPyConnection, run_id: int) -> pa.Table:
     columns = [c for c in con.sql("SELECT * FROM __checked LIMIT 0").columns if not c.startswith("__")]
     struct = ", ".join(f"{quote(c)}: {ident(c)}" for c in columns)
     return con.sql(
-        f"""SELECT __reason AS reason, {int(run_id)}::BIGINT AS run_id,
-            to_json({{{struct}}})::VARCHAR AS row
-        FROM __checked WHERE __reason IS NOT NULL"""
+        f"""SELECT reason, run_id, row, (hash(reason, row) >> 1)::BIGINT AS reject_id FROM (
+            SELECT __reason AS reason, {int(run_id)}::BIGINT AS run_id, to_json({{{struct}}})::VARCHAR AS row
+            FROM __checked WHERE __reason IS NOT NULL)"""
     ).to_arrow_table()
 
 

@@ -73,7 +73,13 @@ class DeltaOfflineStore:
         return table.version() if table is not None else None
 
     def write_rejects(self, view: str, rejects: pa.Table) -> None:
-        write_deltalake(str(self.path / "_rejects" / view), rejects, mode="append")
+        """Append rejected rows not already kept (re-runs see the same bad rows again)."""
+        path = self.path / "_rejects" / view
+        if (path / "_delta_log").exists():
+            seen = DeltaTable(str(path)).to_pyarrow_table(columns=["reject_id"])["reject_id"]
+            rejects = rejects.filter(pc.invert(pc.is_in(rejects["reject_id"], value_set=seen.combine_chunks())))
+        if rejects.num_rows:
+            write_deltalake(str(path), rejects, mode="append")
 
     def rejects(self, view: str) -> pa.Table:
         path = self.path / "_rejects" / view
