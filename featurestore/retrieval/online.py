@@ -88,6 +88,10 @@ class _ViewPlan:
     width: int                        # number of features asked from this view
     ttl_us: int | None
 
+    def __post_init__(self) -> None:  # shared per-row fillers (read-only: zip copies them into columns)
+        self.blank, self.present = (None,) * self.width, (PRESENT,) * self.width
+        self.not_found, self.outside = (NOT_FOUND,) * self.width, (OUTSIDE_MAX_AGE,) * self.width
+
 
 @dataclass
 class QueryTemplate:
@@ -192,7 +196,7 @@ class OnlineQuery:
         for plan in self.template.views:
             width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
             cutoff = now_us - ttl_us if ttl_us is not None else None
-            blank, not_found, outside, present = [None] * width, [NOT_FOUND] * width, [OUTSIDE_MAX_AGE] * width, [PRESENT] * width
+            blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
             row_values, row_statuses, row_times = [], [], []
             for pos in self.slots[plan.group]:
                 blob = raw[pos][position]
