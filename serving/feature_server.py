@@ -126,12 +126,15 @@ def create_app(repo: str | Path | None = None) -> FastAPI:
     def push(body: PushRequest) -> dict[str, Any]:
         store = watcher.current
         source = store.definitions.push_source(body.push_source_name)
-        frame = pd.DataFrame(body.df)
+        try:
+            frame = pd.DataFrame(body.df)
+        except ValueError as exc:
+            raise RequestError(f"'df' must map columns to lists of equal length: {exc}") from exc
         for field in source.schema:
             if field.dtype.name == "UnixTimestamp" and field.name in frame:
                 try:
                     frame[field.name] = pd.to_datetime(frame[field.name], utc=True)
-                except (ValueError, TypeError) as exc:
+                except (ValueError, TypeError, OverflowError) as exc:
                     raise RequestError(f"column {field.name!r} holds values that are not timestamps: {exc}") from exc
         rows = store.push(body.push_source_name, frame, to=body.to)
         return {"pushed_rows": rows}

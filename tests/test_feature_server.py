@@ -6,6 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from featurestore import FeatureStore
 from featurestore.online.embedded import EmbeddedRedis
@@ -148,3 +150,35 @@ def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
             time.sleep(0.2)
         else:
             pytest.fail("the server did not pick up the applied registry")
+
+
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+near_valid = st.fixed_dictionaries(
+    {
+        "features": st.one_of(st.lists(st.sampled_from(["spend:amount", "spend:country", "spend", "x:y", ":", "spend:"]), max_size=3), json_values),
+        "entities": st.one_of(st.dictionaries(st.sampled_from(["card_id", "other"]), st.lists(json_scalars, max_size=3), max_size=2), json_values),
+    },
+    optional={"full_feature_names": json_values, "feature_service": st.one_of(st.sampled_from(["svc", "nope"]), json_values)},
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(near_valid, json_values))
+def test_no_request_body_gets_a_500(client, body):
+    response = client.post("/get-online-features", json=body)
+    assert response.status_code in (200, 404, 422), (body, response.text)
+    if response.status_code != 200:
+        assert response.json()["detail"]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.one_of(
+    st.fixed_dictionaries({"push_source_name": st.sampled_from(["events", "nope"]), "df": st.dictionaries(
+        st.sampled_from(["card_id", "amount", "country", "event_timestamp"]), st.lists(json_scalars, min_size=1, max_size=2), max_size=4),
+        "to": st.sampled_from(["online", "offline", "online_and_offline", "moon"])}),
+    json_values,
+))
+def test_no_push_body_gets_a_500(client, body):
+    response = client.post("/push", json=body)
+    assert response.status_code in (200, 404, 422), (body, response.text)

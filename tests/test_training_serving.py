@@ -218,3 +218,21 @@ def _wait_for(condition, servers, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.2)
     pytest.fail("condition not met in time")
+
+
+def test_no_predict_body_gets_a_500(trained):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5))
+    instance = st.dictionaries(st.sampled_from(["card_id", "merchant_id", "amount", "x"]), scalars, max_size=4)
+    bodies = st.one_of(st.fixed_dictionaries({"instances": st.lists(instance, max_size=3)}), instance, st.lists(scalars, max_size=2), scalars)
+
+    with TestClient(create_app(DEFINITIONS, "fraud", "production", log_features=False)) as client:
+        @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(body=bodies)
+        def check(body):
+            response = client.post("/predict", json=body)
+            assert response.status_code in (200, 404, 422), (body, response.text)
+
+        check()
