@@ -32,6 +32,8 @@ def register_source(
 ) -> None:
     """Make ``source`` queryable in ``con`` as the view ``name``."""
     if isinstance(source, SqlSource):
+        # relative paths in the query are relative to the repo, wherever the command runs
+        con.execute(f"SET file_search_path = {quote(str(repo_path))}")
         con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS {source.query}")
         return
     if isinstance(source, PushSource):
