@@ -146,8 +146,12 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(6566, help="Port (Feast's default)."),
     workers: int = typer.Option(1, help="Worker processes."),
+    log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
 ) -> None:
     """Run the feature server (OpenAPI docs at /docs)."""
+    import os
+
+    os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
     _run_server("serving.feature_server:app_factory", repo, host, port, workers)
 
 
@@ -261,12 +265,16 @@ def models_promote(name: str, version: int, stage: str = typer.Option("productio
 
 
 @app.command("check-consistency")
-def check_consistency_command(model: str = typer.Option("fraud", help="Model whose feature log to check."), repo: Path = RepoOption) -> None:
+def check_consistency_command(
+    model: str = typer.Option("fraud", help="Model whose feature log to check."),
+    service: Optional[str] = typer.Option(None, help="Check the feature server's log of this service instead."),
+    repo: Path = RepoOption,
+) -> None:
     """Compare served feature vectors (feature log) with the history store, and rescore offline."""
-    from featurestore.consistency import check_consistency
+    from featurestore.consistency import check_consistency, check_service_log
 
     with _store(repo) as store:
-        report = check_consistency(store, model)
+        report = check_service_log(store, service) if service else check_consistency(store, model)
     console.print(report.describe())
     if not report.ok:
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from featurestore.feature_logging import log_path, read_log
+from featurestore.feature_logging import MODEL_COLUMNS, log_path, read_log
 from featurestore.retrieval.online import PRESENT
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class ConsistencyReport:
     feature_match: dict[str, float]
     score_match: float
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    has_scores: bool = True
 
     @property
     def overall(self) -> float:
@@ -42,57 +43,73 @@ class ConsistencyReport:
         lines = [f"Consistency over {self.rows} served feature vectors:"]
         lines += [f"  {name:<28} {rate:8.3%}" for name, rate in self.feature_match.items()]
         lines.append(f"  {'all features':<28} {self.overall:8.3%}")
-        lines.append(f"  {'model score (float32 bits)':<28} {self.score_match:8.3%}")
+        if self.has_scores:
+            lines.append(f"  {'model score (float32 bits)':<28} {self.score_match:8.3%}")
         for m in self.mismatches[:10]:
             lines.append(f"  mismatch: {m}")
         return "\n".join(lines)
 
 
 def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20) -> ConsistencyReport:
+    """Check an inference server's log: features, and the model's scores rescored offline."""
     from serving.inference_server import model_registry  # the registry the servers use
 
     logs = read_log(log_path(store.config.data_dir, model_name))
     registry = model_registry(store)
-    versions = pc.unique(logs["model_version"]).to_pylist()
-    feature_match: dict[str, list[int]] = {}
-    score_hits, mismatches = 0, []
-    for version in versions:
+    report = ConsistencyReport(logs.num_rows, {}, 1.0)
+    hits: dict[str, list[bool]] = {}
+    score_hits = 0
+    for version in pc.unique(logs["model_version"]).to_pylist():
         part = logs.filter(pc.equal(logs["model_version"], version))
         loaded = registry.load(model_name, int(version))
-        service = loaded.card["feature_service"]
-        names = [ref.split(":")[1] for ref in store.get_feature_service(service).feature_refs()]
-        keys = [c for c in part.column_names if c not in {"served_at", "request_id", "model_name", "model_version", "score"}
-                and c not in names and not c.endswith("__status") and c not in loaded.card["request_inputs"]]
-        entity_df = pa.table({**{k: part[k] for k in keys}, "event_timestamp": part["served_at"]})
-        offline = store.get_historical_features(entity_df, feature_service=service, as_of="created").to_arrow()
-        for name in names:
-            served = pc.if_else(pc.equal(part[f"{name}__status"], PRESENT), part[name], pa.nulls(part.num_rows, part[name].type))
-            expected = offline[name]
-            same_type = served.type == expected.type
-            equal = pc.fill_null(pc.equal(served, expected), False) if same_type else pa.array([False] * part.num_rows)
-            both_null = pc.and_(pc.is_null(served), pc.is_null(expected))
-            hit = pc.or_(equal, both_null).to_numpy(zero_copy_only=False)
-            feature_match.setdefault(name, []).extend(hit.tolist())
-            for i in np.flatnonzero(~hit)[: max(0, max_mismatches - len(mismatches))]:
-                mismatches.append({
-                    "feature": name, **{k: part[k][i].as_py() for k in keys}, "served_at": str(part["served_at"][i].as_py()),
-                    "online": served[i].as_py(), "offline": expected[i].as_py(),
-                })
+        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report.mismatches, max_mismatches)
         # recompute scores per request (same batch composition as at serving time)
         request_ids = part["request_id"].to_numpy(zero_copy_only=False)
         recomputed = np.empty(part.num_rows, dtype=np.float32)
         for rid in dict.fromkeys(request_ids.tolist()):
-            idx = np.flatnonzero(request_ids == rid)
-            take = pa.array(idx)
+            take = pa.array(np.flatnonzero(request_ids == rid))
             columns = {n: offline[n].take(take) for n in names}
             columns.update({i: part[i].take(take) for i in loaded.card["request_inputs"]})
-            recomputed[idx] = loaded.predict(columns)
+            recomputed[take.to_numpy()] = loaded.predict(columns)
         logged = part["score"].to_numpy(zero_copy_only=False).astype(np.float32)
         score_hits += int((recomputed.view(np.uint32) == logged.view(np.uint32)).sum())
-    rows = logs.num_rows
-    return ConsistencyReport(
-        rows=rows,
-        feature_match={n: float(np.mean(v)) for n, v in feature_match.items()},
-        score_match=score_hits / rows if rows else 1.0,
-        mismatches=mismatches,
-    )
+    report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
+    report.score_match = score_hits / logs.num_rows if logs.num_rows else 1.0
+    return report
+
+
+def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20) -> ConsistencyReport:
+    """Check the feature server's log of lookups by ``service`` (``featurestore serve --log-features``)."""
+    logs = read_log(log_path(store.config.data_dir, f"service:{service}"))
+    report = ConsistencyReport(logs.num_rows, {}, 1.0, has_scores=False)
+    hits: dict[str, list[bool]] = {}
+    _compare_features(store, logs, service, [], hits, report.mismatches, max_mismatches)
+    report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
+    return report
+
+
+def _compare_features(
+    store: "FeatureStore", part: pa.Table, service: str, request_inputs: list[str],
+    hits: dict[str, list[bool]], mismatches: list[dict[str, Any]], max_mismatches: int,
+) -> tuple[pa.Table, list[str]]:
+    """Point-in-time rows at each served time (as known then), compared feature by feature."""
+    names = [ref.split(":")[1] for ref in store.get_feature_service(service).feature_refs()]
+    meta = {"served_at", "request_id", *MODEL_COLUMNS, *request_inputs}
+    keys = [c for c in part.column_names if c not in meta and c not in names and not c.endswith("__status")]
+    entity_df = pa.table({**{k: part[k] for k in keys}, "event_timestamp": part["served_at"]})
+    offline = store.get_historical_features(entity_df, feature_service=service, as_of="created").to_arrow()
+    for name in names:
+        served = pc.if_else(pc.equal(part[f"{name}__status"], PRESENT), part[name], pa.nulls(part.num_rows, part[name].type))
+        expected = offline[name]
+        if served.type == expected.type:
+            equal = pc.fill_null(pc.equal(served, expected), False)
+        else:  # a dtype drift is a mismatch on every row
+            equal = pa.array([False] * part.num_rows)
+        hit = pc.or_(equal, pc.and_(pc.is_null(served), pc.is_null(expected))).to_numpy(zero_copy_only=False)
+        hits.setdefault(name, []).extend(hit.tolist())
+        for i in np.flatnonzero(~hit)[: max(0, max_mismatches - len(mismatches))]:
+            mismatches.append({
+                "feature": name, **{k: part[k][i].as_py() for k in keys}, "served_at": str(part["served_at"][i].as_py()),
+                "online": served[i].as_py(), "offline": expected[i].as_py(),
+            })
+    return offline, names

@@ -10,15 +10,57 @@ from __future__ import annotations
 
 import sys
 import threading
+import uuid
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
+if TYPE_CHECKING:
+    from featurestore.feature_store import FeatureStore
+    from featurestore.retrieval.online import OnlineQuery, OnlineResponse
+
+MODEL_COLUMNS = ("model_name", "model_version", "score")
+
 
 def log_path(data_dir: Path, name: str) -> Path:
+    """Where a model's log lives (``service:<name>`` for a feature service's lookups)."""
+    if name.startswith("service:"):
+        return Path(data_dir) / "feature_logs" / "services" / name.split(":", 1)[1]
     return Path(data_dir) / "feature_logs" / name
+
+
+def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequence[str] = (), with_model: bool = False) -> pa.Schema:
+    """Columns of a served-vector log: time, request, keys, inputs, each feature and its status (and the score)."""
+    defs = store.definitions
+    refs = store.get_feature_service(service_name).feature_refs()
+    fields = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string())]
+    if with_model:
+        fields += [pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
+    keys: dict[str, pa.DataType] = {}
+    for ref in refs:
+        keys.update({k: t.arrow for k, t in defs.key_types[ref.split(":")[0]].items()})
+    fields += [pa.field(k, t) for k, t in keys.items()]
+    fields += [pa.field(i, pa.float64()) for i in request_inputs]
+    for ref in refs:
+        view_name, feature = ref.split(":")
+        fields += [pa.field(feature, defs.view(view_name).field(feature).dtype.arrow), pa.field(f"{feature}__status", pa.string())]
+    if with_model:
+        fields.append(pa.field("score", pa.float32()))
+    return pa.schema(fields)
+
+
+def vector_entry(query: "OnlineQuery", response: "OnlineResponse", served_at: datetime, **extra: list[Any]) -> dict[str, list[Any]]:
+    """One request's served vectors as log columns (``extra``: inputs, model fields, scores)."""
+    n = len(query.key_columns[0])
+    entry: dict[str, list[Any]] = {"served_at": [served_at] * n, "request_id": [uuid.uuid4().hex] * n,
+                                   **dict(zip(query.key_names, query.key_columns)), **extra}
+    keys = len(query.key_names)
+    for name, values, statuses in zip(response.feature_names[keys:], response.values[keys:], response.statuses[keys:]):
+        entry[name], entry[f"{name}__status"] = values, statuses
+    return entry
 
 
 class FeatureLogger:

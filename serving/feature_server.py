@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
+from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
 from serving.common import FastLane, Metrics, RegistryWatcher, dumps, error_status, install_error_handlers, json_response, repo_from_env
 
@@ -71,9 +72,17 @@ ERRORS = {
 }
 
 
-def create_app(repo: str | Path | None = None) -> FastAPI:
+def create_app(repo: str | Path | None = None, log_features: bool = False) -> FastAPI:
+    """The feature server; with ``log_features``, lookups by feature service are logged (Delta, off the request path)."""
     watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
     metrics = Metrics("featurestore_feature_server")
+    loggers: dict[str, FeatureLogger] = {}
+
+    def logger_for(service: str) -> FeatureLogger:
+        if service not in loggers:
+            store = watcher.current
+            loggers[service] = FeatureLogger(log_path(store.config.data_dir, f"service:{service}"), vector_schema(store, service))
+        return loggers[service]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -81,6 +90,8 @@ def create_app(repo: str | Path | None = None) -> FastAPI:
         gc.freeze()  # startup objects live forever: keep them out of GC scans (fewer latency spikes)
         yield
         task.cancel()
+        for logger in loggers.values():
+            logger.close()
         watcher.current.close()
 
     app = FastAPI(
@@ -109,7 +120,12 @@ def create_app(repo: str | Path | None = None) -> FastAPI:
                 bool(body.get("full_feature_names", False)), store.config.max_request_entities,
             )
             raw = await store.online_store.read_async(query.lookups)
-            return status, dumps(query.assemble(raw, datetime.now(timezone.utc)).to_dict())
+            served_at = datetime.now(timezone.utc)
+            response = query.assemble(raw, served_at)
+            service = body.get("feature_service")
+            if log_features and service and not body.get("full_feature_names"):
+                logger_for(service).log(vector_entry(query, response, served_at))
+            return status, dumps(response.to_dict())
         except FeatureStoreError as exc:
             status = error_status(exc)
             if isinstance(exc, OnlineStoreUnavailable):
@@ -184,4 +200,6 @@ def _parse_lookup(raw: bytes) -> dict[str, Any]:
 
 def app_factory() -> FastAPI:
     """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
-    return create_app()
+    import os
+
+    return create_app(log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1")

@@ -11,20 +11,18 @@ import asyncio
 import contextlib
 import sys
 import time
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import orjson
-import pyarrow as pa
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
-from featurestore.feature_logging import FeatureLogger, log_path
+from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery
 from featurestore.training.model_registry import LoadedModel, ModelRegistry, stale_views
 from serving.common import Metrics, RegistryWatcher, error_status, install_error_handlers, json_response, repo_from_env
@@ -60,24 +58,6 @@ def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:
     return loaded
 
 
-def log_schema(store: FeatureStore, loaded: LoadedModel) -> pa.Schema:
-    service = store.get_feature_service(loaded.card["feature_service"])
-    defs = store.definitions
-    fields: list[pa.Field] = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string()),
-                              pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
-    keys: dict[str, pa.DataType] = {}
-    for ref in service.feature_refs():
-        view = defs.view(ref.split(":")[0])
-        keys.update({k: t.arrow for k, t in defs.key_types[view.name].items()})
-    fields += [pa.field(k, t) for k, t in keys.items()]
-    fields += [pa.field(i, pa.float64()) for i in loaded.card["request_inputs"]]
-    for ref in service.feature_refs():
-        view_name, feature = ref.split(":")
-        fields += [pa.field(feature, defs.view(view_name).field(feature).dtype.arrow), pa.field(f"{feature}__status", pa.string())]
-    fields.append(pa.field("score", pa.float32()))
-    return pa.schema(fields)
-
-
 class ModelHolder:
     """The serving model; replaced by one attribute assignment, so a request sees old or new, whole."""
 
@@ -90,7 +70,10 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     store = watcher.current
     holder = ModelHolder(load_checked(store, model_name, stage))
     metrics = Metrics("featurestore_inference_server")
-    logger = FeatureLogger(log_path(store.config.data_dir, model_name), log_schema(store, holder.loaded)) if log_features else None
+    logger = None
+    if log_features:
+        schema = vector_schema(store, holder.loaded.card["feature_service"], holder.loaded.card["request_inputs"], with_model=True)
+        logger = FeatureLogger(log_path(store.config.data_dir, model_name), schema)
 
     async def follow_promotions() -> None:
         """Swap in a newly promoted version between requests (each replica does the same)."""
@@ -179,14 +162,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         scores = loaded.predict({**model_columns, **inputs})
         feature_names = response.feature_names[keys:]
         if logger:
-            entry: dict[str, list[Any]] = {
-                "served_at": [served_at] * n, "request_id": [uuid.uuid4().hex] * n,
-                "model_name": [loaded.name] * n, "model_version": [loaded.version] * n,
-                **dict(zip(query.key_names, query.key_columns)), **inputs, "score": scores.tolist(),
-            }
-            for name, values, statuses in zip(feature_names, response.values[keys:], response.statuses[keys:]):
-                entry[name], entry[f"{name}__status"] = values, statuses
-            logger.log(entry)
+            logger.log(vector_entry(query, response, served_at, model_name=[loaded.name] * n,
+                                    model_version=[loaded.version] * n, score=scores.tolist(), **inputs))
         predictions = []
         for row in range(n):
             predictions.append({

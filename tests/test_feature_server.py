@@ -182,3 +182,18 @@ def test_no_request_body_gets_a_500(client, body):
 def test_no_push_body_gets_a_500(client, body):
     response = client.post("/push", json=body)
     assert response.status_code in (200, 404, 422), (body, response.text)
+
+
+def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, monkeypatch):
+    from featurestore.consistency import check_service_log
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    FeatureStore(root).apply()
+    with TestClient(create_app(root, log_features=True)) as client:
+        push(client, [1, 2], [4.0, 5.0], [NOW - timedelta(minutes=2)] * 2)
+        for ids in ([1], [1, 2, 3]):
+            assert client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": ids}}).status_code == 200
+    store = FeatureStore(root)
+    report = check_service_log(store, "svc")
+    assert report.rows == 4 and report.ok, report.describe()
