@@ -181,3 +181,5 @@ def test_bad_entity_inputs_are_clear(store):
         store.get_historical_features(pd.DataFrame({"a_id": [1]}), features=["no_ttl:x"])
     with pytest.raises(Exception, match="not found"):
         store.get_historical_features(pd.DataFrame({"a_id": [1], "event_timestamp": [BASE]}), features=["nope:x"])
+    with pytest.raises(RequestError, match="join key"):
+        store.get_historical_features(pd.DataFrame({"a_id": ["abc"], "event_timestamp": [BASE]}), features=["no_ttl:x"]).to_arrow()

@@ -14,6 +14,7 @@ entity row is used instead.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
@@ -87,12 +88,14 @@ class RetrievalJob:
 
     def batches(self, rows_per_batch: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
         """Stream the result in input order, memory bounded by DuckDB."""
-        reader = self.con.sql(self.sql).to_arrow_reader(rows_per_batch)
-        for batch in reader:
-            yield self._fix_types(batch)
+        with _entity_type_errors():
+            reader = self.con.sql(self.sql).to_arrow_reader(rows_per_batch)
+            for batch in reader:
+                yield self._fix_types(batch)
 
     def to_arrow(self) -> pa.Table:
-        return self._fix_types(self.con.sql(self.sql).to_arrow_table())
+        with _entity_type_errors():
+            return self._fix_types(self.con.sql(self.sql).to_arrow_table())
 
     def to_df(self) -> "pd.DataFrame":
         return self.to_arrow().to_pandas()
@@ -113,6 +116,16 @@ class RetrievalJob:
             if writer is not None:
                 writer.close()
         return rows
+
+
+@contextlib.contextmanager
+def _entity_type_errors() -> Iterator[None]:
+    """A join key of the wrong type in the entity rows is the caller's mistake: say so."""
+    try:
+        yield
+    except (duckdb.ConversionException, duckdb.BinderException) as exc:
+        raise RequestError(f"entity rows do not fit the views' join keys ({str(exc).splitlines()[0]}); "
+                           "give each join key the entity's type") from exc
 
 
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
