@@ -87,14 +87,6 @@ def relation_schema(con: duckdb.DuckDBPyConnection, name: str) -> pa.Schema:
     return con.sql(f"SELECT * FROM {ident(name)} LIMIT 0").to_arrow_table().schema
 
 
-def source_schema(source: Source, repo_path: Path, data_dir: Path) -> pa.Schema:
-    if isinstance(source, PushSource):
-        return pa.schema([(f.name, f.dtype.arrow) for f in source.schema])
-    con = duckdb.connect()
-    register_source(con, source, repo_path, data_dir)
-    return relation_schema(con, "source")
-
-
 def view_output_schema(view: FeatureView, repo_path: Path, data_dir: Path) -> pa.Schema:
     """Columns the view's transformation produces (the source's, when there is none)."""
     con = duckdb.connect()

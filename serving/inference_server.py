@@ -35,13 +35,12 @@ class PredictRequest(BaseModel):
 
 def model_registry(store: FeatureStore) -> ModelRegistry:
     def announce(name: str, version: int, stage: str) -> None:
-        store.online_store.client.publish(models_channel(store), f"{name}:{version}:{stage}")
+        store.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
     return ModelRegistry(store.config.data_dir / "models", announce)
 
 
-def models_channel(store: FeatureStore) -> bytes:
-    return store.online_store.prefix + b"models"
+MODELS_CHANNEL = b"models"
 
 
 def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:
@@ -79,12 +78,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         """Swap in a newly promoted version between requests (each replica does the same)."""
         while True:
             try:
-                pubsub = watcher.current.online_store.async_client.pubsub()
-                await pubsub.subscribe(models_channel(watcher.current))
-                async for message in pubsub.listen():
-                    if message["type"] != "message":
-                        continue
-                    name, version, promoted_stage = message["data"].decode().split(":")
+                async for message in watcher.current.online_store.subscribe(MODELS_CHANNEL):
+                    name, version, promoted_stage = message.split(":")
                     if name == model_name and promoted_stage == stage and int(version) != holder.loaded.version:
                         try:
                             holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, int(version))

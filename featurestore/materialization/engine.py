@@ -104,7 +104,7 @@ class Materializer:
             registry.set_watermark(view.name, online_synced=False)
         fresh = computed.rows
         if write_offline:
-            fresh = self.store.offline_store.append_returning(view.name, computed.rows)
+            fresh = self.store.offline_store.append(view.name, computed.rows)
             report.new_offline_rows = fresh.num_rows
         if write_online:
             candidates = fresh if (synced and write_offline) else computed.rows

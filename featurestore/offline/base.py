@@ -17,8 +17,8 @@ HISTORY_COLUMNS = ["event_timestamp", "created_timestamp", "_run_id", "_row_id"]
 
 
 class OfflineStore(Protocol):
-    def append(self, view: str, rows: pa.Table) -> int:
-        """Append rows not already stored (by ``_row_id``); return how many were new."""
+    def append(self, view: str, rows: pa.Table) -> pa.Table:
+        """Append rows not already stored (by ``_row_id``); return the rows that were new."""
 
     def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
         """Expose the view's history (at ``version``) in ``con`` as ``name``; return the version read."""

@@ -37,10 +37,7 @@ class DeltaOfflineStore:
         table = self._table(view)
         return table.version() if table is not None else None
 
-    def append(self, view: str, rows: pa.Table) -> int:
-        return self.append_returning(view, rows).num_rows
-
-    def append_returning(self, view: str, rows: pa.Table) -> pa.Table:
+    def append(self, view: str, rows: pa.Table) -> pa.Table:
         """Append rows not already stored; return those (without the partition column)."""
         if rows.num_rows == 0:
             return rows

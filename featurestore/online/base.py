@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import AsyncIterator, Protocol, Sequence
 
 import pyarrow as pa
 
@@ -19,6 +19,12 @@ class OnlineStore(Protocol):
 
     async def read_async(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
         """``read`` for async servers."""
+
+    def publish(self, channel: bytes, message: str) -> None:
+        """Broadcast a message to subscribed servers."""
+
+    def subscribe(self, channel: bytes) -> AsyncIterator[str]:
+        """Async stream of messages on a channel."""
 
     def drop_view(self, view: str) -> None: ...
 

@@ -7,7 +7,7 @@ of HMGETs. Layout: see ``featurestore.online.codec``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 import pyarrow as pa
 import redis
@@ -132,6 +132,21 @@ class RedisOnlineStore:
         except (redis.RedisError, OSError) as exc:
             self._recover()
             raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+
+    def publish(self, channel: bytes, message: str) -> None:
+        """Broadcast to every subscribed server (model promotions)."""
+        self.client.publish(self.prefix + channel, message)
+
+    async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
+        """Messages published on ``channel``, as they come; raises when Redis goes away."""
+        pubsub = self.async_client.pubsub()
+        await pubsub.subscribe(self.prefix + channel)
+        try:
+            async for message in pubsub.listen():
+                if message["type"] == "message":
+                    yield message["data"].decode()
+        finally:
+            await pubsub.aclose()
 
     def drop_view(self, view: str) -> None:
         for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView, PushSource, content_hash
-from featurestore.errors import DefinitionError, NotFoundError
+from featurestore.errors import NotFoundError
 from featurestore.types import DType
 
 
@@ -136,9 +136,3 @@ def _collect(obj: object, defs: Definitions, seen: dict, problems: list[str]) ->
         return
     seen[key] = obj
     defs.all()[kind][obj.name] = obj  # type: ignore[attr-defined]
-
-
-def require_valid(defs: Definitions, problems: list[str]) -> Definitions:
-    if problems:
-        raise DefinitionError(problems)
-    return defs
