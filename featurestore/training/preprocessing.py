@@ -25,6 +25,7 @@ class Preprocessor:
     means: list[float] = field(default_factory=list)
     stds: list[float] = field(default_factory=list)
     vocabularies: dict[str, list[str]] = field(default_factory=dict)
+    _lookups: dict[str, dict[str, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def fit(cls, table: pa.Table, numeric: Sequence[str], categorical: Sequence[str], max_vocab: int = 1000) -> "Preprocessor":
@@ -51,39 +52,43 @@ class Preprocessor:
         return [len(self.vocabularies[c]) + 1 for c in self.categorical]
 
     def transform(self, columns: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Arrow arrays (or Python lists) by name → (float32 [n, 2·numeric], int64 [n, categorical])."""
+        """Arrow arrays (training, in bulk) or Python lists (serving, a few rows) by name →
+        (float32 [n, 2·numeric], int64 [n, categorical]). Both inputs give the same bits."""
         numeric = []
         for name, mean, std in zip(self.numeric, self.means, self.stds):
-            values = _array(columns[name], pa.float64())
-            present = values.is_valid().to_numpy(zero_copy_only=False)
-            raw = values.fill_null(mean).to_numpy(zero_copy_only=False)
+            raw, present = _numbers(columns[name], mean)
             numeric.append(np.where(present, (raw - mean) / std, 0.0).astype(np.float32))
             numeric.append((~present).astype(np.float32))
-        n = len(numeric[0]) if numeric else len(_array(columns[self.categorical[0]], pa.string()))
+        cats = [self._indexes(name, columns[name]) for name in self.categorical]
+        n = len(numeric[0]) if numeric else len(cats[0])
         x_num = torch.from_numpy(np.stack(numeric, axis=1) if numeric else np.zeros((n, 0), np.float32))
-        cats = []
-        for name in self.categorical:
-            vocab = pa.array(self.vocabularies[name], pa.string())
-            idx = pc.index_in(pc.cast(_array(columns[name], pa.string()), pa.string()), value_set=vocab)
-            cats.append(pc.add(idx, 1).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
         x_cat = torch.from_numpy(np.stack(cats, axis=1) if cats else np.zeros((n, 0), np.int64))
         return x_num, x_cat
 
+    def _indexes(self, name: str, values: Any) -> np.ndarray:
+        """Vocabulary position + 1 per value; 0 for null or unseen."""
+        if isinstance(values, (pa.Array, pa.ChunkedArray)):
+            idx = pc.index_in(pc.cast(values, pa.string()), value_set=pa.array(self.vocabularies[name], pa.string()))
+            return pc.add(idx, 1).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        lookup = self._lookups.get(name)
+        if lookup is None:
+            lookup = self._lookups[name] = {token: i + 1 for i, token in enumerate(self.vocabularies[name])}
+        return np.array([0 if v is None else lookup.get(str(v), 0) for v in values], dtype=np.int64)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        state = asdict(self)
+        state.pop("_lookups")
+        return state
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Preprocessor":
         return cls(**data)
 
 
-def _array(values: Any, typ: pa.DataType) -> pa.Array:
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if isinstance(values, pa.Array):
-        if pa.types.is_string(typ) and not pa.types.is_string(values.type):
-            return pc.cast(values, pa.string())
-        return pc.cast(values, typ) if not pa.types.is_string(typ) else values
-    if pa.types.is_string(typ):
-        return pa.array([None if v is None else str(v) for v in values], pa.string())
-    return pa.array(values, typ)
+def _numbers(values: Any, fill: float) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 values with nulls filled, presence mask) from an Arrow array or a list."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        values = pc.cast(values, pa.float64())
+        return values.fill_null(fill).to_numpy(zero_copy_only=False), values.is_valid().to_numpy(zero_copy_only=False)
+    present = np.array([v is not None for v in values], dtype=bool)
+    return np.array([fill if v is None else float(v) for v in values], dtype=np.float64), present
