@@ -162,7 +162,9 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
 
     from serving.common import REPO_ENV
 
-    _store(repo).definitions  # fail here, readably, rather than in every worker
+    store = _store(repo)
+    store.definitions  # fail here, readably, rather than in every worker
+    store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
 

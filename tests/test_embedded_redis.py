@@ -29,3 +29,16 @@ def test_embedded_redis_lifecycle(tmp_path):
     assert redis.Redis.from_url(again.ensure_running()).get("k") == b"v"
     again.stop()
     assert not _server_pids(str(again.socket))
+
+
+def test_concurrent_starts_share_one_server(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    handles = [EmbeddedRedis(tmp_path) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        urls = list(pool.map(lambda h: h.ensure_running(), handles))
+    assert len(set(urls)) == 1
+    owners = [h for h in handles if h.process is not None]
+    assert len(owners) == 1
+    owners[0].stop()
+    assert not _server_pids(str(owners[0].socket))

@@ -8,6 +8,7 @@ The process that started it stops it on ``stop()`` or at exit.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import importlib.util
 import shutil
@@ -62,6 +63,17 @@ class EmbeddedRedis:
         if self.is_running():
             return self.url
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # processes starting together (server workers) must not start two servers on one socket
+        with open(self.data_dir / ".start.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if self.is_running():
+                    return self.url
+                return self._start(timeout)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _start(self, timeout: float) -> str:
         self.socket.unlink(missing_ok=True)
         args = [
             redis_server_binary(),
