@@ -149,7 +149,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         for field in source.schema:
             if field.dtype.name == "UnixTimestamp" and field.name in frame:
                 try:
-                    frame[field.name] = pd.to_datetime(frame[field.name], utc=True)
+                    frame[field.name] = pd.to_datetime(frame[field.name], utc=True, format="ISO8601")
                 except (ValueError, TypeError, OverflowError) as exc:
                     raise RequestError(f"column {field.name!r} holds values that are not timestamps: {exc}") from exc
         rows = store.push(body.push_source_name, frame, to=body.to)
