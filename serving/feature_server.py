@@ -148,6 +148,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
             raise RequestError(f"'df' must map columns to lists of equal length: {exc}") from exc
         for field in source.schema:
             if field.dtype.name == "UnixTimestamp" and field.name in frame:
+                if not all(isinstance(v, str) for v in body.df[field.name]):
+                    raise RequestError(f"column {field.name!r} takes ISO 8601 strings, e.g. '2024-05-01T10:00:00Z'")
                 try:
                     frame[field.name] = pd.to_datetime(frame[field.name], utc=True, format="ISO8601")
                 except (ValueError, TypeError, OverflowError) as exc:
