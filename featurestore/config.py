@@ -29,6 +29,7 @@ class RepoConfig:
     registry_path: Path = Path("data/registry")
     online_url: str = EMBEDDED
     max_request_entities: int = 10_000
+    expire_after_ttl: bool = False  # let Redis drop entity keys whose data is past every view's ttl
 
     @property
     def embedded_redis(self) -> bool:
@@ -59,6 +60,7 @@ class RepoConfig:
             registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
             online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
             max_request_entities=int(online.get("max_request_entities", 10_000)),
+            expire_after_ttl=bool(online.get("expire_after_ttl", False)),
         )
 
 

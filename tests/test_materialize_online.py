@@ -267,3 +267,38 @@ v = FeatureView(name="v", entities=[user], source=FileSource(path="data/t.parque
     online = store.get_online_features({"user_id": [1, 2]}, features=["v:x"]).to_values()["x"]
     offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2], "event_timestamp": [NOW, NOW]}), features=["v:x"]).to_df()["x"].tolist()
     assert online == offline and None not in online
+
+
+def test_optional_key_expiry_after_ttl(tmp_path, redis_url, monkeypatch):
+    import time
+
+    from featurestore import FeatureStore
+
+    from .conftest import write_repo
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    defs = """
+from datetime import timedelta
+from featurestore import Entity, FeatureView, Field, FileSource
+from featurestore.types import Int64
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+item = Entity(name="item", join_keys=["item_id"], value_type=Int64)
+short = FeatureView(name="short", entities=[user], ttl=timedelta(seconds=2),
+                    source=FileSource(path="data/u.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
+forever = FeatureView(name="forever", entities=[item], source=FileSource(path="data/i.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
+"""
+    now = datetime.now(timezone.utc)
+    table = lambda key: pa.table({key: pa.array([1], pa.int64()), "ts": pa.array([now - timedelta(seconds=1)], TS), "x": pa.array([7], pa.int64())})  # noqa: E731
+    root = write_repo(tmp_path, defs, {"u": table("user_id"), "i": table("item_id")}, url=redis_url)
+    config = (root / "featurestore.yaml").read_text().replace("online_store: {url:", "online_store: {expire_after_ttl: true, url:")
+    (root / "featurestore.yaml").write_text(config)
+    store = FeatureStore(root)
+    store.materialize(None, now + timedelta(seconds=1))
+    client = store.online_store.client
+    user_key = f"fs:{store.config.project}:{{user_id=1}}"
+    assert 0 < client.pttl(user_key) <= 1000
+    assert client.pttl(f"fs:{store.config.project}:{{item_id=1}}") == -1  # no ttl: kept
+    time.sleep(1.2)
+    assert not client.exists(user_key)
+    assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_dict()["results"][1]["statuses"] == ["NOT_FOUND"]
+    store.close()

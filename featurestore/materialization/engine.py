@@ -11,7 +11,7 @@ order key), so a re-run always converges to the state of an uninterrupted run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Literal, Sequence
 
 import duckdb
@@ -79,6 +79,19 @@ class Materializer:
                 bar.advance(task)
         return report
 
+    def _expiry(self, view: FeatureView) -> timedelta | None:
+        """Key expiry for this view's writes, when asked for and safe.
+
+        All views keyed by the same join keys share one Redis hash, so the key may expire only
+        if every one of them has a ttl; it then lives until the longest of them runs out.
+        """
+        if not self.store.config.expire_after_ttl:
+            return None
+        sharing = [v for v in self.store.definitions.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)]
+        if any(v.ttl is None for v in sharing):
+            return None
+        return max(v.ttl for v in sharing)
+
     def write_view(
         self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
         online: bool, offline: bool, on_bad_rows: str = "reject",
@@ -110,7 +123,7 @@ class Materializer:
             candidates = fresh if (synced and write_offline) else computed.rows
             latest = latest_per_entity(candidates, view.join_keys)
             features = [(f.name, f.dtype) for f in view.schema]
-            self.store.online_store.write_latest(view.name, latest, view.join_keys, features)
+            self.store.online_store.write_latest(view.name, latest, view.join_keys, features, self._expiry(view))
             report.online_rows = latest.num_rows
         marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
         if end is not None:

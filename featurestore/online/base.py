@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import AsyncIterator, Protocol, Sequence
 
 import pyarrow as pa
@@ -11,8 +12,9 @@ Lookup = tuple[bytes, Sequence[str]]
 
 
 class OnlineStore(Protocol):
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence) -> int:
-        """Store each entity's row unless a stored one is newer (event, created, run, row id)."""
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None) -> int:
+        """Store each entity's row unless a stored one is newer (event, created, run, row id);
+        with ``expire_after``, drop the entity's key once its newest data is that old."""
 
     def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent)."""

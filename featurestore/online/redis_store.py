@@ -7,6 +7,7 @@ of HMGETs. Layout: see ``featurestore.online.codec``.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import AsyncIterator, Sequence
 
 import pyarrow as pa
@@ -22,16 +23,22 @@ from featurestore.online.embedded import EmbeddedRedis
 # KEYS: entity keys; ARGV[1]: view field; ARGV[i+1]: value for KEYS[i].
 # A value replaces the stored one only if its 32-byte order key is larger: compared as
 # eight big-endian uint32s (exact; Lua numbers are doubles and string < depends on locale).
+# KEYS: entity keys; ARGV[1]: view field; ARGV[2]: expiry ttl in ms (0: none); ARGV[i+2]: value for KEYS[i].
+# A value replaces the stored one only if its 32-byte order key is larger: compared as
+# eight big-endian uint32s (exact; Lua numbers are doubles and string < depends on locale).
+# With a ttl, the key expires when its newest value would be OUTSIDE_MAX_AGE (never earlier).
 WRITE_IF_NEWER = """
 local field = ARGV[1]
+local ttl_ms = tonumber(ARGV[2])
 local written = 0
+local now_ms = nil
 for i, key in ipairs(KEYS) do
-  local new = ARGV[i + 1]
+  local new = ARGV[i + 2]
+  local n = {struct.unpack('>I4I4I4I4I4I4I4I4', new)}
   local old = redis.call('HGET', key, field)
   local newer = true
   if old then
     local o = {struct.unpack('>I4I4I4I4I4I4I4I4', old)}
-    local n = {struct.unpack('>I4I4I4I4I4I4I4I4', new)}
     newer = false
     for j = 1, 8 do
       if n[j] ~= o[j] then newer = n[j] > o[j]; break end
@@ -40,6 +47,18 @@ for i, key in ipairs(KEYS) do
   if newer then
     redis.call('HSET', key, field, new)
     written = written + 1
+    if ttl_ms > 0 then
+      if not now_ms then
+        local t = redis.call('TIME')
+        now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      end
+      local event_ms = math.floor(((n[1] - 2147483648) * 4294967296 + n[2]) / 1000)
+      local expire_at = event_ms + ttl_ms
+      local pttl = redis.call('PTTL', key)
+      if pttl == -1 or now_ms + pttl < expire_at then
+        redis.call('PEXPIREAT', key, expire_at)
+      end
+    end
   end
 end
 return written
@@ -68,16 +87,18 @@ class RedisOnlineStore:
     def prefix(self) -> bytes:
         return key_prefix(self.project)
 
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence) -> int:
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None) -> int:
+        """Compare-and-set each entity's row; with ``expire_after``, keys expire once their data is too old to serve."""
         if rows.num_rows == 0:
             return 0
         keys = entity_keys(self.project, rows, join_keys)
         values = encode_values(rows, features)
+        ttl_ms = int(expire_after.total_seconds() * 1000) if expire_after else 0
         written = 0
         try:
             pipe = self.client.pipeline(transaction=False)
             for start in range(0, len(keys), CHUNK):
-                self._write(keys=keys[start:start + CHUNK], args=[view, *values[start:start + CHUNK]], client=pipe)
+                self._write(keys=keys[start:start + CHUNK], args=[view, ttl_ms, *values[start:start + CHUNK]], client=pipe)
             written = sum(pipe.execute())
         except redis.ConnectionError as exc:
             raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
