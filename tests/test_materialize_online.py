@@ -244,6 +244,10 @@ def test_online_request_errors(users_store):
     store.materialize(None, NOW)
     with pytest.raises(RequestError, match="takes Int64"):
         store.get_online_features([{"user_id": "1"}], features=["users:i64"])
+    import numpy as np
+
+    by_numpy = store.get_online_features({"user_id": list(np.array([1, 2]))}, features=["users:i64"]).to_values()
+    assert by_numpy["i64"] == store.get_online_features({"user_id": [1, 2]}, features=["users:i64"]).to_values()["i64"]
     with pytest.raises(RequestError, match="missing join key"):
         store.get_online_features([{"other": 1}], features=["users:i64"])
     with pytest.raises(RequestError, match="no entities"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from numbers import Integral
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -61,9 +62,13 @@ class OnlineResponse:
         return pd.DataFrame(data)
 
 
+def _integer(v: Any) -> bool:
+    return type(v) is int or (isinstance(v, Integral) and not isinstance(v, bool))  # numpy ints too
+
+
 _KEY_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "Int32": lambda v: type(v) is int and -(2**31) <= v < 2**31,
-    "Int64": lambda v: type(v) is int and -(2**63) <= v < 2**63,
+    "Int32": lambda v: _integer(v) and -(2**31) <= v < 2**31,
+    "Int64": lambda v: _integer(v) and -(2**63) <= v < 2**63,
     "String": lambda v: isinstance(v, str),
     "Bool": lambda v: isinstance(v, bool),
     "Bytes": lambda v: isinstance(v, (bytes, str)),
