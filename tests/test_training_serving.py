@@ -236,3 +236,10 @@ def test_no_predict_body_gets_a_500(trained):
             assert response.status_code in (200, 404, 422), (body, response.text)
 
         check()
+
+
+def test_regression_task_reports_rmse(trained, tmp_path):
+    config = TrainConfig(**{**trained["config"].__dict__, "task": "regression", "label": "amount", "request_inputs": [], "epochs": 1})
+    run = train(config, tmp_path, progress=False)
+    final = json.loads((run / "final.json").read_text())
+    assert final["val_rmse"] > 0 and "val_auc" not in final
