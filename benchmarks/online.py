@@ -75,6 +75,17 @@ def timed(fn, iterations: int, seconds: float) -> list[float]:
     return out
 
 
+def paired(ours, raw, iterations: int, seconds: float, block: int = 100) -> tuple[list[float], list[float]]:
+    """Time both sides in alternating blocks, so drifting machine noise hits both alike."""
+    a: list[float] = []
+    b: list[float] = []
+    deadline = time.perf_counter() + 2 * seconds
+    while len(a) < iterations and time.perf_counter() < deadline:
+        a += timed(ours, block, seconds)
+        b += timed(raw, block, seconds)
+    return a, b
+
+
 class HttpClient:
     """HTTP/1.1 keep-alive over one socket: the least client overhead Python allows."""
 
@@ -184,7 +195,7 @@ def main() -> None:
                 pipe.hmget(b"fs:%s:{user_id=%d}" % (PROJECT.encode(), i), ["stats"])
             pipe.execute()
 
-        ours, ref = percentiles(timed(sdk, iterations[size], args.seconds)), percentiles(timed(raw, iterations[size], args.seconds))
+        ours, ref = map(percentiles, paired(sdk, raw, iterations[size], args.seconds))
         rows.append(("sdk", size, ours, ref))
         print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
               f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
@@ -205,8 +216,8 @@ def main() -> None:
             for _ in range(200):  # warm up both
                 ours_http.post("/get-online-features", bodies[0])
                 raw_http.post("/", bodies[0])
-            ours = percentiles(timed(lambda: ours_http.post("/get-online-features", bodies[next(k) % len(bodies)]), iterations[size], args.seconds))
-            ref = percentiles(timed(lambda: raw_http.post("/", bodies[next(k) % len(bodies)]), iterations[size], args.seconds))
+            ours, ref = map(percentiles, paired(lambda: ours_http.post("/get-online-features", bodies[next(k) % len(bodies)]),
+                                                lambda: raw_http.post("/", bodies[next(k) % len(bodies)]), iterations[size], args.seconds))
             print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
                   f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
         bodies = [orjson.dumps({"features": FEATURES, "entities": {"user_id": b}}) for b in ids[1]]
