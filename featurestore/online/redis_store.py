@@ -66,26 +66,6 @@ return written
 
 CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
-# KEYS: entity keys sharing one set of view fields (ARGV). One command instead of one HMGET
-# per entity: Redis runs the loop, the client parses one reply. (EVAL, not EVALSHA: Redis
-# caches the compiled script, and a restarted server never answers NOSCRIPT.)
-READ_MANY = """
-local out = {}
-for i, key in ipairs(KEYS) do out[i] = redis.call('HMGET', key, unpack(ARGV)) end
-return out
-"""
-
-
-def _batches(lookups: Sequence[Lookup]) -> list[tuple[list[bytes], Sequence[str]]]:
-    """Consecutive lookups asking the same fields, as (keys, fields), in order, at most CHUNK keys each."""
-    batches: list[tuple[list[bytes], Sequence[str]]] = []
-    for key, fields in lookups:
-        if batches and batches[-1][1] == fields and len(batches[-1][0]) < CHUNK:
-            batches[-1][0].append(key)
-        else:
-            batches.append(([key], fields))
-    return batches
-
 
 class RedisOnlineStore:
     def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None):
@@ -130,9 +110,9 @@ class RedisOnlineStore:
                 key, fields = lookups[0]
                 return [self.client.hmget(key, fields)]
             pipe = self.client.pipeline(transaction=False)
-            for keys, fields in _batches(lookups):
-                pipe.eval(READ_MANY, len(keys), *keys, *fields)
-            return [row for rows in pipe.execute() for row in rows]
+            for key, fields in lookups:
+                pipe.hmget(key, fields)
+            return pipe.execute()
         except redis.ConnectionError as exc:
             self._recover()
             raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
@@ -149,9 +129,9 @@ class RedisOnlineStore:
                 key, fields = lookups[0]
                 return [await self.async_client.hmget(key, fields)]
             pipe = self.async_client.pipeline(transaction=False)
-            for keys, fields in _batches(lookups):
-                pipe.eval(READ_MANY, len(keys), *keys, *fields)
-            return [row for rows in await pipe.execute() for row in rows]
+            for key, fields in lookups:
+                pipe.hmget(key, fields)
+            return await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._recover()
             raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
