@@ -77,14 +77,13 @@ class FeatureLogger:
         self._thread.start()
 
     def log(self, columns: dict[str, list[Any]]) -> None:
-        n = len(next(iter(columns.values())))
         with self._lock:
             self._buffer.append(columns)
-            self._rows += n
+            self._rows += _rows(columns)
             while self._rows > self.max_rows and self._buffer:
-                dropped = self._buffer.pop(0)
-                self._rows -= len(next(iter(dropped.values())))
-                self.dropped_rows += len(next(iter(dropped.values())))
+                dropped = _rows(self._buffer.pop(0))
+                self._rows -= dropped
+                self.dropped_rows += dropped
 
     def flush(self) -> int:
         with self._lock:
@@ -104,7 +103,7 @@ class FeatureLogger:
             print(f"feature logging: flush failed ({exc}); will retry", file=sys.stderr)
             with self._lock:
                 self._buffer = pending + self._buffer
-                self._rows += sum(len(next(iter(c.values()))) for c in pending)
+                self._rows += sum(_rows(c) for c in pending)
             return 0
 
     def _run(self) -> None:
@@ -115,6 +114,10 @@ class FeatureLogger:
         self._stop.set()
         self._thread.join(timeout=10)
         self.flush()
+
+
+def _rows(columns: dict[str, list[Any]]) -> int:
+    return len(next(iter(columns.values())))
 
 
 def read_log(path: Path) -> pa.Table:

@@ -135,10 +135,11 @@ class FeatureStore:
         return self.materialize(start, end, views, online=False, **kw)
 
     def materialize_incremental(self, end: datetime | None = None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
-        """Write every row not yet materialized (late arrivals included) up to ``end``."""
-        from featurestore.materialization.engine import Materializer
+        """Write every row not yet materialized (late arrivals included) up to ``end``.
 
-        return Materializer(self, progress=kw.pop("progress", False)).run(views, start=None, end=end, incremental=True, **kw)
+        No start: the whole source is computed and only rows the history lacks (by identity)
+        are new, so rows arriving late, whatever their event time, are never skipped."""
+        return self.materialize(None, end, views, **kw)
 
     def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict", to: Literal["online", "offline", "online_and_offline"] = "online_and_offline") -> int:
         """Validate rows against the push source and write them; returns the row count."""

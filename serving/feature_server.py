@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -21,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
+from featurestore.errors import OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
-from serving.common import FastLane, Metrics, RegistryWatcher, dumps, error_status, install_error_handlers, json_response, repo_from_env
+from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class GetOnlineFeaturesRequest(BaseModel):
@@ -103,40 +102,30 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     )
     install_error_handlers(app, metrics)
 
+    async def lookup_body(raw_body: bytes) -> dict[str, Any]:
+        body = _parse_lookup(raw_body)
+        store = watcher.current
+        query = OnlineQuery.prepare(
+            store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
+            bool(body.get("full_feature_names", False)), store.config.max_request_entities,
+        )
+        raw = await store.online_store.read_async(query.lookups)
+        served_at = datetime.now(timezone.utc)
+        response = query.assemble(raw, served_at)
+        service = body.get("feature_service")
+        if log_features and service and not body.get("full_feature_names"):
+            logger_for(service).log(vector_entry(query, response, served_at))
+        return response.to_dict()
+
+    lookup = json_handler(metrics, "get-online-features", lookup_body)
+
     @app.post(
         "/get-online-features", response_model=OnlineFeaturesResponse, responses=ERRORS,
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": GetOnlineFeaturesRequest.model_json_schema()}}}},
         summary="Latest feature values for entities, column-major (Feast's shape)",
     )
-    async def lookup(raw_body: bytes) -> tuple[int, bytes]:
-        """The whole lookup: JSON in, JSON out (also served by the FastLane, bypassing routing)."""
-        started = time.perf_counter()
-        status = 200
-        try:
-            body = _parse_lookup(raw_body)
-            store = watcher.current
-            query = OnlineQuery.prepare(
-                store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
-                bool(body.get("full_feature_names", False)), store.config.max_request_entities,
-            )
-            raw = await store.online_store.read_async(query.lookups)
-            served_at = datetime.now(timezone.utc)
-            response = query.assemble(raw, served_at)
-            service = body.get("feature_service")
-            if log_features and service and not body.get("full_feature_names"):
-                logger_for(service).log(vector_entry(query, response, served_at))
-            return status, dumps(response.to_dict())
-        except FeatureStoreError as exc:
-            status = error_status(exc)
-            if isinstance(exc, OnlineStoreUnavailable):
-                metrics.redis_errors.inc()
-            return status, dumps({"detail": str(exc)})
-        finally:
-            metrics.observe("get-online-features", status, started)
-
     async def get_online_features(request: Request) -> Response:
-        status, payload = await lookup(await request.body())
-        return Response(payload, status_code=status, media_type="application/json")
+        return await respond(lookup, request)
 
     @app.post("/push", responses=ERRORS, summary="Write rows of a push source to the online and/or offline store")
     def push(body: PushRequest) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import gc
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, Reque
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery
 from featurestore.training.model_registry import LoadedModel, ModelRegistry, stale_views
-from serving.common import FastLane, Metrics, RegistryWatcher, dumps, error_status, install_error_handlers, json_response, repo_from_env
+from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class PredictRequest(BaseModel):
@@ -122,22 +121,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
     )
     async def predict(request: Request) -> Response:
-        status, payload = await predict_body(await request.body())
-        return Response(payload, status_code=status, media_type="application/json")
-
-    async def predict_body(raw_body: bytes) -> tuple[int, bytes]:
-        """JSON in, JSON out (also served by the FastLane, bypassing routing)."""
-        started = time.perf_counter()
-        status = 200
-        try:
-            return status, dumps(await _predict(raw_body))
-        except FeatureStoreError as exc:
-            status = error_status(exc)
-            if isinstance(exc, OnlineStoreUnavailable):
-                metrics.redis_errors.inc()
-            return status, dumps({"detail": str(exc)})
-        finally:
-            metrics.observe("predict", status, started)
+        return await respond(predict_body, request)
 
     async def _predict(raw_body: bytes) -> dict[str, Any]:
         try:
@@ -181,6 +165,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
                 "missing_features": [name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT],
             })
         return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
+
+    predict_body = json_handler(metrics, "predict", _predict)
 
     @app.get("/health", summary="Liveness, model version and Redis reachability")
     async def health() -> Response:

@@ -59,8 +59,7 @@ class Materializer:
         self.progress = progress
 
     def run(
-        self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, incremental: bool = False,
-        online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
+        self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
     ) -> MaterializationReport:
         defs = self.store.definitions
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
@@ -73,7 +72,7 @@ class Materializer:
                 con = duckdb.connect()
                 register_view_rows(con, view, self.store.config.repo_path, self.store.config.data_dir)
                 report.views.append(
-                    self.write_view(con, view, start=None if incremental else start, end=end,
+                    self.write_view(con, view, start=start, end=end,
                                     online=online, offline=offline, on_bad_rows=on_bad_rows)
                 )
                 bar.advance(task)

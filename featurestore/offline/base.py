@@ -13,7 +13,14 @@ import pyarrow as pa
 #   _run_id            the write run that stored the row (later run = later ingest)
 #   _row_id            63-bit hash of keys, event time, source created time and values: the row's
 #                      identity, used to make re-runs idempotent and to order ties within a run
-HISTORY_COLUMNS = ["event_timestamp", "created_timestamp", "_run_id", "_row_id"]
+HISTORY_COLUMNS: dict[str, pa.DataType] = {
+    "event_timestamp": pa.timestamp("us", tz="UTC"),
+    "created_timestamp": pa.timestamp("us", tz="UTC"),
+    "_run_id": pa.int64(),
+    "_row_id": pa.int64(),
+}
+# Stores may partition history by the event's UTC date under this column name.
+PARTITION_COLUMN = "event_date"
 
 
 class OfflineStore(Protocol):
@@ -35,13 +42,4 @@ class OfflineStore(Protocol):
 
 def history_schema(view_keys: dict[str, pa.DataType], features: list[tuple[str, pa.DataType]]) -> pa.Schema:
     """Schema of a view's history table (without the partition column)."""
-    return pa.schema(
-        [
-            *view_keys.items(),
-            ("event_timestamp", pa.timestamp("us", tz="UTC")),
-            ("created_timestamp", pa.timestamp("us", tz="UTC")),
-            ("_run_id", pa.int64()),
-            ("_row_id", pa.int64()),
-            *features,
-        ]
-    )
+    return pa.schema([*view_keys.items(), *HISTORY_COLUMNS.items(), *features])

@@ -15,9 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
+from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.sources import ident, quote
-
-PARTITION = "event_date"
 
 
 class DeltaOfflineStore:

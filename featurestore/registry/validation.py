@@ -8,12 +8,13 @@ from datetime import timedelta
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView, FeatureViewProjection
+from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions
 from featurestore.sources import view_output_schema
 from featurestore.types import String, castable, from_arrow, is_timestamp_like
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = {"event_timestamp", "created_timestamp", "_ingest_seq", "_row_id", "event_date"}
+RESERVED = {*HISTORY_COLUMNS, PARTITION_COLUMN}  # names the history tables use themselves
 
 
 def validate(defs: Definitions, config: RepoConfig) -> list[str]:
