@@ -1,6 +1,7 @@
 """featurestore: one Python definition per feature, materialized to a Delta history store and Redis."""
 
 from featurestore.definitions import (
+    Aggregation,
     Entity,
     FeatureService,
     FeatureView,
@@ -14,6 +15,7 @@ from featurestore.feature_store import FeatureStore
 __version__ = "0.1.0"
 
 __all__ = [
+    "Aggregation",
     "Entity",
     "FeatureService",
     "FeatureStore",

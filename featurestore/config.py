@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,9 @@ class RepoConfig:
     online_url: str = EMBEDDED
     max_request_entities: int = 10_000
     expire_after_ttl: bool = False  # let Redis drop entity keys whose data is past every view's ttl
+    # how long events of aggregated views stay online beyond their longest window, so lookups
+    # at past times (replays, backtests) stay exact
+    event_retention: timedelta = timedelta(0)
 
     @property
     def embedded_redis(self) -> bool:
@@ -61,7 +65,21 @@ class RepoConfig:
             online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
             max_request_entities=int(online.get("max_request_entities", 10_000)),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
+            event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
         )
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: object, where: str) -> timedelta:
+    """``90`` (seconds), ``"90s"``, ``"15m"``, ``"12h"`` or ``"3d"``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return timedelta(seconds=value)
+    text = str(value).strip()
+    if len(text) > 1 and text[-1] in _UNITS and text[:-1].isdigit():
+        return timedelta(seconds=int(text[:-1]) * _UNITS[text[-1]])
+    raise FeatureStoreError(f"{where}: {value!r} is not a duration; write seconds or e.g. '90s', '15m', '12h', '3d'")
 
 
 def _resolve(repo: Path, value: str) -> Path:

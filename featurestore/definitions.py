@@ -158,6 +158,76 @@ Source = Union[FileSource, SqlSource, PushSource]
 Transformation = Union[str, Callable[..., Any], None]
 
 
+# ---------------------------------------------------------------- aggregations
+
+AGGREGATION_FUNCTIONS = (
+    "count", "sum", "mean", "min", "max", "stddev", "variance", "last", "last_n", "count_distinct",
+)
+
+
+def window_label(window: timedelta) -> str:
+    """``timedelta(hours=24)`` -> ``"24h"``, ``timedelta(days=7)`` -> ``"7d"``: the suffix of derived names."""
+    seconds = int(window.total_seconds())
+    if window != timedelta(seconds=seconds):
+        return f"{int(window / timedelta(microseconds=1))}us"
+    if seconds % 86400 == 0 and seconds >= 2 * 86400:
+        return f"{seconds // 86400}d"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+@dataclass(eq=False)
+class Aggregation:
+    """A feature computed over an entity's events in a trailing window.
+
+    The value at time t aggregates the events with event time in ``(t - window, t]``: offline t
+    is the entity row's time, online it is the moment of the lookup. Nulls in ``column`` are
+    skipped (as in SQL); ``count`` without a column counts events. ``where`` keeps only events
+    passing a comparison on a stored column, ``(column, op, value)`` with op one of ``==``, ``!=``,
+    ``<``, ``<=``, ``>``, ``>=``, ``in``, ``not in`` (a null column never passes); both stores
+    evaluate it the same way. ``last_n`` keeps the ``n`` newest non-null values, newest first.
+    """
+
+    function: str
+    window: timedelta
+    column: str | None = None
+    name: str = ""
+    n: int | None = None
+    where: tuple[str, str, Any] | None = None
+
+    @property
+    def output_name(self) -> str:
+        if self.name:
+            return self.name
+        what = f"{self.column}_{self.function}" if self.column else self.function
+        if self.function == "last_n":
+            what = f"{self.column}_last_{self.n}"
+        return f"{what}_{window_label(self.window)}"
+
+    def output_type(self, input_type: DType | None) -> DType:
+        """The feature's type, given the aggregated column's (None for a column-less count)."""
+        from featurestore import types as t
+
+        if self.function in ("count", "count_distinct"):
+            return t.Int64
+        assert input_type is not None
+        if self.function == "sum":
+            return t.Int64 if input_type.name in ("Int32", "Int64", "Bool") else t.Float64
+        if self.function in ("mean", "stddev", "variance"):
+            return t.Float64
+        if self.function == "last_n":
+            return t.Array(input_type)
+        return input_type  # min, max, last
+
+    def to_spec(self) -> dict[str, Any]:
+        return {
+            "function": self.function, "column": self.column, "window_us": self.window // timedelta(microseconds=1),
+            "name": self.output_name, "n": self.n, "where": list(self.where) if self.where else None,
+        }
+
+
 # ---------------------------------------------------------------- views
 
 
@@ -168,6 +238,11 @@ class FeatureView:
     ``transformation`` is an optional SQL ``SELECT ... FROM source`` or a Python function
     taking and returning a pyarrow Table (or pandas DataFrame); it runs once, at
     materialization, so training and serving read the same computed rows.
+
+    With ``aggregations`` the view stores events (``schema`` lists their columns) and serves
+    windowed aggregates of them, exact at any moment online and offline. ``event_id`` names
+    the column identifying an event, so a retried push never counts twice (default: the
+    event's whole content).
     """
 
     name: str
@@ -181,6 +256,8 @@ class FeatureView:
     description: str = ""
     owner: str = ""
     tags: dict[str, str] = field(default_factory=dict)
+    aggregations: list[Aggregation] = field(default_factory=list)
+    event_id: str | None = None
     location: Location = field(default_factory=_location, repr=False)
 
     @property
@@ -188,11 +265,27 @@ class FeatureView:
         return [k for e in self.entities for k in e.join_keys]
 
     @property
+    def is_aggregated(self) -> bool:
+        return bool(self.aggregations)
+
+    @property
+    def features(self) -> list[Field]:
+        """What the view serves: its stored columns, or for an aggregated view the aggregates."""
+        if not self.aggregations:
+            return self.schema
+        stored = {f.name: f.dtype for f in self.schema}
+        return [Field(a.output_name, a.output_type(stored.get(a.column) if a.column else None)) for a in self.aggregations]
+
+    @property
     def feature_names(self) -> list[str]:
-        return [f.name for f in self.schema]
+        return [f.name for f in self.features]
+
+    @property
+    def longest_window(self) -> timedelta:
+        return max(a.window for a in self.aggregations)
 
     def field(self, name: str) -> Field:
-        for f in self.schema:
+        for f in self.features:
             if f.name == name:
                 return f
         raise KeyError(name)
@@ -227,6 +320,7 @@ class FeatureView:
             "description": self.description,
             "owner": self.owner,
             "tags": dict(self.tags),
+            **({"aggregations": [a.to_spec() for a in self.aggregations], "event_id": self.event_id} if self.aggregations else {}),
         }
 
 

@@ -160,12 +160,15 @@ class FeatureStore:
 
     def get_online_features(
         self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
-        feature_service: str | FeatureService | None = None, full_feature_names: bool = False,
+        feature_service: str | FeatureService | None = None, full_feature_names: bool = False, at: datetime | None = None,
     ) -> "OnlineResponse":
-        """Latest values per entity from the online store, with per-value statuses."""
+        """Latest values per entity from the online store, with per-value statuses.
+
+        Windowed aggregates and ttls are evaluated at ``at`` (default: now); a past ``at`` suits
+        replays and backtests while the events are retained online (``online_store.event_retention``)."""
         from featurestore.retrieval.online import get_online_features
 
-        return get_online_features(self, entity_rows, features, feature_service, full_feature_names)
+        return get_online_features(self, entity_rows, features, feature_service, full_feature_names, at)
 
     def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""

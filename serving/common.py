@@ -7,7 +7,7 @@ import base64
 import contextlib
 import os
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -49,6 +49,20 @@ def error_status(exc: Exception) -> int:
     if isinstance(exc, OnlineStoreUnavailable):
         return 503
     return 400
+
+
+def request_time(body: Any) -> datetime:
+    """The time a lookup is evaluated at: the body's optional ``at`` (ISO 8601, for replays), else now."""
+    at = body.get("at") if isinstance(body, dict) else None
+    if at is None:
+        return datetime.now(timezone.utc)
+    try:
+        parsed = datetime.fromisoformat(at) if isinstance(at, str) else None
+    except ValueError:
+        parsed = None
+    if parsed is None:
+        raise RequestError(f"'at' must be an ISO 8601 time such as '2024-05-01T10:00:00Z', not {at!r}")
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
 
 
 class Metrics:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 from featurestore.errors import OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
-from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import FastLane, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class GetOnlineFeaturesRequest(BaseModel):
@@ -33,6 +33,7 @@ class GetOnlineFeaturesRequest(BaseModel):
     feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
     entities: dict[str, list[Any]] = Field(..., description="Join key -> list of values; request-time inputs also go here.")
     full_feature_names: bool = Field(False, description="Name features 'view__feature'.")
+    at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
 
     model_config = {"json_schema_extra": {"examples": [
         {"features": ["card_activity:txn_count_1h", "card_profile:credit_limit"], "entities": {"card_id": [1, 2]}}
@@ -105,13 +106,12 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     async def lookup_body(raw_body: bytes) -> dict[str, Any]:
         body = _parse_lookup(raw_body)
         store = watcher.current
+        served_at = request_time(body)
         query = OnlineQuery.prepare(
             store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
-            bool(body.get("full_feature_names", False)), store.config.max_request_entities,
+            bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=served_at,
         )
-        raw = await store.online_store.read_async(query.lookups)
-        served_at = datetime.now(timezone.utc)
-        response = query.assemble(raw, served_at)
+        response = query.assemble(await store.online_store.read_async(query.lookups, query.ranges))
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
             logger_for(service).log(vector_entry(query, response, served_at))

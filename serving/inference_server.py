@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import gc
 import sys
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import orjson
 import torch
@@ -26,11 +26,12 @@ from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, Reque
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery
 from featurestore.training.model_registry import LoadedModel, ModelRegistry, stale_views
-from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class PredictRequest(BaseModel):
     instances: list[dict[str, Any]] = Field(..., description="Entity keys and request-time inputs, one object per prediction.")
+    at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
     model_config = {"json_schema_extra": {"examples": [{"instances": [{"card_id": 17, "merchant_id": 4, "amount": 129.9}]}]}}
 
 
@@ -141,10 +142,10 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 raise RequestError(f"every instance needs a numeric request input {name!r}")
             inputs[name] = [float(v) for v in values]
+        served_at = request_time(body)
         query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
-                                    False, current.config.max_request_entities)
-        served_at = datetime.now(timezone.utc)
-        response = query.assemble(await current.online_store.read_async(query.lookups), served_at)
+                                    False, current.config.max_request_entities, now=served_at)
+        response = query.assemble(await current.online_store.read_async(query.lookups, query.ranges))
         n = len(instances)
         keys = len(query.key_names)
         model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))

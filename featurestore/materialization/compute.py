@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
+from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
 from featurestore.sources import ident, quote
 from featurestore.types import DType, duckdb_type
@@ -54,6 +56,8 @@ def compute(
     reasons += [f"WHEN {ts_col} IS NULL THEN 'null event timestamp'", "WHEN __event IS NULL THEN 'unparseable event timestamp'"]
     if created_col:
         reasons.append(f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'")
+    if view.event_id:
+        reasons.append(f"WHEN {ident(view.event_id)} IS NULL THEN 'null event id {view.event_id}'")
     for f in view.schema:
         c = ident(f.name)
         typed.append(f"TRY_CAST({c} AS {duckdb_type(f.dtype)}) AS __f_{f.name}")
@@ -108,3 +112,18 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
         f"""SELECT * FROM r QUALIFY row_number() OVER (
             PARTITION BY {keys} ORDER BY event_timestamp DESC, created_timestamp DESC, _run_id DESC, _row_id DESC) = 1"""
     ).to_arrow_table().cast(rows.schema)
+
+
+def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
+    """An aggregated view's rows to send online: recent enough, one per (entity, event id),
+    the first stored winning (the offline rule), with their event ids."""
+    con = duckdb.connect()
+    con.register("r", rows)
+    keys = ", ".join(ident(k) for k in view.join_keys)
+    out = con.sql(
+        f"""SELECT *, {event_id_sql(view)} AS __eid FROM r
+        WHERE epoch_us(event_timestamp) >= {int(cutoff_us)}
+        QUALIFY row_number() OVER (PARTITION BY {keys}, __eid ORDER BY _run_id, _row_id) = 1"""
+    ).to_arrow_table()
+    ids = out["__eid"].to_numpy()
+    return out.drop_columns(["__eid"]).cast(rows.schema), ids

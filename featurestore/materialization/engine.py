@@ -21,7 +21,7 @@ from rich.progress import Progress
 
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
-from featurestore.materialization.compute import compute, latest_per_entity
+from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
 from featurestore.sources import register_view_rows
 
 if TYPE_CHECKING:
@@ -120,10 +120,17 @@ class Materializer:
             report.new_offline_rows = fresh.num_rows
         if write_online:
             candidates = fresh if (synced and write_offline) else computed.rows
-            latest = latest_per_entity(candidates, view.join_keys)
-            features = [(f.name, f.dtype) for f in view.schema]
-            self.store.online_store.write_latest(view.name, latest, view.join_keys, features, self._expiry(view))
-            report.online_rows = latest.num_rows
+            stored = [(f.name, f.dtype) for f in view.schema]
+            if view.is_aggregated:
+                horizon = view.longest_window + self.store.config.event_retention
+                cutoff_us = (now - horizon - _EPOCH) // timedelta(microseconds=1)
+                events, ids = events_to_add(candidates, view, cutoff_us)
+                self.store.online_store.write_events(view.name, events, view.join_keys, stored, ids, cutoff_us, horizon)
+                report.online_rows = events.num_rows
+            else:
+                latest = latest_per_entity(candidates, view.join_keys)
+                self.store.online_store.write_latest(view.name, latest, view.join_keys, stored, self._expiry(view))
+                report.online_rows = latest.num_rows
         marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
         if end is not None:
             marks["end"] = end.isoformat()
@@ -133,6 +140,9 @@ class Materializer:
             marks["online_synced"] = True
         registry.set_watermark(view.name, **marks)
         return report
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def _max_iso(rows: pa.Table) -> str:

@@ -9,6 +9,8 @@ import pyarrow as pa
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
+# One event range: a sorted-set key and the event-time bounds (low exclusive, high inclusive), in µs.
+Range = tuple[bytes, int, int]
 
 
 class OnlineStore(Protocol):
@@ -16,10 +18,14 @@ class OnlineStore(Protocol):
         """Store each entity's row unless a stored one is newer (event, created, run, row id);
         with ``expire_after``, drop the entity's key once its newest data is that old."""
 
-    def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
-        """One round trip: for each lookup, the encoded value of each wanted view (None if absent)."""
+    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids, cutoff_us: int, horizon: timedelta) -> int:
+        """Add each event to its entity's window state once per event id (ignoring events before ``cutoff_us``)."""
 
-    async def read_async(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+        """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
+        then for each range, the encoded events in it, oldest first."""
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """``read`` for async servers."""
 
     def publish(self, channel: bytes, message: str) -> None:

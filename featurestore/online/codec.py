@@ -17,6 +17,14 @@ Value (one per view field), written in bulk from Arrow columns:
               Int64/Float64/UnixTimestamp (µs) 8 bytes, Bool 1 byte
     lengths   uint32 big-endian per variable-width feature (String, Bytes, Array)
     data      their bytes in schema order: UTF-8, raw bytes, or JSON text for arrays
+
+Events of an aggregated view live beside the hash, under the same hash tag::
+
+    fs:<project>:{card_id=42}:ev:<view>     sorted set: score = event µs, member = event
+    fs:<project>:{card_id=42}:ids:<view>    hash of the event ids stored (first write wins)
+
+An event member is its 8-byte id (sign-flipped big-endian, so equal scores sort by id as
+offline) followed by the value layout above over the view's stored columns.
 """
 
 from __future__ import annotations
@@ -96,8 +104,26 @@ def _is_fixed(dtype: DType) -> bool:
     return dtype.name in _FIXED
 
 
+def events_key(entity: bytes, view: str) -> bytes:
+    return entity + b":ev:" + view.encode()
+
+
+def event_ids_key(entity: bytes, view: str) -> bytes:
+    return entity + b":ids:" + view.encode()
+
+
+def encode_events(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: np.ndarray) -> list[bytes]:
+    """Sorted-set members for events: 8-byte id, then the value layout."""
+    ids = (event_ids.astype(np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
+    return pc.binary_join_element_wise(_fixed(ids, 8, table.num_rows), _encode(table, features), b"").to_pylist()
+
+
 def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> list[bytes]:
     """Encode every row of ``table`` (history columns + features) in bulk."""
+    return _encode(table, features).to_pylist()
+
+
+def _encode(table: pa.Table, features: Sequence[tuple[str, DType]]) -> pa.Array:
     n = table.num_rows
     header = np.empty((n, 4), dtype=np.uint64)
     header[:, 0] = _micros(table["event_timestamp"]).view(np.uint64) ^ _SIGN
@@ -135,8 +161,7 @@ def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> lis
         data = pc.cast(column, pa.binary()).fill_null(b"")
         parts.append(_fixed(pc.binary_length(data).to_numpy(zero_copy_only=False).astype(">u4").tobytes(), 4, n))
         var_data.append(data)
-    joined = pc.binary_join_element_wise(*parts, *var_data, b"")
-    return joined.to_pylist()
+    return pc.binary_join_element_wise(*parts, *var_data, b"")
 
 
 def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -> Callable[[bytes], tuple[int, list[Any]]]:

@@ -1,8 +1,9 @@
 """Online store on Redis (embedded redis-server by default, or any ``redis://``/``rediss://`` URL).
 
 Writes go through a Lua script so the compare-and-set is atomic in Redis: concurrent
-materializations or pushes cannot regress a value. Reads are one pipelined round trip
-of HMGETs. Layout: see ``featurestore.online.codec``.
+materializations or pushes cannot regress a value. Events of aggregated views are added by
+another script, once per event id. Reads are one pipelined round trip of HMGETs (latest
+values) and ZRANGEBYSCOREs (window events). Layout: see ``featurestore.online.codec``.
 """
 
 from __future__ import annotations
@@ -10,19 +11,17 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import AsyncIterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import redis
 import redis.asyncio as aioredis
 
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup
-from featurestore.online.codec import encode_values, entity_keys, key_prefix
+from featurestore.online.base import Lookup, Range
+from featurestore.online.codec import encode_events, encode_values, entity_keys, event_ids_key, events_key, key_prefix
 from featurestore.online.embedded import EmbeddedRedis
 
-# KEYS: entity keys; ARGV[1]: view field; ARGV[i+1]: value for KEYS[i].
-# A value replaces the stored one only if its 32-byte order key is larger: compared as
-# eight big-endian uint32s (exact; Lua numbers are doubles and string < depends on locale).
 # KEYS: entity keys; ARGV[1]: view field; ARGV[2]: expiry ttl in ms (0: none); ARGV[i+2]: value for KEYS[i].
 # A value replaces the stored one only if its 32-byte order key is larger: compared as
 # eight big-endian uint32s (exact; Lua numbers are doubles and string < depends on locale).
@@ -64,6 +63,45 @@ end
 return written
 """
 
+# KEYS: (events key, event ids key) per event; ARGV[1]: cutoff µs (older events are ignored,
+# and trimmed from the keys touched); ARGV[2]: horizon ms (keys expire that long after their
+# newest event); ARGV[i+2]: the member of event i (8-byte id, then the value whose first
+# 8 bytes are the sign-flipped event µs). An event is added only if its id is new: retries
+# and replays never count twice. µs fit a double exactly (< 2^53), and scores are written
+# with %.0f, never Lua's lossy default number format.
+ADD_EVENTS = """
+local cutoff = tonumber(ARGV[1])
+local horizon_ms = tonumber(ARGV[2])
+local added = 0
+local now_ms = nil
+for i = 1, #KEYS, 2 do
+  local events, ids = KEYS[i], KEYS[i + 1]
+  local member = ARGV[(i + 1) / 2 + 2]
+  local hi, lo = struct.unpack('>I4I4', member, 9)
+  local us = (hi - 2147483648) * 4294967296 + lo
+  if us >= cutoff and redis.call('HSETNX', ids, string.sub(member, 1, 8), '') == 1 then
+    redis.call('ZADD', events, string.format('%.0f', us), member)
+    added = added + 1
+    if not now_ms then
+      local t = redis.call('TIME')
+      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    end
+    local expire_at = math.floor(us / 1000) + horizon_ms
+    local pttl = redis.call('PTTL', events)
+    if pttl < 0 or now_ms + pttl < expire_at then
+      redis.call('PEXPIREAT', events, string.format('%.0f', expire_at))
+      redis.call('PEXPIREAT', ids, string.format('%.0f', expire_at))
+    end
+  end
+  local old = redis.call('ZRANGEBYSCORE', events, '-inf', '(' .. ARGV[1], 'LIMIT', 0, 64)
+  if #old > 0 then
+    for _, o in ipairs(old) do redis.call('HDEL', ids, string.sub(o, 1, 8)) end
+    redis.call('ZREM', events, unpack(old))
+  end
+end
+return added
+"""
+
 CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
 
@@ -75,6 +113,7 @@ class RedisOnlineStore:
         self.client = redis.Redis.from_url(url, socket_timeout=30)
         self._async: aioredis.Redis | None = None
         self._write = self.client.register_script(WRITE_IF_NEWER)
+        self._add_events = self.client.register_script(ADD_EVENTS)
 
     @classmethod
     def from_config(cls, config: RepoConfig) -> "RedisOnlineStore":
@@ -104,14 +143,36 @@ class RedisOnlineStore:
             raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
         return written
 
-    def read(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+    def write_events(
+        self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
+        cutoff_us: int, horizon: timedelta,
+    ) -> int:
+        """Add events (history rows) to their entities' sorted sets, once per event id; events
+        before ``cutoff_us`` are ignored and trimmed. Returns how many were new."""
+        if rows.num_rows == 0:
+            return 0
+        entities = entity_keys(self.project, rows, join_keys)
+        members = encode_events(rows, features, event_ids)
+        horizon_ms = horizon // timedelta(milliseconds=1)
         try:
-            if len(lookups) == 1:  # one command needs no pipeline
+            pipe = self.client.pipeline(transaction=False)
+            for start in range(0, len(entities), CHUNK):
+                keys = [k for e in entities[start:start + CHUNK] for k in (events_key(e, view), event_ids_key(e, view))]
+                self._add_events(keys=keys, args=[cutoff_us, horizon_ms, *members[start:start + CHUNK]], client=pipe)
+            return sum(pipe.execute())
+        except redis.ConnectionError as exc:
+            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+        try:
+            if len(lookups) == 1 and not ranges:  # one command needs no pipeline
                 key, fields = lookups[0]
                 return [self.client.hmget(key, fields)]
             pipe = self.client.pipeline(transaction=False)
             for key, fields in lookups:
                 pipe.hmget(key, fields)
+            for key, low, high in ranges:
+                pipe.zrangebyscore(key, f"({low}", high)
             return pipe.execute()
         except redis.ConnectionError as exc:
             self._recover()
@@ -123,14 +184,16 @@ class RedisOnlineStore:
             self._async = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2, max_connections=256)
         return self._async
 
-    async def read_async(self, lookups: Sequence[Lookup]) -> list[list[bytes | None]]:
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
-            if len(lookups) == 1:
+            if len(lookups) == 1 and not ranges:
                 key, fields = lookups[0]
                 return [await self.async_client.hmget(key, fields)]
             pipe = self.async_client.pipeline(transaction=False)
             for key, fields in lookups:
                 pipe.hmget(key, fields)
+            for key, low, high in ranges:
+                pipe.zrangebyscore(key, f"({low}", high)
             return await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._recover()
@@ -170,8 +233,12 @@ class RedisOnlineStore:
             await pubsub.aclose()
 
     def drop_view(self, view: str) -> None:
+        suffixes = (b":ev:" + view.encode(), b":ids:" + view.encode())
         for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
-            self.client.hdel(key, view)
+            if key.endswith(suffixes):
+                self.client.delete(key)
+            elif key.endswith(b"}"):
+                self.client.hdel(key, view)
 
     def close(self) -> None:
         self.client.close()

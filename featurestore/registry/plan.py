@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # Changing any of these makes stored rows wrong for the new definition.
-DATA_ATTRIBUTES = {"source", "schema", "transformation", "join_keys", "entities"}
+# (Aggregations are computed from stored events at read time: changing them needs no backfill.)
+DATA_ATTRIBUTES = {"source", "schema", "transformation", "join_keys", "entities", "event_id"}
 
 
 @dataclass

@@ -7,7 +7,8 @@ from datetime import timedelta
 
 
 from featurestore.config import RepoConfig
-from featurestore.definitions import FeatureView, FeatureViewProjection
+from featurestore.aggregation import WHERE_OPERATORS
+from featurestore.definitions import AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions
 from featurestore.sources import view_output_schema
@@ -62,6 +63,8 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions) -> 
     for f in view.schema:
         if f.name in RESERVED or f.name in view.join_keys:
             problems.append(f"{where}: feature {f.name!r} uses a reserved or join-key name; rename it")
+    if view.aggregations:
+        problems += _validate_aggregations(view, where)
     try:
         schema = view_output_schema(view, config.repo_path, config.data_dir)
     except Exception as exc:
@@ -104,3 +107,45 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions) -> 
     return problems
 
 
+
+
+_NUMERIC = {"Int32", "Int64", "Float32", "Float64", "Bool"}
+
+
+def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
+    problems: list[str] = []
+    stored = {f.name: f.dtype for f in view.schema}
+    if view.ttl is not None:
+        problems.append(f"{where}: an aggregated view takes no ttl (each window bounds its events); remove ttl")
+    if view.event_id is not None and view.event_id not in stored:
+        problems.append(f"{where}: event_id {view.event_id!r} is not in its schema {list(stored)}; add Field({view.event_id!r}, ...)")
+    names = [a.output_name for a in view.aggregations]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"{where}: two aggregations are named {dup!r}; give one a name=")
+    for agg in view.aggregations:
+        what = f"{where}: aggregation {agg.output_name!r}"
+        if agg.function not in AGGREGATION_FUNCTIONS:
+            problems.append(f"{what}: function {agg.function!r} is not one of {list(AGGREGATION_FUNCTIONS)}")
+            continue
+        if not isinstance(agg.window, timedelta) or agg.window <= timedelta(0) or agg.window % timedelta(microseconds=1):
+            problems.append(f"{what}: window must be a positive timedelta of whole microseconds, got {agg.window!r}")
+        if agg.column is None and agg.function != "count":
+            problems.append(f"{what}: {agg.function} needs a column=")
+        elif agg.column is not None and agg.column not in stored:
+            problems.append(f"{what}: column {agg.column!r} is not in the view's schema {list(stored)}; add it as a Field")
+        elif agg.column is not None and agg.function in ("sum", "mean", "stddev", "variance") and stored[agg.column].name not in _NUMERIC:
+            problems.append(f"{what}: {agg.function} needs a numeric column; {agg.column!r} is {stored[agg.column]!r}")
+        elif agg.column is not None and stored[agg.column].is_array:
+            problems.append(f"{what}: column {agg.column!r} is an array; aggregate scalar columns")
+        if agg.function == "last_n" and not (isinstance(agg.n, int) and agg.n >= 1):
+            problems.append(f"{what}: last_n needs n= (a whole number >= 1), got {agg.n!r}")
+        if agg.where is not None:
+            if not (isinstance(agg.where, (tuple, list)) and len(agg.where) == 3):
+                problems.append(f"{what}: where= takes (column, op, value), e.g. ('amount', '>', 100); got {agg.where!r}")
+            elif agg.where[0] not in stored:
+                problems.append(f"{what}: where-column {agg.where[0]!r} is not in the view's schema {list(stored)}")
+            elif agg.where[1] not in WHERE_OPERATORS:
+                problems.append(f"{what}: where-operator {agg.where[1]!r} is not one of {list(WHERE_OPERATORS)}")
+            elif agg.where[1] in ("in", "not in") and not isinstance(agg.where[2], (list, tuple, set, frozenset)):
+                problems.append(f"{what}: '{agg.where[1]}' takes a list of values, got {agg.where[2]!r}")
+    return problems

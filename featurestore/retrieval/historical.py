@@ -15,6 +15,7 @@ entity row is used instead.
 from __future__ import annotations
 
 import contextlib
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
@@ -23,6 +24,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from featurestore.aggregation import sql as aggregation_sql
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.retrieval.refs import ViewRequest, resolve
@@ -78,7 +80,7 @@ class RetrievalJob:
             else:
                 wanted = versions.get(req.view.name) if versions is not None else None
                 table_versions[req.view.name] = store.offline_store.register(con, req.view.name, f"__hist{i}", schema, version=wanted)
-        sql = _join_sql(requests, entity_columns, ts_column, as_of)
+        sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types)
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
         return cls(con, sql, table_versions, types)
 
@@ -174,10 +176,20 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
     return columns, ts
 
 
-def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str) -> str:
+def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str, key_types: dict) -> str:
     ctes, joins, outputs = [], [], []
     for i, req in enumerate(requests):
         view, alias = req.view, f"v{i}"
+        if view.is_aggregated:
+            aggs = {a.output_name: a for a in view.aggregations}
+            wanted = [aggs[f] for f in req.features]
+            ctes += aggregation_sql.view_ctes(view, wanted, f"__hist{i}", alias, key_types[view.name], as_of)
+            joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
+            outputs += [
+                f"{aggregation_sql.output_sql(a, view.field(a.output_name).dtype, alias)} AS {ident(name)}"
+                for a, name in zip(wanted, req.output_names)
+            ]
+            continue
         keys = ", ".join(ident(k) for k in view.join_keys)
         feats = ", ".join(ident(f) for f in req.features)
         ranked = "ORDER BY created_timestamp DESC, _run_id DESC, _row_id DESC"
@@ -204,7 +216,7 @@ def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column:
         for feature, name in zip(req.features, req.output_names):
             value = f"{alias}.{ident(feature)}"
             if ttl is not None:
-                micros = int(ttl.total_seconds() * 1_000_000)
+                micros = ttl // timedelta(microseconds=1)  # exact: a float product can lose 1 µs
                 value = f"CASE WHEN {alias}.__ev >= e.{TS} - INTERVAL ({micros}) MICROSECONDS THEN {value} END"
             outputs.append(f"{value} AS {ident(name)}")
     entity_select = ", ".join(

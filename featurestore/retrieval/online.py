@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from numbers import Integral
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
-from featurestore.online.codec import entity_key, key_text, key_prefix, make_decoder, micros_to_datetime
+from featurestore.aggregation.evaluate import WindowEvaluator
+from featurestore.online.codec import entity_key, events_key, key_text, key_prefix, make_decoder, micros_to_datetime
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.refs import ViewRequest, resolve
 
@@ -99,6 +100,17 @@ class _ViewPlan:
 
 
 @dataclass
+class _WindowPlan:
+    """An aggregated view: its events in the longest window, read per entity, aggregated here."""
+
+    request: ViewRequest
+    keyset: tuple[str, ...]
+    key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> events key
+    decode: Callable[[bytes], tuple[int, list[Any]]]
+    evaluator: WindowEvaluator
+
+
+@dataclass
 class QueryTemplate:
     """Everything about a lookup that depends only on what is asked, not for whom: built once, cached."""
 
@@ -106,6 +118,8 @@ class QueryTemplate:
     key_checks: list[tuple[str, str, Callable[[Any], bool]]]
     groups: list[_Group]
     views: list[_ViewPlan]
+    windows: list[_WindowPlan]
+    order: list[tuple[bool, int]]     # per request, in request order: (is a window plan, its index)
 
     @classmethod
     def build(cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool) -> "QueryTemplate":
@@ -118,18 +132,32 @@ class QueryTemplate:
             dtype = defs.key_types[next(r.view.name for r in requests if name in r.view.join_keys)][name]
             checks.append((name, dtype.name, _KEY_CHECKS.get(dtype.name, lambda v: v is not None)))
         groups: dict[tuple[str, ...], _Group] = {}
-        views = []
+        views: list[_ViewPlan] = []
+        windows: list[_WindowPlan] = []
+        order: list[tuple[bool, int]] = []
         for req in requests:
             keyset = tuple(sorted(req.view.join_keys))
+            if req.view.is_aggregated:
+                by_name = {a.output_name: a for a in req.view.aggregations}
+                stored = [(f.name, f.dtype) for f in req.view.schema]
+                entity_of = _key_builder(project, keyset)
+                events_of = lambda values, entity_of=entity_of, view=req.view.name: events_key(entity_of(values), view)  # noqa: E731
+                order.append((True, len(windows)))
+                windows.append(_WindowPlan(
+                    req, keyset, events_of, make_decoder(stored, range(len(stored))),
+                    WindowEvaluator(req.view, [by_name[f] for f in req.features]),
+                ))
+                continue
+            order.append((False, len(views)))
             if keyset not in groups:
                 groups[keyset] = _Group(keyset, [], _key_builder(project, keyset))
             group = groups[keyset]
             group.fields.append(req.view.name)
             wanted = [req.view.feature_names.index(f) for f in req.features]
             decode = make_decoder([(f.name, f.dtype) for f in req.view.schema], wanted)
-            ttl = int(req.view.ttl.total_seconds() * 1_000_000) if req.view.ttl is not None else None
+            ttl = req.view.ttl // timedelta(microseconds=1) if req.view.ttl is not None else None
             views.append(_ViewPlan(req, list(groups).index(keyset), len(group.fields) - 1, decode, len(wanted), ttl))
-        return cls(needed, checks, list(groups.values()), views)
+        return cls(needed, checks, list(groups.values()), views, windows, order)
 
 
 def _key_builder(project: str, keyset: tuple[str, ...]) -> Callable[[tuple], bytes]:
@@ -145,6 +173,9 @@ class OnlineQuery:
     key_columns: list[list[Any]]
     lookups: list[tuple[bytes, list[str]]]
     slots: list[list[int]]            # per group, per entity row: index into lookups
+    ranges: list[tuple[bytes, int, int]]
+    range_slots: list[list[int]]      # per window plan, per entity row: index into ranges
+    now_us: int                       # the lookup time: ttl and windows are evaluated at it
 
     @property
     def key_names(self) -> list[str]:
@@ -154,7 +185,7 @@ class OnlineQuery:
     def prepare(
         cls, defs: Definitions, project: str, entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]],
         features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool,
-        max_entities: int = 10_000, cache: dict | None = None,
+        max_entities: int = 10_000, cache: dict | None = None, now: datetime | None = None,
     ) -> "OnlineQuery":
         signature = (tuple(features) if features is not None else None,
                      feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
@@ -189,44 +220,84 @@ class OnlineQuery:
                     lookups.append((key, group.fields))
                 rows.append(pos)
             slots.append(rows)
-        return cls(template, [columns[k] for k in template.key_names], lookups, slots)
+        now_us = _micros(now) if now is not None else time.time_ns() // 1000
+        ranges: list[tuple[bytes, int, int]] = []
+        range_slots = []
+        for window in template.windows:
+            index = {}
+            rows = []
+            for values in zip(*(columns[k] for k in window.keyset)):
+                key = window.key_of(values)
+                pos = index.get(key)
+                if pos is None:
+                    pos = index[key] = len(ranges)
+                    ranges.append((key, now_us - window.evaluator.longest_us, now_us))
+                rows.append(pos)
+            range_slots.append(rows)
+        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, now_us)
 
-    def assemble(self, raw: list[list[bytes | None]], now: datetime | None = None) -> OnlineResponse:
-        now_us = int((now.timestamp() if now else time.time()) * 1_000_000)
+    def assemble(self, raw: list) -> OnlineResponse:
+        """Decode what ``read(self.lookups, self.ranges)`` returned into the response."""
+        now_us = self.now_us
         n = len(self.key_columns[0])
         names = list(self.template.key_names)
         values: list[list[Any]] = [list(c) for c in self.key_columns]
         statuses: list[list[str]] = [[PRESENT] * n for _ in self.key_columns]
         times: list[list[datetime | None]] = [[None] * n for _ in self.key_columns]
-        for plan in self.template.views:
-            width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
-            cutoff = now_us - ttl_us if ttl_us is not None else None
-            blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
-            row_values, row_statuses, row_times = [], [], []
-            for pos in self.slots[plan.group]:
-                blob = raw[pos][position]
-                if blob is None:
-                    row_values.append(blank)
-                    row_statuses.append(not_found)
-                    row_times.append(None)
-                    continue
-                event_us, decoded = decode(blob)
-                row_times.append(micros_to_datetime(event_us))
-                if cutoff is not None and event_us < cutoff:
-                    row_values.append(blank)
-                    row_statuses.append(outside)
-                else:
-                    row_values.append(decoded)
-                    row_statuses.append(present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded])
-            # rows -> columns in C (zip), not value by value in Python
-            cols_v = [list(c) for c in zip(*row_values)]
-            cols_s = [list(c) for c in zip(*row_statuses)]
-            cols_t = [list(row_times) for _ in range(width)]
-            names += plan.request.output_names
+        per_request = [self._view_columns(plan, raw, now_us) for plan in self.template.views]
+        windowed = [self._window_columns(plan, slots, raw[len(self.lookups):], now_us)
+                    for plan, slots in zip(self.template.windows, self.range_slots)]
+        for is_window, i in self.template.order:
+            plan_names, cols_v, cols_s, cols_t = (windowed if is_window else per_request)[i]
+            names += plan_names
             values += cols_v
             statuses += cols_s
             times += cols_t
         return OnlineResponse(names, values, statuses, times)
+
+    def _window_columns(self, plan: _WindowPlan, slots: list[int], events: list, now_us: int):
+        decode, evaluate = plan.decode, plan.evaluator.evaluate
+        results: dict[int, tuple[list[Any], list[str], datetime | None]] = {}
+        row_values, row_statuses, row_times = [], [], []
+        for pos in slots:
+            result = results.get(pos)
+            if result is None:
+                decoded = [decode(member[8:]) for member in events[pos]]
+                vals, stats = evaluate(decoded, now_us)
+                newest = micros_to_datetime(decoded[-1][0]) if decoded else None
+                result = results[pos] = (vals, stats, newest)
+            row_values.append(result[0])
+            row_statuses.append(result[1])
+            row_times.append(result[2])
+        width = len(plan.evaluator.aggregations)
+        return (plan.request.output_names, [list(c) for c in zip(*row_values)], [list(c) for c in zip(*row_statuses)],
+                [list(row_times) for _ in range(width)])
+
+    def _view_columns(self, plan: "_ViewPlan", raw: list, now_us: int):
+        width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
+        cutoff = now_us - ttl_us if ttl_us is not None else None
+        blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
+        row_values, row_statuses, row_times = [], [], []
+        for pos in self.slots[plan.group]:
+            blob = raw[pos][position]
+            if blob is None:
+                row_values.append(blank)
+                row_statuses.append(not_found)
+                row_times.append(None)
+                continue
+            event_us, decoded = decode(blob)
+            row_times.append(micros_to_datetime(event_us))
+            if cutoff is not None and event_us < cutoff:
+                row_values.append(blank)
+                row_statuses.append(outside)
+            else:
+                row_values.append(decoded)
+                row_statuses.append(present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded])
+        # rows -> columns in C (zip), not value by value in Python
+        cols_v = [list(c) for c in zip(*row_values)]
+        cols_s = [list(c) for c in zip(*row_statuses)]
+        cols_t = [list(row_times) for _ in range(width)]
+        return plan.request.output_names, cols_v, cols_s, cols_t
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -248,13 +319,21 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
     return {k: [r[k] for r in entities] for k in keys}
 
 
+def _micros(ts: datetime) -> int:
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=timezone.utc)
+    return (ts - _EPOCH) // timedelta(microseconds=1)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def get_online_features(
     store: "FeatureStore", entity_rows: Any, features: Sequence[str] | None,
-    feature_service: str | FeatureService | None, full_feature_names: bool,
+    feature_service: str | FeatureService | None, full_feature_names: bool, at: datetime | None = None,
 ) -> OnlineResponse:
     query = OnlineQuery.prepare(
         store.definitions, store.config.project, entity_rows, features, feature_service, full_feature_names,
-        store.config.max_request_entities,
+        store.config.max_request_entities, now=at,
     )
-    raw = store.online_store.read(query.lookups)
-    return query.assemble(raw, datetime.now(timezone.utc))
+    return query.assemble(store.online_store.read(query.lookups, query.ranges))

@@ -1,0 +1,42 @@
+"""Windowed aggregations: one rule, two evaluators.
+
+The value of an ``Aggregation`` at time t aggregates the entity's events with event time in
+``(t - window, t]``, each event counted once (deduplicated by event id, first write wins).
+
+- offline (``sql.py``): DuckDB over the view's event history. ``as_of="event"`` puts entity rows
+  and events in one stream per entity and evaluates each window as a RANGE frame ending at the
+  row (O(n log n), no per-row Python); ``as_of="created"`` also needs ``created <= t`` and uses
+  a range join grouped per entity row.
+- online (``evaluate.py``): Redis keeps each entity's events of the last ``longest window +
+  retention`` in a sorted set (written idempotently by event id in one Lua call); a lookup reads
+  the window's events in the same round trip as the other views and aggregates them in Python.
+
+Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too. Float
+sums, means and variances are computed in a different order on the two paths, so they agree
+to within rounding: ``FLOAT_TOLERANCE`` relative (far above the ~n·2⁻⁵³ worst case of the
+window sizes a feature uses), which the consistency check applies and reports.
+"""
+
+from __future__ import annotations
+
+from featurestore.definitions import Aggregation, FeatureView
+
+FLOAT_TOLERANCE = 1e-9
+INEXACT_FUNCTIONS = frozenset({"sum", "mean", "stddev", "variance"})
+WHERE_OPERATORS = ("==", "!=", "<", "<=", ">", ">=", "in", "not in")
+
+
+def event_id_sql(view: FeatureView, prefix: str = "") -> str:
+    """SQL giving each stored event its 63-bit id (the same expression feeds both stores)."""
+    if view.event_id is None:
+        return f"{prefix}_row_id"
+    dtype = next(f.dtype for f in view.schema if f.name == view.event_id)
+    column = f'{prefix}"{view.event_id}"'
+    if dtype.name in ("Int32", "Int64"):
+        return f"CAST({column} AS BIGINT)"
+    return f"(hash({column}) >> 1)::BIGINT"
+
+
+def is_inexact(agg: Aggregation, view: FeatureView) -> bool:
+    """Whether the two paths may differ by rounding (float sums, means, variances)."""
+    return agg.function in INEXACT_FUNCTIONS and view.field(agg.output_name).dtype.name == "Float64"
