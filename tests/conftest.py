@@ -36,11 +36,14 @@ def redis_url(tmp_path_factory) -> str:
     server.stop()
 
 
-def write_repo(root: Path, features_py: str, tables: dict[str, pa.Table] | None = None, url: str | None = None, project: str | None = None) -> Path:
+def write_repo(
+    root: Path, features_py: str, tables: dict[str, pa.Table] | None = None, url: str | None = None,
+    project: str | None = None, online_options: str = "",
+) -> Path:
     """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``."""
     project = project or f"p{os.getpid()}_{next(_projects)}"
     (root / "data").mkdir(parents=True, exist_ok=True)
-    online = f"online_store: {{url: '{url}'}}\n" if url else ""
+    online = f"online_store: {{url: '{url}'{online_options}}}\n" if url else ""
     (root / "featurestore.yaml").write_text(f"project: {project}\nmodules: [features.py]\n{online}")
     (root / "features.py").write_text(textwrap.dedent(features_py))
     for name, table in (tables or {}).items():
@@ -54,8 +57,8 @@ def make_store(tmp_path, redis_url, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     stores = []
 
-    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo") -> FeatureStore:
-        root = write_repo(tmp_path / name, features_py, tables, url=redis_url)
+    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo", online_options: str = "") -> FeatureStore:
+        root = write_repo(tmp_path / name, features_py, tables, url=redis_url, online_options=online_options)
         store = FeatureStore(root)
         stores.append(store)
         return store

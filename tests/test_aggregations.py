@@ -1,0 +1,256 @@
+"""Windowed aggregations: offline and online against a naive reference on random event streams.
+
+The reference is the definition itself, a Python loop: the value at t aggregates the
+entity's events with event time in (t - window, t], each event id counted once (the first
+push wins). Streams have equal timestamps, query times on window edges, late and
+out-of-order pushes, retried (duplicate) pushes, nulls, NaN and infinities.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from featurestore.errors import DefinitionError
+
+BASE = datetime(2024, 3, 10, tzinfo=timezone.utc)
+TS = pa.timestamp("us", tz="UTC")
+STEP = timedelta(minutes=30)  # event and query times sit on this grid (± 1 µs), so edges coincide
+
+FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+payments = PushSource(name="payments", schema=[
+    Field("payment_id", Int64), Field("card_id", Int64), Field("amount", Float64), Field("kind", String),
+    Field("event_timestamp", UnixTimestamp)])
+H = timedelta(hours=1)
+activity = FeatureView(
+    name="activity", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64), Field("kind", String)],
+    aggregations=[
+        Aggregation("count", H),
+        Aggregation("count", 3 * H, "amount"),
+        Aggregation("sum", 3 * H, "amount"),
+        Aggregation("mean", 3 * H, "amount"),
+        Aggregation("min", H, "amount"),
+        Aggregation("max", 3 * H, "amount"),
+        Aggregation("stddev", 3 * H, "amount"),
+        Aggregation("variance", H, "amount"),
+        Aggregation("last", 3 * H, "kind"),
+        Aggregation("last_n", 3 * H, "amount", n=2),
+        Aggregation("count_distinct", 3 * H, "kind"),
+        Aggregation("sum", 3 * H, "amount", name="online_sum_3h", where=("kind", "==", "web")),
+        Aggregation("count", 30 * H, name="not_card_count_30h", where=("kind", "not in", ["card"])),
+    ],
+)
+"""
+
+INEXACT = {"amount_sum_3h", "amount_mean_3h", "amount_stddev_3h", "amount_variance_1h", "online_sum_3h"}
+
+
+def reference(events: list[dict], card: int, t: datetime, agg: dict) -> object:
+    """The definition as a loop: first-pushed copy of each id, window (t - w, t], nulls skipped."""
+    seen: dict[int, dict] = {}
+    for e in events:
+        seen.setdefault(e["payment_id"], e)
+    window = [e for e in seen.values() if e["card_id"] == card and t - agg["window"] < e["event_timestamp"] <= t]
+    if agg.get("where"):
+        window = [e for e in window if agg["where"](e)]
+    window.sort(key=lambda e: (e["event_timestamp"], e["payment_id"]))
+    column = agg.get("column")
+    values = [1] * len(window) if column is None else [e[column] for e in window if e[column] is not None]
+    f = agg["function"]
+    if f == "count":
+        return len(values)
+    if f == "count_distinct":
+        return len({"NaN" if isinstance(v, float) and math.isnan(v) else v for v in values})
+    if f == "sum":
+        return float(sum(values))
+    if f == "last_n":
+        return values[::-1][:2]
+    if not values:
+        return None
+    if f == "mean":
+        return sum(values) / len(values)
+    if f == "min":  # NaN sorts above all numbers, as in DuckDB
+        finite = [v for v in values if not math.isnan(v)]
+        return min(finite) if finite else math.nan
+    if f == "max":
+        return math.nan if any(math.isnan(v) for v in values) else max(values)
+    if f == "last":
+        return values[-1]
+    if f in ("variance", "stddev"):
+        if len(values) < 2:
+            return None
+        m = sum(values) / len(values)
+        var = sum((v - m) ** 2 for v in values) / (len(values) - 1)
+        return var if f == "variance" else math.sqrt(var) if var == var else var
+    raise AssertionError(f)
+
+
+H = timedelta(hours=1)
+AGGS = {
+    "count_1h": {"function": "count", "window": H},
+    "amount_count_3h": {"function": "count", "window": 3 * H, "column": "amount"},
+    "amount_sum_3h": {"function": "sum", "window": 3 * H, "column": "amount"},
+    "amount_mean_3h": {"function": "mean", "window": 3 * H, "column": "amount"},
+    "amount_min_1h": {"function": "min", "window": H, "column": "amount"},
+    "amount_max_3h": {"function": "max", "window": 3 * H, "column": "amount"},
+    "amount_stddev_3h": {"function": "stddev", "window": 3 * H, "column": "amount"},
+    "amount_variance_1h": {"function": "variance", "window": H, "column": "amount"},
+    "kind_last_3h": {"function": "last", "window": 3 * H, "column": "kind"},
+    "amount_last_2_3h": {"function": "last_n", "window": 3 * H, "column": "amount"},
+    "kind_count_distinct_3h": {"function": "count_distinct", "window": 3 * H, "column": "kind"},
+    "online_sum_3h": {"function": "sum", "window": 3 * H, "column": "amount", "where": lambda e: e["kind"] == "web"},
+    "not_card_count_30h": {"function": "count", "window": 30 * H, "where": lambda e: e["kind"] is not None and e["kind"] != "card"},
+}
+
+
+def same(got: object, want: object, inexact: bool) -> bool:
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(same(g, w, inexact) for g, w in zip(got, want))
+    if want is None or got is None:
+        return got is None and want is None
+    if isinstance(want, float):
+        if math.isnan(want):
+            return isinstance(got, float) and math.isnan(got)
+        if inexact:
+            return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+        return got == want
+    return got == want
+
+
+amounts = st.one_of(
+    st.none(), st.floats(-1000, 1000, allow_nan=False).map(lambda x: round(x, 2)),
+    st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1e15]),
+)
+event = st.fixed_dictionaries({
+    "card_id": st.integers(0, 2),
+    "slot": st.integers(0, 16),
+    "nudge_us": st.sampled_from([0, 0, 1, -1]),
+    "amount": amounts,
+    "kind": st.sampled_from([None, "web", "card", "atm"]),
+})
+_cards = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def activity_store(tmp_path_factory, redis_url):
+    from featurestore import FeatureStore
+    from tests.conftest import write_repo
+
+    root = write_repo(tmp_path_factory.mktemp("agg"), FEATURES, url=redis_url, online_options=", event_retention: 100000d")
+    store = FeatureStore(root)
+    store.apply()
+    yield store
+    store.close()
+
+
+def _frame(events: list[dict]) -> pd.DataFrame:
+    columns = ["payment_id", "card_id", "amount", "kind", "event_timestamp"]
+    return pa.Table.from_pylist([{c: e[c] for c in columns} for e in events], pa.schema([
+        ("payment_id", pa.int64()), ("card_id", pa.int64()), ("amount", pa.float64()), ("kind", pa.string()), ("event_timestamp", TS),
+    ]))
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(
+    raw=st.lists(event, min_size=0, max_size=25),
+    batches=st.integers(1, 3),
+    retries=st.lists(st.integers(0, 24), max_size=4),
+    changed=st.lists(st.tuples(st.integers(0, 24), amounts), max_size=2),
+    queries=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.sampled_from([0, 0, 1, -1])), min_size=1, max_size=8),
+)
+def test_offline_and_online_match_the_reference(activity_store, raw, batches, retries, changed, queries):
+    store = activity_store
+    offset = next(_cards) * 10          # fresh cards (and payment ids) per example
+    events = [
+        {"payment_id": offset * 100 + i, "card_id": offset + e["card_id"], "amount": e["amount"], "kind": e["kind"],
+         "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"])}
+        for i, e in enumerate(raw)
+    ]
+    # pushes in several batches, out of time order; then retried copies and same-id changes (first push wins)
+    pushes = [events[i::batches] for i in range(batches)]
+    pushes.append([events[i] for i in retries if i < len(events)])
+    pushes.append([{**events[i], "amount": a} for i, a in changed if i < len(events)])
+    pushed: list[dict] = []
+    for batch in pushes:
+        if batch:
+            store.push("payments", _frame(batch), to="online_and_offline")
+            pushed += batch
+    rows = [(offset + c, BASE + slot * STEP / 2 + timedelta(microseconds=n)) for c, slot, n in queries]
+    entity_df = pd.DataFrame({"card_id": [c for c, _ in rows], "event_timestamp": [t for _, t in rows]})
+    names = list(AGGS)
+    offline = store.get_historical_features(entity_df, features=[f"activity:{n}" for n in names]).to_arrow().to_pylist()
+    for (card, t), off in zip(rows, offline):
+        online = store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in names], at=t).to_values()
+        for name in names:
+            want = reference(pushed, card, t, AGGS[name])
+            assert same(off[name], want, name in INEXACT), (name, "offline", card, t, off[name], want)
+            assert same(online[name][0], want, name in INEXACT), (name, "online", card, t, online[name][0], want)
+
+
+def test_statuses_say_whether_the_window_had_events(activity_store):
+    store = activity_store
+    card = next(_cards) * 10 + 1_000_000
+    store.push("payments", _frame([
+        {"payment_id": card * 100, "card_id": card, "amount": None, "kind": "web", "event_timestamp": BASE},
+    ]))
+    response = store.get_online_features(
+        [{"card_id": card}], features=["activity:count_1h", "activity:amount_mean_3h", "activity:amount_sum_3h"], at=BASE)
+    assert response.to_values() == {"card_id": [card], "count_1h": [1], "amount_mean_3h": [None], "amount_sum_3h": [0.0]}
+    assert [s[0] for s in response.statuses[1:]] == ["PRESENT", "NULL_VALUE", "PRESENT"]
+    later = store.get_online_features([{"card_id": card}], features=["activity:count_1h"], at=BASE + H)
+    assert later.to_values()["count_1h"] == [0] and later.statuses[1] == ["NOT_FOUND"]
+
+
+def test_created_mode_counts_only_events_known_at_t(activity_store):
+    store = activity_store
+    card = next(_cards) * 10 + 2_000_000
+    now = datetime.now(timezone.utc)
+    store.push("payments", _frame([
+        {"payment_id": card * 100, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(minutes=5)},
+    ]))
+    entity_df = pd.DataFrame({"card_id": [card, card], "event_timestamp": [now - timedelta(minutes=1), datetime.now(timezone.utc)]})
+    by_event = store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist()
+    by_created = store.get_historical_features(entity_df, features=["activity:count_1h"], as_of="created").to_df()["count_1h"].tolist()
+    assert by_event == [1, 1]
+    assert by_created == [0, 1]  # pushed after the first row's time
+
+
+def test_events_older_than_the_retention_are_not_kept_online(make_store):
+    store = make_store(FEATURES)
+    store.apply()
+    old = datetime.now(timezone.utc) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
+    store.push("payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}]))
+    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:activity"
+    assert store.online_store.client.zcard(key) == 0
+    entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
+    assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
+
+
+@pytest.mark.parametrize("change, message", [
+    ('Aggregation("median", H, "amount")', "function 'median' is not one of"),
+    ('Aggregation("sum", H, "kind")', "sum needs a numeric column"),
+    ('Aggregation("max", H, "fee")', "column 'fee' is not in the view's schema"),
+    ('Aggregation("last_n", H, "amount")', "last_n needs n="),
+    ('Aggregation("count", timedelta(0))', "window must be a positive timedelta"),
+    ('Aggregation("count", H, where=("kind", "~", "x"))', "where-operator '~'"),
+    ('Aggregation("count", H), Aggregation("count", H)', "two aggregations are named 'count_1h'"),
+])
+def test_bad_aggregations_are_reported(make_store, change, message):
+    features = FEATURES.replace('Aggregation("count", H),\n', change + ",\n", 1)
+    store = make_store(features)
+    with pytest.raises(DefinitionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        store.definitions
