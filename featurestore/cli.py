@@ -289,7 +289,7 @@ def demo(
     cards: int = typer.Option(2000, help="Number of cards to simulate."),
     days: int = typer.Option(30, help="Days of history."),
     replay_days: float = typer.Option(2, help="Held-out days replayed through the inference server."),
-    batch_hours: float = typer.Option(2, help="Replay micro-batch: events pushed and materialized every this many hours."),
+    batch_hours: float = typer.Option(2, help="Replay: history is appended every this many hours of replayed time (online updates per payment)."),
 ) -> None:
     """Run the end-to-end fraud demo on embedded defaults and print AUC, latency and consistency."""
     from featurestore.demo.pipeline import run_demo

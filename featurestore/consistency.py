@@ -2,8 +2,13 @@
 
 For every logged (entity, served time) the point-in-time row is fetched offline with
 ``as_of="created"`` (what the online store could have known then) and compared feature by
-feature: value, null-ness and dtype. The model's score is recomputed from the offline
-row, in the same request groups, and compared with the logged score bit for bit (float32).
+feature: value, null-ness and dtype. Windowed float sums, means and variances may differ
+by rounding (see ``featurestore.aggregation``): they match within ``FLOAT_TOLERANCE``, and the
+largest relative difference seen is reported. The model's score is recomputed from the
+offline row, in the same request groups, and compared with the logged score bit for bit (float32).
+
+A replay that serves at simulated past times (``at``) is checked with ``as_of="event"``:
+its rows were written at wall-clock times after the simulated ones.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from featurestore.aggregation import FLOAT_TOLERANCE, is_inexact
 from featurestore.feature_logging import MODEL_COLUMNS, log_path, read_log
-from featurestore.retrieval.online import PRESENT
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -29,6 +34,7 @@ class ConsistencyReport:
     score_match: float
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     has_scores: bool = True
+    max_relative_difference: float = 0.0   # over matched inexact aggregates (0: all bit-identical)
 
     @property
     def overall(self) -> float:
@@ -43,6 +49,8 @@ class ConsistencyReport:
         lines = [f"Consistency over {self.rows} served feature vectors:"]
         lines += [f"  {name:<28} {rate:8.3%}" for name, rate in self.feature_match.items()]
         lines.append(f"  {'all features':<28} {self.overall:8.3%}")
+        if self.max_relative_difference:
+            lines.append(f"  (windowed float aggregates matched within a relative {self.max_relative_difference:.1e})")
         if self.has_scores:
             lines.append(f"  {'model score (float32 bits)':<28} {self.score_match:8.3%}")
         for m in self.mismatches[:10]:
@@ -50,7 +58,7 @@ class ConsistencyReport:
         return "\n".join(lines)
 
 
-def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20) -> ConsistencyReport:
+def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "created") -> ConsistencyReport:
     """Check an inference server's log: features, and the model's scores rescored offline."""
     from serving.inference_server import model_registry  # the registry the servers use
 
@@ -62,7 +70,7 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     for version in pc.unique(logs["model_version"]).to_pylist():
         part = logs.filter(pc.equal(logs["model_version"], version))
         loaded = registry.load(model_name, int(version))
-        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report.mismatches, max_mismatches)
+        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report, max_mismatches, as_of)
         # recompute scores per request (same batch composition as at serving time)
         request_ids = part["request_id"].to_numpy(zero_copy_only=False)
         recomputed = np.empty(part.num_rows, dtype=np.float32)
@@ -78,38 +86,59 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     return report
 
 
-def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20) -> ConsistencyReport:
+def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "created") -> ConsistencyReport:
     """Check the feature server's log of lookups by ``service`` (``featurestore serve --log-features``)."""
     logs = read_log(log_path(store.config.data_dir, f"service:{service}"))
     report = ConsistencyReport(logs.num_rows, {}, 1.0, has_scores=False)
     hits: dict[str, list[bool]] = {}
-    _compare_features(store, logs, service, [], hits, report.mismatches, max_mismatches)
+    _compare_features(store, logs, service, [], hits, report, max_mismatches, as_of)
     report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
     return report
 
 
 def _compare_features(
     store: "FeatureStore", part: pa.Table, service: str, request_inputs: list[str],
-    hits: dict[str, list[bool]], mismatches: list[dict[str, Any]], max_mismatches: int,
+    hits: dict[str, list[bool]], report: ConsistencyReport, max_mismatches: int, as_of: str,
 ) -> tuple[pa.Table, list[str]]:
-    """Point-in-time rows at each served time (as known then), compared feature by feature."""
-    names = [ref.split(":")[1] for ref in store.get_feature_service(service).feature_refs()]
+    """Point-in-time rows at each served time (as known then), compared feature by feature.
+
+    The logged value is compared whatever its status: a NOT_FOUND window serves its empty
+    value (0 for counts), which is what the offline join yields too."""
+    refs = store.get_feature_service(service).feature_refs()
+    names = [ref.split(":")[1] for ref in refs]
+    inexact = {ref.split(":")[1] for ref in refs if _inexact(store, ref)}
     meta = {"served_at", "request_id", *MODEL_COLUMNS, *request_inputs}
     keys = [c for c in part.column_names if c not in meta and c not in names and not c.endswith("__status")]
     entity_df = pa.table({**{k: part[k] for k in keys}, "event_timestamp": part["served_at"]})
-    offline = store.get_historical_features(entity_df, feature_service=service, as_of="created").to_arrow()
+    offline = store.get_historical_features(entity_df, feature_service=service, as_of=as_of).to_arrow()
+    mismatches = report.mismatches
     for name in names:
-        served = pc.if_else(pc.equal(part[f"{name}__status"], PRESENT), part[name], pa.nulls(part.num_rows, part[name].type))
-        expected = offline[name]
-        if served.type == expected.type:
-            equal = pc.fill_null(pc.equal(served, expected), False)
-        else:  # a dtype drift is a mismatch on every row
+        served, expected = part[name], offline[name]
+        if served.type != expected.type:  # a dtype drift is a mismatch on every row
             equal = pa.array([False] * part.num_rows)
+        elif name in inexact:
+            a = served.to_numpy(zero_copy_only=False).astype(float)
+            b = expected.to_numpy(zero_copy_only=False).astype(float)
+            close = np.isclose(a, b, rtol=FLOAT_TOLERANCE, atol=0.0, equal_nan=True)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rel = np.abs(a - b) / np.maximum(np.abs(a), np.abs(b))
+            differing = close & (a != b) & np.isfinite(rel)
+            if differing.any():
+                report.max_relative_difference = max(report.max_relative_difference, float(rel[differing].max()))
+            equal = pa.array(close)
+        else:
+            equal = pc.fill_null(pc.equal(served, expected), False)
         hit = pc.or_(equal, pc.and_(pc.is_null(served), pc.is_null(expected))).to_numpy(zero_copy_only=False)
         hits.setdefault(name, []).extend(hit.tolist())
         for i in np.flatnonzero(~hit)[: max(0, max_mismatches - len(mismatches))]:
             mismatches.append({
                 "feature": name, **{k: part[k][i].as_py() for k in keys}, "served_at": str(part["served_at"][i].as_py()),
-                "online": served[i].as_py(), "offline": expected[i].as_py(),
+                "status": part[f"{name}__status"][i].as_py(), "online": served[i].as_py(), "offline": expected[i].as_py(),
             })
     return offline, names
+
+
+def _inexact(store: "FeatureStore", ref: str) -> bool:
+    view_name, feature = ref.split(":")
+    view = store.get_feature_view(view_name)
+    return any(a.output_name == feature and is_inexact(a, view) for a in view.aggregations)

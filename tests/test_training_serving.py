@@ -167,7 +167,7 @@ def test_consistency_catches_planted_skew(trained):
 def test_stale_model_is_refused_naming_the_changed_view(trained, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data", "__pycache__"))
-    text = (repo / "features.py").read_text().replace("count(*) OVER w1h AS txn_count_1h", "count(*) OVER w24h AS txn_count_1h")
+    text = (repo / "features.py").read_text().replace("Aggregation(\"count\", timedelta(hours=1), name=\"txn_count_1h\")", "Aggregation(\"count\", timedelta(hours=2), name=\"txn_count_1h\")")
     (repo / "features.py").write_text(text)
     store = FeatureStore(repo)  # same data dir (env), so same model registry
     with pytest.raises(FeatureStoreError, match=r"older definitions of \['card_activity'\]"):

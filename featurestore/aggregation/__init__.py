@@ -12,9 +12,10 @@ The value of an ``Aggregation`` at time t aggregates the entity's events with ev
   the window's events in the same round trip as the other views and aggregates them in Python.
 
 Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too. Float
-sums, means and variances are computed in a different order on the two paths, so they agree
-to within rounding: ``FLOAT_TOLERANCE`` relative (far above the ~n·2⁻⁵³ worst case of the
-window sizes a feature uses), which the consistency check applies and reports.
+sums and means use compensated summation on both paths (DuckDB's ``fsum``, Python's
+``math.fsum``), which agree to the bit in practice; variances and standard deviations are
+computed by different algorithms (Welford offline, two-pass online). The guaranteed bound for
+these is ``FLOAT_TOLERANCE`` relative, which the consistency check applies and reports.
 """
 
 from __future__ import annotations

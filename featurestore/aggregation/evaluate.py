@@ -29,6 +29,16 @@ def _distinct_key(value: Any) -> Any:
     return "NaN" if isinstance(value, float) and math.isnan(value) else value
 
 
+def _fsum(values: list[Any]) -> Any:
+    """Correctly rounded float sum (DuckDB's fsum offline agrees); exact for integers."""
+    if not values or not isinstance(values[0], float):
+        return sum(values)
+    try:
+        return math.fsum(values)
+    except (OverflowError, ValueError):  # inf - inf, or beyond the float range: as DuckDB, plainly
+        return sum(values)
+
+
 def _variance(values: list[float]) -> float | None:
     if len(values) < 2:
         return None
@@ -39,8 +49,8 @@ def _variance(values: list[float]) -> float | None:
 _REDUCERS: dict[str, Callable[[list[Any], Aggregation], Any]] = {
     "count": lambda vs, a: len(vs),
     "count_distinct": lambda vs, a: len({_distinct_key(v) for v in vs}),
-    "sum": lambda vs, a: sum(vs),
-    "mean": lambda vs, a: sum(vs) / len(vs) if vs else None,
+    "sum": lambda vs, a: _fsum(vs),
+    "mean": lambda vs, a: _fsum([float(v) for v in vs]) / len(vs),
     "min": lambda vs, a: min(vs, key=_nan_last) if vs and not all(_nan_last(v)[0] for v in vs) else (vs[0] if vs else None),
     "max": lambda vs, a: max(vs, key=_nan_last) if vs else None,
     "variance": lambda vs, a: _variance(vs),

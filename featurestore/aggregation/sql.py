@@ -57,11 +57,13 @@ def _value(agg: Aggregation, prefix: str) -> str:
 
 def aggregate_sql(agg: Aggregation, output: DType, prefix: str, ev: str, over: str) -> str:
     """The SQL aggregate of one ``Aggregation``, ``over`` (an OVER or FILTER clause) applied."""
-    sql = f"{_call(agg, prefix, ev)} {over}"
+    sql = f"{_call(agg, prefix, ev, output.name == 'Float64')} {over}"
+    if agg.function == "mean":  # fsum / count, as online
+        return f"({sql} / NULLIF(count({_value(agg, prefix)}) {over}, 0))"
     return f"CAST({sql} AS {duckdb_type(output)})" if agg.function == "sum" else sql
 
 
-def _call(agg: Aggregation, prefix: str, ev: str) -> str:
+def _call(agg: Aggregation, prefix: str, ev: str, float_input: bool) -> str:
     v = _value(agg, prefix)
     order = f"CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
     f = agg.function
@@ -69,10 +71,10 @@ def _call(agg: Aggregation, prefix: str, ev: str) -> str:
         return f"count({v})"
     if f == "count_distinct":
         return f"count(DISTINCT {v})"
-    if f == "sum":
-        return f"sum({v})"
+    if f == "sum":  # compensated for floats, like math.fsum online: the two agree to the bit in practice
+        return f"fsum({v})" if float_input else f"sum({v})"
     if f == "mean":
-        return f"avg({v})"
+        return f"fsum(CAST({v} AS DOUBLE))"
     if f == "stddev":
         return f"stddev_samp({v})"
     if f == "variance":
