@@ -14,6 +14,17 @@ import pyarrow as pa
 
 from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
 
+_DATABASE: duckdb.DuckDBPyConnection | None = None
+
+
+def connection() -> duckdb.DuckDBPyConnection:
+    """A fresh DuckDB connection (its own temp views and registrations) to one in-memory
+    database per process: ~30 µs instead of ~50 ms for ``duckdb.connect()``, which the push path feels."""
+    global _DATABASE
+    if _DATABASE is None:
+        _DATABASE = duckdb.connect()
+    return _DATABASE.cursor()
+
 
 def quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
-from featurestore.sources import ident, quote
+from featurestore.sources import connection, ident, quote
 from featurestore.types import DType, duckdb_type
 
 
@@ -105,7 +105,7 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
     """Each entity's newest row by (event, created, run, row id): the join's tie-break order."""
     if rows.num_rows == 0:
         return rows
-    con = duckdb.connect()
+    con = connection()
     con.register("r", rows)
     keys = ", ".join(ident(k) for k in join_keys)
     return con.sql(
@@ -117,7 +117,7 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
 def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
     """An aggregated view's rows to send online: recent enough, one per (entity, event id),
     the first stored winning (the offline rule), with their event ids."""
-    con = duckdb.connect()
+    con = connection()
     con.register("r", rows)
     keys = ", ".join(ident(k) for k in view.join_keys)
     out = con.sql(

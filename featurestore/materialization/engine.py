@@ -1,12 +1,12 @@
 """Run materialization: compute each view once, write history then the online store.
 
-Crash safety: before touching the stores a view is marked ``online_synced: false``; only
-after Redis has every latest row is it marked true. A re-run of a crashed job (or the
-first online run after an offline-only one) writes the latest rows of *all* computed
-rows online, not only the rows new to the history table; otherwise only new rows go.
-Both writes are idempotent (history dedupes by ``_row_id``, Redis keeps the larger
-order key), so a re-run always converges to the state of an uninterrupted run.
-"""
+Crash safety: before history is written a view is marked ``online_synced: false`` (history
+may now hold rows Redis lacks). Only a write that sends online the latest rows of the
+view's *whole* source (a materialization without a start) marks it true again; until then
+every such run re-sends them all, whatever ran in between (pushes, windowed runs), so
+a re-run always converges. Both writes are idempotent (history dedupes by ``_row_id``,
+Redis keeps the larger order key or the first event id), so re-sending is safe. Writes
+that go online only (pushes with ``to="online"``) touch no registry state."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from rich.progress import Progress
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
-from featurestore.sources import register_view_rows
+from featurestore.sources import connection, register_view_rows
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -69,11 +69,11 @@ class Materializer:
             task = bar.add_task("materializing", total=len(selected))
             for view in selected:
                 bar.update(task, description=f"materializing {view.name}")
-                con = duckdb.connect()
+                con = connection()
                 register_view_rows(con, view, self.store.config.repo_path, self.store.config.data_dir)
                 report.views.append(
-                    self.write_view(con, view, start=start, end=end,
-                                    online=online, offline=offline, on_bad_rows=on_bad_rows)
+                    self.write_view(con, view, start=start, end=end, online=online, offline=offline,
+                                    on_bad_rows=on_bad_rows, complete=start is None)
                 )
                 bar.advance(task)
         return report
@@ -93,9 +93,12 @@ class Materializer:
 
     def write_view(
         self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
-        online: bool, offline: bool, on_bad_rows: str = "reject",
+        online: bool, offline: bool, on_bad_rows: str = "reject", complete: bool = False,
     ) -> ViewReport:
-        """Compute ``view_rows`` registered in ``con`` and write them to the selected stores."""
+        """Compute ``view_rows`` registered in ``con`` and write them to the selected stores.
+
+        ``complete``: the rows are the view's whole source (no start), so writing all of them
+        online repairs whatever history holds that Redis may lack."""
         defs, registry = self.store.definitions, self.store.registry
         run_id = registry.next_run_id()
         now = datetime.now(timezone.utc)
@@ -112,7 +115,7 @@ class Materializer:
 
         write_offline, write_online = offline and view.offline, online and view.online
         synced = registry.watermarks().get(view.name, {}).get("online_synced", False)
-        if view.online and (write_offline or write_online):
+        if view.online and write_offline:
             registry.set_watermark(view.name, online_synced=False)
         fresh = computed.rows
         if write_offline:
@@ -131,12 +134,14 @@ class Materializer:
                 latest = latest_per_entity(candidates, view.join_keys)
                 self.store.online_store.write_latest(view.name, latest, view.join_keys, stored, self._expiry(view))
                 report.online_rows = latest.num_rows
+        if not write_offline:
+            return report
         marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
         if end is not None:
             marks["end"] = end.isoformat()
         if computed.rows.num_rows:
             marks["max_event_timestamp"] = _max_iso(computed.rows)
-        if write_online:
+        if write_online and (synced or complete):  # not synced: every computed row was sent
             marks["online_synced"] = True
         registry.set_watermark(view.name, **marks)
         return report

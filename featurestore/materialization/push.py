@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 from deltalake import write_deltalake
 
 from featurestore.errors import BadRowsError, RequestError
 from featurestore.materialization.engine import Materializer
-from featurestore.sources import push_log_path
+from featurestore.sources import connection, push_log_path
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -58,7 +57,7 @@ def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
-        con = duckdb.connect()
+        con = connection()
         con.register("view_rows", table)
         try:
             materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to, on_bad_rows="fail")

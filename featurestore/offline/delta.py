@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
-from featurestore.sources import ident, quote
+from featurestore.sources import connection, ident, quote
 
 
 class DeltaOfflineStore:
@@ -41,7 +41,7 @@ class DeltaOfflineStore:
         if rows.num_rows == 0:
             return rows
         rows = rows.append_column(PARTITION, pc.cast(rows["event_timestamp"], pa.date32()))
-        con = duckdb.connect()
+        con = connection()
         con.register("batch", rows)
         # within-batch duplicates (identical rows) are one fact
         new = "SELECT * FROM batch QUALIFY row_number() OVER (PARTITION BY _row_id) = 1"

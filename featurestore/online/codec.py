@@ -33,12 +33,12 @@ import struct
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
 
-import duckdb
 import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from featurestore.sources import connection
 from featurestore.types import DType
 
 ORDER_KEY_BYTES = 32
@@ -155,7 +155,7 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]]) -> pa.Array:
             continue
         column = table[name]
         if dtype.is_array:
-            con = duckdb.connect()
+            con = connection()
             con.register("t", pa.table({"v": column}))
             column = con.sql("SELECT to_json(v)::VARCHAR AS v FROM t").to_arrow_table()["v"]
         data = pc.cast(column, pa.binary()).fill_null(b"")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-
-from featurestore.config import RepoConfig
 from featurestore.aggregation import WHERE_OPERATORS
+from featurestore.config import RepoConfig
 from featurestore.definitions import AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions

@@ -15,8 +15,8 @@ entity row is used instead.
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from numbers import Integral
 from datetime import datetime, timedelta, timezone
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
-from featurestore.aggregation.evaluate import WindowEvaluator
-from featurestore.online.codec import entity_key, events_key, key_text, key_prefix, make_decoder, micros_to_datetime
+from featurestore.online.codec import entity_key, events_key, key_prefix, key_text, make_decoder, micros_to_datetime
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.refs import ViewRequest, resolve
 

@@ -1,0 +1,229 @@
+"""Windowed aggregations: offline join and online lookup, each against a raw reference in the same run.
+
+Offline: ``get_historical_features`` of 12 aggregates (count, sum, mean, max over 1 h, 24 h and
+7 d) for 1M entity rows over 5M events of 100k cards, against a hand-written DuckDB query
+computing the same exact values (entity rows and events in one stream, RANGE frames). Each
+side runs in a fresh process, so wall time and peak RSS are its own.
+
+Online: an SDK lookup of 1 card × 5 aggregates (each card has ~10 events in its 7 d window)
+against a plain latest-value lookup of 1 entity × 5 features, timed in alternating blocks;
+and a one-event ``push(..., to="online")``.
+
+    python benchmarks/aggregations.py                          # full size
+    python benchmarks/aggregations.py --events 500000 --entity-rows 100000 --cards 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import peak_rss_mb, percentiles, run_child  # noqa: E402
+
+HERE = Path(__file__).resolve()
+START = datetime(2024, 1, 1, tzinfo=timezone.utc)
+TS = pa.timestamp("us", tz="UTC")
+WINDOWS = {"1h": 3600, "24h": 86400, "7d": 7 * 86400}
+FUNCTIONS = ("count", "sum", "mean", "max")
+
+DEFS = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+from featurestore.types import *
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+src = PushSource(name="payments", schema=[Field("tx_id", Int64), Field("card_id", Int64), Field("amount", Float64),
+                                          Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(name="activity", entities=[card], source=src, event_id="tx_id",
+    schema=[Field("tx_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation(f, timedelta(seconds=s), "amount", name=f"amount_{f}_{w}")
+                  for w, s in {windows}.items() for f in {functions}])
+latest = FeatureView(name="latest", entities=[card], source=PushSource(name="profiles", schema=[
+        Field("card_id", Int64), Field("event_timestamp", UnixTimestamp), Field("f1", Float64), Field("f2", Float64),
+        Field("f3", Int64), Field("f4", String), Field("f5", Float64)]),
+    schema=[Field("f1", Float64), Field("f2", Float64), Field("f3", Int64), Field("f4", String), Field("f5", Float64)])
+"""
+NAMES = [f"amount_{f}_{w}" for w in WINDOWS for f in FUNCTIONS]
+
+
+def write_repo(root: Path, retention: str = "") -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    extra = f"online_store: {{event_retention: {retention}}}\n" if retention else ""
+    (root / "featurestore.yaml").write_text(f"project: bench_agg\nmodules: [features.py]\n{extra}")
+    (root / "features.py").write_text(DEFS.replace("{windows}", repr(WINDOWS)).replace("{functions}", repr(FUNCTIONS)))
+
+
+def setup_offline(root: Path, cards: int, events: int, entity_rows: int, seed: int) -> None:
+    from featurestore import FeatureStore
+
+    write_repo(root)
+    rng = np.random.default_rng(seed)
+    span_s = 90 * 86_400
+    start_us = int(START.timestamp() * 1e6)
+    event = start_us + np.sort(rng.integers(0, span_s, events)) * 10**6  # whole seconds: ties happen
+    table = pa.table({
+        "card_id": rng.integers(1, cards + 1, events),
+        "event_timestamp": pa.array(event, pa.int64()).cast(TS),
+        "created_timestamp": pa.array(event, pa.int64()).cast(TS),
+        "_run_id": np.ones(events, np.int64),
+        "_row_id": rng.permutation(events).astype(np.int64),
+        "tx_id": np.arange(events, dtype=np.int64),
+        "amount": np.round(rng.lognormal(3.5, 1.1, events), 2),
+    })
+    store = FeatureStore(root)
+    store.offline_store.append("activity", table.cast(store.definitions.history_schema(store.get_feature_view("activity"))))
+    pq.write_table(pa.table({
+        "card_id": rng.integers(1, int(cards * 1.1) + 1, entity_rows),
+        "event_timestamp": pa.array(start_us + rng.integers(0, (span_s + 86_400) * 10**6, entity_rows), pa.int64()).cast(TS),
+    }), root / "entities.parquet")
+
+
+def run_ours(root: Path) -> dict:
+    from featurestore import FeatureStore
+
+    store = FeatureStore(root)
+    store.definitions
+    entity = pq.read_table(root / "entities.parquet")
+    t0 = time.perf_counter()
+    result = store.get_historical_features(entity, features=[f"activity:{n}" for n in NAMES]).to_arrow()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": result.num_rows, "checksum": _checksum(result), "peak_rss_mb": peak_rss_mb()}
+
+
+def run_reference(root: Path) -> dict:
+    import duckdb
+    from deltalake import DeltaTable
+
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+    entities = pq.read_table(root / "entities.parquet")  # noqa: F841 - scanned by name
+    files = "[" + ", ".join(f"'{f}'" for f in DeltaTable(str(root / "data" / "offline" / "activity")).file_uris()) + "]"
+    frames = ", ".join(
+        f"w{w} AS (PARTITION BY card_id ORDER BY ts RANGE BETWEEN INTERVAL ({s * 10**6 - 1}) MICROSECONDS PRECEDING AND CURRENT ROW)"
+        for w, s in WINDOWS.items()
+    )
+    sql_of = {"count": "count(amount) OVER w{w}", "sum": "COALESCE(fsum(amount) OVER w{w}, 0)",
+              "mean": "fsum(amount) OVER w{w} / NULLIF(count(amount) OVER w{w}, 0)", "max": "max(amount) OVER w{w}"}
+    aggregates = ", ".join(f"{sql_of[f].format(w=w)} AS amount_{f}_{w}" for w in WINDOWS for f in FUNCTIONS)
+    sql = f"""
+        WITH e AS (SELECT card_id, event_timestamp, CAST(event_timestamp AS TIMESTAMP) AS ts, row_number() OVER () AS rn FROM entities),
+        u AS (SELECT card_id, event_timestamp, ts, rn, NULL::DOUBLE AS amount FROM e
+              UNION ALL SELECT card_id, NULL, CAST(event_timestamp AS TIMESTAMP), NULL, amount FROM read_parquet({files}))
+        SELECT card_id, event_timestamp, {aggregates} FROM u WINDOW {frames} QUALIFY rn IS NOT NULL ORDER BY rn"""
+    t0 = time.perf_counter()
+    result = con.sql(sql).to_arrow_table()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": result.num_rows, "checksum": _checksum(result), "peak_rss_mb": peak_rss_mb()}
+
+
+def _checksum(table: pa.Table) -> str:
+    import pyarrow.compute as pc
+
+    return "/".join(str(pc.sum(table[n]).as_py()) for n in ("amount_count_1h", "amount_count_7d", "amount_max_24h", "amount_sum_7d"))
+
+
+def offline(args: argparse.Namespace) -> None:
+    root = args.data_dir / f"offline-{args.cards}-{args.events}-{args.entity_rows}-{args.seed}"
+    if not (root / "entities.parquet").exists():
+        print(f"generating {args.events:,} events for {args.cards:,} cards, {args.entity_rows:,} entity rows ...")
+        setup_offline(root, args.cards, args.events, args.entity_rows, args.seed)
+    results: dict[str, dict] = {}
+    for side in ("reference", "ours", "reference", "ours"):  # interleaved; best of two each
+        r = run_child(str(HERE), "--child", side, "--data-dir", str(root))
+        if side not in results or r["seconds"] < results[side]["seconds"]:
+            results[side] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], results.get(side, {}).get("peak_rss_mb", 0))}
+    ours, ref = results["ours"], results["reference"]
+    print(f"offline: {args.entity_rows:,} entity rows x {args.events:,} events, {len(NAMES)} aggregates over {list(WINDOWS)}")
+    print(f"  {'':26}{'wall s':>10}{'peak RSS MB':>14}")
+    print(f"  {'hand-written DuckDB SQL':26}{ref['seconds']:>10.2f}{ref['peak_rss_mb']:>14.0f}")
+    print(f"  {'get_historical_features':26}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
+    print(f"  ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
+    print(f"  results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
+
+
+def online(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from featurestore import FeatureStore
+
+    root = Path(tempfile.mkdtemp(prefix="bench-agg-online-"))
+    write_repo(root)
+    rng = np.random.default_rng(args.seed)
+    n_cards = args.online_cards
+    now = datetime.now(timezone.utc)
+    per_card = 10
+    events = n_cards * per_card
+    with FeatureStore(root) as store:
+        store.apply()
+        ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, events)]
+        store.push("payments", pa.table({
+            "tx_id": np.arange(events, dtype=np.int64), "card_id": np.repeat(np.arange(1, n_cards + 1), per_card),
+            "amount": np.round(rng.lognormal(3.5, 1.1, events), 2), "event_timestamp": pa.array(ts, TS),
+        }), to="online")
+        store.push("profiles", pa.table({
+            "card_id": np.arange(1, n_cards + 1), "event_timestamp": pa.array([now - timedelta(hours=1)] * n_cards, TS),
+            "f1": rng.normal(size=n_cards), "f2": rng.normal(size=n_cards), "f3": rng.integers(0, 100, n_cards),
+            "f4": pa.array(rng.integers(0, 100, n_cards).astype(str)), "f5": rng.normal(size=n_cards),
+        }), to="online")
+        agg_refs = [f"activity:amount_{f}" for f in ("count_1h", "sum_24h", "mean_7d", "max_7d", "count_7d")]
+        latest_refs = [f"latest:f{i}" for i in range(1, 6)]
+        timings: dict[str, list[float]] = {"aggregates": [], "latest": []}
+        deadline = time.monotonic() + args.seconds * 2
+        for block in range(2 * args.blocks):
+            refs, key = (agg_refs, "aggregates") if block % 2 == 0 else (latest_refs, "latest")
+            for _ in range(args.block_size):
+                row = [{"card_id": int(rng.integers(1, n_cards + 1))}]
+                t0 = time.perf_counter()
+                store.get_online_features(row, features=refs)
+                timings[key].append(time.perf_counter() - t0)
+            if time.monotonic() > deadline:
+                break
+        push_times = []
+        for i in range(args.block_size):
+            one = pa.table({"tx_id": [events + i], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
+                            "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
+            t0 = time.perf_counter()
+            store.push("payments", one, to="online")
+            push_times.append(time.perf_counter() - t0)
+    agg, lat, push = percentiles(timings["aggregates"]), percentiles(timings["latest"]), percentiles(push_times)
+    print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
+    print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
+    print(f"  1 entity x 5 latest       p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms  (n={lat['n']})")
+    print(f"  ratio aggregates / latest: p50 {agg['p50'] / lat['p50']:.2f}x, p99 {agg['p99'] / lat['p99']:.2f}x")
+    print(f"  push 1 event to online    p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cards", type=int, default=100_000)
+    parser.add_argument("--events", type=int, default=5_000_000)
+    parser.add_argument("--entity-rows", type=int, default=1_000_000)
+    parser.add_argument("--online-cards", type=int, default=10_000)
+    parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--block-size", type=int, default=300)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--skip", choices=["offline", "online"])
+    parser.add_argument("--data-dir", type=Path, default=HERE.parent / ".data" / "aggregations")
+    parser.add_argument("--child", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps((run_ours if args.child == "ours" else run_reference)(args.data_dir)))
+        return
+    if args.skip != "offline":
+        offline(args)
+    if args.skip != "online":
+        online(args)
+
+
+if __name__ == "__main__":
+    main()
