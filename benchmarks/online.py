@@ -174,6 +174,7 @@ def main() -> None:
     store.materialize(None, None)
     print(f"materialized {args.entities:,} entities × 10 features in {time.perf_counter() - t0:.1f}s; Redis: {store.online_store.url}")
     client = store.online_store.client
+    field = store.get_feature_view("stats").online_field
     rnd = random.Random(7)
     ids = {size: [[rnd.randint(1, args.entities) for _ in range(size)] for _ in range(500)] for size in SIZES}
     iterations = {1: 5000, 10: 3000, 100: 1000}
@@ -192,7 +193,7 @@ def main() -> None:
             batch = batches[next(k) % len(batches)]
             pipe = client.pipeline(transaction=False)
             for i in batch:
-                pipe.hmget(b"fs:%s:{user_id=%d}" % (PROJECT.encode(), i), ["stats"])
+                pipe.hmget(b"fs:%s:{user_id=%d}" % (PROJECT.encode(), i), [field])
             pipe.execute()
 
         ours, ref = map(percentiles, paired(sdk, raw, iterations[size], args.seconds))
@@ -201,7 +202,7 @@ def main() -> None:
               f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
 
     env = {**os.environ, "FEATURESTORE_DATA_DIR": str(store.config.data_dir), "BENCH_REDIS_URL": store.online_store.url,
-           "BENCH_PROJECT": PROJECT, "REDIS_URL": store.online_store.url, "PYTHONPATH": str(HERE)}
+           "BENCH_PROJECT": PROJECT, "BENCH_VIEW": store.get_feature_view("stats").online_field, "REDIS_URL": store.online_store.url, "PYTHONPATH": str(HERE)}
     ours_port, raw_port = free_port(), free_port()
     servers = [
         start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port)], env, ours_port),

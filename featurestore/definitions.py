@@ -281,6 +281,21 @@ class FeatureView:
         return [f.name for f in self.features]
 
     @property
+    def storage_id(self) -> str:
+        """Hash of how the view's rows are stored (keys, key types, columns and types, event id).
+
+        Online values are written under ``online_field`` (name + this id), so bytes written under
+        another layout are never decoded as this one: they read as NOT_FOUND until re-materialized."""
+        return content_hash({
+            "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
+            "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id,
+        })[:8]
+
+    @property
+    def online_field(self) -> str:
+        return f"{self.name}#{self.storage_id}"
+
+    @property
     def longest_window(self) -> timedelta:
         return max(a.window for a in self.aggregations)
 

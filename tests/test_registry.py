@@ -203,3 +203,22 @@ def test_init_scaffold_plans_and_applies(tmp_path, redis_url, monkeypatch):
     store = FeatureStore(tmp_path / "new")
     assert not store.apply().empty
     store.close()
+
+
+def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
+    """Issue #9: after Int64 -> Float64 a stored 4 used to decode as 2e-323, PRESENT. Values are
+    written under the view's storage layout, so until re-materialized the lookup says NOT_FOUND."""
+    recent = STATS.set_column(1, "event_timestamp", pa.array([datetime.now(timezone.utc)] * 2, pa.timestamp("us", tz="UTC")))
+    store = make_store(GOOD, {"stats": recent})
+    store.apply()
+    store.materialize(None, None)
+    ask = dict(features=["driver_stats:trips"])
+    assert store.get_online_features([{"driver_id": 2}], **ask).to_values()["trips"] == [4]
+    (store.config.repo_path / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
+    changed = FeatureStore(store.config.repo_path)
+    changed.apply()
+    response = changed.get_online_features([{"driver_id": 2}], **ask)
+    assert response.statuses[1] == ["NOT_FOUND"] and response.to_values()["trips"] == [None]
+    changed.materialize(None, None)  # history already has the rows: the new layout still gets them all
+    assert changed.get_online_features([{"driver_id": 2}], **ask).to_values()["trips"] == [4.0]
+    changed.close()

@@ -155,7 +155,7 @@ def test_consistency_catches_planted_skew(trained):
         "_run_id": pa.array([10**9], pa.int64()), "_row_id": pa.array([1], pa.int64()),
         "credit_limit": [123456.0], "account_age_days": pa.array([1], pa.int32()), "home_country": ["ZZ"],
     })
-    store.online_store.write_latest("card_profile", forged, ["card_id"], [(f.name, f.dtype) for f in view.schema])
+    store.online_store.write_latest(view.online_field, forged, ["card_id"], [(f.name, f.dtype) for f in view.schema])
     with TestClient(app) as client:
         assert client.post("/predict", json={"card_id": 7, "merchant_id": 1, "amount": 50.0}).status_code == 200
     report = check_consistency(store, "fraud")

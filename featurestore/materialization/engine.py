@@ -114,7 +114,9 @@ class Materializer:
             self.store.offline_store.write_rejects(view.name, computed.rejects)
 
         write_offline, write_online = offline and view.offline, online and view.online
-        synced = registry.watermarks().get(view.name, {}).get("online_synced", False)
+        mark = registry.watermarks().get(view.name, {})
+        # a new storage layout starts with nothing online: everything is re-sent
+        synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
         if view.online and write_offline:
             registry.set_watermark(view.name, online_synced=False)
         fresh = computed.rows
@@ -128,11 +130,11 @@ class Materializer:
                 horizon = view.longest_window + self.store.config.event_retention
                 cutoff_us = (now - horizon - _EPOCH) // timedelta(microseconds=1)
                 events, ids = events_to_add(candidates, view, cutoff_us)
-                self.store.online_store.write_events(view.name, events, view.join_keys, stored, ids, cutoff_us, horizon)
+                self.store.online_store.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
                 report.online_rows = events.num_rows
             else:
                 latest = latest_per_entity(candidates, view.join_keys)
-                self.store.online_store.write_latest(view.name, latest, view.join_keys, stored, self._expiry(view))
+                self.store.online_store.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
                 report.online_rows = latest.num_rows
         if not write_offline:
             return report
@@ -142,7 +144,7 @@ class Materializer:
         if computed.rows.num_rows:
             marks["max_event_timestamp"] = _max_iso(computed.rows)
         if write_online and (synced or complete):  # not synced: every computed row was sent
-            marks["online_synced"] = True
+            marks.update(online_synced=True, online_layout=view.storage_id)
         registry.set_watermark(view.name, **marks)
         return report
 

@@ -233,12 +233,16 @@ class RedisOnlineStore:
             await pubsub.aclose()
 
     def drop_view(self, view: str) -> None:
-        suffixes = (b":ev:" + view.encode(), b":ids:" + view.encode())
+        """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
+        marker = view.encode() + b"#"
         for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
-            if key.endswith(suffixes):
+            tail = key.rsplit(b":", 1)[-1]
+            if tail.startswith(marker):  # an events or event-ids key
                 self.client.delete(key)
             elif key.endswith(b"}"):
-                self.client.hdel(key, view)
+                fields = [f for f in self.client.hkeys(key) if f.startswith(marker)]
+                if fields:
+                    self.client.hdel(key, *fields)
 
     def close(self) -> None:
         self.client.close()

@@ -141,7 +141,7 @@ class QueryTemplate:
                 by_name = {a.output_name: a for a in req.view.aggregations}
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset)
-                events_of = lambda values, entity_of=entity_of, view=req.view.name: events_key(entity_of(values), view)  # noqa: E731
+                events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
                 order.append((True, len(windows)))
                 windows.append(_WindowPlan(
                     req, keyset, events_of, make_decoder(stored, range(len(stored))),
@@ -152,7 +152,7 @@ class QueryTemplate:
             if keyset not in groups:
                 groups[keyset] = _Group(keyset, [], _key_builder(project, keyset))
             group = groups[keyset]
-            group.fields.append(req.view.name)
+            group.fields.append(req.view.online_field)
             wanted = [req.view.feature_names.index(f) for f in req.features]
             decode = make_decoder([(f.name, f.dtype) for f in req.view.schema], wanted)
             ttl = req.view.ttl // timedelta(microseconds=1) if req.view.ttl is not None else None
