@@ -9,6 +9,7 @@ from featurestore.definitions import (
     FileSource,
     PushSource,
     SqlSource,
+    StreamSource,
 )
 from featurestore.feature_store import FeatureStore
 
@@ -24,5 +25,6 @@ __all__ = [
     "FileSource",
     "PushSource",
     "SqlSource",
+    "StreamSource",
     "__version__",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -116,6 +117,43 @@ def materialize_incremental(
     """Write every row not yet materialized, late arrivals included."""
     with _store(repo) as store:
         console.print(store.materialize_incremental(_parse_time(end), views or None, progress=True).describe())
+
+
+@app.command()
+def stream(
+    source: str = typer.Argument(..., help="A StreamSource's name."),
+    to: str = typer.Option("online_and_offline", help="online, offline or online_and_offline."),
+    batch: int = typer.Option(1000, help="Entries read (and pushed) per round trip."),
+    consumer: Optional[str] = typer.Option(None, help="Consumer name in the group (default: host-pid); reuse it to resume its pending entries."),
+    until_idle: bool = typer.Option(False, help="Stop once the stream has nothing new (default: run until Ctrl-C)."),
+    repo: Path = RepoOption,
+) -> None:
+    """Consume a stream source into both stores (at least once; retries never count twice), showing lag and throughput."""
+    from rich.live import Live
+
+    from featurestore.streaming import StreamConsumer
+
+    with _store(repo) as store:
+        runner = StreamConsumer(store, source, consumer=consumer, batch=batch, to=to)
+        console.print(f"consuming {runner.stream} as {runner.consumer} (group featurestore) → {to}")
+
+        def line(stats) -> str:
+            return (f"{stats.consumed:,} consumed  {stats.rate:,.0f}/s  pending {stats.pending:,}  "
+                    f"lag {stats.lag_ms / 1000:.1f}s  dead-lettered {stats.dead:,}")
+
+        with Live(console=console, transient=False, auto_refresh=False) as live:
+            shown = [0.0]
+
+            def progress(stats) -> None:
+                if time.monotonic() - shown[0] > 0.5:
+                    live.update(line(stats), refresh=True)
+                    shown[0] = time.monotonic()
+
+            try:
+                stats = runner.run(until_idle=until_idle, on_progress=progress)
+            except KeyboardInterrupt:
+                stats = runner.stats
+            live.update(line(stats), refresh=True)
 
 
 @app.command()

@@ -154,6 +154,19 @@ class PushSource:
         }
 
 
+@dataclass(eq=False)
+class StreamSource(PushSource):
+    """A push source fed by a Redis Stream: ``featurestore stream NAME`` consumes it (at least once,
+    acknowledged after both stores have the rows; duplicates are harmless: event ids and row
+    identities deduplicate). Entries map column names to text values; timestamps in ISO 8601.
+    ``stream`` defaults to ``fs:<project>:stream:<name>``."""
+
+    stream: str = ""
+
+    def to_spec(self) -> dict[str, Any]:
+        return {**super().to_spec(), "kind": "stream", "stream": self.stream}
+
+
 Source = Union[FileSource, SqlSource, PushSource]
 Transformation = Union[str, Callable[..., Any], None]
 

@@ -123,7 +123,7 @@ _KINDS = {Entity: "entity", FeatureView: "feature_view", FeatureService: "featur
 
 
 def _collect(obj: object, defs: Definitions, seen: dict, problems: list[str]) -> None:
-    kind = _KINDS[type(obj)]
+    kind = next(k for cls, k in _KINDS.items() if isinstance(obj, cls))
     key = (kind, obj.name)  # type: ignore[attr-defined]
     previous = seen.get(key)
     if previous is obj:

@@ -1,0 +1,185 @@
+"""Consume a ``StreamSource``'s Redis Stream into both stores.
+
+At least once, nothing lost: entries are read through a consumer group, pushed (history and
+Redis, the same path as ``FeatureStore.push``) and only then acknowledged. A consumer killed
+between the push and the acknowledgement gets the same entries again on restart (it first
+re-reads its own pending entries) and pushing them twice changes nothing: history dedupes by
+row identity, windowed aggregations by event id, latest values by their order key.
+
+Entries map column names to text (``XADD s * card_id 17 amount 12.5 event_timestamp
+2024-05-01T10:00:00Z``). An entry that does not fit the source's schema goes to the dead-letter
+stream ``<stream>:dead`` with the reason, and is acknowledged: one bad entry never blocks the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import redis
+
+from featurestore.definitions import StreamSource
+from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable
+
+if TYPE_CHECKING:
+    from featurestore.feature_store import FeatureStore
+
+GROUP = "featurestore"
+log = logging.getLogger(__name__)
+
+
+def stream_key(project: str, source: StreamSource) -> str:
+    return source.stream or f"fs:{project}:stream:{source.name}"
+
+
+def publish(client: redis.Redis, stream: str, rows: list[dict[str, Any]]) -> list[bytes]:
+    """Append rows to a stream as text fields (what a producer does); returns the entry ids."""
+    pipe = client.pipeline(transaction=False)
+    for row in rows:
+        pipe.xadd(stream, {k: _text(v) for k, v in row.items() if v is not None})
+    return pipe.execute()
+
+
+def _text(value: Any) -> str | bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
+
+
+@dataclass
+class StreamStats:
+    consumed: int = 0          # entries pushed and acknowledged
+    dead: int = 0              # entries sent to the dead-letter stream
+    pending: int = 0           # delivered to this group, not yet acknowledged
+    lag_ms: float = 0.0        # newest entry's time minus the newest consumed entry's time
+    started: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.consumed / elapsed if elapsed > 0 else 0.0
+
+
+class StreamConsumer:
+    """One member of the consumer group of a stream source."""
+
+    def __init__(
+        self, store: "FeatureStore", source_name: str, *, consumer: str | None = None, batch: int = 1000,
+        block_ms: int = 1000, to: str = "online_and_offline",
+    ):
+        source = store.definitions.push_source(source_name)
+        if not isinstance(source, StreamSource):
+            raise NotFoundError(f"{source_name!r} is a push source, not a StreamSource; declare it with StreamSource(...) to consume a stream")
+        self.store, self.source, self.batch, self.block_ms, self.to = store, source, batch, block_ms, to
+        self.stream = stream_key(store.config.project, source)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.client: redis.Redis = store.online_store.client
+        self.stats = StreamStats(started=time.monotonic())
+        try:
+            self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        except redis.ConnectionError as exc:
+            raise OnlineStoreUnavailable(f"Redis is unreachable: {exc}") from exc
+
+    def run(self, *, until_idle: bool = False, stop: Callable[[], bool] = lambda: False,
+            on_progress: Callable[[StreamStats], None] | None = None) -> StreamStats:
+        """Consume until ``stop()`` (or, with ``until_idle``, until a read finds nothing new)."""
+        backlog = True  # first our own pending entries (delivered before a crash), then new ones
+        retry = 0.1
+        while not stop():
+            try:
+                start = "0" if backlog else ">"
+                reply = self.client.xreadgroup(GROUP, self.consumer, {self.stream: start}, count=self.batch,
+                                               block=None if backlog else self.block_ms)
+                entries = reply[0][1] if reply else []
+                if backlog and not entries:
+                    backlog = False
+                    continue
+                if entries:
+                    self._handle(entries)
+                self._measure()
+                retry = 0.1
+            except (OnlineStoreUnavailable, redis.ConnectionError, redis.TimeoutError) as exc:
+                # an outage: nothing was acknowledged that is not stored; wait, then re-read our pending entries
+                log.warning("stream %s: Redis unavailable (%s); retrying in %.1fs", self.stream, exc, retry)
+                time.sleep(retry)
+                retry, backlog = min(retry * 2, 5.0), True
+                continue
+            if on_progress:
+                on_progress(self.stats)
+            if not entries and until_idle:
+                break
+        return self.stats
+
+    def _handle(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        try:
+            self._push(entries)
+        except OnlineStoreUnavailable:
+            raise
+        except FeatureStoreError as exc:  # bad entries: isolate them, the good ones still go in
+            if len(entries) == 1:
+                self._dead_letter(entries[0], str(exc))
+            else:
+                for entry in entries:
+                    self._handle([entry])
+            return
+        self.client.xack(self.stream, GROUP, *[entry_id for entry_id, _ in entries])
+        self.stats.consumed += len(entries)
+
+    def _push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        self.store.push(self.source.name, entries_to_table(entries, self.source), to=self.to)
+
+    def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
+        entry_id, fields = entry
+        self.client.xadd(self.stream + ":dead", {**fields, b"_reason": reason[:2000], b"_entry_id": entry_id})
+        self.client.xack(self.stream, GROUP, entry_id)
+        self.stats.dead += 1
+
+    def _measure(self) -> None:
+        summary = self.client.xpending(self.stream, GROUP)
+        self.stats.pending = int(summary["pending"])
+        groups = {g["name"]: g for g in self.client.xinfo_groups(self.stream)}
+        last = groups.get(GROUP.encode(), groups.get(GROUP, {})).get("last-delivered-id", b"0-0")
+        newest = self.client.xrevrange(self.stream, count=1)
+        if newest:
+            self.stats.lag_ms = float(_ms(newest[0][0]) - _ms(last))
+
+
+def _ms(entry_id: bytes | str) -> int:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-")[0])
+
+
+def entries_to_table(entries: list[tuple[bytes, dict[bytes, bytes]]], source: StreamSource) -> pa.Table:
+    """Stream entries -> a table of the source's schema (raises RequestError naming the bad column)."""
+    from featurestore.errors import RequestError
+
+    columns = {}
+    for f in source.schema:
+        key = f.name.encode()
+        raw = [fields.get(key) for _, fields in entries]
+        try:
+            if f.dtype.name == "Bytes":
+                columns[f.name] = pa.array(raw, pa.binary())
+            elif f.dtype.name == "UnixTimestamp":
+                text = pd.Series([v.decode() if v is not None else None for v in raw], dtype="object")
+                columns[f.name] = pa.array(pd.to_datetime(text, utc=True, format="ISO8601"), f.dtype.arrow)
+            else:
+                text = pa.array([v.decode() if v is not None else None for v in raw], pa.string())
+                columns[f.name] = pc.cast(text, f.dtype.arrow)
+        except (ValueError, TypeError, UnicodeDecodeError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise RequestError(f"column {f.name!r} does not parse as {f.dtype!r}: {str(exc).splitlines()[0]}") from exc
+    return pa.table(columns)

@@ -1,0 +1,113 @@
+"""Stream sources: a real consumer process, killed mid-stream and restarted, loses nothing and counts nothing twice."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pytest
+
+from featurestore import FeatureStore
+from featurestore.streaming import GROUP, StreamConsumer, publish, stream_key
+
+from .conftest import write_repo
+
+FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, StreamSource
+from featurestore.types import Float64, Int64, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+payments = StreamSource(name="payments", schema=[
+    Field("payment_id", Int64), Field("card_id", Int64), Field("amount", Float64), Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(
+    name="activity", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation("count", timedelta(hours=30)), Aggregation("sum", timedelta(hours=30), "amount")],
+)
+"""
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def _events(n: int, seed: int) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"payment_id": i, "card_id": rnd.randint(1, 20), "amount": float(rnd.randint(1, 500)),
+             "event_timestamp": NOW - timedelta(minutes=rnd.randint(0, 600))} for i in range(n)]
+
+
+@pytest.fixture
+def stream_repo(tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", FEATURES, url=redis_url)
+    store = FeatureStore(root)
+    store.apply()
+    yield root, store
+    store.close()
+
+
+def _expected(events: list[dict]) -> dict[int, tuple[int, float]]:
+    out: dict[int, tuple[int, float]] = {}
+    for e in {e["payment_id"]: e for e in events}.values():
+        count, total = out.get(e["card_id"], (0, 0.0))
+        out[e["card_id"]] = (count + 1, total + e["amount"])
+    return out
+
+
+def _assert_stores_match(store: FeatureStore, events: list[dict]) -> None:
+    expected = _expected(events)
+    cards = sorted(expected)
+    online = store.get_online_features({"card_id": cards}, features=["activity:count_30h", "activity:amount_sum_30h"], at=NOW)
+    assert list(zip(online.values[1], online.values[2])) == [expected[c] for c in cards]
+    entity_df = pd.DataFrame({"card_id": cards, "event_timestamp": [NOW] * len(cards)})
+    offline = store.get_historical_features(entity_df, features=["activity:count_30h", "activity:amount_sum_30h"]).to_df()
+    assert list(zip(offline["count_30h"], offline["amount_sum_30h"])) == [expected[c] for c in cards]
+
+
+def test_consumer_killed_mid_stream_resumes_without_loss_or_double_counting(stream_repo):
+    root, store = stream_repo
+    events = _events(3000, seed=1)
+    stream = stream_key(store.config.project, store.definitions.push_source("payments"))
+    retried = events + random.Random(2).sample(events, 200)  # producers retry: duplicate entries
+    publish(store.online_store.client, stream, retried[:1500])
+    bad = publish(store.online_store.client, stream, [{"payment_id": 99999, "card_id": 1, "amount": "lots",
+                                                        "event_timestamp": NOW.isoformat()}])
+    publish(store.online_store.client, stream, retried[1500:])
+
+    command = [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root), "--batch", "40", "--consumer", "c1"]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    client = store.online_store.client
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill it once it is well under way
+        groups = client.xinfo_groups(stream)  # the consumer creates the group when it starts
+        if groups and len(client.xrange(stream, min="-", max=groups[0]["last-delivered-id"])) > 600:
+            break
+        if first.poll() is not None:
+            pytest.fail(first.stderr.read().decode()[-2000:])
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    delivered = len(client.xrange(stream, min="-", max=client.xinfo_groups(stream)[0]["last-delivered-id"]))
+    assert delivered < len(retried), "the consumer finished before it was killed: nothing was tested"
+
+    second = subprocess.run([*command, "--until-idle"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert client.xpending(stream, GROUP)["pending"] == 0
+    dead = client.xrange(stream + ":dead")
+    assert [fields[b"_entry_id"] for _, fields in dead] == bad
+    assert b"amount" in dead[0][1][b"_reason"]
+    _assert_stores_match(store, events)
+
+
+def test_a_push_source_is_not_a_stream(stream_repo, tmp_path):
+    _, store = stream_repo
+    from featurestore.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="not a StreamSource"):
+        StreamConsumer(FeatureStore(write_repo(tmp_path / "plain", FEATURES.replace("StreamSource", "PushSource"))), "payments")
