@@ -136,7 +136,7 @@ def _replay(store, server, port, data, heldout, start, end, batch_hours):
             time.sleep(0.2)
         scores, labels, latencies = [], [], []
         step = timedelta(hours=batch_hours)
-        profiles = _between(data.profiles, start, end).to_pylist()
+        profiles = sorted(_between(data.profiles, start, end).to_pylist(), key=lambda row: row["event_timestamp"])
         payments = heldout.to_pylist()
         pending: list[dict] = []            # pushed online, not yet appended to history
         flush_at = start + step
