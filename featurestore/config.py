@@ -34,6 +34,9 @@ class RepoConfig:
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
+    # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
+    buffer_max_rows: int = 10_000
+    buffer_max_seconds: float = 5.0
 
     @property
     def embedded_redis(self) -> bool:
@@ -66,6 +69,8 @@ class RepoConfig:
             max_request_entities=int(online.get("max_request_entities", 10_000)),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
+            buffer_max_rows=int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000)),
+            buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
         )
 
 

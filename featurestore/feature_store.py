@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from featurestore.materialization.engine import MaterializationReport
+    from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
     from featurestore.online.redis_store import RedisOnlineStore
     from featurestore.retrieval.historical import RetrievalJob
@@ -32,6 +33,7 @@ class FeatureStore:
         self._definitions: Definitions | None = None
         self._offline: DeltaOfflineStore | None = None
         self._online: RedisOnlineStore | None = None
+        self._buffer: PushBuffer | None = None
 
     # ------------------------------------------------------------ definitions
 
@@ -106,7 +108,29 @@ class FeatureStore:
             self._online = RedisOnlineStore.from_config(self.config)
         return self._online
 
+    @property
+    def push_buffer(self) -> "PushBuffer":
+        """Durable buffer of pushed history rows, committed to Delta in batches (see ``flush``)."""
+        if self._buffer is None:
+            from featurestore.offline.buffer import PushBuffer
+
+            self._buffer = PushBuffer(self.config.data_dir / "buffer", self.config.buffer_max_rows, self.config.buffer_max_seconds)
+        return self._buffer
+
+    def flush(self) -> int:
+        """Commit every buffered push to the history store now; returns the rows committed."""
+        from featurestore.materialization.push import flush
+
+        return flush(self)
+
+    def _commit_buffered(self) -> None:
+        """Reads of history see every acknowledged push: commit what is buffered (any process's)."""
+        if self.push_buffer.targets():
+            self.flush()
+
     def close(self) -> None:
+        if self._buffer is not None and self._buffer.targets():
+            self.flush()
         if self._online is not None:
             self._online.close()
             self._online = None
@@ -127,6 +151,7 @@ class FeatureStore:
         """Compute the views' rows with event time in [start, end) once and write both stores."""
         from featurestore.materialization.engine import Materializer
 
+        self._commit_buffered()  # the push log and histories must hold every pushed row first
         return Materializer(self, progress=progress).run(
             views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
         )
@@ -156,6 +181,7 @@ class FeatureStore:
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
         from featurestore.retrieval.historical import RetrievalJob
 
+        self._commit_buffered()
         return RetrievalJob.build(self, entity_df, features, feature_service, full_feature_names, as_of)
 
     def get_online_features(
@@ -174,4 +200,5 @@ class FeatureStore:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""
         from featurestore.retrieval.export import export_training_dataset
 
+        self._commit_buffered()
         return export_training_dataset(self, entity_df, feature_service, Path(path), progress=progress)

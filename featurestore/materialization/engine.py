@@ -21,6 +21,7 @@ from rich.progress import Progress
 
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
+from featurestore.offline.buffer import PushBuffer
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
 from featurestore.sources import connection, register_view_rows
 
@@ -93,12 +94,13 @@ class Materializer:
 
     def write_view(
         self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
-        online: bool, offline: bool, on_bad_rows: str = "reject", complete: bool = False,
+        online: bool, offline: bool, on_bad_rows: str = "reject", complete: bool = False, buffer: PushBuffer | None = None,
     ) -> ViewReport:
         """Compute ``view_rows`` registered in ``con`` and write them to the selected stores.
 
         ``complete``: the rows are the view's whole source (no start), so writing all of them
-        online repairs whatever history holds that Redis may lack."""
+        online repairs whatever history holds that Redis may lack. ``buffer``: history rows go
+        to this durable buffer (pushes) instead of straight to the history store."""
         defs, registry = self.store.definitions, self.store.registry
         run_id = registry.next_run_id()
         now = datetime.now(timezone.utc)
@@ -114,6 +116,13 @@ class Materializer:
             self.store.offline_store.write_rejects(view.name, computed.rejects)
 
         write_offline, write_online = offline and view.offline, online and view.online
+        if buffer is not None:  # a push: history through the durable buffer, no registry state
+            segment = buffer.append(f"view:{view.name}", computed.rows, online_pending=write_online) if write_offline else None
+            if write_online:
+                report.online_rows = self.write_online(view, computed.rows, now)
+                if segment is not None:
+                    buffer.confirm_online(segment)
+            return report
         mark = registry.watermarks().get(view.name, {})
         # a new storage layout starts with nothing online: everything is re-sent
         synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
@@ -124,18 +133,7 @@ class Materializer:
             fresh = self.store.offline_store.append(view.name, computed.rows)
             report.new_offline_rows = fresh.num_rows
         if write_online:
-            candidates = fresh if (synced and write_offline) else computed.rows
-            stored = [(f.name, f.dtype) for f in view.schema]
-            if view.is_aggregated:
-                horizon = view.longest_window + self.store.config.event_retention
-                cutoff_us = (now - horizon - _EPOCH) // timedelta(microseconds=1)
-                events, ids = events_to_add(candidates, view, cutoff_us)
-                self.store.online_store.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
-                report.online_rows = events.num_rows
-            else:
-                latest = latest_per_entity(candidates, view.join_keys)
-                self.store.online_store.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
-                report.online_rows = latest.num_rows
+            report.online_rows = self.write_online(view, fresh if (synced and write_offline) else computed.rows, now)
         if not write_offline:
             return report
         marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
@@ -147,6 +145,19 @@ class Materializer:
             marks.update(online_synced=True, online_layout=view.storage_id)
         registry.set_watermark(view.name, **marks)
         return report
+
+    def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
+        """Send history rows online: each entity's latest row, or for aggregated views the events."""
+        stored = [(f.name, f.dtype) for f in view.schema]
+        if view.is_aggregated:
+            horizon = view.longest_window + self.store.config.event_retention
+            cutoff_us = (now - horizon - _EPOCH) // timedelta(microseconds=1)
+            events, ids = events_to_add(rows, view, cutoff_us)
+            self.store.online_store.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
+            return events.num_rows
+        latest = latest_per_entity(rows, view.join_keys)
+        self.store.online_store.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
+        return latest.num_rows
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

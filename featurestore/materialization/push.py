@@ -1,9 +1,10 @@
 """``push``: rows arriving at run time, written with the same rules as materialization.
 
-Pushed rows are appended to the push source's Delta log (when going offline), so views
-with a transformation over the source pick them up at the next materialization; views
-that read the source as is are written to the stores at once, through the same
-``Materializer.write_view`` path (same typing, identity, tie-break and compare-and-set).
+Views that read the source as is are written at once through ``Materializer.write_view``
+(same typing, identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously,
+history through the durable ``PushBuffer`` (a fsynced segment per push; committed to Delta
+in batches by ``flush``). The raw rows also go to the source's Delta log through the buffer,
+so views with a transformation over the source see them at the next materialization.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-from deltalake import write_deltalake
+from datetime import datetime, timezone
+
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from featurestore.errors import BadRowsError, RequestError
 from featurestore.materialization.engine import Materializer
+from featurestore.offline.buffer import APP_ID
 from featurestore.sources import connection, push_log_path
 
 if TYPE_CHECKING:
@@ -54,15 +58,46 @@ def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
     table = pa.table(columns, names=expected)
     materializer = Materializer(store)
+    buffer = store.push_buffer
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
         con = connection()
         con.register("view_rows", table)
         try:
-            materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to, on_bad_rows="fail")
+            materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
+                                    on_bad_rows="fail", buffer=buffer)
         except BadRowsError as exc:
             raise RequestError(str(exc)) from exc
     if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
-        write_deltalake(str(push_log_path(store.config.data_dir, source_name)), table, mode="append")
+        buffer.append(f"log:{source_name}", table)
+    flush(store, only_due=True)
     return table.num_rows
+
+
+def flush(store: "FeatureStore", only_due: bool = False) -> int:
+    """Commit buffered pushes to the history store (all, or those over the size/age bounds); returns rows."""
+    buffer, materializer, defs = store.push_buffer, Materializer(store), store.definitions
+    committed = 0
+    for target in buffer.targets():
+        if only_due and not buffer.due(target):
+            continue
+        kind, name = target.split(":", 1)
+        if kind == "view":
+            if name not in defs.feature_views:
+                continue  # the view was removed; its segments stay for inspection
+            view = defs.view(name)
+            resend = (lambda rows, view=view: materializer.write_online(view, rows, datetime.now(timezone.utc))) if view.online else None
+            committed += buffer.drain(target, lambda rows, seq, name=name: store.offline_store.append(name, rows), resend)
+        else:
+            committed += buffer.drain(target, lambda rows, seq, name=name: _append_log(store, name, rows, seq))
+    return committed
+
+
+def _append_log(store: "FeatureStore", source_name: str, rows: pa.Table, seq: int) -> None:
+    """Append to the push log once per drain, even if a crash repeats the drain (Delta app transaction)."""
+    path = push_log_path(store.config.data_dir, source_name)
+    if (path / "_delta_log").exists() and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
+        return
+    write_deltalake(str(path), rows, mode="append",
+                    commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]))
