@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -34,10 +34,9 @@ def _store(repo: Path):
 
 
 def _parse_time(value: Optional[str]) -> Optional[datetime]:
-    if value is None:
-        return None
-    ts = datetime.fromisoformat(value)
-    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+    from featurestore.config import parse_time
+
+    return parse_time(value) if value is not None else None
 
 
 @app.command()

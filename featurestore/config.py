@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import yaml
@@ -50,9 +50,13 @@ class RepoConfig:
             raise FeatureStoreError(
                 f"no {CONFIG_FILE} in {repo}; run `featurestore init {repo}` to create a repo"
             )
-        raw = yaml.safe_load(file.read_text()) or {}
+        try:
+            raw = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise FeatureStoreError(f"{file} is not valid YAML: {exc}") from None
         if not isinstance(raw, dict) or "project" not in raw:
             raise FeatureStoreError(f"{file}: add a top-level `project: <name>` entry")
+        _check_keys(file, raw)
         data_dir = Path(os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"))
         data_dir = data_dir if data_dir.is_absolute() else repo / data_dir
         offline = (raw.get("offline_store") or {}).get("path")
@@ -61,20 +65,32 @@ class RepoConfig:
         return cls(
             repo_path=repo,
             project=str(raw["project"]),
-            modules=list(raw.get("modules", ["features.py"])),
+            modules=_modules(raw.get("modules", ["features.py"]), file),
             data_dir=data_dir,
             offline_path=_resolve(repo, offline) if offline else data_dir / "offline",
             registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
             online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
-            max_request_entities=int(online.get("max_request_entities", 10_000)),
+            max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
-            buffer_max_rows=int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000)),
+            buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
         )
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_time(value: "str | datetime") -> datetime:
+    """An ISO 8601 time (``2024-05-01``, ``2024-05-01T10:00:00Z``) or datetime; naive means UTC."""
+    if isinstance(value, datetime):
+        ts = value
+    else:
+        try:
+            ts = datetime.fromisoformat(str(value).strip())
+        except ValueError:
+            raise FeatureStoreError(f"{value!r} is not an ISO 8601 time; write e.g. 2024-05-01 or 2024-05-01T10:00:00Z") from None
+    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
 def parse_duration(value: object, where: str) -> timedelta:
@@ -85,6 +101,45 @@ def parse_duration(value: object, where: str) -> timedelta:
     if len(text) > 1 and text[-1] in _UNITS and text[:-1].isdigit():
         return timedelta(seconds=int(text[:-1]) * _UNITS[text[-1]])
     raise FeatureStoreError(f"{where}: {value!r} is not a duration; write seconds or e.g. '90s', '15m', '12h', '3d'")
+
+
+_KEYS = {
+    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store"},
+    "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention"},
+    "offline_store": {"path", "buffer_max_rows", "buffer_max_age"},
+}
+
+
+def _check_keys(file: Path, raw: dict) -> None:
+    """A misspelt key (``online_stor:``) must not silently fall back to a default."""
+    import difflib
+
+    for section, allowed in _KEYS.items():
+        mapping = raw if not section else raw.get(section)
+        if mapping is None:
+            continue
+        where = f"{section}." if section else ""
+        if not isinstance(mapping, dict):
+            raise FeatureStoreError(f"{file}: `{section}` must be a mapping of settings, e.g. `{section}: {{{sorted(allowed)[0]}: ...}}`")
+        for key in mapping:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"; did you mean `{where}{close[0]}`?" if close else f"; known keys: {', '.join(sorted(allowed))}"
+                raise FeatureStoreError(f"{file}: unknown setting `{where}{key}`{hint}")
+
+
+def _positive_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FeatureStoreError(f"{where}: {value!r} is not a whole number >= 1")
+    return value
+
+
+def _modules(value: object, file: Path) -> list[str]:
+    if isinstance(value, str):
+        value = [value]  # `modules: features.py` means one module
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise FeatureStoreError(f"{file}: `modules` must list Python files, e.g. `modules: [features.py]`")
+    return list(value)
 
 
 def _resolve(repo: Path, value: str) -> Path:

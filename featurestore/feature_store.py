@@ -144,13 +144,17 @@ class FeatureStore:
     # ------------------------------------------------------------ materialization
 
     def materialize(
-        self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None,
+        self, start: datetime | str | None, end: datetime | str | None, views: Sequence[str] | None = None,
         *, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
         progress: bool = False,
     ) -> "MaterializationReport":
         """Compute the views' rows with event time in [start, end) once and write both stores."""
+        from featurestore.config import parse_time
         from featurestore.materialization.engine import Materializer
 
+        start, end = (parse_time(t) if t is not None else None for t in (start, end))
+        if start is not None and end is not None and start >= end:
+            raise FeatureStoreError(f"the window is empty: start {start.isoformat()} is not before end {end.isoformat()}")
         self._commit_buffered()  # the push log and histories must hold every pushed row first
         return Materializer(self, progress=progress).run(
             views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows

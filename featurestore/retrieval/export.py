@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from featurestore.errors import FeatureStoreError
 from featurestore.registry.store import atomic_write
-from featurestore.retrieval.historical import RetrievalJob
+from featurestore.retrieval.historical import RetrievalJob, entity_input
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -38,14 +38,11 @@ def sha256_file(path: Path) -> str:
 
 
 def _entity_table(entity_df: Any) -> pa.Table:
-    import duckdb
-
     if isinstance(entity_df, pa.Table):
         return entity_df
-    if isinstance(entity_df, (str, Path)) and str(entity_df).endswith(".parquet"):
-        return pq.read_table(entity_df)
-    if isinstance(entity_df, str):
-        return duckdb.sql(entity_df).to_arrow_table()
+    if isinstance(entity_df, (str, Path)):
+        rows = entity_input(entity_df)
+        return pq.read_table(rows) if isinstance(rows, Path) else rows
     return pa.Table.from_pandas(entity_df, preserve_index=False)
 
 
@@ -96,7 +93,12 @@ def export_training_dataset(
 
 def reproduce(store: "FeatureStore", manifest_path: Path, out: Path, progress: bool = False) -> dict[str, Any]:
     """Re-run an export from its manifest into ``out``; raise if any data file differs."""
-    manifest = json.loads(Path(manifest_path).read_text())
+    try:
+        manifest = json.loads(Path(manifest_path).read_text())
+    except FileNotFoundError:
+        raise FeatureStoreError(f"no manifest at {manifest_path}; pass the manifest.json an export wrote") from None
+    except json.JSONDecodeError as exc:
+        raise FeatureStoreError(f"{manifest_path} is not a manifest (invalid JSON: {exc})") from None
     out.mkdir(parents=True, exist_ok=True)
     source_entities = Path(manifest_path).parent / manifest["entities"]["file"]
     if sha256_file(source_entities) != manifest["entities"]["sha256"]:

@@ -130,15 +130,42 @@ def _entity_type_errors() -> Iterator[None]:
                            "give each join key the entity's type") from exc
 
 
+ENTITY_FILES = {".parquet": None, ".csv": "read_csv_auto", ".json": "read_json_auto", ".jsonl": "read_json_auto"}
+
+
+def entity_input(value: str | Path) -> "pa.Table | Path":
+    """Entity rows named by a string or path: a Parquet file (returned as a Path, read in place),
+    a CSV or JSON file, or a DuckDB SELECT. Every mistake is a RequestError naming the fix."""
+    text = str(value).strip()
+    suffix = Path(text).suffix.lower()
+    if isinstance(value, Path) or suffix in ENTITY_FILES:
+        path = Path(text)
+        if not path.exists():
+            raise RequestError(f"entity file {path} does not exist; pass a Parquet, CSV or JSON file of entity rows")
+        reader = ENTITY_FILES.get(suffix, "read_parquet")
+        if reader is None:
+            return path
+        try:
+            return duckdb.sql(f"SELECT * FROM {reader}({quote(str(path))})").to_arrow_table()
+        except duckdb.Error as exc:
+            raise RequestError(f"reading entity rows from {path} failed: {str(exc).splitlines()[0]}") from exc
+    try:
+        return duckdb.sql(text).to_arrow_table()
+    except duckdb.Error as exc:
+        raise RequestError(
+            f"entity_df {text[:80]!r} is neither a .parquet/.csv/.json path nor a valid SQL SELECT: {str(exc).splitlines()[0]}"
+        ) from exc
+
+
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
     """Expose entity rows as ``__entities`` with ``__fs_row`` (input order) and ``__fs_ts`` (naive UTC)."""
-    if isinstance(entity_df, (str, Path)) and str(entity_df).endswith(".parquet"):
+    if isinstance(entity_df, (str, Path)):
+        entity_df = entity_input(entity_df)
+    if isinstance(entity_df, Path):  # Parquet: read in place, in file order
         con.execute(f"CREATE TEMP VIEW __raw AS SELECT * FROM read_parquet({quote(str(entity_df))}, file_row_number=true)")
         row_expr = "file_row_number"
     else:
-        if isinstance(entity_df, str):
-            table = con.sql(entity_df).to_arrow_table()
-        elif isinstance(entity_df, pa.Table):
+        if isinstance(entity_df, pa.Table):
             table = entity_df
         else:
             try:

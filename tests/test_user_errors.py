@@ -1,0 +1,90 @@
+"""User mistakes get one clear error line naming the fix: never a traceback (issue #10)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from featurestore import FeatureStore
+from featurestore.errors import FeatureStoreError, RequestError
+
+from .conftest import write_repo
+from .test_registry import GOOD, STATS
+
+
+@pytest.fixture
+def repo(tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", GOOD, {"stats": STATS}, url=redis_url)
+    store = FeatureStore(root)
+    store.apply()
+    store.materialize(None, None)
+    store.close()
+    return root
+
+
+def _cli(root, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "featurestore.cli", *args, "--repo", str(root)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["materialize", "yesterday", "today"], "'yesterday' is not an ISO 8601 time"),
+    (["materialize", "2024-03-02", "2024-03-01"], "the window is empty"),
+    (["materialize-incremental", "soon"], "'soon' is not an ISO 8601 time"),
+    (["export", "--service", "svc", "--entities", "missing.parquet", "--out", "out"], "entity file missing.parquet does not exist"),
+    (["export", "--from-manifest", "missing.json", "--out", "out"], "no manifest at missing.json"),
+])
+def test_cli_mistakes_print_one_error_line(repo, args, message):
+    result = _cli(repo, *args)
+    assert result.returncode == 1
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_export_reads_csv_entities(repo, tmp_path):
+    labels = tmp_path / "labels.csv"
+    labels.write_text("driver_id,event_timestamp\n1,2024-01-02T00:00:00Z\n2,2024-01-01T12:00:00Z\n")
+    result = _cli(repo, "export", "--service", "svc", "--entities", str(labels), "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert pd.read_parquet(tmp_path / "out" / "data-00000.parquet")["conv_rate"].tolist() == [0.5, 0.7]
+
+
+def test_api_entity_inputs_that_are_not_data_are_request_errors(repo):
+    store = FeatureStore(repo)
+    for bad in ["labels.csv", "missing.parquet", "SELEC 1"]:
+        with pytest.raises(RequestError):
+            store.get_historical_features(bad, features=["driver_stats:conv_rate"])
+    assert store.materialize("2024-01-01", "2024-01-02").views  # ISO strings are times
+    store.close()
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("project: p\nonline_stor: {url: 'redis://x'}\n", "unknown setting `online_stor`; did you mean `online_store`?"),
+    ("project: p\nonline_store: {max_request_entities: lots}\n", "max_request_entities: 'lots' is not a whole number"),
+    ("project: p\nonline_store: {urll: x}\n", "unknown setting `online_store.urll`; did you mean `online_store.url`?"),
+    ("project: p\nmodules: 3\n", "`modules` must list Python files"),
+])
+def test_config_mistakes_name_the_key(tmp_path, yaml, message):
+    (tmp_path / "featurestore.yaml").write_text(yaml)
+    with pytest.raises(FeatureStoreError, match=message.replace("(", r"\(").replace("?", r"\?").replace("`", "`")):
+        FeatureStore(tmp_path)
+
+
+def test_modules_as_a_string_is_one_module(tmp_path):
+    (tmp_path / "featurestore.yaml").write_text("project: p\nmodules: features.py\n")
+    assert FeatureStore(tmp_path).config.modules == ["features.py"]
+
+
+def test_fractional_ttl_keeps_a_row_exactly_ttl_old(make_store):
+    base = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    table = STATS.set_column(1, "event_timestamp", pa.array([base, base], pa.timestamp("us", tz="UTC")))
+    store = make_store(GOOD.replace("ttl=timedelta(days=1)", "ttl=timedelta(milliseconds=1001)"), {"stats": table})
+    store.apply()
+    store.materialize(None, None)
+    at = base + pd.Timedelta(milliseconds=1001)  # exactly ttl old: kept (bounds are inclusive)
+    rows = store.get_historical_features(pd.DataFrame({"driver_id": [1], "event_timestamp": [at]}), features=["driver_stats:conv_rate"])
+    assert rows.to_df()["conv_rate"].tolist() == [0.5]
