@@ -320,3 +320,13 @@ forever = FeatureView(name="forever", entities=[item], source=FileSource(path="d
     assert not client.exists(user_key)
     assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_dict()["results"][1]["statuses"] == ["NOT_FOUND"]
     store.close()
+
+
+def test_features_come_back_in_request_order(users_store):
+    """Issue #10: features of one view used to come back together (a, c, b)."""
+    store = users_store(random_users(3, 20, seed=12))
+    store.materialize(None, NOW)
+    refs = ["users:s", "scores:score", "users:i32"]
+    assert store.get_online_features([{"user_id": 1}], features=refs).feature_names == ["user_id", "s", "score", "i32"]
+    entity_df = pd.DataFrame({"user_id": [1], "event_timestamp": [NOW]})
+    assert store.get_historical_features(entity_df, features=refs).to_df().columns.tolist() == ["user_id", "event_timestamp", "s", "score", "i32"]

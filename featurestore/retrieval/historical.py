@@ -213,8 +213,8 @@ def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column:
             ctes += aggregation_sql.view_ctes(view, wanted, f"__hist{i}", alias, key_types[view.name], as_of)
             joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
             outputs += [
-                f"{aggregation_sql.output_sql(a, view.field(a.output_name).dtype, alias)} AS {ident(name)}"
-                for a, name in zip(wanted, req.output_names)
+                (pos, f"{aggregation_sql.output_sql(a, view.field(a.output_name).dtype, alias)} AS {ident(name)}")
+                for a, name, pos in zip(wanted, req.output_names, req.positions)
             ]
             continue
         keys = ", ".join(ident(k) for k in view.join_keys)
@@ -240,16 +240,16 @@ def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column:
             )
             joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
         ttl = view.ttl
-        for feature, name in zip(req.features, req.output_names):
+        for feature, name, pos in zip(req.features, req.output_names, req.positions):
             value = f"{alias}.{ident(feature)}"
             if ttl is not None:
                 micros = ttl // timedelta(microseconds=1)  # exact: a float product can lose 1 µs
                 value = f"CASE WHEN {alias}.__ev >= e.{TS} - INTERVAL ({micros}) MICROSECONDS THEN {value} END"
-            outputs.append(f"{value} AS {ident(name)}")
+            outputs.append((pos, f"{value} AS {ident(name)}"))
     entity_select = ", ".join(
         f"CAST(e.{TS} AS TIMESTAMPTZ) AS {ident(c)}" if c == ts_column else f"e.{ident(c)}" for c in entity_columns
     )
     return (
         f"WITH e AS (SELECT * FROM __entities), {', '.join(ctes)} "
-        f"SELECT {entity_select}, {', '.join(outputs)} FROM e {' '.join(joins)} ORDER BY e.{ROW}"
+        f"SELECT {entity_select}, {', '.join(sql for _, sql in sorted(outputs))} FROM e {' '.join(joins)} ORDER BY e.{ROW}"
     )

@@ -247,12 +247,16 @@ class OnlineQuery:
         per_request = [self._view_columns(plan, raw, now_us) for plan in self.template.views]
         windowed = [self._window_columns(plan, slots, raw[len(self.lookups):], now_us)
                     for plan, slots in zip(self.template.windows, self.range_slots)]
+        columns = []  # (position in the request, name, values, statuses, times)
         for is_window, i in self.template.order:
             plan_names, cols_v, cols_s, cols_t = (windowed if is_window else per_request)[i]
-            names += plan_names
-            values += cols_v
-            statuses += cols_s
-            times += cols_t
+            positions = (self.template.windows[i] if is_window else self.template.views[i]).request.positions
+            columns += zip(positions, plan_names, cols_v, cols_s, cols_t)
+        for _, name, v, st, t in sorted(columns, key=lambda c: c[0]):
+            names.append(name)
+            values.append(v)
+            statuses.append(st)
+            times.append(t)
         return OnlineResponse(names, values, statuses, times)
 
     def _window_columns(self, plan: _WindowPlan, slots: list[int], events: list, now_us: int):

@@ -15,12 +15,16 @@ class ViewRequest:
     view: FeatureView
     features: list[str]         # in request order
     output_names: list[str]     # column names in the result
+    positions: list[int]        # where each feature stands in the whole request (results follow it)
 
 
 def resolve(
     defs: Definitions, features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool
 ) -> list[ViewRequest]:
-    """Group requested features by view, in first-appearance order; check names exist and don't clash."""
+    """Group requested features by view, in first-appearance order; check names exist and don't clash.
+
+    Each request records its features' positions in the whole request, so results come back
+    in request order (``["v:a", "w:b", "v:c"]`` gives a, b, c) although views are read together."""
     if (features is None) == (feature_service is None):
         raise RequestError("pass exactly one of `features` (a list of 'view:feature') or `feature_service`")
     if feature_service is not None:
@@ -40,10 +44,11 @@ def resolve(
             raise NotFoundError(f"feature view {view_name!r} (in {ref!r}) not found; known views: {sorted(defs.feature_views)}")
         if feature not in view.feature_names:
             raise NotFoundError(f"feature {feature!r} not found in view {view_name!r}; its features: {view.feature_names}")
-        request = grouped.setdefault(view_name, ViewRequest(view, [], []))
+        request = grouped.setdefault(view_name, ViewRequest(view, [], [], []))
         if feature not in request.features:
             request.features.append(feature)
             request.output_names.append(f"{view_name}__{feature}" if full_feature_names else feature)
+            request.positions.append(sum(len(r.features) for r in grouped.values()) - 1)
     owners: dict[str, str] = {}
     for request in grouped.values():
         for name in request.output_names:
