@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from datetime import datetime, timedelta, timezone
 
@@ -330,3 +331,38 @@ def test_features_come_back_in_request_order(users_store):
     assert store.get_online_features([{"user_id": 1}], features=refs).feature_names == ["user_id", "s", "score", "i32"]
     entity_df = pd.DataFrame({"user_id": [1], "event_timestamp": [NOW]})
     assert store.get_historical_features(entity_df, features=refs).to_df().columns.tolist() == ["user_id", "event_timestamp", "s", "score", "i32"]
+
+
+ARRAYS = """
+from featurestore import Entity, FeatureView, Field, FileSource
+from featurestore.types import *
+
+thing = Entity(name="thing", join_keys=["thing_id"], value_type=Int64)
+things = FeatureView(name="things", entities=[thing], source=FileSource(path="data/things.parquet", timestamp_field="ts"),
+    schema=[Field("floats", Array(Float64)), Field("blobs", Array(Bytes)), Field("times", Array(UnixTimestamp)),
+            Field("flags", Array(Bool)), Field("words", Array(String))])
+"""
+
+
+def test_arrays_with_nan_infinity_bytes_and_times_read_the_same_online_and_offline(make_store):
+    """Issue #10: arrays were JSON text online: NaN broke the whole request, bytes and times came back as text."""
+    when = NOW - timedelta(days=3, microseconds=7)
+    table = pa.table({
+        "thing_id": pa.array([1, 2, 3], pa.int64()), "ts": pa.array([NOW - timedelta(hours=1)] * 3, TS),
+        "floats": pa.array([[math.nan, math.inf, -math.inf, None, 1.5], [], None], pa.list_(pa.float64())),
+        "blobs": pa.array([[b"\x00a", b"", None, bytes(range(256))], [b"\xff"], None], pa.list_(pa.binary())),
+        "times": pa.array([[when, None], [], None], pa.list_(TS)),
+        "flags": pa.array([[True, None, False], [], None], pa.list_(pa.bool_())),
+        "words": pa.array([["ü", None, "", "a\\x1fb"], [], None], pa.list_(pa.string())),
+    })
+    store = make_store(ARRAYS, {"things": table})
+    store.apply()
+    store.materialize(None, NOW)
+    refs = [f"things:{c}" for c in ("floats", "blobs", "times", "flags", "words")]
+    online = store.get_online_features({"thing_id": [1, 2, 3]}, features=refs).to_values()
+    offline = store.get_historical_features(pd.DataFrame({"thing_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=refs).to_arrow()
+    nan_safe = lambda rows: [None if r is None else ["NaN" if isinstance(v, float) and math.isnan(v) else v for v in r] for r in rows]  # noqa: E731
+    for column in ("floats", "blobs", "times", "flags", "words"):
+        assert nan_safe(online[column]) == nan_safe(offline[column].to_pylist()), column
+    assert math.isnan(online["floats"][0][0]) and online["floats"][0][1:3] == [math.inf, -math.inf]
+    assert online["blobs"][0][0] == b"\x00a" and online["times"][0][0] == when

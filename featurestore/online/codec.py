@@ -16,7 +16,8 @@ Value (one per view field), written in bulk from Arrow columns:
     fixed     the fixed-width features in schema order, big-endian: Int32/Float32 4 bytes,
               Int64/Float64/UnixTimestamp (µs) 8 bytes, Bool 1 byte
     lengths   uint32 big-endian per variable-width feature (String, Bytes, Array)
-    data      their bytes in schema order: UTF-8, raw bytes, or JSON text for arrays
+    data      their bytes in schema order: UTF-8, raw bytes, or for arrays a uint32 count, an
+              element null bitmap and the elements (fixed-width big-endian, or lengths then bytes)
 
 Events of an aggregated view live beside the hash, under the same hash tag::
 
@@ -34,11 +35,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from featurestore.sources import connection
 from featurestore.types import DType
 
 ORDER_KEY_BYTES = 32
@@ -154,14 +153,71 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]]) -> pa.Array:
         if _is_fixed(dtype):
             continue
         column = table[name]
-        if dtype.is_array:
-            con = connection()
-            con.register("t", pa.table({"v": column}))
-            column = con.sql("SELECT to_json(v)::VARCHAR AS v FROM t").to_arrow_table()["v"]
-        data = pc.cast(column, pa.binary()).fill_null(b"")
+        data = _encode_arrays(column, dtype) if dtype.is_array else pc.cast(column, pa.binary()).fill_null(b"")
         parts.append(_fixed(pc.binary_length(data).to_numpy(zero_copy_only=False).astype(">u4").tobytes(), 4, n))
         var_data.append(data)
     return pc.binary_join_element_wise(*parts, *var_data, b"")
+
+
+def _element_type(dtype: DType) -> DType:
+    from featurestore.types import from_arrow
+
+    inner = from_arrow(dtype.arrow.value_type)
+    assert inner is not None
+    return inner
+
+
+def _encode_arrays(column: pa.ChunkedArray, dtype: DType) -> pa.Array:
+    """Each list as: uint32 count, a null bitmap of its elements, then the elements (fixed-width
+    big-endian, or uint32 lengths then bytes): exact for NaN, infinities, bytes and timestamps."""
+    inner = _element_type(dtype)
+    lists = column.combine_chunks()
+    offsets = lists.offsets.to_numpy()
+    elements = lists.values
+    null = elements.is_null().to_numpy(zero_copy_only=False)
+    if _is_fixed(inner):
+        np_type, width, _ = _FIXED[inner.name]
+        if inner.name == "UnixTimestamp":
+            packed = _micros(elements.fill_null(0)).astype(np_type).tobytes()
+        else:
+            packed = elements.fill_null(False if inner.name == "Bool" else 0).to_numpy(zero_copy_only=False).astype(np_type).tobytes()
+        body = lambda lo, hi: packed[lo * width:hi * width]  # noqa: E731
+    else:
+        raw = [b"" if v is None else (v.encode() if isinstance(v, str) else v) for v in elements.to_pylist()]
+        body = lambda lo, hi: struct.pack(f">{hi - lo}I", *map(len, raw[lo:hi])) + b"".join(raw[lo:hi])  # noqa: E731
+    out: list[bytes] = []
+    for row, valid in enumerate(lists.is_valid().to_numpy(zero_copy_only=False)):
+        if not valid:
+            out.append(b"")
+            continue
+        lo, hi = int(offsets[row]), int(offsets[row + 1])
+        bits = np.packbits(null[lo:hi], bitorder="little").tobytes()
+        out.append(struct.pack(">I", hi - lo) + bits + body(lo, hi))
+    return pa.array(out, pa.binary())
+
+
+def _array_decoder(dtype: DType) -> Callable[[bytes], list[Any]]:
+    inner = _element_type(dtype)
+    kind = "fixed" if _is_fixed(inner) else inner.name
+
+    def decode(raw: bytes) -> list[Any]:
+        (count,) = struct.unpack_from(">I", raw)
+        start = 4 + (count + 7) // 8
+        bitmap = raw[4:start]
+        if kind == "fixed":
+            values = list(struct.unpack_from(f">{count}{_FIXED[inner.name][2]}", raw, start))
+            if inner.name == "UnixTimestamp":
+                values = [micros_to_datetime(v) for v in values]
+        else:
+            lengths = struct.unpack_from(f">{count}I", raw, start)
+            pos, values = start + 4 * count, []
+            for length in lengths:
+                chunk = raw[pos:pos + length]
+                values.append(chunk.decode() if kind == "String" else chunk)
+                pos += length
+        return [None if bitmap[i >> 3] & (1 << (i & 7)) else v for i, v in enumerate(values)]
+
+    return decode
 
 
 def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -> Callable[[bytes], tuple[int, list[Any]]]:
@@ -182,9 +238,11 @@ def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -
             kind = "time" if dtype.name == "UnixTimestamp" else "fixed"
             plan.append((i >> 3, 1 << (i & 7), kind, 2 + fixed.index(i)))
         else:
-            kind = "str" if dtype.name == "String" else "json" if dtype.is_array else "bytes"
+            kind = "str" if dtype.name == "String" else "array" if dtype.is_array else "bytes"
             plan.append((i >> 3, 1 << (i & 7), kind, var.index(i)))
-    needs_var = any(kind in ("str", "json", "bytes") for _, _, kind, _ in plan)
+    needs_var = any(kind in ("str", "array", "bytes") for _, _, kind, _ in plan)
+    arrays = {i: _array_decoder(features[i][1]) for i in wanted if features[i][1].is_array}
+    array_of = {var.index(i): d for i, d in arrays.items()}
 
     def decode(value: bytes) -> tuple[int, list[Any]]:
         parts = layout.unpack_from(value)
@@ -203,7 +261,7 @@ def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -
                 out.append(micros_to_datetime(parts[where]))
             else:
                 raw = value[offsets[where]:offsets[where + 1]]
-                out.append(raw.decode() if kind == "str" else orjson.loads(raw) if kind == "json" else raw)
+                out.append(raw.decode() if kind == "str" else array_of[where](raw) if kind == "array" else raw)
         return parts[0] ^ -(1 << 63), out  # undo the order key's sign flip
 
     return decode
