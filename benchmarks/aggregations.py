@@ -194,12 +194,27 @@ def online(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             store.push("payments", one, to="online")
             push_times.append(time.perf_counter() - t0)
+        ingest = {}
+        for to in ("online", "online_and_offline"):  # sustained, batched: what a stream consumer does
+            batch, batches = 1000, 20
+            t0 = time.perf_counter()
+            for b in range(batches):
+                first = events + 10_000 + (b + (batches if to != "online" else 0)) * batch
+                store.push("payments", pa.table({
+                    "tx_id": np.arange(first, first + batch, dtype=np.int64), "card_id": rng.integers(1, n_cards + 1, batch),
+                    "amount": np.round(rng.lognormal(3.5, 1.1, batch), 2),
+                    "event_timestamp": pa.array([datetime.now(timezone.utc)] * batch, TS),
+                }), to=to)
+            store.flush()
+            ingest[to] = batch * batches / (time.perf_counter() - t0)
     agg, lat, push = percentiles(timings["aggregates"]), percentiles(timings["latest"]), percentiles(push_times)
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
     print(f"  1 entity x 5 latest       p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms  (n={lat['n']})")
     print(f"  ratio aggregates / latest: p50 {agg['p50'] / lat['p50']:.2f}x, p99 {agg['p99'] / lat['p99']:.2f}x")
     print(f"  push 1 event to online    p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
+    for to, rate in ingest.items():
+        print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
 
 
 def main() -> None:

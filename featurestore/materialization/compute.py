@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
@@ -68,36 +69,40 @@ def compute(
     if end is not None:
         window.append(f"__event < {utc_sql(end)}")
     in_window = " AND ".join(window) or "TRUE"
-    con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE __checked AS
-        SELECT *, CASE {' '.join(reasons)} END AS __reason
-        FROM (SELECT *, {', '.join(typed)} FROM view_rows)
-        WHERE __event IS NULL OR ({in_window})"""
-    )
     keys = [f"__k_{k}" for k in key_types]
     feats = [f"__f_{f.name}" for f in view.schema]
     identity = ", ".join([*keys, "__event", "__created", *feats])
     ingest = utc_sql(ingest_time)
-    rows = con.sql(
+    source_columns = [c for c in con.view("view_rows").columns if not c.startswith("__")]
+    raw_row = "to_json({" + ", ".join(f"{quote(c)}: {ident(c)}" for c in source_columns) + "})::VARCHAR"
+    # one query (a push pays DuckDB's per-query cost once): valid rows and rejects, split below
+    table = con.sql(
         f"""SELECT {', '.join(f'__k_{k} AS {ident(k)}' for k in key_types)},
             __event AS event_timestamp,
             COALESCE(__created, {ingest}) AS created_timestamp,
             {int(run_id)}::BIGINT AS _run_id,
             (hash({identity}) >> 1)::BIGINT AS _row_id,
-            {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)}
-        FROM __checked WHERE __reason IS NULL"""
+            {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)},
+            __reason, CASE WHEN __reason IS NOT NULL THEN {raw_row} END AS __raw
+        FROM (SELECT *, CASE {' '.join(reasons)} END AS __reason
+              FROM (SELECT *, {', '.join(typed)} FROM view_rows)
+              WHERE __event IS NULL OR ({in_window}))"""
     ).to_arrow_table()
-    rejects = _rejects(con, run_id)
-    return Computed(rows.cast(history_schema), rejects)
+    valid = pc.is_null(table["__reason"])
+    rows = table.filter(valid).drop_columns(["__reason", "__raw"]).cast(history_schema)
+    return Computed(rows, _rejects(table.filter(pc.invert(valid)), run_id))
 
 
-def _rejects(con: duckdb.DuckDBPyConnection, run_id: int) -> pa.Table:
-    columns = [c for c in con.sql("SELECT * FROM __checked LIMIT 0").columns if not c.startswith("__")]
-    struct = ", ".join(f"{quote(c)}: {ident(c)}" for c in columns)
+def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
+    """Reason, run, the raw row as JSON, and an id (hash of reason and row) that dedupes re-runs."""
+    if bad.num_rows == 0:
+        return pa.table({"reason": pa.array([], pa.string()), "run_id": pa.array([], pa.int64()),
+                         "row": pa.array([], pa.string()), "reject_id": pa.array([], pa.int64())})
+    con = connection()
+    con.register("bad", bad.select(["__reason", "__raw"]))
     return con.sql(
-        f"""SELECT reason, run_id, row, (hash(reason, row) >> 1)::BIGINT AS reject_id FROM (
-            SELECT __reason AS reason, {int(run_id)}::BIGINT AS run_id, to_json({{{struct}}})::VARCHAR AS row
-            FROM __checked WHERE __reason IS NOT NULL)"""
+        f"""SELECT __reason AS reason, {int(run_id)}::BIGINT AS run_id, __raw AS row,
+            (hash(__reason, __raw) >> 1)::BIGINT AS reject_id FROM bad"""
     ).to_arrow_table()
 
 
@@ -117,6 +122,10 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
 def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
     """An aggregated view's rows to send online: recent enough, one per (entity, event id),
     the first stored winning (the offline rule), with their event ids."""
+    ids = _plain_event_ids(rows, view)
+    if ids is not None and pc.count_distinct(ids).as_py() == rows.num_rows:  # no duplicates: no DuckDB query
+        recent = pc.greater_equal(pc.cast(rows["event_timestamp"], pa.int64()), cutoff_us)
+        return rows.filter(recent), ids.filter(recent).to_numpy()
     con = connection()
     con.register("r", rows)
     keys = ", ".join(ident(k) for k in view.join_keys)
@@ -127,3 +136,12 @@ def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa
     ).to_arrow_table()
     ids = out["__eid"].to_numpy()
     return out.drop_columns(["__eid"]).cast(rows.schema), ids
+
+
+def _plain_event_ids(rows: pa.Table, view: FeatureView) -> pa.Array | None:
+    """The ids ``event_id_sql`` computes, when Arrow can (the row id or an integer column)."""
+    if view.event_id is None:
+        return rows["_row_id"].combine_chunks()
+    if pa.types.is_integer(rows.schema.field(view.event_id).type):
+        return pc.cast(rows[view.event_id], pa.int64()).combine_chunks()
+    return None
