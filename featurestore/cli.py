@@ -11,8 +11,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from featurestore.definitions import StreamSource, window_label
 from featurestore.errors import FeatureStoreError
 
 app = typer.Typer(
@@ -51,7 +53,7 @@ def init(path: Path = typer.Argument(Path("feature_repo"), help="Folder to creat
 @app.command()
 def plan(repo: Path = RepoOption) -> None:
     """Show what `apply` would change (added / changed / removed objects)."""
-    console.print(_store(repo).plan().describe())
+    console.print(_store(repo).plan().describe(), markup=False, soft_wrap=True)  # "[... needs --force]" is text, not markup
 
 
 @app.command()
@@ -59,7 +61,7 @@ def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", 
     """Validate the definitions and record them in the registry."""
     store = _store(repo)
     result = store.apply(force=force)
-    console.print(result.describe())
+    console.print(result.describe(), markup=False, soft_wrap=True)
     if not result.empty:
         console.print(f"Applied registry version {store.registry.current()['version']}.")
     store.close()
@@ -73,10 +75,19 @@ def list_objects(repo: Path = RepoOption) -> None:
     for e in store.list_entities():
         table.add_row("entity", e.name, "keys: " + ", ".join(e.join_keys))
     for v in store.list_feature_views():
-        ttl = str(v.ttl) if v.ttl is not None else "none"
-        table.add_row("feature view", v.name, f"{len(v.schema)} features, ttl {ttl}, entities: {', '.join(e.name for e in v.entities)}")
+        entities = ", ".join(e.name for e in v.entities)
+        if v.is_aggregated:
+            windows = ", ".join(dict.fromkeys(window_label(a.window) for a in v.aggregations))
+            details = f"{len(v.features)} aggregates over {windows} windows, entities: {entities}"
+        else:
+            ttl = window_label(v.ttl) if v.ttl is not None else "none"
+            details = f"{len(v.features)} features, ttl {ttl}, entities: {entities}"
+        table.add_row("feature view", v.name, details)
     for s in store.list_feature_services():
         table.add_row("feature service", s.name, f"{len(s.feature_refs())} features")
+    for p in store.definitions.push_sources.values():
+        kind = "stream source" if isinstance(p, StreamSource) else "push source"
+        table.add_row(kind, p.name, "columns: " + ", ".join(f.name for f in p.schema))
     console.print(table)
 
 
@@ -104,7 +115,7 @@ def materialize(
     with _store(repo) as store:
         report = store.materialize(_parse_time(start), _parse_time(end), views or None,
                                    on_bad_rows="fail" if fail_on_bad_rows else "reject", progress=True)
-        console.print(report.describe())
+        console.print(report.describe(), markup=False, soft_wrap=True)
 
 
 @app.command("materialize-incremental")
@@ -115,7 +126,7 @@ def materialize_incremental(
 ) -> None:
     """Write every row not yet materialized, late arrivals included."""
     with _store(repo) as store:
-        console.print(store.materialize_incremental(_parse_time(end), views or None, progress=True).describe())
+        console.print(store.materialize_incremental(_parse_time(end), views or None, progress=True).describe(), markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -241,9 +252,8 @@ def train_command(
     run = train(config, store.config.data_dir / "runs", resume=resume)
     console.print(f"run {run.name}: {json.loads((run / 'final.json').read_text())}")
     if register:
-        from serving.inference_server import model_registry
 
-        console.print(f"registered {register} v{model_registry(store).register(register, run)}")
+        console.print(f"registered {register} v{store.model_registry().register(register, run)}")
 
 
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
@@ -279,9 +289,8 @@ def runs_show(run_id: str, repo: Path = RepoOption) -> None:
 @models_app.command("list")
 def models_list(repo: Path = RepoOption) -> None:
     """List registered models, versions, aliases and metrics."""
-    from serving.inference_server import model_registry
 
-    registry = model_registry(_store(repo))
+    registry = _store(repo).model_registry()
     table = Table("model", "version", "stages", "metrics", "feature service")
     for name in registry.names():
         aliases = registry.aliases(name)
@@ -296,10 +305,9 @@ def models_list(repo: Path = RepoOption) -> None:
 @models_app.command("promote")
 def models_promote(name: str, version: int, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption) -> None:
     """Point a stage alias at a version; running inference servers switch to it."""
-    from serving.inference_server import model_registry
 
     with _store(repo) as store:
-        model_registry(store).promote(name, version, stage)
+        store.model_registry().promote(name, version, stage)
     console.print(f"{name} {stage} → v{version}")
 
 
@@ -340,7 +348,7 @@ def main() -> None:
     try:
         app()
     except FeatureStoreError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(1)
 
 

@@ -60,10 +60,9 @@ class ConsistencyReport:
 
 def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "created") -> ConsistencyReport:
     """Check an inference server's log: features, and the model's scores rescored offline."""
-    from serving.inference_server import model_registry  # the registry the servers use
 
     logs = read_log(log_path(store.config.data_dir, model_name))
-    registry = model_registry(store)
+    registry = store.model_registry()
     report = ConsistencyReport(logs.num_rows, {}, 1.0)
     hits: dict[str, list[bool]] = {}
     score_hits = 0

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from featurestore.config import RepoConfig
-from featurestore.definitions import Entity, FeatureService, FeatureView
+from featurestore.definitions import Entity, FeatureService, FeatureView, content_hash
 from featurestore.errors import DefinitionError, FeatureStoreError
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
 from featurestore.registry.validation import validate
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from featurestore.online.redis_store import RedisOnlineStore
     from featurestore.retrieval.historical import RetrievalJob
     from featurestore.retrieval.online import OnlineResponse
+    from featurestore.training.model_registry import ModelRegistry
+
+
+METADATA = ("description", "owner", "tags")  # spec fields that never change a value
 
 
 class FeatureStore:
@@ -87,8 +91,19 @@ class FeatureStore:
         return self.definitions.service(name)
 
     def definition_hashes(self, views: Iterable[str]) -> dict[str, str]:
+        """Per view, a hash of what determines its values (not its description, owner or tags):
+        manifests and model cards record it, so metadata edits never make a model or dataset stale."""
         specs = self.definitions.specs()["feature_view"]
-        return {v: specs[v]["hash"] for v in views}
+        return {v: content_hash({k: x for k, x in specs[v]["spec"].items() if k not in METADATA}) for v in views}
+
+    def model_registry(self) -> "ModelRegistry":
+        """The model registry; promotions are announced to every inference server over Redis."""
+        from featurestore.training.model_registry import MODELS_CHANNEL, ModelRegistry
+
+        def announce(name: str, version: int, stage: str) -> None:
+            self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
+
+        return ModelRegistry(self.config.data_dir / "models", announce)
 
     # ------------------------------------------------------------ stores
 

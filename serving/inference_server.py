@@ -25,7 +25,7 @@ from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery
-from featurestore.training.model_registry import LoadedModel, ModelRegistry, stale_views
+from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from serving.common import FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
@@ -36,13 +36,7 @@ class PredictRequest(BaseModel):
 
 
 def model_registry(store: FeatureStore) -> ModelRegistry:
-    def announce(name: str, version: int, stage: str) -> None:
-        store.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
-
-    return ModelRegistry(store.config.data_dir / "models", announce)
-
-
-MODELS_CHANNEL = b"models"
+    return store.model_registry()
 
 
 def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:

@@ -222,3 +222,25 @@ def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
     changed.materialize(None, None)  # history already has the rows: the new layout still gets them all
     assert changed.get_online_features([{"driver_id": 2}], **ask).to_values()["trips"] == [4.0]
     changed.close()
+
+
+def test_plan_warnings_reach_the_terminal(tmp_path):
+    """Issue #9: rich read "[... needs --force]" as markup and printed nothing of it."""
+    root = write_repo(tmp_path, GOOD, {"stats": STATS})
+    assert subprocess.run([sys.executable, "-m", "featurestore.cli", "apply", "--repo", str(root)], capture_output=True).returncode == 0
+    (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
+    out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
+    assert "[stored data is stale: re-materialize (backfill) this view]" in out
+    (root / "features.py").write_text("from featurestore import Entity\n")
+    out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
+    assert "[its stored data will be deleted: needs --force]" in out
+
+
+def test_metadata_edits_do_not_change_definition_hashes(tmp_path):
+    """Models and manifests record these hashes: a description edit must not make them stale (issue #9)."""
+    root = write_repo(tmp_path, GOOD, {"stats": STATS})
+    before = FeatureStore(root).definition_hashes(["driver_stats"])
+    (root / "features.py").write_text(GOOD.replace("ttl=timedelta(days=1),", "ttl=timedelta(days=1), description='now documented', owner='me',"))
+    assert FeatureStore(root).definition_hashes(["driver_stats"]) == before
+    (root / "features.py").write_text(GOOD.replace("ttl=timedelta(days=1)", "ttl=timedelta(days=2)"))
+    assert FeatureStore(root).definition_hashes(["driver_stats"]) != before

@@ -35,7 +35,6 @@ from featurestore.demo.generate import generate, label_rows
 from featurestore.feature_store import FeatureStore
 from featurestore.training.metrics import roc_auc
 from featurestore.training.trainer import TrainConfig, train
-from serving.inference_server import model_registry
 
 console = Console()
 MODEL = "fraud"
@@ -87,7 +86,7 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
         manifest = store.export_training_dataset(label_rows(history), SERVICE, dataset, progress=True)
         console.print(f"exported {manifest['row_count']} training rows → {dataset} (manifest {manifest['manifest_hash'][:12]})")
         run = train(TrainConfig(dataset=str(dataset), request_inputs=["amount"], seed=seed), data_dir / "runs")
-        registry = model_registry(store)
+        registry = store.model_registry()
         version = registry.register(MODEL, run)
         registry.promote(MODEL, version, "production")
         offline_auc = registry.card(MODEL, version)["metrics"]["val_auc"]

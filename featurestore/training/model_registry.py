@@ -29,6 +29,9 @@ from featurestore.training.preprocessing import Preprocessor
 STAGES = ("staging", "production")
 
 
+MODELS_CHANNEL = b"models"  # promotions are published here (see FeatureStore.model_registry)
+
+
 @dataclass
 class LoadedModel:
     name: str
