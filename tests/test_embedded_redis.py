@@ -42,3 +42,16 @@ def test_concurrent_starts_share_one_server(tmp_path):
     assert len(owners) == 1
     owners[0].stop()
     assert not _server_pids(str(owners[0].socket))
+
+
+def test_unreachable_redis_errors_never_show_the_password():
+    """Issue #11: 503 bodies and /health echoed REDIS_URL, password included."""
+    import pytest
+
+    from featurestore.errors import OnlineStoreUnavailable
+    from featurestore.online.redis_store import RedisOnlineStore
+
+    store = RedisOnlineStore("redis://:s3cret-pw@127.0.0.1:1/0", "p")
+    with pytest.raises(OnlineStoreUnavailable) as raised:
+        store.read([(b"k", ["v"])])
+    assert "s3cret-pw" not in str(raised.value) and "***" in str(raised.value)

@@ -366,3 +366,16 @@ def test_arrays_with_nan_infinity_bytes_and_times_read_the_same_online_and_offli
         assert nan_safe(online[column]) == nan_safe(offline[column].to_pylist()), column
     assert math.isnan(online["floats"][0][0]) and online["floats"][0][1:3] == [math.inf, -math.inf]
     assert online["blobs"][0][0] == b"\x00a" and online["times"][0][0] == when
+
+
+def test_the_compiled_query_cache_is_bounded(users_store):
+    """Issue #11: one cache entry per distinct feature list, never freed (+147 MB after 2,000 lists)."""
+    import itertools
+
+    store = users_store(random_users(2, 5, seed=13))
+    store.materialize(None, NOW)
+    lists = itertools.islice((list(p) for r in (1, 2, 3, 4) for p in itertools.permutations(FEATURES, r)), 10_000)
+    for features in lists:
+        store.get_online_features([{"user_id": 1}], features=[f"users:{f}" for f in features])
+    cache = store.definitions.query_cache
+    assert 0 < len(cache) <= cache.capacity < 10_000

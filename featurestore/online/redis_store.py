@@ -102,12 +102,24 @@ end
 return added
 """
 
+def redact(text: str, url: str) -> str:
+    """``text`` with the password of ``url`` (``redis://user:secret@host``) replaced by ``***``."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return text
+    return text.replace(password, "***") if password else text
+
+
 CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
 
 class RedisOnlineStore:
     def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None):
         self.url = url
+        self.safe_url = redact(url, url)  # for messages and logs: never the password
         self.project = project
         self.embedded = embedded
         self.client = redis.Redis.from_url(url, socket_timeout=30)
@@ -140,7 +152,7 @@ class RedisOnlineStore:
                 self._write(keys=keys[start:start + CHUNK], args=[view, ttl_ms, *values[start:start + CHUNK]], client=pipe)
             written = sum(pipe.execute())
         except redis.ConnectionError as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         return written
 
     def write_events(
@@ -161,7 +173,7 @@ class RedisOnlineStore:
                 self._add_events(keys=keys, args=[cutoff_us, horizon_ms, *members[start:start + CHUNK]], client=pipe)
             return sum(pipe.execute())
         except redis.ConnectionError as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
@@ -176,7 +188,7 @@ class RedisOnlineStore:
             return pipe.execute()
         except redis.ConnectionError as exc:
             self._recover()
-            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     @property
     def async_client(self) -> aioredis.Redis:
@@ -197,7 +209,7 @@ class RedisOnlineStore:
             return await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._recover()
-            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def _recover(self) -> None:
         """An embedded server whose owner exited is restarted by whoever notices."""
@@ -215,7 +227,7 @@ class RedisOnlineStore:
             return bool(await self.async_client.ping())
         except (redis.RedisError, OSError) as exc:
             self._recover()
-            raise OnlineStoreUnavailable(f"Redis at {self.url} is unreachable: {exc}") from exc
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def publish(self, channel: bytes, message: str) -> None:
         """Broadcast to every subscribed server (model promotions)."""

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,26 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView, PushSource, content_hash
 from featurestore.errors import NotFoundError
 from featurestore.types import DType
+
+
+class LRUCache(OrderedDict):
+    """A dict that keeps its ``capacity`` most recently used entries."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def get(self, key, default=None):  # type: ignore[override]
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > self.capacity:
+            self.popitem(last=False)
 
 
 @dataclass
@@ -25,8 +46,9 @@ class Definitions:
     push_sources: dict[str, PushSource] = field(default_factory=dict)
     # join-key types per view: declared on the entity, else read from the source at validation
     key_types: dict[str, dict[str, DType]] = field(default_factory=dict)
-    # compiled online lookups by request signature (definitions are immutable once loaded)
-    query_cache: dict = field(default_factory=dict, repr=False)
+    # compiled online lookups by request signature (definitions are immutable once loaded);
+    # bounded: a client cycling through distinct feature lists cannot grow it without limit
+    query_cache: "LRUCache" = field(default_factory=lambda: LRUCache(1024), repr=False)
 
     def all(self) -> dict[str, dict]:
         return {

@@ -57,7 +57,7 @@ class ModelRegistry:
 
     def register(self, name: str, run_dir: Path) -> int:
         run_dir = Path(run_dir)
-        state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+        state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
         params = json.loads((run_dir / "params.json").read_text())
         final = json.loads((run_dir / "final.json").read_text())
         versions = self.versions(name)
@@ -120,7 +120,7 @@ class ModelRegistry:
         card = self.card(name, version)
         if hashlib.sha256((folder / "model.pt").read_bytes()).hexdigest() != card["weights_sha256"]:
             raise FeatureStoreError(f"model {name} v{version}: weights do not match the card's hash (file modified?)")
-        saved = torch.load(folder / "model.pt", weights_only=False)
+        saved = torch.load(folder / "model.pt", weights_only=True)
         cfg = saved["config"]
         model = TabularMLP(cfg["numeric_width"], cfg["vocab_sizes"], cfg["hidden"], cfg["embedding_dim"], cfg["outputs"])
         model.load_state_dict(saved["state_dict"])

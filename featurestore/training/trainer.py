@@ -85,7 +85,7 @@ def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progre
 
     checkpoint_path = run_dir / "checkpoint.pt"
     if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
+        state = torch.load(checkpoint_path, weights_only=True)
         pre = Preprocessor.from_dict(state["preprocessor"])
     else:
         state = None

@@ -1,0 +1,34 @@
+"""A model file is data, not code: loading one never runs a pickle payload (issue #11)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+
+import pytest
+
+from featurestore.training.model_registry import ModelRegistry
+
+
+class Payload:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # creating the file proves the code ran
+
+
+def test_a_pickle_payload_in_model_pt_does_not_run(tmp_path):
+    folder = tmp_path / "models" / "fraud" / "1"
+    folder.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    weights = folder / "model.pt"
+    weights.write_bytes(pickle.dumps({"state_dict": Payload(str(marker)), "config": {}}))
+    # the attacker controls the folder, so the card's hash matches the forged file
+    (folder / "card.json").write_text(json.dumps({"weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}))
+    (folder / "preprocessing.json").write_text("{}")
+    (tmp_path / "models" / "fraud" / "aliases.json").write_text(json.dumps({"production": 1}))
+    with pytest.raises(Exception, match="(?i)weights only|unpickl|unsupported"):
+        ModelRegistry(tmp_path / "models").load("fraud", "production")
+    assert not marker.exists()
