@@ -80,6 +80,7 @@ def setup_offline(root: Path, cards: int, events: int, entity_rows: int, seed: i
         "amount": np.round(rng.lognormal(3.5, 1.1, events), 2),
     })
     store = FeatureStore(root)
+    store.apply()
     store.offline_store.append("activity", table.cast(store.definitions.history_schema(store.get_feature_view("activity"))))
     pq.write_table(pa.table({
         "card_id": rng.integers(1, int(cards * 1.1) + 1, entity_rows),

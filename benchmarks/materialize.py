@@ -91,6 +91,7 @@ def main() -> None:
     root = (args.data_dir / f"{args.rows}-{args.entities}").resolve()
     setup(root, args.rows, args.entities)
     store = FeatureStore(root)
+    store.apply()
     client = store.online_store.client
     view = store.get_feature_view("stats")
     features = [(f.name, f.dtype) for f in view.schema]

@@ -170,6 +170,7 @@ def main() -> None:
     root = args.data_dir.resolve()
     setup(root, args.entities)
     store = FeatureStore(root)
+    store.apply()
     t0 = time.perf_counter()
     store.materialize(None, None)
     print(f"materialized {args.entities:,} entities × 10 features in {time.perf_counter() - t0:.1f}s; Redis: {store.online_store.url}")

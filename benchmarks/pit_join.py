@@ -65,6 +65,7 @@ def setup(root: Path, entities: int, history: int, entity_rows: int, seed: int) 
         "f_str": pa.array(rng.integers(0, 100, history).astype(str)), "f_bool": rng.random(history) < 0.5,
     })
     store = FeatureStore(root)
+    store.apply()
     store.offline_store.append("stats", table.cast(store.definitions.history_schema(store.get_feature_view("stats"))))
     entity = pa.table({
         "user_id": rng.integers(1, int(entities * 1.1) + 1, entity_rows),

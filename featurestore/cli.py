@@ -89,6 +89,10 @@ def list_objects(repo: Path = RepoOption) -> None:
         kind = "stream source" if isinstance(p, StreamSource) else "push source"
         table.add_row(kind, p.name, "columns: " + ", ".join(f.name for f in p.schema))
     console.print(table)
+    if store.unapplied:
+        console.print("Not applied (the code differs from the registry; `featurestore plan` shows how):", markup=False)
+        for what in store.unapplied.values():
+            console.print(f"  {what}", markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -98,7 +102,8 @@ def describe(name: str = typer.Argument(..., help="Name of an entity, view, serv
     for kind, objects in store.definitions.all().items():
         if name in objects:
             spec = objects[name].to_spec()
-            console.print_json(json.dumps({"defined_at": str(objects[name].location), **spec}, default=str))
+            applied = store.unapplied.get(name, "applied")
+            console.print_json(json.dumps({"defined_at": str(objects[name].location), "registry": applied, **spec}, default=str))
             return
     raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
 
@@ -211,7 +216,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
     from serving.common import REPO_ENV
 
     store = _store(repo)
-    store.definitions  # fail here, readably, rather than in every worker
+    store.require_applied()  # fail here, readably, rather than in every worker
     store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)

@@ -38,6 +38,7 @@ class FeatureStore:
         self._offline: DeltaOfflineStore | None = None
         self._online: RedisOnlineStore | None = None
         self._buffer: PushBuffer | None = None
+        self._unapplied: dict[str, str] | None = None
 
     # ------------------------------------------------------------ definitions
 
@@ -51,6 +52,45 @@ class FeatureStore:
                 raise DefinitionError(problems)
             self._definitions = defs
         return self._definitions
+
+    @property
+    def unapplied(self) -> dict[str, str]:
+        """Definitions in the code that differ from the applied registry: ``{name: what}``.
+
+        Materialize, push, lookups and exports refuse to use them: values are always computed
+        and served under definitions that were reviewed (``plan``) and recorded (``apply``)."""
+        if self._unapplied is None:
+            self._unapplied = {}
+            for change in self.plan().changes:
+                if change.action != "remove":
+                    what = "never applied" if change.action == "add" else f"changed: {', '.join(change.attributes)}"
+                    self._unapplied[change.name] = f"{change.kind.replace('_', ' ')} {change.name!r} ({what})"
+        return self._unapplied
+
+    def require_applied(self, names: Iterable[str] | None = None) -> None:
+        """Raise unless the named definitions (default: all) are as applied."""
+        unapplied = self.unapplied
+        found = [unapplied[n] for n in (unapplied if names is None else names) if n in unapplied]
+        if found:
+            raise FeatureStoreError(
+                f"the code's definitions differ from the applied registry: {'; '.join(found)}. "
+                "Review with `featurestore plan`, then record them with `featurestore apply`"
+            )
+
+    def _used_by(self, views: Iterable[str] = (), features: Sequence[str] | None = None,
+                 feature_service: "str | FeatureService | None" = None) -> list[str]:
+        """Every definition a request depends on: its service, views, their entities and sources."""
+        names = list(views)
+        if feature_service is not None:
+            service = self.definitions.service(feature_service if isinstance(feature_service, str) else feature_service.name)
+            names.append(service.name)
+            features = service.feature_refs()
+        names += [ref.split(":")[0] for ref in features or [] if isinstance(ref, str)]
+        for name in list(names):
+            view = self.definitions.feature_views.get(name)
+            if view is not None:
+                names += [e.name for e in view.entities] + [getattr(view.source, "name", "")]
+        return names
 
     def plan(self) -> Plan:
         """What ``apply`` would change, without changing anything."""
@@ -68,6 +108,7 @@ class FeatureStore:
         if plan.empty:
             return plan
         self.registry.apply(plan.objects)
+        self._unapplied = None
         for change in plan.changes:
             if change.deletes_data:
                 self.offline_store.drop(change.name)
@@ -167,6 +208,8 @@ class FeatureStore:
         from featurestore.config import parse_time
         from featurestore.materialization.engine import Materializer
 
+        selected = list(views) if views else list(self.definitions.feature_views)
+        self.require_applied(self._used_by(selected))
         start, end = (parse_time(t) if t is not None else None for t in (start, end))
         if start is not None and end is not None and start >= end:
             raise FeatureStoreError(f"the window is empty: start {start.isoformat()} is not before end {end.isoformat()}")
@@ -189,6 +232,8 @@ class FeatureStore:
         """Validate rows against the push source and write them; returns the row count."""
         from featurestore.materialization.push import push
 
+        readers = [v.name for v in self.definitions.feature_views.values() if getattr(v.source, "name", None) == push_source_name]
+        self.require_applied([push_source_name, *self._used_by(readers)])
         return push(self, push_source_name, df, to)
 
     # ------------------------------------------------------------ retrieval
@@ -200,6 +245,7 @@ class FeatureStore:
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
         from featurestore.retrieval.historical import RetrievalJob
 
+        self.require_applied(self._used_by(features=features, feature_service=feature_service))
         self._commit_buffered()
         return RetrievalJob.build(self, entity_df, features, feature_service, full_feature_names, as_of)
 
@@ -213,11 +259,13 @@ class FeatureStore:
         replays and backtests while the events are retained online (``online_store.event_retention``)."""
         from featurestore.retrieval.online import get_online_features
 
+        self.require_applied(self._used_by(features=features, feature_service=feature_service))
         return get_online_features(self, entity_rows, features, feature_service, full_feature_names, at)
 
     def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""
         from featurestore.retrieval.export import export_training_dataset
 
+        self.require_applied(self._used_by(feature_service=feature_service))
         self._commit_buffered()
         return export_training_dataset(self, entity_df, feature_service, Path(path), progress=progress)

@@ -142,7 +142,7 @@ class RegistryWatcher:
 
     def _load(self) -> FeatureStore:
         store = FeatureStore(self.repo)
-        store.definitions  # parse and validate now, not on a request
+        store.require_applied()  # parse and validate now, not on a request; serve applied definitions only
         return store
 
     def _stat(self) -> float:

@@ -57,9 +57,12 @@ def make_store(tmp_path, redis_url, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     stores = []
 
-    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo", online_options: str = "") -> FeatureStore:
+    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo", online_options: str = "",
+             apply: bool = True) -> FeatureStore:
         root = write_repo(tmp_path / name, features_py, tables, url=redis_url, online_options=online_options)
         store = FeatureStore(root)
+        if apply:  # stores run on applied definitions only
+            store.apply()
         stores.append(store)
         return store
 

@@ -251,6 +251,6 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
 ])
 def test_bad_aggregations_are_reported(make_store, change, message):
     features = FEATURES.replace('Aggregation("count", H),\n', change + ",\n", 1)
-    store = make_store(features)
+    store = make_store(features, apply=False)
     with pytest.raises(DefinitionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         store.definitions

@@ -312,6 +312,7 @@ forever = FeatureView(name="forever", entities=[item], source=FileSource(path="d
     config = (root / "featurestore.yaml").read_text().replace("online_store: {url:", "online_store: {expire_after_ttl: true, url:")
     (root / "featurestore.yaml").write_text(config)
     store = FeatureStore(root)
+    store.apply()
     store.materialize(None, now + timedelta(seconds=1))
     client = store.online_store.client
     user_key = f"fs:{store.config.project}:{{user_id=1}}"

@@ -44,7 +44,7 @@ def store(tmp_path_factory, redis_url):
 
     root = write_repo(tmp_path_factory.mktemp("pit"), VIEWS, url=redis_url)
     s = FeatureStore(root)
-    s.definitions
+    s.apply()
     yield s
     s.close()
 

@@ -244,3 +244,22 @@ def test_metadata_edits_do_not_change_definition_hashes(tmp_path):
     assert FeatureStore(root).definition_hashes(["driver_stats"]) == before
     (root / "features.py").write_text(GOOD.replace("ttl=timedelta(days=1)", "ttl=timedelta(days=2)"))
     assert FeatureStore(root).definition_hashes(["driver_stats"]) != before
+
+
+def test_unapplied_code_is_never_used(make_store):
+    """Issue #9: materialize and lookups read features.py whether or not it was applied."""
+    store = make_store(GOOD, {"stats": STATS})
+    root = store.config.repo_path
+    (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
+    edited = FeatureStore(root)
+    for attempt in (lambda: edited.materialize(None, None),
+                    lambda: edited.get_online_features([{"driver_id": 1}], features=["driver_stats:trips"]),
+                    lambda: edited.get_historical_features(pa.table({"driver_id": [1], "event_timestamp": STATS["event_timestamp"][:1]}),
+                                                           feature_service="svc")):
+        with pytest.raises(FeatureStoreError, match=r"differ from the applied registry: feature view 'driver_stats' \(changed: schema\).*featurestore apply"):
+            attempt()
+    listed = subprocess.run([sys.executable, "-m", "featurestore.cli", "list", "--repo", str(root)], capture_output=True, text=True).stdout
+    assert "Not applied" in listed and "feature view 'driver_stats' (changed: schema)" in listed
+    edited.apply()
+    assert edited.materialize(None, None).views
+    edited.close()

@@ -42,8 +42,9 @@ def data() -> pa.Table:
 
 
 def test_python_sql_and_csv_sources_materialize_and_serve(make_store, monkeypatch):
-    store = make_store(DEFS.replace("{factor}", "2"), {"spend": data()})
+    store = make_store(DEFS.replace("{factor}", "2"), {"spend": data()}, apply=False)
     pacsv.write_csv(data(), store.config.repo_path / "data" / "spend.csv")
+    store.apply()
     monkeypatch.chdir("/")  # the SQL source's relative path resolves against the repo, not the cwd
     report = store.materialize(None, NOW + timedelta(seconds=1))
     assert [v.computed_rows for v in report.views] == [3, 3, 3]
@@ -57,7 +58,7 @@ def test_python_sql_and_csv_sources_materialize_and_serve(make_store, monkeypatc
 def test_changing_a_python_transformation_changes_its_hash_and_needs_backfill(make_store):
     from featurestore import FeatureStore
 
-    store = make_store(DEFS.replace("{factor}", "2"), {"spend": data()})
+    store = make_store(DEFS.replace("{factor}", "2"), {"spend": data()}, apply=False)
     pacsv.write_csv(data(), store.config.repo_path / "data" / "spend.csv")
     store.apply()
     (store.config.repo_path / "features.py").write_text(DEFS.replace("{factor}", "3"))
