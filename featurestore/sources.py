@@ -26,6 +26,20 @@ def connection() -> duckdb.DuckDBPyConnection:
     return _DATABASE.cursor()
 
 
+def utc_micros_sql(column: str, nanoseconds: bool, strict: bool = True) -> str:
+    """SQL turning a time column into naive UTC microseconds, truncating nanoseconds (DuckDB's
+    cast rounds them: an entity at t+700 ns would join a row stamped t+1 µs, from its future)."""
+    if nanoseconds:
+        ns = f"epoch_ns({column})"
+        return f"make_timestamp(({ns} - ((({ns} % 1000) + 1000) % 1000)) // 1000)"
+    cast = "CAST" if strict else "TRY_CAST"
+    return f"{cast}({cast}({column} AS TIMESTAMPTZ) AS TIMESTAMP)"
+
+
+def is_nanoseconds(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_timestamp(arrow_type) and arrow_type.unit == "ns"
+
+
 def quote(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 

@@ -183,3 +183,15 @@ def test_bad_entity_inputs_are_clear(store):
         store.get_historical_features(pd.DataFrame({"a_id": [1], "event_timestamp": [BASE]}), features=["nope:x"])
     with pytest.raises(RequestError, match="join key"):
         store.get_historical_features(pd.DataFrame({"a_id": ["abc"], "event_timestamp": [BASE]}), features=["no_ttl:x"]).to_arrow()
+
+
+def test_nanosecond_entity_times_truncate_and_come_back_untouched(store):
+    """Issue #10: an entity at T+700 ns joined a row stamped T+1 µs (DuckDB rounded it: a row from its future)."""
+    key = next(_ids) * 1000
+    t = pd.Timestamp("2024-05-01T00:00:00Z")
+    store.push("src_a", pd.DataFrame({"a_id": [key], "x": [7], "y": [1.0], "event_timestamp": [t + pd.Timedelta(microseconds=1)]}))
+    entity_df = pd.DataFrame({"a_id": [key, key], "event_timestamp": [t + pd.Timedelta(nanoseconds=700), t + pd.Timedelta(nanoseconds=1700)]})
+    out = store.get_historical_features(entity_df, features=["no_ttl:x"]).to_df()
+    assert out["x"].tolist()[0] is None or pd.isna(out["x"].tolist()[0])
+    assert out["x"].tolist()[1] == 7
+    assert out["event_timestamp"].tolist() == entity_df["event_timestamp"].tolist()  # the caller's times, untouched

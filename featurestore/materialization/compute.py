@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
-from featurestore.sources import connection, ident, quote
+from featurestore.sources import connection, ident, quote, utc_micros_sql
 from featurestore.types import DType, duckdb_type
 
 
@@ -46,9 +46,13 @@ def compute(
     con.execute("SET TimeZone = 'UTC'")
     ts_col = ident(view.source.timestamp_field)
     created_col = view.source.created_timestamp_field
-    as_ts = "TRY_CAST(TRY_CAST({} AS TIMESTAMPTZ) AS TIMESTAMP)"
-    typed = [f"{as_ts.format(ts_col)} AS __event"]
-    typed.append(f"{as_ts.format(ident(created_col))} AS __created" if created_col else "NULL::TIMESTAMP AS __created")
+    types = dict(zip(con.view("view_rows").columns, con.view("view_rows").types))
+
+    def as_ts(column: str) -> str:  # nanoseconds truncated to µs, as stored everywhere
+        return utc_micros_sql(ident(column), str(types.get(column, "")).endswith("_NS"), strict=False)
+
+    typed = [f"{as_ts(view.source.timestamp_field)} AS __event"]
+    typed.append(f"{as_ts(created_col)} AS __created" if created_col else "NULL::TIMESTAMP AS __created")
     reasons: list[str] = []
     for key, dtype in key_types.items():
         k = ident(key)

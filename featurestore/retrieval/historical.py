@@ -28,7 +28,7 @@ from featurestore.aggregation import sql as aggregation_sql
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.retrieval.refs import ViewRequest, resolve
-from featurestore.sources import ident, quote
+from featurestore.sources import ident, is_nanoseconds, quote, utc_micros_sql
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -198,9 +198,9 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
     select = ", ".join(ident(c) for c in columns)
     con.execute(
         f"""CREATE TEMP VIEW __entities AS SELECT {select},
-            CAST(CAST({ident(ts)} AS TIMESTAMPTZ) AS TIMESTAMP) AS {TS}, {row_expr} AS {ROW} FROM __raw"""
+            {utc_micros_sql(ident(ts), is_nanoseconds(ts_type))} AS {TS}, {row_expr} AS {ROW} FROM __raw"""
     )
-    return columns, ts
+    return columns, ts if not is_nanoseconds(ts_type) else ""  # "": return the caller's column untouched
 
 
 def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str, key_types: dict) -> str:
