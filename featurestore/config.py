@@ -35,6 +35,8 @@ class RepoConfig:
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
+    # rows whose event time is further ahead of the ingest time are rejected until due
+    future_tolerance: timedelta = timedelta(seconds=5)
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
 
@@ -73,6 +75,7 @@ class RepoConfig:
             max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
+            future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
         )
@@ -104,7 +107,7 @@ def parse_duration(value: object, where: str) -> timedelta:
 
 
 _KEYS = {
-    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store"},
+    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance"},
     "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age"},
 }

@@ -380,3 +380,15 @@ def test_the_compiled_query_cache_is_bounded(users_store):
         store.get_online_features([{"user_id": 1}], features=[f"users:{f}" for f in features])
     cache = store.definitions.query_cache
     assert 0 < len(cache) <= cache.capacity < 10_000
+
+
+def test_rows_from_the_future_are_refused_until_due(users_store):
+    """Issue #10: a pushed row stamped an hour ahead was served online at once, while a
+    historical query at now could not see it. Beyond `future_tolerance` it is rejected."""
+    store = users_store(random_users(3, 20, seed=14))
+    ahead = {"user_id": [9], "score": [1.0], "event_timestamp": [datetime.now(timezone.utc) + timedelta(hours=1)]}
+    with pytest.raises(RequestError, match="event time is in the future"):
+        store.push("user_push", pd.DataFrame(ahead))
+    assert store.get_online_features([{"user_id": 9}], features=["scores:score"]).statuses[1] == ["NOT_FOUND"]
+    soon = {**ahead, "event_timestamp": [datetime.now(timezone.utc) + timedelta(seconds=1)]}  # clock skew: within tolerance
+    assert store.push("user_push", pd.DataFrame(soon)) == 1

@@ -7,7 +7,7 @@ that does not cast to the declared type) are split off with a reason, never drop
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import duckdb
 import numpy as np
@@ -42,7 +42,11 @@ def compute(
     ingest_time: datetime,
     start: datetime | None = None,
     end: datetime | None = None,
+    future_tolerance: timedelta = timedelta(seconds=5),
 ) -> Computed:
+    """Type and identify ``view_rows``; split off rows that break the schema, and rows whose event
+    time is more than ``future_tolerance`` after ``ingest_time``: served now, such a row would show
+    online what a historical query at now cannot see. Rejected, it is taken once it is due."""
     con.execute("SET TimeZone = 'UTC'")
     ts_col = ident(view.source.timestamp_field)
     created_col = view.source.created_timestamp_field
@@ -61,6 +65,9 @@ def compute(
     reasons += [f"WHEN {ts_col} IS NULL THEN 'null event timestamp'", "WHEN __event IS NULL THEN 'unparseable event timestamp'"]
     if created_col:
         reasons.append(f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'")
+    latest = (ingest_time + future_tolerance).astimezone(timezone.utc)
+    reasons.append(f"WHEN __event > {utc_sql(latest)} THEN "
+                   f"'event time is in the future (after {latest.isoformat()}); push it when it is due'")
     if view.event_id:
         reasons.append(f"WHEN {ident(view.event_id)} IS NULL THEN 'null event id {view.event_id}'")
     for f in view.schema:

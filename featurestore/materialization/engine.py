@@ -104,7 +104,8 @@ class Materializer:
         defs, registry = self.store.definitions, self.store.registry
         run_id = registry.next_run_id()
         now = datetime.now(timezone.utc)
-        computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end)
+        computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end,
+                           self.store.config.future_tolerance)
         report = ViewReport(view.name, computed_rows=computed.rows.num_rows, rejected_rows=computed.rejects.num_rows)
         if computed.rejects.num_rows:
             report.reject_sample = computed.rejects.slice(0, 5).to_pylist()
