@@ -18,6 +18,8 @@ from typing import Any, Callable, Literal, Sequence, Union
 
 from featurestore.types import DType
 
+KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
+
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 
@@ -301,7 +303,7 @@ class FeatureView:
         another layout are never decoded as this one: they read as NOT_FOUND until re-materialized."""
         return content_hash({
             "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
-            "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id,
+            "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id, "key_encoding": KEY_ENCODING,
         })[:8]
 
     @property

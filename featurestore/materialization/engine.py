@@ -21,8 +21,8 @@ from rich.progress import Progress
 
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
-from featurestore.offline.buffer import PushBuffer
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
+from featurestore.offline.buffer import PushBuffer
 from featurestore.sources import connection, register_view_rows
 
 if TYPE_CHECKING:

@@ -9,11 +9,10 @@ so views with a transformation over the source see them at the next materializat
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-from datetime import datetime, timezone
-
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from featurestore.errors import BadRowsError, RequestError

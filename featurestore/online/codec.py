@@ -62,26 +62,61 @@ def key_prefix(project: str) -> bytes:
     return f"fs:{project}:".encode()
 
 
-def entity_key(project: str, key_values: dict[str, Any]) -> bytes:
-    """The Redis key of one entity (values as text, exactly as ``entity_keys`` writes them)."""
-    inner = "\x1f".join(f"{name}={key_text(key_values[name])}" for name in sorted(key_values))
+_ESCAPES = (("%", "%25"), ("\x1f", "%1F"), ("{", "%7B"), ("}", "%7D"))
+
+
+def entity_key(project: str, key_values: dict[str, Any], key_types: dict[str, str]) -> bytes:
+    """The Redis key of one entity: each value as ``key_text`` of its declared type, names sorted."""
+    inner = "\x1f".join(f"{name}={key_text(key_values[name], key_types[name])}" for name in sorted(key_values))
     return key_prefix(project) + b"{" + inner.encode() + b"}"
 
 
-def key_text(value: Any) -> str:
-    if isinstance(value, bool):
+def key_text(value: Any, type_name: str) -> str:
+    """One canonical, injective text per key value of a declared type; the write path
+    (``entity_keys``, vectorized) produces the same text from the Arrow column."""
+    if type_name == "Bool":
         return "true" if value else "false"
-    return str(value)
+    if type_name in ("Int32", "Int64"):
+        return str(int(value))
+    if type_name == "String":
+        for raw, escaped in _ESCAPES:  # the separator and hash-tag braces never appear raw
+            value = value.replace(raw, escaped)
+        return value
+    if type_name == "Bytes":
+        return (value if isinstance(value, bytes) else str(value).encode()).hex()
+    if type_name in ("Float32", "Float64"):
+        return repr(float(np.float32(value)) if type_name == "Float32" else float(value))
+    if type_name == "UnixTimestamp":
+        ts = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return str((ts - _EPOCH) // timedelta(microseconds=1))
+    raise TypeError(f"no key encoding for {type_name}")
+
+
+def _key_column(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
+    """``key_text`` of a whole (typed) Arrow column."""
+    t = column.type
+    if pa.types.is_boolean(t):
+        return pc.if_else(column, "true", "false")
+    if pa.types.is_integer(t):
+        return pc.cast(column, pa.string())
+    if pa.types.is_timestamp(t):
+        return pc.cast(pc.cast(pc.cast(column, pa.timestamp("us", tz="UTC")), pa.int64()), pa.string())
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        for raw, escaped in _ESCAPES:
+            column = pc.replace_substring(column, raw, escaped)
+        return column
+    if pa.types.is_floating(t):  # rare as keys: Python's repr is the canonical text
+        return pa.array([repr(float(v)) for v in column.to_pylist()], pa.string())
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return pa.array([v.hex() for v in column.to_pylist()], pa.string())
+    raise TypeError(f"no key encoding for {t}")
 
 
 def entity_keys(project: str, table: pa.Table, join_keys: Sequence[str]) -> list[bytes]:
-    """Vectorized ``entity_key`` for every row of ``table``."""
+    """Vectorized ``entity_key`` for every row of ``table`` (its key columns typed as declared)."""
     parts: list[Any] = []
     for i, name in enumerate(sorted(join_keys)):
-        text = pc.cast(table[name], pa.string())
-        if pa.types.is_boolean(table[name].type):
-            text = pc.if_else(table[name], "true", "false")
-        parts += [("\x1f" if i else "") + f"{name}=", text]
+        parts += [("\x1f" if i else "") + f"{name}=", _key_column(table[name])]
     prefix = key_prefix(project).decode() + "{"
     joined = pc.binary_join_element_wise(prefix, *parts, "}", "")
     return pc.cast(joined, pa.binary()).to_pylist()

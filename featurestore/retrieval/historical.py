@@ -29,6 +29,7 @@ from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.retrieval.refs import ViewRequest, resolve
 from featurestore.sources import ident, is_nanoseconds, quote, utc_micros_sql
+from featurestore.types import castable
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -70,6 +71,13 @@ class RetrievalJob:
                     f"entity rows lack join key(s) {missing} needed by view {req.view.name!r}; "
                     f"entity columns are {entity_columns}"
                 )
+            for key, declared in defs.key_types[req.view.name].items():  # no silent casts: 1 never matches '01'
+                given = con.sql(f"SELECT {ident(key)} FROM __entities LIMIT 0").to_arrow_table().schema.field(0).type
+                if not castable(given, declared) and not pa.types.is_null(given):
+                    raise RequestError(
+                        f"join key {key!r} is {declared!r} but the entity rows give {given}; "
+                        f"convert the column to {declared!r}"
+                    )
             clash = [n for n in req.output_names if n in entity_columns]
             if clash:
                 raise RequestError(f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True")

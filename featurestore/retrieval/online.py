@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from numbers import Integral
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from featurestore.aggregation.evaluate import WindowEvaluator
@@ -73,6 +73,9 @@ _KEY_CHECKS: dict[str, Callable[[Any], bool]] = {
     "String": lambda v: isinstance(v, str),
     "Bool": lambda v: isinstance(v, bool),
     "Bytes": lambda v: isinstance(v, (bytes, str)),
+    "Float32": lambda v: isinstance(v, (int, float, Real)) and not isinstance(v, bool),
+    "Float64": lambda v: isinstance(v, (int, float, Real)) and not isinstance(v, bool),
+    "UnixTimestamp": lambda v: isinstance(v, datetime),
 }
 
 
@@ -140,7 +143,7 @@ class QueryTemplate:
             if req.view.is_aggregated:
                 by_name = {a.output_name: a for a in req.view.aggregations}
                 stored = [(f.name, f.dtype) for f in req.view.schema]
-                entity_of = _key_builder(project, keyset)
+                entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
                 events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
                 order.append((True, len(windows)))
                 windows.append(_WindowPlan(
@@ -150,7 +153,7 @@ class QueryTemplate:
                 continue
             order.append((False, len(views)))
             if keyset not in groups:
-                groups[keyset] = _Group(keyset, [], _key_builder(project, keyset))
+                groups[keyset] = _Group(keyset, [], _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}))
             group = groups[keyset]
             group.fields.append(req.view.online_field)
             wanted = [req.view.feature_names.index(f) for f in req.features]
@@ -160,11 +163,11 @@ class QueryTemplate:
         return cls(needed, checks, list(groups.values()), views, windows, order)
 
 
-def _key_builder(project: str, keyset: tuple[str, ...]) -> Callable[[tuple], bytes]:
+def _key_builder(project: str, keyset: tuple[str, ...], types: dict[str, str]) -> Callable[[tuple], bytes]:
     if len(keyset) == 1:
-        head = key_prefix(project) + b"{" + keyset[0].encode() + b"="
-        return lambda values: head + key_text(values[0]).encode() + b"}"
-    return lambda values: entity_key(project, dict(zip(keyset, values)))
+        head, type_name = key_prefix(project) + b"{" + keyset[0].encode() + b"=", types[keyset[0]]
+        return lambda values: head + key_text(values[0], type_name).encode() + b"}"
+    return lambda values: entity_key(project, dict(zip(keyset, values)), types)
 
 
 @dataclass
