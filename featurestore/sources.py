@@ -14,6 +14,10 @@ import pyarrow as pa
 
 from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
 
+# Push logs record when each row arrived; views over a push source without a created column use
+# it as the created time, so pushing A, then B, then A again at one event time serves A.
+INGESTED_AT = "_ingested_at"
+
 _DATABASE: duckdb.DuckDBPyConnection | None = None
 
 

@@ -392,3 +392,18 @@ def test_rows_from_the_future_are_refused_until_due(users_store):
     assert store.get_online_features([{"user_id": 9}], features=["scores:score"]).statuses[1] == ["NOT_FOUND"]
     soon = {**ahead, "event_timestamp": [datetime.now(timezone.utc) + timedelta(seconds=1)]}  # clock skew: within tolerance
     assert store.push("user_push", pd.DataFrame(soon)) == 1
+
+
+def test_a_correction_that_reverts_is_the_latest_write(users_store):
+    """Issue #10: A, then B, then A again at one event time served B: the third write had A's
+    identity and was dropped. Pushed rows now carry their arrival time."""
+    store = users_store(random_users(3, 20, seed=15))
+    at = NOW - timedelta(minutes=5)
+    for score in (1.0, 2.0, 1.0):
+        store.push("user_push", pd.DataFrame({"user_id": [42], "score": [score], "event_timestamp": [at]}))
+    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_values()["score"] == [1.0]
+    offline = store.get_historical_features(pd.DataFrame({"user_id": [42], "event_timestamp": [NOW]}), features=["scores:score"])
+    assert offline.to_df()["score"].tolist() == [1.0]
+    store.materialize_incremental(NOW, ["scores"])  # recomputed from the push log: the same rows, nothing new
+    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_values()["score"] == [1.0]
+    assert store.offline_store.version("scores") is not None

@@ -29,8 +29,9 @@ WHERE_OPERATORS = ("==", "!=", "<", "<=", ">", ">=", "in", "not in")
 
 def event_id_sql(view: FeatureView, prefix: str = "") -> str:
     """SQL giving each stored event its 63-bit id (the same expression feeds both stores)."""
-    if view.event_id is None:
-        return f"{prefix}_row_id"
+    if view.event_id is None:  # the event's content: a retried push is the same event, whenever it arrived
+        content = [*view.join_keys, "event_timestamp", *(f.name for f in view.schema)]
+        return f"(hash({', '.join(prefix + chr(34) + c + chr(34) for c in content)}) >> 1)::BIGINT"
     dtype = next(f.dtype for f in view.schema if f.name == view.event_id)
     column = f'{prefix}"{view.event_id}"'
     if dtype.name in ("Int32", "Int64"):

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
-from featurestore.sources import connection, ident, quote, utc_micros_sql
+from featurestore.sources import INGESTED_AT, connection, ident, quote, utc_micros_sql
 from featurestore.types import DType, duckdb_type
 
 
@@ -56,7 +56,12 @@ def compute(
         return utc_micros_sql(ident(column), str(types.get(column, "")).endswith("_NS"), strict=False)
 
     typed = [f"{as_ts(view.source.timestamp_field)} AS __event"]
-    typed.append(f"{as_ts(created_col)} AS __created" if created_col else "NULL::TIMESTAMP AS __created")
+    if created_col:
+        typed.append(f"{as_ts(created_col)} AS __created")
+    elif INGESTED_AT in types:  # a push source's rows know when they arrived: re-pushing a value is a new fact
+        typed.append(f"{as_ts(INGESTED_AT)} AS __created")
+    else:
+        typed.append("NULL::TIMESTAMP AS __created")
     reasons: list[str] = []
     for key, dtype in key_types.items():
         k = ident(key)
@@ -133,7 +138,7 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
 def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
     """An aggregated view's rows to send online: recent enough, one per (entity, event id),
     the first stored winning (the offline rule), with their event ids."""
-    ids = _plain_event_ids(rows, view)
+    ids = _plain_event_ids(rows, view) if view.event_id is not None else None
     if ids is not None and pc.count_distinct(ids).as_py() == rows.num_rows:  # no duplicates: no DuckDB query
         recent = pc.greater_equal(pc.cast(rows["event_timestamp"], pa.int64()), cutoff_us)
         return rows.filter(recent), ids.filter(recent).to_numpy()
@@ -150,9 +155,7 @@ def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa
 
 
 def _plain_event_ids(rows: pa.Table, view: FeatureView) -> pa.Array | None:
-    """The ids ``event_id_sql`` computes, when Arrow can (the row id or an integer column)."""
-    if view.event_id is None:
-        return rows["_row_id"].combine_chunks()
+    """The ids ``event_id_sql`` computes, when Arrow can (an integer id column)."""
     if pa.types.is_integer(rows.schema.field(view.event_id).type):
         return pc.cast(rows[view.event_id], pa.int64()).combine_chunks()
     return None

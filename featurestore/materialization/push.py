@@ -18,7 +18,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from featurestore.errors import BadRowsError, RequestError
 from featurestore.materialization.engine import Materializer
 from featurestore.offline.buffer import APP_ID
-from featurestore.sources import connection, push_log_path
+from featurestore.sources import INGESTED_AT, connection, push_log_path
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -55,7 +55,8 @@ def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and
             columns.append(table[f.name].cast(f.dtype.arrow))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
-    table = pa.table(columns, names=expected)
+    now = datetime.now(timezone.utc)
+    table = pa.table([*columns, pa.array([now] * table.num_rows, pa.timestamp("us", tz="UTC"))], names=[*expected, INGESTED_AT])
     materializer = Materializer(store)
     buffer = store.push_buffer
     for view in defs.feature_views.values():
@@ -98,5 +99,5 @@ def _append_log(store: "FeatureStore", source_name: str, rows: pa.Table, seq: in
     path = push_log_path(store.config.data_dir, source_name)
     if (path / "_delta_log").exists() and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
         return
-    write_deltalake(str(path), rows, mode="append",
+    write_deltalake(str(path), rows, mode="append", schema_mode="merge",  # logs from before INGESTED_AT
                     commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]))

@@ -10,11 +10,11 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions
-from featurestore.sources import view_output_schema
+from featurestore.sources import INGESTED_AT, view_output_schema
 from featurestore.types import String, castable, from_arrow, is_timestamp_like
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = {*HISTORY_COLUMNS, PARTITION_COLUMN}  # names the history tables use themselves
+RESERVED = {*HISTORY_COLUMNS, PARTITION_COLUMN, INGESTED_AT}  # names the stores use themselves
 
 
 def validate(defs: Definitions, config: RepoConfig) -> list[str]:
