@@ -172,6 +172,19 @@ def stream(
 
 
 @app.command()
+def compact(
+    views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
+    vacuum_hours: Optional[int] = typer.Option(None, help="Also delete files only versions older than this many hours use "
+                                                          "(exports from those versions can then no longer be reproduced)."),
+    repo: Path = RepoOption,
+) -> None:
+    """Merge small history files (pushes commit many); optionally vacuum old ones."""
+    with _store(repo) as store:
+        for name, r in store.compact(views or None, vacuum_hours).items():
+            console.print(f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed", markup=False)
+
+
+@app.command()
 def export(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
     service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),

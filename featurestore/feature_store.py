@@ -179,6 +179,19 @@ class FeatureStore:
 
         return flush(self)
 
+    def compact(self, views: Sequence[str] | None = None, vacuum_hours: int | None = None) -> dict[str, dict]:
+        """Merge each view's small history files; with ``vacuum_hours``, also delete files only versions
+        older than that use (exports from those versions then no longer reproduce)."""
+        self._commit_buffered()
+        report = {}
+        for name in views or list(self.definitions.feature_views):
+            before = self.offline_store.file_count(name)
+            metrics = self.offline_store.compact(name)
+            removed = self.offline_store.vacuum(name, vacuum_hours) if vacuum_hours is not None else 0
+            report[name] = {"files_before": before, "files_after": self.offline_store.file_count(name),
+                            "files_removed": metrics.get("numFilesRemoved", 0), "files_vacuumed": removed}
+        return report
+
     def _commit_buffered(self) -> None:
         """Reads of history see every acknowledged push: commit what is buffered (any process's)."""
         if self.push_buffer.targets():

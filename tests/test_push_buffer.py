@@ -76,3 +76,15 @@ def test_buffered_rows_commit_when_the_bounds_are_reached(make_store):
     assert store.offline_store.version("activity") is None
     store.push("payments", _frame([_payment(8)]))  # 3 rows buffered: committed by this push
     assert store.offline_store.version("activity") is not None and store.push_buffer.targets() == []
+
+
+def test_compaction_merges_small_files_and_keeps_history(make_store, tmp_path):
+    store = make_store(FEATURES)
+    store.push_buffer.max_rows = 1  # every push commits: many small files
+    for i in range(10, 16):
+        store.push("payments", _frame([_payment(i)]), to="offline")
+    before = _counts(store)[0]
+    assert store.offline_store.file_count("activity") >= 6
+    report = store.compact(["activity"])
+    assert report["activity"]["files_after"] == 1 < report["activity"]["files_before"]
+    assert _counts(store)[0] == before

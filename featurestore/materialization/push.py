@@ -89,6 +89,8 @@ def flush(store: "FeatureStore", only_due: bool = False) -> int:
             view = defs.view(name)
             resend = (lambda rows, view=view: materializer.write_online(view, rows, datetime.now(timezone.utc))) if view.online else None
             committed += buffer.drain(target, lambda rows, seq, name=name: store.offline_store.append(name, rows), resend)
+            if store.offline_store.file_count(name) > store.config.compact_after_files:  # many small pushes: merge
+                store.offline_store.compact(name)
         else:
             committed += buffer.drain(target, lambda rows, seq, name=name: _append_log(store, name, rows, seq))
     return committed

@@ -39,6 +39,15 @@ class OfflineStore(Protocol):
     def drop(self, view: str) -> None:
         """Delete the view's history (after the user confirmed removal)."""
 
+    def file_count(self, view: str) -> int:
+        """How many data files the current version reads."""
+
+    def compact(self, view: str) -> dict:
+        """Merge small files (keeps older versions readable)."""
+
+    def vacuum(self, view: str, retention_hours: int) -> int:
+        """Delete files older versions of more than ``retention_hours`` used."""
+
 
 def history_schema(view_keys: dict[str, pa.DataType], features: list[tuple[str, pa.DataType]]) -> pa.Schema:
     """Schema of a view's history table (without the partition column)."""

@@ -68,6 +68,23 @@ class DeltaOfflineStore:
             con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} FROM read_parquet({file_list})")
         return table.version() if table is not None else None
 
+    def file_count(self, view: str) -> int:
+        table = self._table(view)
+        return len(table.file_uris()) if table is not None else 0
+
+    def compact(self, view: str) -> dict:
+        """Rewrite small files into large ones (a new version; older versions stay readable)."""
+        table = self._table(view)
+        return table.optimize.compact() if table is not None else {}
+
+    def vacuum(self, view: str, retention_hours: int) -> int:
+        """Delete files no version of the last ``retention_hours`` uses; returns how many.
+        Exports made from older versions can no longer be reproduced byte for byte."""
+        table = self._table(view)
+        if table is None:
+            return 0
+        return len(table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False))
+
     def write_rejects(self, view: str, rejects: pa.Table) -> None:
         """Append rejected rows not already kept (re-runs see the same bad rows again)."""
         path = self.path / "_rejects" / view
