@@ -198,8 +198,8 @@ class FeatureStore:
             self.flush()
 
     def close(self) -> None:
-        if self._buffer is not None and self._buffer.targets():
-            self.flush()
+        if self._buffer is not None:
+            self._commit_buffered()
         if self._online is not None:
             self._online.close()
             self._online = None
