@@ -1,12 +1,13 @@
 """Run materialization: compute each view once, write history then the online store.
 
 Crash safety: before history is written a view is marked ``online_synced: false`` (history
-may now hold rows Redis lacks). Only a write that sends online the latest rows of the
-view's *whole* source (a materialization without a start) marks it true again; until then
-every such run re-sends them all, whatever ran in between (pushes, windowed runs), so
-a re-run always converges. Both writes are idempotent (history dedupes by ``_row_id``,
-Redis keeps the larger order key or the first event id), so re-sending is safe. Writes
-that go online only (pushes with ``to="online"``) touch no registry state."""
+may now hold rows Redis lacks). The next write that goes online while the mark is false
+sends the latest rows of the view's *whole history* (plus what it computed), whatever its
+window, and only then marks it true: so a re-run converges whatever ran in between (a
+crash, offline-only pushes, windowed runs). Both writes are idempotent (history dedupes by
+``_row_id``, Redis keeps the larger order key or the first event id), so re-sending is
+safe. Pushes go through the durable buffer instead (``offline/buffer.py``) and touch no
+registry state."""
 
 from __future__ import annotations
 
@@ -73,8 +74,7 @@ class Materializer:
                 con = connection()
                 register_view_rows(con, view, self.store.config.repo_path, self.store.config.data_dir)
                 report.views.append(
-                    self.write_view(con, view, start=start, end=end, online=online, offline=offline,
-                                    on_bad_rows=on_bad_rows, complete=start is None)
+                    self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
                 )
                 bar.advance(task)
         return report
@@ -94,13 +94,12 @@ class Materializer:
 
     def write_view(
         self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
-        online: bool, offline: bool, on_bad_rows: str = "reject", complete: bool = False, buffer: PushBuffer | None = None,
+        online: bool, offline: bool, on_bad_rows: str = "reject", buffer: PushBuffer | None = None,
     ) -> ViewReport:
         """Compute ``view_rows`` registered in ``con`` and write them to the selected stores.
 
-        ``complete``: the rows are the view's whole source (no start), so writing all of them
-        online repairs whatever history holds that Redis may lack. ``buffer``: history rows go
-        to this durable buffer (pushes) instead of straight to the history store."""
+        ``buffer``: history rows go to this durable buffer (pushes) instead of straight to the
+        history store."""
         defs, registry = self.store.definitions, self.store.registry
         run_id = registry.next_run_id()
         now = datetime.now(timezone.utc)
@@ -133,19 +132,29 @@ class Materializer:
         if write_offline:
             fresh = self.store.offline_store.append(view.name, computed.rows)
             report.new_offline_rows = fresh.num_rows
+        marks: dict = {}
         if write_online:
-            report.online_rows = self.write_online(view, fresh if (synced and write_offline) else computed.rows, now)
-        if not write_offline:
-            return report
-        marks: dict = {"last_run_id": run_id, "materialized_at": now.isoformat()}
-        if end is not None:
-            marks["end"] = end.isoformat()
-        if computed.rows.num_rows:
-            marks["max_event_timestamp"] = _max_iso(computed.rows)
-        if write_online and (synced or complete):  # not synced: every computed row was sent
+            rows = fresh if synced else self._whole_history(view, computed.rows, written=write_offline)
+            report.online_rows = self.write_online(view, rows, now)
             marks.update(online_synced=True, online_layout=view.storage_id)
-        registry.set_watermark(view.name, **marks)
+        if write_offline:
+            marks.update(last_run_id=run_id, materialized_at=now.isoformat())
+            if end is not None:
+                marks["end"] = end.isoformat()
+            if computed.rows.num_rows:
+                marks["max_event_timestamp"] = _max_iso(computed.rows)
+        if marks:
+            registry.set_watermark(view.name, **marks)
         return report
+
+    def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:
+        """Every stored row of the view (and the computed ones, if not stored): what Redis must hold."""
+        con = connection()
+        self.store.offline_store.register(con, view.name, "history", computed.schema)
+        if written:
+            return con.sql("SELECT * FROM history").to_arrow_table().cast(computed.schema)
+        con.register("computed", computed)
+        return con.sql("SELECT * FROM history UNION ALL SELECT * FROM computed").to_arrow_table().cast(computed.schema)
 
     def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
         """Send history rows online: each entity's latest row, or for aggregated views the events."""
