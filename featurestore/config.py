@@ -39,6 +39,7 @@ class RepoConfig:
     future_tolerance: timedelta = timedelta(seconds=5)
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
+    max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
 
     @property
@@ -78,6 +79,7 @@ class RepoConfig:
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
+            max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
         )
@@ -109,7 +111,8 @@ def parse_duration(value: object, where: str) -> timedelta:
 
 
 _KEYS = {
-    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance"},
+    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
+    "server": {"max_request_bytes"},
     "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
 }

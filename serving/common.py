@@ -173,27 +173,50 @@ class FastLane:
 
     The FastAPI app still declares those routes (OpenAPI docs, same handler); everything
     else, lifespan included, goes to it. ``handlers`` map a path to ``async (body) -> (status, bytes)``.
+    Every request body is bounded by ``max_body_bytes`` (413 past it); hot-route bodies are
+    read in linear time (chunks joined once, never re-concatenated).
     """
 
-    def __init__(self, app: FastAPI, handlers: dict[str, Callable]):
+    def __init__(self, app: FastAPI, handlers: dict[str, Callable], max_body_bytes: int = 16 * 1024 * 1024):
         self.app = app
         self.handlers = handlers
+        self.max_body_bytes = max_body_bytes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send) -> None:
-        handler = self.handlers.get(scope.get("path")) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _reply(send, 413, self._too_large())
+            return
+        handler = self.handlers.get(scope.get("path")) if scope.get("method") == "POST" else None
         if handler is None:
             await self.app(scope, receive, send)
             return
-        body = b""
+        chunks, size = [], 0
         while True:
             message = await receive()
-            body += message.get("body", b"")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _reply(send, 413, self._too_large())
+                return
+            chunks.append(chunk)
             if not message.get("more_body"):
                 break
-        status, payload = await handler(body)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        status, payload = await handler(b"".join(chunks))
+        await _reply(send, status, payload)
+
+    def _too_large(self) -> bytes:
+        return dumps({"detail": f"request body over {self.max_body_bytes} bytes; split the request "
+                                f"(server.max_request_bytes sets the limit)"})
+
+
+async def _reply(send, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -169,7 +169,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     async def prometheus() -> Response:
         return metrics.response()
 
-    return FastLane(app, {"/get-online-features": lookup})  # type: ignore[return-value]
+    return FastLane(app, {"/get-online-features": lookup}, watcher.current.config.max_request_bytes)  # type: ignore[return-value]
 
 
 def _parse_lookup(raw: bytes) -> dict[str, Any]:

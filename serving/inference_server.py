@@ -176,7 +176,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     async def prometheus() -> Response:
         return metrics.response()
 
-    return FastLane(app, {"/predict": predict_body})  # type: ignore[return-value]
+    return FastLane(app, {"/predict": predict_body}, watcher.current.config.max_request_bytes)  # type: ignore[return-value]
 
 
 def app_factory() -> FastAPI:

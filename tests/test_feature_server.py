@@ -197,3 +197,19 @@ def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, mon
     store = FeatureStore(root)
     report = check_service_log(store, "svc")
     assert report.rows == 4 and report.ok, report.describe()
+
+
+def test_oversized_bodies_get_413_on_every_route(tmp_path, redis_url, monkeypatch):
+    """Issue #11: no request size limit (and the hot route read bodies in quadratic time)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with open(root / "featurestore.yaml", "a") as f:
+        f.write("server: {max_request_bytes: 2000}\n")
+    with FeatureStore(root) as store:
+        store.apply()
+    big = {"features": ["spend:amount"], "entities": {"card_id": list(range(1000))}}
+    with TestClient(create_app(root)) as client:
+        for path in ("/get-online-features", "/push", "/materialize"):
+            response = client.post(path, json=big)
+            assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], path
+        assert client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}}).status_code == 200
