@@ -229,10 +229,31 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
     from serving.common import REPO_ENV
 
     store = _store(repo)
+    if host not in ("127.0.0.1", "localhost", "::1") and store.config.api_keys is None and not store.config.auth_off:
+        raise FeatureStoreError(
+            f"serving on {host} exposes every route without authentication; configure `server.auth.keys` "
+            "(`featurestore api-key` prints an entry) or set `server: {auth: off}` to accept that"
+        )
     store.require_applied()  # fail here, readably, rather than in every worker
     store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
+
+
+@app.command("api-key")
+def api_key(
+    name: str = typer.Option(..., help="Who uses the key (shown in logs and errors)."),
+    scope: list[str] = typer.Option(["read"], "--scope", help="read, push, push:<source>, materialize or admin (repeatable)."),
+) -> None:
+    """Make a new API key: give the key to the client, put the printed entry under server.auth.keys."""
+    from featurestore.auth import hash_key, new_key, parse_keys
+
+    key = new_key()
+    entry = {"name": name, "sha256": hash_key(key), "scopes": list(scope)}
+    parse_keys([entry], "--scope")  # the same checks the servers apply
+    console.print(f"key: {key}", markup=False)
+    console.print("featurestore.yaml (server: auth: keys:), or FEATURESTORE_API_KEYS as a JSON list:", markup=False)
+    console.print(f"  - {json.dumps(entry)}", markup=False, soft_wrap=True)
 
 
 @app.command("serve-model")

@@ -11,10 +11,14 @@ import os
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from featurestore.errors import FeatureStoreError
+
+if TYPE_CHECKING:
+    from featurestore.auth import ApiKey
 
 CONFIG_FILE = "featurestore.yaml"
 EMBEDDED = "embedded"
@@ -40,6 +44,8 @@ class RepoConfig:
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
     max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
+    api_keys: "list[ApiKey] | None" = None  # None: authentication not configured (see featurestore.auth)
+    auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
 
     @property
@@ -79,6 +85,8 @@ class RepoConfig:
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
+            api_keys=_api_keys((raw.get("server") or {}).get("auth"), file),
+            auth_off=(raw.get("server") or {}).get("auth") in (False, "off"),
             max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
@@ -112,7 +120,7 @@ def parse_duration(value: object, where: str) -> timedelta:
 
 _KEYS = {
     "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
-    "server": {"max_request_bytes"},
+    "server": {"max_request_bytes", "auth"},
     "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
 }
@@ -134,6 +142,16 @@ def _check_keys(file: Path, raw: dict) -> None:
                 close = difflib.get_close_matches(str(key), allowed, n=1)
                 hint = f"; did you mean `{where}{close[0]}`?" if close else f"; known keys: {', '.join(sorted(allowed))}"
                 raise FeatureStoreError(f"{file}: unknown setting `{where}{key}`{hint}")
+
+
+def _api_keys(auth: object, file: Path) -> "list[ApiKey] | None":
+    from featurestore.auth import keys_from_env, parse_keys
+
+    if auth in (None, False, "off"):
+        return keys_from_env(None)
+    if not isinstance(auth, dict) or set(auth) != {"keys"}:
+        raise FeatureStoreError(f"{file}: `server.auth` is `off` or `{{keys: [...]}}` (`featurestore api-key` prints an entry)")
+    return keys_from_env(parse_keys(auth["keys"], f"{file}: server.auth.keys"))
 
 
 def _positive_int(value: object, where: str) -> int:

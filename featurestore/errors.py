@@ -30,3 +30,7 @@ class OnlineStoreUnavailable(FeatureStoreError):
 
 class BadRowsError(FeatureStoreError):
     """Source rows broke the schema and the run was asked to fail on them."""
+
+
+class ForbiddenError(FeatureStoreError):
+    """The caller's API key lacks the scope an action needs."""

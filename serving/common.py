@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from featurestore import FeatureStore
-from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable, RequestError
+from featurestore.auth import ApiKey, Authenticator
+from featurestore.errors import FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError
 
 REPO_ENV = "FEATURESTORE_REPO"
 
@@ -42,6 +43,8 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 
 def error_status(exc: Exception) -> int:
+    if isinstance(exc, ForbiddenError):
+        return 403
     if isinstance(exc, NotFoundError):
         return 404
     if isinstance(exc, RequestError):
@@ -168,6 +171,15 @@ def repo_from_env() -> Path:
     return Path(os.environ.get(REPO_ENV, ".")).resolve()
 
 
+ROUTE_SCOPES = {"/push": "push", "/write-to-online-store": "push", "/materialize": "materialize",
+                "/materialize-incremental": "materialize"}  # every other route needs "read"
+
+
+def caller(request: Request) -> ApiKey | None:
+    """The API key a request was authenticated with (None when authentication is off)."""
+    return request.scope.get("state", {}).get("api_key")
+
+
 class FastLane:
     """Serve a few hot POST routes as plain ASGI, before FastAPI's routing and middleware.
 
@@ -177,10 +189,12 @@ class FastLane:
     read in linear time (chunks joined once, never re-concatenated).
     """
 
-    def __init__(self, app: FastAPI, handlers: dict[str, Callable], max_body_bytes: int = 16 * 1024 * 1024):
+    def __init__(self, app: FastAPI, handlers: dict[str, Callable], max_body_bytes: int = 16 * 1024 * 1024,
+                 auth: Authenticator | None = None):
         self.app = app
         self.handlers = handlers
         self.max_body_bytes = max_body_bytes
+        self.auth = auth or Authenticator(None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.app, name)
@@ -189,6 +203,16 @@ class FastLane:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.auth.enabled:  # every route, the fast ones included, before anything else runs
+            key = self.auth.identify(scope.get("headers", ()))
+            if key is None:
+                await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
+                return
+            needed = ROUTE_SCOPES.get(scope.get("path", ""), "read")
+            if not (key.allows(needed) or (needed == "push" and any(s.startswith("push:") for s in key.scopes))):
+                await _reply(send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}))
+                return
+            scope.setdefault("state", {})["api_key"] = key
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _reply(send, 413, self._too_large())

@@ -20,10 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from featurestore.errors import OnlineStoreUnavailable, RequestError
+from featurestore.errors import ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
-from serving.common import FastLane, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from featurestore.auth import Authenticator
+from serving.common import caller, FastLane, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class GetOnlineFeaturesRequest(BaseModel):
@@ -128,7 +129,10 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         return await respond(lookup, request)
 
     @app.post("/push", responses=ERRORS, summary="Write rows of a push source to the online and/or offline store")
-    def push(body: PushRequest) -> dict[str, Any]:
+    def push(body: PushRequest, request: Request) -> dict[str, Any]:
+        key = caller(request)
+        if key is not None and not key.allows(f"push:{body.push_source_name}"):
+            raise ForbiddenError(f"API key {key.name!r} may not push to {body.push_source_name!r} (needs push or push:{body.push_source_name})")
         store = watcher.current
         source = store.definitions.push_source(body.push_source_name)
         try:
@@ -169,7 +173,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     async def prometheus() -> Response:
         return metrics.response()
 
-    return FastLane(app, {"/get-online-features": lookup}, watcher.current.config.max_request_bytes)  # type: ignore[return-value]
+    config = watcher.current.config
+    return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys))  # type: ignore[return-value]
 
 
 def _parse_lookup(raw: bytes) -> dict[str, Any]:

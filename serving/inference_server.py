@@ -26,6 +26,7 @@ from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, Reque
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
+from featurestore.auth import Authenticator
 from serving.common import FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
@@ -176,7 +177,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     async def prometheus() -> Response:
         return metrics.response()
 
-    return FastLane(app, {"/predict": predict_body}, watcher.current.config.max_request_bytes)  # type: ignore[return-value]
+    config = watcher.current.config
+    return FastLane(app, {"/predict": predict_body}, config.max_request_bytes, Authenticator(config.api_keys))  # type: ignore[return-value]
 
 
 def app_factory() -> FastAPI:

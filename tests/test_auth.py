@@ -1,0 +1,85 @@
+"""API keys on both servers: every route, fast lanes included, refuses a missing or wrong key
+and accepts the right scope (issue #11)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from featurestore import FeatureStore
+from featurestore.auth import hash_key
+from serving.feature_server import create_app
+
+from .conftest import write_repo
+from .test_feature_server import DEFS, NOW
+
+KEYS = {"reader": ["read"], "pusher": ["push:events"], "operator": ["materialize"], "root": ["admin"]}
+
+
+@pytest.fixture
+def secured(tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    entries = [{"name": n, "sha256": hash_key(f"key-{n}"), "scopes": s} for n, s in KEYS.items()]
+    with open(root / "featurestore.yaml", "a") as f:
+        f.write("server:\n  auth:\n    keys: " + json.dumps(entries) + "\n")
+    with FeatureStore(root) as store:
+        store.apply()
+    with TestClient(create_app(root)) as client:
+        yield client, root
+
+
+ROUTES = [
+    ("post", "/get-online-features", {"features": ["spend:amount"], "entities": {"card_id": [1]}}, "read"),
+    ("post", "/push", {"push_source_name": "events", "df": {"card_id": [1], "amount": [1.0], "country": ["FR"],
+                                                            "event_timestamp": [NOW.isoformat()]}}, "push"),
+    ("post", "/materialize-incremental", {}, "materialize"),
+    ("get", "/health", None, "read"),
+    ("get", "/metrics", None, "read"),
+    ("get", "/docs", None, "read"),
+    ("get", "/openapi.json", None, "read"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, scope", ROUTES)
+def test_every_route_needs_a_key_with_its_scope(secured, method, path, body, scope):
+    client, _ = secured
+    call = lambda headers: getattr(client, method)(path, headers=headers, **({"json": body} if body is not None else {}))  # noqa: E731
+    assert call({}).status_code == 401
+    assert call({"Authorization": "Bearer wrong"}).status_code == 401
+    allowed = {"read": "reader", "push": "pusher", "materialize": "operator"}[scope]
+    for name in KEYS:
+        status = call({"X-API-Key": f"key-{name}"}).status_code
+        if name in (allowed, "root"):
+            assert status < 400, (name, status)
+        else:
+            assert status == 403, (name, status)
+    assert call({"Authorization": f"Bearer key-{allowed}"}).status_code < 400
+
+
+def test_a_push_scope_names_its_source(secured):
+    client, _ = secured
+    other = {"push_source_name": "nope", "df": {"x": [1]}}
+    response = client.post("/push", json=other, headers={"X-API-Key": "key-pusher"})
+    assert response.status_code == 403 and "push:nope" in response.json()["detail"]
+
+
+def test_serving_beyond_loopback_needs_keys_or_an_explicit_off(tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "open", DEFS, url=redis_url)
+    FeatureStore(root).apply()
+    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--host", "0.0.0.0"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "server.auth" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_api_key_command_prints_a_key_and_its_config(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "api-key", "--name", "svc", "--scope", "read"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    key = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("key:"))
+    assert hash_key(key) in result.stdout
