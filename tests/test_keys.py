@@ -67,3 +67,82 @@ def test_a_key_of_the_wrong_type_is_an_error_online_and_offline(store):
         store.get_historical_features(pd.DataFrame({"s": [1], "event_timestamp": [NOW]}), features=["by_text:x"]).to_df()
     with pytest.raises(RequestError, match="join key 't' takes UnixTimestamp"):
         store.get_online_features({"t": ["2024-05-01"]}, features=["by_time:x"])
+
+
+PUSHED = """
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import *
+
+pair = Entity(name="pair", join_keys=["s", "b"], value_type={"s": String, "b": Bytes})
+real = Entity(name="real", join_keys=["f"], value_type=Float64)
+rows = PushSource(name="rows", schema=[Field("s", String), Field("b", Bytes), Field("f", Float64), Field("v", Float64),
+                                       Field("arr", Array(Float64)), Field("event_timestamp", UnixTimestamp)])
+by_pair = FeatureView(name="by_pair", entities=[pair], source=rows, schema=[Field("v", Float64), Field("arr", Array(Float64))])
+by_real = FeatureView(name="by_real", entities=[real], source=rows, schema=[Field("v", Float64)])
+"""
+
+
+@pytest.fixture(scope="module")
+def pushed_store(tmp_path_factory, redis_url):
+    from featurestore import FeatureStore
+
+    from .conftest import write_repo
+
+    store = FeatureStore(write_repo(tmp_path_factory.mktemp("keys"), PUSHED, url=redis_url))
+    store.apply()
+    yield store
+    store.close()
+
+
+def _same(a, b) -> bool:
+    nan = lambda x: [("NaN" if isinstance(v, float) and v != v else v) for v in x] if isinstance(x, list) else x  # noqa: E731
+    return nan(a) == nan(b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+_examples = iter(range(10**9))
+
+
+def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_store):
+    """Property (issue #10): random composite string/bytes keys (separators, braces, non-UTF-8),
+    float keys, arrays with NaN and infinities, equal event times and reverting corrections:
+    online equals offline equals the last write of the newest event time."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none())
+    text = st.text(alphabet=st.sampled_from(["a", "\x1f", "=", "{", "}", "%", "ü", "1"]), max_size=4)
+    push = st.fixed_dictionaries({"key": st.integers(0, 2), "minute": st.integers(0, 2), "v": floats,
+                                  "arr": st.one_of(st.none(), st.lists(floats, max_size=3))})
+
+    @settings(max_examples=max(10, settings.default.max_examples // 6), deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(keys=st.lists(st.tuples(text, st.binary(max_size=3), st.floats(-1e6, 1e6)), min_size=3, max_size=3, unique=True),
+           pushes=st.lists(push, min_size=1, max_size=6))
+    def check(keys, pushes):
+        tag = next(_examples)
+        keys = [(f"{tag}|{s}", bytes([tag % 256]) + b, float(tag) * 1e7 + f) for s, b, f in keys]
+        if len({k[2] for k in keys}) < 3:
+            return
+        base = NOW - timedelta(hours=1)
+        expected: dict = {}
+        for p in pushes:  # one push per row: later pushes are later writes
+            s, b, f = keys[p["key"]]
+            ts = base + timedelta(minutes=p["minute"])
+            pushed_store.push("rows", {"s": [s], "b": [b], "f": [f], "v": [p["v"]], "arr": [p["arr"]], "event_timestamp": [ts]})
+            if p["key"] not in expected or ts >= expected[p["key"]][0]:
+                expected[p["key"]] = (ts, p["v"], p["arr"])
+        idx = sorted(expected)
+        chosen = [keys[i] for i in idx]
+        online = pushed_store.get_online_features(
+            {"s": [k[0] for k in chosen], "b": [k[1] for k in chosen]}, features=["by_pair:v", "by_pair:arr"]).to_values()
+        offline = pushed_store.get_historical_features(pd.DataFrame({
+            "s": [k[0] for k in chosen], "b": [k[1] for k in chosen], "event_timestamp": [NOW] * len(chosen)}),
+            features=["by_pair:v", "by_pair:arr"]).to_arrow().to_pylist()
+        real = pushed_store.get_online_features({"f": [k[2] for k in chosen]}, features=["by_real:v"]).to_values()["v"]
+        for j, i in enumerate(idx):
+            _, v, arr = expected[i]
+            assert _same(online["v"][j], v) and _same(offline[j]["v"], v), (i, online["v"][j], offline[j]["v"], v)
+            assert _same(online["arr"][j], arr) and _same(offline[j]["arr"], arr), (i, online["arr"][j], offline[j]["arr"], arr)
+            assert _same(real[j], v), (i, real[j], v)
+
+    check()
