@@ -272,6 +272,10 @@ class FeatureStore:
         replays and backtests while the events are retained online (``online_store.event_retention``)."""
         from featurestore.retrieval.online import get_online_features
 
+        if _feast_order(entity_rows, features):  # Feast's positional order: (features, entity_rows)
+            entity_rows, features = features, entity_rows  # type: ignore[assignment]
+        if isinstance(features, FeatureService):  # Feast's `features=service`
+            features, feature_service = None, features
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
         return get_online_features(self, entity_rows, features, feature_service, full_feature_names, at)
 
@@ -282,3 +286,9 @@ class FeatureStore:
         self.require_applied(self._used_by(feature_service=feature_service))
         self._commit_buffered()
         return export_training_dataset(self, entity_df, feature_service, Path(path), progress=progress)
+
+
+def _feast_order(first: Any, second: Any) -> bool:
+    """``get_online_features(["v:f"], [{"k": 1}])``: features first, as Feast's signature has them."""
+    return (isinstance(first, (list, tuple)) and bool(first) and all(isinstance(f, str) for f in first)
+            and (isinstance(second, dict) or (isinstance(second, (list, tuple)) and all(isinstance(r, dict) for r in second))))

@@ -52,7 +52,7 @@ class OnlineFeaturesResponse(BaseModel):
 class PushRequest(BaseModel):
     push_source_name: str = Field(..., examples=["transactions"])
     df: dict[str, list[Any]] = Field(..., description="Column name -> values; timestamps as ISO 8601 strings.")
-    to: Literal["online", "offline", "online_and_offline"] = "online_and_offline"
+    to: Literal["online", "offline", "online_and_offline"] = Field("online", description="Feast's default: online only.")
 
 
 class MaterializeRequest(BaseModel):
@@ -116,7 +116,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
             logger_for(service).log(vector_entry(query, response, served_at))
-        return response.to_dict()
+        return response.to_rest()
 
     lookup = json_handler(metrics, "get-online-features", lookup_body)
 

@@ -194,7 +194,7 @@ def test_offline_and_online_match_the_reference(activity_store, raw, batches, re
     names = list(AGGS)
     offline = store.get_historical_features(entity_df, features=[f"activity:{n}" for n in names]).to_arrow().to_pylist()
     for (card, t), off in zip(rows, offline):
-        online = store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in names], at=t).to_values()
+        online = store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in names], at=t).to_dict()
         for name in names:
             want = reference(pushed, card, t, AGGS[name])
             assert same(off[name], want, name in INEXACT), (name, "offline", card, t, off[name], want)
@@ -209,10 +209,10 @@ def test_statuses_say_whether_the_window_had_events(activity_store):
     ]))
     response = store.get_online_features(
         [{"card_id": card}], features=["activity:count_1h", "activity:amount_mean_3h", "activity:amount_sum_3h"], at=BASE)
-    assert response.to_values() == {"card_id": [card], "count_1h": [1], "amount_mean_3h": [None], "amount_sum_3h": [0.0]}
+    assert response.to_dict() == {"card_id": [card], "count_1h": [1], "amount_mean_3h": [None], "amount_sum_3h": [0.0]}
     assert [s[0] for s in response.statuses[1:]] == ["PRESENT", "NULL_VALUE", "PRESENT"]
     later = store.get_online_features([{"card_id": card}], features=["activity:count_1h"], at=BASE + H)
-    assert later.to_values()["count_1h"] == [0] and later.statuses[1] == ["NOT_FOUND"]
+    assert later.to_dict()["count_1h"] == [0] and later.statuses[1] == ["NOT_FOUND"]
 
 
 def test_created_mode_counts_only_events_known_at_t(activity_store):

@@ -41,8 +41,8 @@ def client(tmp_path, redis_url, monkeypatch):
         yield c
 
 
-def push(client, card_ids, amounts, when):
-    return client.post("/push", json={"push_source_name": "events", "df": {
+def push(client, card_ids, amounts, when, to=None):
+    return client.post("/push", json={"push_source_name": "events", **({"to": to} if to else {}), "df": {
         "card_id": card_ids, "amount": amounts, "country": ["FR"] * len(card_ids),
         "event_timestamp": [w.isoformat() for w in when]}})
 
@@ -191,7 +191,7 @@ def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, mon
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     FeatureStore(root).apply()
     with TestClient(create_app(root, log_features=True)) as client:
-        push(client, [1, 2], [4.0, 5.0], [NOW - timedelta(minutes=2)] * 2)
+        push(client, [1, 2], [4.0, 5.0], [NOW - timedelta(minutes=2)] * 2, to="online_and_offline")
         for ids in ([1], [1, 2, 3]):
             assert client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": ids}}).status_code == 200
     store = FeatureStore(root)

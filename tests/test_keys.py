@@ -51,7 +51,7 @@ def store(make_store):
 def test_every_key_type_is_found_online_as_offline(store):
     report = store.materialize(None, NOW)
     assert all(v.rejected_rows == 0 for v in report.views)
-    get = lambda rows, ref: store.get_online_features(rows, features=[ref]).to_values()["x"]  # noqa: E731
+    get = lambda rows, ref: store.get_online_features(rows, features=[ref]).to_dict()["x"]  # noqa: E731
     assert get({"b": [b"k1", b"\xff\x00", "k1"]}, "by_bytes:x") == [1, 2, 1]
     assert get({"f": [1.0, 1, 0.1]}, "by_float:x") == [1, 1, 2]
     assert get({"t": [WHEN, WHEN.replace(tzinfo=None)]}, "by_time:x") == [1, 1]
@@ -134,11 +134,11 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
         idx = sorted(expected)
         chosen = [keys[i] for i in idx]
         online = pushed_store.get_online_features(
-            {"s": [k[0] for k in chosen], "b": [k[1] for k in chosen]}, features=["by_pair:v", "by_pair:arr"]).to_values()
+            {"s": [k[0] for k in chosen], "b": [k[1] for k in chosen]}, features=["by_pair:v", "by_pair:arr"]).to_dict()
         offline = pushed_store.get_historical_features(pd.DataFrame({
             "s": [k[0] for k in chosen], "b": [k[1] for k in chosen], "event_timestamp": [NOW] * len(chosen)}),
             features=["by_pair:v", "by_pair:arr"]).to_arrow().to_pylist()
-        real = pushed_store.get_online_features({"f": [k[2] for k in chosen]}, features=["by_real:v"]).to_values()["v"]
+        real = pushed_store.get_online_features({"f": [k[2] for k in chosen]}, features=["by_real:v"]).to_dict()["v"]
         for j, i in enumerate(idx):
             _, v, arr = expected[i]
             assert _same(online["v"][j], v) and _same(offline[j]["v"], v), (i, online["v"][j], offline[j]["v"], v)

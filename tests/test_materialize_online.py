@@ -92,12 +92,12 @@ def test_online_equals_offline_for_every_type(users_store):
     assert report.views[0].computed_rows == 600 and report.views[0].rejected_rows == 0
     ids = list(range(1, 46))  # 41..45 are unknown
     online, offline = online_vs_offline(store, ids, NOW)
-    values = online.to_values()
+    values = online.to_dict()
     for f in FEATURES:
         typ = offline.schema.field(f).type
         online_col = pa.array(values[f], typ)  # same dtype, so float32/list<float32> compare bit for bit
         assert online_col.equals(offline[f].combine_chunks()), f
-    statuses = online.to_dict()["results"]
+    statuses = online.to_rest()["results"]
     assert {s for col in statuses[1:] for s in col["statuses"]} <= {"PRESENT", "NULL_VALUE", "NOT_FOUND"}
     assert all(s == "NOT_FOUND" for col in statuses[1:] for s in col["statuses"][40:])
 
@@ -110,10 +110,10 @@ def test_each_status_and_ttl_enforced_online(users_store):
     store = users_store(table, ttl_days=2)
     store.materialize(None, NOW)
     response = store.get_online_features([{"user_id": 1}, {"user_id": 2}, {"user_id": 3}, {"user_id": 4}], features=["users:i64"])
-    column = response.to_dict()["results"][1]
+    column = response.to_rest()["results"][1]
     assert column["statuses"] == ["PRESENT", "OUTSIDE_MAX_AGE", "NULL_VALUE", "NOT_FOUND"]
     assert column["values"] == [5, None, None, None]
-    assert column["event_timestamps"][1] is not None and column["event_timestamps"][3] is None
+    assert column["event_timestamps"][1].year > 1970 and column["event_timestamps"][3].year == 1970  # Feast's "no time"
     # offline agrees: the 3-day-old row is outside the 2-day ttl at NOW
     offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=["users:i64"]).to_arrow()
     assert offline["i64"].to_pylist() == [5, None, None]
@@ -131,11 +131,11 @@ def test_same_event_time_correction_wins_online_and_offline(users_store, tmp_pat
     pq.write_table(pa.concat_tables([first, corrected]), store.config.repo_path / "data" / "users.parquet")
     store.materialize(None, NOW)
     online, offline = online_vs_offline(store, [1], NOW)
-    assert online.to_values()["i64"] == [424242] == offline["i64"].to_pylist()
+    assert online.to_dict()["i64"] == [424242] == offline["i64"].to_pylist()
     # and the stale value does not come back when the old row is re-materialized alone
     pq.write_table(first, store.config.repo_path / "data" / "users.parquet")
     store.materialize(None, NOW)
-    assert store.get_online_features([{"user_id": 1}], features=["users:i64"]).to_values()["i64"] == [424242]
+    assert store.get_online_features([{"user_id": 1}], features=["users:i64"]).to_dict()["i64"] == [424242]
 
 
 def test_older_push_never_overwrites_newer(users_store):
@@ -144,7 +144,7 @@ def test_older_push_never_overwrites_newer(users_store):
     old = {"user_id": [7], "score": [1.0], "event_timestamp": [NOW - timedelta(hours=1)]}
     store.push("user_push", pd.DataFrame(new))
     store.push("user_push", pd.DataFrame(old))
-    assert store.get_online_features([{"user_id": 7}], features=["scores:score"]).to_values()["score"] == [2.0]
+    assert store.get_online_features([{"user_id": 7}], features=["scores:score"]).to_dict()["score"] == [2.0]
     history = store.get_historical_features(pd.DataFrame({"user_id": [7, 7], "event_timestamp": [NOW - timedelta(minutes=30), NOW]}), features=["scores:score"]).to_df()
     assert history["score"].tolist() == [1.0, 2.0]
 
@@ -157,7 +157,7 @@ def test_push_rejects_bad_input_and_loses_nothing(users_store):
         store.push("user_push", {"user_id": [1], "score": [1.0], "event_timestamp": [NOW]}, to="everywhere")
     with pytest.raises(RequestError, match="null join key"):
         store.push("user_push", pa.table({"user_id": pa.array([None, 3], pa.int64()), "score": [1.0, 2.0], "event_timestamp": pa.array([NOW, NOW], TS)}))
-    assert store.get_online_features([{"user_id": 3}], features=["scores:score"]).to_dict()["results"][1]["statuses"] == ["NOT_FOUND"]
+    assert store.get_online_features([{"user_id": 3}], features=["scores:score"]).to_rest()["results"][1]["statuses"] == ["NOT_FOUND"]
     with pytest.raises(Exception, match="not found"):
         store.push("no_such_source", {"x": [1]})
 
@@ -195,8 +195,8 @@ def test_materialization_is_idempotent_and_incremental_catches_late_rows(users_s
     report = store.materialize_incremental(views=["users"])
     assert report.views[0].new_offline_rows == 1 and report.views[0].online_rows == 1
     online, offline = online_vs_offline(store, [99], NOW)
-    assert online.to_values()["i64"] == offline["i64"].to_pylist()
-    assert online.to_dict()["results"][1]["statuses"][0] in ("PRESENT", "NULL_VALUE")
+    assert online.to_dict()["i64"] == offline["i64"].to_pylist()
+    assert online.to_rest()["results"][1]["statuses"][0] in ("PRESENT", "NULL_VALUE")
 
 
 def test_crash_between_stores_then_rerun_converges(users_store, monkeypatch):
@@ -215,7 +215,7 @@ def test_crash_between_stores_then_rerun_converges(users_store, monkeypatch):
     store.materialize(None, NOW)  # history already has every row; Redis must still get them all
     online, offline = online_vs_offline(store, list(range(1, 21)), NOW)
     for f in FEATURES:
-        assert pa.array(online.to_values()[f], offline.schema.field(f).type).equals(offline[f].combine_chunks()), f
+        assert pa.array(online.to_dict()[f], offline.schema.field(f).type).equals(offline[f].combine_chunks()), f
 
 
 def test_recovery_converges_whatever_ran_in_between(users_store):
@@ -226,7 +226,7 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
     store.push("user_push", row(1, 1.0), to="offline")          # e.g. the Redis write failed after history
     store.push("user_push", row(2, 2.0))                         # another client's push, both stores
     store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])   # a windowed run: user 1 is outside its window
-    assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_values()["score"] == [1.0, 2.0]
+    assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_dict()["score"] == [1.0, 2.0]
     assert store.registry.watermarks()["scores"]["online_synced"] is True
 
     early = users_store(random_users(30, 300, seed=16))          # history written before T only, then a run over [T, T2)
@@ -235,7 +235,7 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
     early.materialize(cut, NOW)
     online, offline = online_vs_offline(early, list(range(1, 31)), NOW)
     for f in FEATURES:
-        assert pa.array(online.to_values()[f], offline.schema.field(f).type).equals(offline[f].combine_chunks()), f
+        assert pa.array(online.to_dict()[f], offline.schema.field(f).type).equals(offline[f].combine_chunks()), f
 
 
 def test_crash_inside_delta_write_leaves_previous_version(users_store, monkeypatch):
@@ -257,7 +257,7 @@ def test_crash_inside_delta_write_leaves_previous_version(users_store, monkeypat
     store.materialize(None, NOW)
     assert store.offline_store.version("users") == 1
     online, offline = online_vs_offline(store, [1, 2, 3, 4, 5], NOW)
-    assert online.to_values()["i64"] == offline["i64"].to_pylist()
+    assert online.to_dict()["i64"] == offline["i64"].to_pylist()
 
 
 def test_online_request_errors(users_store):
@@ -267,8 +267,8 @@ def test_online_request_errors(users_store):
         store.get_online_features([{"user_id": "1"}], features=["users:i64"])
     import numpy as np
 
-    by_numpy = store.get_online_features({"user_id": list(np.array([1, 2]))}, features=["users:i64"]).to_values()
-    assert by_numpy["i64"] == store.get_online_features({"user_id": [1, 2]}, features=["users:i64"]).to_values()["i64"]
+    by_numpy = store.get_online_features({"user_id": list(np.array([1, 2]))}, features=["users:i64"]).to_dict()
+    assert by_numpy["i64"] == store.get_online_features({"user_id": [1, 2]}, features=["users:i64"]).to_dict()["i64"]
     with pytest.raises(RequestError, match="missing join key"):
         store.get_online_features([{"other": 1}], features=["users:i64"])
     with pytest.raises(RequestError, match="no entities"):
@@ -289,7 +289,7 @@ v = FeatureView(name="v", entities=[user], source=FileSource(path="data/t.parque
     rows = pa.table({"user_id": pa.array([1] * 6 + [2] * 2, pa.int64()), "ts": pa.array([event] * 8, TS), "x": pa.array([5, 9, 1, 7, 3, 8, 4, 6], pa.int64())})
     store = make_store(defs, {"t": rows})
     store.materialize(None, NOW)
-    online = store.get_online_features({"user_id": [1, 2]}, features=["v:x"]).to_values()["x"]
+    online = store.get_online_features({"user_id": [1, 2]}, features=["v:x"]).to_dict()["x"]
     offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2], "event_timestamp": [NOW, NOW]}), features=["v:x"]).to_df()["x"].tolist()
     assert online == offline and None not in online
 
@@ -326,7 +326,7 @@ forever = FeatureView(name="forever", entities=[item], source=FileSource(path="d
     assert client.pttl(f"fs:{store.config.project}:{{item_id=1}}") == -1  # no ttl: kept
     time.sleep(1.2)
     assert not client.exists(user_key)
-    assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_dict()["results"][1]["statuses"] == ["NOT_FOUND"]
+    assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_rest()["results"][1]["statuses"] == ["NOT_FOUND"]
     store.close()
 
 
@@ -366,7 +366,7 @@ def test_arrays_with_nan_infinity_bytes_and_times_read_the_same_online_and_offli
     store.apply()
     store.materialize(None, NOW)
     refs = [f"things:{c}" for c in ("floats", "blobs", "times", "flags", "words")]
-    online = store.get_online_features({"thing_id": [1, 2, 3]}, features=refs).to_values()
+    online = store.get_online_features({"thing_id": [1, 2, 3]}, features=refs).to_dict()
     offline = store.get_historical_features(pd.DataFrame({"thing_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=refs).to_arrow()
     nan_safe = lambda rows: [None if r is None else ["NaN" if isinstance(v, float) and math.isnan(v) else v for v in r] for r in rows]  # noqa: E731
     for column in ("floats", "blobs", "times", "flags", "words"):
@@ -407,9 +407,9 @@ def test_a_correction_that_reverts_is_the_latest_write(users_store):
     at = NOW - timedelta(minutes=5)
     for score in (1.0, 2.0, 1.0):
         store.push("user_push", pd.DataFrame({"user_id": [42], "score": [score], "event_timestamp": [at]}))
-    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_values()["score"] == [1.0]
+    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_dict()["score"] == [1.0]
     offline = store.get_historical_features(pd.DataFrame({"user_id": [42], "event_timestamp": [NOW]}), features=["scores:score"])
     assert offline.to_df()["score"].tolist() == [1.0]
     store.materialize_incremental(NOW, ["scores"])  # recomputed from the push log: the same rows, nothing new
-    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_values()["score"] == [1.0]
+    assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_dict()["score"] == [1.0]
     assert store.offline_store.version("scores") is not None

@@ -23,7 +23,7 @@ def _payment(i: int, card: int = 1) -> dict:
 def _counts(store, cards=(1,)):
     entity_df = pd.DataFrame({"card_id": list(cards), "event_timestamp": [NOW] * len(cards)})
     offline = store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist()
-    online = store.get_online_features({"card_id": list(cards)}, features=["activity:count_1h"], at=NOW).to_values()["count_1h"]
+    online = store.get_online_features({"card_id": list(cards)}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"]
     return offline, online
 
 

@@ -213,14 +213,14 @@ def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
     store.apply()
     store.materialize(None, None)
     ask = dict(features=["driver_stats:trips"])
-    assert store.get_online_features([{"driver_id": 2}], **ask).to_values()["trips"] == [4]
+    assert store.get_online_features([{"driver_id": 2}], **ask).to_dict()["trips"] == [4]
     (store.config.repo_path / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
     changed = FeatureStore(store.config.repo_path)
     changed.apply()
     response = changed.get_online_features([{"driver_id": 2}], **ask)
-    assert response.statuses[1] == ["NOT_FOUND"] and response.to_values()["trips"] == [None]
+    assert response.statuses[1] == ["NOT_FOUND"] and response.to_dict()["trips"] == [None]
     changed.materialize(None, None)  # history already has the rows: the new layout still gets them all
-    assert changed.get_online_features([{"driver_id": 2}], **ask).to_values()["trips"] == [4.0]
+    assert changed.get_online_features([{"driver_id": 2}], **ask).to_dict()["trips"] == [4.0]
     changed.close()
 
 

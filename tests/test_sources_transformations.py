@@ -48,7 +48,7 @@ def test_python_sql_and_csv_sources_materialize_and_serve(make_store, monkeypatc
     monkeypatch.chdir("/")  # the SQL source's relative path resolves against the repo, not the cwd
     report = store.materialize(None, NOW + timedelta(seconds=1))
     assert [v.computed_rows for v in report.views] == [3, 3, 3]
-    online = store.get_online_features({"user_id": [1, 2]}, features=["py_view:spend_x2", "csv_view:city", "sql_view:total"]).to_values()
+    online = store.get_online_features({"user_id": [1, 2]}, features=["py_view:spend_x2", "csv_view:city", "sql_view:total"]).to_dict()
     assert online == {"user_id": [1, 2], "spend_x2": [10.0, 15.0], "city": ["b", "c"], "total": [15.0, 7.5]}
     offline = store.get_historical_features(pd.DataFrame({"user_id": [1], "event_timestamp": [NOW - timedelta(hours=2)]}),
                                             features=["py_view:spend_x2", "sql_view:total"]).to_df()

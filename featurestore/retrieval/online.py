@@ -37,22 +37,22 @@ class OnlineResponse:
     statuses: list[list[str]]
     event_timestamps: list[list[datetime | None]]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, list[Any]]:
+        """``{name: values}``, join keys first, as Feast's ``OnlineResponse.to_dict()``."""
+        return dict(zip(self.feature_names, self.values))
+
+    def to_rest(self) -> dict[str, Any]:
         """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``.
 
-        Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``.
-        """
+        Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``,
+        and, as Feast does, the epoch (1970) where there is no event time (keys, missing values)."""
         return {
             "metadata": {"feature_names": self.feature_names},
             "results": [
-                {"values": v, "statuses": s, "event_timestamps": ts}
+                {"values": v, "statuses": s, "event_timestamps": [t or _EPOCH for t in ts]}
                 for v, s, ts in zip(self.values, self.statuses, self.event_timestamps)
             ],
         }
-
-    def to_values(self) -> dict[str, list[Any]]:
-        """``{name: values}`` (what Feast's ``OnlineResponse.to_dict()`` returns)."""
-        return dict(zip(self.feature_names, self.values))
 
     def to_df(self, include_statuses: bool = False) -> "pd.DataFrame":
         import pandas as pd

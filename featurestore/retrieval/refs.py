@@ -25,6 +25,10 @@ def resolve(
 
     Each request records its features' positions in the whole request, so results come back
     in request order (``["v:a", "w:b", "v:c"]`` gives a, b, c) although views are read together."""
+    if feature_service is not None and not features:
+        features = None  # Feast's clients send `"features": []` with a service
+    if isinstance(features, FeatureService):  # Feast's `features=service`
+        features, feature_service = None, features
     if (features is None) == (feature_service is None):
         raise RequestError("pass exactly one of `features` (a list of 'view:feature') or `feature_service`")
     if feature_service is not None:
@@ -45,10 +49,11 @@ def resolve(
         if feature not in view.feature_names:
             raise NotFoundError(f"feature {feature!r} not found in view {view_name!r}; its features: {view.feature_names}")
         request = grouped.setdefault(view_name, ViewRequest(view, [], [], []))
-        if feature not in request.features:
-            request.features.append(feature)
-            request.output_names.append(f"{view_name}__{feature}" if full_feature_names else feature)
-            request.positions.append(sum(len(r.features) for r in grouped.values()) - 1)
+        if feature in request.features:
+            raise RequestError(f"feature {ref!r} is requested twice; list each feature once")
+        request.features.append(feature)
+        request.output_names.append(f"{view_name}__{feature}" if full_feature_names else feature)
+        request.positions.append(sum(len(r.features) for r in grouped.values()) - 1)
     owners: dict[str, str] = {}
     for request in grouped.values():
         for name in request.output_names:
