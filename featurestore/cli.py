@@ -69,7 +69,7 @@ def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", 
 
 @app.command("list")
 def list_objects(repo: Path = RepoOption) -> None:
-    """List entities, feature views, and feature services."""
+    """List entities, feature views, services and push/stream sources; flag edits not yet applied."""
     store = _store(repo)
     table = Table("kind", "name", "details")
     for e in store.list_entities():
