@@ -413,3 +413,22 @@ def test_a_correction_that_reverts_is_the_latest_write(users_store):
     store.materialize_incremental(NOW, ["scores"])  # recomputed from the push log: the same rows, nothing new
     assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_dict()["score"] == [1.0]
     assert store.offline_store.version("scores") is not None
+
+
+def test_concurrent_materializations_never_duplicate_history(users_store):
+    """Issue #11: two `materialize` runs at once both appended every row (1,000,000 duplicates)."""
+    import subprocess
+    import sys
+
+    import duckdb
+
+    store = users_store(random_users(500, 30_000, seed=17))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "REDIS_URL"}
+    runs = [subprocess.Popen([sys.executable, "-m", "featurestore.cli", "materialize-incremental", "--repo", str(store.config.repo_path)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(3)]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read().decode()[-2000:]
+    con = duckdb.connect()
+    store.offline_store.register(con, "users", "h", store.definitions.history_schema(store.get_feature_view("users")))
+    total, distinct = con.execute("SELECT count(*), count(DISTINCT _row_id) FROM h").fetchone()
+    assert total == distinct > 0

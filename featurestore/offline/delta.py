@@ -7,8 +7,11 @@ completes the job. DuckDB reads the tables' Parquet files directly.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import duckdb
 import pyarrow as pa
@@ -36,10 +39,27 @@ class DeltaOfflineStore:
         table = self._table(view)
         return table.version() if table is not None else None
 
+    @contextlib.contextmanager
+    def _writer(self, view: str) -> Iterator[None]:
+        """One writer per view's history at a time (across processes): the read-dedupe-append of
+        two concurrent runs would otherwise both see the old version and append the same rows."""
+        locks = self.path / "_locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / f"{view}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def append(self, view: str, rows: pa.Table) -> pa.Table:
         """Append rows not already stored; return those (without the partition column)."""
         if rows.num_rows == 0:
             return rows
+        with self._writer(view):
+            return self._append(view, rows)
+
+    def _append(self, view: str, rows: pa.Table) -> pa.Table:
         rows = rows.append_column(PARTITION, pc.cast(rows["event_timestamp"], pa.date32()))
         con = connection()
         con.register("batch", rows)
