@@ -55,3 +55,26 @@ def test_unreachable_redis_errors_never_show_the_password():
     with pytest.raises(OnlineStoreUnavailable) as raised:
         store.read([(b"k", ["v"])])
     assert "s3cret-pw" not in str(raised.value) and "***" in str(raised.value)
+
+
+def test_a_hung_server_is_never_joined_by_a_second_one(tmp_path):
+    """Issue #11: after a SIGSTOP the server started a second redis-server on the same AOF directory."""
+    import os
+    import signal
+
+    import pytest
+
+    from featurestore.errors import OnlineStoreUnavailable
+
+    server = EmbeddedRedis(tmp_path)
+    server.ensure_running()
+    pid = server.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OnlineStoreUnavailable, match=f"pid {pid}.*no second one"):
+            EmbeddedRedis(tmp_path).ensure_running(timeout=2)
+        assert _server_pids(str(server.socket)) == [str(pid)]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert EmbeddedRedis(tmp_path).ensure_running() == server.url  # answers again: attached, not restarted
+    server.stop()

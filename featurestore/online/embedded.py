@@ -11,6 +11,7 @@ import atexit
 import fcntl
 import hashlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import tempfile
@@ -69,9 +70,32 @@ class EmbeddedRedis:
             try:
                 if self.is_running():
                     return self.url
+                alive = self._server_pid()
+                if alive is not None:  # hung or stopped, not gone: a second server on one AOF would split the data
+                    raise OnlineStoreUnavailable(
+                        f"the embedded redis-server of {self.data_dir} (pid {alive}) is not answering; "
+                        "it is still alive, so no second one is started: wait, or stop that process"
+                    )
                 return self._start(timeout)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _server_pid(self) -> int | None:
+        """The pid of a live redis-server started for this data dir, if any."""
+        try:
+            pid = int((self.data_dir / "redis.pid").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        try:  # a recycled pid of another program does not count
+            return pid if "redis-server" in Path(f"/proc/{pid}/cmdline").read_text() else None
+        except OSError:
+            return pid
 
     def _start(self, timeout: float) -> str:
         self.socket.unlink(missing_ok=True)
@@ -87,6 +111,7 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "redis.log"),
+            "--pidfile", str(self.data_dir / "redis.pid"),
         ]
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         atexit.register(self.stop)

@@ -8,6 +8,7 @@ values) and ZRANGEBYSCOREs (window events). Layout: see ``featurestore.online.co
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import AsyncIterator, Sequence
 
@@ -126,6 +127,7 @@ class RedisOnlineStore:
         self._async: aioredis.Redis | None = None
         self._write = self.client.register_script(WRITE_IF_NEWER)
         self._add_events = self.client.register_script(ADD_EVENTS)
+        self._recovering: asyncio.Future | None = None
 
     @classmethod
     def from_config(cls, config: RepoConfig) -> "RedisOnlineStore":
@@ -208,7 +210,7 @@ class RedisOnlineStore:
                 pipe.zrangebyscore(key, f"({low}", high)
             return await pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            self._recover()
+            self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def _recover(self) -> None:
@@ -219,6 +221,13 @@ class RedisOnlineStore:
             except OnlineStoreUnavailable:
                 pass
 
+    def _recover_in_background(self) -> None:
+        """``_recover`` off the event loop, one at a time: the failing request answers 503 at once
+        and the others keep being served (a blocking restart froze the whole server for seconds)."""
+        if self.embedded is None or self._recovering is not None and not self._recovering.done():
+            return
+        self._recovering = asyncio.get_running_loop().run_in_executor(None, self._recover)
+
     def ping(self) -> bool:
         return bool(self.client.ping())
 
@@ -226,7 +235,7 @@ class RedisOnlineStore:
         try:
             return bool(await self.async_client.ping())
         except (redis.RedisError, OSError) as exc:
-            self._recover()
+            self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def publish(self, channel: bytes, message: str) -> None:
