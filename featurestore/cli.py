@@ -384,6 +384,10 @@ def demo(
 
 
 def main() -> None:
+    import signal
+
+    # SIGTERM exits like Ctrl-C: cleanups run (the embedded redis-server this process started is stopped)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         app()
     except FeatureStoreError as exc:

@@ -78,3 +78,33 @@ def test_a_hung_server_is_never_joined_by_a_second_one(tmp_path):
         os.kill(pid, signal.SIGCONT)
     assert EmbeddedRedis(tmp_path).ensure_running() == server.url  # answers again: attached, not restarted
     server.stop()
+
+
+def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
+    """Issue #11: SIGTERM left the embedded redis-server running, orphaned."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from .conftest import write_repo
+
+    from featurestore import FeatureStore
+
+    from .test_streaming import FEATURES
+
+    root = write_repo(tmp_path / "repo", FEATURES)  # embedded Redis: no url
+    FeatureStore(root).apply()
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    stream = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root)], env=env,
+                              stdout=subprocess.DEVNULL)  # runs until told to stop
+    socket = EmbeddedRedis(root / "data").socket
+    deadline = time.time() + 60
+    while not _server_pids(str(socket)) and time.time() < deadline and stream.poll() is None:
+        time.sleep(0.05)
+    assert _server_pids(str(socket)), "the command did not start the embedded Redis"
+    time.sleep(1.0)  # consuming
+    stream.send_signal(signal.SIGTERM)
+    stream.wait(timeout=30)
+    time.sleep(0.5)
+    assert not _server_pids(str(socket))
