@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import uuid
+from collections import deque
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -64,13 +65,21 @@ def vector_entry(query: "OnlineQuery", response: "OnlineResponse", served_at: da
 
 
 class FeatureLogger:
-    def __init__(self, path: Path, schema: pa.Schema, flush_interval: float = 1.0, max_buffered_rows: int = 1_000_000):
+    """Buffers logged feature vectors and appends them to Delta off the request path.
+
+    Bounded: past ``max_buffered_rows`` the oldest entries are dropped and counted
+    (``dropped_rows``), so a log store that is down costs memory up to the bound, never
+    serving latency; failed flushes back off (1 s doubling to 60 s) instead of re-merging
+    the whole buffer every second."""
+
+    def __init__(self, path: Path, schema: pa.Schema, flush_interval: float = 1.0, max_buffered_rows: int = 100_000):
         self.path, self.schema = Path(path), schema
         self.interval, self.max_rows = flush_interval, max_buffered_rows
-        self._buffer: list[dict[str, list[Any]]] = []
+        self._buffer: deque[dict[str, list[Any]]] = deque()
         self._rows = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._backoff = 0.0
         self.dropped_rows = 0
         self.failed_flushes = 0
         self._thread = threading.Thread(target=self._run, name="feature-logger", daemon=True)
@@ -80,14 +89,11 @@ class FeatureLogger:
         with self._lock:
             self._buffer.append(columns)
             self._rows += _rows(columns)
-            while self._rows > self.max_rows and self._buffer:
-                dropped = _rows(self._buffer.pop(0))
-                self._rows -= dropped
-                self.dropped_rows += dropped
+            self._trim()
 
     def flush(self) -> int:
         with self._lock:
-            pending, self._buffer, self._rows = self._buffer, [], 0
+            pending, self._buffer, self._rows = list(self._buffer), deque(), 0
         if not pending:
             return 0
         try:
@@ -97,17 +103,28 @@ class FeatureLogger:
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
             write_deltalake(str(self.path), table, mode="append")
+            self._backoff = 0.0
             return table.num_rows
-        except Exception as exc:  # never let logging hurt serving; keep the rows for the next try
+        except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
             self.failed_flushes += 1
-            print(f"feature logging: flush failed ({exc}); will retry", file=sys.stderr)
+            self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
+            print(f"feature logging: flush failed ({exc}); retrying in {self._backoff:.0f}s", file=sys.stderr)
             with self._lock:
-                self._buffer = pending + self._buffer
+                for entry in reversed(pending):
+                    self._buffer.appendleft(entry)
                 self._rows += sum(_rows(c) for c in pending)
+                self._trim()
             return 0
 
+    def _trim(self) -> None:
+        """Drop the oldest entries past the bound (the lock is held)."""
+        while self._rows > self.max_rows and self._buffer:
+            dropped = _rows(self._buffer.popleft())
+            self._rows -= dropped
+            self.dropped_rows += dropped
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.interval + self._backoff):
             self.flush()
 
     def close(self) -> None:

@@ -32,3 +32,21 @@ def test_a_pickle_payload_in_model_pt_does_not_run(tmp_path):
     with pytest.raises(Exception, match="(?i)weights only|unpickl|unsupported"):
         ModelRegistry(tmp_path / "models").load("fraud", "production")
     assert not marker.exists()
+
+
+def test_the_feature_log_buffer_is_bounded_when_its_store_is_down(tmp_path):
+    """Issue #11: with the log directory unwritable, memory grew without bound and p99 rose 14x."""
+    import pyarrow as pa
+
+    from featurestore.feature_logging import FeatureLogger
+
+    blocked = tmp_path / "log"
+    blocked.write_text("a file where the Delta table should be")
+    logger = FeatureLogger(blocked, pa.schema([("x", pa.int64())]), flush_interval=3600, max_buffered_rows=100)
+    for i in range(1000):
+        logger.log({"x": [i, i]})
+    assert logger.flush() == 0 and logger.failed_flushes == 1
+    assert logger._rows <= 100 and logger.dropped_rows >= 1900
+    blocked.unlink()  # the store comes back: the newest rows are written
+    assert logger.flush() == 100
+    logger.close()
