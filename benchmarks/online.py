@@ -206,7 +206,7 @@ def main() -> None:
            "BENCH_PROJECT": PROJECT, "BENCH_VIEW": store.get_feature_view("stats").online_field, "REDIS_URL": store.online_store.url, "PYTHONPATH": str(HERE)}
     ours_port, raw_port = free_port(), free_port()
     servers = [
-        start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port)], env, ours_port),
+        start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning", "--no-access-log"], env, ours_port),
         start([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log"], env, raw_port),
     ]
     try:

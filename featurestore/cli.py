@@ -27,6 +27,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
+LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
+AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
 
 
 def _store(repo: Path):
@@ -127,11 +129,13 @@ def materialize(
 def materialize_incremental(
     end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
+    rebuild_online: bool = typer.Option(False, help="Also refill Redis from the history store (after Redis lost data)."),
     repo: Path = RepoOption,
 ) -> None:
     """Write every row not yet materialized, late arrivals included."""
     with _store(repo) as store:
-        console.print(store.materialize_incremental(_parse_time(end), views or None, progress=True).describe(), markup=False, soft_wrap=True)
+        report = store.materialize_incremental(_parse_time(end), views or None, progress=True, rebuild_online=rebuild_online)
+        console.print(report.describe(), markup=False, soft_wrap=True)
 
 
 @app.command()
@@ -213,15 +217,17 @@ def serve(
     port: int = typer.Option(6566, help="Port (Feast's default)."),
     workers: int = typer.Option(1, help="Worker processes."),
     log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
+    log_level: str = LogLevelOption,
+    access_log: bool = AccessLogOption,
 ) -> None:
     """Run the feature server (OpenAPI docs at /docs)."""
     import os
 
     os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
-    _run_server("serving.feature_server:app_factory", repo, host, port, workers)
+    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log)
 
 
-def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) -> None:
+def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool) -> None:
     import os
 
     import uvicorn
@@ -237,7 +243,11 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int) ->
     store.require_applied()  # fail here, readably, rather than in every worker
     store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level="warning", access_log=False)
+    auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
+    err_console.print(
+        f"featurestore: serving {repo.resolve()} (registry v{store.registry.current()['version']}) on "
+        f"http://{host}:{port} with {workers} worker(s), {auth}; docs at /docs", markup=False, soft_wrap=True)
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level=log_level, access_log=access_log)
 
 
 @app.command("api-key")
@@ -264,12 +274,14 @@ def serve_model(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8000, help="Port."),
     workers: int = typer.Option(1, help="Worker processes (replicas all follow promotions)."),
+    log_level: str = LogLevelOption,
+    access_log: bool = AccessLogOption,
 ) -> None:
     """Run the inference server: POST /predict scores from online features."""
     import os
 
     os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"] = model, stage
-    _run_server("serving.inference_server:app_factory", repo, host, port, workers)
+    _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log)
 
 
 @app.command("train")

@@ -215,9 +215,11 @@ class FeatureStore:
     def materialize(
         self, start: datetime | str | None, end: datetime | str | None, views: Sequence[str] | None = None,
         *, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
-        progress: bool = False,
+        progress: bool = False, rebuild_online: bool = False,
     ) -> "MaterializationReport":
-        """Compute the views' rows with event time in [start, end) once and write both stores."""
+        """Compute the views' rows with event time in [start, end) once and write both stores.
+
+        ``rebuild_online``: also send the latest of the whole history online (refills an emptied Redis)."""
         from featurestore.config import parse_time
         from featurestore.materialization.engine import Materializer
 
@@ -227,6 +229,9 @@ class FeatureStore:
         if start is not None and end is not None and start >= end:
             raise FeatureStoreError(f"the window is empty: start {start.isoformat()} is not before end {end.isoformat()}")
         self._commit_buffered()  # the push log and histories must hold every pushed row first
+        if rebuild_online:  # "Redis may lack history rows": the next online write sends them all
+            for name in selected:
+                self.registry.set_watermark(name, online_synced=False)
         return Materializer(self, progress=progress).run(
             views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
         )

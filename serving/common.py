@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import contextlib
 import os
 import time
@@ -21,6 +22,7 @@ from featurestore.auth import ApiKey, Authenticator
 from featurestore.errors import FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError
 
 REPO_ENV = "FEATURESTORE_REPO"
+log = logging.getLogger("featurestore.server")
 
 
 def _default(value: Any) -> Any:
@@ -161,8 +163,9 @@ class RegistryWatcher:
                 self._mtime = mtime
                 try:
                     fresh = await asyncio.to_thread(self._load)
-                except FeatureStoreError:
-                    continue  # keep serving the last good definitions
+                except Exception as exc:  # any failure: keep serving the last good definitions, keep watching
+                    log.warning("registry reload failed, still serving the previous definitions: %s", exc)
+                    continue
                 fresh._online = self.current._online  # keep the warm connection pool
                 self.current = fresh
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from featurestore.errors import ForbiddenError, OnlineStoreUnavailable, RequestError
+from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.auth import Authenticator
@@ -167,7 +167,11 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         except OnlineStoreUnavailable as exc:
             metrics.redis_errors.inc()
             return json_response({"status": "unavailable", "detail": str(exc)}, 503)
-        return json_response({"status": "ok", "registry_version": watcher.current.registry.current()["version"]})
+        try:
+            version = watcher.current.registry.current()["version"]
+        except FeatureStoreError as exc:  # a damaged registry file: still serving what was loaded
+            return json_response({"status": "degraded", "detail": str(exc)}, 503)
+        return json_response({"status": "ok", "registry_version": version})
 
     @app.get("/metrics", summary="Prometheus metrics: request counts, latency histogram, Redis errors")
     async def prometheus() -> Response:

@@ -213,3 +213,20 @@ def test_oversized_bodies_get_413_on_every_route(tmp_path, redis_url, monkeypatc
             response = client.post(path, json=big)
             assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], path
         assert client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}}).status_code == 200
+
+
+def test_a_damaged_registry_is_a_clear_error_and_never_stops_serving(client, tmp_path):
+    """Issue #11: a truncated registry.json made /health a 500 and the CLI print a traceback."""
+    import subprocess
+    import sys
+
+    push(client, [1], [2.5], [NOW - timedelta(minutes=1)])
+    registry = tmp_path / "repo" / "data" / "registry" / "registry.json"
+    registry.write_text(registry.read_text()[:40])
+    health = client.get("/health")
+    assert health.status_code == 503 and "damaged" in health.json()["detail"]
+    lookup = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}})
+    assert lookup.status_code == 200 and lookup.json()["results"][1]["values"] == [2.5]
+    listed = subprocess.run([sys.executable, "-m", "featurestore.cli", "list", "--repo", str(tmp_path / "repo")],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 1 and "registry.json is damaged" in listed.stderr and "Traceback" not in listed.stderr

@@ -432,3 +432,17 @@ def test_concurrent_materializations_never_duplicate_history(users_store):
     store.offline_store.register(con, "users", "h", store.definitions.history_schema(store.get_feature_view("users")))
     total, distinct = con.execute("SELECT count(*), count(DISTINCT _row_id) FROM h").fetchone()
     assert total == distinct > 0
+
+
+def test_rebuild_online_refills_an_emptied_redis(users_store):
+    """Issue #11: an emptied Redis could not be refilled (materialize-incremental skips rows history has)."""
+    store = users_store(random_users(10, 100, seed=18))
+    store.materialize(None, NOW)
+    client = store.online_store.client
+    for key in client.scan_iter(match=store.online_store.prefix + b"*"):
+        client.delete(key)
+    store.materialize_incremental(NOW)
+    assert store.get_online_features([{"user_id": 1}], features=["users:i64"]).statuses[1] == ["NOT_FOUND"]
+    store.materialize_incremental(NOW, rebuild_online=True)
+    online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
+    assert online.to_dict()["i64"] == offline["i64"].to_pylist()

@@ -94,7 +94,8 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
 
         port = _free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(repo), "--model", MODEL, "--port", str(port)],
+            [sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(repo), "--model", MODEL, "--port", str(port),
+             "--log-level", "warning", "--no-access-log"],
             env={**os.environ, "FEATURESTORE_DATA_DIR": str(data_dir)},
         )
         try:

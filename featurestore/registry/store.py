@@ -19,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from featurestore.errors import FeatureStoreError
+
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write temp file, fsync, rename, fsync dir: readers see the old or the new file, never half."""
@@ -41,6 +43,19 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
+def _read(file: Path) -> Any:
+    """A registry file, or an error naming it and the way out (files are written atomically,
+    so a damaged one was edited or truncated by something else)."""
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        history = file.parent / "history"
+        raise FeatureStoreError(
+            f"registry file {file} is damaged ({exc}); restore it from {history} (every applied version is "
+            "kept there) or from a backup, or move it away and run `featurestore apply` again"
+        ) from None
+
+
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True, default=str).encode()
 
@@ -55,13 +70,13 @@ class RegistryStore:
     def current(self) -> dict[str, Any]:
         if not self.file.exists():
             return {"version": 0, "applied_at": None, "objects": {}}
-        return json.loads(self.file.read_text())
+        return _read(self.file)
 
     def version(self, number: int) -> dict[str, Any]:
         file = self.path / "history" / f"v{number:05d}.json"
         if not file.exists():
             raise FileNotFoundError(f"registry version {number} not found in {self.path / 'history'}")
-        return json.loads(file.read_text())
+        return _read(file)
 
     def versions(self) -> list[int]:
         return sorted(int(p.stem[1:]) for p in (self.path / "history").glob("v*.json"))
@@ -82,7 +97,7 @@ class RegistryStore:
 
     def watermarks(self) -> dict[str, dict[str, Any]]:
         file = self.path / "watermarks.json"
-        return json.loads(file.read_text()) if file.exists() else {}
+        return _read(file) if file.exists() else {}
 
     def set_watermark(self, view: str, **values: Any) -> None:
         with self._lock():
