@@ -178,7 +178,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         return metrics.response()
 
     config = watcher.current.config
-    return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys))  # type: ignore[return-value]
+    return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
 
 
 def _parse_lookup(raw: bytes) -> dict[str, Any]:

@@ -178,7 +178,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         return metrics.response()
 
     config = watcher.current.config
-    return FastLane(app, {"/predict": predict_body}, config.max_request_bytes, Authenticator(config.api_keys))  # type: ignore[return-value]
+    return FastLane(app, {"/predict": predict_body}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
 
 
 def app_factory() -> FastAPI:

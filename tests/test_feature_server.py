@@ -94,8 +94,14 @@ def test_bad_push_and_invalid_json_are_4xx(client):
 def test_health_metrics_and_openapi(client):
     assert client.get("/health").json()["status"] == "ok"
     client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}})
+    client.post("/push", json={"push_source_name": "nope", "df": {}})
+    client.get("/no-such-route")
     text = client.get("/metrics").text
-    assert 'featurestore_feature_server_requests_total{endpoint="get-online-features",status="200"}' in text
+    # every route is counted (issue #11: only the hot ones were), unknown paths under one label
+    assert 'featurestore_feature_server_requests_total{endpoint="/get-online-features",status="200"}' in text
+    assert 'featurestore_feature_server_requests_total{endpoint="/health",status="200"}' in text
+    assert 'featurestore_feature_server_requests_total{endpoint="/push",status="404"}' in text
+    assert 'featurestore_feature_server_requests_total{endpoint="other",status="404"}' in text
     assert "featurestore_feature_server_request_seconds_bucket" in text
     spec = client.get("/openapi.json").json()
     assert {"/get-online-features", "/push", "/materialize", "/materialize-incremental", "/health", "/metrics"} <= set(spec["paths"])
