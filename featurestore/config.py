@@ -38,6 +38,7 @@ class RepoConfig:
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
+    read_timeout_ms: int = 500  # servers' Redis reads: past it a request gets a 503 (an outage never hangs them)
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     # rows whose event time is further ahead of the ingest time are rejected until due
     future_tolerance: timedelta = timedelta(seconds=5)
@@ -82,6 +83,7 @@ class RepoConfig:
             online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
             max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
+            read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{file}: online_store.read_timeout_ms"),
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
@@ -121,7 +123,7 @@ def parse_duration(value: object, where: str) -> timedelta:
 _KEYS = {
     "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
     "server": {"max_request_bytes", "auth"},
-    "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention"},
+    "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention", "read_timeout_ms"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
 }
 

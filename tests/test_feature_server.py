@@ -138,6 +138,34 @@ def test_redis_stopped_and_restarted_under_a_running_server(tmp_path, monkeypatc
         server.stop()
 
 
+def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(tmp_path, monkeypatch):
+    """Issue #11: a SIGSTOPped Redis froze the whole server (health included) for 34 s."""
+    import os
+    import signal
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    server = EmbeddedRedis(tmp_path / "own-redis")
+    url = server.ensure_running()
+    root = write_repo(tmp_path / "repo", DEFS, url=url)
+    FeatureStore(root).apply()
+    lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+    try:
+        with TestClient(create_app(root)) as client:
+            push(client, [1], [3.0], [NOW])
+            assert client.post("/get-online-features", json=lookup).status_code == 200
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                for _ in range(3):  # each answers (503) after the read timeout, none hangs
+                    assert client.post("/get-online-features", json=lookup).status_code == 503
+                assert client.get("/health").status_code == 503
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            up = client.post("/get-online-features", json=lookup)
+            assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
+    finally:
+        server.stop()
+
+
 def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
     import time
 

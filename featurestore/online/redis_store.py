@@ -118,9 +118,10 @@ CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
 
 class RedisOnlineStore:
-    def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None):
+    def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None, read_timeout_ms: int = 500):
         self.url = url
         self.safe_url = redact(url, url)  # for messages and logs: never the password
+        self.read_timeout_ms = read_timeout_ms
         self.project = project
         self.embedded = embedded
         self.client = redis.Redis.from_url(url, socket_timeout=30)
@@ -133,8 +134,8 @@ class RedisOnlineStore:
     def from_config(cls, config: RepoConfig) -> "RedisOnlineStore":
         if config.embedded_redis:
             embedded = EmbeddedRedis(config.data_dir)
-            return cls(embedded.ensure_running(), config.project, embedded)
-        return cls(config.online_url, config.project)
+            return cls(embedded.ensure_running(), config.project, embedded, config.read_timeout_ms)
+        return cls(config.online_url, config.project, read_timeout_ms=config.read_timeout_ms)
 
     @property
     def prefix(self) -> bytes:
@@ -195,7 +196,10 @@ class RedisOnlineStore:
     @property
     def async_client(self) -> aioredis.Redis:
         if self._async is None:
-            self._async = aioredis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=2, max_connections=256)
+            # short: during an outage a request answers 503 in about this long, never hangs the server
+            timeout = self.read_timeout_ms / 1000
+            self._async = aioredis.Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                                  max_connections=256)
         return self._async
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
