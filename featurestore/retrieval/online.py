@@ -122,7 +122,6 @@ class QueryTemplate:
     groups: list[_Group]
     views: list[_ViewPlan]
     windows: list[_WindowPlan]
-    order: list[tuple[bool, int]]     # per request, in request order: (is a window plan, its index)
 
     @classmethod
     def build(cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool) -> "QueryTemplate":
@@ -137,7 +136,6 @@ class QueryTemplate:
         groups: dict[tuple[str, ...], _Group] = {}
         views: list[_ViewPlan] = []
         windows: list[_WindowPlan] = []
-        order: list[tuple[bool, int]] = []
         for req in requests:
             keyset = tuple(sorted(req.view.join_keys))
             if req.view.is_aggregated:
@@ -145,13 +143,11 @@ class QueryTemplate:
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
                 events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
-                order.append((True, len(windows)))
                 windows.append(_WindowPlan(
                     req, keyset, events_of, make_decoder(stored, range(len(stored))),
                     WindowEvaluator(req.view, [by_name[f] for f in req.features]),
                 ))
                 continue
-            order.append((False, len(views)))
             if keyset not in groups:
                 groups[keyset] = _Group(keyset, [], _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}))
             group = groups[keyset]
@@ -160,7 +156,7 @@ class QueryTemplate:
             decode = make_decoder([(f.name, f.dtype) for f in req.view.schema], wanted)
             ttl = req.view.ttl // timedelta(microseconds=1) if req.view.ttl is not None else None
             views.append(_ViewPlan(req, list(groups).index(keyset), len(group.fields) - 1, decode, len(wanted), ttl))
-        return cls(needed, checks, list(groups.values()), views, windows, order)
+        return cls(needed, checks, list(groups.values()), views, windows)
 
 
 def _key_builder(project: str, keyset: tuple[str, ...], types: dict[str, str]) -> Callable[[tuple], bytes]:
@@ -247,14 +243,11 @@ class OnlineQuery:
         values: list[list[Any]] = [list(c) for c in self.key_columns]
         statuses: list[list[str]] = [[PRESENT] * n for _ in self.key_columns]
         times: list[list[datetime | None]] = [[None] * n for _ in self.key_columns]
-        per_request = [self._view_columns(plan, raw, now_us) for plan in self.template.views]
-        windowed = [self._window_columns(plan, slots, raw[len(self.lookups):], now_us)
-                    for plan, slots in zip(self.template.windows, self.range_slots)]
         columns = []  # (position in the request, name, values, statuses, times)
-        for is_window, i in self.template.order:
-            plan_names, cols_v, cols_s, cols_t = (windowed if is_window else per_request)[i]
-            positions = (self.template.windows[i] if is_window else self.template.views[i]).request.positions
-            columns += zip(positions, plan_names, cols_v, cols_s, cols_t)
+        for plan in self.template.views:
+            columns += zip(plan.request.positions, *self._view_columns(plan, raw, now_us))
+        for window, slots in zip(self.template.windows, self.range_slots):
+            columns += zip(window.request.positions, *self._window_columns(window, slots, raw[len(self.lookups):], now_us))
         for _, name, v, st, t in sorted(columns, key=lambda c: c[0]):
             names.append(name)
             values.append(v)
