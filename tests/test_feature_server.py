@@ -115,55 +115,52 @@ def test_materialize_endpoints(client):
     assert client.post("/materialize", json={"feature_views": ["nope"]}).status_code == 404
 
 
-def test_redis_stopped_and_restarted_under_a_running_server(tmp_path, monkeypatch):
+LOOKUP = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+
+
+@pytest.fixture
+def own_redis(tmp_path, monkeypatch):
+    """A server on a Redis of its own (the tests stop it), with card 1 pushed: (redis, client)."""
     monkeypatch.delenv("REDIS_URL", raising=False)
     server = EmbeddedRedis(tmp_path / "own-redis")
-    url = server.ensure_running()
-    root = write_repo(tmp_path / "repo", DEFS, url=url)
+    root = write_repo(tmp_path / "repo", DEFS, url=server.ensure_running())
     FeatureStore(root).apply()
     try:
         with TestClient(create_app(root)) as client:
             push(client, [1], [3.0], [NOW])
-            lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
-            assert client.post("/get-online-features", json=lookup).status_code == 200
-            server.stop()
-            down = client.post("/get-online-features", json=lookup)
-            assert down.status_code == 503 and "unreachable" in down.json()["detail"]
-            assert client.get("/health").status_code == 503
-            assert "featurestore_feature_server_redis_errors_total 2.0" in client.get("/metrics").text
-            server.ensure_running()  # same socket, persisted data
-            up = client.post("/get-online-features", json=lookup)
-            assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
+            assert client.post("/get-online-features", json=LOOKUP).status_code == 200
+            yield server, client
     finally:
         server.stop()
 
 
-def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(tmp_path, monkeypatch):
+def test_redis_stopped_and_restarted_under_a_running_server(own_redis):
+    server, client = own_redis
+    server.stop()
+    down = client.post("/get-online-features", json=LOOKUP)
+    assert down.status_code == 503 and "unreachable" in down.json()["detail"]
+    assert client.get("/health").status_code == 503
+    assert "featurestore_feature_server_redis_errors_total 2.0" in client.get("/metrics").text
+    server.ensure_running()  # same socket, persisted data
+    up = client.post("/get-online-features", json=LOOKUP)
+    assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
+
+
+def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(own_redis):
     """Issue #11: a SIGSTOPped Redis froze the whole server (health included) for 34 s."""
     import os
     import signal
 
-    monkeypatch.delenv("REDIS_URL", raising=False)
-    server = EmbeddedRedis(tmp_path / "own-redis")
-    url = server.ensure_running()
-    root = write_repo(tmp_path / "repo", DEFS, url=url)
-    FeatureStore(root).apply()
-    lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+    server, client = own_redis
+    os.kill(server.process.pid, signal.SIGSTOP)
     try:
-        with TestClient(create_app(root)) as client:
-            push(client, [1], [3.0], [NOW])
-            assert client.post("/get-online-features", json=lookup).status_code == 200
-            os.kill(server.process.pid, signal.SIGSTOP)
-            try:
-                for _ in range(3):  # each answers (503) after the read timeout, none hangs
-                    assert client.post("/get-online-features", json=lookup).status_code == 503
-                assert client.get("/health").status_code == 503
-            finally:
-                os.kill(server.process.pid, signal.SIGCONT)
-            up = client.post("/get-online-features", json=lookup)
-            assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
+        for _ in range(3):  # each answers (503) after the read timeout, none hangs
+            assert client.post("/get-online-features", json=LOOKUP).status_code == 503
+        assert client.get("/health").status_code == 503
     finally:
-        server.stop()
+        os.kill(server.process.pid, signal.SIGCONT)
+    up = client.post("/get-online-features", json=LOOKUP)
+    assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
 
 
 def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
