@@ -24,6 +24,7 @@ from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
 from featurestore.offline.buffer import PushBuffer
+from featurestore.online.codec import datetime_to_micros
 from featurestore.sources import connection, register_view_rows
 
 if TYPE_CHECKING:
@@ -161,16 +162,13 @@ class Materializer:
         stored = [(f.name, f.dtype) for f in view.schema]
         if view.is_aggregated:
             horizon = view.longest_window + self.store.config.event_retention
-            cutoff_us = (now - horizon - _EPOCH) // timedelta(microseconds=1)
+            cutoff_us = datetime_to_micros(now - horizon)
             events, ids = events_to_add(rows, view, cutoff_us)
             self.store.online_store.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
             return events.num_rows
         latest = latest_per_entity(rows, view.join_keys)
         self.store.online_store.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
         return latest.num_rows
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def _max_iso(rows: pa.Table) -> str:

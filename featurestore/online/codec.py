@@ -42,7 +42,7 @@ from featurestore.types import DType
 
 ORDER_KEY_BYTES = 32
 _SIGN = np.uint64(1 << 63)
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 # numpy type, width, struct code: big-endian like the order key, so one struct reads a row
 _FIXED: dict[str, tuple[str, int, str]] = {
@@ -87,8 +87,7 @@ def key_text(value: Any, type_name: str) -> str:
     if type_name in ("Float32", "Float64"):
         return repr(float(np.float32(value)) if type_name == "Float32" else float(value))
     if type_name == "UnixTimestamp":
-        ts = value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-        return str((ts - _EPOCH) // timedelta(microseconds=1))
+        return str(datetime_to_micros(value))
     raise TypeError(f"no key encoding for {type_name}")
 
 
@@ -302,5 +301,11 @@ def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -
     return decode
 
 
+def datetime_to_micros(ts: datetime) -> int:
+    """Exact µs since the epoch (naive means UTC); the inverse of ``micros_to_datetime``."""
+    ts = ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+    return (ts - EPOCH) // timedelta(microseconds=1)
+
+
 def micros_to_datetime(us: int) -> datetime:
-    return _EPOCH + timedelta(microseconds=us)  # exact, and 5x faster than fromtimestamp().replace()
+    return EPOCH + timedelta(microseconds=us)  # exact, and 5x faster than fromtimestamp().replace()

@@ -114,6 +114,15 @@ def redact(text: str, url: str) -> str:
     return text.replace(password, "***") if password else text
 
 
+def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
+    """One round trip: an HMGET per lookup, then a ZRANGEBYSCORE ``(low, high]`` per event range."""
+    for key, fields in lookups:
+        pipe.hmget(key, fields)
+    for key, low, high in ranges:
+        pipe.zrangebyscore(key, f"({low}", high)
+    return pipe
+
+
 CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
 
@@ -183,12 +192,7 @@ class RedisOnlineStore:
             if len(lookups) == 1 and not ranges:  # one command needs no pipeline
                 key, fields = lookups[0]
                 return [self.client.hmget(key, fields)]
-            pipe = self.client.pipeline(transaction=False)
-            for key, fields in lookups:
-                pipe.hmget(key, fields)
-            for key, low, high in ranges:
-                pipe.zrangebyscore(key, f"({low}", high)
-            return pipe.execute()
+            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
         except redis.ConnectionError as exc:
             self._recover()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
@@ -207,12 +211,7 @@ class RedisOnlineStore:
             if len(lookups) == 1 and not ranges:
                 key, fields = lookups[0]
                 return [await self.async_client.hmget(key, fields)]
-            pipe = self.async_client.pipeline(transaction=False)
-            for key, fields in lookups:
-                pipe.hmget(key, fields)
-            for key, low, high in ranges:
-                pipe.zrangebyscore(key, f"({low}", high)
-            return await pipe.execute()
+            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc

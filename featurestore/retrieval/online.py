@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
-from featurestore.online.codec import entity_key, events_key, key_prefix, key_text, make_decoder, micros_to_datetime
+from featurestore.online.codec import (
+    EPOCH, datetime_to_micros, entity_key, events_key, key_prefix, key_text, make_decoder, micros_to_datetime,
+)
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.refs import ViewRequest, resolve
 
@@ -49,7 +51,7 @@ class OnlineResponse:
         return {
             "metadata": {"feature_names": self.feature_names},
             "results": [
-                {"values": v, "statuses": s, "event_timestamps": [t or _EPOCH for t in ts]}
+                {"values": v, "statuses": s, "event_timestamps": [t or EPOCH for t in ts]}
                 for v, s, ts in zip(self.values, self.statuses, self.event_timestamps)
             ],
         }
@@ -219,7 +221,7 @@ class OnlineQuery:
                     lookups.append((key, group.fields))
                 rows.append(pos)
             slots.append(rows)
-        now_us = _micros(now) if now is not None else time.time_ns() // 1000
+        now_us = datetime_to_micros(now) if now is not None else time.time_ns() // 1000
         ranges: list[tuple[bytes, int, int]] = []
         range_slots = []
         for window in template.windows:
@@ -317,15 +319,6 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
         if list(r) != keys and set(r) != set(keys):
             raise RequestError(f"every entity row needs the same keys; {sorted(r)} differs from {sorted(keys)}")
     return {k: [r[k] for r in entities] for k in keys}
-
-
-def _micros(ts: datetime) -> int:
-    if ts.tzinfo is None:
-        ts = ts.replace(tzinfo=timezone.utc)
-    return (ts - _EPOCH) // timedelta(microseconds=1)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def get_online_features(
