@@ -105,7 +105,8 @@ def describe(name: str = typer.Argument(..., help="Name of an entity, view, serv
         if name in objects:
             spec = objects[name].to_spec()
             applied = store.unapplied.get(name, "applied")
-            console.print_json(json.dumps({"defined_at": str(objects[name].location), "registry": applied, **spec}, default=str))
+            version = {"history_version": objects[name].history_version} if kind == "feature_view" else {}
+            console.print_json(json.dumps({"defined_at": str(objects[name].location), "registry": applied, **version, **spec}, default=str))
             return
     raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
 
@@ -136,6 +137,20 @@ def materialize_incremental(
     with _store(repo) as store:
         report = store.materialize_incremental(_parse_time(end), views or None, progress=True, rebuild_online=rebuild_online)
         console.print(report.describe(), markup=False, soft_wrap=True)
+
+
+@app.command()
+def backfill(
+    views: list[str] = typer.Argument(..., help="Views to rebuild (what `plan` names after a new version or an added column)."),
+    repo: Path = RepoOption,
+) -> None:
+    """Recompute views' whole history from their sources into their current version, and refill Redis."""
+    with _store(repo) as store:
+        report = store.backfill(views, progress=True)
+        console.print(report.describe(), markup=False, soft_wrap=True)
+        for name in views:
+            view = store.definitions.view(name)
+            console.print(f"{name}: version v{view.history_version} (history table {view.history_table}) is complete", markup=False)
 
 
 @app.command()
@@ -197,11 +212,9 @@ def export(
     repo: Path = RepoOption,
 ) -> None:
     """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""
-    from featurestore.retrieval.export import reproduce
-
     store = _store(repo)
     if from_manifest is not None:
-        manifest = reproduce(store, from_manifest, out, progress=True)
+        manifest = store.reproduce_training_dataset(from_manifest, out, progress=True)
         console.print(f"Reproduced {manifest['row_count']} rows into {out}; data files match the manifest's SHA-256.")
         return
     if not service or not entities:
@@ -232,7 +245,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
 
     import uvicorn
 
-    from serving.common import REPO_ENV
+    from featurestore.config import REPO_ENV
 
     store = _store(repo)
     if host not in ("127.0.0.1", "localhost", "::1") and store.config.api_keys is None and not store.config.auth_off:

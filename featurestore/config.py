@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from featurestore.auth import ApiKey
 
 CONFIG_FILE = "featurestore.yaml"
+REPO_ENV = "FEATURESTORE_REPO"  # the repo a server process serves (set by `featurestore serve`)
 EMBEDDED = "embedded"
 
 

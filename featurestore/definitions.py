@@ -246,6 +246,11 @@ class Aggregation:
 # ---------------------------------------------------------------- views
 
 
+def history_table(view: str, version: int) -> str:
+    """``txn`` for version 1 (tables from before versions existed stay where they are), ``txn@v2`` after."""
+    return view if version == 1 else f"{view}@v{version}"
+
+
 @dataclass(eq=False)
 class FeatureView:
     """A group of features with one entity set, one source and one ttl.
@@ -274,10 +279,18 @@ class FeatureView:
     aggregations: list[Aggregation] = field(default_factory=list)
     event_id: str | None = None
     location: Location = field(default_factory=_location, repr=False)
+    # set from the applied registry, never by hand: a change that makes stored rows wrong
+    # (a type, key, source or transformation change) starts a new version with its own history
+    history_version: int = field(default=1, init=False, repr=False)
 
     @property
     def join_keys(self) -> list[str]:
         return [k for e in self.entities for k in e.join_keys]
+
+    @property
+    def history_table(self) -> str:
+        """The offline table of this version's rows (older versions keep theirs, readable)."""
+        return history_table(self.name, self.history_version)
 
     @property
     def is_aggregated(self) -> bool:
@@ -297,13 +310,14 @@ class FeatureView:
 
     @property
     def storage_id(self) -> str:
-        """Hash of how the view's rows are stored (keys, key types, columns and types, event id).
+        """Hash of how the view's rows are stored (keys, key types, columns and types, event id, version).
 
         Online values are written under ``online_field`` (name + this id), so bytes written under
         another layout are never decoded as this one: they read as NOT_FOUND until re-materialized."""
         return content_hash({
             "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
             "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id, "key_encoding": KEY_ENCODING,
+            **({"version": self.history_version} if self.history_version > 1 else {}),
         })[:8]
 
     @property

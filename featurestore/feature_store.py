@@ -7,16 +7,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from featurestore.config import RepoConfig
-from featurestore.definitions import Entity, FeatureService, FeatureView, content_hash
+from featurestore.definitions import Entity, FeatureService, FeatureView
 from featurestore.errors import DefinitionError, FeatureStoreError
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
+from featurestore.registry.snapshot import value_hash
 from featurestore.registry.validation import validate
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-    from featurestore.materialization.engine import MaterializationReport
+    from featurestore.materialization.engine import MaterializationReport, Materializer
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
     from featurestore.online.redis_store import RedisOnlineStore
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from featurestore.retrieval.online import OnlineResponse
     from featurestore.training.model_registry import ModelRegistry
 
-
-METADATA = ("description", "owner", "tags")  # spec fields that never change a value
 
 
 class FeatureStore:
@@ -51,7 +50,14 @@ class FeatureStore:
             if problems:
                 raise DefinitionError(problems)
             self._definitions = defs
+            self._attach_versions()
         return self._definitions
+
+    def _attach_versions(self) -> None:
+        """Each view reads and writes the history version the registry applied (see ``registry.plan``)."""
+        versions = self.registry.current().get("history_versions", {})
+        for name, view in self.definitions.feature_views.items():
+            view.history_version = versions.get(name, 1)
 
     @property
     def unapplied(self) -> dict[str, str]:
@@ -94,7 +100,8 @@ class FeatureStore:
 
     def plan(self) -> Plan:
         """What ``apply`` would change, without changing anything."""
-        return make_plan(self.registry.current()["objects"], self.definitions.specs())
+        key_types = {v: {k: t.name for k, t in keys.items()} for v, keys in self.definitions.key_types.items()}
+        return make_plan(self.registry.current(), self.definitions.specs(), key_types)
 
     def apply(self, force: bool = False) -> Plan:
         """Persist the definitions; removing a view (and deleting its data) needs ``force``."""
@@ -107,8 +114,9 @@ class FeatureStore:
             )
         if plan.empty:
             return plan
-        self.registry.apply(plan.objects)
+        self.registry.apply(plan.objects, history_versions=plan.history_versions, key_types=plan.key_types)
         self._unapplied = None
+        self._attach_versions()
         for change in plan.changes:
             if change.deletes_data:
                 self.offline_store.drop(change.name)
@@ -135,7 +143,7 @@ class FeatureStore:
         """Per view, a hash of what determines its values (not its description, owner or tags):
         manifests and model cards record it, so metadata edits never make a model or dataset stale."""
         specs = self.definitions.specs()["feature_view"]
-        return {v: content_hash({k: x for k, x in specs[v]["spec"].items() if k not in METADATA}) for v in views}
+        return {v: value_hash(specs[v]["spec"]) for v in views}
 
     def model_registry(self) -> "ModelRegistry":
         """The model registry; promotions are announced to every inference server over Redis."""
@@ -173,11 +181,17 @@ class FeatureStore:
             self._buffer = PushBuffer(self.config.data_dir / "buffer", self.config.buffer_max_rows, self.config.buffer_max_seconds)
         return self._buffer
 
+    def materializer(self, progress: bool = False) -> "Materializer":
+        """The write engine over this repo's applied definitions and stores."""
+        from featurestore.materialization.engine import Materializer
+
+        return Materializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress)
+
     def flush(self) -> int:
         """Commit every buffered push to the history store now; returns the rows committed."""
         from featurestore.materialization.push import flush
 
-        return flush(self)
+        return flush(self.materializer(), self.push_buffer)
 
     def compact(self, views: Sequence[str] | None = None, vacuum_hours: int | None = None) -> dict[str, dict]:
         """Merge each view's small history files; with ``vacuum_hours``, also delete files only versions
@@ -185,10 +199,11 @@ class FeatureStore:
         self._commit_buffered()
         report = {}
         for name in views or list(self.definitions.feature_views):
-            before = self.offline_store.file_count(name)
-            metrics = self.offline_store.compact(name)
-            removed = self.offline_store.vacuum(name, vacuum_hours) if vacuum_hours is not None else 0
-            report[name] = {"files_before": before, "files_after": self.offline_store.file_count(name),
+            table = self.definitions.view(name).history_table
+            before = self.offline_store.file_count(table)
+            metrics = self.offline_store.compact(table)
+            removed = self.offline_store.vacuum(table, vacuum_hours) if vacuum_hours is not None else 0
+            report[name] = {"files_before": before, "files_after": self.offline_store.file_count(table),
                             "files_removed": metrics.get("numFilesRemoved", 0), "files_vacuumed": removed}
         return report
 
@@ -221,7 +236,6 @@ class FeatureStore:
 
         ``rebuild_online``: also send the latest of the whole history online (refills an emptied Redis)."""
         from featurestore.config import parse_time
-        from featurestore.materialization.engine import Materializer
 
         selected = list(views) if views else list(self.definitions.feature_views)
         self.require_applied(self._used_by(selected))
@@ -232,9 +246,12 @@ class FeatureStore:
         if rebuild_online:  # "Redis may lack history rows": the next online write sends them all
             for name in selected:
                 self.registry.set_watermark(name, online_synced=False)
-        return Materializer(self, progress=progress).run(
-            views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
-        )
+        return self.materializer(progress).run(views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+
+    def backfill(self, views: Sequence[str], progress: bool = False) -> "MaterializationReport":
+        """Recompute the views' whole history from their sources into their current version and
+        re-send it online: what a new version or an added column needs (``plan`` says when)."""
+        return self.materialize(None, None, views, progress=progress, rebuild_online=True)
 
     def materialize_offline(self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
         return self.materialize(start, end, views, online=False, **kw)
@@ -252,7 +269,7 @@ class FeatureStore:
 
         readers = [v.name for v in self.definitions.feature_views.values() if getattr(v.source, "name", None) == push_source_name]
         self.require_applied([push_source_name, *self._used_by(readers)])
-        return push(self, push_source_name, df, to)
+        return push(self.materializer(), self.push_buffer, push_source_name, df, to)
 
     # ------------------------------------------------------------ retrieval
 
@@ -265,7 +282,7 @@ class FeatureStore:
 
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
         self._commit_buffered()
-        return RetrievalJob.build(self, entity_df, features, feature_service, full_feature_names, as_of)
+        return RetrievalJob.build(self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of)
 
     def get_online_features(
         self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
@@ -275,14 +292,16 @@ class FeatureStore:
 
         Windowed aggregates and ttls are evaluated at ``at`` (default: now); a past ``at`` suits
         replays and backtests while the events are retained online (``online_store.event_retention``)."""
-        from featurestore.retrieval.online import get_online_features
+        from featurestore.retrieval.online import OnlineQuery
 
         if _feast_order(entity_rows, features):  # Feast's positional order: (features, entity_rows)
             entity_rows, features = features, entity_rows  # type: ignore[assignment]
         if isinstance(features, FeatureService):  # Feast's `features=service`
             features, feature_service = None, features
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
-        return get_online_features(self, entity_rows, features, feature_service, full_feature_names, at)
+        query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
+                                    full_feature_names, self.config.max_request_entities, now=at)
+        return query.assemble(self.online_store.read(query.lookups, query.ranges))
 
     def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""
@@ -290,7 +309,16 @@ class FeatureStore:
 
         self.require_applied(self._used_by(feature_service=feature_service))
         self._commit_buffered()
-        return export_training_dataset(self, entity_df, feature_service, Path(path), progress=progress)
+        return export_training_dataset(self.definitions, self.offline_store, entity_df, feature_service, Path(path),
+                                       registry_version=self.registry.current()["version"], progress=progress)
+
+    def reproduce_training_dataset(self, manifest: str | Path, path: str | Path, progress: bool = False) -> dict:
+        """Re-run an export from its ``manifest.json`` into ``path``, under the definitions and table
+        versions it was made with; raise if any byte differs."""
+        from featurestore.retrieval.export import reproduce
+
+        self._commit_buffered()
+        return reproduce(self.definitions, self.registry, self.offline_store, Path(manifest), Path(path), progress=progress)
 
 
 def _feast_order(first: Any, second: Any) -> bool:

@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from featurestore import FeatureStore
 from featurestore.auth import ApiKey, Authenticator
+from featurestore.config import REPO_ENV
 from featurestore.errors import FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError
 
-REPO_ENV = "FEATURESTORE_REPO"
 log = logging.getLogger("featurestore.server")
 
 

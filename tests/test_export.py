@@ -57,8 +57,6 @@ def test_export_manifest_and_byte_identical_reproduction(make_store, tmp_path):
 
 
 def test_reproduction_refuses_changed_definitions(make_store, tmp_path):
-    from featurestore.retrieval.export import reproduce
-
     store = make_store(DEFS)
     push(store, 0, 10)
     store.export_training_dataset(pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(hours=1)]}), "svc", tmp_path / "v1")
@@ -66,4 +64,4 @@ def test_reproduction_refuses_changed_definitions(make_store, tmp_path):
     manifest["definition_hashes"]["spend"] = "0" * 16
     (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FeatureStoreError, match=r"definitions of \['spend'\] changed"):
-        reproduce(store, tmp_path / "v1" / "manifest.json", tmp_path / "v2")
+        store.reproduce_training_dataset(tmp_path / "v1" / "manifest.json", tmp_path / "v2")

@@ -131,7 +131,7 @@ def test_plan_apply_diff_add_change_remove(tmp_path, redis_url, monkeypatch):
     assert (change.action, change.attributes, change.needs_backfill) == ("change", ["ttl_seconds"], False)
     (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("city", String)'))
     change = FeatureStore(root).plan().changes[0]
-    assert change.attributes == ["schema"] and change.needs_backfill and "re-materialize" in change.describe()
+    assert change.attributes == ["schema"] and change.needs_backfill and "featurestore backfill driver_stats" in change.describe()
 
     # removing a view needs force
     (root / "features.py").write_text(GOOD.split("stats = FeatureView")[0])
@@ -230,7 +230,7 @@ def test_plan_warnings_reach_the_terminal(tmp_path):
     assert subprocess.run([sys.executable, "-m", "featurestore.cli", "apply", "--repo", str(root)], capture_output=True).returncode == 0
     (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
     out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
-    assert "[stored data is stale: re-materialize (backfill) this view]" in out
+    assert "[new version v2: its history starts empty and its online values read NOT_FOUND until `featurestore backfill driver_stats`" in out
     (root / "features.py").write_text("from featurestore import Entity\n")
     out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
     assert "[its stored data will be deleted: needs --force]" in out
@@ -263,3 +263,19 @@ def test_unapplied_code_is_never_used(make_store):
     edited.apply()
     assert edited.materialize(None, None).views
     edited.close()
+
+
+def test_layers_import_one_way():
+    """Issue #9: engines took the whole FeatureStore and imported feature_store.py, which imported
+    them back; the library imported the serving app. Engines now take their parts."""
+    import ast
+
+    package = REPO_ROOT / "featurestore"
+    engines = ["materialization", "retrieval", "offline", "online", "registry", "aggregation", "training"]
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m == "serving" or m.startswith("serving.") for m in imported), f"{path} imports the serving app"
+        if path.relative_to(package).parts[0] in engines:
+            assert "featurestore.feature_store" not in imported, f"{path} reaches back into the FeatureStore façade"

@@ -13,22 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import duckdb
 import pyarrow as pa
 from rich.console import Console
 from rich.progress import Progress
 
+from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
+from featurestore.offline.base import OfflineStore
 from featurestore.offline.buffer import PushBuffer
 from featurestore.online.codec import datetime_to_micros
+from featurestore.online.redis_store import RedisOnlineStore
+from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection, register_view_rows
-
-if TYPE_CHECKING:
-    from featurestore.feature_store import FeatureStore
 
 
 @dataclass
@@ -57,14 +58,17 @@ class MaterializationReport:
 
 
 class Materializer:
-    def __init__(self, store: "FeatureStore", progress: bool = False):
-        self.store = store
+    """Writes views' rows to the stores, under the applied definitions ``defs``."""
+
+    def __init__(self, defs: Definitions, registry: RegistryStore, offline: OfflineStore, online: RedisOnlineStore,
+                 config: RepoConfig, progress: bool = False):
+        self.defs, self.registry, self.offline, self.online, self.config = defs, registry, offline, online, config
         self.progress = progress
 
     def run(
         self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
     ) -> MaterializationReport:
-        defs = self.store.definitions
+        defs = self.defs
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
         end = end or datetime.now(timezone.utc)
         report = MaterializationReport()
@@ -73,7 +77,7 @@ class Materializer:
             for view in selected:
                 bar.update(task, description=f"materializing {view.name}")
                 con = connection()
-                register_view_rows(con, view, self.store.config.repo_path, self.store.config.data_dir)
+                register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
                 report.views.append(
                     self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
                 )
@@ -86,9 +90,9 @@ class Materializer:
         All views keyed by the same join keys share one Redis hash, so the key may expire only
         if every one of them has a ttl; it then lives until the longest of them runs out.
         """
-        if not self.store.config.expire_after_ttl:
+        if not self.config.expire_after_ttl:
             return None
-        sharing = [v for v in self.store.definitions.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)]
+        sharing = [v for v in self.defs.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)]
         if any(v.ttl is None for v in sharing):
             return None
         return max(v.ttl for v in sharing)
@@ -101,11 +105,11 @@ class Materializer:
 
         ``buffer``: history rows go to this durable buffer (pushes) instead of straight to the
         history store."""
-        defs, registry = self.store.definitions, self.store.registry
+        defs, registry = self.defs, self.registry
         run_id = registry.next_run_id()
         now = datetime.now(timezone.utc)
         computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end,
-                           self.store.config.future_tolerance)
+                           self.config.future_tolerance)
         report = ViewReport(view.name, computed_rows=computed.rows.num_rows, rejected_rows=computed.rejects.num_rows)
         if computed.rejects.num_rows:
             report.reject_sample = computed.rejects.slice(0, 5).to_pylist()
@@ -114,11 +118,11 @@ class Materializer:
                     f"view {view.name!r}: {computed.rejects.num_rows} source rows break the schema, e.g. "
                     f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'"
                 )
-            self.store.offline_store.write_rejects(view.name, computed.rejects)
+            self.offline.write_rejects(view.name, computed.rejects)
 
         write_offline, write_online = offline and view.offline, online and view.online
         if buffer is not None:  # a push: history through the durable buffer, no registry state
-            segment = buffer.append(f"view:{view.name}", computed.rows, online_pending=write_online) if write_offline else None
+            segment = buffer.append(f"view:{view.history_table}", computed.rows, online_pending=write_online) if write_offline else None
             if write_online:
                 report.online_rows = self.write_online(view, computed.rows, now)
                 if segment is not None:
@@ -131,7 +135,7 @@ class Materializer:
             registry.set_watermark(view.name, online_synced=False)
         fresh = computed.rows
         if write_offline:
-            fresh = self.store.offline_store.append(view.name, computed.rows)
+            fresh = self.offline.append(view.history_table, computed.rows)
             report.new_offline_rows = fresh.num_rows
         marks: dict = {}
         if write_online:
@@ -151,7 +155,7 @@ class Materializer:
     def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:
         """Every stored row of the view (and the computed ones, if not stored): what Redis must hold."""
         con = connection()
-        self.store.offline_store.register(con, view.name, "history", computed.schema)
+        self.offline.register(con, view.history_table, "history", computed.schema)
         if written:
             return con.sql("SELECT * FROM history").to_arrow_table().cast(computed.schema)
         con.register("computed", computed)
@@ -161,13 +165,13 @@ class Materializer:
         """Send history rows online: each entity's latest row, or for aggregated views the events."""
         stored = [(f.name, f.dtype) for f in view.schema]
         if view.is_aggregated:
-            horizon = view.longest_window + self.store.config.event_retention
+            horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)
             events, ids = events_to_add(rows, view, cutoff_us)
-            self.store.online_store.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
+            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
             return events.num_rows
         latest = latest_per_entity(rows, view.join_keys)
-        self.store.online_store.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
+        self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
         return latest.num_rows
 
 

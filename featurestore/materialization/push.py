@@ -10,18 +10,16 @@ so views with a transformation over the source see them at the next materializat
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from featurestore.errors import BadRowsError, RequestError
 from featurestore.materialization.engine import Materializer
-from featurestore.offline.buffer import APP_ID
+from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.sources import INGESTED_AT, connection, push_log_path
-
-if TYPE_CHECKING:
-    from featurestore.feature_store import FeatureStore
 
 TARGETS = ("online", "offline", "online_and_offline")
 
@@ -34,10 +32,11 @@ def _as_table(df: Any) -> pa.Table:
     return pa.Table.from_pandas(df, preserve_index=False)
 
 
-def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and_offline") -> int:
+def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: Any, to: str = "online_and_offline") -> int:
+    """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``)."""
     if to not in TARGETS:
         raise RequestError(f"`to` must be one of {list(TARGETS)}, not {to!r}")
-    defs = store.definitions
+    defs = materializer.defs
     source = defs.push_source(source_name)
     try:
         table = _as_table(df)
@@ -57,8 +56,6 @@ def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
     now = datetime.now(timezone.utc)
     table = pa.table([*columns, pa.array([now] * table.num_rows, pa.timestamp("us", tz="UTC"))], names=[*expected, INGESTED_AT])
-    materializer = Materializer(store)
-    buffer = store.push_buffer
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
@@ -71,34 +68,48 @@ def push(store: "FeatureStore", source_name: str, df: Any, to: str = "online_and
             raise RequestError(str(exc)) from exc
     if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
         buffer.append(f"log:{source_name}", table)
-    flush(store, only_due=True)
+    flush(materializer, buffer, only_due=True)
     return table.num_rows
 
 
-def flush(store: "FeatureStore", only_due: bool = False) -> int:
-    """Commit buffered pushes to the history store (all, or those over the size/age bounds); returns rows."""
-    buffer, materializer, defs = store.push_buffer, Materializer(store), store.definitions
+def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False) -> int:
+    """Commit buffered pushes to the history store (all, or those over the size/age bounds); returns rows.
+
+    A segment names the history table (view version) it was computed for: rows of an older
+    version go to that version's table, never to a newer one."""
+    defs, offline, config = materializer.defs, materializer.offline, materializer.config
+    current = {v.history_table: v for v in defs.feature_views.values()}
     committed = 0
     for target in buffer.targets():
         if only_due and not buffer.due(target):
             continue
         kind, name = target.split(":", 1)
         if kind == "view":
-            if name not in defs.feature_views:
+            if name.split("@")[0] not in defs.feature_views:
                 continue  # the view was removed; its segments stay for inspection
-            view = defs.view(name)
-            resend = (lambda rows, view=view: materializer.write_online(view, rows, datetime.now(timezone.utc))) if view.online else None
-            committed += buffer.drain(target, lambda rows, seq, name=name: store.offline_store.append(name, rows), resend)
-            if store.offline_store.file_count(name) > store.config.compact_after_files:  # many small pushes: merge
-                store.offline_store.compact(name)
+            view = current.get(name)  # None: an older version's rows, whose online layout is gone
+            resend = None
+            if view is not None and view.online:
+                schema = defs.history_schema(view)
+                resend = lambda rows, view=view, schema=schema: materializer.write_online(view, conform(rows, schema), datetime.now(timezone.utc))  # noqa: E731
+            committed += buffer.drain(target, lambda rows, seq, name=name: offline.append(name, rows), resend)
+            if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
+                offline.compact(name)
         else:
-            committed += buffer.drain(target, lambda rows, seq, name=name: _append_log(store, name, rows, seq))
+            committed += buffer.drain(target, lambda rows, seq, name=name: _append_log(config.data_dir, name, rows, seq))
     return committed
 
 
-def _append_log(store: "FeatureStore", source_name: str, rows: pa.Table, seq: int) -> None:
+def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Rows written before columns were added, with those columns null."""
+    if rows.schema.names == schema.names:
+        return rows
+    return pa.table([rows[f.name] if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema], schema=schema)
+
+
+def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int) -> None:
     """Append to the push log once per drain, even if a crash repeats the drain (Delta app transaction)."""
-    path = push_log_path(store.config.data_dir, source_name)
+    path = push_log_path(data_dir, source_name)
     if (path / "_delta_log").exists() and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
         return
     write_deltalake(str(path), rows, mode="append", schema_mode="merge",  # logs from before INGESTED_AT

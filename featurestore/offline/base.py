@@ -1,4 +1,7 @@
-"""The interface a history store implements. A second backend is a new file beside delta.py."""
+"""The interface a history store implements. A second backend is a new file beside delta.py.
+
+Tables are named by ``FeatureView.history_table`` (one per view version); ``drop`` takes the
+view's name and deletes all its versions."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class OfflineStore(Protocol):
         """Keep source rows that broke the schema, with the reason."""
 
     def drop(self, view: str) -> None:
-        """Delete the view's history (after the user confirmed removal)."""
+        """Delete every version of the view's history (after the user confirmed removal)."""
 
     def file_count(self, view: str) -> int:
         """How many data files the current version reads."""

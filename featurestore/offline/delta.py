@@ -73,8 +73,8 @@ class DeltaOfflineStore:
                 file_list = "[" + ", ".join(quote(f) for f in files) + "]"
                 new = f"SELECT * FROM ({new}) ANTI JOIN (SELECT _row_id FROM read_parquet({file_list})) USING (_row_id)"
         fresh = con.sql(new).to_arrow_table().cast(rows.schema)
-        if fresh.num_rows:
-            write_deltalake(str(self.table_path(view)), fresh, mode="append", partition_by=[PARTITION])
+        if fresh.num_rows:  # "merge": a column added to the view evolves the table (older rows null)
+            write_deltalake(str(self.table_path(view)), fresh, mode="append", partition_by=[PARTITION], schema_mode="merge")
         return fresh.drop_columns([PARTITION])
 
     def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
@@ -82,11 +82,16 @@ class DeltaOfflineStore:
         files = table.file_uris() if table is not None else []
         if not files:
             con.register(name, schema.empty_table())
-        else:
-            columns = ", ".join(ident(c) for c in schema.names)
-            file_list = "[" + ", ".join(quote(f) for f in files) + "]"
-            con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} FROM read_parquet({file_list})")
-        return table.version() if table is not None else None
+            return table.version() if table is not None else None
+        columns = ", ".join(ident(c) for c in schema.names)
+        # by name: files written before a column was added lack it (read as null)
+        rows = f"read_parquet([{', '.join(quote(f) for f in files)}], union_by_name = true)"
+        stored = {f.name for f in table.schema().fields}
+        if not set(schema.names) <= stored:  # a column added but never written yet: typed nulls
+            con.register(f"{name}__typed", schema.empty_table())
+            rows = f"(SELECT * FROM {rows} UNION ALL BY NAME SELECT * FROM {ident(name + '__typed')})"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} FROM {rows}")
+        return table.version()
 
     def file_count(self, view: str) -> int:
         table = self._table(view)
@@ -121,4 +126,6 @@ class DeltaOfflineStore:
         return DeltaTable(str(path)).to_pyarrow_table()
 
     def drop(self, view: str) -> None:
-        shutil.rmtree(self.table_path(view), ignore_errors=True)
+        """Delete every version's history of the view."""
+        for path in [self.table_path(view), *self.path.glob(f"{view}@v*")]:
+            shutil.rmtree(path, ignore_errors=True)

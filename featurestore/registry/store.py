@@ -2,7 +2,8 @@
 
 Layout under the registry directory::
 
-    registry.json            current applied state (version, time, every object's spec + hash)
+    registry.json            current applied state (version, time, every object's spec + hash,
+                             each view's history version and join-key types)
     history/v00001.json      every applied version, immutable
     watermarks.json          per-view materialization progress
     run_seq                  monotonic counter giving each write run a unique ingest id
@@ -81,12 +82,15 @@ class RegistryStore:
     def versions(self) -> list[int]:
         return sorted(int(p.stem[1:]) for p in (self.path / "history").glob("v*.json"))
 
-    def apply(self, objects: dict[str, dict[str, dict]]) -> dict[str, Any]:
+    def apply(self, objects: dict[str, dict[str, dict]], **derived: Any) -> dict[str, Any]:
+        """Record a new applied state; ``derived``: what the plan resolved with it (each view's
+        history version and join-key types), so an older state can be read back as it was."""
         with self._lock():
             state = {
                 "version": self.current()["version"] + 1,
                 "applied_at": datetime.now(timezone.utc).isoformat(),
                 "objects": objects,
+                **derived,
             }
             data = _dumps(state)
             atomic_write(self.path / "history" / f"v{state['version']:05d}.json", data)

@@ -11,7 +11,7 @@ import hashlib
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from featurestore.errors import FeatureStoreError
-from featurestore.registry.store import atomic_write
+from featurestore.offline.base import OfflineStore
+from featurestore.registry.loader import Definitions
+from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
+from featurestore.registry.store import RegistryStore, atomic_write
 from featurestore.retrieval.historical import RetrievalJob, entity_input
-
-if TYPE_CHECKING:
-    from featurestore.feature_store import FeatureStore
 
 DATA_FILE = "data-00000.parquet"
 ENTITIES_FILE = "entities.parquet"
@@ -47,27 +47,21 @@ def _entity_table(entity_df: Any) -> pa.Table:
 
 
 def export_training_dataset(
-    store: "FeatureStore", entity_df: Any, feature_service: str, out: Path, *, progress: bool = False,
-    versions: dict[str, int | None] | None = None, expected_hashes: dict[str, str] | None = None,
+    defs: Definitions, offline: OfflineStore, entity_df: Any, feature_service: str, out: Path, *,
+    registry_version: int, progress: bool = False, versions: dict[str, int | None] | None = None,
 ) -> dict[str, Any]:
+    """Join ``defs``' service over ``offline`` (at table ``versions``, default latest) into ``out``."""
     from featurestore import __version__
 
     out.mkdir(parents=True, exist_ok=True)
     entities_path = out / ENTITIES_FILE
     if entity_df is not None:
         pq.write_table(_entity_table(entity_df), entities_path, compression="zstd")
-    service = store.get_feature_service(feature_service)
-    refs = service.feature_refs()
+    refs = defs.service(feature_service).feature_refs()
     views = list(dict.fromkeys(r.split(":")[0] for r in refs))
-    hashes = store.definition_hashes(views)
-    if expected_hashes is not None:
-        changed = sorted(v for v in views if expected_hashes.get(v) != hashes.get(v))
-        if changed:
-            raise FeatureStoreError(
-                f"the definitions of {changed} changed since this dataset was exported; "
-                "check out the definitions the manifest names to reproduce it"
-            )
-    job = RetrievalJob.build(store, str(entities_path), None, feature_service, False, versions=versions)
+    specs = defs.specs()["feature_view"]
+    hashes = {v: value_hash(specs[v]["spec"]) for v in views}
+    job = RetrievalJob.build(defs, offline, str(entities_path), None, feature_service, False, versions=versions)
     total = pq.ParquetFile(entities_path).metadata.num_rows
     columns = [TextColumn("exporting {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
@@ -78,6 +72,8 @@ def export_training_dataset(
         "feature_service": feature_service,
         "features": refs,
         "definition_hashes": hashes,
+        "registry_version": registry_version,
+        "history_tables": job.history_tables,
         "table_versions": job.table_versions,
         "entities": {"file": ENTITIES_FILE, "sha256": sha256_file(entities_path), "rows": total},
         "row_count": rows,
@@ -91,8 +87,12 @@ def export_training_dataset(
     return manifest
 
 
-def reproduce(store: "FeatureStore", manifest_path: Path, out: Path, progress: bool = False) -> dict[str, Any]:
-    """Re-run an export from its manifest into ``out``; raise if any data file differs."""
+def reproduce(current: Definitions, registry: RegistryStore, offline: OfflineStore, manifest_path: Path, out: Path,
+              progress: bool = False) -> dict[str, Any]:
+    """Re-run an export from its manifest into ``out``; raise if any data file differs.
+
+    Under the ``current`` definitions when the manifest's views are unchanged, else under the
+    registry state the export was made with (its view versions' history stays readable)."""
     try:
         manifest = json.loads(Path(manifest_path).read_text())
     except FileNotFoundError:
@@ -104,11 +104,31 @@ def reproduce(store: "FeatureStore", manifest_path: Path, out: Path, progress: b
     if sha256_file(source_entities) != manifest["entities"]["sha256"]:
         raise FeatureStoreError(f"{source_entities} does not match the manifest's hash; the entity input was modified")
     (out / ENTITIES_FILE).write_bytes(source_entities.read_bytes())
+    defs, registry_version = _definitions_of(manifest, current, registry)
     new = export_training_dataset(
-        store, None, manifest["feature_service"], out, progress=progress,
-        versions=manifest["table_versions"], expected_hashes=manifest["definition_hashes"],
+        defs, offline, None, manifest["feature_service"], out, registry_version=registry_version, progress=progress,
+        versions=manifest["table_versions"],
     )
     mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
     if mismatched:
         raise FeatureStoreError(f"reproduced files {mismatched} differ from the manifest's hashes")
     return new
+
+
+def _definitions_of(manifest: dict[str, Any], current: Definitions, registry: RegistryStore) -> tuple[Definitions, int]:
+    """The definitions an export was made under, and the registry version they were applied in."""
+    expected = manifest["definition_hashes"]
+    views = list(expected)
+    specs = current.specs()["feature_view"]
+    if all(v in specs and value_hash(specs[v]["spec"]) == expected[v] for v in views):
+        return current, manifest.get("registry_version") or registry.current()["version"]
+    number = manifest.get("registry_version")
+    if number is not None and number in registry.versions():
+        state = registry.version(number)
+        if applied_hashes(state, views) == expected:
+            return applied_definitions(state), number
+    raise FeatureStoreError(
+        f"the definitions of {sorted(v for v in views if v not in specs or value_hash(specs[v]['spec']) != expected[v])} "
+        "changed since this dataset was exported and the registry holds no applied version matching the manifest; "
+        "check out and apply the definitions the manifest names to reproduce it"
+    )

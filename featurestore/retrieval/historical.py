@@ -27,14 +27,14 @@ import pyarrow.parquet as pq
 from featurestore.aggregation import sql as aggregation_sql
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
+from featurestore.offline.base import OfflineStore
+from featurestore.registry.loader import Definitions
 from featurestore.retrieval.refs import ViewRequest, resolve
 from featurestore.sources import ident, is_nanoseconds, quote, utc_micros_sql
 from featurestore.types import castable
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from featurestore.feature_store import FeatureStore
 
 ROW = "__fs_row"
 TS = "__fs_ts"
@@ -47,18 +47,19 @@ class RetrievalJob:
 
     con: duckdb.DuckDBPyConnection
     sql: str
-    table_versions: dict[str, int | None]   # Delta version read per view (for manifests)
+    table_versions: dict[str, int | None]   # table version read per view (for manifests)
+    history_tables: dict[str, str]          # history table (view version) read per view
     feature_types: dict[str, pa.DataType]   # output feature column -> declared Arrow type
 
     @classmethod
     def build(
-        cls, store: "FeatureStore", entity_df: Any, features: Sequence[str] | None,
+        cls, defs: Definitions, offline: OfflineStore, entity_df: Any, features: Sequence[str] | None,
         feature_service: str | FeatureService | None, full_feature_names: bool,
         as_of: Literal["event", "created"] = "event", versions: dict[str, int | None] | None = None,
     ) -> "RetrievalJob":
+        """Prepare the join of ``defs``' views' histories in ``offline`` (at ``versions``, default latest)."""
         if as_of not in ("event", "created"):
             raise RequestError(f"as_of must be 'event' or 'created', not {as_of!r}")
-        defs = store.definitions
         requests = resolve(defs, features, feature_service, full_feature_names)
         con = duckdb.connect()
         con.execute("SET TimeZone = 'UTC'")
@@ -87,10 +88,10 @@ class RetrievalJob:
                 table_versions[req.view.name] = None
             else:
                 wanted = versions.get(req.view.name) if versions is not None else None
-                table_versions[req.view.name] = store.offline_store.register(con, req.view.name, f"__hist{i}", schema, version=wanted)
+                table_versions[req.view.name] = offline.register(con, req.view.history_table, f"__hist{i}", schema, version=wanted)
         sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types)
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
-        return cls(con, sql, table_versions, types)
+        return cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
 
     def _fix_types(self, batch: pa.RecordBatch | pa.Table):
         schema = pa.schema([pa.field(f.name, self.feature_types.get(f.name, f.type)) for f in batch.schema])

@@ -25,8 +25,6 @@ from featurestore.retrieval.refs import ViewRequest, resolve
 if TYPE_CHECKING:
     import pandas as pd
 
-    from featurestore.feature_store import FeatureStore
-
 PRESENT, NOT_FOUND, NULL_VALUE, OUTSIDE_MAX_AGE = "PRESENT", "NOT_FOUND", "NULL_VALUE", "OUTSIDE_MAX_AGE"
 
 
@@ -320,13 +318,3 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
             raise RequestError(f"every entity row needs the same keys; {sorted(r)} differs from {sorted(keys)}")
     return {k: [r[k] for r in entities] for k in keys}
 
-
-def get_online_features(
-    store: "FeatureStore", entity_rows: Any, features: Sequence[str] | None,
-    feature_service: str | FeatureService | None, full_feature_names: bool, at: datetime | None = None,
-) -> OnlineResponse:
-    query = OnlineQuery.prepare(
-        store.definitions, store.config.project, entity_rows, features, feature_service, full_feature_names,
-        store.config.max_request_entities, now=at,
-    )
-    return query.assemble(store.online_store.read(query.lookups, query.ranges))
