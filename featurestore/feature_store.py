@@ -152,7 +152,7 @@ class FeatureStore:
         def announce(name: str, version: int, stage: str) -> None:
             self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
-        return ModelRegistry(self.config.data_dir / "models", announce)
+        return ModelRegistry(self.config.data_dir / "models", self.config.registry_path / "models.json", announce)
 
     # ------------------------------------------------------------ stores
 

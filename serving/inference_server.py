@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
-from featurestore.retrieval.online import PRESENT, OnlineQuery
+from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from featurestore.auth import Authenticator
 from serving.common import FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
@@ -152,9 +152,9 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         predictions = []
         for row in range(n):
             predictions.append({
-                "score": float(scores[row]),
+                "score": json_number(float(scores[row])),
                 "features": {
-                    name: {"value": response.values[keys + j][row], "status": response.statuses[keys + j][row],
+                    name: {"value": json_number(response.values[keys + j][row]), "status": response.statuses[keys + j][row],
                            "event_timestamp": response.event_timestamps[keys + j][row]}
                     for j, name in enumerate(feature_names)
                 },

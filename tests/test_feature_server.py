@@ -261,3 +261,17 @@ def test_a_damaged_registry_is_a_clear_error_and_never_stops_serving(client, tmp
     listed = subprocess.run([sys.executable, "-m", "featurestore.cli", "list", "--repo", str(tmp_path / "repo")],
                             capture_output=True, text=True, timeout=60)
     assert listed.returncode == 1 and "registry.json is damaged" in listed.stderr and "Traceback" not in listed.stderr
+
+
+def test_nan_and_infinity_are_told_apart_from_missing(tmp_path, redis_url, monkeypatch):
+    """Issue #11: NaN/inf were served as JSON null with status PRESENT, indistinguishable from missing."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+        store.push("events", {"card_id": [1, 2, 3, 4], "amount": [float("nan"), float("inf"), float("-inf"), None],
+                              "country": ["FR"] * 4, "event_timestamp": [NOW - timedelta(seconds=1)] * 4})
+    with TestClient(create_app(root)) as client:
+        body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1, 2, 3, 4, 5]}}).json()
+    assert body["results"][1]["values"] == ["NaN", "Infinity", "-Infinity", None, None]
+    assert body["results"][1]["statuses"] == ["PRESENT"] * 3 + ["NULL_VALUE", "NOT_FOUND"]

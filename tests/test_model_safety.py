@@ -8,7 +8,8 @@ import pickle
 
 import pytest
 
-from featurestore.training.model_registry import ModelRegistry
+from featurestore.errors import FeatureStoreError
+from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
 
 
 class Payload:
@@ -29,8 +30,16 @@ def test_a_pickle_payload_in_model_pt_does_not_run(tmp_path):
     (folder / "card.json").write_text(json.dumps({"weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}))
     (folder / "preprocessing.json").write_text("{}")
     (tmp_path / "models" / "fraud" / "aliases.json").write_text(json.dumps({"production": 1}))
+    registry = ModelRegistry(tmp_path / "models", tmp_path / "registry" / "models.json")
+    # the ledger lives outside the models folder: a forged version is refused before it is read
+    with pytest.raises(FeatureStoreError, match="not in the registry's ledger"):
+        registry.load("fraud", "production")
+    # even with the ledger forged too, weights are read as data only
+    ledger = {"fraud": {"1": {f: hashlib.sha256((folder / f).read_bytes()).hexdigest() for f in MODEL_FILES}}}
+    registry.ledger.parent.mkdir()
+    registry.ledger.write_text(json.dumps(ledger))
     with pytest.raises(Exception, match="(?i)weights only|unpickl|unsupported"):
-        ModelRegistry(tmp_path / "models").load("fraud", "production")
+        registry.load("fraud", "production")
     assert not marker.exists()
 
 

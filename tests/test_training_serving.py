@@ -120,6 +120,17 @@ def test_model_versions_are_immutable_and_promotable(trained):
         registry.promote("fraud", 999, "staging")
 
 
+def test_promote_refuses_a_version_that_does_not_load(trained):
+    """Issue #13: `promote` accepted a version whose file could not be loaded; every later restart failed."""
+    registry = model_registry(trained["store"])
+    version = registry.register("fraud", trained["run"])
+    weights = registry.root / "fraud" / str(version) / "model.pt"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated (or edited) after registering
+    with pytest.raises(FeatureStoreError, match=r"does not load.*differ from the hashes"):
+        registry.promote("fraud", version, "production")
+    assert registry.aliases("fraud").get("production") != version
+
+
 def test_inference_server_scores_reports_statuses_and_logs(trained):
     app = create_app(DEFINITIONS, "fraud", "production")
     with TestClient(app) as client:

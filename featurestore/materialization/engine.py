@@ -11,6 +11,7 @@ registry state."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Literal, Sequence
@@ -18,7 +19,7 @@ from typing import Literal, Sequence
 import duckdb
 import pyarrow as pa
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
@@ -40,6 +41,7 @@ class ViewReport:
     online_rows: int = 0
     rejected_rows: int = 0
     reject_sample: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 @dataclass
@@ -52,6 +54,7 @@ class MaterializationReport:
             lines.append(
                 f"{v.view}: {v.computed_rows} rows computed, {v.new_offline_rows} new in history, "
                 f"{v.online_rows} written online, {v.rejected_rows} rejected"
+                + (f" in {v.seconds:.1f} s ({v.computed_rows / v.seconds:,.0f} rows/s)" if v.seconds else "")
             )
             lines += [f"    rejected: {r}" for r in v.reject_sample]
         return "\n".join(lines)
@@ -72,15 +75,19 @@ class Materializer:
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
         end = end or datetime.now(timezone.utc)
         report = MaterializationReport()
-        with Progress(console=Console(stderr=True), disable=not self.progress, transient=True) as bar:
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("views"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+        with Progress(*columns, console=Console(stderr=True), disable=not self.progress, transient=True) as bar:
             task = bar.add_task("materializing", total=len(selected))
             for view in selected:
                 bar.update(task, description=f"materializing {view.name}")
+                began = time.perf_counter()
                 con = connection()
                 register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
                 report.views.append(
                     self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
                 )
+                report.views[-1].seconds = time.perf_counter() - began
                 bar.advance(task)
         return report
 

@@ -7,6 +7,7 @@ Split in three steps so the SDK (sync) and the servers (async) share everything 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -45,11 +46,13 @@ class OnlineResponse:
         """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``.
 
         Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``,
-        and, as Feast does, the epoch (1970) where there is no event time (keys, missing values)."""
+        and, as Feast does, the epoch (1970) where there is no event time (keys, missing values).
+        NaN and infinities become ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (protobuf's JSON
+        mapping, as Feast's server writes them): JSON has no such numbers, and ``null`` means missing."""
         return {
             "metadata": {"feature_names": self.feature_names},
             "results": [
-                {"values": v, "statuses": s, "event_timestamps": [t or EPOCH for t in ts]}
+                {"values": json_numbers(v), "statuses": s, "event_timestamps": [t or EPOCH for t in ts]}
                 for v, s, ts in zip(self.values, self.statuses, self.event_timestamps)
             ],
         }
@@ -61,6 +64,26 @@ class OnlineResponse:
         if include_statuses:
             data.update({f"{n}__status": s for n, s in zip(self.feature_names, self.statuses)})
         return pd.DataFrame(data)
+
+
+_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_number(v: Any) -> Any:
+    """A float JSON can carry: non-finite floats as protobuf's JSON strings (see ``to_rest``)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return _NON_FINITE[repr(v)]
+    if isinstance(v, list):
+        return [json_number(x) for x in v]
+    return v
+
+
+def json_numbers(values: list[Any]) -> list[Any]:
+    """``values`` with non-finite floats replaced; the list itself when it has none (the usual case)."""
+    for v in values:
+        if (isinstance(v, float) and not math.isfinite(v)) or isinstance(v, list):
+            return [json_number(x) for x in values]
+    return values
 
 
 def _integer(v: Any) -> bool:

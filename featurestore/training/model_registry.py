@@ -6,10 +6,17 @@ Layout under ``<data_dir>/models``::
     <name>/<version>/preprocessing.json
     <name>/<version>/card.json         service, definition hashes, dataset manifest hash, metrics, weights hash
     <name>/aliases.json                {"production": 3, "staging": 4}
+
+The SHA-256 of each version's files is also kept in a ledger outside the models folder (the
+repo's registry directory, ``models.json``): whoever can write the models folder cannot make a
+forged file load, since ``load`` checks every file against the ledger first (and then reads
+weights with ``weights_only=True``). ``promote`` loads the version before it moves an alias.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
@@ -50,10 +57,40 @@ class LoadedModel:
         return score(self.model, x_num, x_cat, self.card["task"]).numpy().astype(np.float32)
 
 
+MODEL_FILES = ("model.pt", "preprocessing.json", "card.json")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 class ModelRegistry:
-    def __init__(self, root: Path, announce: Callable[[str, int, str], None] | None = None):
+    def __init__(self, root: Path, ledger: Path, announce: Callable[[str, int, str], None] | None = None):
         self.root = Path(root)
+        self.ledger = Path(ledger)
         self.announce = announce
+
+    def _ledger(self) -> dict[str, dict[str, dict[str, str]]]:
+        return json.loads(self.ledger.read_text()) if self.ledger.exists() else {}
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.ledger.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def verify(self, name: str, version: int) -> None:
+        """Raise unless every file of the version is byte for byte what was registered."""
+        recorded = self._ledger().get(name, {}).get(str(version))
+        if recorded is None:
+            raise FeatureStoreError(f"model {name} v{version} is not in the registry's ledger ({self.ledger}): "
+                                    "it was not registered here; register it with `featurestore train --register`")
+        folder = self.root / name / str(version)
+        changed = [f for f in MODEL_FILES if not (folder / f).exists() or _sha256(folder / f) != recorded[f]]
+        if changed:
+            raise FeatureStoreError(f"model {name} v{version}: {changed} differ from the hashes recorded at registration "
+                                    "(modified after registering?); register the model again")
 
     def register(self, name: str, run_dir: Path) -> int:
         run_dir = Path(run_dir)
@@ -76,6 +113,10 @@ class ModelRegistry:
             "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
         }
         (staging / "card.json").write_text(json.dumps(card, indent=2))
+        with self._locked():
+            ledger = self._ledger()
+            ledger.setdefault(name, {})[str(version)] = {f: _sha256(staging / f) for f in MODEL_FILES}
+            atomic_write(self.ledger, json.dumps(ledger, indent=1).encode())
         staging.rename(self.root / name / str(version))  # versions appear whole, never partly written
         return version
 
@@ -95,6 +136,10 @@ class ModelRegistry:
             raise FeatureStoreError(f"stage must be one of {STAGES}, not {stage!r}")
         if version not in self.versions(name):
             raise NotFoundError(f"model {name!r} has no version {version}; versions: {self.versions(name)}")
+        try:
+            self.load(name, version)  # a version that does not load would break every later restart
+        except Exception as exc:
+            raise FeatureStoreError(f"model {name} v{version} does not load, so it is not promoted: {exc}") from exc
         aliases = {**self.aliases(name), stage: version}
         atomic_write(self.root / name / "aliases.json", json.dumps(aliases, indent=2).encode())
         if self.announce:
@@ -117,9 +162,8 @@ class ModelRegistry:
     def load(self, name: str, ref: str | int = "production") -> LoadedModel:
         version = self.resolve(name, ref)
         folder = self.root / name / str(version)
+        self.verify(name, version)
         card = self.card(name, version)
-        if hashlib.sha256((folder / "model.pt").read_bytes()).hexdigest() != card["weights_sha256"]:
-            raise FeatureStoreError(f"model {name} v{version}: weights do not match the card's hash (file modified?)")
         saved = torch.load(folder / "model.pt", weights_only=True)
         cfg = saved["config"]
         model = TabularMLP(cfg["numeric_width"], cfg["vocab_sizes"], cfg["hidden"], cfg["embedding_dim"], cfg["outputs"])
