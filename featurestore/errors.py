@@ -34,3 +34,7 @@ class BadRowsError(FeatureStoreError):
 
 class ForbiddenError(FeatureStoreError):
     """The caller's API key lacks the scope an action needs."""
+
+
+class ConflictError(FeatureStoreError):
+    """The request conflicts with an earlier one (an idempotency key reused for other rows, a job already running)."""

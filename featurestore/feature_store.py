@@ -263,13 +263,16 @@ class FeatureStore:
         are new, so rows arriving late, whatever their event time, are never skipped."""
         return self.materialize(None, end, views, **kw)
 
-    def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict", to: Literal["online", "offline", "online_and_offline"] = "online_and_offline") -> int:
-        """Validate rows against the push source and write them; returns the row count."""
+    def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict",
+             to: Literal["online", "offline", "online_and_offline"] = "online_and_offline", idempotency_key: str | None = None) -> int:
+        """Validate rows against the push source and write them; returns the row count.
+
+        Retrying a push? Pass the same ``idempotency_key`` each time: the rows are then kept once."""
         from featurestore.materialization.push import push
 
         readers = [v.name for v in self.definitions.feature_views.values() if getattr(v.source, "name", None) == push_source_name]
         self.require_applied([push_source_name, *self._used_by(readers)])
-        return push(self.materializer(), self.push_buffer, push_source_name, df, to)
+        return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key)
 
     # ------------------------------------------------------------ retrieval
 

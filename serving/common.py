@@ -20,7 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from featurestore import FeatureStore
 from featurestore.auth import ApiKey, Authenticator
 from featurestore.config import REPO_ENV
-from featurestore.errors import FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError
+from featurestore.errors import (
+    ConflictError, FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError,
+)
 
 log = logging.getLogger("featurestore.server")
 
@@ -49,6 +51,8 @@ def error_status(exc: Exception) -> int:
         return 403
     if isinstance(exc, NotFoundError):
         return 404
+    if isinstance(exc, ConflictError):
+        return 409
     if isinstance(exc, RequestError):
         return 422
     if isinstance(exc, OnlineStoreUnavailable):

@@ -53,6 +53,8 @@ class PushRequest(BaseModel):
     push_source_name: str = Field(..., examples=["transactions"])
     df: dict[str, list[Any]] = Field(..., description="Column name -> values; timestamps as ISO 8601 strings.")
     to: Literal["online", "offline", "online_and_offline"] = Field("online", description="Feast's default: online only.")
+    idempotency_key: Optional[str] = Field(None, description="Same key on every retry of one push: its rows are kept once "
+                                           "(the `Idempotency-Key` header works too). 409 if reused for other rows.")
 
 
 class MaterializeRequest(BaseModel):
@@ -68,6 +70,7 @@ class MaterializeIncrementalRequest(BaseModel):
 
 ERRORS = {
     404: {"description": "Unknown feature, view, service or push source."},
+    409: {"description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already running)."},
     422: {"description": "Malformed request: missing or mistyped keys, empty or oversized request."},
     503: {"description": "The online store (Redis) is unreachable; retry later."},
 }
@@ -147,7 +150,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
                     frame[field.name] = pd.to_datetime(frame[field.name], utc=True, format="ISO8601")
                 except (ValueError, TypeError, OverflowError) as exc:
                     raise RequestError(f"column {field.name!r} holds values that are not timestamps: {exc}") from exc
-        rows = store.push(body.push_source_name, frame, to=body.to)
+        rows = store.push(body.push_source_name, frame, to=body.to,
+                          idempotency_key=body.idempotency_key or request.headers.get("idempotency-key"))
         return {"pushed_rows": rows}
 
     @app.post("/materialize", responses=ERRORS, summary="Materialize views over an event-time window into both stores")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import duckdb
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -275,3 +276,27 @@ def test_nan_and_infinity_are_told_apart_from_missing(tmp_path, redis_url, monke
         body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1, 2, 3, 4, 5]}}).json()
     assert body["results"][1]["values"] == ["NaN", "Infinity", "-Infinity", None, None]
     assert body["results"][1]["statuses"] == ["PRESENT"] * 3 + ["NULL_VALUE", "NOT_FOUND"]
+
+
+def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
+    """Issue #11: the same batch pushed twice at once (a client retry) duplicated every history row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 500
+    body = {"push_source_name": "events", "to": "online_and_offline", "idempotency_key": "batch-7", "df": {
+        "card_id": list(range(n)), "amount": [float(i) for i in range(n)], "country": ["FR"] * n,
+        "event_timestamp": [(NOW - timedelta(minutes=1)).isoformat()] * n}}
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: client.post("/push", json=body), range(3)))
+    assert [a.status_code for a in answers] == [200] * 3
+    retried = client.post("/push", json={**body, "idempotency_key": None}, headers={"Idempotency-Key": "batch-7"})
+    assert retried.status_code == 200
+    other = client.post("/push", json={**body, "df": {**body["df"], "amount": [1.0] * n}})
+    assert other.status_code == 409 and "batch-7" in other.json()["detail"]
+    with FeatureStore(tmp_path / "repo") as store:
+        store.flush()
+        con = duckdb.connect()
+        store.offline_store.register(con, "spend", "history", store.definitions.history_schema(store.get_feature_view("spend")))
+        assert con.execute("SELECT count(*), count(DISTINCT card_id) FROM history").fetchone() == (n, n)
+    # without a key, a re-push is a new fact (a reverted correction must win again): kept
+    assert client.post("/push", json={**body, "idempotency_key": None}).status_code == 200

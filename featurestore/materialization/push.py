@@ -9,16 +9,19 @@ so views with a transformation over the source see them at the next materializat
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.ipc  # noqa: F401  (pa.ipc)
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from featurestore.errors import BadRowsError, RequestError
+from featurestore.errors import BadRowsError, ConflictError, RequestError
 from featurestore.materialization.engine import Materializer
 from featurestore.offline.buffer import APP_ID, PushBuffer
+from featurestore.online.codec import datetime_to_micros, micros_to_datetime
 from featurestore.sources import INGESTED_AT, connection, push_log_path
 
 TARGETS = ("online", "offline", "online_and_offline")
@@ -32,8 +35,13 @@ def _as_table(df: Any) -> pa.Table:
     return pa.Table.from_pandas(df, preserve_index=False)
 
 
-def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: Any, to: str = "online_and_offline") -> int:
-    """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``)."""
+def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: Any, to: str = "online_and_offline",
+         idempotency_key: str | None = None) -> int:
+    """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``).
+
+    A re-push of the same rows is a new fact (a correction reverted must win again), so a client
+    that *retries* passes the same ``idempotency_key``: every attempt then takes the first
+    attempt's ingest time, so the rows are identical to it and both stores keep them once."""
     if to not in TARGETS:
         raise RequestError(f"`to` must be one of {list(TARGETS)}, not {to!r}")
     defs = materializer.defs
@@ -55,6 +63,8 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
     now = datetime.now(timezone.utc)
+    if idempotency_key is not None:
+        now = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
     table = pa.table([*columns, pa.array([now] * table.num_rows, pa.timestamp("us", tz="UTC"))], names=[*expected, INGESTED_AT])
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
@@ -70,6 +80,22 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
         buffer.append(f"log:{source_name}", table)
     flush(materializer, buffer, only_due=True)
     return table.num_rows
+
+
+IDEMPOTENCY_SECONDS = 24 * 3600  # how long a retry is recognised
+
+
+def _first_attempt(materializer: Materializer, key: str, rows: pa.Table, now: datetime) -> datetime:
+    if not key or len(key) > 200:
+        raise RequestError("an idempotency key is 1 to 200 characters")
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rows.schema) as writer:
+        writer.write_table(rows)
+    fingerprint = hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()[:32]
+    first_us, recorded = materializer.online.first_use(key, fingerprint, datetime_to_micros(now), IDEMPOTENCY_SECONDS)
+    if recorded != fingerprint:
+        raise ConflictError(f"idempotency key {key!r} was used for different rows; use a new key for new rows")
+    return micros_to_datetime(first_us)
 
 
 def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False) -> int:

@@ -241,6 +241,17 @@ class RedisOnlineStore:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
+    def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:
+        """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is
+        recorded (a retry gets the first attempt's time and fingerprint)."""
+        name = self.prefix + b"idem:" + key.encode()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(name, f"{now_us}:{fingerprint}", nx=True, ex=keep_seconds)
+        pipe.get(name)
+        recorded = pipe.execute()[1].decode()
+        first, _, recorded_fingerprint = recorded.partition(":")
+        return int(first), recorded_fingerprint
+
     def publish(self, channel: bytes, message: str) -> None:
         """Broadcast to every subscribed server (model promotions)."""
         self.client.publish(self.prefix + channel, message)
