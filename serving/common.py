@@ -174,7 +174,12 @@ def repo_from_env() -> Path:
 
 
 ROUTE_SCOPES = {"/push": "push", "/write-to-online-store": "push", "/materialize": "materialize",
-                "/materialize-incremental": "materialize"}  # every other route needs "read"
+                "/materialize-incremental": "materialize", "/jobs": "materialize"}  # every other route needs "read"
+
+
+def route_scope(path: str) -> str:
+    """The scope a path needs: by its first segment (``/jobs/abc`` as ``/jobs``)."""
+    return ROUTE_SCOPES.get(path) or ROUTE_SCOPES.get("/" + path.split("/")[1], "read")
 
 
 def caller(request: Request) -> ApiKey | None:
@@ -230,7 +235,7 @@ class FastLane:
             if key is None:
                 await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
                 return
-            needed = ROUTE_SCOPES.get(scope.get("path", ""), "read")
+            needed = route_scope(scope.get("path", ""))
             if not (key.allows(needed) or (needed == "push" and any(s.startswith("push:") for s in key.scopes))):
                 await _reply(send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}))
                 return

@@ -12,7 +12,7 @@ import contextlib
 import gc
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import orjson
 import pandas as pd
@@ -24,6 +24,7 @@ from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUn
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.auth import Authenticator
+from serving.jobs import JobRunner
 from serving.common import caller, FastLane, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
@@ -80,6 +81,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     """The feature server; with ``log_features``, lookups by feature service are logged (Delta, off the request path)."""
     watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
     metrics = Metrics("featurestore_feature_server")
+    jobs = JobRunner()
     loggers: dict[str, FeatureLogger] = {}
 
     def logger_for(service: str) -> FeatureLogger:
@@ -94,6 +96,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         gc.freeze()  # startup objects live forever: keep them out of GC scans (fewer latency spikes)
         yield
         task.cancel()
+        jobs.shutdown()
         for logger in loggers.values():
             logger.close()
         watcher.current.close()
@@ -154,15 +157,32 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
                           idempotency_key=body.idempotency_key or request.headers.get("idempotency-key"))
         return {"pushed_rows": rows}
 
-    @app.post("/materialize", responses=ERRORS, summary="Materialize views over an event-time window into both stores")
-    def materialize(body: MaterializeRequest) -> dict[str, Any]:
-        report = watcher.current.materialize(body.start_ts, body.end_ts, body.feature_views)
-        return {"views": [vars(v) for v in report.views]}
+    def start_job(kind: str, views: list[str] | None, run: Callable[[Any], Any]) -> Response:
+        store = watcher.current
+        for name in views or []:
+            store.definitions.view(name)  # 404 now, not a failed job later
+        job = jobs.submit(kind, views or [], lambda: {"views": [vars(v) for v in run(watcher.current).views]})
+        return json_response(jobs.describe(job), 202)
 
-    @app.post("/materialize-incremental", responses=ERRORS, summary="Materialize everything not yet written (late rows included)")
-    def materialize_incremental(body: MaterializeIncrementalRequest) -> dict[str, Any]:
-        report = watcher.current.materialize_incremental(body.end_ts, body.feature_views)
-        return {"views": [vars(v) for v in report.views]}
+    @app.post("/materialize", status_code=202, responses=ERRORS,
+              summary="Start materializing views over an event-time window into both stores (a background job)")
+    def materialize(body: MaterializeRequest) -> Response:
+        return start_job("materialize", body.feature_views,
+                         lambda store: store.materialize(body.start_ts, body.end_ts, body.feature_views))
+
+    @app.post("/materialize-incremental", status_code=202, responses=ERRORS,
+              summary="Start materializing everything not yet written, late rows included (a background job)")
+    def materialize_incremental(body: MaterializeIncrementalRequest) -> Response:
+        return start_job("materialize-incremental", body.feature_views,
+                         lambda store: store.materialize_incremental(body.end_ts, body.feature_views))
+
+    @app.get("/jobs/{job_id}", responses=ERRORS, summary="A background job's state: queued, running, succeeded (with its report) or failed")
+    def job_status(job_id: str) -> Response:
+        return json_response(jobs.describe(jobs.get(job_id)))
+
+    @app.get("/jobs", summary="Recent background jobs, oldest first")
+    def job_list() -> Response:
+        return json_response({"jobs": [jobs.describe(j) for j in jobs.list()]})
 
     @app.get("/health", responses={503: ERRORS[503]}, summary="Liveness and Redis reachability")
     async def health() -> Response:
