@@ -8,8 +8,17 @@ from featurestore.online.embedded import EmbeddedRedis
 
 
 def _server_pids(socket: str) -> list[str]:
+    """redis-server processes on ``socket`` (not their supervisor, whose command line names it too)."""
     out = subprocess.run(["pgrep", "-f", socket], capture_output=True, text=True).stdout
-    return out.split()
+    return [pid for pid in out.split() if "featurestore.online.embedded" not in _cmdline(pid)]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def test_embedded_redis_lifecycle(tmp_path):
@@ -20,8 +29,10 @@ def test_embedded_redis_lifecycle(tmp_path):
     client.set("k", "v")
     # a second handle on the same data dir attaches instead of starting another server
     other = EmbeddedRedis(tmp_path)
-    assert other.ensure_running() == url and other.process is None
-    server.stop()
+    assert other.ensure_running() == url and not other.started
+    server.stop()  # another user remains: the server stays
+    assert client.ping()
+    other.stop()  # the last one out stops it
     assert not _server_pids(str(server.socket))
     assert not server.socket.exists()
     # append-only persistence: the value survives a restart
@@ -38,10 +49,10 @@ def test_concurrent_starts_share_one_server(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         urls = list(pool.map(lambda h: h.ensure_running(), handles))
     assert len(set(urls)) == 1
-    owners = [h for h in handles if h.process is not None]
-    assert len(owners) == 1
-    owners[0].stop()
-    assert not _server_pids(str(owners[0].socket))
+    assert sum(h.started for h in handles) == 1 and len(_server_pids(str(handles[0].socket))) == 1
+    for h in handles:
+        h.stop()
+    assert not _server_pids(str(handles[0].socket))
 
 
 def test_unreachable_redis_errors_never_show_the_password():
@@ -68,7 +79,7 @@ def test_a_hung_server_is_never_joined_by_a_second_one(tmp_path):
 
     server = EmbeddedRedis(tmp_path)
     server.ensure_running()
-    pid = server.process.pid
+    pid = server.redis_pid()
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(OnlineStoreUnavailable, match=f"pid {pid}.*no second one"):
@@ -106,5 +117,68 @@ def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
     time.sleep(1.0)  # consuming
     stream.send_signal(signal.SIGTERM)
     stream.wait(timeout=30)
-    time.sleep(0.5)
     assert not _server_pids(str(socket))
+
+
+def _wait_gone(socket, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while _server_pids(str(socket)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _server_pids(str(socket))
+
+
+def _hold(data_dir, *extra: str) -> subprocess.Popen:
+    """Another process using the embedded Redis of ``data_dir`` until killed; prints its URL."""
+    import sys
+
+    code = ("import sys, time; from featurestore.online.embedded import EmbeddedRedis; "
+            f"print(EmbeddedRedis({str(data_dir)!r}).ensure_running(), flush=True); time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("unix://")
+    return process
+
+
+def test_one_server_per_directory_shared_until_the_last_user_leaves(tmp_path):
+    """Issue #11: the replica that started Redis shut it down on exit while other replicas used it
+    (6 x 503 on a rolling restart); a kill -9 of the starter left it orphaned or stopped it."""
+    import os
+    import signal
+
+    first, second = _hold(tmp_path), _hold(tmp_path)
+    socket = EmbeddedRedis(tmp_path).socket
+    assert len(_server_pids(str(socket))) == 1
+    first.kill()  # the starter dies by SIGKILL: no cleanup ran, the other user keeps its server
+    first.wait()
+    import time
+
+    time.sleep(1.0)  # longer than the supervisor's idle grace
+    assert redis.Redis(unix_socket_path=str(socket)).ping()
+    second.kill()  # the last user dies too: the supervisor stops the server
+    second.wait()
+    assert _wait_gone(socket)
+    # and a killed supervisor takes its redis-server with it (parent-death signal), never an orphan
+    third = _hold(tmp_path)
+    supervisor = int(subprocess.run(["pgrep", "-f", "featurestore.online.embedded " + str(tmp_path)], capture_output=True,
+                                    text=True).stdout.split()[0])
+    os.kill(supervisor, signal.SIGKILL)
+    assert _wait_gone(socket)
+    third.kill()
+    third.wait()
+
+
+def test_the_embedded_redis_files_are_private(tmp_path):
+    import stat
+
+    server = EmbeddedRedis(tmp_path)
+    server.ensure_running()
+    redis.Redis.from_url(server.url).set("secret", "v")
+    try:
+        assert stat.S_IMODE(server.data_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(server.socket.parent.stat().st_mode) == 0o700
+        for f in server.data_dir.rglob("*"):
+            if f.is_file() and not f.name.endswith(".lock"):
+                assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, f
+    finally:
+        server.stop()

@@ -167,13 +167,13 @@ def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(own_redis):
     import signal
 
     server, client = own_redis
-    os.kill(server.process.pid, signal.SIGSTOP)
+    os.kill(server.redis_pid(), signal.SIGSTOP)
     try:
         for _ in range(3):  # each answers (503) after the read timeout, none hangs
             assert client.post("/get-online-features", json=LOOKUP).status_code == 503
         assert client.get("/health").status_code == 503
     finally:
-        os.kill(server.process.pid, signal.SIGCONT)
+        os.kill(server.redis_pid(), signal.SIGCONT)
     up = client.post("/get-online-features", json=LOOKUP)
     assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
 

