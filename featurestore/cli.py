@@ -29,6 +29,7 @@ err_console = Console(stderr=True)
 RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
 LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
 AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
+LogFormatOption = typer.Option("text", help="Server log lines as text, or json (one object per line, for log shippers).")
 
 
 def _store(repo: Path):
@@ -232,15 +233,17 @@ def serve(
     log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
+    log_format: str = LogFormatOption,
 ) -> None:
     """Run the feature server (OpenAPI docs at /docs)."""
     import os
 
     os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
-    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log)
+    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
-def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool) -> None:
+def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool,
+                log_format: str = "text") -> None:
     import os
 
     import uvicorn
@@ -256,11 +259,30 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
     store.require_applied()  # fail here, readably, rather than in every worker
     store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
+    if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # /metrics sums every worker's samples
+        import atexit
+        import shutil
+        import tempfile
+
+        metrics_dir = tempfile.mkdtemp(prefix="featurestore-metrics-")
+        atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
-    err_console.print(
-        f"featurestore: serving {repo.resolve()} (registry v{store.registry.current()['version']}) on "
-        f"http://{host}:{port} with {workers} worker(s), {auth}; docs at /docs", markup=False, soft_wrap=True)
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level=log_level, access_log=access_log)
+    started = (f"featurestore: serving {repo.resolve()} (registry v{store.registry.current()['version']}) on "
+               f"http://{host}:{port} with {workers} worker(s), {auth}; docs at /docs")
+    from featurestore.logs import LOG_FORMATS, JsonFormatter, uvicorn_log_config
+
+    if log_format not in LOG_FORMATS:
+        raise FeatureStoreError(f"--log-format is one of {list(LOG_FORMATS)}, not {log_format!r}")
+    if log_format == "json":
+        import logging
+
+        print(JsonFormatter().format(logging.makeLogRecord({"name": "featurestore", "levelname": "INFO", "msg": started})),
+              file=sys.stderr, flush=True)
+    else:
+        err_console.print(started, markup=False, soft_wrap=True)
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level=log_level, access_log=access_log,
+                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {}))
 
 
 @app.command("api-key")
@@ -289,12 +311,13 @@ def serve_model(
     workers: int = typer.Option(1, help="Worker processes (replicas all follow promotions)."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
+    log_format: str = LogFormatOption,
 ) -> None:
     """Run the inference server: POST /predict scores from online features."""
     import os
 
     os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"] = model, stage
-    _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log)
+    _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
 @app.command("train")

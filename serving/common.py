@@ -16,6 +16,8 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from featurestore import FeatureStore
 from featurestore.auth import ApiKey, Authenticator
@@ -75,9 +77,14 @@ def request_time(body: Any) -> datetime:
 
 
 class Metrics:
-    """Prometheus metrics for one app (its own registry, so tests can build many apps)."""
+    """Prometheus metrics for one app (its own registry, so tests can build many apps).
+
+    With several worker processes (``PROMETHEUS_MULTIPROC_DIR`` set, as ``featurestore serve
+    --workers N`` does) every worker writes its samples to that folder and a scrape of any worker
+    reports the sum over all of them."""
 
     def __init__(self, prefix: str):
+        self.prefix = prefix
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{prefix}_requests_total", "Requests by endpoint and status.", ["endpoint", "status"], registry=self.registry)
         self.latency = Histogram(
@@ -95,8 +102,33 @@ class Metrics:
         children[0].inc()
         children[1].observe(time.perf_counter() - started)
 
-    def response(self) -> Response:
-        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+    def response(self, newest_events: dict[str, int] | None = None) -> Response:
+        """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view freshness."""
+        registry = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+        body = generate_latest(registry)
+        if newest_events:
+            now = time.time()
+            freshness = GaugeMetricFamily(f"{self.prefix}_view_freshness_seconds",
+                                          "Age of the newest event written online, per view.", labels=["view"])
+            for view, us in sorted(newest_events.items()):
+                freshness.add_metric([view], max(0.0, now - us / 1e6))
+            extra = CollectorRegistry()
+            extra.register(_Fixed([freshness]))
+            body += generate_latest(extra)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+
+class _Fixed:
+    """A collector of metric families computed at scrape time."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
 
 
 JsonHandler = Callable[[bytes], Awaitable[tuple[int, bytes]]]

@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Optional
 
 import orjson
 import pandas as pd
+import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
@@ -197,9 +198,14 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
             return json_response({"status": "degraded", "detail": str(exc)}, 503)
         return json_response({"status": "ok", "registry_version": version})
 
-    @app.get("/metrics", summary="Prometheus metrics: request counts, latency histogram, Redis errors")
+    @app.get("/metrics", summary="Prometheus metrics: requests, latency, Redis errors (all workers), per-view freshness")
     async def prometheus() -> Response:
-        return metrics.response()
+        try:
+            newest = await watcher.current.online_store.newest_async()
+        except (redis.RedisError, OSError):
+            metrics.redis_errors.inc()
+            newest = None  # the request metrics still answer during an outage
+        return metrics.response(newest)
 
     config = watcher.current.config
     return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]

@@ -314,3 +314,53 @@ def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
         assert con.execute("SELECT count(*), count(DISTINCT card_id) FROM history").fetchone() == (n, n)
     # without a key, a re-push is a new fact (a reverted correction must win again): kept
     assert client.post("/push", json={**body, "idempotency_key": None}).status_code == 200
+
+
+def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_url, monkeypatch):
+    """Issue #11: each worker counted its own requests (a scrape saw 10 of 20 with 2 workers);
+    logs were text only (here: --log-format json, one object per line)."""
+    import json
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+        store.push("events", {"card_id": [1], "amount": [1.0], "country": ["FR"], "event_timestamp": [NOW - timedelta(seconds=30)]})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
+                               "--workers", "2", "--log-format", "json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for _ in range(20):  # fresh connections spread over both workers
+            assert httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code == 200
+        for _ in range(4):  # whichever worker answers the scrape reports the sum
+            text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
+            found = re.search(r'featurestore_feature_server_requests_total\{endpoint="/get-online-features",status="200"\} (\S+)', text)
+            assert found and float(found.group(1)) == 20
+        age = re.search(r'featurestore_feature_server_view_freshness_seconds\{view="spend"\} (\S+)', text)
+        assert age and 25 <= float(age.group(1)) < 120
+    finally:
+        server.terminate()
+        logs = server.communicate(timeout=30)[1]
+    lines = [json.loads(line) for line in logs.splitlines() if line.strip()]
+    assert lines[0]["message"].startswith("featurestore: serving") and lines[0]["level"] == "info"
+    access = [entry for entry in lines if entry.get("path") == "/get-online-features"]
+    assert len(access) == 20 and {entry["status"] for entry in access} == {200}

@@ -18,6 +18,7 @@ from typing import Literal, Sequence
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -170,6 +171,12 @@ class Materializer:
 
     def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
         """Send history rows online: each entity's latest row, or for aggregated views the events."""
+        written = self._write_online(view, rows, now)
+        if written:
+            self.online.note_newest(view.name, datetime_to_micros(pc.max(rows["event_timestamp"]).as_py()))
+        return written
+
+    def _write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
         stored = [(f.name, f.dtype) for f in view.schema]
         if view.is_aggregated:
             horizon = view.longest_window + self.config.event_retention
@@ -183,6 +190,4 @@ class Materializer:
 
 
 def _max_iso(rows: pa.Table) -> str:
-    import pyarrow.compute as pc
-
     return pc.max(rows["event_timestamp"]).as_py().isoformat()

@@ -70,6 +70,11 @@ return written
 # 8 bytes are the sign-flipped event µs). An event is added only if its id is new: retries
 # and replays never count twice. µs fit a double exactly (< 2^53), and scores are written
 # with %.0f, never Lua's lossy default number format.
+KEEP_MAX = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current or tonumber(current) < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+"""
+
 ADD_EVENTS = """
 local cutoff = tonumber(ARGV[1])
 local horizon_ms = tonumber(ARGV[2])
@@ -137,6 +142,7 @@ class RedisOnlineStore:
         self._async: aioredis.Redis | None = None
         self._write = self.client.register_script(WRITE_IF_NEWER)
         self._add_events = self.client.register_script(ADD_EVENTS)
+        self._note_newest = self.client.register_script(KEEP_MAX)
         self._recovering: asyncio.Future | None = None
 
     @classmethod
@@ -240,6 +246,18 @@ class RedisOnlineStore:
         except (redis.RedisError, OSError) as exc:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
+    def note_newest(self, view: str, event_us: int) -> None:
+        """Remember the newest event time written online for ``view`` (never moves back): the
+        servers export its age as per-view freshness."""
+        self._note_newest(keys=[self.prefix + b"newest"], args=[view, event_us])
+
+    def newest(self) -> dict[str, int]:
+        """``{view: newest event time written online, µs since the epoch}``."""
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
+
+    async def newest_async(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in (await self.async_client.hgetall(self.prefix + b"newest")).items()}
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is
