@@ -327,19 +327,51 @@ def train_command(
     task: str = typer.Option("classification", help="classification or regression."),
     request_input: list[str] = typer.Option(None, "--request-input", help="Request-time input column (repeatable)."),
     epochs: int = typer.Option(4, help="Epochs."),
-    resume: Optional[str] = typer.Option(None, help="Resume this run id from its last checkpoint."),
+    batch_size: int = typer.Option(512, help="Rows per step on each rank."),
+    seed: int = typer.Option(0, help="Seeds weights, data order and each rank's share of the rows."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
+    bf16: bool = typer.Option(False, help="bfloat16 autocast on CUDA."),
+    nproc_per_node: int = typer.Option(1, help="Training processes on this machine (runs torchrun: gloo on CPU, NCCL on CUDA)."),
+    nnodes: int = typer.Option(1, help="Machines in the run (each runs this command with its --node-rank)."),
+    node_rank: int = typer.Option(0, help="This machine's rank among --nnodes."),
+    master_addr: str = typer.Option("127.0.0.1", help="Address of node 0 (with --nnodes > 1)."),
+    master_port: int = typer.Option(29500, help="Port on node 0 (with --nnodes > 1)."),
+    shard_group_size: int = typer.Option(1, help="Ranks sharing one sharded model replica (FSDP); the world is sync groups x this."),
+    sync_every: int = typer.Option(0, help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD)."),
+    resume: Optional[str] = typer.Option(None, help="Resume this run id from its last checkpoint (on any number of processes)."),
     register: Optional[str] = typer.Option(None, help="Register the trained model under this name."),
     repo: Path = RepoOption,
 ) -> None:
-    """Train an MLP on an exported dataset; the run is tracked under <data_dir>/runs."""
-    from featurestore.training.trainer import TrainConfig, train
+    """Train an MLP on an exported dataset, on one process or many; the run is tracked under <data_dir>/runs."""
+    import os
+    import subprocess
+
+    from featurestore.training.trainer import TrainConfig, new_run_id, train
 
     store = _store(repo)
-    config = TrainConfig(dataset=str(dataset), label=label, task=task, request_inputs=request_input or [], epochs=epochs)  # type: ignore[arg-type]
-    run = train(config, store.config.data_dir / "runs", resume=resume)
+    config = TrainConfig(dataset=str(dataset), label=label, task=task, request_inputs=request_input or [], epochs=epochs,  # type: ignore[arg-type]
+                         batch_size=batch_size, seed=seed, device=device, bf16=bf16, shard_group_size=shard_group_size,
+                         sync_every=sync_every)
+    runs = store.config.data_dir / "runs"
+    world = nproc_per_node * nnodes
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        if world % shard_group_size:
+            raise FeatureStoreError(f"{world} processes do not split into shard groups of {shard_group_size}")
+        run_id = resume or new_run_id()
+        where = (["--standalone"] if nnodes == 1 else
+                 ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port)])
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), *where,
+                   "-m", "featurestore.training.launch", json.dumps(config.__dict__), str(runs), run_id, *(["--resume"] if resume else [])]
+        if subprocess.run(command).returncode != 0:
+            raise FeatureStoreError(f"distributed training failed (run {run_id}); see the ranks' errors above, "
+                                    f"resume it with --resume {run_id}")
+        if node_rank != 0:
+            return
+        run = runs / run_id
+    else:
+        run = train(config, runs, resume=resume)
     console.print(f"run {run.name}: {json.loads((run / 'final.json').read_text())}")
     if register:
-
         console.print(f"registered {register} v{store.model_registry().register(register, run)}")
 
 

@@ -1,6 +1,11 @@
 """The training recipe: exported dataset → preprocessing → MLP → tracked run with checkpoints.
 
 Read top to bottom: config, data split, preprocessing fit, the loop, evaluation, tracking.
+One process, or many under ``torchrun`` (see ``training.distributed``): every rank fits the
+same preprocessing and starts from the same weights, reads its own share of the rows, and
+takes the same number of steps (a rank out of rows takes zero-weight steps, so collectives
+stay in step). Checkpoints are sharded (``torch.distributed.checkpoint``) and resume on any
+world size; rank 0 also writes the full weights the model registry takes.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from rich.console import Console
 from rich.progress import Progress
 from torch.utils.data import DataLoader
 
+from featurestore.errors import FeatureStoreError
 from featurestore.registry.store import atomic_write
-from featurestore.training.dataset import ExportedDataset, load_manifest
+from featurestore.training import checkpoints, distributed
+from featurestore.training.dataset import Batch, ExportedDataset, load_manifest
 from featurestore.training.metrics import rmse, roc_auc
 from featurestore.training.model import TabularMLP, score
 from featurestore.training.preprocessing import Preprocessor
@@ -43,6 +50,10 @@ class TrainConfig:
     validation_fraction: float = 0.2
     seed: int = 0
     num_workers: int = 0
+    device: str = "auto"             # auto (CUDA when present), cpu, cuda
+    bf16: bool = False               # bfloat16 autocast on CUDA
+    shard_group_size: int = 1        # ranks sharing one sharded replica (FSDP); world = sync groups x this
+    sync_every: int = 0              # 0: replicas in step every step (HSDP); H: average parameters every H steps
 
 
 def code_version() -> str:
@@ -73,66 +84,99 @@ def split_time(dataset_dir: Path, validation_fraction: float) -> int:
     return int(np.quantile(ts.to_numpy(), 1 - validation_fraction))
 
 
-def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progress: bool = True) -> Path:
-    """Run (or resume) training; return the run folder."""
-    torch.manual_seed(config.seed)
-    run_dir = Path(runs_dir) / (resume or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progress: bool = True, run_id: str | None = None) -> Path:
+    """Run (or resume) training; return the run folder. Under torchrun every rank calls this with the same ``run_id``."""
+    layout = distributed.setup(config.device, config.shard_group_size, config.sync_every)
+    try:
+        if layout.distributed and not (run_id or resume):
+            raise FeatureStoreError("a distributed run needs one run id for every rank (featurestore train passes it)")
+        return _train(config, layout, Path(runs_dir) / (resume or run_id or new_run_id()), bool(resume), progress)
+    finally:
+        distributed.teardown(layout)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resume: bool, progress: bool) -> Path:
+    torch.manual_seed(config.seed)  # every rank builds the same initial weights
     run_dir.mkdir(parents=True, exist_ok=True)
     dataset_dir = Path(config.dataset)
     manifest = load_manifest(dataset_dir)
     split = split_time(dataset_dir, config.validation_fraction)
     numeric, categorical = input_columns(config)
-
-    checkpoint_path = run_dir / "checkpoint.pt"
-    if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=True)
-        pre = Preprocessor.from_dict(state["preprocessor"])
-    else:
-        state = None
-        train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
-        train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
-        pre = Preprocessor.fit(train_rows, numeric, categorical)
+    train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
+    train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
+    pre = Preprocessor.fit(train_rows, numeric, categorical)
+    if layout.is_main and not (run_dir / "params.json").exists():
         params = {
             "config": asdict(config), "dataset_manifest_hash": manifest["manifest_hash"],
             "definition_hashes": manifest["definition_hashes"], "feature_service": manifest["feature_service"],
             "features": manifest["features"], "code_version": code_version(), "validation_split_us": split,
+            "layout": layout.describe(),
         }
         atomic_write(run_dir / "params.json", json.dumps(params, indent=2).encode())
 
-    model = TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim)
+    model = distributed.shard_model(TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim), layout)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
-    loss_fn = torch.nn.BCEWithLogitsLoss() if config.task == "classification" else torch.nn.MSELoss()
+    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="none") if config.task == "classification" else torch.nn.MSELoss(reduction="none")
     start_epoch, step = 0, 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch, step = state["epoch"] + 1, state["step"]
+    if resume:
+        saved = checkpoints.load(run_dir, model, optimizer)
+        if saved is not None:
+            start_epoch, step = saved["epoch"] + 1, saved["step"]
 
-    train_data = ExportedDataset(dataset_dir, pre, config.label, config.batch_size, (None, split), seed=config.seed)
+    train_data = ExportedDataset(dataset_dir, pre, config.label, config.batch_size, (None, split), seed=config.seed,
+                                 rank=layout.rank, world=layout.world)
     val_data = ExportedDataset(dataset_dir, pre, config.label, 8192, (split, None), shuffle_buffer_batches=1)
     loader = DataLoader(train_data, batch_size=None, num_workers=config.num_workers)
-    with open(run_dir / "metrics.jsonl", "a") as log, Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
+    idle = _idle_batch(pre)
+    started, rows = time.perf_counter(), 0
+    with open(run_dir / "metrics.jsonl", "a") as log, Progress(console=Console(stderr=True), disable=not (progress and layout.is_main), transient=True) as bar:
         task = bar.add_task("training", total=config.epochs, completed=start_epoch)
         for epoch in range(start_epoch, config.epochs):
             train_data.epoch = epoch
+            steps = max(train_data.batches_per_rank())  # the busiest rank's; the others pad with zero-weight steps
+            batches = iter(loader)
             model.train()
-            for x_num, x_cat, y in loader:
-                loss = loss_fn(model(x_num, x_cat), y)
+            for _ in range(steps):
+                batch = next(batches, None)
+                x_num, x_cat, y = [t.to(layout.device) for t in (batch or idle)]
+                weight = 1.0 if batch is not None else 0.0
+                with autocast:
+                    loss = (loss_fn(model(x_num, x_cat).float(), y) * weight).mean()
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 step += 1
-                log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
-            metrics = evaluate(model, val_data, config.task)
-            log.write(json.dumps({"step": step, "epoch": epoch, **{f"val_{k}": v for k, v in metrics.items()}}) + "\n")
-            log.flush()
-            save_checkpoint(checkpoint_path, model, optimizer, pre, epoch, step)
-            bar.update(task, advance=1, description=f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                rows += len(y) if batch is not None else 0
+                if layout.sync_every and step % layout.sync_every == 0:
+                    distributed.average_across_sync_groups(model, layout)
+                if layout.is_main and batch is not None:
+                    log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
+            distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
+            full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
+            if layout.is_main:
+                metrics = evaluate(full, val_data, config.task)
+                log.write(json.dumps({"step": step, "epoch": epoch, **{f"val_{k}": v for k, v in metrics.items()}}) + "\n")
+                log.flush()
+                bar.update(task, advance=1, description=f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    final = {"step": step, "epochs": config.epochs, **{f"val_{k}": v for k, v in evaluate(model, val_data, config.task).items()}}
-    atomic_write(run_dir / "final.json", json.dumps(final, indent=2).encode())
-    plot_losses(run_dir)
+    rate = distributed.sum_across_ranks(rows, layout) / max(time.perf_counter() - started, 1e-9)
+    if layout.is_main:
+        final = {"step": step, "epochs": config.epochs, "train_samples_per_s": round(rate, 1),
+                 **{f"val_{k}": v for k, v in evaluate(checkpoints.full_model(run_dir), val_data, config.task).items()}}
+        atomic_write(run_dir / "final.json", json.dumps(final, indent=2).encode())
+        plot_losses(run_dir)
+    distributed.barrier(layout)
     return run_dir
+
+
+def _idle_batch(pre: Preprocessor) -> Batch:
+    """One all-zero row: what a rank out of rows trains on, with weight 0."""
+    return (torch.zeros(1, pre.numeric_width), torch.zeros(1, len(pre.vocab_sizes), dtype=torch.long), torch.zeros(1))
 
 
 def evaluate(model: TabularMLP, data: ExportedDataset, task: str) -> dict[str, float]:
@@ -150,14 +194,6 @@ def evaluate(model: TabularMLP, data: ExportedDataset, task: str) -> dict[str, f
         loss = float(-np.mean(y * np.log(s + eps) + (1 - y) * np.log(1 - s + eps)))
         return {"loss": loss, "auc": roc_auc(y, s)}
     return {"loss": float(np.mean((y - s) ** 2)), "rmse": rmse(y, s)}
-
-
-def save_checkpoint(path: Path, model, optimizer, pre: Preprocessor, epoch: int, step: int) -> None:
-    """Atomic: a crash leaves the previous checkpoint, never half of one."""
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "model_config": model.config, "optimizer": optimizer.state_dict(),
-                "preprocessor": pre.to_dict(), "epoch": epoch, "step": step}, tmp)
-    tmp.replace(path)
 
 
 def plot_losses(run_dir: Path) -> None:

@@ -1,0 +1,134 @@
+"""Where training runs: device choice, process groups, and the ``sync × shard`` device mesh.
+
+Ranks form ``sync`` groups of ``shard`` ranks each (world = sync × shard). Inside a shard group
+the model's parameters, gradients and optimizer state are sharded (FSDP2 ``fully_shard``).
+Across shard groups the replicas are kept in step either every step (``sync_every=0``: HSDP,
+gradients reduced over the whole world) or every ``sync_every`` steps by averaging parameters
+(local SGD: shard groups train independently in between, cheap on slow links).
+
+Started by ``torchrun`` (or ``featurestore train --nproc-per-node``, which wraps it); without
+it, training is one plain process with no process group at all. gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from featurestore.errors import FeatureStoreError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """``auto``: CUDA when present, else CPU. ``cuda`` without a GPU is an error, not a silent CPU run."""
+    if choice not in DEVICES:
+        raise FeatureStoreError(f"device must be one of {list(DEVICES)}, not {choice!r}")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise FeatureStoreError("--device cuda, but torch sees no CUDA device; use --device cpu or auto")
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class Layout:
+    """This process's place in the run."""
+
+    rank: int = 0
+    world: int = 1
+    shard: int = 1           # ranks per shard group
+    sync_every: int = 0      # 0: HSDP (every step); H: average parameters every H steps
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None         # DeviceMesh ("sync", "shard") when distributed
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"world_size": self.world, "shard_group_size": self.shard, "sync_groups": self.world // self.shard,
+                "sync": "every step (HSDP)" if self.sync_every == 0 else f"parameter average every {self.sync_every} steps",
+                "device": self.device.type, "backend": dist.get_backend() if self.distributed else None}
+
+
+def setup(device: str, shard: int, sync_every: int) -> Layout:
+    """Join the process group torchrun described in the environment (if any) and build the mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Layout(device=pick_device(device), sync_every=sync_every)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    placed = pick_device(device, local_rank)
+    if world % shard:
+        raise FeatureStoreError(f"world size {world} is not a multiple of the shard group size {shard}")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if placed.type == "cuda" else "gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(placed.type, (world // shard, shard), mesh_dim_names=("sync", "shard"))
+    return Layout(dist.get_rank(), world, shard, sync_every, placed, mesh)
+
+
+def shard_model(model: nn.Module, layout: Layout) -> nn.Module:
+    """Shard ``model`` over its shard group (and replicate it over sync groups for HSDP)."""
+    model.to(layout.device)
+    if not layout.distributed:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = layout.mesh if layout.sync_every == 0 else layout.mesh["shard"]
+    for module in model.modules():  # each embedding table and layer is its own unit: gathered only when used
+        if isinstance(module, (nn.Embedding, nn.Linear)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@torch.no_grad()
+def average_across_sync_groups(model: nn.Module, layout: Layout) -> None:
+    """Local SGD's outer step: each shard's parameters averaged with the same shard of every other
+    sync group (the shards line up: every group shards the same way)."""
+    if not layout.distributed or layout.sync_every == 0 or layout.world == layout.shard:
+        return
+    group = layout.mesh["sync"].get_group()
+    groups = layout.world // layout.shard
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+        local.div_(groups)
+
+
+def max_across_ranks(value: int, layout: Layout) -> int:
+    if not layout.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=layout.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_across_ranks(value: float, layout: Layout) -> float:
+    if not layout.distributed:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=layout.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def barrier(layout: Layout) -> None:
+    if layout.distributed:
+        dist.barrier()
+
+
+def teardown(layout: Layout) -> None:
+    if layout.distributed and dist.is_initialized():
+        dist.destroy_process_group()
