@@ -375,6 +375,27 @@ def train_command(
         console.print(f"registered {register} v{store.model_registry().register(register, run)}")
 
 
+@app.command("checkpoint-engine")
+def checkpoint_engine(
+    model: str = typer.Option("fraud", help="Model name to distribute."),
+    source: Optional[str] = typer.Option(None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."),
+    upstream: Optional[str] = typer.Option(None, help="Another replica's engine to fetch versions from first (a broadcast tree)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(8600, help="Port."),
+    repo: Path = RepoOption,
+) -> None:
+    """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it."""
+    import uvicorn
+
+    from featurestore.checkpoint_engine import Replica, create_app
+
+    registry = _store(repo).model_registry()
+    app = create_app(registry, Replica(registry, model, source, upstream) if source else None)
+    role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
+    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}", markup=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
 models_app = typer.Typer(help="The model registry: versions and stage aliases.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs")
@@ -428,6 +449,14 @@ def models_promote(name: str, version: int, stage: str = typer.Option("productio
     with _store(repo) as store:
         store.model_registry().promote(name, version, stage)
     console.print(f"{name} {stage} → v{version}")
+
+
+@models_app.command("rollback")
+def models_rollback(name: str, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption) -> None:
+    """Point a stage back at the version it had before its last promotion."""
+    with _store(repo) as store:
+        version = store.model_registry().rollback(name, stage)
+    console.print(f"{name} {stage} → v{version} (rolled back)")
 
 
 @app.command("check-consistency")

@@ -89,9 +89,23 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             except Exception:  # Redis went away: resubscribe when it is back
                 await asyncio.sleep(1.0)
 
+    async def reconcile() -> None:
+        """Follow the registry's alias itself too, so a lost announcement (Redis down) or a version
+        installed by the checkpoint engine is picked up within a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                wanted = model_registry(watcher.current).resolve(model_name, stage)
+                if wanted != holder.loaded.version:
+                    holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, wanted)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep serving the current version, try again next tick
+                print(f"not switching {model_name} {stage}: {exc}", file=sys.stderr)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [asyncio.create_task(watcher.run()), asyncio.create_task(follow_promotions())]
+        tasks = [asyncio.create_task(watcher.run()), asyncio.create_task(follow_promotions()), asyncio.create_task(reconcile())]
         # promotions made while we were starting are picked up here
         latest = model_registry(store).resolve(model_name, stage)
         if latest != holder.loaded.version:

@@ -6,6 +6,7 @@ Layout under ``<data_dir>/models``::
     <name>/<version>/preprocessing.json
     <name>/<version>/card.json         service, definition hashes, dataset manifest hash, metrics, weights hash
     <name>/aliases.json                {"production": 3, "staging": 4}
+    <name>/previous.json               each stage's version before its last promotion (rollback)
 
 The SHA-256 of each version's files is also kept in a ledger outside the models folder (the
 repo's registry directory, ``models.json``): whoever can write the models folder cannot make a
@@ -131,6 +132,41 @@ class ModelRegistry:
         file = self.root / name / "aliases.json"
         return json.loads(file.read_text()) if file.exists() else {}
 
+    def hashes(self, name: str) -> dict[int, dict[str, str]]:
+        """Every registered version's file hashes, from the ledger."""
+        return {int(v): files for v, files in self._ledger().get(name, {}).items()}
+
+    def install(self, name: str, version: int, files: dict[str, bytes], hashes: dict[str, str]) -> None:
+        """Add a version made elsewhere (copied by the checkpoint engine), under its own number,
+        after checking every file against ``hashes``; a version already here is left as is."""
+        if version in self.versions(name):
+            return
+        wrong = [f for f in MODEL_FILES if hashlib.sha256(files.get(f, b"")).hexdigest() != hashes.get(f)]
+        if wrong:
+            raise FeatureStoreError(f"model {name} v{version}: {wrong} do not match their hashes (corrupt or partial transfer)")
+        staging = self.root / name / f".v{version}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for file in MODEL_FILES:
+            (staging / file).write_bytes(files[file])
+        with self._locked():
+            ledger = self._ledger()
+            ledger.setdefault(name, {})[str(version)] = {f: hashes[f] for f in MODEL_FILES}
+            atomic_write(self.ledger, json.dumps(ledger, indent=1).encode())
+        staging.rename(self.root / name / str(version))
+
+    def rollback(self, name: str, stage: str = "production") -> int:
+        """Point ``stage`` back at the version it had before its last promotion; returns it."""
+        previous = self._previous(name).get(stage)
+        if previous is None:
+            raise FeatureStoreError(f"model {name!r} has no earlier {stage} version to roll back to")
+        self.promote(name, previous, stage)
+        return previous
+
+    def _previous(self, name: str) -> dict[str, int]:
+        file = self.root / name / "previous.json"
+        return json.loads(file.read_text()) if file.exists() else {}
+
     def promote(self, name: str, version: int, stage: str) -> None:
         if stage not in STAGES:
             raise FeatureStoreError(f"stage must be one of {STAGES}, not {stage!r}")
@@ -140,8 +176,10 @@ class ModelRegistry:
             self.load(name, version)  # a version that does not load would break every later restart
         except Exception as exc:
             raise FeatureStoreError(f"model {name} v{version} does not load, so it is not promoted: {exc}") from exc
-        aliases = {**self.aliases(name), stage: version}
-        atomic_write(self.root / name / "aliases.json", json.dumps(aliases, indent=2).encode())
+        before = self.aliases(name)
+        if stage in before and before[stage] != version:  # what `rollback` returns to
+            atomic_write(self.root / name / "previous.json", json.dumps({**self._previous(name), stage: before[stage]}).encode())
+        atomic_write(self.root / name / "aliases.json", json.dumps({**before, stage: version}, indent=2).encode())
         if self.announce:
             self.announce(name, version, stage)
 

@@ -1,0 +1,157 @@
+"""The checkpoint engine: moves registered model versions from training to every inference replica.
+
+One engine runs beside the trainer (the **source**: it serves the repo's model registry) and
+one beside each inference replica (serving that replica's own registry; no shared filesystem).
+Every engine answers the same HTTP routes:
+
+    GET /models/{name}                     aliases, each version's file hashes, a revision
+    GET /models/{name}?wait=REV&timeout=S  the same, once the revision differs from REV (long poll)
+    GET /models/{name}/{version}/{file}    one file of a version (model.pt, preprocessing.json, card.json)
+
+A replica engine long-polls the source: a promotion is an announcement that reaches it at
+once, and each answer (or reconnect, or timeout) is also a full reconciliation, so a lost
+announcement or a replica that was down cannot stay behind. A missing version is fetched from
+its **upstream** (another replica: engines form a tree, so the source sends each version once
+per child, not once per replica) when that one already has it, else from the source after a
+grace period; every file is checked against the source's SHA-256 before it is installed (a
+corrupt or partial transfer is refused and fetched again). The version is then promoted in
+the replica's registry, which loads it first (a version that does not load is never served);
+its inference server notices the alias change and swaps models between requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Query
+from fastapi.responses import FileResponse, Response
+
+from featurestore.errors import FeatureStoreError, NotFoundError
+from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
+
+log = logging.getLogger("featurestore.checkpoint_engine")
+UPSTREAM_GRACE_SECONDS = 10.0  # how long a replica waits for its upstream to have a version before asking the source
+
+
+def state(registry: ModelRegistry, name: str) -> dict[str, Any]:
+    """What an engine has of model ``name``: aliases, versions' hashes, and a revision naming both."""
+    body = {"aliases": registry.aliases(name), "versions": {str(v): h for v, h in registry.hashes(name).items()
+                                                             if v in registry.versions(name)}}
+    body["revision"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    return body
+
+
+def create_app(registry: ModelRegistry, replica: "Replica | None" = None) -> FastAPI:
+    """The routes every engine serves over its own registry (see the module docstring); with
+    ``replica``, the engine also keeps that registry in step with its source, on a thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stop = threading.Event()
+        if replica is not None:
+            threading.Thread(target=replica.sync_forever, args=(stop,), daemon=True, name="checkpoint-sync").start()
+        yield
+        stop.set()
+
+    app = FastAPI(title="featurestore checkpoint engine", version="0.1.0", lifespan=lifespan,
+                  description="Model versions for inference replicas: aliases, hashes, files; long-poll for changes.")
+
+    @app.get("/models/{name}", summary="Aliases and versions of a model; with `wait`, once they change")
+    async def model_state(name: str, wait: str | None = None, timeout: float = Query(25.0, ge=0, le=60)) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        current = state(registry, name)
+        while wait is not None and current["revision"] == wait and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            current = state(registry, name)
+        return current
+
+    served = {"files": 0}
+
+    @app.get("/models/{name}/{version}/{file}", summary="One file of a registered version")
+    async def model_file(name: str, version: int, file: str) -> Response:
+        if file not in MODEL_FILES or version not in registry.versions(name):
+            return Response(status_code=404)
+        served["files"] += 1
+        return FileResponse(registry.root / name / str(version) / file)
+
+    @app.get("/stats", summary="Files this engine has sent (a tree keeps the source's count at one copy per child)")
+    async def stats() -> dict[str, int]:
+        return {"files_served": served["files"]}
+
+    return app
+
+
+class Replica:
+    """Keeps a replica's registry in step with the source's (run ``sync_forever`` beside its server)."""
+
+    def __init__(self, registry: ModelRegistry, name: str, source: str, upstream: str | None = None,
+                 client: httpx.Client | None = None):
+        self.registry, self.name = registry, name
+        self.source, self.upstream = source.rstrip("/"), upstream.rstrip("/") if upstream else None
+        self.http = client or httpx.Client(timeout=httpx.Timeout(10.0, read=70.0))
+        self.fetched_from: dict[int, str] = {}  # version -> where its files came from (for tests and logs)
+
+    def sync_once(self, wait: str | None = None, timeout: float = 25.0) -> str:
+        """Bring this registry level with the source (after the revision changes from ``wait``); returns
+        the source's revision."""
+        params: dict[str, Any] = {"wait": wait, "timeout": timeout} if wait else {}
+        wanted = self.http.get(f"{self.source}/models/{self.name}", params=params).raise_for_status().json()
+        for stage, version in sorted(wanted["aliases"].items()):
+            if version not in self.registry.versions(self.name):
+                self._fetch(version, wanted["versions"][str(version)])
+            if self.registry.aliases(self.name).get(stage) != version:
+                self.registry.promote(self.name, version, stage)  # loads it first
+                log.info("%s: %s is now v%s", self.name, stage, version)
+        return wanted["revision"]
+
+    def _fetch(self, version: int, hashes: dict[str, str]) -> None:
+        for origin in self._origins(version):
+            try:
+                files = {f: self.http.get(f"{origin}/models/{self.name}/{version}/{f}").raise_for_status().content for f in MODEL_FILES}
+                self.registry.install(self.name, version, files, hashes)  # refuses a file whose hash differs
+                self.fetched_from[version] = origin
+                log.info("%s v%s fetched from %s", self.name, version, origin)
+                return
+            except (httpx.HTTPError, FeatureStoreError) as exc:
+                log.warning("%s v%s from %s refused or failed (%s); trying the next source", self.name, version, origin, exc)
+        raise FeatureStoreError(f"{self.name} v{version} could not be fetched intact; retrying")
+
+    def _origins(self, version: int) -> list[str]:
+        """The upstream once it has the version (waiting a grace period for it), then the source."""
+        if self.upstream is None:
+            return [self.source]
+        deadline = time.monotonic() + UPSTREAM_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                if str(version) in self.http.get(f"{self.upstream}/models/{self.name}").json()["versions"]:
+                    return [self.upstream, self.source]
+            except (httpx.HTTPError, ValueError, KeyError):
+                break  # upstream down: go to the source
+            time.sleep(0.1)
+        return [self.source]
+
+    def sync_forever(self, stop: Any = None) -> None:
+        """Long-poll and reconcile until ``stop`` (a threading.Event) is set; errors back off and retry."""
+        revision, delay = None, 0.5
+        while stop is None or not stop.is_set():
+            try:
+                revision = self.sync_once(wait=revision)
+                delay = 0.5
+            except (httpx.HTTPError, FeatureStoreError, NotFoundError, OSError) as exc:
+                log.warning("sync with %s failed (%s); retrying in %.1f s", self.source, exc, delay)
+                revision = None  # reconcile fully on reconnect
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+
+def registry_at(data_dir: Path, registry_dir: Path) -> ModelRegistry:
+    return ModelRegistry(Path(data_dir) / "models", Path(registry_dir) / "models.json")
