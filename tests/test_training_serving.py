@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -205,11 +206,30 @@ def test_promotion_is_broadcast_to_every_replica(trained):
         for port in ports:
             _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == current, servers)
         new = registry.register("fraud", trained["run"])
+        seen: list[tuple[int, int]] = []  # (status, version) of every request made during the swap
+        stop = threading.Event()
+
+        def requests() -> None:
+            with httpx.Client() as client:
+                while not stop.is_set():
+                    r = client.post(f"http://127.0.0.1:{ports[0]}/predict", json={"instances": [{"card_id": 1, "merchant_id": 1, "amount": 1.0}]})
+                    seen.append((r.status_code, r.json()["model"]["version"] if r.status_code == 200 else -1))
+
+        loop = threading.Thread(target=requests)
+        loop.start()
+        time.sleep(0.5)
         registry.promote("fraud", new, "production")
         for port in ports:
             _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == new, servers)
             body = httpx.post(f"http://127.0.0.1:{port}/predict", json={"card_id": 1, "merchant_id": 1, "amount": 1.0}).json()
             assert body["model"]["version"] == new
+        time.sleep(0.3)
+        stop.set()
+        loop.join()
+        # no request failed during the swap, and none went back to the old version after the new one
+        assert {status for status, _ in seen} == {200}
+        versions = [v for _, v in seen]
+        assert versions[0] == current and versions[-1] == new and versions == sorted(versions)
     finally:
         for s in servers:
             s.terminate()

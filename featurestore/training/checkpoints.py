@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from featurestore.registry.store import atomic_write
 from featurestore.training import distributed
-from featurestore.training.model import TabularMLP
+from featurestore.training.model import TabularMLP, from_saved
 from featurestore.training.preprocessing import Preprocessor
 
 KEEP = 2  # sharded checkpoints kept per run (the newest)
@@ -69,7 +69,4 @@ def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> d
 def full_model(run_dir: Path) -> TabularMLP:
     """The full model of the newest checkpoint, on CPU, ready to score."""
     saved = torch.load(Path(run_dir) / "checkpoint.pt", weights_only=True)
-    cfg = saved["model_config"]
-    model = TabularMLP(cfg["numeric_width"], cfg["vocab_sizes"], cfg["hidden"], cfg["embedding_dim"], cfg["outputs"])
-    model.load_state_dict(saved["model"])
-    return model.eval()
+    return from_saved(saved["model_config"], saved["model"])

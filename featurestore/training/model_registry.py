@@ -31,7 +31,7 @@ import torch
 
 from featurestore.errors import FeatureStoreError, NotFoundError
 from featurestore.registry.store import atomic_write
-from featurestore.training.model import TabularMLP, score
+from featurestore.training.model import TabularMLP, from_saved, score
 from featurestore.training.preprocessing import Preprocessor
 
 STAGES = ("staging", "production")
@@ -204,9 +204,7 @@ class ModelRegistry:
         card = self.card(name, version)
         saved = torch.load(folder / "model.pt", weights_only=True)
         cfg = saved["config"]
-        model = TabularMLP(cfg["numeric_width"], cfg["vocab_sizes"], cfg["hidden"], cfg["embedding_dim"], cfg["outputs"])
-        model.load_state_dict(saved["state_dict"])
-        model.eval()
+        model = from_saved(cfg, saved["state_dict"])
         pre = Preprocessor.from_dict(json.loads((folder / "preprocessing.json").read_text()))
         return LoadedModel(name, version, model, pre, card)
 
