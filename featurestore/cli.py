@@ -309,6 +309,7 @@ def serve_model(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8000, help="Port."),
     workers: int = typer.Option(1, help="Worker processes (replicas all follow promotions)."),
+    device: str = typer.Option("cpu", help="Where the model scores: cpu, cuda or auto (CUDA when present)."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
@@ -316,7 +317,10 @@ def serve_model(
     """Run the inference server: POST /predict scores from online features."""
     import os
 
-    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"] = model, stage
+    from featurestore.training.distributed import pick_device
+
+    pick_device(device)  # a clear error now rather than in every worker
+    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"], os.environ["FEATURESTORE_DEVICE"] = model, stage, device
     _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
@@ -326,6 +330,8 @@ def train_command(
     label: str = typer.Option("label", help="Label column."),
     task: str = typer.Option("classification", help="classification or regression."),
     request_input: list[str] = typer.Option(None, "--request-input", help="Request-time input column (repeatable)."),
+    entity_key: list[str] = typer.Option(None, "--entity-key", help="Entity key learned as a hashed embedding table, e.g. card_id (repeatable)."),
+    entity_buckets: int = typer.Option(65_536, help="Rows of each entity-key embedding table."),
     epochs: int = typer.Option(4, help="Epochs."),
     batch_size: int = typer.Option(512, help="Rows per step on each rank."),
     seed: int = typer.Option(0, help="Seeds weights, data order and each rank's share of the rows."),
@@ -351,7 +357,7 @@ def train_command(
     store = _store(repo)
     config = TrainConfig(dataset=str(dataset), label=label, task=task, request_inputs=request_input or [], epochs=epochs,  # type: ignore[arg-type]
                          batch_size=batch_size, seed=seed, device=device, bf16=bf16, shard_group_size=shard_group_size,
-                         sync_every=sync_every)
+                         sync_every=sync_every, entity_keys=entity_key or [], entity_buckets=entity_buckets)
     runs = store.config.data_dir / "runs"
     world = nproc_per_node * nnodes
     if world > 1 and "WORLD_SIZE" not in os.environ:

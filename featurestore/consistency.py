@@ -76,7 +76,7 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
         for rid in dict.fromkeys(request_ids.tolist()):
             take = pa.array(np.flatnonzero(request_ids == rid))
             columns = {n: offline[n].take(take) for n in names}
-            columns.update({i: part[i].take(take) for i in loaded.card["request_inputs"]})
+            columns.update({i: part[i].take(take) for i in [*loaded.card["request_inputs"], *loaded.preprocessor.hashed]})
             recomputed[take.to_numpy()] = loaded.predict(columns)
         logged = part["score"].to_numpy(zero_copy_only=False).astype(np.float32)
         score_hits += int((recomputed.view(np.uint32) == logged.view(np.uint32)).sum())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ def model_registry(store: FeatureStore) -> ModelRegistry:
 
 def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:
     """Load a model version; refuse it if its feature definitions changed since training."""
-    loaded = model_registry(store).load(name, ref)
+    loaded = model_registry(store).load(name, ref, device=os.environ.get("FEATURESTORE_DEVICE", "cpu"))
     service = store.get_feature_service(loaded.card["feature_service"])
     views = list(dict.fromkeys(r.split(":")[0] for r in service.feature_refs()))
     stale = stale_views(loaded.card, store.definition_hashes(views))
@@ -158,7 +159,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         n = len(instances)
         keys = len(query.key_names)
         model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
-        scores = loaded.predict({**model_columns, **inputs})
+        keys_used = {k: columns.get(k, [None] * len(instances)) for k in loaded.preprocessor.hashed}  # entity-key embeddings
+        scores = loaded.predict({**model_columns, **inputs, **keys_used})
         feature_names = response.feature_names[keys:]
         if logger:
             logger.log(vector_entry(query, response, served_at, model_name=[loaded.name] * n,

@@ -4,8 +4,8 @@ copy refused, and rollback."""
 
 from __future__ import annotations
 
-import os
-import signal
+import hashlib
+import json
 import socket
 import subprocess
 import sys
@@ -131,10 +131,7 @@ def test_a_version_that_does_not_load_is_never_promoted_on_a_replica(tmp_path, r
         bad = source.registry.register("m", run)
         folder = source.registry.root / "m" / str(bad)
         (folder / "model.pt").write_bytes(b"garbage")
-        ledger = source.registry._ledger()
-        import hashlib
-        import json
-
+        ledger = json.loads(source.registry.ledger.read_text())
         ledger["m"][str(bad)]["model.pt"] = hashlib.sha256(b"garbage").hexdigest()
         source.registry.ledger.write_text(json.dumps(ledger))
         aliases = source.registry.root / "m" / "aliases.json"

@@ -69,7 +69,8 @@ def _train(repo: Path, dataset: Path, *args: str) -> dict:
 def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
     repo = write_repo(tmp_path / "repo", "")
     dataset = make_dataset(tmp_path / "ds")
-    first = _train(repo, dataset, "--epochs", "1", "--nproc-per-node", "4", "--shard-group-size", "2")
+    first = _train(repo, dataset, "--epochs", "1", "--nproc-per-node", "4", "--shard-group-size", "2",
+                   "--entity-key", "card_id", "--entity-buckets", "20000")  # a table worth sharding
     run = first["run"]
     params = json.loads((run / "params.json").read_text())
     assert params["layout"]["world_size"] == 4 and params["layout"]["shard_group_size"] == 2 and params["layout"]["backend"] == "gloo"
@@ -79,7 +80,8 @@ def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
     steps_first = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     # resumed on 2 processes (one shard group of 2): the loss curve continues where it stopped
-    _train(repo, dataset, "--epochs", "2", "--nproc-per-node", "2", "--shard-group-size", "2", "--resume", run.name)
+    _train(repo, dataset, "--epochs", "2", "--nproc-per-node", "2", "--shard-group-size", "2", "--resume", run.name,
+           "--entity-key", "card_id", "--entity-buckets", "20000")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r["epoch"] == 1]
     assert resumed and resumed[0]["step"] == max(steps_first) + 1
@@ -90,7 +92,11 @@ def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
     from featurestore.training.model_registry import ModelRegistry
 
     registry = ModelRegistry(tmp_path / "models", tmp_path / "ledger.json")
-    assert registry.load("m", registry.register("m", run)).model is not None
+    loaded = registry.load("m", registry.register("m", run))
+    assert loaded.card["training_layout"]["world_size"] == 4  # lineage: the layout that trained it
+    assert loaded.model.embeddings[-1].num_embeddings == 20001 and loaded.preprocessor.hashed == {"card_id": 20000}
+    scores = loaded.predict({"amount": [10.0, None], "country": ["US", None], "risk": [0.1, 2.0], "card_id": [5, None]})
+    assert scores.shape == (2,)
 
 
 @pytest.mark.slow

@@ -106,6 +106,22 @@ def test_preprocessing_handles_nulls_and_unknown_categories_identically():
     assert single[1].tolist() == [[0]] and batch[1][2].tolist() == [0]
 
 
+def test_entity_key_buckets_agree_between_training_and_serving():
+    """Hashed entity-key ids from Arrow columns (training) equal those from lists (serving), for
+    every key type, on every process (no Python hash randomisation)."""
+    import subprocess as sp
+
+    pre = Preprocessor([], [], hashed={"card": 1000, "merchant": 50})
+    cards, merchants = [1, -7, 2**40, None, 999], ["m1", "", "é", None, "m1"]
+    bulk = pre.transform({"card": pa.array(cards, pa.int64()), "merchant": pa.array(merchants)})[1]
+    rows = pre.transform({"card": cards, "merchant": merchants})[1]
+    assert bulk.tolist() == rows.tolist() and bulk[3].tolist() == [0, 0] and bulk[0][1] == bulk[4][1]
+    elsewhere = sp.run([sys.executable, "-c", "from featurestore.training.preprocessing import Preprocessor; "
+                        "print(Preprocessor([], [], hashed={'m': 50}).transform({'m': ['m1', 'é']})[1].tolist())"],
+                       capture_output=True, text=True, check=True).stdout
+    assert elsewhere.strip() == str([[bulk[0][1].item()], [bulk[2][1].item()]])
+
+
 def test_model_versions_are_immutable_and_promotable(trained):
     registry = model_registry(trained["store"])
     before = registry.versions("fraud")

@@ -111,7 +111,7 @@ class ExportedDataset(IterableDataset):
 
     def _emit(self, table: pa.Table, rng: np.random.Generator) -> Iterator[Batch]:
         table = table.take(pa.array(rng.permutation(table.num_rows)))
-        x_num, x_cat = self.pre.transform({c: table[c] for c in self.pre.numeric + self.pre.categorical})
+        x_num, x_cat = self.pre.transform({c: table[c] for c in self.pre.inputs})
         y = torch.from_numpy(pc.cast(table[self.label], pa.float32()).to_numpy(zero_copy_only=False).copy())
         for start in range(0, table.num_rows, self.batch_size):
             end = start + self.batch_size

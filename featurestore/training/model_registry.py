@@ -31,6 +31,7 @@ import torch
 
 from featurestore.errors import FeatureStoreError, NotFoundError
 from featurestore.registry.store import atomic_write
+from featurestore.training.distributed import pick_device
 from featurestore.training.model import TabularMLP, from_saved, score
 from featurestore.training.preprocessing import Preprocessor
 
@@ -50,12 +51,13 @@ class LoadedModel:
 
     @property
     def inputs(self) -> list[str]:
-        return self.preprocessor.numeric + self.preprocessor.categorical
+        return self.preprocessor.inputs
 
     def predict(self, columns: Mapping[str, Any]) -> np.ndarray:
         """float32 scores for columns of feature values (Arrow arrays or lists), nulls allowed."""
         x_num, x_cat = self.preprocessor.transform(columns)
-        return score(self.model, x_num, x_cat, self.card["task"]).numpy().astype(np.float32)
+        device = next(self.model.parameters()).device
+        return score(self.model, x_num.to(device), x_cat.to(device), self.card["task"]).cpu().numpy().astype(np.float32)
 
 
 MODEL_FILES = ("model.pt", "preprocessing.json", "card.json")
@@ -111,6 +113,7 @@ class ModelRegistry:
             "request_inputs": params["config"]["request_inputs"], "definition_hashes": params["definition_hashes"],
             "dataset_manifest_hash": params["dataset_manifest_hash"], "metrics": final, "run": run_dir.name,
             "code_version": params["code_version"], "registered_at": datetime.now(timezone.utc).isoformat(),
+            "training_layout": params.get("layout"),  # world size, shard and sync groups, device
             "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
         }
         (staging / "card.json").write_text(json.dumps(card, indent=2))
@@ -197,14 +200,15 @@ class ModelRegistry:
     def card(self, name: str, version: int) -> dict[str, Any]:
         return json.loads((self.root / name / str(version) / "card.json").read_text())
 
-    def load(self, name: str, ref: str | int = "production") -> LoadedModel:
+    def load(self, name: str, ref: str | int = "production", device: str = "cpu") -> LoadedModel:
+        """Verify and load a version (``device``: cpu, cuda or auto, as ``featurestore train --device``)."""
         version = self.resolve(name, ref)
         folder = self.root / name / str(version)
         self.verify(name, version)
         card = self.card(name, version)
         saved = torch.load(folder / "model.pt", weights_only=True)
         cfg = saved["config"]
-        model = from_saved(cfg, saved["state_dict"])
+        model = from_saved(cfg, saved["state_dict"]).to(pick_device(device))
         pre = Preprocessor.from_dict(json.loads((folder / "preprocessing.json").read_text()))
         return LoadedModel(name, version, model, pre, card)
 

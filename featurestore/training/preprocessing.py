@@ -3,12 +3,15 @@
 Numbers are standardized with the training split's mean and std; a null becomes 0 plus a
 1 in its indicator column (so "missing" is a signal the model learns, the same way for
 NOT_FOUND / OUTSIDE_MAX_AGE online as for nulls offline). Strings map through a
-vocabulary (index 0 = unknown or null) to an embedding. Everything is vectorized over
+vocabulary (index 0 = unknown or null) to an embedding. Entity keys (``hashed``: card,
+merchant: too many to list) map by a stable hash into a fixed number of buckets, each with a
+learned embedding row: the large tables that sharded training spreads over ranks. Everything is vectorized over
 Arrow arrays; one row at serving goes through the very same code as a batch in training.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -25,10 +28,12 @@ class Preprocessor:
     means: list[float] = field(default_factory=list)
     stds: list[float] = field(default_factory=list)
     vocabularies: dict[str, list[str]] = field(default_factory=dict)
+    hashed: dict[str, int] = field(default_factory=dict)  # entity key column -> buckets
     _lookups: dict[str, dict[str, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def fit(cls, table: pa.Table, numeric: Sequence[str], categorical: Sequence[str], max_vocab: int = 1000) -> "Preprocessor":
+    def fit(cls, table: pa.Table, numeric: Sequence[str], categorical: Sequence[str], max_vocab: int = 1000,
+            hashed: Mapping[str, int] | None = None) -> "Preprocessor":
         means, stds = [], []
         for name in numeric:
             values = pc.cast(table[name], pa.float64())
@@ -41,7 +46,7 @@ class Preprocessor:
             counts = pc.value_counts(table[name].drop_null()).to_pylist()
             counts.sort(key=lambda c: (-c["counts"], str(c["values"])))
             vocabularies[name] = [str(c["values"]) for c in counts[:max_vocab]]
-        return cls(list(numeric), list(categorical), means, stds, vocabularies)
+        return cls(list(numeric), list(categorical), means, stds, vocabularies, dict(hashed or {}))
 
     @property
     def numeric_width(self) -> int:
@@ -49,7 +54,11 @@ class Preprocessor:
 
     @property
     def vocab_sizes(self) -> list[int]:
-        return [len(self.vocabularies[c]) + 1 for c in self.categorical]
+        return [len(self.vocabularies[c]) + 1 for c in self.categorical] + [b + 1 for b in self.hashed.values()]
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.numeric + self.categorical + list(self.hashed)
 
     def transform(self, columns: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Arrow arrays (training, in bulk) or Python lists (serving, a few rows) by name →
@@ -60,6 +69,7 @@ class Preprocessor:
             numeric.append(np.where(present, (raw - mean) / std, 0.0).astype(np.float32))
             numeric.append((~present).astype(np.float32))
         cats = [self._indexes(name, columns[name]) for name in self.categorical]
+        cats += [_buckets(columns[name], size) for name, size in self.hashed.items()]
         n = len(numeric[0]) if numeric else len(cats[0])
         x_num = torch.from_numpy(np.stack(numeric, axis=1) if numeric else np.zeros((n, 0), np.float32))
         x_cat = torch.from_numpy(np.stack(cats, axis=1) if cats else np.zeros((n, 0), np.int64))
@@ -83,6 +93,23 @@ class Preprocessor:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Preprocessor":
         return cls(**data)
+
+
+def _buckets(values: Any, size: int) -> np.ndarray:
+    """1 + a stable hash of each key modulo ``size`` (0 for null): integers by value, anything
+    else by BLAKE2b of its text, so training (Arrow) and serving (lists) agree on every process."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        if pa.types.is_integer(values.type):
+            present = values.is_valid().to_numpy(zero_copy_only=False)
+            raw = pc.cast(values, pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+            return np.where(present, raw % size + 1, 0).astype(np.int64)
+        values = values.to_pylist()
+    return np.array([0 if v is None else (v % size if isinstance(v, int) and not isinstance(v, bool) else _text_hash(v) % size) + 1
+                     for v in values], dtype=np.int64)
+
+
+def _text_hash(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(str(value).encode(), digest_size=8).digest(), "little")
 
 
 def _numbers(values: Any, fill: float) -> tuple[np.ndarray, np.ndarray]:

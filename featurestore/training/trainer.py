@@ -42,6 +42,8 @@ class TrainConfig:
     label: str = "label"
     task: Literal["classification", "regression"] = "classification"
     request_inputs: list[str] = field(default_factory=list)   # columns sent with each request (e.g. amount)
+    entity_keys: list[str] = field(default_factory=list)      # keys learned as hashed embedding tables (e.g. card_id)
+    entity_buckets: int = 65_536                                # rows per entity-key table
     epochs: int = 4
     batch_size: int = 512
     learning_rate: float = 2e-3
@@ -106,9 +108,12 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     manifest = load_manifest(dataset_dir)
     split = split_time(dataset_dir, config.validation_fraction)
     numeric, categorical = input_columns(config)
+    missing = [k for k in config.entity_keys if k not in pq.read_schema(dataset_dir / manifest["files"][0]["path"]).names]
+    if missing:
+        raise FeatureStoreError(f"entity key(s) {missing} are not columns of the dataset {dataset_dir}")
     train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
     train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
-    pre = Preprocessor.fit(train_rows, numeric, categorical)
+    pre = Preprocessor.fit(train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys})
     if layout.is_main and not (run_dir / "params.json").exists():
         params = {
             "config": asdict(config), "dataset_manifest_hash": manifest["manifest_hash"],
