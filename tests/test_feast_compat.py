@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pandas as pd
+import pytest
 
 from .test_feature_server import NOW, client, push  # noqa: F401 - the fixture
 
@@ -48,3 +49,26 @@ def test_sdk_takes_feasts_signatures(client, tmp_path):  # noqa: F811
     by_service = store.get_online_features(features=store.get_feature_service("svc"), entity_rows=[{"card_id": 6}])
     assert by_service.to_dict() == {"card_id": [6], "amount": [1.25]}
     store.close()
+
+
+def test_keys_are_coerced_by_declared_type_where_unambiguous(make_store):
+    """Issue #12: Feast clients send "17" for an Int64 key (and 17 for a String key); those were 422."""
+    from datetime import datetime, timezone
+
+    from featurestore.errors import RequestError
+
+    defs = """
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+src = PushSource(name="src", schema=[Field("card_id", Int64), Field("v", Float64), Field("event_timestamp", UnixTimestamp)])
+view = FeatureView(name="view", entities=[card], source=src, schema=[Field("v", Float64)])
+"""
+    store = make_store(defs)
+    store.push("src", {"card_id": [17], "v": [1.5], "event_timestamp": [datetime.now(timezone.utc)]})
+    got = store.get_online_features({"card_id": [17, "17", 17.0, "-3"]}, features=["view:v"])
+    assert got.to_dict() == {"card_id": [17, 17, 17, -3], "v": [1.5, 1.5, 1.5, None]}
+    for bad in ("017", "17a", 17.5, True, "1e3"):
+        with pytest.raises(RequestError, match="takes Int64"):
+            store.get_online_features({"card_id": [bad]}, features=["view:v"])

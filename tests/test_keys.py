@@ -61,8 +61,10 @@ def test_every_key_type_is_found_online_as_offline(store):
 
 def test_a_key_of_the_wrong_type_is_an_error_online_and_offline(store):
     store.materialize(None, NOW)
+    # online, unambiguous conversions are made as Feast makes them (issue #12): 1 is "1", not "01"
+    assert store.get_online_features({"s": [1, "1"]}, features=["by_text:x"]).to_dict()["x"] == [1, 1]
     with pytest.raises(RequestError, match="join key 's' takes String"):
-        store.get_online_features({"s": [1]}, features=["by_text:x"])
+        store.get_online_features({"s": [1.5]}, features=["by_text:x"])
     with pytest.raises(RequestError, match="join key 's' is String but the entity rows give int64"):
         store.get_historical_features(pd.DataFrame({"s": [1], "event_timestamp": [NOW]}), features=["by_text:x"]).to_df()
     with pytest.raises(RequestError, match="join key 't' takes UnixTimestamp"):

@@ -90,15 +90,31 @@ def _integer(v: Any) -> bool:
     return type(v) is int or (isinstance(v, Integral) and not isinstance(v, bool))  # numpy ints too
 
 
-_KEY_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "Int32": lambda v: _integer(v) and -(2**31) <= v < 2**31,
-    "Int64": lambda v: _integer(v) and -(2**63) <= v < 2**63,
-    "String": lambda v: isinstance(v, str),
-    "Bool": lambda v: isinstance(v, bool),
-    "Bytes": lambda v: isinstance(v, (bytes, str)),
-    "Float32": lambda v: isinstance(v, (int, float, Real)) and not isinstance(v, bool),
-    "Float64": lambda v: isinstance(v, (int, float, Real)) and not isinstance(v, bool),
-    "UnixTimestamp": lambda v: isinstance(v, datetime),
+_BAD = object()  # a key value that does not convert to the declared type
+
+
+def _to_int(bits: int) -> Callable[[Any], Any]:
+    """Integers, and their canonical text (``"17"``, as Feast clients send; ``"017"`` is ambiguous: refused)."""
+    def convert(v: Any) -> Any:
+        if isinstance(v, str) and v.lstrip("-").isdigit() and str(int(v)) == v:
+            v = int(v)
+        elif isinstance(v, float) and v.is_integer():
+            v = int(v)
+        return v if _integer(v) and -(2 ** (bits - 1)) <= v < 2 ** (bits - 1) else _BAD
+    return convert
+
+
+# Join-key values by declared type, coerced as Feast does where it is unambiguous: a String key
+# takes an integer as its text, an integer key takes its canonical text. Anything else is an error.
+_KEY_COERCIONS: dict[str, Callable[[Any], Any]] = {
+    "Int32": _to_int(32),
+    "Int64": _to_int(64),
+    "String": lambda v: v if isinstance(v, str) else str(v) if _integer(v) else _BAD,
+    "Bool": lambda v: v if isinstance(v, bool) else _BAD,
+    "Bytes": lambda v: v if isinstance(v, (bytes, str)) else _BAD,
+    "Float32": lambda v: v if isinstance(v, (int, float, Real)) and not isinstance(v, bool) else _BAD,
+    "Float64": lambda v: v if isinstance(v, (int, float, Real)) and not isinstance(v, bool) else _BAD,
+    "UnixTimestamp": lambda v: v if isinstance(v, datetime) else _BAD,
 }
 
 
@@ -141,7 +157,7 @@ class QueryTemplate:
     """Everything about a lookup that depends only on what is asked, not for whom: built once, cached."""
 
     key_names: list[str]
-    key_checks: list[tuple[str, str, Callable[[Any], bool]]]
+    key_checks: list[tuple[str, str, Callable[[Any], Any]]]
     groups: list[_Group]
     views: list[_ViewPlan]
     windows: list[_WindowPlan]
@@ -155,7 +171,7 @@ class QueryTemplate:
         checks = []
         for name in needed:
             dtype = defs.key_types[next(r.view.name for r in requests if name in r.view.join_keys)][name]
-            checks.append((name, dtype.name, _KEY_CHECKS.get(dtype.name, lambda v: v is not None)))
+            checks.append((name, dtype.name, _KEY_COERCIONS.get(dtype.name, lambda v: v if v is not None else _BAD)))
         groups: dict[tuple[str, ...], _Group] = {}
         views: list[_ViewPlan] = []
         windows: list[_WindowPlan] = []
@@ -225,10 +241,12 @@ class OnlineQuery:
         missing = [k for k in template.key_names if k not in columns]
         if missing:
             raise RequestError(f"missing join key(s) {missing} for the requested features; got {sorted(columns)}")
-        for name, type_name, check in template.key_checks:
-            for value in columns[name]:
-                if not check(value):
+        for name, type_name, coerce in template.key_checks:
+            converted = [coerce(value) for value in columns[name]]
+            for value, result in zip(columns[name], converted):
+                if result is _BAD:
                     raise RequestError(f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})")
+            columns[name] = converted
         lookups: list[tuple[bytes, list[str]]] = []
         slots = []
         for group in template.groups:
