@@ -274,6 +274,14 @@ class FeatureStore:
         self.require_applied([push_source_name, *self._used_by(readers)])
         return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key)
 
+    def write_to_online_store(self, feature_view_name: str, df: "pd.DataFrame | pa.Table | dict") -> int:
+        """Write a view's rows (join keys, event time, features) to the online store only, as Feast's
+        ``write_to_online_store``: validated and ordered like every other write; history is not touched."""
+        from featurestore.materialization.push import write_online_only
+
+        self.require_applied(self._used_by([feature_view_name]))
+        return write_online_only(self.materializer(), self.definitions.view(feature_view_name), df)
+
     # ------------------------------------------------------------ retrieval
 
     def get_historical_features(

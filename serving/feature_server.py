@@ -59,6 +59,13 @@ class PushRequest(BaseModel):
                                            "(the `Idempotency-Key` header works too). 409 if reused for other rows.")
 
 
+class WriteToOnlineStoreRequest(BaseModel):
+    feature_view_name: str = Field(..., examples=["driver_stats"])
+    df: dict[str, list[Any]] = Field(..., description="The view's join keys, event timestamp and features: column -> values.")
+    allow_registry_cache: bool = Field(True, description="Accepted for Feast's clients; the served registry is always the applied one.")
+    transform_on_write: bool = Field(True, description="Accepted for Feast's clients; rows are taken as the view's rows.")
+
+
 class MaterializeRequest(BaseModel):
     start_ts: Optional[datetime] = Field(None, description="Window start (inclusive); omit for all history.")
     end_ts: Optional[datetime] = Field(None, description="Window end (exclusive); default now.")
@@ -142,21 +149,19 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
             raise ForbiddenError(f"API key {key.name!r} may not push to {body.push_source_name!r} (needs push or push:{body.push_source_name})")
         store = watcher.current
         source = store.definitions.push_source(body.push_source_name)
-        try:
-            frame = pd.DataFrame(body.df)
-        except ValueError as exc:
-            raise RequestError(f"'df' must map columns to lists of equal length: {exc}") from exc
-        for field in source.schema:
-            if field.dtype.name == "UnixTimestamp" and field.name in frame:
-                if not all(isinstance(v, str) for v in body.df[field.name]):
-                    raise RequestError(f"column {field.name!r} takes ISO 8601 strings, e.g. '2024-05-01T10:00:00Z'")
-                try:
-                    frame[field.name] = pd.to_datetime(frame[field.name], utc=True, format="ISO8601")
-                except (ValueError, TypeError, OverflowError) as exc:
-                    raise RequestError(f"column {field.name!r} holds values that are not timestamps: {exc}") from exc
+        frame = _frame(body.df, [f.name for f in source.schema if f.dtype.name == "UnixTimestamp"])
         rows = store.push(body.push_source_name, frame, to=body.to,
                           idempotency_key=body.idempotency_key or request.headers.get("idempotency-key"))
         return {"pushed_rows": rows}
+
+    @app.post("/write-to-online-store", responses=ERRORS,
+              summary="Write a feature view's rows straight to the online store (Feast's route; history is not written)")
+    def write_to_online_store(body: WriteToOnlineStoreRequest, request: Request) -> dict[str, Any]:
+        store = watcher.current
+        view = store.definitions.view(body.feature_view_name)
+        source = view.source
+        times = [source.timestamp_field, *([source.created_timestamp_field] if source.created_timestamp_field else [])]
+        return {"written_rows": store.write_to_online_store(view.name, _frame(body.df, times))}
 
     def start_job(kind: str, views: list[str] | None, run: Callable[[Any], Any]) -> Response:
         store = watcher.current
@@ -209,6 +214,28 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
 
     config = watcher.current.config
     return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
+
+
+def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pd.DataFrame:
+    """A pushed ``df`` as a DataFrame; timestamps as ISO 8601 text or epoch seconds (numbers), as Feast's clients send."""
+    try:
+        frame = pd.DataFrame(df)
+    except ValueError as exc:
+        raise RequestError(f"'df' must map columns to lists of equal length: {exc}") from exc
+    for name in timestamp_columns:
+        if name not in frame:
+            continue
+        values = df[name]
+        try:
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                frame[name] = pd.to_datetime(pd.Series(values, dtype="float64"), unit="s", utc=True)
+            elif all(isinstance(v, str) for v in values):
+                frame[name] = pd.to_datetime(frame[name], utc=True, format="ISO8601")
+            else:
+                raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch seconds")
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise RequestError(f"column {name!r} holds values that are not timestamps: {exc}") from exc
+    return frame
 
 
 def _parse_lookup(raw: bytes) -> dict[str, Any]:

@@ -72,3 +72,22 @@ view = FeatureView(name="view", entities=[card], source=src, schema=[Field("v", 
     for bad in ("017", "17a", 17.5, True, "1e3"):
         with pytest.raises(RequestError, match="takes Int64"):
             store.get_online_features({"card_id": [bad]}, features=["view:v"])
+
+
+def test_write_to_online_store_and_epoch_timestamps(client):
+    """Issue #12: Feast's SDK `write_to_online_store` (and `push` through its remote store) call
+    POST /write-to-online-store: it was a 404. Epoch-second timestamps were a 422."""
+    epoch = int(NOW.timestamp()) - 60
+    written = client.post("/write-to-online-store", json={
+        "feature_view_name": "spend", "allow_registry_cache": True,
+        "df": {"card_id": [41, 42], "amount": [4.5, 9.0], "country": ["FR", "DE"], "event_timestamp": [epoch, epoch]}})
+    assert written.status_code == 200 and written.json() == {"written_rows": 2}
+    body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [41, 42]}}).json()
+    assert body["results"][1]["values"] == [4.5, 9.0] and body["results"][1]["statuses"] == ["PRESENT", "PRESENT"]
+    pushed = client.post("/push", json={"push_source_name": "events", "df": {
+        "card_id": [43], "amount": [1.0], "country": ["FR"], "event_timestamp": [epoch + 0.5]}})
+    assert pushed.status_code == 200
+    for bad in ({"feature_view_name": "nope", "df": {"card_id": [1]}}, {"feature_view_name": "spend", "df": {"card_id": [1]}},
+                {"feature_view_name": "spend", "df": {"card_id": [1], "amount": [1.0], "country": ["x"], "event_timestamp": [True]}}):
+        answer = client.post("/write-to-online-store", json=bad)
+        assert answer.status_code in (404, 422), answer.text

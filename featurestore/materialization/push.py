@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
+from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError, ConflictError, RequestError
 from featurestore.materialization.engine import Materializer
 from featurestore.offline.buffer import APP_ID, PushBuffer
@@ -79,6 +80,25 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
         buffer.append(f"log:{source_name}", table)
     flush(materializer, buffer, only_due=True)
+    return table.num_rows
+
+
+def write_online_only(materializer: Materializer, view: FeatureView, df: Any) -> int:
+    """A view's rows straight to Redis (Feast's ``write_to_online_store``); returns the row count."""
+    try:
+        table = _as_table(df)
+    except Exception as exc:
+        raise RequestError(f"rows must be a DataFrame, Arrow table or {{column: [values]}} dict: {exc}") from exc
+    needed = [*view.join_keys, view.source.timestamp_field, *(f.name for f in view.schema)]
+    missing = [c for c in needed if c not in table.column_names]
+    if missing:
+        raise RequestError(f"rows for view {view.name!r} lack column(s) {missing}; it takes {needed}")
+    con = connection()
+    con.register("view_rows", table)
+    try:
+        materializer.write_view(con, view, start=None, end=None, online=True, offline=False, on_bad_rows="fail")
+    except BadRowsError as exc:
+        raise RequestError(str(exc)) from exc
     return table.num_rows
 
 
