@@ -506,8 +506,17 @@ def main() -> None:
     try:
         app()
     except FeatureStoreError as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
+    except ModuleNotFoundError as exc:
+        if exc.name not in TRAINING_MODULES:
+            raise
+        err_console.print(f"[bold red]error:[/] this command trains or serves models and needs {exc.name}: "
+                          + escape("pip install 'featurestore[train]'"), highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+TRAINING_MODULES = ("torch", "matplotlib")  # the `train` extra: a host that only serves features does without
 
 
 if __name__ == "__main__":

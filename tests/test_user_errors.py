@@ -88,3 +88,17 @@ def test_fractional_ttl_keeps_a_row_exactly_ttl_old(make_store):
     at = base + pd.Timedelta(milliseconds=1001)  # exactly ttl old: kept (bounds are inclusive)
     rows = store.get_historical_features(pd.DataFrame({"driver_id": [1], "event_timestamp": [at]}), features=["driver_stats:conv_rate"])
     assert rows.to_df()["conv_rate"].tolist() == [0.5]
+
+
+def test_serving_features_needs_no_torch_and_training_says_which_extra(tmp_path):
+    """Issue #12: torch and matplotlib were hard dependencies, so a host that only serves features installed torch."""
+    import subprocess
+    import sys
+
+    blocked = "import sys; sys.modules['torch'] = None; sys.modules['matplotlib'] = None; "
+    serve = subprocess.run([sys.executable, "-c", blocked + "import featurestore.cli, serving.feature_server; "
+                            "from featurestore import FeatureStore; print('ok')"], capture_output=True, text=True)
+    assert serve.stdout.strip() == "ok", serve.stderr
+    train = subprocess.run([sys.executable, "-c", blocked + "import sys; from featurestore.cli import main; "
+                            "sys.argv = ['featurestore', 'train', '--dataset', '.']; main()"], capture_output=True, text=True, cwd=tmp_path)
+    assert train.returncode == 1 and "pip install 'featurestore[train]'" in train.stderr and "Traceback" not in train.stderr
