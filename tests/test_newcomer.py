@@ -1,0 +1,53 @@
+"""A newcomer's first hour, end to end through the CLI (issue #12): init → plan → apply →
+materialize → serve → a lookup over HTTP → export → the generated training script."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def test_init_to_served_lookup_to_export_and_training(tmp_path, redis_url):
+    env = {**os.environ, "REDIS_URL": redis_url}
+    repo = tmp_path / "my_repo"
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "featurestore", *args], cwd=repo if repo.exists() else tmp_path,
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    cli("init", str(repo), "--project", f"newcomer{os.getpid()}")
+    assert {p.name for p in repo.iterdir()} >= {"featurestore.yaml", "features.py", "README.md", ".gitignore", "train.py", "sources"}
+    assert "+ feature view driver_stats" in cli("plan")
+    cli("apply")
+    assert "driver_stats: 20 rows computed" in cli("materialize-incremental")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "featurestore", "serve", "--port", str(port)], cwd=repo, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                body = httpx.post(f"http://127.0.0.1:{port}/get-online-features",  # the README's curl
+                                  json={"features": ["driver_stats:conv_rate"], "entities": {"driver_id": [1001, 1002]}}).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert body["results"][1]["values"] == [0.9, 0.9] and body["results"][1]["statuses"] == ["PRESENT", "PRESENT"]
+    finally:
+        server.terminate()
+        startup = server.communicate(timeout=30)[1]
+    assert "featurestore: serving" in startup
+    cli("export", "--service", "driver_activity", "--entities", "sources/labels.parquet", "--out", "datasets/v1")
+    assert json.loads((repo / "datasets" / "v1" / "manifest.json").read_text())["row_count"] == 20
+    out = subprocess.run([sys.executable, "train.py"], cwd=repo, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "registered as drivers v1" in out.stdout, out.stderr
