@@ -7,9 +7,12 @@ from featurestore.definitions import (
     FeatureView,
     Field,
     FileSource,
+    OnDemandFeatureView,
     PushSource,
+    RequestSource,
     SqlSource,
     StreamSource,
+    on_demand_feature_view,
 )
 from featurestore.feature_store import FeatureStore
 
@@ -23,8 +26,11 @@ __all__ = [
     "FeatureView",
     "Field",
     "FileSource",
+    "OnDemandFeatureView",
     "PushSource",
+    "RequestSource",
     "SqlSource",
     "StreamSource",
     "__version__",
+    "on_demand_feature_view",
 ]

@@ -369,6 +369,92 @@ class FeatureView:
 
 
 @dataclass(eq=False)
+class RequestSource:
+    """Values a caller sends with each lookup (REST ``entities``, SDK entity rows) or each
+    training row (entity_df columns), such as the payment's ``amount``."""
+
+    name: str
+    schema: list[Field]
+
+
+OnDemandFunction = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(eq=False)
+class OnDemandFeatureView:
+    """Features computed at request time by one Python function from request values and
+    looked-up features, e.g. ``amount / amount_mean_7d``. The same function runs on the joined
+    training rows (historical retrieval, export) and on each lookup (SDK, feature server,
+    inference server): written once, no training/serving skew.
+
+    ``udf`` takes ``{name: pyarrow.Array}`` (the sources' features by feature name, the request
+    fields by name; nulls where a value is missing) and returns ``{output: array or list}``
+    with one value per row for each field of ``schema`` (cast to its declared type).
+    """
+
+    name: str
+    sources: list["FeatureView | FeatureViewProjection | RequestSource"]
+    schema: list[Field]
+    udf: OnDemandFunction
+    description: str = ""
+    owner: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+    location: Location = field(default_factory=_location, repr=False)
+
+    @property
+    def features(self) -> list[Field]:
+        return self.schema
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.schema]
+
+    def field(self, name: str) -> Field:
+        for f in self.schema:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+    @property
+    def input_refs(self) -> list[str]:
+        """The looked-up features it reads, as ``view:feature``."""
+        refs = []
+        for source in self.sources:
+            if isinstance(source, FeatureViewProjection):
+                refs += [f"{source.view.name}:{f}" for f in source.features]
+            elif isinstance(source, FeatureView):
+                refs += [f"{source.name}:{f}" for f in source.feature_names]
+        return refs
+
+    @property
+    def request_fields(self) -> list[Field]:
+        return [f for s in self.sources if isinstance(s, RequestSource) for f in s.schema]
+
+    def __getitem__(self, features: Sequence[str]) -> "FeatureViewProjection":
+        return FeatureViewProjection(self, [features] if isinstance(features, str) else list(features))  # type: ignore[arg-type]
+
+    def to_spec(self) -> dict[str, Any]:
+        try:
+            code = textwrap.dedent(inspect.getsource(self.udf))
+        except (OSError, TypeError):
+            code = getattr(self.udf, "__qualname__", repr(self.udf))
+        return {
+            "kind": "on_demand_feature_view", "name": self.name, "inputs": self.input_refs,
+            "request_schema": [f.to_spec() for f in self.request_fields], "schema": [f.to_spec() for f in self.schema],
+            "udf": code, "description": self.description, "owner": self.owner, "tags": dict(self.tags),
+        }
+
+
+def on_demand_feature_view(
+    *, sources: list["FeatureView | FeatureViewProjection | RequestSource"], schema: list[Field], name: str = "", description: str = "",
+) -> Callable[[OnDemandFunction], OnDemandFeatureView]:
+    """Decorator form, as in Feast: ``@on_demand_feature_view(sources=[...], schema=[...])`` over the function."""
+    def wrap(udf: OnDemandFunction) -> OnDemandFeatureView:
+        return OnDemandFeatureView(name or udf.__name__, sources, schema, udf, description, location=_location())
+    return wrap
+
+
+@dataclass(eq=False)
 class FeatureViewProjection:
     """``view[["f1", "f2"]]``: a subset of a view's features, as used by services."""
 
@@ -381,14 +467,14 @@ class FeatureService:
     """A named set of features a model consumes, in a fixed order."""
 
     name: str
-    features: list[FeatureView | FeatureViewProjection]
+    features: list["FeatureView | OnDemandFeatureView | FeatureViewProjection"]
     description: str = ""
     owner: str = ""
     tags: dict[str, str] = field(default_factory=dict)
     location: Location = field(default_factory=_location, repr=False)
 
     def feature_refs(self) -> list[str]:
-        """``view:feature`` strings in service order."""
+        """``view:feature`` strings in service order (on-demand views' outputs included)."""
         refs = []
         for item in self.features:
             if isinstance(item, FeatureViewProjection):
@@ -408,4 +494,4 @@ class FeatureService:
         }
 
 
-Definition = Union[Entity, FeatureView, FeatureService, PushSource]
+Definition = Union[Entity, FeatureView, OnDemandFeatureView, FeatureService, PushSource]

@@ -42,12 +42,14 @@ def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequ
         fields += [pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
     keys: dict[str, pa.DataType] = {}
     for ref in refs:
-        keys.update({k: t.arrow for k, t in defs.key_types[ref.split(":")[0]].items()})
+        odfv = defs.on_demand_feature_views.get(ref.split(":")[0])
+        for view in ([r.split(":")[0] for r in odfv.input_refs] if odfv else [ref.split(":")[0]]):
+            keys.update({k: t.arrow for k, t in defs.key_types[view].items()})
     fields += [pa.field(k, t) for k, t in keys.items()]
     fields += [pa.field(i, pa.float64()) for i in request_inputs]
     for ref in refs:
-        view_name, feature = ref.split(":")
-        fields += [pa.field(feature, defs.view(view_name).field(feature).dtype.arrow), pa.field(f"{feature}__status", pa.string())]
+        feature = ref.split(":")[1]
+        fields += [pa.field(feature, defs.feature_type(ref).arrow), pa.field(f"{feature}__status", pa.string())]
     if with_model:
         fields.append(pa.field("score", pa.float32()))
     return pa.schema(fields)

@@ -93,6 +93,10 @@ class FeatureStore:
             features = service.feature_refs()
         names += [ref.split(":")[0] for ref in features or [] if isinstance(ref, str)]
         for name in list(names):
+            odfv = self.definitions.on_demand_feature_views.get(name)
+            if odfv is not None:
+                names += [r.split(":")[0] for r in odfv.input_refs]
+        for name in list(names):
             view = self.definitions.feature_views.get(name)
             if view is not None:
                 names += [e.name for e in view.entities] + [getattr(view.source, "name", "")]
@@ -142,8 +146,7 @@ class FeatureStore:
     def definition_hashes(self, views: Iterable[str]) -> dict[str, str]:
         """Per view, a hash of what determines its values (not its description, owner or tags):
         manifests and model cards record it, so metadata edits never make a model or dataset stale."""
-        specs = self.definitions.specs()["feature_view"]
-        return {v: value_hash(specs[v]["spec"]) for v in views}
+        return {v: value_hash(self.definitions.spec_of(v)) for v in views}
 
     def model_registry(self) -> "ModelRegistry":
         """The model registry; promotions are announced to every inference server over Redis."""

@@ -264,7 +264,7 @@ def test_online_request_errors(users_store):
     store = users_store(random_users(2, 4, seed=12))
     store.materialize(None, NOW)
     with pytest.raises(RequestError, match="takes Int64"):
-        store.get_online_features([{"user_id": "1"}], features=["users:i64"])
+        store.get_online_features([{"user_id": "1x"}], features=["users:i64"])  # ("1" is taken as 1, as by Feast)
     import numpy as np
 
     by_numpy = store.get_online_features({"user_id": list(np.array([1, 2]))}, features=["users:i64"]).to_dict()

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from featurestore.config import RepoConfig
-from featurestore.definitions import Entity, FeatureService, FeatureView, PushSource, content_hash
+from featurestore.definitions import (
+    Entity, FeatureService, FeatureView, FeatureViewProjection, OnDemandFeatureView, PushSource, content_hash,
+)
 from featurestore.errors import NotFoundError
 from featurestore.types import DType
 
@@ -42,6 +44,7 @@ class Definitions:
 
     entities: dict[str, Entity] = field(default_factory=dict)
     feature_views: dict[str, FeatureView] = field(default_factory=dict)
+    on_demand_feature_views: dict[str, OnDemandFeatureView] = field(default_factory=dict)
     feature_services: dict[str, FeatureService] = field(default_factory=dict)
     push_sources: dict[str, PushSource] = field(default_factory=dict)
     # join-key types per view: declared on the entity, else read from the source at validation
@@ -54,6 +57,7 @@ class Definitions:
         return {
             "entity": self.entities,
             "feature_view": self.feature_views,
+            "on_demand_feature_view": self.on_demand_feature_views,
             "feature_service": self.feature_services,
             "push_source": self.push_sources,
         }
@@ -74,6 +78,19 @@ class Definitions:
 
         keys = {k: t.arrow for k, t in self.key_types[view.name].items()}
         return history_schema(keys, [(f.name, f.dtype.arrow) for f in view.schema])
+
+    def feature_type(self, ref: str):
+        """The declared type of ``view:feature`` (a stored, aggregated or on-demand feature)."""
+        view_name, feature = ref.split(":", 1)
+        view = self.on_demand_feature_views.get(view_name) or self.view(view_name)
+        return view.field(feature).dtype
+
+    def spec_of(self, name: str) -> dict:
+        """A feature view's or on-demand view's spec."""
+        obj = self.feature_views.get(name) or self.on_demand_feature_views.get(name)
+        if obj is None:
+            raise NotFoundError(f"no feature view named {name!r}")
+        return obj.to_spec()
 
     def view(self, name: str) -> FeatureView:
         try:
@@ -136,12 +153,16 @@ def _with_dependencies(value: object) -> list[object]:
     if isinstance(value, FeatureView):
         extra = [value.source] if isinstance(value.source, PushSource) else []
         return [value, *value.entities, *extra]
+    if isinstance(value, OnDemandFeatureView):
+        views = [s.view if isinstance(s, FeatureViewProjection) else s for s in value.sources]
+        return [value, *(d for v in views if isinstance(v, FeatureView) for d in _with_dependencies(v))]
     if isinstance(value, (Entity, FeatureService, PushSource)):
         return [value]
     return []
 
 
-_KINDS = {Entity: "entity", FeatureView: "feature_view", FeatureService: "feature_service", PushSource: "push_source"}
+_KINDS = {Entity: "entity", FeatureView: "feature_view", OnDemandFeatureView: "on_demand_feature_view",
+          FeatureService: "feature_service", PushSource: "push_source"}
 
 
 def _collect(obj: object, defs: Definitions, seen: dict, problems: list[str]) -> None:

@@ -15,6 +15,7 @@ from featurestore.definitions import (
     Aggregation, Entity, FeatureService, FeatureView, FeatureViewProjection, Field, FileSource, PushSource, SqlSource,
     StreamSource, content_hash,
 )
+from featurestore.errors import FeatureStoreError
 from featurestore.registry.loader import Definitions
 from featurestore.types import from_name
 
@@ -28,7 +29,7 @@ def value_hash(spec: dict[str, Any]) -> str:
 
 
 def applied_hashes(state: dict[str, Any], views: list[str]) -> dict[str, str]:
-    specs = state["objects"].get("feature_view", {})
+    specs = {**state["objects"].get("feature_view", {}), **state["objects"].get("on_demand_feature_view", {})}
     return {v: value_hash(specs[v]["spec"]) for v in views if v in specs}
 
 
@@ -59,6 +60,9 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
         items: list[FeatureViewProjection] = []
         for ref in entry["spec"]["features"]:
             view_name, feature = ref.split(":", 1)
+            if view_name not in defs.feature_views:  # an on-demand view: its function is code, not registry state
+                raise FeatureStoreError(f"feature service {name!r} of an older registry version uses on-demand view "
+                                        f"{view_name!r}, whose function cannot be read back; check out that version's code")
             if items and items[-1].view.name == view_name:
                 items[-1].features.append(feature)
             else:

@@ -7,7 +7,9 @@ from datetime import timedelta
 
 from featurestore.aggregation import WHERE_OPERATORS
 from featurestore.config import RepoConfig
-from featurestore.definitions import AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection
+from featurestore.definitions import (
+    AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection, OnDemandFeatureView, RequestSource,
+)
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions
 from featurestore.sources import INGESTED_AT, view_output_schema
@@ -28,14 +30,16 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
                 )
     for view in defs.feature_views.values():
         problems += _validate_view(view, config, defs)
+    for odfv in defs.on_demand_feature_views.values():
+        problems += _validate_on_demand(odfv, defs)
     for service in defs.feature_services.values():
         for item in service.features:
             view = item.view if isinstance(item, FeatureViewProjection) else item
             where = f"feature service {service.name!r} ({service.location})"
-            if not isinstance(view, FeatureView):
+            if not isinstance(view, (FeatureView, OnDemandFeatureView)):
                 problems.append(f"{where}: {item!r} is not a feature view; list views or view[[...]] projections")
                 continue
-            if defs.feature_views.get(view.name) is not view:
+            if (defs.feature_views.get(view.name) or defs.on_demand_feature_views.get(view.name)) is not view:
                 problems.append(f"{where}: feature view {view.name!r} is not defined in the repo's modules; add its module to featurestore.yaml")
                 continue
             if isinstance(item, FeatureViewProjection):
@@ -44,6 +48,32 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
                         problems.append(
                             f"{where}: feature {f!r} is not in view {view.name!r}; its features are {view.feature_names}"
                         )
+    return problems
+
+
+def _validate_on_demand(odfv: OnDemandFeatureView, defs: Definitions) -> list[str]:
+    where = f"on-demand feature view {odfv.name!r} ({odfv.location})"
+    problems = []
+    if not callable(odfv.udf):
+        problems.append(f"{where}: udf must be a function taking {{name: pyarrow.Array}} and returning {{output: values}}")
+    if not odfv.schema:
+        problems.append(f"{where}: schema lists no outputs; declare each output Field")
+    inputs: list[str] = []
+    for source in odfv.sources:
+        view = source.view if isinstance(source, FeatureViewProjection) else source
+        if isinstance(source, RequestSource):
+            inputs += [f.name for f in source.schema]
+        elif not isinstance(view, FeatureView) or defs.feature_views.get(view.name) is not view:
+            problems.append(f"{where}: source {getattr(view, 'name', view)!r} is not a feature view defined in the repo's modules "
+                            "(on-demand views read stored features and RequestSource fields)")
+        else:
+            unknown = [f for f in getattr(source, "features", []) if f not in view.feature_names]
+            if unknown:
+                problems.append(f"{where}: {unknown} are not features of {view.name!r}; its features are {view.feature_names}")
+            inputs += [r.split(":")[1] for r in odfv.input_refs if r.startswith(view.name + ":")]
+    twice = sorted({i for i in inputs if inputs.count(i) > 1})
+    if twice:
+        problems.append(f"{where}: input name(s) {twice} come from two sources; the function sees inputs by name, so rename one")
     return problems
 
 

@@ -59,8 +59,7 @@ def export_training_dataset(
         pq.write_table(_entity_table(entity_df), entities_path, compression="zstd")
     refs = defs.service(feature_service).feature_refs()
     views = list(dict.fromkeys(r.split(":")[0] for r in refs))
-    specs = defs.specs()["feature_view"]
-    hashes = {v: value_hash(specs[v]["spec"]) for v in views}
+    hashes = {v: value_hash(defs.spec_of(v)) for v in views}
     job = RetrievalJob.build(defs, offline, str(entities_path), None, feature_service, False, versions=versions)
     total = pq.ParquetFile(entities_path).metadata.num_rows
     columns = [TextColumn("exporting {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
@@ -119,7 +118,7 @@ def _definitions_of(manifest: dict[str, Any], current: Definitions, registry: Re
     """The definitions an export was made under, and the registry version they were applied in."""
     expected = manifest["definition_hashes"]
     views = list(expected)
-    specs = current.specs()["feature_view"]
+    specs = {**current.specs().get("feature_view", {}), **current.specs().get("on_demand_feature_view", {})}
     if all(v in specs and value_hash(specs[v]["spec"]) == expected[v] for v in views):
         return current, manifest.get("registry_version") or registry.current()["version"]
     number = manifest.get("registry_version")

@@ -29,6 +29,7 @@ from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.offline.base import OfflineStore
 from featurestore.registry.loader import Definitions
+from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
 from featurestore.retrieval.refs import ViewRequest, resolve
 from featurestore.sources import ident, is_nanoseconds, quote, utc_micros_sql
 from featurestore.types import castable
@@ -50,6 +51,8 @@ class RetrievalJob:
     table_versions: dict[str, int | None]   # table version read per view (for manifests)
     history_tables: dict[str, str]          # history table (view version) read per view
     feature_types: dict[str, pa.DataType]   # output feature column -> declared Arrow type
+    on_demand: OnDemandPlan | None = None   # request-time features computed on each joined batch
+    entity_columns: list[str] | None = None
 
     @classmethod
     def build(
@@ -60,6 +63,9 @@ class RetrievalJob:
         """Prepare the join of ``defs``' views' histories in ``offline`` (at ``versions``, default latest)."""
         if as_of not in ("event", "created"):
             raise RequestError(f"as_of must be 'event' or 'created', not {as_of!r}")
+        on_demand = OnDemandPlan.build(defs, features, feature_service, full_feature_names)
+        if on_demand is not None:  # join the stored features it needs, under full names
+            features, feature_service, full_feature_names = on_demand.base_refs, None, True
         requests = resolve(defs, features, feature_service, full_feature_names)
         con = duckdb.connect()
         con.execute("SET TimeZone = 'UTC'")
@@ -91,11 +97,31 @@ class RetrievalJob:
                 table_versions[req.view.name] = offline.register(con, req.view.history_table, f"__hist{i}", schema, version=wanted)
         sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types)
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
-        return cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
+        job = cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
+        if on_demand is not None:
+            missing = [f for f in on_demand.request_fields if f not in entity_columns]
+            if missing:
+                raise RequestError(f"the on-demand features need request field(s) {missing} as entity_df columns; got {entity_columns}")
+            clash = [n for n in on_demand.output_names() if n in entity_columns]
+            if clash:
+                raise RequestError(f"output column(s) {clash} clash with entity columns; rename those or use full_feature_names=True")
+            job.on_demand, job.entity_columns = on_demand, entity_columns
+        return job
 
     def _fix_types(self, batch: pa.RecordBatch | pa.Table):
         schema = pa.schema([pa.field(f.name, self.feature_types.get(f.name, f.type)) for f in batch.schema])
-        return batch.cast(schema) if schema != batch.schema else batch
+        batch = batch.cast(schema) if schema != batch.schema else batch
+        return self._with_on_demand(batch) if self.on_demand is not None else batch
+
+    def _with_on_demand(self, batch: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+        """The requested columns: entity columns, then stored and request-time features in request order."""
+        plan, entities = self.on_demand, self.entity_columns or []
+        assert plan is not None
+        computed = plan.compute({name: batch.column(name) for name in batch.schema.names}, batch.num_rows)
+        columns = [(name, batch.column(name)) for name in entities]
+        columns += finish_columns(plan, batch.column, computed)
+        make = pa.RecordBatch.from_arrays if isinstance(batch, pa.RecordBatch) else pa.Table.from_arrays
+        return make([c for _, c in columns], names=[n for n, _ in columns])
 
     def batches(self, rows_per_batch: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:
         """Stream the result in input order, memory bounded by DuckDB."""

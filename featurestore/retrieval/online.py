@@ -21,6 +21,7 @@ from featurestore.online.codec import (
     EPOCH, datetime_to_micros, entity_key, events_key, key_prefix, key_text, make_decoder, micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
+from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
 from featurestore.retrieval.refs import ViewRequest, resolve
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ class OnlineQuery:
     ranges: list[tuple[bytes, int, int]]
     range_slots: list[list[int]]      # per window plan, per entity row: index into ranges
     now_us: int                       # the lookup time: ttl and windows are evaluated at it
+    on_demand: OnDemandPlan | None = None         # request-time features to compute after the read
+    request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
 
     @property
     def key_names(self) -> list[str]:
@@ -225,13 +228,17 @@ class OnlineQuery:
         features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool,
         max_entities: int = 10_000, cache: dict | None = None, now: datetime | None = None,
     ) -> "OnlineQuery":
-        signature = (tuple(features) if features is not None else None,
+        signature = (tuple(features) if isinstance(features, (list, tuple)) else features,
                      feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
                      full_feature_names)
         cache = cache if cache is not None else defs.query_cache
-        template = cache.get(signature)
+        template, on_demand = cache.get(signature, (None, None))
         if template is None:
-            template = cache[signature] = QueryTemplate.build(defs, project, features, feature_service, full_feature_names)
+            on_demand = OnDemandPlan.build(defs, features, feature_service, full_feature_names)
+            if on_demand is not None:  # look up the stored features it needs, under full names
+                features, feature_service, full_feature_names = on_demand.base_refs, None, True
+            template = QueryTemplate.build(defs, project, features, feature_service, full_feature_names)
+            cache[signature] = (template, on_demand)
         columns = _as_columns(entities)
         n = len(next(iter(columns.values()))) if columns else 0
         if n == 0:
@@ -274,7 +281,9 @@ class OnlineQuery:
                     ranges.append((key, now_us - window.evaluator.longest_us, now_us))
                 rows.append(pos)
             range_slots.append(rows)
-        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, now_us)
+        request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
+        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, now_us,
+                   on_demand, request_columns)
 
     def assemble(self, raw: list) -> OnlineResponse:
         """Decode what ``read(self.lookups, self.ranges)`` returned into the response."""
@@ -294,7 +303,30 @@ class OnlineQuery:
             values.append(v)
             statuses.append(st)
             times.append(t)
-        return OnlineResponse(names, values, statuses, times)
+        response = OnlineResponse(names, values, statuses, times)
+        return self._with_on_demand(response) if self.on_demand is not None else response
+
+    def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
+        """The requested columns: stored ones from ``base``, request-time ones computed from it."""
+        plan, keys = self.on_demand, len(self.key_names)
+        assert plan is not None
+        n = len(self.key_columns[0])
+        by_name = {name: i for i, name in enumerate(base.feature_names)}
+        computed = plan.compute({**(self.request_columns or {}), **{name: base.values[i] for name, i in by_name.items()}}, n)
+        response = OnlineResponse(base.feature_names[:keys], base.values[:keys], base.statuses[:keys], base.event_timestamps[:keys])
+        for name, column in finish_columns(plan, lambda full: by_name[full], computed):
+            if isinstance(column, int):  # a stored feature: its values, statuses and times as read
+                response.feature_names.append(name)
+                response.values.append(base.values[column])
+                response.statuses.append(base.statuses[column])
+                response.event_timestamps.append(base.event_timestamps[column])
+            else:
+                values = column.to_pylist()
+                response.feature_names.append(name)
+                response.values.append(values)
+                response.statuses.append([PRESENT if v is not None else NULL_VALUE for v in values])
+                response.event_timestamps.append([None] * n)
+        return response
 
     def _window_columns(self, plan: _WindowPlan, slots: list[int], events: list, now_us: int):
         decode, evaluate = plan.decode, plan.evaluator.evaluate

@@ -1,0 +1,92 @@
+"""Request-time (on-demand) features (issue #12): one function over request values and looked-up
+features, applied identically to training rows (historical, export) and to lookups (SDK, REST)."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from fastapi.testclient import TestClient
+
+from featurestore.errors import RequestError
+from serving.feature_server import create_app
+
+NOW = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=5)
+
+DEFS = """
+import pyarrow.compute as pc
+from featurestore import (Entity, FeatureService, FeatureView, Field, PushSource, RequestSource,
+                          on_demand_feature_view)
+from featurestore.types import Bool, Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+events = PushSource(name="events", schema=[Field("card_id", Int64), Field("avg_amount", Float64), Field("country", String),
+                                           Field("event_timestamp", UnixTimestamp)])
+stats = FeatureView(name="stats", entities=[card], source=events, schema=[Field("avg_amount", Float64), Field("country", String)])
+payment = RequestSource(name="payment", schema=[Field("amount", Float64)])
+
+@on_demand_feature_view(sources=[stats[["avg_amount"]], payment], schema=[Field("amount_ratio", Float64), Field("large", Bool)])
+def payment_vs_usual(inputs):
+    ratio = pc.divide(inputs["amount"], inputs["avg_amount"])
+    return {"amount_ratio": ratio, "large": pc.greater(ratio, 3.0)}
+
+svc = FeatureService(name="svc", features=[stats[["country"]], payment_vs_usual])
+"""
+
+
+@pytest.fixture
+def store(make_store):
+    s = make_store(DEFS)
+    s.push("events", {"card_id": [1, 2, 3], "avg_amount": [10.0, 4.0, None], "country": ["FR", "DE", "US"],
+                      "event_timestamp": [NOW] * 3}, to="online_and_offline")
+    return s
+
+
+def test_online_and_offline_compute_the_same_values(store):
+    amounts = [50.0, 2.0, 7.0, 1.0]
+    online = store.get_online_features({"card_id": [1, 2, 3, 4], "amount": amounts},
+                                       features=["stats:country", "payment_vs_usual:amount_ratio", "payment_vs_usual:large"])
+    assert online.feature_names == ["card_id", "country", "amount_ratio", "large"]
+    assert online.to_dict()["amount_ratio"] == [5.0, 0.5, None, None] and online.to_dict()["large"] == [True, False, None, None]
+    assert online.statuses[2] == ["PRESENT", "PRESENT", "NULL_VALUE", "NULL_VALUE"]
+    rows = pd.DataFrame({"card_id": [1, 2, 3, 4], "event_timestamp": [NOW + timedelta(seconds=1)] * 4, "amount": amounts})
+    offline = store.get_historical_features(rows, feature_service="svc").to_arrow()
+    assert offline.column_names == ["card_id", "event_timestamp", "amount", "country", "amount_ratio", "large"]
+    assert offline["amount_ratio"].to_pylist() == online.to_dict()["amount_ratio"]
+    assert offline["large"].to_pylist() == online.to_dict()["large"]
+
+
+def test_random_requests_agree_bit_for_bit(store):
+    rng = random.Random(7)
+    cards = [rng.choice([1, 2, 3, 9]) for _ in range(200)]
+    amounts = [rng.choice([None, 0.0, -1.5, rng.uniform(0, 1e6), float("inf")]) for _ in cards]
+    online = store.get_online_features({"card_id": cards, "amount": amounts}, features=["payment_vs_usual:amount_ratio"]).to_dict()
+    rows = pd.DataFrame({"card_id": cards, "event_timestamp": [NOW + timedelta(seconds=1)] * len(cards),
+                         "amount": pd.array(amounts, dtype="Float64")})
+    offline = store.get_historical_features(rows, features=["payment_vs_usual:amount_ratio"]).to_arrow()
+    assert offline["amount_ratio"].to_pylist() == online["amount_ratio"]
+
+
+def test_request_fields_are_required_and_the_server_serves_them(store):
+    with pytest.raises(RequestError, match="request field 'amount'"):
+        store.get_online_features({"card_id": [1]}, features=["payment_vs_usual:amount_ratio"])
+    rows = pd.DataFrame({"card_id": [1], "event_timestamp": [NOW]})
+    with pytest.raises(RequestError, match=r"request field\(s\) \['amount'\]"):
+        store.get_historical_features(rows, features=["payment_vs_usual:amount_ratio"]).to_arrow()
+    with TestClient(create_app(store.config.repo_path)) as client:
+        body = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1, 2], "amount": [30.0, 4.0]}}).json()
+        assert body["metadata"]["feature_names"] == ["card_id", "country", "amount_ratio", "large"]
+        assert body["results"][2]["values"] == [3.0, 1.0] and body["results"][3]["values"] == [False, False]
+        missing = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1]}})
+        assert missing.status_code == 422 and "amount" in missing.json()["detail"]
+
+
+def test_exports_carry_on_demand_features(store, tmp_path):
+    rows = pa.table({"card_id": [1, 2], "event_timestamp": pa.array([NOW + timedelta(seconds=1)] * 2, pa.timestamp("us", tz="UTC")),
+                     "amount": [20.0, 20.0]})
+    manifest = store.export_training_dataset(rows, "svc", tmp_path / "ds")
+    assert "payment_vs_usual" in manifest["definition_hashes"]
+    assert pd.read_parquet(tmp_path / "ds" / "data-00000.parquet")["amount_ratio"].tolist() == [2.0, 5.0]
