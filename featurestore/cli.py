@@ -432,6 +432,34 @@ def runs_show(run_id: str, repo: Path = RepoOption) -> None:
     console.print(f"loss curve: {run / 'loss.png'}")
 
 
+@runs_app.command("compare")
+def runs_compare(
+    run_ids: list[str] = typer.Argument(..., help="Two or more run ids."),
+    metric: list[str] = typer.Option(["train_loss", "val_auc"], "--metric", help="Curves to overlay (repeatable)."),
+    plot: Optional[Path] = typer.Option(None, help="Write the overlaid curves to this PNG."),
+    repo: Path = RepoOption,
+) -> None:
+    """Runs side by side: the parameters that differ first, final metrics, overlaid curves."""
+    from featurestore.tracking import compare, plot_compare, read_run
+
+    root = _store(repo).config.data_dir / "runs"
+    missing = [r for r in run_ids if not (root / r).exists()]
+    if missing:
+        raise FeatureStoreError(f"no run(s) {missing}; see `featurestore runs list`")
+    runs = [read_run(root / r) for r in run_ids]
+    table = compare(runs)
+    view = Table("", *table["runs"])
+    for key in table["differs"]:
+        view.add_row(f"[bold]{key}[/]", *(str(v) for v in table["params"][key]))
+    for key, values in table["final"].items():
+        view.add_row(key, *(f"{v:.4f}" if isinstance(v, float) else str(v) for v in values))
+    console.print(view)
+    same = [k for k in table["params"] if k not in table["differs"]]
+    console.print(f"{len(same)} parameters are the same in every run", markup=False)
+    if plot is not None:
+        console.print(f"curves: {plot_compare(runs, metric, plot)}", markup=False)
+
+
 @models_app.command("list")
 def models_list(repo: Path = RepoOption) -> None:
     """List registered models, versions, aliases and metrics."""

@@ -74,7 +74,7 @@ view = FeatureView(name="view", entities=[card], source=src, schema=[Field("v", 
             store.get_online_features({"card_id": [bad]}, features=["view:v"])
 
 
-def test_write_to_online_store_and_epoch_timestamps(client):
+def test_write_to_online_store_and_epoch_timestamps(client):  # noqa: F811 - the fixture
     """Issue #12: Feast's SDK `write_to_online_store` (and `push` through its remote store) call
     POST /write-to-online-store: it was a 404. Epoch-second timestamps were a 422."""
     epoch = int(NOW.timestamp()) - 60
