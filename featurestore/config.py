@@ -48,6 +48,7 @@ class RepoConfig:
     max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
     api_keys: "list[ApiKey] | None" = None  # None: authentication not configured (see featurestore.auth)
     auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
+    error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
 
     @property
@@ -90,6 +91,7 @@ class RepoConfig:
             buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
             api_keys=_api_keys((raw.get("server") or {}).get("auth"), file),
             auth_off=(raw.get("server") or {}).get("auth") in (False, "off"),
+            error_format=_choice((raw.get("server") or {}).get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"),
             max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
@@ -123,7 +125,7 @@ def parse_duration(value: object, where: str) -> timedelta:
 
 _KEYS = {
     "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
-    "server": {"max_request_bytes", "auth"},
+    "server": {"max_request_bytes", "auth", "errors"},
     "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention", "read_timeout_ms"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
 }
@@ -161,6 +163,12 @@ def _positive_int(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FeatureStoreError(f"{where}: {value!r} is not a whole number >= 1")
     return value
+
+
+def _choice(value: object, allowed: tuple[str, ...], where: str) -> str:
+    if value not in allowed:
+        raise FeatureStoreError(f"{where}: {value!r} is not one of {list(allowed)}")
+    return str(value)
 
 
 def _modules(value: object, file: Path) -> list[str]:

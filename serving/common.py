@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -134,7 +134,21 @@ class _Fixed:
 JsonHandler = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 
 
-def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes], Awaitable[Any]]) -> JsonHandler:
+# Feast's clients turn a body naming one of its error classes into that exception (feast.errors)
+_FEAST_ERRORS = ((ForbiddenError, "FeastPermissionError"), (NotFoundError, "FeastObjectNotFoundException"),
+                 (FeatureStoreError, "FeastError"))
+
+
+def error_body(exc: FeatureStoreError, feast: bool = False) -> bytes:
+    """``{"detail": message}``, or with ``server: {errors: feast}`` Feast's error detail: a JSON
+    string of ``{"module", "class", "message"}``, which Feast's SDK raises as a typed error."""
+    if not feast:
+        return dumps({"detail": str(exc)})
+    name = next(n for cls, n in _FEAST_ERRORS if isinstance(exc, cls))
+    return dumps(orjson.dumps({"module": "feast.errors", "class": name, "message": str(exc)}).decode())
+
+
+def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes], Awaitable[Any]], feast_errors: bool = False) -> JsonHandler:
     """Wrap ``handle(body) -> JSON-able`` as ``body -> (status, JSON bytes)``: errors become
     404/422/503 with a message, Redis errors go to the metrics (latency: ``FastLane``)."""
 
@@ -144,7 +158,7 @@ def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes], Awai
         except FeatureStoreError as exc:
             if isinstance(exc, OnlineStoreUnavailable):
                 metrics.redis_errors.inc()
-            return error_status(exc), dumps({"detail": str(exc)})
+            return error_status(exc), error_body(exc, feast_errors)
 
     return run
 
@@ -155,12 +169,12 @@ async def respond(handler: JsonHandler, request: Request) -> Response:
     return Response(payload, status_code=status, media_type="application/json")
 
 
-def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+def install_error_handlers(app: FastAPI, metrics: Metrics, feast_errors: bool = False) -> None:
     @app.exception_handler(FeatureStoreError)
-    async def _feature_store_error(request: Request, exc: FeatureStoreError) -> JSONResponse:
+    async def _feature_store_error(request: Request, exc: FeatureStoreError) -> Response:
         if isinstance(exc, OnlineStoreUnavailable):
             metrics.redis_errors.inc()
-        return JSONResponse({"detail": str(exc)}, status_code=error_status(exc))
+        return Response(error_body(exc, feast_errors), status_code=error_status(exc), media_type="application/json")
 
 
 class RegistryWatcher:

@@ -116,7 +116,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
         version="0.1.0",
         lifespan=lifespan,
     )
-    install_error_handlers(app, metrics)
+    feast_errors = watcher.current.config.error_format == "feast"
+    install_error_handlers(app, metrics, feast_errors)
 
     async def lookup_body(raw_body: bytes) -> dict[str, Any]:
         body = _parse_lookup(raw_body)
@@ -132,7 +133,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
             logger_for(service).log(vector_entry(query, response, served_at))
         return response.to_rest()
 
-    lookup = json_handler(metrics, "get-online-features", lookup_body)
+    lookup = json_handler(metrics, "get-online-features", lookup_body, feast_errors)
 
     @app.post(
         "/get-online-features", response_model=OnlineFeaturesResponse, responses=ERRORS,

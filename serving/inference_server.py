@@ -124,7 +124,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         description=f"Scores with model '{model_name}' ({stage}) from online features; statuses and event times per feature.",
         version="0.1.0", lifespan=lifespan,
     )
-    install_error_handlers(app, metrics)
+    feast_errors = watcher.current.config.error_format == "feast"
+    install_error_handlers(app, metrics, feast_errors)
 
     @app.post(
         "/predict", summary="Score one or more instances",
@@ -178,7 +179,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             })
         return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
 
-    predict_body = json_handler(metrics, "predict", _predict)
+    predict_body = json_handler(metrics, "predict", _predict, feast_errors)
 
     @app.get("/health", summary="Liveness, model version and Redis reachability")
     async def health() -> Response:

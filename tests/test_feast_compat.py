@@ -91,3 +91,32 @@ def test_write_to_online_store_and_epoch_timestamps(client):  # noqa: F811 - the
                 {"feature_view_name": "spend", "df": {"card_id": [1], "amount": [1.0], "country": ["x"], "event_timestamp": [True]}}):
         answer = client.post("/write-to-online-store", json=bad)
         assert answer.status_code in (404, 422), answer.text
+
+
+def test_errors_in_feasts_shape_when_asked(tmp_path, redis_url, monkeypatch):
+    """Issue #12: Feast's client logged "Invalid error detail" for our {"detail": ...} bodies.
+    With `server: {errors: feast}` they are Feast's detail, which its SDK raises as a typed error
+    (tests/test_feast_clients.py runs Feast's own client against it)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from serving.feature_server import create_app
+
+    from .conftest import write_repo
+    from .test_feature_server import DEFS
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    (root / "featurestore.yaml").write_text((root / "featurestore.yaml").read_text() + "server: {errors: feast}\n")
+    from featurestore import FeatureStore
+
+    with FeatureStore(root) as store:
+        store.apply()
+    with TestClient(create_app(root)) as c:
+        answer = c.post("/get-online-features", json={"features": ["nope:x"], "entities": {"card_id": [1]}})
+        detail = json.loads(answer.json())  # a JSON string holding the detail, as Feast's server sends
+        assert answer.status_code == 404 and detail["module"] == "feast.errors"
+        assert detail["class"] == "FeastObjectNotFoundException" and "nope" in detail["message"]
+        bad = c.post("/push", json={"push_source_name": "events", "df": {"card_id": ["x"]}})
+        assert json.loads(bad.json())["class"] == "FeastError"
