@@ -47,6 +47,11 @@ def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequ
             keys.update({k: t.arrow for k, t in defs.key_types[view].items()})
     fields += [pa.field(k, t) for k, t in keys.items()]
     fields += [pa.field(i, pa.float64()) for i in request_inputs]
+    for ref in refs:  # request fields of on-demand features: logged, so the offline recomputation gets them
+        odfv = defs.on_demand_feature_views.get(ref.split(":")[0])
+        for f in odfv.request_fields if odfv else []:
+            if f.name not in [x.name for x in fields]:
+                fields.append(pa.field(f.name, f.dtype.arrow))
     for ref in refs:
         feature = ref.split(":")[1]
         fields += [pa.field(feature, defs.feature_type(ref).arrow), pa.field(f"{feature}__status", pa.string())]
@@ -59,7 +64,7 @@ def vector_entry(query: "OnlineQuery", response: "OnlineResponse", served_at: da
     """One request's served vectors as log columns (``extra``: inputs, model fields, scores)."""
     n = len(query.key_columns[0])
     entry: dict[str, list[Any]] = {"served_at": [served_at] * n, "request_id": [uuid.uuid4().hex] * n,
-                                   **dict(zip(query.key_names, query.key_columns)), **extra}
+                                   **dict(zip(query.key_names, query.key_columns)), **(query.request_columns or {}), **extra}
     keys = len(query.key_names)
     for name, values, statuses in zip(response.feature_names[keys:], response.values[keys:], response.statuses[keys:]):
         entry[name], entry[f"{name}__status"] = values, statuses

@@ -90,3 +90,16 @@ def test_exports_carry_on_demand_features(store, tmp_path):
     manifest = store.export_training_dataset(rows, "svc", tmp_path / "ds")
     assert "payment_vs_usual" in manifest["definition_hashes"]
     assert pd.read_parquet(tmp_path / "ds" / "data-00000.parquet")["amount_ratio"].tolist() == [2.0, 5.0]
+
+
+def test_the_consistency_check_covers_request_time_features(store):
+    """The feature server logs the request fields with the served vector, so the check recomputes
+    the on-demand features offline from the same inputs (as known at serving time)."""
+    from featurestore.consistency import check_service_log
+
+    with TestClient(create_app(store.config.repo_path, log_features=True)) as client:
+        for amounts in ([30.0, 4.0, 1.0], [12.5, None, 3.0]):
+            body = {"feature_service": "svc", "entities": {"card_id": [1, 2, 3], "amount": amounts}}
+            assert client.post("/get-online-features", json=body).status_code == 200
+    report = check_service_log(store, "svc")
+    assert report.rows == 6 and report.feature_match == {"country": 1.0, "amount_ratio": 1.0, "large": 1.0}, report.mismatches
