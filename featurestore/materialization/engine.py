@@ -19,8 +19,6 @@ from typing import Literal, Sequence
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
@@ -30,6 +28,7 @@ from featurestore.offline.base import OfflineStore
 from featurestore.offline.buffer import PushBuffer
 from featurestore.online.codec import datetime_to_micros
 from featurestore.online.redis_store import RedisOnlineStore
+from featurestore.progress import progress_bar, query_progress
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection, register_view_rows
 
@@ -76,20 +75,19 @@ class Materializer:
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
         end = end or datetime.now(timezone.utc)
         report = MaterializationReport()
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("views"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-        with Progress(*columns, console=Console(stderr=True), disable=not self.progress, transient=True) as bar:
-            task = bar.add_task("materializing", total=len(selected))
-            for view in selected:
-                bar.update(task, description=f"materializing {view.name}")
+        with progress_bar("rows", self.progress, percent=True) as bar:
+            for i, view in enumerate(selected, 1):
+                # the compute query's own progress (DuckDB), then the writes
+                task = bar.add_task(f"[{i}/{len(selected)}] {view.name}: computing", total=100)
                 began = time.perf_counter()
                 con = connection()
                 register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
-                report.views.append(
-                    self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
-                )
+                with query_progress(con, bar, task):
+                    report.views.append(
+                        self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+                    )
                 report.views[-1].seconds = time.perf_counter() - began
-                bar.advance(task)
+                bar.update(task, completed=100, description=f"[{i}/{len(selected)}] {view.name}: done")
         return report
 
     def _expiry(self, view: FeatureView) -> timedelta | None:

@@ -15,11 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from featurestore.errors import FeatureStoreError
 from featurestore.offline.base import OfflineStore
+from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
 from featurestore.registry.store import RegistryStore, atomic_write
@@ -62,9 +61,8 @@ def export_training_dataset(
     hashes = {v: value_hash(defs.spec_of(v)) for v in views}
     job = RetrievalJob.build(defs, offline, str(entities_path), None, feature_service, False, versions=versions)
     total = pq.ParquetFile(entities_path).metadata.num_rows
-    columns = [TextColumn("exporting {task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=Console(stderr=True), disable=not progress, transient=True) as bar:
-        task = bar.add_task(feature_service, total=total)
+    with progress_bar("rows", progress) as bar:
+        task = bar.add_task(f"exporting {feature_service}", total=total)
         rows = job.to_parquet(out / DATA_FILE, on_batch=lambda n: bar.advance(task, n))
     schema = pq.read_schema(out / DATA_FILE)
     manifest = {

@@ -23,11 +23,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from rich.console import Console
-from rich.progress import Progress
 from torch.utils.data import DataLoader
 
 from featurestore.errors import FeatureStoreError
+from featurestore.progress import progress_bar
 from featurestore.registry.store import atomic_write
 from featurestore.training import checkpoints, distributed
 from featurestore.training.dataset import Batch, ExportedDataset, load_manifest
@@ -139,14 +138,16 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
     idle = _idle_batch(pre)
     started, rows = time.perf_counter(), 0
-    with open(run_dir / "metrics.jsonl", "a") as log, Progress(console=Console(stderr=True), disable=not (progress and layout.is_main), transient=True) as bar:
+    with open(run_dir / "metrics.jsonl", "a") as log, progress_bar("steps", progress and layout.is_main) as bar:
         task = bar.add_task("training", total=config.epochs, completed=start_epoch)
         for epoch in range(start_epoch, config.epochs):
             train_data.epoch = epoch
             steps = max(train_data.batches_per_rank())  # the busiest rank's; the others pad with zero-weight steps
             batches = iter(loader)
             model.train()
+            in_epoch = bar.add_task(f"epoch {epoch + 1}/{config.epochs}", total=steps)
             for _ in range(steps):
+                bar.advance(in_epoch)
                 batch = next(batches, None)
                 x_num, x_cat, y = [t.to(layout.device) for t in (batch or idle)]
                 weight = 1.0 if batch is not None else 0.0
@@ -161,6 +162,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                     distributed.average_across_sync_groups(model, layout)
                 if layout.is_main and batch is not None:
                     log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
+            bar.remove_task(in_epoch)
             distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
             full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
             if layout.is_main:
