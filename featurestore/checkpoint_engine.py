@@ -28,7 +28,6 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -152,6 +151,3 @@ class Replica:
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
-
-def registry_at(data_dir: Path, registry_dir: Path) -> ModelRegistry:
-    return ModelRegistry(Path(data_dir) / "models", Path(registry_dir) / "models.json")

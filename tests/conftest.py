@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import textwrap
 from pathlib import Path
 
@@ -34,6 +35,13 @@ def redis_url(tmp_path_factory) -> str:
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     yield server.ensure_running()
     server.stop()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a server process a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_repo(

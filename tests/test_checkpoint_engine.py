@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,20 +17,14 @@ import pytest
 from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
 from featurestore.training.trainer import TrainConfig, train
 
-from .conftest import write_repo
+from .conftest import free_port, write_repo
 from .test_distributed_training import make_dataset
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:
     def __init__(self, root: Path, redis_url: str, source: str | None = None, upstream: str | None = None):
         self.repo = write_repo(root, "", url=redis_url)
-        self.port = _port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo", str(self.repo),
                      "--port", str(self.port), *(["--source", source] if source else []), *(["--upstream", upstream] if upstream else [])]

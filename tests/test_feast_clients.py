@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import write_repo
+from .conftest import free_port, write_repo
 from .test_feature_server import DEFS
 
 HERE = Path(__file__).parent
@@ -44,9 +43,7 @@ def test_feasts_own_sdk_works_against_our_server(tmp_path, redis_url, monkeypatc
     ours = write_repo(tmp_path / "ours", DEFS, url=redis_url)
     (ours / "featurestore.yaml").write_text((ours / "featurestore.yaml").read_text() + "server: {errors: feast}\n")
     subprocess.run([sys.executable, "-m", "featurestore", "apply", "--repo", str(ours)], check=True, capture_output=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "featurestore", "serve", "--repo", str(ours), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     theirs = tmp_path / "theirs"

@@ -14,7 +14,7 @@ from featurestore import FeatureStore
 from featurestore.online.embedded import EmbeddedRedis
 from serving.feature_server import create_app
 
-from .conftest import write_repo
+from .conftest import free_port, write_repo
 
 NOW = datetime.now(timezone.utc)
 
@@ -322,7 +322,6 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
     import json
     import os
     import re
-    import socket
     import subprocess
     import sys
     import time
@@ -335,9 +334,7 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
         store.apply()
         pushed_at = datetime.now(timezone.utc) - timedelta(seconds=30)
         store.push("events", {"card_id": [1], "amount": [1.0], "country": ["FR"], "event_timestamp": [pushed_at]})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
                                "--workers", "2", "--log-format", "json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

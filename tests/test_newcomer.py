@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+
+from .conftest import free_port
 
 
 def test_init_to_served_lookup_to_export_and_training(tmp_path, redis_url):
@@ -29,9 +30,7 @@ def test_init_to_served_lookup_to_export_and_training(tmp_path, redis_url):
     assert "+ feature view driver_stats" in cli("plan")
     cli("apply")
     assert "driver_stats: 20 rows computed" in cli("materialize-incremental")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "featurestore", "serve", "--port", str(port)], cwd=repo, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ from featurestore.training.dataset import ExportedDataset
 from featurestore.training.preprocessing import Preprocessor
 from featurestore.training.trainer import TrainConfig, split_time, train
 from serving.inference_server import create_app, load_checked, model_registry
+
+from .conftest import free_port
 
 DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 
@@ -202,15 +203,9 @@ def test_stale_model_is_refused_naming_the_changed_view(trained, tmp_path):
         load_checked(store, "fraud", "production")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_promotion_is_broadcast_to_every_replica(trained):
     env = {**os.environ, **trained["env"]}
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     servers = [
         subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--port", str(p), "--no-access-log"],
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -169,21 +169,18 @@ class Materializer:
 
     def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
         """Send history rows online: each entity's latest row, or for aggregated views the events."""
-        written = self._write_online(view, rows, now)
-        if written:
-            self.online.note_newest(view.name, datetime_to_micros(pc.max(rows["event_timestamp"]).as_py()))
-        return written
-
-    def _write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
+        if rows.num_rows == 0:
+            return 0
         stored = [(f.name, f.dtype) for f in view.schema]
+        newest = (view.name, datetime_to_micros(pc.max(rows["event_timestamp"]).as_py()))  # per-view freshness
         if view.is_aggregated:
             horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)
             events, ids = events_to_add(rows, view, cutoff_us)
-            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon)
+            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon, newest)
             return events.num_rows
         latest = latest_per_entity(rows, view.join_keys)
-        self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view))
+        self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view), newest)
         return latest.num_rows
 
 

@@ -156,8 +156,10 @@ class RedisOnlineStore:
     def prefix(self) -> bytes:
         return key_prefix(self.project)
 
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None) -> int:
-        """Compare-and-set each entity's row; with ``expire_after``, keys expire once their data is too old to serve."""
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None,
+                     newest: tuple[str, int] | None = None) -> int:
+        """Compare-and-set each entity's row; with ``expire_after``, keys expire once their data is too old to serve.
+        ``newest``: (view name, newest event time in µs) for per-view freshness, sent in the same round trip."""
         if rows.num_rows == 0:
             return 0
         keys = entity_keys(self.project, rows, join_keys)
@@ -168,14 +170,14 @@ class RedisOnlineStore:
             pipe = self.client.pipeline(transaction=False)
             for start in range(0, len(keys), CHUNK):
                 self._write(keys=keys[start:start + CHUNK], args=[view, ttl_ms, *values[start:start + CHUNK]], client=pipe)
-            written = sum(pipe.execute())
+            written = sum(self._execute(pipe, newest))
         except redis.ConnectionError as exc:
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         return written
 
     def write_events(
         self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
-        cutoff_us: int, horizon: timedelta,
+        cutoff_us: int, horizon: timedelta, newest: tuple[str, int] | None = None,
     ) -> int:
         """Add events (history rows) to their entities' sorted sets, once per event id; events
         before ``cutoff_us`` are ignored and trimmed. Returns how many were new."""
@@ -189,7 +191,7 @@ class RedisOnlineStore:
             for start in range(0, len(entities), CHUNK):
                 keys = [k for e in entities[start:start + CHUNK] for k in (events_key(e, view), event_ids_key(e, view))]
                 self._add_events(keys=keys, args=[cutoff_us, horizon_ms, *members[start:start + CHUNK]], client=pipe)
-            return sum(pipe.execute())
+            return sum(self._execute(pipe, newest))
         except redis.ConnectionError as exc:
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
@@ -247,16 +249,16 @@ class RedisOnlineStore:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
-    def note_newest(self, view: str, event_us: int) -> None:
-        """Remember the newest event time written online for ``view`` (never moves back): the
-        servers export its age as per-view freshness."""
-        self._note_newest(keys=[self.prefix + b"newest"], args=[view, event_us])
-
-    def newest(self) -> dict[str, int]:
-        """``{view: newest event time written online, µs since the epoch}``."""
-        return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
+    def _execute(self, pipe: redis.client.Pipeline, newest: tuple[str, int] | None) -> list:
+        """Run a write pipeline, first queuing the view's newest event time (kept as a maximum: it
+        never moves back; the servers export its age as per-view freshness). Returns the writes' results."""
+        if newest is None:
+            return pipe.execute()
+        self._note_newest(keys=[self.prefix + b"newest"], args=list(newest), client=pipe)
+        return pipe.execute()[:-1]
 
     async def newest_async(self) -> dict[str, int]:
+        """``{view: newest event time written online, µs since the epoch}``."""
         return {k.decode(): int(v) for k, v in (await self.async_client.hgetall(self.prefix + b"newest")).items()}
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:

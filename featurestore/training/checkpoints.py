@@ -49,7 +49,7 @@ def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pre:
     tmp = Path(run_dir) / "checkpoint.pt.tmp"
     torch.save({"model": full, "model_config": config, "preprocessor": pre.to_dict(), "epoch": epoch, "step": step}, tmp)
     tmp.replace(Path(run_dir) / "checkpoint.pt")
-    return full_model(run_dir)
+    return from_saved(config, full)
 
 
 def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
