@@ -129,7 +129,7 @@ def main() -> None:
         f"{', '.join(FEATURES)} FROM src").to_arrow_table().cast(store_rows), ["user_id"])
     from featurestore.online.codec import encode_values, entity_keys
 
-    keys, values = entity_keys("bench_mat", latest, ["user_id"]), encode_values(latest, features)
+    keys, values = entity_keys("bench_mat", latest, ["user_id"]).to_pylist(), encode_values(latest, features).to_pylist()
     stage: dict[str, float] = {}
     for attempt in range(2):
         client.flushdb()

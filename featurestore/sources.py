@@ -17,6 +17,10 @@ from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
 # Push logs record when each row arrived; views over a push source without a created column use
 # it as the created time, so pushing A, then B, then A again at one event time serves A.
 INGESTED_AT = "_ingested_at"
+# ... and a 63-bit id per pushed row: the row's identity in every view that reads the source as
+# is, on the push path (computed in Arrow, no query) and when the log is materialized (in SQL).
+# Random per push; an idempotent retry derives the same ids. Older logs lack it (null).
+PUSH_ID = "_push_id"
 
 _DATABASE: duckdb.DuckDBPyConnection | None = None
 

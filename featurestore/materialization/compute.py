@@ -16,7 +16,8 @@ import pyarrow.compute as pc
 
 from featurestore.aggregation import event_id_sql
 from featurestore.definitions import FeatureView
-from featurestore.sources import INGESTED_AT, connection, ident, quote, utc_micros_sql
+from featurestore.online.codec import numpy_values, datetime_to_micros
+from featurestore.sources import INGESTED_AT, PUSH_ID, connection, ident, quote, utc_micros_sql
 from featurestore.types import DType, duckdb_type
 
 
@@ -87,9 +88,11 @@ def compute(
     in_window = " AND ".join(window) or "TRUE"
     keys = [f"__k_{k}" for k in key_types]
     feats = [f"__f_{f.name}" for f in view.schema]
-    identity = ", ".join([*keys, "__event", "__created", *feats])
+    identity = f"(hash({', '.join([*keys, '__event', '__created', *feats])}) >> 1)::BIGINT"
+    if PUSH_ID in types and view.transformation is None:  # a push log read as is: the push's own ids
+        identity = f"COALESCE({ident(PUSH_ID)}, {identity})"
     ingest = utc_sql(ingest_time)
-    source_columns = [c for c in con.view("view_rows").columns if not c.startswith("__")]
+    source_columns = [c for c in con.view("view_rows").columns if not c.startswith("__") and c != PUSH_ID]
     raw_row = "to_json({" + ", ".join(f"{quote(c)}: {ident(c)}" for c in source_columns) + "})::VARCHAR"
     # one query (a push pays DuckDB's per-query cost once): valid rows and rejects, split below
     table = con.sql(
@@ -97,7 +100,7 @@ def compute(
             __event AS event_timestamp,
             COALESCE(__created, {ingest}) AS created_timestamp,
             {int(run_id)}::BIGINT AS _run_id,
-            (hash({identity}) >> 1)::BIGINT AS _row_id,
+            {identity} AS _row_id,
             {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)},
             __reason, CASE WHEN __reason IS NOT NULL THEN {raw_row} END AS __raw
         FROM (SELECT *, CASE {' '.join(reasons)} END AS __reason
@@ -107,6 +110,31 @@ def compute(
     valid = pc.is_null(table["__reason"])
     rows = table.filter(valid).drop_columns(["__reason", "__raw"]).cast(history_schema)
     return Computed(rows, _rejects(table.filter(pc.invert(valid)), run_id))
+
+
+def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType], history_schema: pa.Schema, run_id: int,
+                ingest_time: datetime, future_tolerance: timedelta) -> pa.Table | None:
+    """``compute``'s result for pushed rows (typed to the push source, with ``INGESTED_AT`` and
+    ``PUSH_ID``), in Arrow alone: a push then pays no query. None when a row needs ``compute``'s
+    checks to be explained (a null key, time or event id; a future event) or a column needs a cast."""
+    if view.source.created_timestamp_field:
+        return None
+    have = dict(zip(table.schema.names, table.schema.types))
+    stored = dict(zip(history_schema.names, history_schema.types))
+    for name in [*key_types, *(f.name for f in view.schema)]:
+        if have.get(name) != stored[name]:
+            return None
+    time_column = view.source.timestamp_field
+    must_be_set = [*key_types, time_column, *([view.event_id] if view.event_id else [])]
+    if have[time_column] != stored["event_timestamp"] or any(table[c].null_count for c in must_be_set):
+        return None
+    if max_micros(table[time_column]) > datetime_to_micros(ingest_time + future_tolerance):
+        return None
+    n = table.num_rows
+    columns = {"event_timestamp": table[time_column], "created_timestamp": table[INGESTED_AT], "_row_id": table[PUSH_ID],
+               "_run_id": pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])}
+    return pa.Table.from_arrays([columns[name] if name in columns else table[name] for name in history_schema.names],
+                                schema=history_schema)
 
 
 def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
@@ -135,13 +163,18 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
     ).to_arrow_table().cast(rows.schema)
 
 
+def max_micros(column: pa.ChunkedArray) -> int:
+    """The largest µs of a null-free timestamp column, without a compute kernel (see ``codec.numpy_values``)."""
+    return int(numpy_values(column).view(np.int64).max())
+
+
 def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
     """An aggregated view's rows to send online: recent enough, one per (entity, event id),
     the first stored winning (the offline rule), with their event ids."""
     ids = _plain_event_ids(rows, view) if view.event_id is not None else None
-    if ids is not None and pc.count_distinct(ids).as_py() == rows.num_rows:  # no duplicates: no DuckDB query
-        recent = pc.greater_equal(pc.cast(rows["event_timestamp"], pa.int64()), cutoff_us)
-        return rows.filter(recent), ids.filter(recent).to_numpy()
+    if ids is not None and len(np.unique(ids)) == rows.num_rows:  # no duplicates: no DuckDB query
+        recent = numpy_values(rows["event_timestamp"]).view(np.int64) >= cutoff_us
+        return (rows, ids) if recent.all() else (rows.filter(recent), ids[recent])
     con = connection()
     con.register("r", rows)
     keys = ", ".join(ident(k) for k in view.join_keys)
@@ -154,8 +187,8 @@ def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa
     return out.drop_columns(["__eid"]).cast(rows.schema), ids
 
 
-def _plain_event_ids(rows: pa.Table, view: FeatureView) -> pa.Array | None:
-    """The ids ``event_id_sql`` computes, when Arrow can (an integer id column)."""
+def _plain_event_ids(rows: pa.Table, view: FeatureView) -> np.ndarray | None:
+    """The ids ``event_id_sql`` computes, when numpy can (an integer id column)."""
     if pa.types.is_integer(rows.schema.field(view.event_id).type):
-        return pc.cast(rows[view.event_id], pa.int64()).combine_chunks()
+        return numpy_values(rows[view.event_id]).astype(np.int64)
     return None

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
-from featurestore.materialization.compute import compute, events_to_add, latest_per_entity
+from featurestore.materialization.compute import compute, events_to_add, latest_per_entity, max_micros
 from featurestore.offline.base import OfflineStore
 from featurestore.offline.buffer import PushBuffer
 from featurestore.online.codec import datetime_to_micros
@@ -31,6 +31,12 @@ from featurestore.online.redis_store import RedisOnlineStore
 from featurestore.progress import progress_bar, query_progress
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection, register_view_rows
+
+
+def push_run_id(ingested: datetime) -> int:
+    """A push's run id: its ingest time in µs. Later than every counted run and ordered by
+    arrival (the event-id rule keeps the first), with no registry write on the push path."""
+    return datetime_to_micros(ingested)
 
 
 @dataclass
@@ -105,14 +111,14 @@ class Materializer:
 
     def write_view(
         self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
-        online: bool, offline: bool, on_bad_rows: str = "reject", buffer: PushBuffer | None = None,
+        online: bool, offline: bool, on_bad_rows: str = "reject", buffer: PushBuffer | None = None, run_id: int | None = None,
     ) -> ViewReport:
         """Compute ``view_rows`` registered in ``con`` and write them to the selected stores.
 
         ``buffer``: history rows go to this durable buffer (pushes) instead of straight to the
-        history store."""
+        history store. ``run_id``: the push's (``push_run_id``); by default the registry's next."""
         defs, registry = self.defs, self.registry
-        run_id = registry.next_run_id()
+        run_id = registry.next_run_id() if run_id is None else run_id
         now = datetime.now(timezone.utc)
         computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end,
                            self.config.future_tolerance)
@@ -127,12 +133,8 @@ class Materializer:
             self.offline.write_rejects(view.name, computed.rejects)
 
         write_offline, write_online = offline and view.offline, online and view.online
-        if buffer is not None:  # a push: history through the durable buffer, no registry state
-            segment = buffer.append(f"view:{view.history_table}", computed.rows, online_pending=write_online) if write_offline else None
-            if write_online:
-                report.online_rows = self.write_online(view, computed.rows, now)
-                if segment is not None:
-                    buffer.confirm_online(segment)
+        if buffer is not None:
+            report.online_rows = self.write_pushed(view, computed.rows, now, write_online, write_offline, buffer)
             return report
         mark = registry.watermarks().get(view.name, {})
         # a new storage layout starts with nothing online: everything is re-sent
@@ -158,6 +160,17 @@ class Materializer:
             registry.set_watermark(view.name, **marks)
         return report
 
+    def write_pushed(self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer) -> int:
+        """Pushed history rows: Redis synchronously, history through the durable buffer (no
+        registry state); returns the rows written online."""
+        segment = buffer.append(f"view:{view.history_table}", rows, online_pending=online) if offline else None
+        written = 0
+        if online:
+            written = self.write_online(view, rows, now)
+            if segment is not None:
+                buffer.confirm_online(segment)
+        return written
+
     def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:
         """Every stored row of the view (and the computed ones, if not stored): what Redis must hold."""
         con = connection()
@@ -172,7 +185,7 @@ class Materializer:
         if rows.num_rows == 0:
             return 0
         stored = [(f.name, f.dtype) for f in view.schema]
-        newest = (view.name, datetime_to_micros(pc.max(rows["event_timestamp"]).as_py()))  # per-view freshness
+        newest = (view.name, max_micros(rows["event_timestamp"]))  # per-view freshness
         if view.is_aggregated:
             horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)

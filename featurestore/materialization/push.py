@@ -1,7 +1,8 @@
 """``push``: rows arriving at run time, written with the same rules as materialization.
 
-Views that read the source as is are written at once through ``Materializer.write_view``
-(same typing, identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously,
+Views that read the source as is are written at once, typed in Arrow (``compute.pushed_rows``)
+or, when a row needs explaining or a cast, through ``Materializer.write_view`` (same typing,
+identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously,
 history through the durable ``PushBuffer`` (a fsynced segment per push; committed to Delta
 in batches by ``flush``). The raw rows also go to the source's Delta log through the buffer,
 so views with a transformation over the source see them at the next materialization.
@@ -10,22 +11,26 @@ so views with a transformation over the source see them at the next materializat
 from __future__ import annotations
 
 import hashlib
+import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError, ConflictError, RequestError
-from featurestore.materialization.engine import Materializer
+from featurestore.materialization.compute import pushed_rows
+from featurestore.materialization.engine import Materializer, push_run_id
 from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
-from featurestore.sources import INGESTED_AT, connection, push_log_path
+from featurestore.sources import INGESTED_AT, PUSH_ID, connection, push_log_path
 
 TARGETS = ("online", "offline", "online_and_offline")
+TIMESTAMP = pa.timestamp("us", tz="UTC")
 
 
 def _as_table(df: Any) -> pa.Table:
@@ -60,23 +65,31 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     columns = []
     for f in source.schema:
         try:
-            columns.append(table[f.name].cast(f.dtype.arrow))
+            column = table[f.name]
+            columns.append(column if column.type == f.dtype.arrow else column.cast(f.dtype.arrow))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
-    now = datetime.now(timezone.utc)
+    now = ingested = datetime.now(timezone.utc)
     if idempotency_key is not None:
-        now = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
-    table = pa.table([*columns, pa.array([now] * table.num_rows, pa.timestamp("us", tz="UTC"))], names=[*expected, INGESTED_AT])
+        ingested = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
+    n, run_id = table.num_rows, push_run_id(ingested)
+    ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
+    table = pa.table([*columns, ingested_at, _push_ids(n, idempotency_key, ingested)], names=[*expected, INGESTED_AT, PUSH_ID])
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
-        con = connection()
-        con.register("view_rows", table)
-        try:
-            materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
-                                    on_bad_rows="fail", buffer=buffer)
-        except BadRowsError as exc:
-            raise RequestError(str(exc)) from exc
+        rows = pushed_rows(table, view, defs.key_types[view.name], defs.history_schema(view), run_id, now,
+                           materializer.config.future_tolerance)
+        if rows is None:  # something only the full check (a query) can type or explain
+            con = connection()
+            con.register("view_rows", table)
+            try:
+                materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
+                                        on_bad_rows="fail", buffer=buffer, run_id=run_id)
+            except BadRowsError as exc:
+                raise RequestError(str(exc)) from exc
+        else:
+            materializer.write_pushed(view, rows, now, "online" in to and view.online, "offline" in to and view.offline, buffer)
     if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
         buffer.append(f"log:{source_name}", table)
     flush(materializer, buffer, only_due=True)
@@ -100,6 +113,18 @@ def write_online_only(materializer: Materializer, view: FeatureView, df: Any) ->
     except BadRowsError as exc:
         raise RequestError(str(exc)) from exc
     return table.num_rows
+
+
+def _push_ids(n: int, idempotency_key: str | None, ingested: datetime) -> pa.Array:
+    """Consecutive 63-bit row ids from a random start, or for an idempotent push from one derived
+    from its key and first attempt's time: every retry then writes the same rows."""
+    if idempotency_key is None:
+        start = secrets.randbits(63)
+    else:
+        seed = f"{idempotency_key}\0{datetime_to_micros(ingested)}".encode()
+        start = int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big") >> 1
+    ids = (np.uint64(start) + np.arange(n, dtype=np.uint64)) & np.uint64((1 << 63) - 1)
+    return pa.array(ids.astype(np.int64))
 
 
 IDEMPOTENCY_SECONDS = 24 * 3600  # how long a retry is recognised

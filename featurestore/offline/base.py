@@ -13,9 +13,11 @@ import pyarrow as pa
 # Columns every history table has besides join keys and features.
 #   event_timestamp    when the fact happened (UTC)
 #   created_timestamp  when it was known: the source's created column, else the ingest time
-#   _run_id            the write run that stored the row (later run = later ingest)
-#   _row_id            63-bit hash of keys, event time, source created time and values: the row's
-#                      identity, used to make re-runs idempotent and to order ties within a run
+#   _run_id            the write run that stored the row (later run = later ingest); for a push its
+#                      ingest time in µs (``materialization.engine.push_run_id``)
+#   _row_id            the row's identity, used to make re-runs idempotent and to order ties within
+#                      a run: a 63-bit hash of keys, event time, source created time and values; for
+#                      pushed rows the push's own row id (``sources.PUSH_ID``), kept in the push log
 HISTORY_COLUMNS: dict[str, pa.DataType] = {
     "event_timestamp": pa.timestamp("us", tz="UTC"),
     "created_timestamp": pa.timestamp("us", tz="UTC"),

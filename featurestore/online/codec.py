@@ -111,26 +111,26 @@ def _key_column(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     raise TypeError(f"no key encoding for {t}")
 
 
-def entity_keys(project: str, table: pa.Table, join_keys: Sequence[str]) -> list[bytes]:
-    """Vectorized ``entity_key`` for every row of ``table`` (its key columns typed as declared)."""
+def entity_keys(project: str, table: pa.Table, join_keys: Sequence[str]) -> pa.Array:
+    """Vectorized ``entity_key`` for every row of ``table`` (its key columns typed as declared);
+    a few rows go through ``entity_key`` itself (Arrow kernels cost ~30 µs each, however few rows)."""
+    if table.num_rows < 8:
+        from featurestore.types import from_arrow
+
+        types = {k: from_arrow(table.schema.field(k).type).name for k in join_keys}
+        rows = zip(*(table[k].to_pylist() for k in join_keys))
+        return pa.array([entity_key(project, dict(zip(join_keys, row)), types) for row in rows], pa.binary())
     parts: list[Any] = []
     for i, name in enumerate(sorted(join_keys)):
         parts += [("\x1f" if i else "") + f"{name}=", _key_column(table[name])]
     prefix = key_prefix(project).decode() + "{"
     joined = pc.binary_join_element_wise(prefix, *parts, "}", "")
-    return pc.cast(joined, pa.binary()).to_pylist()
+    if isinstance(joined, pa.ChunkedArray):
+        joined = joined.chunk(0) if joined.num_chunks == 1 else joined.combine_chunks()
+    return joined.view(pa.binary())
 
 
 # ------------------------------------------------------------------ values
-
-
-def _fixed(buffer: bytes, width: int, n: int) -> pa.Array:
-    arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(buffer)])
-    return pc.cast(arr, pa.binary())
-
-
-def _micros(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    return pc.cast(pc.cast(column, pa.timestamp("us", tz="UTC")), pa.int64()).to_numpy(zero_copy_only=False)
 
 
 def _is_fixed(dtype: DType) -> bool:
@@ -145,52 +145,79 @@ def event_ids_key(entity: bytes, view: str) -> bytes:
     return entity + b":ids:" + view.encode()
 
 
-def encode_events(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: np.ndarray) -> list[bytes]:
+def _micros(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """µs since the epoch of a timestamp column (nulls as 0)."""
+    if column.null_count:
+        column = column.fill_null(0)
+    if column.type != pa.timestamp("us", tz="UTC") and column.type != pa.timestamp("us"):
+        column = pc.cast(column, pa.timestamp("us", tz="UTC"))
+    return numpy_values(column).view(np.int64)
+
+
+def numpy_values(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """The values of a null-free fixed-width column, without a compute kernel (they cost ~30 µs
+    each however short the column, which a one-event push would feel)."""
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            return column.chunk(0).to_numpy()
+        return np.concatenate([c.to_numpy() for c in column.chunks]) if column.num_chunks else np.array([], np.int64)
+    return column.to_numpy()
+
+
+def _fixed_values(column: pa.ChunkedArray, dtype: DType) -> np.ndarray:
+    np_type = _FIXED[dtype.name][0]
+    if dtype.name == "UnixTimestamp":
+        return _micros(column).astype(np_type)
+    if column.null_count:
+        column = column.fill_null(False if dtype.name == "Bool" else 0)
+    if dtype.name == "Bool":
+        return np.asarray(column.to_numpy(), dtype=np.uint8)
+    return numpy_values(column).astype(np_type)
+
+
+def encode_events(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: np.ndarray) -> pa.Array:
     """Sorted-set members for events: 8-byte id, then the value layout."""
-    ids = (event_ids.astype(np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
-    return pc.binary_join_element_wise(_fixed(ids, 8, table.num_rows), _encode(table, features), b"").to_pylist()
+    return _encode(table, features, event_ids)
 
 
-def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> list[bytes]:
+def encode_values(table: pa.Table, features: Sequence[tuple[str, DType]]) -> pa.Array:
     """Encode every row of ``table`` (history columns + features) in bulk."""
-    return _encode(table, features).to_pylist()
+    return _encode(table, features)
 
 
-def _encode(table: pa.Table, features: Sequence[tuple[str, DType]]) -> pa.Array:
+def _encode(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: np.ndarray | None = None) -> pa.Array:
+    """The fixed-width part of all rows is one numpy array (the columns side by side); the
+    variable-width values are joined onto it by Arrow."""
     n = table.num_rows
-    header = np.empty((n, 4), dtype=np.uint64)
-    header[:, 0] = _micros(table["event_timestamp"]).view(np.uint64) ^ _SIGN
-    header[:, 1] = _micros(table["created_timestamp"]).view(np.uint64) ^ _SIGN
-    header[:, 2] = table["_run_id"].to_numpy().astype(np.int64).view(np.uint64) ^ _SIGN
-    header[:, 3] = table["_row_id"].to_numpy().astype(np.int64).view(np.uint64) ^ _SIGN
-    parts = [_fixed(header.astype(">u8").tobytes(), ORDER_KEY_BYTES, n)]
-
-    nbytes = (len(features) + 7) // 8
-    bits = np.zeros((n, max(nbytes, 1)), dtype=np.uint8)
+    order = [_micros(table["event_timestamp"]), _micros(table["created_timestamp"]),
+             numpy_values(table["_run_id"]).astype(np.int64), numpy_values(table["_row_id"]).astype(np.int64)]
+    if event_ids is not None:
+        order.insert(0, np.asarray(event_ids, dtype=np.int64))
+    blocks = [(np.stack(order, axis=1).view(np.uint64) ^ _SIGN).astype(">u8").view(np.uint8)]
+    bits = np.zeros((n, (len(features) + 7) // 8), dtype=np.uint8)
     for i, (name, _) in enumerate(features):
-        is_null = table[name].is_null().to_numpy(zero_copy_only=False).astype(np.uint8)
-        bits[:, i // 8] |= is_null << (i % 8)
-    parts.append(_fixed(bits[:, :nbytes].tobytes(), nbytes, n))
+        if table[name].null_count:
+            bits[:, i // 8] |= table[name].is_null().to_numpy(zero_copy_only=False).astype(np.uint8) << (i % 8)
+    blocks.append(bits)
+    blocks += [_fixed_values(table[name], dtype).reshape(n, 1).view(np.uint8) for name, dtype in features if _is_fixed(dtype)]
+    variable = [_encode_arrays(table[name], dtype) if dtype.is_array else _as_binary(table[name])
+                for name, dtype in features if not _is_fixed(dtype)]
+    for data in variable:  # their lengths, then (joined below) their bytes
+        offsets = np.frombuffer(data.buffers()[1], dtype=np.int32, count=n + 1, offset=data.offset * 4)
+        blocks.append(np.diff(offsets).astype(">u4").reshape(n, 1).view(np.uint8))
+    fixed = np.ascontiguousarray(np.concatenate(blocks, axis=1))
+    width = fixed.shape[1]
+    offsets = pa.py_buffer(np.arange(0, (n + 1) * width, width, dtype=np.int32))
+    head = pa.Array.from_buffers(pa.binary(), n, [None, offsets, pa.py_buffer(fixed)])
+    return pc.binary_join_element_wise(head, *variable, b"") if variable else head
 
-    for name, dtype in features:  # fixed-width block
-        if not _is_fixed(dtype):
-            continue
-        column = table[name]
-        np_type, width, _ = _FIXED[dtype.name]
-        if dtype.name == "UnixTimestamp":
-            values = _micros(column.fill_null(0)).astype(np_type)
-        else:
-            values = column.fill_null(False if dtype.name == "Bool" else 0).to_numpy(zero_copy_only=False).astype(np_type)
-        parts.append(_fixed(values.tobytes(), width, n))
-    var_data = []
-    for name, dtype in features:  # lengths, then bytes, of variable-width features
-        if _is_fixed(dtype):
-            continue
-        column = table[name]
-        data = _encode_arrays(column, dtype) if dtype.is_array else pc.cast(column, pa.binary()).fill_null(b"")
-        parts.append(_fixed(pc.binary_length(data).to_numpy(zero_copy_only=False).astype(">u4").tobytes(), 4, n))
-        var_data.append(data)
-    return pc.binary_join_element_wise(*parts, *var_data, b"")
+
+def _as_binary(column: pa.ChunkedArray) -> pa.Array:
+    """One chunk of binary values, nulls as empty (the bitmap says null)."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if array.null_count:
+        array = array.fill_null("" if pa.types.is_string(array.type) else b"")
+    return array.view(pa.binary()) if pa.types.is_string(array.type) else array.cast(pa.binary())
 
 
 def _element_type(dtype: DType) -> DType:

@@ -9,6 +9,7 @@ values) and ZRANGEBYSCOREs (window events). Layout: see ``featurestore.online.co
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from datetime import timedelta
 from typing import AsyncIterator, Sequence
 
@@ -21,6 +22,8 @@ from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range
 from featurestore.online.codec import encode_events, encode_values, entity_keys, event_ids_key, events_key, key_prefix
+from featurestore.online.resp import suffixed
+from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
 
 # KEYS: entity keys; ARGV[1]: view field; ARGV[2]: expiry ttl in ms (0: none); ARGV[i+2]: value for KEYS[i].
@@ -64,45 +67,46 @@ end
 return written
 """
 
-# KEYS: (events key, event ids key) per event; ARGV[1]: cutoff µs (older events are ignored,
-# and trimmed from the keys touched); ARGV[2]: horizon ms (keys expire that long after their
-# newest event); ARGV[i+2]: the member of event i (8-byte id, then the value whose first
-# 8 bytes are the sign-flipped event µs). An event is added only if its id is new: retries
-# and replays never count twice. µs fit a double exactly (< 2^53), and scores are written
-# with %.0f, never Lua's lossy default number format.
+# KEYS: (events key, event ids key) per event; ARGV[1]: cutoff µs (events before it are trimmed);
+# ARGV[2]: horizon ms (keys expire that long after their newest event); ARGV[3]: slack ms;
+# ARGV[i+3]: the member of event i (8-byte id, then the value whose first 8 bytes are the
+# sign-flipped event µs). The caller sends only events at or after the cutoff. An event is
+# added only if its id is new: retries and replays never count twice. Expiry is pushed out to
+# newest + horizon + slack whenever newest + horizon passes it, so a stream of events refreshes
+# it (and trims old events) once per slack, not per event: storage stays within horizon + slack.
+# µs fit a double exactly (< 2^53), and numbers are written with %.0f, never Lua's lossy default.
 KEEP_MAX = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current or tonumber(current) < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 """
 
 ADD_EVENTS = """
-local cutoff = tonumber(ARGV[1])
-local horizon_ms = tonumber(ARGV[2])
+local cutoff = '(' .. ARGV[1]
+local horizon_ms, slack_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
 local added = 0
-local now_ms = nil
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for i = 1, #KEYS, 2 do
   local events, ids = KEYS[i], KEYS[i + 1]
-  local member = ARGV[(i + 1) / 2 + 2]
-  local hi, lo = struct.unpack('>I4I4', member, 9)
-  local us = (hi - 2147483648) * 4294967296 + lo
-  if us >= cutoff and redis.call('HSETNX', ids, string.sub(member, 1, 8), '') == 1 then
+  local member = ARGV[(i + 1) / 2 + 3]
+  if redis.call('HSETNX', ids, string.sub(member, 1, 8), '') == 1 then
+    local hi, lo = struct.unpack('>I4I4', member, 9)
+    local us = (hi - 2147483648) * 4294967296 + lo
     redis.call('ZADD', events, string.format('%.0f', us), member)
     added = added + 1
-    if not now_ms then
-      local t = redis.call('TIME')
-      now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    end
     local expire_at = math.floor(us / 1000) + horizon_ms
     local pttl = redis.call('PTTL', events)
     if pttl < 0 or now_ms + pttl < expire_at then
-      redis.call('PEXPIREAT', events, string.format('%.0f', expire_at))
-      redis.call('PEXPIREAT', ids, string.format('%.0f', expire_at))
+      local at = string.format('%.0f', expire_at + slack_ms)
+      redis.call('PEXPIREAT', events, at)
+      redis.call('PEXPIREAT', ids, at)
+      while true do
+        local old = redis.call('ZRANGEBYSCORE', events, '-inf', cutoff, 'LIMIT', 0, 500)
+        if #old == 0 then break end
+        for _, o in ipairs(old) do redis.call('HDEL', ids, string.sub(o, 1, 8)) end
+        redis.call('ZREM', events, unpack(old))
+      end
     end
-  end
-  local old = redis.call('ZRANGEBYSCORE', events, '-inf', '(' .. ARGV[1], 'LIMIT', 0, 64)
-  if #old > 0 then
-    for _, o in ipairs(old) do redis.call('HDEL', ids, string.sub(o, 1, 8)) end
-    redis.call('ZREM', events, unpack(old))
   end
 end
 return added
@@ -131,6 +135,18 @@ def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
 CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
 
 
+def _array(values: pa.Array | list) -> pa.Array:
+    return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
+
+
+class Script:
+    """A Lua script's text and SHA-1, as EVALSHA needs them."""
+
+    def __init__(self, code: str):
+        self.code = code
+        self.sha = hashlib.sha1(code.encode()).hexdigest()
+
+
 class RedisOnlineStore:
     def __init__(self, url: str, project: str, embedded: EmbeddedRedis | None = None, read_timeout_ms: int = 500):
         self.url = url
@@ -140,9 +156,8 @@ class RedisOnlineStore:
         self.embedded = embedded
         self.client = redis.Redis.from_url(url, socket_timeout=30)
         self._async: aioredis.Redis | None = None
-        self._write = self.client.register_script(WRITE_IF_NEWER)
-        self._add_events = self.client.register_script(ADD_EVENTS)
-        self._note_newest = self.client.register_script(KEEP_MAX)
+        self._scripts = {name: Script(code) for name, code in
+                         (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
         self._recovering: asyncio.Future | None = None
 
     @classmethod
@@ -165,35 +180,23 @@ class RedisOnlineStore:
         keys = entity_keys(self.project, rows, join_keys)
         values = encode_values(rows, features)
         ttl_ms = int(expire_after.total_seconds() * 1000) if expire_after else 0
-        written = 0
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for start in range(0, len(keys), CHUNK):
-                self._write(keys=keys[start:start + CHUNK], args=[view, ttl_ms, *values[start:start + CHUNK]], client=pipe)
-            written = sum(self._execute(pipe, newest))
-        except redis.ConnectionError as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
-        return written
+        calls = [("write", keys[i:i + CHUNK], [view, ttl_ms], values[i:i + CHUNK]) for i in range(0, len(keys), CHUNK)]
+        return sum(self._run(calls, newest))
 
     def write_events(
         self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
         cutoff_us: int, horizon: timedelta, newest: tuple[str, int] | None = None,
     ) -> int:
-        """Add events (history rows) to their entities' sorted sets, once per event id; events
-        before ``cutoff_us`` are ignored and trimmed. Returns how many were new."""
+        """Add events (history rows at or after ``cutoff_us``) to their entities' sorted sets, once
+        per event id; older events are trimmed. Returns how many were new."""
         if rows.num_rows == 0:
             return 0
-        entities = entity_keys(self.project, rows, join_keys)
+        keys = suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view), event_ids_key(b"", view))
         members = encode_events(rows, features, event_ids)
         horizon_ms = horizon // timedelta(milliseconds=1)
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for start in range(0, len(entities), CHUNK):
-                keys = [k for e in entities[start:start + CHUNK] for k in (events_key(e, view), event_ids_key(e, view))]
-                self._add_events(keys=keys, args=[cutoff_us, horizon_ms, *members[start:start + CHUNK]], client=pipe)
-            return sum(self._execute(pipe, newest))
-        except redis.ConnectionError as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        calls = [("add_events", keys[2 * i:2 * (i + CHUNK)], [cutoff_us, horizon_ms, horizon_ms // 16], members[i:i + CHUNK])
+                 for i in range(0, len(members), CHUNK)]
+        return sum(self._run(calls, newest))
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
@@ -249,13 +252,49 @@ class RedisOnlineStore:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
-    def _execute(self, pipe: redis.client.Pipeline, newest: tuple[str, int] | None) -> list:
-        """Run a write pipeline, first queuing the view's newest event time (kept as a maximum: it
-        never moves back; the servers export its age as per-view freshness). Returns the writes' results."""
-        if newest is None:
-            return pipe.execute()
-        self._note_newest(keys=[self.prefix + b"newest"], args=list(newest), client=pipe)
-        return pipe.execute()[:-1]
+    def _run(self, calls: list[tuple[str, pa.Array | list, list, pa.Array | list]], newest: tuple[str, int] | None) -> list:
+        """Run script calls ``(script, keys, arguments, per-key arguments)`` in one round trip, then
+        note the view's newest event time (kept as a maximum: it never moves back; the servers
+        export its age as per-view freshness); returns the calls' results.
+
+        Commands are packed in bulk (``resp``) and each sent as soon as it is packed, so Redis runs
+        one while the next is packed. EVALSHA straight away (redis-py's scripts ask SCRIPT EXISTS
+        first: a round trip more per write); a Redis that lost its scripts (a restart) gets them,
+        and the calls, all idempotent, run again."""
+        if newest is not None:
+            calls = [*calls, ("keep_max", [self.prefix + b"newest"], list(newest), [])]
+        for attempt in (1, 2):
+            results = self._send(calls)
+            missing = [r for r in results if isinstance(r, redis.exceptions.NoScriptError)]
+            if missing and attempt == 1:
+                for name in {name for name, *_ in calls}:
+                    self.client.script_load(self._scripts[name].code)
+                continue
+            errors = [r for r in results if isinstance(r, Exception)]
+            if errors:
+                raise errors[0]
+            return results[:len(calls) - (newest is not None)]
+        raise AssertionError("unreachable")
+
+    def _send(self, calls: list) -> list:
+        pool = self.client.connection_pool
+        connection = pool.get_connection()
+        try:
+            for name, keys, args, per_key in calls:
+                connection.send_packed_command([resp.command(
+                    "EVALSHA", self._scripts[name].sha, len(keys), _array(keys), *args, _array(per_key))])
+            results: list = []
+            for _ in calls:
+                try:
+                    results.append(connection.read_response())
+                except redis.ResponseError as exc:
+                    results.append(exc)
+            return results
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            connection.disconnect()
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        finally:
+            pool.release(connection)
 
     async def newest_async(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
