@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
@@ -91,7 +92,7 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
         else:
             materializer.write_pushed(view, rows, now, "online" in to and view.online, "offline" in to and view.offline, buffer)
     if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
-        buffer.append(f"log:{source_name}", table)
+        buffer.append(f"log:{source_name}", table, retry=ingested != now)
     flush(materializer, buffer, only_due=True)
     return table.num_rows
 
@@ -163,12 +164,27 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
             if view is not None and view.online:
                 schema = defs.history_schema(view)
                 resend = lambda rows, view=view, schema=schema: materializer.write_online(view, conform(rows, schema), datetime.now(timezone.utc))  # noqa: E731
-            committed += buffer.drain(target, lambda rows, seq, name=name: offline.append(name, rows), resend)
+            committed += buffer.drain(target, lambda rows, seq, retried, name=name: offline.append(name, rows), resend)
             if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
                 offline.compact(name)
         else:
-            committed += buffer.drain(target, lambda rows, seq, name=name: _append_log(config.data_dir, name, rows, seq))
+            committed += buffer.drain(target, lambda rows, seq, retried, name=name: _append_log(config.data_dir, name, rows, seq, retried))
     return committed
+
+
+def _not_logged(rows: pa.Table, log: DeltaTable | None) -> pa.Table:
+    """Rows whose push id is neither earlier in ``rows`` nor in the log. A retry takes its first
+    attempt's ingest time, so only log rows ingested since the oldest of ``rows`` are read."""
+    con = connection()
+    con.register("batch", rows)
+    new = f"SELECT * FROM batch QUALIFY {PUSH_ID} IS NULL OR row_number() OVER (PARTITION BY {PUSH_ID}) = 1"
+    if log is not None and PUSH_ID in [f.name for f in log.schema().fields]:
+        con.register("log", log.to_pyarrow_dataset())
+        oldest = pc.min(rows[INGESTED_AT])
+        con.register("oldest", pa.table({"since": pa.array([oldest.as_py()], rows.schema.field(INGESTED_AT).type)}))
+        new = (f"SELECT * FROM ({new}) WHERE {PUSH_ID} IS NULL OR {PUSH_ID} NOT IN "
+               f"(SELECT {PUSH_ID} FROM log WHERE {INGESTED_AT} >= (SELECT since FROM oldest) AND {PUSH_ID} IS NOT NULL)")
+    return con.sql(new).to_arrow_table().cast(rows.schema)
 
 
 def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -178,10 +194,14 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     return pa.table([rows[f.name] if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema], schema=schema)
 
 
-def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int) -> None:
-    """Append to the push log once per drain, even if a crash repeats the drain (Delta app transaction)."""
+def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int, retried: bool) -> None:
+    """Append to the push log once per drain, even if a crash repeats the drain (Delta app
+    transaction); a retried push's rows only if no earlier attempt logged them (by push id)."""
     path = push_log_path(data_dir, source_name)
-    if (path / "_delta_log").exists() and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
+    exists = (path / "_delta_log").exists()
+    if exists and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
         return
+    if retried:
+        rows = _not_logged(rows, DeltaTable(str(path)) if exists else None)
     write_deltalake(str(path), rows, mode="append", schema_mode="merge",  # logs from before INGESTED_AT
                     commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]))

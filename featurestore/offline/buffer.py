@@ -6,7 +6,8 @@ row count) under
 ``drain`` later commits all segments of a target in one Delta append and deletes them.
 Targets are a view's history (``view:<name>``) or a push source's log (``log:<name>``).
 
-Crash safety: a segment is named ``<seq>-<pid>-<rows>.<state>.arrow``. ``pending`` means its online write
+Crash safety: a segment is named ``<seq>-<pid>-<rows>[-retry].<state>.arrow`` (``retry``: rows of an
+idempotent push's retry, which the log must dedupe). ``pending`` means its online write
 was not confirmed yet; the push renames it ``ready`` after Redis took the rows. ``drain``
 re-sends pending segments online first (online writes are idempotent), so history never
 holds rows Redis lacks. History appends dedupe by row identity; push-log appends carry a
@@ -52,13 +53,14 @@ class PushBuffer:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def append(self, target: str, rows: pa.Table, online_pending: bool = False) -> Path:
-        """Write rows durably as a new segment; ``online_pending``: Redis has not confirmed them yet."""
+    def append(self, target: str, rows: pa.Table, online_pending: bool = False, retry: bool = False) -> Path:
+        """Write rows durably as a new segment; ``online_pending``: Redis has not confirmed them yet;
+        ``retry``: they may have been written by an earlier attempt."""
         with self._lock(target, exclusive=False):
             seq = self._last_seq = max(time.time_ns(), self._last_seq + 1)
             state = "pending" if online_pending else "ready"
             # the name carries the row count, so checking the bounds opens no file
-            path = self._dir(target) / f"{seq:020d}-{os.getpid()}-{rows.num_rows}.{state}.arrow"
+            path = self._dir(target) / f"{seq:020d}-{os.getpid()}-{rows.num_rows}{'-retry' if retry else ''}.{state}.arrow"
             tmp = path.with_suffix(".tmp")
             with open(tmp, "wb") as f:
                 with ipc.new_file(f, rows.schema) as writer:
@@ -93,8 +95,8 @@ class PushBuffer:
             return True
         return sum(int(s.name.split("-")[2].split(".")[0]) for s in segments) >= self.max_rows
 
-    def drain(self, target: str, commit: Callable[[pa.Table, int], None], resend_online: Callable[[pa.Table], None] | None = None) -> int:
-        """Commit every segment of ``target`` (``commit(rows, newest_seq)``) and delete them; returns rows."""
+    def drain(self, target: str, commit: Callable[[pa.Table, int, bool], None], resend_online: Callable[[pa.Table], None] | None = None) -> int:
+        """Commit every segment of ``target`` (``commit(rows, newest_seq, any_retry)``) and delete them; returns rows."""
         with self._lock(target, exclusive=True):
             segments = self.segments(target)
             if not segments:
@@ -105,7 +107,7 @@ class PushBuffer:
                 if pending:
                     resend_online(pa.concat_tables(pending))
             rows = pa.concat_tables(tables)
-            commit(rows, int(segments[-1].name.split("-")[0]))
+            commit(rows, int(segments[-1].name.split("-")[0]), any(s.name.split(".")[0].endswith("-retry") for s in segments))
             for s in segments:
                 s.unlink()
             return rows.num_rows

@@ -1,0 +1,165 @@
+"""The push path: Arrow typing equal to the SQL one, row ids that survive materialization, bulk
+RESP packing equal to redis-py's, scripts reloaded after a Redis restart, and a pushing process
+killed at random points that loses nothing and counts nothing twice."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+from redis.connection import Connection
+
+from featurestore.materialization.compute import compute, pushed_rows
+from featurestore.online import resp
+from featurestore.sources import INGESTED_AT, PUSH_ID, connection
+
+from .test_aggregations import FEATURES, TS, _frame
+
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def _payments(n: int, seed: int, first_id: int = 0, cards: int = 5, now: datetime = NOW) -> list[dict]:
+    rnd = random.Random(seed)
+    return [{"payment_id": first_id + i, "card_id": rnd.randint(1, cards), "amount": float(rnd.randint(1, 500)) / 4,
+             "kind": rnd.choice(["web", "pos"]), "event_timestamp": now - timedelta(minutes=rnd.randint(0, 170))}
+            for i in range(n)]
+
+
+def test_arrow_typing_of_pushed_rows_equals_the_sql_one(make_store):
+    store = make_store(FEATURES)
+    view, defs = store.definitions.view("activity"), store.definitions
+    schema = defs.history_schema(view)
+    for seed in range(40):  # random pushes, with and without nulls in the features
+        rows = _payments(1 + seed % 12, seed)
+        if seed % 2:
+            rows[0]["amount"] = None
+            rows[-1]["kind"] = None
+        table = _frame(rows)
+        n = table.num_rows
+        table = table.append_column(INGESTED_AT, pa.array([NOW] * n, TS)).append_column(PUSH_ID, pa.array(range(seed, seed + n), pa.int64()))
+        fast = pushed_rows(table, view, defs.key_types["activity"], schema, 77, NOW, timedelta(seconds=5))
+        con = connection()
+        con.register("view_rows", table)
+        slow = compute(con, view, defs.key_types["activity"], schema, 77, NOW, future_tolerance=timedelta(seconds=5)).rows
+        assert fast is not None and fast.equals(slow), seed
+
+
+def test_rows_that_need_explaining_take_the_sql_path(make_store):
+    store = make_store(FEATURES)
+    with pytest.raises(Exception, match="null join key card_id"):
+        store.push("payments", _frame([{**_payments(1, 1)[0], "card_id": None}]))
+    with pytest.raises(Exception, match="in the future"):
+        store.push("payments", _frame([{**_payments(1, 1)[0], "event_timestamp": NOW + timedelta(days=1)}]))
+
+
+def test_pushed_rows_keep_their_identity_when_the_push_log_is_materialized(make_store):
+    store = make_store(FEATURES)
+    store.push("payments", _frame(_payments(30, seed=3)))
+    store.push("payments", _frame(_payments(30, seed=3)))  # the same rows again: a new fact (reverts must win)
+    store.flush()
+    history = DeltaTable(str(store.offline_store.table_path(store.definitions.view("activity").history_table)))
+    assert history.to_pyarrow_table().num_rows == 60
+    store.materialize_incremental()  # reads the push log: the same 60 rows, by their push ids
+    assert DeltaTable(str(history.table_uri)).to_pyarrow_table().num_rows == 60
+
+
+def test_bulk_resp_packing_equals_redis_py(make_store):
+    rnd = random.Random(5)
+    packer = Connection()
+    for n in (0, 1, 5, resp.SHORT - 1, resp.SHORT, 200):
+        values = [rnd.randbytes(rnd.randint(0, 40)) for _ in range(n)]
+        array = pa.array(values, pa.binary())
+        ours = resp.command("EVALSHA", "abc", n, array, 17, array)
+        theirs = b"".join(packer.pack_command("EVALSHA", "abc", n, *values, 17, *values))
+        assert ours == theirs
+        keys = pa.array(values, pa.binary())
+        assert resp.suffixed(keys, b":a", b":b").to_pylist() == [v + s for v in values for s in (b":a", b":b")]
+
+
+def test_writes_go_on_after_redis_lost_its_scripts(make_store):
+    store = make_store(FEATURES)
+    store.push("payments", _frame(_payments(3, seed=1)), to="online")
+    store.online_store.client.script_flush()  # as after a restart of Redis
+    store.push("payments", _frame(_payments(3, seed=2, first_id=10)), to="online")
+    counts = store.get_online_features({"card_id": [1, 2, 3, 4, 5]}, features=["activity:count_1h"], at=NOW).to_dict()
+    assert sum(counts["count_1h"]) == sum(1 for p in _payments(3, 1) + _payments(3, 2, 10) if p["event_timestamp"] > NOW - timedelta(hours=1))
+
+
+PUSHER = textwrap.dedent("""
+    import os, sys
+    from datetime import datetime
+    from pathlib import Path
+    from featurestore import FeatureStore
+    from tests.test_aggregations import _frame
+    from tests.test_push_path import _batch
+
+    root, done = Path(sys.argv[1]), Path(sys.argv[2])
+    batches, now = int(sys.argv[3]), datetime.fromisoformat(sys.argv[4])
+    start = len(done.read_text().splitlines()) if done.exists() else 0
+    with FeatureStore(root) as store:
+        store.push_buffer.max_rows = 40  # frequent drains: kills land in Delta commits too
+        for i in range(start, batches):
+            # a batch whose push was cut off is retried with its key: kept once whatever had happened
+            store.push("payments", _frame(_batch(i, now)), to="online_and_offline", idempotency_key=f"batch-{i}")
+            with open(done, "a") as f:
+                f.write(f"{i}\\n"); f.flush(); os.fsync(f.fileno())
+""")
+
+
+def _batch(i: int, now: datetime = NOW) -> list[dict]:
+    return _payments(15, seed=1000 + i, first_id=i * 100, cards=8, now=now)
+
+
+@pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
+def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_nothing_twice(make_store, tmp_path, kills):
+    store = make_store(FEATURES)
+    root = store.config.repo_path
+    done, batches = tmp_path / "done.txt", 60
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "PYTHONPATH": os.getcwd()}
+    rnd = random.Random(11)
+    killed = 0
+    for attempt in range(kills + 20):
+        child = subprocess.Popen([sys.executable, "-c", PUSHER, str(root), str(done), str(batches), NOW.isoformat()], env=env,
+                                 stderr=subprocess.PIPE)
+        if killed < kills:
+            before = len(done.read_text().splitlines()) if done.exists() else 0
+            deadline = time.time() + 60
+            while (len(done.read_text().splitlines()) if done.exists() else 0) < before + 2 and child.poll() is None:
+                assert time.time() < deadline, "the pusher made no progress"
+                time.sleep(0.01)
+            time.sleep(rnd.uniform(0, 0.3))  # somewhere in a push, a drain or between them
+            if child.poll() is None:
+                child.send_signal(signal.SIGKILL)
+                killed += 1
+        code = child.wait(timeout=120)
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, child.stderr.read().decode()[-3000:]
+    assert killed == kills and len(done.read_text().splitlines()) == batches
+
+    store.flush()
+    events = [e for i in range(batches) for e in _batch(i)]
+    cards = sorted({e["card_id"] for e in events})
+    expected = {c: (sum(1 for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)),
+                    sum(e["amount"] for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)))
+                for c in cards}
+    refs = ["activity:amount_count_3h", "activity:amount_sum_3h"]
+    online = store.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+    assert list(zip(online["amount_count_3h"], online["amount_sum_3h"])) == [expected[c] for c in cards]
+    entity_df = pd.DataFrame({"card_id": cards, "event_timestamp": [NOW] * len(cards)})
+    offline = store.get_historical_features(entity_df, features=refs).to_df()
+    assert list(zip(offline["amount_count_3h"], offline["amount_sum_3h"])) == [expected[c] for c in cards]
+    history = DeltaTable(str(store.offline_store.table_path("activity"))).to_pyarrow_table()
+    assert sorted(history["payment_id"].to_pylist()) == sorted(e["payment_id"] for e in events)  # each once
+    log = DeltaTable(str(store.config.data_dir / "push" / "payments")).to_pyarrow_table()
+    assert sorted(log["payment_id"].to_pylist()) == sorted(e["payment_id"] for e in events)
