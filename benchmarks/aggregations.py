@@ -7,7 +7,8 @@ side runs in a fresh process, so wall time and peak RSS are its own.
 
 Online: an SDK lookup of 1 card × 5 aggregates (each card has ~10 events in its 7 d window)
 against a plain latest-value lookup of 1 entity × 5 features, timed in alternating blocks;
-and a one-event ``push(..., to="online")``.
+one-event pushes in-process and over HTTP (a feature server process), to Redis only and to both
+stores; and sustained ingest with pushes of 1,000 events.
 
     python benchmarks/aggregations.py                          # full size
     python benchmarks/aggregations.py --events 500000 --entity-rows 100000 --cards 10000
@@ -188,34 +189,72 @@ def online(args: argparse.Namespace) -> None:
                 timings[key].append(time.perf_counter() - t0)
             if time.monotonic() > deadline:
                 break
-        push_times = []
-        for i in range(args.block_size):
+        push_times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
+        for i in range(2 * args.block_size):  # the two targets alternate, so both see the same machine
+            to = "online" if i % 2 == 0 else "online_and_offline"
             one = pa.table({"tx_id": [events + i], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
                             "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
             t0 = time.perf_counter()
-            store.push("payments", one, to="online")
-            push_times.append(time.perf_counter() - t0)
+            store.push("payments", one, to=to)
+            push_times[to].append(time.perf_counter() - t0)
+        store.flush()
+        http = http_push(root, events + 5_000, n_cards, args.block_size)
         ingest = {}
         for to in ("online", "online_and_offline"):  # sustained, batched: what a stream consumer does
             batch, batches = 1000, 20
-            t0 = time.perf_counter()
+            tables = []
             for b in range(batches):
                 first = events + 10_000 + (b + (batches if to != "online" else 0)) * batch
-                store.push("payments", pa.table({
+                tables.append(pa.table({
                     "tx_id": np.arange(first, first + batch, dtype=np.int64), "card_id": rng.integers(1, n_cards + 1, batch),
                     "amount": np.round(rng.lognormal(3.5, 1.1, batch), 2),
                     "event_timestamp": pa.array([datetime.now(timezone.utc)] * batch, TS),
-                }), to=to)
+                }))
+            t0 = time.perf_counter()
+            for table in tables:
+                store.push("payments", table, to=to)
             store.flush()
             ingest[to] = batch * batches / (time.perf_counter() - t0)
-    agg, lat, push = percentiles(timings["aggregates"]), percentiles(timings["latest"]), percentiles(push_times)
+    agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
     print(f"  1 entity x 5 latest       p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms  (n={lat['n']})")
     print(f"  ratio aggregates / latest: p50 {agg['p50'] / lat['p50']:.2f}x, p99 {agg['p99'] / lat['p99']:.2f}x")
-    print(f"  push 1 event to online    p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
+    for to, times in push_times.items():
+        push = percentiles(times)
+        print(f"  push 1 event to {to:<18} in-process  p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
+    for to, times in http.items():
+        push = percentiles(times)
+        print(f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']}, one keep-alive client)")
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
+
+
+def http_push(root: Path, first_id: int, n_cards: int, n: int) -> dict[str, list[float]]:
+    """One-event ``POST /push`` to a feature server process on the same repo, each target in turn."""
+    import os
+
+    from online import HttpClient, free_port, start
+
+    port = free_port()
+    server = start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
+                    "--log-level", "warning", "--no-access-log"], dict(os.environ), port)
+    times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
+    try:
+        client = HttpClient(port)
+        for i in range(2 * n + 50):
+            to = "online" if i % 2 == 0 else "online_and_offline"
+            body = json.dumps({"push_source_name": "payments", "to": to, "df": {
+                "tx_id": [first_id + i], "card_id": [1 + i % n_cards], "amount": [12.5],
+                "event_timestamp": [datetime.now(timezone.utc).isoformat()]}}).encode()
+            t0 = time.perf_counter()
+            client.post("/push", body)
+            if i >= 50:  # after warm-up
+                times[to].append(time.perf_counter() - t0)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return times
 
 
 def main() -> None:

@@ -10,18 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import orjson
-import pandas as pd
+import pyarrow as pa
 import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
+from featurestore.online.codec import EPOCH
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.auth import Authenticator
@@ -217,26 +218,36 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
     return FastLane(app, {"/get-online-features": lookup}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
 
 
-def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pd.DataFrame:
-    """A pushed ``df`` as a DataFrame; timestamps as ISO 8601 text or epoch seconds (numbers), as Feast's clients send."""
-    try:
-        frame = pd.DataFrame(df)
-    except ValueError as exc:
-        raise RequestError(f"'df' must map columns to lists of equal length: {exc}") from exc
-    for name in timestamp_columns:
-        if name not in frame:
-            continue
-        values = df[name]
+def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:
+    """A pushed ``df`` as an Arrow table (the store casts it to the declared types); timestamps as
+    ISO 8601 text (naive means UTC) or epoch seconds (numbers), as Feast's clients send."""
+    lengths = {len(values) for values in df.values()}
+    if len(lengths) > 1:
+        raise RequestError(f"'df' must map columns to lists of equal length, not lengths {sorted(lengths)}")
+    columns = {}
+    for name, values in df.items():
         try:
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                frame[name] = pd.to_datetime(pd.Series(values, dtype="float64"), unit="s", utc=True)
-            elif all(isinstance(v, str) for v in values):
-                frame[name] = pd.to_datetime(frame[name], utc=True, format="ISO8601")
-            else:
-                raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch seconds")
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise RequestError(f"column {name!r} holds values that are not timestamps: {exc}") from exc
-    return frame
+            columns[name] = _timestamps(name, values) if name in timestamp_columns else pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise RequestError(f"column {name!r} mixes values of different types: {exc}") from exc
+    return pa.table(columns)
+
+
+def _timestamps(name: str, values: list[Any]) -> pa.Array:
+    try:
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            parsed = [EPOCH + timedelta(seconds=v) for v in values]
+        elif all(isinstance(v, str) for v in values):
+            parsed = [_utc(datetime.fromisoformat(v)) for v in values]
+        else:
+            raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch seconds")
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise RequestError(f"column {name!r} holds values that are not timestamps: {exc}") from exc
+    return pa.array(parsed, pa.timestamp("us", tz="UTC"))
+
+
+def _utc(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=timezone.utc) if ts.tzinfo is None else ts
 
 
 def _parse_lookup(raw: bytes) -> dict[str, Any]:

@@ -235,7 +235,7 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     old = datetime.now(timezone.utc) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
     store.push("payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}]))
     key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.get_feature_view("activity").online_field.encode()
-    assert store.online_store.client.zcard(key) == 0
+    assert store.online_store.client.hlen(key) == 0
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 

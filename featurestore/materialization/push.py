@@ -150,6 +150,8 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     A segment names the history table (view version) it was computed for: rows of an older
     version go to that version's table, never to a newer one."""
     defs, offline, config = materializer.defs, materializer.offline, materializer.config
+    if only_due and not buffer.worth_looking():
+        return 0
     current = {v.history_table: v for v in defs.feature_views.values()}
     committed = 0
     for target in buffer.targets():

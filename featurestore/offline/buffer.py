@@ -38,6 +38,17 @@ class PushBuffer:
         self.root = Path(root)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self._last_seq = 0
+        self._looked_at, self._rows_since = 0.0, 0
+
+    def worth_looking(self) -> bool:
+        """Whether to scan the segments for due targets now: after this process buffered
+        ``max_rows`` rows or 1/20 of ``max_seconds`` since the last scan (a scan lists every
+        segment: with each push it cost more than the push)."""
+        now = time.monotonic()
+        if self._rows_since < self.max_rows and now - self._looked_at < self.max_seconds / 20:
+            return False
+        self._looked_at, self._rows_since = now, 0
+        return True
 
     def _dir(self, target: str) -> Path:
         return self.root / target.replace(":", "__")
@@ -69,6 +80,7 @@ class PushBuffer:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             _fsync_dir(path.parent)
+            self._rows_since += rows.num_rows
             return path
 
     @staticmethod

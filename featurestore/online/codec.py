@@ -21,11 +21,13 @@ Value (one per view field), written in bulk from Arrow columns:
 
 Events of an aggregated view live beside the hash, under the same hash tag::
 
-    fs:<project>:{card_id=42}:ev:<view>     sorted set: score = event µs, member = event
-    fs:<project>:{card_id=42}:ids:<view>    hash of the event ids stored (first write wins)
+    fs:<project>:{card_id=42}:ev:<view>     hash: event id (8 bytes) → event (first write wins)
 
-An event member is its 8-byte id (sign-flipped big-endian, so equal scores sort by id as
-offline) followed by the value layout above over the view's stored columns.
+An event is its 8-byte id (sign-flipped big-endian) followed by the value layout above over
+the view's stored columns, so bytes 8–16 are its event µs: events sort by (time, id) as
+offline by comparing ``event[8:16] + event[:8]``. One hash and not a sorted set: adding an
+event is then one command (HSETNX) instead of two, and a lookup reads a few events more
+(those kept beyond its window) and filters them.
 """
 
 from __future__ import annotations
@@ -141,8 +143,10 @@ def events_key(entity: bytes, view: str) -> bytes:
     return entity + b":ev:" + view.encode()
 
 
-def event_ids_key(entity: bytes, view: str) -> bytes:
-    return entity + b":ids:" + view.encode()
+def events_between(events: list[bytes], low_us: int, high_us: int) -> list[bytes]:
+    """The events with time in ``(low_us, high_us]``, in (time, id) order."""
+    low, high = struct.pack(">Q", low_us + 1 + (1 << 63)), struct.pack(">Q", high_us + (1 << 63))  # sign-flipped
+    return sorted((e for e in events if low <= e[8:16] <= high), key=lambda e: e[8:16] + e[:8])
 
 
 def _micros(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

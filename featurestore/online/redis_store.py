@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 from datetime import timedelta
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +22,7 @@ import redis.asyncio as aioredis
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range
-from featurestore.online.codec import encode_events, encode_values, entity_keys, event_ids_key, events_key, key_prefix
+from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, key_prefix, numpy_values
 from featurestore.online.resp import suffixed
 from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
@@ -67,50 +68,47 @@ end
 return written
 """
 
-# KEYS: (events key, event ids key) per event; ARGV[1]: cutoff µs (events before it are trimmed);
-# ARGV[2]: horizon ms (keys expire that long after their newest event); ARGV[3]: slack ms;
-# ARGV[i+3]: the member of event i (8-byte id, then the value whose first 8 bytes are the
-# sign-flipped event µs). The caller sends only events at or after the cutoff. An event is
-# added only if its id is new: retries and replays never count twice. Expiry is pushed out to
-# newest + horizon + slack whenever newest + horizon passes it, so a stream of events refreshes
-# it (and trims old events) once per slack, not per event: storage stays within horizon + slack.
-# µs fit a double exactly (< 2^53), and numbers are written with %.0f, never Lua's lossy default.
+# KEYS: the events key of each event; ARGV[1]: cutoff µs (events before it are trimmed); ARGV[2]:
+# horizon ms (keys expire that long after their newest event); ARGV[3]: slack ms; then the n
+# events' µs as decimal text, then the events (8-byte id, then the value). The caller sends only
+# events at or after the cutoff. An event is added only if its id is new (HSETNX: first write
+# wins): retries and replays never count twice. Expiry is pushed out to newest + horizon + slack
+# whenever newest + horizon passes it, so a stream of events refreshes it (and trims old events)
+# once per slack, not per event: storage stays within horizon + slack. Every redis.call costs
+# ~3 µs here, so an event makes two (HSETNX, PTTL) and parses nothing.
 KEEP_MAX = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current or tonumber(current) < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 """
 
 ADD_EVENTS = """
-local cutoff = '(' .. ARGV[1]
+local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i = 1, #KEYS, 2 do
-  local events, ids = KEYS[i], KEYS[i + 1]
-  local member = ARGV[(i + 1) / 2 + 3]
-  if redis.call('HSETNX', ids, string.sub(member, 1, 8), '') == 1 then
-    local hi, lo = struct.unpack('>I4I4', member, 9)
-    local us = (hi - 2147483648) * 4294967296 + lo
-    redis.call('ZADD', events, string.format('%.0f', us), member)
+for k = 1, n do
+  local events, event = KEYS[k], ARGV[3 + n + k]
+  if redis.call('HSETNX', events, string.sub(event, 1, 8), event) == 1 then
     added = added + 1
-    local expire_at = math.floor(us / 1000) + horizon_ms
+    local expire_at = math.floor(tonumber(ARGV[3 + k]) / 1000) + horizon_ms
     local pttl = redis.call('PTTL', events)
     if pttl < 0 or now_ms + pttl < expire_at then
-      local at = string.format('%.0f', expire_at + slack_ms)
-      redis.call('PEXPIREAT', events, at)
-      redis.call('PEXPIREAT', ids, at)
-      while true do
-        local old = redis.call('ZRANGEBYSCORE', events, '-inf', cutoff, 'LIMIT', 0, 500)
-        if #old == 0 then break end
-        for _, o in ipairs(old) do redis.call('HDEL', ids, string.sub(o, 1, 8)) end
-        redis.call('ZREM', events, unpack(old))
+      redis.call('PEXPIREAT', events, string.format('%.0f', expire_at + slack_ms))
+      local all, old = redis.call('HGETALL', events), {}
+      for i = 2, #all, 2 do
+        local hi, lo = struct.unpack('>I4I4', all[i], 9)
+        if (hi - 2147483648) * 4294967296 + lo < cutoff then old[#old + 1] = all[i - 1] end
+        if #old == 500 then redis.call('HDEL', events, unpack(old)); old = {} end
       end
+      if #old > 0 then redis.call('HDEL', events, unpack(old)) end
     end
   end
 end
 return added
 """
+
 
 def redact(text: str, url: str) -> str:
     """``text`` with the password of ``url`` (``redis://user:secret@host``) replaced by ``***``."""
@@ -124,15 +122,17 @@ def redact(text: str, url: str) -> str:
 
 
 def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
-    """One round trip: an HMGET per lookup, then a ZRANGEBYSCORE ``(low, high]`` per event range."""
+    """One round trip: an HMGET per lookup, then the events of each range's key (the caller
+    keeps those in ``(low, high]``: ``codec.events_between``)."""
     for key, fields in lookups:
         pipe.hmget(key, fields)
-    for key, low, high in ranges:
-        pipe.zrangebyscore(key, f"({low}", high)
+    for key, _, _ in ranges:
+        pipe.hvals(key)
     return pipe
 
 
-CHUNK = 2000  # rows per script call: bounded Redis latency for other clients
+CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
+Call = tuple[str, "pa.Array | list", list, "pa.Array | list"]  # script, keys, arguments, per-key arguments
 
 
 def _array(values: pa.Array | list) -> pa.Array:
@@ -177,10 +177,13 @@ class RedisOnlineStore:
         ``newest``: (view name, newest event time in µs) for per-view freshness, sent in the same round trip."""
         if rows.num_rows == 0:
             return 0
-        keys = entity_keys(self.project, rows, join_keys)
-        values = encode_values(rows, features)
         ttl_ms = int(expire_after.total_seconds() * 1000) if expire_after else 0
-        calls = [("write", keys[i:i + CHUNK], [view, ttl_ms], values[i:i + CHUNK]) for i in range(0, len(keys), CHUNK)]
+
+        def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
+            for i in range(0, rows.num_rows, CHUNK):
+                part = rows.slice(i, CHUNK)
+                yield "write", entity_keys(self.project, part, join_keys), [view, ttl_ms], encode_values(part, features)
+
         return sum(self._run(calls, newest))
 
     def write_events(
@@ -191,11 +194,16 @@ class RedisOnlineStore:
         per event id; older events are trimmed. Returns how many were new."""
         if rows.num_rows == 0:
             return 0
-        keys = suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view), event_ids_key(b"", view))
-        members = encode_events(rows, features, event_ids)
         horizon_ms = horizon // timedelta(milliseconds=1)
-        calls = [("add_events", keys[2 * i:2 * (i + CHUNK)], [cutoff_us, horizon_ms, horizon_ms // 16], members[i:i + CHUNK])
-                 for i in range(0, len(members), CHUNK)]
+        suffix = events_key(b"", view)
+
+        def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
+            for i in range(0, rows.num_rows, CHUNK):
+                part = rows.slice(i, CHUNK)
+                scores = pa.array(numpy_values(part["event_timestamp"]).view(np.int64)).cast(pa.string()).view(pa.binary())
+                yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix), [cutoff_us, horizon_ms, horizon_ms // 16],
+                       pa.concat_arrays([scores, encode_events(part, features, event_ids[i:i + CHUNK])]))
+
         return sum(self._run(calls, newest))
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
@@ -252,39 +260,40 @@ class RedisOnlineStore:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
-    def _run(self, calls: list[tuple[str, pa.Array | list, list, pa.Array | list]], newest: tuple[str, int] | None) -> list:
+    def _run(self, calls: Callable[[], Iterable[Call]], newest: tuple[str, int] | None) -> list:
         """Run script calls ``(script, keys, arguments, per-key arguments)`` in one round trip, then
         note the view's newest event time (kept as a maximum: it never moves back; the servers
         export its age as per-view freshness); returns the calls' results.
 
-        Commands are packed in bulk (``resp``) and each sent as soon as it is packed, so Redis runs
-        one while the next is packed. EVALSHA straight away (redis-py's scripts ask SCRIPT EXISTS
-        first: a round trip more per write); a Redis that lost its scripts (a restart) gets them,
-        and the calls, all idempotent, run again."""
-        if newest is not None:
-            calls = [*calls, ("keep_max", [self.prefix + b"newest"], list(newest), [])]
+        Each call is packed in bulk (``resp``) and sent as soon as ``calls`` yields it, so Redis
+        runs one while the next is encoded. EVALSHA straight away (redis-py's scripts ask SCRIPT
+        EXISTS first: a round trip more per write); a Redis that lost its scripts (a restart)
+        gets them, and the calls, all idempotent, run again."""
         for attempt in (1, 2):
-            results = self._send(calls)
-            missing = [r for r in results if isinstance(r, redis.exceptions.NoScriptError)]
-            if missing and attempt == 1:
-                for name in {name for name, *_ in calls}:
-                    self.client.script_load(self._scripts[name].code)
+            results = self._send(calls(), newest)
+            if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+                for script in self._scripts.values():
+                    self.client.script_load(script.code)
                 continue
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
                 raise errors[0]
-            return results[:len(calls) - (newest is not None)]
+            return results[:-1] if newest is not None else results
         raise AssertionError("unreachable")
 
-    def _send(self, calls: list) -> list:
+    def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
+        if newest is not None:
+            calls = itertools.chain(calls, [("keep_max", [self.prefix + b"newest"], list(newest), [])])
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
+            sent = 0
             for name, keys, args, per_key in calls:
                 connection.send_packed_command([resp.command(
                     "EVALSHA", self._scripts[name].sha, len(keys), _array(keys), *args, _array(per_key))])
+                sent += 1
             results: list = []
-            for _ in calls:
+            for _ in range(sent):
                 try:
                     results.append(connection.read_response())
                 except redis.ResponseError as exc:

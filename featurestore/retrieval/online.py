@@ -18,7 +18,7 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.online.codec import (
-    EPOCH, datetime_to_micros, entity_key, events_key, key_prefix, key_text, make_decoder, micros_to_datetime,
+    EPOCH, datetime_to_micros, entity_key, events_between, events_key, key_prefix, key_text, make_decoder, micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
@@ -296,8 +296,9 @@ class OnlineQuery:
         columns = []  # (position in the request, name, values, statuses, times)
         for plan in self.template.views:
             columns += zip(plan.request.positions, *self._view_columns(plan, raw, now_us))
+        events = [events_between(found, low, high) for found, (_, low, high) in zip(raw[len(self.lookups):], self.ranges)]
         for window, slots in zip(self.template.windows, self.range_slots):
-            columns += zip(window.request.positions, *self._window_columns(window, slots, raw[len(self.lookups):], now_us))
+            columns += zip(window.request.positions, *self._window_columns(window, slots, events, now_us))
         for _, name, v, st, t in sorted(columns, key=lambda c: c[0]):
             names.append(name)
             values.append(v)
