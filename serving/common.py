@@ -131,7 +131,7 @@ class _Fixed:
         return iter(self.families)
 
 
-JsonHandler = Callable[[bytes], Awaitable[tuple[int, bytes]]]
+JsonHandler = Callable[[bytes, dict], Awaitable[tuple[int, bytes]]]  # (body, ASGI scope) -> (status, JSON)
 
 
 # Feast's clients turn a body naming one of its error classes into that exception (feast.errors)
@@ -148,13 +148,13 @@ def error_body(exc: FeatureStoreError, feast: bool = False) -> bytes:
     return dumps(orjson.dumps({"module": "feast.errors", "class": name, "message": str(exc)}).decode())
 
 
-def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes], Awaitable[Any]], feast_errors: bool = False) -> JsonHandler:
-    """Wrap ``handle(body) -> JSON-able`` as ``body -> (status, JSON bytes)``: errors become
-    404/422/503 with a message, Redis errors go to the metrics (latency: ``FastLane``)."""
+def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes, dict], Awaitable[Any]], feast_errors: bool = False) -> JsonHandler:
+    """Wrap ``handle(body, scope) -> JSON-able`` as ``(body, scope) -> (status, JSON bytes)``: errors
+    become 403/404/409/422/503 with a message, Redis errors go to the metrics (latency: ``FastLane``)."""
 
-    async def run(body: bytes) -> tuple[int, bytes]:
+    async def run(body: bytes, scope: dict) -> tuple[int, bytes]:
         try:
-            return 200, dumps(await handle(body))
+            return 200, dumps(await handle(body, scope))
         except FeatureStoreError as exc:
             if isinstance(exc, OnlineStoreUnavailable):
                 metrics.redis_errors.inc()
@@ -165,7 +165,7 @@ def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes], Awai
 
 async def respond(handler: JsonHandler, request: Request) -> Response:
     """The FastAPI route for a handler the FastLane serves (same code, reached through routing)."""
-    status, payload = await handler(await request.body())
+    status, payload = await handler(await request.body(), request.scope)
     return Response(payload, status_code=status, media_type="application/json")
 
 
@@ -228,9 +228,15 @@ def route_scope(path: str) -> str:
     return ROUTE_SCOPES.get(path) or ROUTE_SCOPES.get("/" + path.split("/")[1], "read")
 
 
-def caller(request: Request) -> ApiKey | None:
-    """The API key a request was authenticated with (None when authentication is off)."""
-    return request.scope.get("state", {}).get("api_key")
+def caller(request: Request | dict) -> ApiKey | None:
+    """The API key a request (or ASGI scope) was authenticated with (None when authentication is off)."""
+    scope = request if isinstance(request, dict) else request.scope
+    return scope.get("state", {}).get("api_key")
+
+
+def header(scope: dict, name: bytes) -> str | None:
+    """A request header's value (``name`` in lower case)."""
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
 
 
 class FastLane:
@@ -305,7 +311,7 @@ class FastLane:
             chunks.append(chunk)
             if not message.get("more_body"):
                 break
-        status, payload = await handler(b"".join(chunks))
+        status, payload = await handler(b"".join(chunks), scope)
         await _reply(send, status, payload)
 
     def _too_large(self) -> bytes:

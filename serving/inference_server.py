@@ -135,7 +135,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     async def predict(request: Request) -> Response:
         return await respond(predict_body, request)
 
-    async def _predict(raw_body: bytes) -> dict[str, Any]:
+    async def _predict(raw_body: bytes, scope: dict) -> dict[str, Any]:
         try:
             body = orjson.loads(raw_body)
         except orjson.JSONDecodeError as exc:
