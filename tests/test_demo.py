@@ -16,7 +16,8 @@ def test_demo_runs_end_to_end_and_proves_consistency(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    assert "AUC offline" in out and "AUC online" in out and "p99" in out
+    assert "replayed payments: offline" in out and "online" in out and "p99" in out
+    assert "difference +0.000" in out or "difference -0.000" in out  # served features = point-in-time features
     assert "all features                 100.000%" in out
     assert "training and serving saw the same values" in out
     leftover = subprocess.run(["pgrep", "-f", f"{tmp_path}/redis"], capture_output=True, text=True).stdout

@@ -38,16 +38,17 @@ class PushBuffer:
         self.root = Path(root)
         self.max_rows, self.max_seconds = max_rows, max_seconds
         self._last_seq = 0
-        self._looked_at, self._rows_since = 0.0, 0
+        self._looked_at = 0.0
+        self._buffered: dict[str, int] = {}  # rows per target: seen at the last scan + appended since
 
     def worth_looking(self) -> bool:
-        """Whether to scan the segments for due targets now: after this process buffered
-        ``max_rows`` rows or 1/20 of ``max_seconds`` since the last scan (a scan lists every
-        segment: with each push it cost more than the push)."""
+        """Whether to scan the segments for due targets now: when a target may hold ``max_rows``
+        (what the last scan saw plus this process's appends), or 1/20 of ``max_seconds`` after the
+        last scan (a scan lists every segment: with each push it cost more than the push)."""
         now = time.monotonic()
-        if self._rows_since < self.max_rows and now - self._looked_at < self.max_seconds / 20:
+        if now - self._looked_at < self.max_seconds / 20 and all(n < self.max_rows for n in self._buffered.values()):
             return False
-        self._looked_at, self._rows_since = now, 0
+        self._looked_at = now
         return True
 
     def _dir(self, target: str) -> Path:
@@ -80,7 +81,7 @@ class PushBuffer:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             _fsync_dir(path.parent)
-            self._rows_since += rows.num_rows
+            self._buffered[target] = self._buffered.get(target, 0) + rows.num_rows
             return path
 
     @staticmethod
@@ -101,11 +102,11 @@ class PushBuffer:
         """Whether the target's buffered rows are many or old enough to commit."""
         segments = self.segments(target)
         if not segments:
+            self._buffered[target] = 0
             return False
+        rows = self._buffered[target] = sum(int(s.name.split("-")[2].split(".")[0]) for s in segments)
         oldest_ns = int(segments[0].name.split("-")[0])
-        if time.time_ns() - oldest_ns >= self.max_seconds * 1e9:
-            return True
-        return sum(int(s.name.split("-")[2].split(".")[0]) for s in segments) >= self.max_rows
+        return time.time_ns() - oldest_ns >= self.max_seconds * 1e9 or rows >= self.max_rows
 
     def drain(self, target: str, commit: Callable[[pa.Table, int, bool], None], resend_online: Callable[[pa.Table], None] | None = None) -> int:
         """Commit every segment of ``target`` (``commit(rows, newest_seq, any_retry)``) and delete them; returns rows."""
@@ -122,6 +123,7 @@ class PushBuffer:
             commit(rows, int(segments[-1].name.split("-")[0]), any(s.name.split(".")[0].endswith("-retry") for s in segments))
             for s in segments:
                 s.unlink()
+            self._buffered[target] = 0
             return rows.num_rows
 
 
