@@ -126,25 +126,27 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
         if len({k[2] for k in keys}) < 3:
             return
         base = NOW - timedelta(hours=1)
-        expected: dict = {}
+        by_pair: dict = {}  # (s, b) -> (time, v, arr) of the newest event, later pushes winning ties
+        by_real: dict = {}  # f -> the same (keys may share (s, b) and differ in f: other entities)
         for p in pushes:  # one push per row: later pushes are later writes
             s, b, f = keys[p["key"]]
             ts = base + timedelta(minutes=p["minute"])
             pushed_store.push("rows", {"s": [s], "b": [b], "f": [f], "v": [p["v"]], "arr": [p["arr"]], "event_timestamp": [ts]})
-            if p["key"] not in expected or ts >= expected[p["key"]][0]:
-                expected[p["key"]] = (ts, p["v"], p["arr"])
-        idx = sorted(expected)
-        chosen = [keys[i] for i in idx]
+            for expected, entity in ((by_pair, (s, b)), (by_real, f)):
+                if entity not in expected or ts >= expected[entity][0]:
+                    expected[entity] = (ts, p["v"], p["arr"])
+        pairs, reals = list(by_pair), list(by_real)
         online = pushed_store.get_online_features(
-            {"s": [k[0] for k in chosen], "b": [k[1] for k in chosen]}, features=["by_pair:v", "by_pair:arr"]).to_dict()
+            {"s": [k[0] for k in pairs], "b": [k[1] for k in pairs]}, features=["by_pair:v", "by_pair:arr"]).to_dict()
         offline = pushed_store.get_historical_features(pd.DataFrame({
-            "s": [k[0] for k in chosen], "b": [k[1] for k in chosen], "event_timestamp": [NOW] * len(chosen)}),
+            "s": [k[0] for k in pairs], "b": [k[1] for k in pairs], "event_timestamp": [NOW] * len(pairs)}),
             features=["by_pair:v", "by_pair:arr"]).to_arrow().to_pylist()
-        real = pushed_store.get_online_features({"f": [k[2] for k in chosen]}, features=["by_real:v"]).to_dict()["v"]
-        for j, i in enumerate(idx):
-            _, v, arr = expected[i]
-            assert _same(online["v"][j], v) and _same(offline[j]["v"], v), (i, online["v"][j], offline[j]["v"], v)
-            assert _same(online["arr"][j], arr) and _same(offline[j]["arr"], arr), (i, online["arr"][j], offline[j]["arr"], arr)
-            assert _same(real[j], v), (i, real[j], v)
+        for j, pair in enumerate(pairs):
+            _, v, arr = by_pair[pair]
+            assert _same(online["v"][j], v) and _same(offline[j]["v"], v), (pair, online["v"][j], offline[j]["v"], v)
+            assert _same(online["arr"][j], arr) and _same(offline[j]["arr"], arr), (pair, online["arr"][j], offline[j]["arr"], arr)
+        real = pushed_store.get_online_features({"f": reals}, features=["by_real:v"]).to_dict()["v"]
+        for j, f in enumerate(reals):
+            assert _same(real[j], by_real[f][1]), (f, real[j], by_real[f][1])
 
     check()
