@@ -189,9 +189,14 @@ def online(args: argparse.Namespace) -> None:
                 timings[key].append(time.perf_counter() - t0)
             if time.monotonic() > deadline:
                 break
+        # the cards become active: each gets an event now, as in a stream (a card's first event after a
+        # quiet spell extends its keys' expiry and trims its old events; later ones, for hours, do not)
+        store.push("payments", pa.table({
+            "tx_id": np.arange(events, events + n_cards, dtype=np.int64), "card_id": np.arange(1, n_cards + 1),
+            "amount": np.full(n_cards, 1.0), "event_timestamp": pa.array([datetime.now(timezone.utc)] * n_cards, TS)}), to="online")
+        events += n_cards
         push_times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
-        for i in range(2 * args.block_size):  # the two targets alternate, so both see the same machine
-            to = "online" if i % 2 == 0 else "online_and_offline"
+        for i, to in enumerate(["online"] * args.block_size + ["online_and_offline"] * args.block_size):
             one = pa.table({"tx_id": [events + i], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
                             "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
             t0 = time.perf_counter()
@@ -243,7 +248,7 @@ def http_push(root: Path, first_id: int, n_cards: int, n: int) -> dict[str, list
     try:
         client = HttpClient(port)
         for i in range(2 * n + 50):
-            to = "online" if i % 2 == 0 else "online_and_offline"
+            to = "online" if i < n + 50 else "online_and_offline"
             body = json.dumps({"push_source_name": "payments", "to": to, "df": {
                 "tx_id": [first_id + i], "card_id": [1 + i % n_cards], "amount": [12.5],
                 "event_timestamp": [datetime.now(timezone.utc).isoformat()]}}).encode()

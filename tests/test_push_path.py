@@ -124,7 +124,7 @@ def _batch(i: int, now: datetime = NOW) -> list[dict]:
 def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_nothing_twice(make_store, tmp_path, kills):
     store = make_store(FEATURES)
     root = store.config.repo_path
-    done, batches = tmp_path / "done.txt", 60
+    done, batches = tmp_path / "done.txt", 25 * kills  # enough that every kill lands before the last batch
     env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "PYTHONPATH": os.getcwd()}
     rnd = random.Random(11)
     killed = 0

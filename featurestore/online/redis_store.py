@@ -23,7 +23,7 @@ from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range
 from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, key_prefix, numpy_values
-from featurestore.online.resp import suffixed
+from featurestore.online.resp import decimal, suffixed
 from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
 
@@ -200,7 +200,7 @@ class RedisOnlineStore:
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
-                scores = pa.array(numpy_values(part["event_timestamp"]).view(np.int64)).cast(pa.string()).view(pa.binary())
+                scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
                 yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix), [cutoff_us, horizon_ms, horizon_ms // 16],
                        pa.concat_arrays([scores, encode_events(part, features, event_ids[i:i + CHUNK])]))
 

@@ -26,6 +26,13 @@ def suffixed(keys: pa.Array, *suffixes: bytes) -> pa.Array:
     return pa.concat_arrays(columns).take(pa.array(order))
 
 
+def decimal(values: np.ndarray) -> pa.Array:
+    """Integers as decimal text (binary), as Redis takes numbers."""
+    if len(values) < SHORT:
+        return pa.array([b"%d" % v for v in values.tolist()], pa.binary())
+    return pc.cast(pa.array(values), pa.string()).view(pa.binary())
+
+
 def command(*parts: Argument | pa.Array) -> bytes:
     """One command as RESP bytes; ``parts`` are single arguments or binary Arrow arrays of them."""
     count = sum(len(p) if isinstance(p, pa.Array) else 1 for p in parts)
