@@ -40,6 +40,7 @@ class RepoConfig:
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
     read_timeout_ms: int = 500  # servers' Redis reads: past it a request gets a 503 (an outage never hangs them)
+    read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master by a moment)
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     # rows whose event time is further ahead of the ingest time are rejected until due
     future_tolerance: timedelta = timedelta(seconds=5)
@@ -82,7 +83,8 @@ class RepoConfig:
             data_dir=data_dir,
             offline_path=_resolve(repo, offline) if offline else data_dir / "offline",
             registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
-            online_url=os.environ.get("REDIS_URL") or online.get("url", EMBEDDED),
+            online_url=os.environ.get("REDIS_URL") or _online_url(online, file),
+            read_from_replicas=bool(online.get("read_from_replicas", False)),
             max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
             read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{file}: online_store.read_timeout_ms"),
@@ -96,6 +98,20 @@ class RepoConfig:
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
         )
+
+
+def _online_url(online: dict, file: Path) -> str:
+    """``url`` (``redis://``, ``rediss://``, ``redis+cluster://h:p,h:p``), or ``type: redis_cluster``
+    with ``nodes: [host:port, ...]``; neither: the embedded Redis."""
+    kind = _choice(online.get("type", "redis"), ("redis", "redis_cluster"), f"{file}: online_store.type")
+    if kind == "redis":
+        return str(online.get("url", EMBEDDED))
+    nodes = online.get("nodes")
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) and ":" in n for n in nodes):
+        raise FeatureStoreError(f"{file}: online_store.type redis_cluster needs `nodes: [host:port, ...]` (a few are enough)")
+    from featurestore.online.redis_cluster import cluster_url
+
+    return cluster_url(nodes)
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -126,7 +142,8 @@ def parse_duration(value: object, where: str) -> timedelta:
 _KEYS = {
     "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
     "server": {"max_request_bytes", "auth", "errors"},
-    "online_store": {"url", "max_request_entities", "expire_after_ttl", "event_retention", "read_timeout_ms"},
+    "online_store": {"url", "type", "nodes", "read_from_replicas", "max_request_entities", "expire_after_ttl", "event_retention",
+                     "read_timeout_ms"},
     "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
 }
 

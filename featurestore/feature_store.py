@@ -170,9 +170,9 @@ class FeatureStore:
     @property
     def online_store(self) -> "RedisOnlineStore":
         if self._online is None:
-            from featurestore.online.redis_store import RedisOnlineStore
+            from featurestore.online.base import open_online_store
 
-            self._online = RedisOnlineStore.from_config(self.config)
+            self._online = open_online_store(self.config)
         return self._online
 
     @property

@@ -1,7 +1,8 @@
 """Online windowed aggregation: the aggregates of a view at the lookup time, from its events.
 
-Events come from Redis sorted by (event time, event id) — the order the offline ``last`` and
-``last_n`` use — and each aggregate keeps those with event time in ``(now - window, now]``.
+Events come in (event time, event id) order (``codec.events_between`` sorts what Redis holds)
+— the order the offline ``last`` and ``last_n`` use — and each aggregate keeps those with event
+time in ``(now - window, now]``.
 Float handling follows DuckDB's, so both paths agree: NaN sorts above every number (``max``
 is NaN if any value is, ``min`` only if all are), distinct counts treat NaNs as one value.
 """

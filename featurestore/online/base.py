@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
 
 import pyarrow as pa
 
+if TYPE_CHECKING:
+    from featurestore.config import RepoConfig
+    from featurestore.online.redis_store import RedisOnlineStore
+
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
-# One event range: a sorted-set key and the event-time bounds (low exclusive, high inclusive), in µs.
+# One event range: an events key and the event-time bounds (low exclusive, high inclusive), in µs.
 Range = tuple[bytes, int, int]
 
 
@@ -37,3 +41,13 @@ class OnlineStore(Protocol):
     def drop_view(self, view: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+def open_online_store(config: "RepoConfig") -> "RedisOnlineStore":
+    """The online store a repo's config names: Redis (embedded or a URL), or Redis Cluster."""
+    from featurestore.online.redis_cluster import SCHEME, RedisClusterOnlineStore
+    from featurestore.online.redis_store import RedisOnlineStore
+
+    if config.online_url.startswith(SCHEME):
+        return RedisClusterOnlineStore(config.online_url, config.project, config.read_timeout_ms, config.read_from_replicas)
+    return RedisOnlineStore.from_config(config)

@@ -3,7 +3,8 @@
 Writes go through a Lua script so the compare-and-set is atomic in Redis: concurrent
 materializations or pushes cannot regress a value. Events of aggregated views are added by
 another script, once per event id. Reads are one pipelined round trip of HMGETs (latest
-values) and ZRANGEBYSCOREs (window events). Layout: see ``featurestore.online.codec``.
+values) and HVALS (window events). Writes are packed in bulk and sent without redis-py's
+per-argument packing (``resp``). Layout: see ``featurestore.online.codec``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current or tonumber(current) < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 """
 
+# KEYS[1]: an idempotency key; ARGV: the value to record unless one is, its expiry in s. Returns the recorded one.
+FIRST_USE = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+return redis.call('GET', KEYS[1])
+"""
+
 ADD_EVENTS = """
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -131,8 +138,12 @@ def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
     return pipe
 
 
+# what a Redis that is down, hung, or failing over raises (a cluster: no master for a slot yet)
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+               redis.exceptions.RedisClusterException, OSError)
+
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
-Call = tuple[str, "pa.Array | list", list, "pa.Array | list"]  # script, keys, arguments, per-key arguments
+Call = tuple[str, "pa.Array | list", list, "list[pa.Array]"]  # script, keys, arguments, per-key argument columns
 
 
 def _array(values: pa.Array | list) -> pa.Array:
@@ -154,7 +165,7 @@ class RedisOnlineStore:
         self.read_timeout_ms = read_timeout_ms
         self.project = project
         self.embedded = embedded
-        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        self.client = self._connect()
         self._async: aioredis.Redis | None = None
         self._scripts = {name: Script(code) for name, code in
                          (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
@@ -182,7 +193,7 @@ class RedisOnlineStore:
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
-                yield "write", entity_keys(self.project, part, join_keys), [view, ttl_ms], encode_values(part, features)
+                yield "write", entity_keys(self.project, part, join_keys), [view, ttl_ms], [encode_values(part, features)]
 
         return sum(self._run(calls, newest))
 
@@ -190,7 +201,7 @@ class RedisOnlineStore:
         self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
         cutoff_us: int, horizon: timedelta, newest: tuple[str, int] | None = None,
     ) -> int:
-        """Add events (history rows at or after ``cutoff_us``) to their entities' sorted sets, once
+        """Add events (history rows at or after ``cutoff_us``) to their entities' event hashes, once
         per event id; older events are trimmed. Returns how many were new."""
         if rows.num_rows == 0:
             return 0
@@ -202,7 +213,7 @@ class RedisOnlineStore:
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
                 yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix), [cutoff_us, horizon_ms, horizon_ms // 16],
-                       pa.concat_arrays([scores, encode_events(part, features, event_ids[i:i + CHUNK])]))
+                       [scores, encode_events(part, features, event_ids[i:i + CHUNK])])
 
         return sum(self._run(calls, newest))
 
@@ -212,17 +223,21 @@ class RedisOnlineStore:
                 key, fields = lookups[0]
                 return [self.client.hmget(key, fields)]
             return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
-        except redis.ConnectionError as exc:
+        except UNAVAILABLE as exc:
             self._recover()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
+    def _connect(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=30)
+
+    def _connect_async(self, timeout: float) -> aioredis.Redis:
+        return aioredis.Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256)
 
     @property
     def async_client(self) -> aioredis.Redis:
         if self._async is None:
             # short: during an outage a request answers 503 in about this long, never hangs the server
-            timeout = self.read_timeout_ms / 1000
-            self._async = aioredis.Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                                  max_connections=256)
+            self._async = self._connect_async(self.read_timeout_ms / 1000)
         return self._async
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
@@ -231,7 +246,7 @@ class RedisOnlineStore:
                 key, fields = lookups[0]
                 return [await self.async_client.hmget(key, fields)]
             return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except UNAVAILABLE as exc:
             self._recover_in_background()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
@@ -281,6 +296,9 @@ class RedisOnlineStore:
             return results[:-1] if newest is not None else results
         raise AssertionError("unreachable")
 
+    def _command(self, name: str, keys: pa.Array | list, args: list, per_key: list[pa.Array]) -> bytes:
+        return resp.command("EVALSHA", self._scripts[name].sha, len(keys), _array(keys), *args, *per_key)
+
     def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
         if newest is not None:
             calls = itertools.chain(calls, [("keep_max", [self.prefix + b"newest"], list(newest), [])])
@@ -289,8 +307,7 @@ class RedisOnlineStore:
         try:
             sent = 0
             for name, keys, args, per_key in calls:
-                connection.send_packed_command([resp.command(
-                    "EVALSHA", self._scripts[name].sha, len(keys), _array(keys), *args, _array(per_key))])
+                connection.send_packed_command([self._command(name, keys, args, per_key)])
                 sent += 1
             results: list = []
             for _ in range(sent):
@@ -299,7 +316,7 @@ class RedisOnlineStore:
                 except redis.ResponseError as exc:
                     results.append(exc)
             return results
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except UNAVAILABLE as exc:
             connection.disconnect()
             raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         finally:
@@ -313,10 +330,10 @@ class RedisOnlineStore:
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is
         recorded (a retry gets the first attempt's time and fingerprint)."""
         name = self.prefix + b"idem:" + key.encode()
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(name, f"{now_us}:{fingerprint}", nx=True, ex=keep_seconds)
-        pipe.get(name)
-        recorded = pipe.execute()[1].decode()
+        try:
+            recorded = self.client.eval(FIRST_USE, 1, name, f"{now_us}:{fingerprint}", keep_seconds).decode()
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         first, _, recorded_fingerprint = recorded.partition(":")
         return int(first), recorded_fingerprint
 

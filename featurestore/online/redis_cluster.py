@@ -1,0 +1,141 @@
+"""Online store on Redis Cluster: the same keys, values and scripts as ``redis_store``.
+
+``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``.
+Keys carry a hash tag per entity (``{card_id=42}``), so all of an entity's views and events
+live on one slot. A script may only touch keys of one slot, so writes are split by slot and
+each slot's calls go to its master; the masters work concurrently (everything is sent before
+any reply is read). Reads go through redis-py's cluster pipeline (one batch per node, request
+order kept, MOVED/ASK followed), from replicas when ``read_from_replicas: true``. While a
+master is failing over, its slots answer errors: the store raises ``OnlineStoreUnavailable``
+(a 503), refreshes its slot map, and serves again once a replica has taken over.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import AsyncIterator, Iterable
+
+import numpy as np
+import pyarrow as pa
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
+from redis.crc import key_slot
+from redis.retry import Retry
+
+from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, redact
+
+SCHEME = "redis+cluster://"
+
+
+def cluster_url(nodes: list[str]) -> str:
+    """The URL form of a node list: ``redis+cluster://h1:p1,h2:p2``."""
+    return SCHEME + ",".join(nodes)
+
+
+def parse_nodes(url: str) -> list[tuple[str, int]]:
+    hosts = url[len(SCHEME):].strip("/").split("/")[0]
+    nodes = []
+    for item in filter(None, hosts.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{item!r} in {url!r} is not host:port")
+        nodes.append((host, int(port)))
+    if not nodes:
+        raise ValueError(f"{url!r} names no node; write {SCHEME}host:port[,host:port...]")
+    return nodes
+
+
+class RedisClusterOnlineStore(RedisOnlineStore):
+    def __init__(self, url: str, project: str, read_timeout_ms: int = 500, read_from_replicas: bool = False):
+        self.nodes = parse_nodes(url)
+        self.read_from_replicas = read_from_replicas
+        super().__init__(url, project, None, read_timeout_ms)
+
+    def _options(self) -> dict:
+        # one attempt: during a failover a request answers 503 at once rather than retrying past its timeout
+        return {"load_balancing_strategy": LoadBalancingStrategy.ROUND_ROBIN if self.read_from_replicas else None}
+
+    def _connect(self) -> RedisCluster:  # type: ignore[override]
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], socket_timeout=30,
+                            retry=Retry(NoBackoff(), 1), **self._options())
+
+    def _connect_async(self, timeout: float) -> aiocluster.RedisCluster:  # type: ignore[override]
+        return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes], socket_timeout=timeout,
+                                       socket_connect_timeout=timeout, retry=AsyncRetry(NoBackoff(), 1), **self._options())
+
+    def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
+        """Each call split by hash slot, each part sent to its slot's master; a call's result is
+        the sum of its parts' (the scripts return counts)."""
+        if newest is not None:
+            calls = [*calls, ("keep_max", [self.prefix + b"newest"], list(newest), [])]
+        manager = self.client.nodes_manager
+        queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
+        count = 0
+        for i, (name, keys, args, per_key) in enumerate(calls):
+            count += 1
+            keys = _array(keys)
+            slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
+            for slot in np.unique(slots):
+                take = pa.array(np.flatnonzero(slots == slot))
+                node = manager.get_node_from_slot(int(slot))
+                queued[node.name].append((i, self._command(name, keys.take(take), args, [c.take(take) for c in per_key])))
+        results: list = [0] * count
+        try:
+            connections = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool.get_connection()
+                           for name in queued}
+            try:
+                for name, commands in queued.items():
+                    connections[name].send_packed_command([command for _, command in commands])
+                for name, commands in queued.items():
+                    for i, _ in commands:
+                        try:
+                            reply = connections[name].read_response()
+                        except redis.ResponseError as exc:
+                            reply = exc
+                        if isinstance(reply, Exception):
+                            results[i] = reply
+                        elif not isinstance(results[i], Exception):
+                            results[i] += reply or 0
+            finally:
+                for name, connection in connections.items():
+                    self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool.release(connection)
+        except UNAVAILABLE as exc:
+            self._refresh_slots()
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        moved = [r for r in results if isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))]
+        if moved:  # a slot moved or is failing over: the writes are idempotent, a retry sends them again
+            self._refresh_slots()
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is resharding or failing over ({moved[0]}); retry")
+        return results
+
+    async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
+        """Messages published on ``channel``: a cluster passes every message to every node, so one
+        reachable node is enough (when it goes away, the caller subscribes again)."""
+        for host, port in self.nodes:
+            node = aioredis.Redis(host=host, port=port, socket_connect_timeout=self.read_timeout_ms / 1000)
+            try:
+                await node.ping()
+            except UNAVAILABLE:
+                await node.aclose()
+                continue
+            pubsub = node.pubsub()
+            await pubsub.subscribe(self.prefix + channel)
+            try:
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        yield message["data"].decode()
+            finally:
+                await pubsub.aclose()
+                await node.aclose()
+        raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
+
+    def _refresh_slots(self) -> None:
+        try:
+            self.client.nodes_manager.initialize()
+        except UNAVAILABLE:
+            pass  # still failing over: the next call tries again

