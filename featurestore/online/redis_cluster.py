@@ -13,7 +13,7 @@ master is failing over, its slots answer errors: the store raises ``OnlineStoreU
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online.codec import entity_keys
 from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, redact
 
 SCHEME = "redis+cluster://"
@@ -68,6 +69,24 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes], socket_timeout=timeout,
                                        socket_connect_timeout=timeout, retry=AsyncRetry(NoBackoff(), 1), **self._options())
 
+    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], *args, **kwargs) -> int:  # type: ignore[override]
+        return super().write_latest(view, self._by_slot(rows, join_keys), join_keys, *args, **kwargs)
+
+    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
+                     *args, **kwargs) -> int:  # type: ignore[override]
+        order = self._slot_order(rows, join_keys)
+        return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args, **kwargs)
+
+    def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
+        """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call
+        per slot), not one call per row."""
+        slots = np.fromiter((key_slot(k) for k in entity_keys(self.project, rows, join_keys).to_pylist()), dtype=np.int64,
+                            count=rows.num_rows)
+        return np.argsort(slots, kind="stable")
+
+    def _by_slot(self, rows: pa.Table, join_keys: Sequence[str]) -> pa.Table:
+        return rows.take(self._slot_order(rows, join_keys)) if rows.num_rows > 1 else rows
+
     def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
         """Each call split by hash slot, each part sent to its slot's master; a call's result is
         the sum of its parts' (the scripts return counts)."""
@@ -80,10 +99,14 @@ class RedisClusterOnlineStore(RedisOnlineStore):
             count += 1
             keys = _array(keys)
             slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
-            for slot in np.unique(slots):
-                take = pa.array(np.flatnonzero(slots == slot))
-                node = manager.get_node_from_slot(int(slot))
-                queued[node.name].append((i, self._command(name, keys.take(take), args, [c.take(take) for c in per_key])))
+            if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
+                order = pa.array(np.argsort(slots, kind="stable"))
+                keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
+            starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
+            for start, end in zip(starts, starts[1:]):
+                node = manager.get_node_from_slot(int(slots[start]))
+                queued[node.name].append((i, self._command(name, keys.slice(start, end - start), args,
+                                                           [c.slice(start, end - start) for c in per_key])))
         results: list = [0] * count
         try:
             connections = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool.get_connection()

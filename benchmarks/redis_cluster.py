@@ -1,0 +1,108 @@
+"""Redis Cluster against a single Redis: SDK lookups of 1 and 100 entities × 10 features, and the
+write (materialization to Redis), on the same machine in the same run.
+
+The cluster is 3 masters + 3 replicas on this machine (``featurestore.online.local_cluster``);
+the single Redis is a plain redis-server on TCP too, so both pay the same network stack. Lookups
+alternate between the two in blocks so drift hits both alike.
+
+    python benchmarks/redis_cluster.py [--entities 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import percentiles  # noqa: E402
+
+FEATURES = [f"f{i}" for i in range(10)]
+DEFS = """
+from datetime import timedelta
+from featurestore import Entity, FeatureView, Field, FileSource
+from featurestore.types import Float64, Int64
+
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+stats = FeatureView(name="stats", entities=[user], source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp"),
+                    schema=[Field(f"f{i}", Float64) for i in range(10)])
+"""
+
+
+def repo(root: Path, online: str, table: pa.Table) -> Path:
+    (root / "data").mkdir(parents=True)
+    (root / "featurestore.yaml").write_text(f"project: bench_cluster\nmodules: [features.py]\nonline_store: {online}\n")
+    (root / "features.py").write_text(DEFS)
+    pq.write_table(table, root / "data" / "stats.parquet")
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entities", type=int, default=100_000)
+    parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument("--block-size", type=int, default=200)
+    args = parser.parse_args()
+
+    from featurestore import FeatureStore
+    from featurestore.online.embedded import redis_server_binary
+    from featurestore.online.local_cluster import _free_ports, _wait, start_local_cluster, stop_local_cluster
+
+    import redis
+
+    rng = np.random.default_rng(0)
+    n = args.entities
+    table = pa.table({"user_id": np.arange(n, dtype=np.int64),
+                      "event_timestamp": pa.array([datetime.now(timezone.utc) - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")),
+                      **{f: rng.normal(size=n) for f in FEATURES}})
+    work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    procs = start_local_cluster(work / "cluster")
+    port = _free_ports(1)[0]
+    single = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                              stdout=subprocess.DEVNULL)
+    try:
+        _wait(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
+        nodes = ", ".join(f"'127.0.0.1:{p}'" for p in list(procs)[:2])
+        stores = {"single Redis": FeatureStore(repo(work / "single", f"{{url: 'redis://127.0.0.1:{port}'}}", table)),
+                  "Redis Cluster (3+3)": FeatureStore(repo(work / "cluster-repo", f"{{type: redis_cluster, nodes: [{nodes}]}}", table))}
+        writes = {}
+        for name, store in stores.items():
+            store.apply()
+            t0 = time.perf_counter()
+            store.materialize(None, datetime.now(timezone.utc))
+            writes[name] = time.perf_counter() - t0
+        refs = [f"stats:{f}" for f in FEATURES]
+        timings = {(name, size): [] for name in stores for size in (1, 100)}
+        for block in range(args.blocks):
+            for size in (1, 100):
+                for name, store in stores.items():
+                    for _ in range(args.block_size):
+                        ids = [int(i) for i in rng.integers(0, n, size)]
+                        t0 = time.perf_counter()
+                        store.get_online_features({"user_id": ids}, features=refs)
+                        timings[(name, size)].append(time.perf_counter() - t0)
+        print(f"materialize {n:,} entities × 10 features to Redis:")
+        for name, seconds in writes.items():
+            print(f"  {name:<22} {seconds:6.2f} s  ({n / seconds:,.0f} rows/s)")
+        print("SDK lookups, 10 features, p50 (p99):")
+        for size in (1, 100):
+            a, b = (percentiles(timings[(name, size)]) for name in stores)
+            print(f"  {size:>3} entities: single {a['p50']:.3f} ({a['p99']:.3f}) ms   cluster {b['p50']:.3f} ({b['p99']:.3f}) ms   "
+                  f"ratio {b['p50'] / a['p50']:.2f}x p50, {b['p99'] / a['p99']:.2f}x p99")
+        for store in stores.values():
+            store.close()
+    finally:
+        single.kill()
+        stop_local_cluster(procs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A local Redis Cluster from the ``redis-server`` the project ships: for tests, benchmarks and
+trying the cluster store on one machine (``python -m featurestore.online.local_cluster DIR``)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from featurestore.online.embedded import redis_server_binary
+
+
+def start_local_cluster(folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> dict[int, subprocess.Popen]:
+    """Start ``masters × (1 + replicas)`` nodes under ``folder`` and join them; returns {port: process}.
+    No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``."""
+    server = Path(redis_server_binary())
+    cli = server.with_name("redis-cli")
+    ports = _free_ports(masters * (1 + replicas))
+    procs = {}
+    for port in ports:
+        (folder / str(port)).mkdir(parents=True, exist_ok=True)
+        procs[port] = subprocess.Popen(
+            [str(server), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", str(node_timeout_ms), "--dir", str(folder / str(port)), "--save", "", "--appendonly", "no",
+             "--cluster-replica-validity-factor", "0"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for port in ports:
+            _wait(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
+        subprocess.run([str(cli), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", str(replicas),
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        _wait(lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports))
+    except BaseException:
+        stop_local_cluster(procs)
+        raise
+    return procs
+
+
+def stop_local_cluster(procs: dict[int, subprocess.Popen]) -> None:
+    for proc in procs.values():
+        proc.kill()
+        proc.wait()
+
+
+def _free_ports(n: int) -> list[int]:
+    """Ports free together with their cluster-bus port (+10000, so below 55536)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randint(20000, 40000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _wait(check, seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while True:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError, KeyError):
+            pass
+        if time.time() > deadline:
+            raise TimeoutError("the local Redis Cluster did not come up in time")
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    procs = start_local_cluster(Path(sys.argv[1] if len(sys.argv) > 1 else "redis-cluster"))
+    print("online_store: {type: redis_cluster, nodes: [" + ", ".join(f"'127.0.0.1:{p}'" for p in procs) + "]}")
+    print("Ctrl-C stops it")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        stop_local_cluster(procs)
