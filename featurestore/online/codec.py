@@ -146,7 +146,14 @@ def events_key(entity: bytes, view: str) -> bytes:
 def events_between(events: list[bytes], low_us: int, high_us: int) -> list[bytes]:
     """The events with time in ``(low_us, high_us]``, in (time, id) order."""
     low, high = struct.pack(">Q", low_us + 1 + (1 << 63)), struct.pack(">Q", high_us + (1 << 63))  # sign-flipped
-    return sorted((e for e in events if low <= e[8:16] <= high), key=lambda e: e[8:16] + e[:8])
+    kept = [e for e in events if low <= e[8:16] <= high]
+    if len(kept) > 1:
+        kept.sort(key=_time_then_id)
+    return kept
+
+
+def _time_then_id(event: bytes) -> bytes:
+    return event[8:16] + event[:8]
 
 
 def _micros(column: pa.ChunkedArray | pa.Array) -> np.ndarray:

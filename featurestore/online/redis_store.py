@@ -219,9 +219,8 @@ class RedisOnlineStore:
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
-            if len(lookups) == 1 and not ranges:  # one command needs no pipeline
-                key, fields = lookups[0]
-                return [self.client.hmget(key, fields)]
+            if len(lookups) + len(ranges) == 1:  # one command needs no pipeline
+                return [self.client.hmget(*lookups[0]) if lookups else self.client.hvals(ranges[0][0])]
             return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
         except UNAVAILABLE as exc:
             self._recover()
@@ -242,9 +241,8 @@ class RedisOnlineStore:
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
-            if len(lookups) == 1 and not ranges:
-                key, fields = lookups[0]
-                return [await self.async_client.hmget(key, fields)]
+            if len(lookups) + len(ranges) == 1:
+                return [await (self.async_client.hmget(*lookups[0]) if lookups else self.async_client.hvals(ranges[0][0]))]
             return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
         except UNAVAILABLE as exc:
             self._recover_in_background()
