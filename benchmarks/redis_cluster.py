@@ -54,7 +54,7 @@ def main() -> None:
 
     from featurestore import FeatureStore
     from featurestore.online.embedded import redis_server_binary
-    from featurestore.online.local_cluster import _free_ports, _wait, start_local_cluster, stop_local_cluster
+    from featurestore.online.local_cluster import free_ports, start_local_cluster, stop_local_cluster, wait_until
 
     import redis
 
@@ -65,11 +65,11 @@ def main() -> None:
                       **{f: rng.normal(size=n) for f in FEATURES}})
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     procs = start_local_cluster(work / "cluster")
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     single = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                               stdout=subprocess.DEVNULL)
     try:
-        _wait(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
+        wait_until(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
         nodes = ", ".join(f"'127.0.0.1:{p}'" for p in list(procs)[:2])
         stores = {"single Redis": FeatureStore(repo(work / "single", f"{{url: 'redis://127.0.0.1:{port}'}}", table)),
                   "Redis Cluster (3+3)": FeatureStore(repo(work / "cluster-repo", f"{{type: redis_cluster, nodes: [{nodes}]}}", table))}

@@ -19,7 +19,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from featurestore import FeatureStore
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster
+from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster, wait_until
 
 from .conftest import write_repo
 
@@ -47,19 +47,6 @@ def cluster(tmp_path_factory):
     procs = start_local_cluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=1)
     yield list(procs), procs
     stop_local_cluster(procs)
-
-
-def _wait(check, seconds: float = 60) -> None:
-    deadline = time.time() + seconds
-    while True:
-        try:
-            if check():
-                return
-        except (redis.RedisError, OSError, httpx.TransportError):
-            pass
-        if time.time() > deadline:
-            raise TimeoutError("not up in time")
-        time.sleep(0.1)
 
 
 def _stats(n: int) -> pa.Table:
@@ -164,7 +151,7 @@ def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(t
                                "--log-level", "warning", "--no-access-log"], stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: httpx.get(url + "/health", timeout=2).status_code == 200)
+        wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, (httpx.TransportError,))
         body = {"features": ["stats:score"], "entities": {"card_id": list(range(200))}}
         alive = [p for p in ports if procs[p].poll() is None]
         masters = [p for p in alive if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0] == b"master"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 
@@ -20,7 +21,7 @@ def start_local_cluster(folder: Path, masters: int = 3, replicas: int = 1, node_
     No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``."""
     server = Path(redis_server_binary())
     cli = server.with_name("redis-cli")
-    ports = _free_ports(masters * (1 + replicas))
+    ports = free_ports(masters * (1 + replicas))
     procs = {}
     for port in ports:
         (folder / str(port)).mkdir(parents=True, exist_ok=True)
@@ -31,10 +32,10 @@ def start_local_cluster(folder: Path, masters: int = 3, replicas: int = 1, node_
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for port in ports:
-            _wait(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
+            wait_until(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
         subprocess.run([str(cli), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", str(replicas),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        _wait(lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports))
+        wait_until(lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports))
     except BaseException:
         stop_local_cluster(procs)
         raise
@@ -47,7 +48,7 @@ def stop_local_cluster(procs: dict[int, subprocess.Popen]) -> None:
         proc.wait()
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """Ports free together with their cluster-bus port (+10000, so below 55536)."""
     ports: list[int] = []
     while len(ports) < n:
@@ -63,13 +64,14 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _wait(check, seconds: float = 30) -> None:
+def wait_until(check: Callable[[], object], seconds: float = 30, errors: tuple[type[BaseException], ...] = ()) -> None:
+    """Call ``check`` until it returns true (connection errors, and ``errors``, count as not yet)."""
     deadline = time.time() + seconds
     while True:
         try:
             if check():
                 return
-        except (redis.RedisError, OSError, KeyError):
+        except (redis.RedisError, OSError, KeyError, *errors):
             pass
         if time.time() > deadline:
             raise TimeoutError("the local Redis Cluster did not come up in time")

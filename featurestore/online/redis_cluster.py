@@ -28,7 +28,7 @@ from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.codec import entity_keys
-from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, redact
+from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, listen, redact
 
 SCHEME = "redis+cluster://"
 
@@ -146,14 +146,10 @@ class RedisClusterOnlineStore(RedisOnlineStore):
             except UNAVAILABLE:
                 await node.aclose()
                 continue
-            pubsub = node.pubsub()
-            await pubsub.subscribe(self.prefix + channel)
             try:
-                async for message in pubsub.listen():
-                    if message["type"] == "message":
-                        yield message["data"].decode()
+                async for message in listen(node, self.prefix + channel):
+                    yield message
             finally:
-                await pubsub.aclose()
                 await node.aclose()
         raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
 

@@ -117,6 +117,18 @@ return added
 """
 
 
+async def listen(client: aioredis.Redis, channel: bytes) -> AsyncIterator[str]:
+    """The messages published on ``channel``, through ``client``, as text."""
+    pubsub = client.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+        async for message in pubsub.listen():
+            if message["type"] == "message":
+                yield message["data"].decode()
+    finally:
+        await pubsub.aclose()
+
+
 def redact(text: str, url: str) -> str:
     """``text`` with the password of ``url`` (``redis://user:secret@host``) replaced by ``***``."""
     from urllib.parse import urlsplit
@@ -341,14 +353,8 @@ class RedisOnlineStore:
 
     async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
         """Messages published on ``channel``, as they come; raises when Redis goes away."""
-        pubsub = self.async_client.pubsub()
-        await pubsub.subscribe(self.prefix + channel)
-        try:
-            async for message in pubsub.listen():
-                if message["type"] == "message":
-                    yield message["data"].decode()
-        finally:
-            await pubsub.aclose()
+        async for message in listen(self.async_client, self.prefix + channel):
+            yield message
 
     def drop_view(self, view: str) -> None:
         """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
