@@ -314,13 +314,20 @@ class FeatureView:
         """Hash of how the view's rows are stored (keys, key types, columns and types, event id, version).
 
         Online values are written under ``online_field`` (name + this id), so bytes written under
-        another layout are never decoded as this one: they read as NOT_FOUND until re-materialized."""
-        return content_hash({
+        another layout are never decoded as this one: they read as NOT_FOUND until re-materialized.
+        Kept once computed (per history version, set when the registry is attached): every push
+        and lookup asks for it."""
+        cached = self.__dict__.get("_storage_id")
+        if cached is not None and cached[0] == self.history_version:
+            return cached[1]
+        value = content_hash({
             "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
             "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id, "key_encoding": KEY_ENCODING,
             **({"version": self.history_version} if self.history_version > 1 else {}),
             **({"events": EVENTS_LAYOUT} if self.aggregations else {}),
         })[:8]
+        self.__dict__["_storage_id"] = (self.history_version, value)
+        return value
 
     @property
     def online_field(self) -> str:
