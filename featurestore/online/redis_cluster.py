@@ -57,20 +57,22 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         self.read_from_replicas = read_from_replicas
         super().__init__(url, project, None, read_timeout_ms)
 
-    def _options(self) -> dict:
-        # one attempt: during a failover a request answers 503 at once rather than retrying past its timeout
-        return {"load_balancing_strategy": LoadBalancingStrategy.ROUND_ROBIN if self.read_from_replicas else None}
-
+    # One attempt (Retry(NoBackoff(), 1)): during a failover a request answers 503 at once rather
+    # than retrying past its timeout.
     def _connect(self) -> RedisCluster:  # type: ignore[override]
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], socket_timeout=30,
-                            retry=Retry(NoBackoff(), 1), **self._options())
+                            retry=Retry(NoBackoff(), 1), load_balancing_strategy=self._balancing())
 
     def _connect_async(self, timeout: float) -> aiocluster.RedisCluster:  # type: ignore[override]
         return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes], socket_timeout=timeout,
-                                       socket_connect_timeout=timeout, retry=AsyncRetry(NoBackoff(), 1), **self._options())
+                                       socket_connect_timeout=timeout, retry=AsyncRetry(NoBackoff(), 1),
+                                       load_balancing_strategy=self._balancing())
+
+    def _balancing(self) -> LoadBalancingStrategy | None:
+        return LoadBalancingStrategy.ROUND_ROBIN if self.read_from_replicas else None
 
     def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], *args, **kwargs) -> int:  # type: ignore[override]
-        return super().write_latest(view, self._by_slot(rows, join_keys), join_keys, *args, **kwargs)
+        return super().write_latest(view, rows.take(self._slot_order(rows, join_keys)), join_keys, *args, **kwargs)
 
     def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
                      *args, **kwargs) -> int:  # type: ignore[override]
@@ -84,19 +86,13 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                             count=rows.num_rows)
         return np.argsort(slots, kind="stable")
 
-    def _by_slot(self, rows: pa.Table, join_keys: Sequence[str]) -> pa.Table:
-        return rows.take(self._slot_order(rows, join_keys)) if rows.num_rows > 1 else rows
-
-    def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
+    def _send(self, calls: Iterable[Call]) -> list:
         """Each call split by hash slot, each part sent to its slot's master; a call's result is
         the sum of its parts' (the scripts return counts)."""
-        if newest is not None:
-            calls = [*calls, ("keep_max", [self.prefix + b"newest"], list(newest), [])]
+        calls = list(calls)
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
-        count = 0
         for i, (name, keys, args, per_key) in enumerate(calls):
-            count += 1
             keys = _array(keys)
             slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
             if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
@@ -107,29 +103,31 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                 node = manager.get_node_from_slot(int(slots[start]))
                 queued[node.name].append((i, self._command(name, keys.slice(start, end - start), args,
                                                            [c.slice(start, end - start) for c in per_key])))
-        results: list = [0] * count
+        results: list = [0] * len(calls)
+        pools = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool for name in queued}
+        connections = {}
         try:
-            connections = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool.get_connection()
-                           for name in queued}
-            try:
-                for name, commands in queued.items():
-                    connections[name].send_packed_command([command for _, command in commands])
-                for name, commands in queued.items():
-                    for i, _ in commands:
-                        try:
-                            reply = connections[name].read_response()
-                        except redis.ResponseError as exc:
-                            reply = exc
-                        if isinstance(reply, Exception):
-                            results[i] = reply
-                        elif not isinstance(results[i], Exception):
-                            results[i] += reply or 0
-            finally:
-                for name, connection in connections.items():
-                    self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool.release(connection)
+            for name, commands in queued.items():
+                connections[name] = pools[name].get_connection()
+                connections[name].send_packed_command([command for _, command in commands])
+            for name, commands in queued.items():
+                for i, _ in commands:
+                    try:
+                        reply = connections[name].read_response()
+                    except redis.ResponseError as exc:
+                        reply = exc
+                    if isinstance(reply, Exception):
+                        results[i] = reply
+                    elif not isinstance(results[i], Exception):
+                        results[i] += reply or 0
         except UNAVAILABLE as exc:
+            for connection in connections.values():  # replies may be left unread on them
+                connection.disconnect()
             self._refresh_slots()
             raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        finally:
+            for name, connection in connections.items():
+                pools[name].release(connection)
         moved = [r for r in results if isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))]
         if moved:  # a slot moved or is failing over: the writes are idempotent, a retry sends them again
             self._refresh_slots()

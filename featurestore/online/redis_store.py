@@ -294,8 +294,9 @@ class RedisOnlineStore:
         runs one while the next is encoded. EVALSHA straight away (redis-py's scripts ask SCRIPT
         EXISTS first: a round trip more per write); a Redis that lost its scripts (a restart)
         gets them, and the calls, all idempotent, run again."""
+        noted = [("keep_max", [self.prefix + b"newest"], list(newest), [])] if newest is not None else []
         for attempt in (1, 2):
-            results = self._send(calls(), newest)
+            results = self._send(itertools.chain(calls(), noted))
             if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
                 for script in self._scripts.values():
                     self.client.script_load(script.code)
@@ -303,15 +304,14 @@ class RedisOnlineStore:
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
                 raise errors[0]
-            return results[:-1] if newest is not None else results
+            return results[:len(results) - len(noted)]
         raise AssertionError("unreachable")
 
     def _command(self, name: str, keys: pa.Array | list, args: list, per_key: list[pa.Array]) -> bytes:
         return resp.command("EVALSHA", self._scripts[name].sha, len(keys), _array(keys), *args, *per_key)
 
-    def _send(self, calls: Iterable[Call], newest: tuple[str, int] | None) -> list:
-        if newest is not None:
-            calls = itertools.chain(calls, [("keep_max", [self.prefix + b"newest"], list(newest), [])])
+    def _send(self, calls: Iterable[Call]) -> list:
+        """Send each call as it comes, then read the replies (errors as values)."""
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
