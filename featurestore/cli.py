@@ -409,27 +409,43 @@ app.add_typer(models_app, name="models")
 
 
 @runs_app.command("list")
-def runs_list(repo: Path = RepoOption) -> None:
-    """List runs with their final metrics."""
-    root = _store(repo).config.data_dir / "runs"
-    table = Table("run", "metrics")
-    for run in sorted(root.iterdir()) if root.exists() else []:
-        final = run / "final.json"
-        table.add_row(run.name, final.read_text().replace("\n", " ") if final.exists() else "(unfinished)")
+def runs_list(
+    search: str = typer.Option("", help="Only runs whose id, tags or feature service contain this."),
+    tag: list[str] = typer.Option([], "--tag", help="Only runs with this tag, as key=value (repeatable)."),
+    repo: Path = RepoOption,
+) -> None:
+    """List runs, newest first, with their status, tags and final metrics."""
+    from featurestore.tracking import list_runs
+
+    table = Table("run", "status", "started", "tags", "metrics")
+    for run in list_runs(_store(repo).config.data_dir / "runs", search, _key_values(tag)):
+        table.add_row(run["id"], run["status"], run["started_at"], " ".join(f"{k}={v}" for k, v in run["tags"].items()),
+                      " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()))
     console.print(table)
+
+
+def _key_values(pairs: list[str]) -> dict[str, str]:
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise FeatureStoreError(f"tags are key=value, not {bad}")
+    return dict(p.split("=", 1) for p in pairs)
 
 
 @runs_app.command("show")
 def runs_show(run_id: str, repo: Path = RepoOption) -> None:
-    """Show a run's parameters, final metrics and loss-curve path."""
-    run = _store(repo).config.data_dir / "runs" / run_id
-    if not run.exists():
-        raise FeatureStoreError(f"no run {run_id!r}; see `featurestore runs list`")
-    for name in ("params.json", "final.json"):
-        if (run / name).exists():
-            console.print(f"[bold]{name}[/]")
-            console.print_json((run / name).read_text())
-    console.print(f"loss curve: {run / 'loss.png'}")
+    """Show a run's parameters, tags, final metrics, logged metrics and artifacts."""
+    from featurestore.tracking import read_run
+
+    console.print_json(json.dumps(read_run(_store(repo).config.data_dir / "runs" / run_id), default=str))
+
+
+@runs_app.command("tag")
+def runs_tag(run_id: str, tags: list[str] = typer.Argument(..., help="key=value pairs."), repo: Path = RepoOption) -> None:
+    """Label a run (``baseline=yes``, ``note=...``): list and the web UI filter on tags."""
+    from featurestore.tracking import set_tags
+
+    merged = set_tags(_store(repo).config.data_dir / "runs" / run_id, _key_values(tags))
+    console.print(f"run {run_id}: " + " ".join(f"{k}={v}" for k, v in merged.items()), markup=False)
 
 
 @runs_app.command("compare")
@@ -443,11 +459,10 @@ def runs_compare(
     from featurestore.tracking import compare, plot_compare, read_run
 
     root = _store(repo).config.data_dir / "runs"
-    missing = [r for r in run_ids if not (root / r).exists()]
+    missing = [r for r in run_ids if not (root / r).is_dir()]
     if missing:
         raise FeatureStoreError(f"no run(s) {missing}; see `featurestore runs list`")
-    runs = [read_run(root / r) for r in run_ids]
-    table = compare(runs)
+    table = compare([read_run(root / r) for r in run_ids])
     view = Table("", *table["runs"])
     for key in table["differs"]:
         view.add_row(f"[bold]{key}[/]", *(str(v) for v in table["params"][key]))
@@ -457,7 +472,7 @@ def runs_compare(
     same = [k for k in table["params"] if k not in table["differs"]]
     console.print(f"{len(same)} parameters are the same in every run", markup=False)
     if plot is not None:
-        console.print(f"curves: {plot_compare(runs, metric, plot)}", markup=False)
+        console.print(f"curves: {plot_compare([root / r for r in run_ids], metric, plot)}", markup=False)
 
 
 @models_app.command("list")

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from featurestore.materialization.engine import MaterializationReport, Materializer
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
+    from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.online.redis_store import RedisOnlineStore
     from featurestore.retrieval.historical import RetrievalJob
     from featurestore.retrieval.online import OnlineResponse
@@ -155,7 +156,13 @@ class FeatureStore:
         def announce(name: str, version: int, stage: str) -> None:
             self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
-        return ModelRegistry(self.config.data_dir / "models", self.config.registry_path / "models.json", announce)
+        return ModelRegistry(self.config.data_dir / "models", self.config.registry_path / "models.json", announce, self.artifacts())
+
+    def artifacts(self) -> "ArtifactStore":
+        """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
+        from featurestore.tracking.artifacts import ArtifactStore
+
+        return ArtifactStore(self.config.data_dir / "artifacts")
 
     # ------------------------------------------------------------ stores
 

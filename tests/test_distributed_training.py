@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from featurestore.tracking.metric_store import read_metrics
 from featurestore.training.dataset import deal, units
 
 from .conftest import write_repo
@@ -77,14 +78,16 @@ def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
     shards = [p.name for p in (run / "dcp").iterdir() if p.name.startswith("step-")]
     assert len(shards) == 1 and not any(p.suffix == ".tmp" for p in (run / "dcp").iterdir())
     assert len(list((run / "dcp" / shards[0]).glob("*.distcp"))) == 4  # one shard file per rank
-    steps_first = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = read_metrics(run, "train_loss")
+    assert set(losses["writer"].to_pylist()) == {"rank0", "rank1", "rank2", "rank3"}  # every rank logs its own loss
+    steps_first = read_metrics(run, writer="rank0")["step"].to_pylist()
 
     # resumed on 2 processes (one shard group of 2): the loss curve continues where it stopped
     _train(repo, dataset, "--epochs", "2", "--nproc-per-node", "2", "--shard-group-size", "2", "--resume", run.name,
            "--entity-key", "card_id", "--entity-buckets", "20000")
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in records if r["epoch"] == 1]
-    assert resumed and resumed[0]["step"] == max(steps_first) + 1
+    epochs = read_metrics(run, "epoch", writer="rank0")
+    resumed = [step for step, epoch in zip(epochs["step"].to_pylist(), epochs["value"].to_pylist()) if epoch == 1]
+    assert resumed and resumed[0] == max(steps_first) + 1
     final = json.loads((run / "final.json").read_text())
     assert final["epochs"] == 2 and final["val_auc"] > 0.75 and final["train_samples_per_s"] > 0
 

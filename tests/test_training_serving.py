@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader
 from featurestore import FeatureStore
 from featurestore.consistency import check_consistency
 from featurestore.demo.generate import generate, label_rows
+from featurestore.tracking.artifacts import ArtifactStore
+from featurestore.tracking.metric_store import read_metrics
 from featurestore.errors import FeatureStoreError
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.dataset import ExportedDataset
@@ -70,11 +72,15 @@ def test_run_is_tracked_with_hashes_metrics_and_plot(trained):
     params = json.loads((run / "params.json").read_text())
     assert set(params) >= {"dataset_manifest_hash", "definition_hashes", "code_version", "config"}
     assert set(params["definition_hashes"]) == {"card_profile", "card_activity", "merchant_risk"}
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert any("train_loss" in s for s in steps) and any("val_auc" in s for s in steps)
+    logged = set(read_metrics(run)["metric"].to_pylist())
+    assert {"train_loss", "val_auc", "val_loss"} <= logged
     final = json.loads((run / "final.json").read_text())
     assert final["val_auc"] > 0.75  # the planted fraud signal is learned
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    artifacts = json.loads((run / "artifacts.json").read_text())  # named by their hashes, verifiable by anyone
+    store = ArtifactStore(run.parent.parent / "artifacts")
+    assert {"loss.png", "weights.pt", "dataset_manifest.json"} <= set(artifacts)
+    assert all(store.verify(a["sha256"]) and store.path(a["sha256"]).stat().st_size == a["bytes"] for a in artifacts.values())
 
 
 def test_training_resumes_from_checkpoint(trained, tmp_path):

@@ -36,6 +36,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manifest_hash(manifest: dict[str, Any]) -> str:
+    """What a manifest says, hashed (not when it was made): models and runs name their dataset by it."""
+    content = {k: v for k, v in manifest.items() if k not in ("created_at", "manifest_hash")}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def _entity_table(entity_df: Any) -> pa.Table:
     if isinstance(entity_df, pa.Table):
         return entity_df
@@ -79,7 +85,7 @@ def export_training_dataset(
         "created_at": datetime.now(timezone.utc).isoformat(),
         "package_version": __version__,
     }
-    manifest["manifest_hash"] = hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "created_at"}, sort_keys=True).encode()).hexdigest()
+    manifest["manifest_hash"] = manifest_hash(manifest)
     atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     return manifest
 

@@ -24,16 +24,17 @@ import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
-import torch
 
 from featurestore.errors import FeatureStoreError, NotFoundError
 from featurestore.registry.store import atomic_write
-from featurestore.training.distributed import pick_device
-from featurestore.training.model import TabularMLP, from_saved, score
-from featurestore.training.preprocessing import Preprocessor
+
+if TYPE_CHECKING:  # torch is imported where weights are read or written: listing, cards and lineage work without it
+    from featurestore.tracking.artifacts import ArtifactStore
+    from featurestore.training.model import TabularMLP
+    from featurestore.training.preprocessing import Preprocessor
 
 STAGES = ("staging", "production")
 
@@ -55,6 +56,8 @@ class LoadedModel:
 
     def predict(self, columns: Mapping[str, Any]) -> np.ndarray:
         """float32 scores for columns of feature values (Arrow arrays or lists), nulls allowed."""
+        from featurestore.training.model import score
+
         x_num, x_cat = self.preprocessor.transform(columns)
         device = next(self.model.parameters()).device
         return score(self.model, x_num.to(device), x_cat.to(device), self.card["task"]).cpu().numpy().astype(np.float32)
@@ -68,10 +71,12 @@ def _sha256(path: Path) -> str:
 
 
 class ModelRegistry:
-    def __init__(self, root: Path, ledger: Path, announce: Callable[[str, int, str], None] | None = None):
+    def __init__(self, root: Path, ledger: Path, announce: Callable[[str, int, str], None] | None = None,
+                 artifacts: "ArtifactStore | None" = None):
         self.root = Path(root)
         self.ledger = Path(ledger)
         self.announce = announce
+        self.artifacts = artifacts  # registered files are also kept here, under their hashes
 
     def _ledger(self) -> dict[str, dict[str, dict[str, str]]]:
         return json.loads(self.ledger.read_text()) if self.ledger.exists() else {}
@@ -96,6 +101,8 @@ class ModelRegistry:
                                     "(modified after registering?); register the model again")
 
     def register(self, name: str, run_dir: Path) -> int:
+        import torch
+
         run_dir = Path(run_dir)
         state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
         params = json.loads((run_dir / "params.json").read_text())
@@ -122,6 +129,9 @@ class ModelRegistry:
             ledger.setdefault(name, {})[str(version)] = {f: _sha256(staging / f) for f in MODEL_FILES}
             atomic_write(self.ledger, json.dumps(ledger, indent=1).encode())
         staging.rename(self.root / name / str(version))  # versions appear whole, never partly written
+        if self.artifacts is not None:  # a version's files never change: linked, not copied
+            for file in MODEL_FILES:
+                self.artifacts.put(self.root / name / str(version) / file, link=True)
         return version
 
     def versions(self, name: str) -> list[int]:
@@ -202,6 +212,12 @@ class ModelRegistry:
 
     def load(self, name: str, ref: str | int = "production", device: str = "cpu") -> LoadedModel:
         """Verify and load a version (``device``: cpu, cuda or auto, as ``featurestore train --device``)."""
+        import torch
+
+        from featurestore.training.distributed import pick_device
+        from featurestore.training.model import from_saved
+        from featurestore.training.preprocessing import Preprocessor
+
         version = self.resolve(name, ref)
         folder = self.root / name / str(version)
         self.verify(name, version)

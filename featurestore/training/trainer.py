@@ -10,7 +10,6 @@ world size; rank 0 also writes the full weights the model registry takes.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 import uuid
@@ -27,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from featurestore.errors import FeatureStoreError
 from featurestore.progress import progress_bar
-from featurestore.registry.store import atomic_write
+from featurestore.tracking.runs import Run, curve
 from featurestore.training import checkpoints, distributed
 from featurestore.training.dataset import Batch, ExportedDataset, load_manifest
 from featurestore.training.metrics import rmse, roc_auc
@@ -113,14 +112,16 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
     train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
     pre = Preprocessor.fit(train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys})
-    if layout.is_main and not (run_dir / "params.json").exists():
-        params = {
-            "config": asdict(config), "dataset_manifest_hash": manifest["manifest_hash"],
+    # every rank records its own training loss (writer rank<r>); rank 0 the rest
+    run = Run(run_dir, writer=f"rank{layout.rank}" if layout.distributed else "main")
+    if layout.is_main:
+        run.log_params({
+            "config": asdict(config), "dataset_path": str(dataset_dir.resolve()), "dataset_manifest_hash": manifest["manifest_hash"],
             "definition_hashes": manifest["definition_hashes"], "feature_service": manifest["feature_service"],
             "features": manifest["features"], "code_version": code_version(), "validation_split_us": split,
             "layout": layout.describe(),
-        }
-        atomic_write(run_dir / "params.json", json.dumps(params, indent=2).encode())
+        })
+        run.log_artifact(dataset_dir / "manifest.json", "dataset_manifest.json")
 
     model = distributed.shard_model(TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim), layout)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
@@ -138,7 +139,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
     idle = _idle_batch(pre)
     started, rows = time.perf_counter(), 0
-    with open(run_dir / "metrics.jsonl", "a") as log, progress_bar("steps", progress and layout.is_main) as bar:
+    with progress_bar("steps", progress and layout.is_main) as bar:
         task = bar.add_task("training", total=config.epochs, completed=start_epoch)
         for epoch in range(start_epoch, config.epochs):
             train_data.epoch = epoch
@@ -160,23 +161,27 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                 rows += len(y) if batch is not None else 0
                 if layout.sync_every and step % layout.sync_every == 0:
                     distributed.average_across_sync_groups(model, layout)
-                if layout.is_main and batch is not None:
-                    log.write(json.dumps({"step": step, "epoch": epoch, "train_loss": loss.item()}) + "\n")
+                if batch is not None:
+                    run.log(step, train_loss=loss.item(), epoch=epoch)
             bar.remove_task(in_epoch)
             distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
             full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
             if layout.is_main:
                 metrics = evaluate(full, val_data, config.task)
-                log.write(json.dumps({"step": step, "epoch": epoch, **{f"val_{k}": v for k, v in metrics.items()}}) + "\n")
-                log.flush()
+                run.log(step, **{f"val_{k}": v for k, v in metrics.items()})
                 bar.update(task, advance=1, description=f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            run.metrics.flush()  # readable while the run goes on
 
     rate = distributed.sum_across_ranks(rows, layout) / max(time.perf_counter() - started, 1e-9)
     if layout.is_main:
         final = {"step": step, "epochs": config.epochs, "train_samples_per_s": round(rate, 1),
                  **{f"val_{k}": v for k, v in evaluate(checkpoints.full_model(run_dir), val_data, config.task).items()}}
-        atomic_write(run_dir / "final.json", json.dumps(final, indent=2).encode())
+        run.finish(final)
         plot_losses(run_dir)
+        run.log_artifact(run_dir / "loss.png")
+        run.log_artifact(run_dir / "checkpoint.pt", "weights.pt")
+    else:
+        run.close()
     distributed.barrier(layout)
     return run_dir
 
@@ -209,14 +214,12 @@ def plot_losses(run_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    train = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    if train:
-        ax.plot(*zip(*train), label="train loss", alpha=0.7)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
+    train, val = curve(run_dir, "train_loss", 2000), curve(run_dir, "val_loss")
+    if train["steps"]:
+        ax.plot(train["steps"], train["values"], label="train loss", alpha=0.7)
+    if val["steps"]:
+        ax.plot(val["steps"], val["values"], "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()

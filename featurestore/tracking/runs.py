@@ -1,0 +1,206 @@
+"""Training runs: what each was given, what it measured, what it produced, side by side.
+
+A run is a folder ``<data_dir>/runs/<id>``::
+
+    params.json      config, dataset manifest hash, definition hashes, code version (written once)
+    tags.json        labels, settable any time (``featurestore runs tag``)
+    metrics/         the append-only metric store (``metric_store``), one writer per process
+    artifacts.json   name -> SHA-256 of files kept in the content-addressed artifact store
+    final.json       final metrics; present once the run finished
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from featurestore.errors import NotFoundError
+from featurestore.registry.store import atomic_write
+from featurestore.tracking.artifacts import ArtifactStore
+from featurestore.tracking.lttb import lttb
+from featurestore.tracking.metric_store import SCHEMA, MetricWriter, read_metrics, writers
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class Run:
+    """The writing side of one run in one process (``writer``: ``main``, or ``rank<r>``)."""
+
+    def __init__(self, run_dir: Path, artifacts: ArtifactStore | None = None, writer: str = "main", **writer_options: Any):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.artifacts = artifacts or ArtifactStore(self.dir.parent.parent / "artifacts")
+        self.metrics = MetricWriter(self.dir, writer, **writer_options)
+
+    @property
+    def id(self) -> str:
+        return self.dir.name
+
+    def log(self, step: int, **values: float) -> None:
+        self.metrics.log(step, values)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Parameters are written once: a resumed run keeps what it started with."""
+        if not (self.dir / "params.json").exists():
+            atomic_write(self.dir / "params.json", json.dumps(params, indent=2, default=str).encode())
+
+    def set_tags(self, **tags: str) -> None:
+        set_tags(self.dir, tags)
+
+    def log_artifact(self, path: Path, name: str | None = None, link: bool = False) -> str:
+        """Keep a file in the artifact store under its hash and list it in the run; returns the hash."""
+        sha = self.artifacts.put(Path(path), link=link)
+        listed = _json(self.dir / "artifacts.json")
+        listed[name or Path(path).name] = {"sha256": sha, "bytes": Path(path).stat().st_size}
+        atomic_write(self.dir / "artifacts.json", json.dumps(listed, indent=2).encode())
+        return sha
+
+    def finish(self, final: Mapping[str, Any]) -> None:
+        self.metrics.close()
+        atomic_write(self.dir / "final.json", json.dumps(final, indent=2).encode())
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def set_tags(run_dir: Path, tags: Mapping[str, str]) -> dict[str, str]:
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise NotFoundError(f"no run {run_dir.name!r}; see `featurestore runs list`")
+    merged = {**_json(run_dir / "tags.json"), **{str(k): str(v) for k, v in tags.items()}}
+    atomic_write(run_dir / "tags.json", json.dumps(merged, indent=2).encode())
+    return merged
+
+
+def _started(run_dir: Path) -> float:
+    params = run_dir / "params.json"
+    return (params if params.exists() else run_dir).stat().st_mtime
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    """What a list of runs shows: id, status, start time, tags, final metrics, key parameters."""
+    run_dir = Path(run_dir)
+    params, final = _json(run_dir / "params.json"), _json(run_dir / "final.json")
+    return {
+        "id": run_dir.name, "status": "finished" if final else "unfinished",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(run_dir))),
+        "tags": _json(run_dir / "tags.json"), "final": final,
+        "feature_service": params.get("feature_service"), "dataset": params.get("config", {}).get("dataset"),
+    }
+
+
+def list_runs(root: Path, search: str = "", tags: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Runs newest first; ``search`` matches the id, tags or feature service; ``tags`` must all match."""
+    root = Path(root)
+    found = [summary(p) for p in root.iterdir() if p.is_dir()] if root.exists() else []
+    needle = search.lower()
+    found = [r for r in found
+             if (not needle or needle in json.dumps([r["id"], r["tags"], r["feature_service"]]).lower())
+             and all(r["tags"].get(k) == v for k, v in (tags or {}).items())]
+    return sorted(found, key=lambda r: (r["started_at"], r["id"]), reverse=True)
+
+
+def read_run(run_dir: Path) -> dict[str, Any]:
+    """Everything about a run but its metric records: params, tags, final metrics, artifacts,
+    the metrics it logged and by which writers."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotFoundError(f"no run {run_dir.name!r}; see `featurestore runs list`")
+    records = _records(run_dir)
+    return {
+        **summary(run_dir), "params": _json(run_dir / "params.json"), "artifacts": _json(run_dir / "artifacts.json"),
+        "metrics": sorted(pc.unique(records["metric"]).to_pylist()),
+        "writers": writers(run_dir) or (["main"] if records.num_rows else []),
+    }
+
+
+def _records(run_dir: Path, metric: str | None = None, writer: str | None = None) -> pa.Table:
+    if (run_dir / "metrics").exists():
+        return read_metrics(run_dir, metric, writer)
+    return _legacy_records(run_dir, metric)
+
+
+def _legacy_records(run_dir: Path, metric: str | None) -> pa.Table:
+    """Runs tracked before the metric store: one JSON line per step in ``metrics.jsonl``."""
+    rows: list[tuple[int, str, float]] = []
+    file = run_dir / "metrics.jsonl"
+    for line in file.read_text().splitlines() if file.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line a live run was writing
+            break
+        rows += [(record["step"], k, float(v)) for k, v in record.items()
+                 if k not in ("step", "epoch") and (metric is None or k == metric) and isinstance(v, (int, float))]
+    steps, names, values = zip(*rows) if rows else ((), (), ())
+    return pa.table({"writer": pa.array(["main"] * len(rows), pa.string()), "step": pa.array(steps, pa.int64()),
+                     "wall_time": pa.array([math.nan] * len(rows), pa.float64()), "metric": pa.array(names, pa.string()),
+                     "value": pa.array(values, pa.float64())}, schema=SCHEMA.insert(0, pa.field("writer", pa.string())))
+
+
+def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = None) -> dict[str, Any]:
+    """One metric's curve downsampled to at most ``points`` (LTTB) with its raw length; from
+    ``writer``, or the first writer that logged it (rank 0 in distributed runs). NaN steps are dropped."""
+    records = _records(Path(run_dir), metric, writer)
+    if writer is None and records.num_rows:
+        first = records["writer"][0].as_py()
+        records = records.filter(pc.equal(records["writer"], first))
+        writer = first
+    steps = records["step"].to_numpy().astype(float)
+    values = records["value"].to_numpy()
+    keep = ~np.isnan(values)
+    xs, ys = lttb(steps[keep], values[keep], points)
+    return {"run": Path(run_dir).name, "metric": metric, "writer": writer, "points": int(keep.sum()),
+            "steps": xs.tolist(), "values": ys.tolist()}
+
+
+def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"config": {"epochs": 4}}`` -> ``{"config.epochs": 4}``, for side-by-side tables."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parameters and final metrics of ``runs`` (``read_run``'s) side by side; ``differs`` names what changed."""
+    params = [flat_params(r["params"]) for r in runs]
+    keys = sorted(set().union(*params))
+    table = {k: [p.get(k) for p in params] for k in keys}
+    finals = sorted(set().union(*(r["final"] for r in runs)))
+    return {"runs": [r["id"] for r in runs], "params": table,
+            "differs": [k for k, v in table.items() if len({json.dumps(x, sort_keys=True, default=str) for x in v}) > 1],
+            "final": {k: [r["final"].get(k) for r in runs] for k in finals}}
+
+
+def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, points: int = 500) -> Path:
+    """Curves of each metric, runs overlaid, one panel per metric (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for run_dir in run_dirs:
+            line = curve(run_dir, metric, points)
+            if line["steps"]:
+                ax.plot(line["steps"], line["values"], "o-" if len(line["steps"]) < 30 else "-", label=line["run"], alpha=0.8)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
