@@ -74,6 +74,19 @@ def keys_from_env(configured: list[ApiKey] | None) -> list[ApiKey] | None:
         raise FeatureStoreError(f"{KEYS_ENV} is not JSON: {exc}") from None
 
 
+COOKIE = "featurestore_key"
+
+
+def _cookie(header: str, name: str) -> str | None:
+    for part in header.split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            from urllib.parse import unquote
+
+            return unquote(value).strip() or None
+    return None
+
+
 class Authenticator:
     """Who is calling, and may they? ``keys=None`` means authentication is off."""
 
@@ -84,13 +97,18 @@ class Authenticator:
     def enabled(self) -> bool:
         return self.keys is not None
 
-    def identify(self, headers: Iterable[tuple[bytes, bytes]]) -> ApiKey | None:
+    def identify(self, headers: Iterable[tuple[bytes, bytes]], cookie: bool = False) -> ApiKey | None:
+        """The key a request presents (``Authorization: Bearer``, ``X-API-Key``, or with ``cookie``
+        the ``featurestore_key`` cookie a browser sends: servers allow it on GET only, so a
+        page elsewhere cannot make a browser write anything)."""
         presented = None
         for name, value in headers:
             if name == b"x-api-key":
                 presented = value.decode("latin-1").strip()
             elif name == b"authorization" and value[:7].lower() == b"bearer ":
                 presented = value[7:].decode("latin-1").strip()
+            elif cookie and name == b"cookie" and presented is None:
+                presented = _cookie(value.decode("latin-1"), COOKIE)
         if not presented:
             return None
         digest = hash_key(presented)

@@ -231,6 +231,7 @@ def serve(
     port: int = typer.Option(6566, help="Port (Feast's default)."),
     workers: int = typer.Option(1, help="Worker processes."),
     log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
+    ui: bool = typer.Option(False, "--ui", help="Also serve the web UI under /ui (behind the same API keys)."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
@@ -239,11 +240,24 @@ def serve(
     import os
 
     os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
+    os.environ["FEATURESTORE_UI"] = "1" if ui else "0"
     _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
+@app.command()
+def ui(
+    repo: Path = RepoOption,
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(8765, help="Port."),
+    log_level: str = LogLevelOption,
+) -> None:
+    """Run the web UI: catalogue, view freshness, runs and curves, models and lineage (at /ui/)."""
+    _run_server("serving.ui:app_factory", repo, host, port, 1, log_level, False, "text", what="serving the web UI of",
+                path="/ui/")
+
+
 def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool,
-                log_format: str = "text") -> None:
+                log_format: str = "text", what: str = "serving", path: str = "") -> None:
     import os
 
     import uvicorn
@@ -268,8 +282,8 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
         atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
-    started = (f"featurestore: serving {repo.resolve()} (registry v{store.registry.current()['version']}) on "
-               f"http://{host}:{port} with {workers} worker(s), {auth}; docs at /docs")
+    started = (f"featurestore: {what} {repo.resolve()} (registry v{store.registry.current()['version']}) on "
+               f"http://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs")
     from featurestore.logs import LOG_FORMATS, JsonFormatter, uvicorn_log_config
 
     if log_format not in LOG_FORMATS:
@@ -515,10 +529,11 @@ def check_consistency_command(
     repo: Path = RepoOption,
 ) -> None:
     """Compare served feature vectors (feature log) with the history store, and rescore offline."""
-    from featurestore.consistency import check_consistency, check_service_log
+    from featurestore.consistency import check_consistency, check_service_log, record_check
 
     with _store(repo) as store:
         report = check_service_log(store, service) if service else check_consistency(store, model)
+        record_check(report, store.config.data_dir, f"service:{service}" if service else model)
     console.print(report.describe())
     if not report.ok:
         raise typer.Exit(1)

@@ -13,7 +13,10 @@ its rows were written at wall-clock times after the simulated ones.
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +38,7 @@ class ConsistencyReport:
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     has_scores: bool = True
     max_relative_difference: float = 0.0   # over matched inexact aggregates (0: all bit-identical)
+    over_time: list[dict[str, Any]] = field(default_factory=list)  # match rate of whole vectors per served-time bucket
 
     @property
     def overall(self) -> float:
@@ -62,12 +66,14 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     """Check an inference server's log: features, and the model's scores rescored offline."""
 
     logs = read_log(log_path(store.config.data_dir, model_name))
+    served: list[Any] = []
     registry = store.model_registry()
     report = ConsistencyReport(logs.num_rows, {}, 1.0)
     hits: dict[str, list[bool]] = {}
     score_hits = 0
     for version in pc.unique(logs["model_version"]).to_pylist():
         part = logs.filter(pc.equal(logs["model_version"], version))
+        served.append(part["served_at"])
         loaded = registry.load(model_name, int(version))
         offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report, max_mismatches, as_of)
         # recompute scores per request (same batch composition as at serving time)
@@ -82,6 +88,7 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
         score_hits += int((recomputed.view(np.uint32) == logged.view(np.uint32)).sum())
     report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
     report.score_match = score_hits / logs.num_rows if logs.num_rows else 1.0
+    report.over_time = _over_time(served, hits)
     return report
 
 
@@ -92,7 +99,53 @@ def check_service_log(store: "FeatureStore", service: str, max_mismatches: int =
     hits: dict[str, list[bool]] = {}
     _compare_features(store, logs, service, [], hits, report, max_mismatches, as_of)
     report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
+    report.over_time = _over_time([logs["served_at"]], hits)
     return report
+
+
+def _over_time(served: list[Any], hits: dict[str, list[bool]], buckets: int = 24) -> list[dict[str, Any]]:
+    """Share of vectors with every feature matching, in ``buckets`` equal spans of served time."""
+    if not served or not hits:
+        return []
+    times = np.concatenate([pc.cast(s, pa.int64()).to_numpy(zero_copy_only=False) for s in served])
+    if not len(times):
+        return []
+    whole = np.logical_and.reduce([np.asarray(v, dtype=bool) for v in hits.values()])
+    lo, hi = int(times.min()), int(times.max()) + 1
+    edges = np.linspace(lo, hi, buckets + 1).astype(np.int64)
+    which = np.clip(np.searchsorted(edges, times, side="right") - 1, 0, buckets - 1)
+    out = []
+    for b in range(buckets):
+        inside = which == b
+        if inside.any():
+            out.append({"from_us": int(edges[b]), "to_us": int(edges[b + 1]), "rows": int(inside.sum()),
+                        "match": float(whole[inside].mean())})
+    return out
+
+
+def record_check(report: ConsistencyReport, data_dir: Path, name: str) -> Path:
+    """Append a check's result to ``<data_dir>/consistency/<name>.jsonl`` (what the web UI charts)."""
+    folder = Path(data_dir) / "consistency"
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / f"{name.replace(':', '_').replace('/', '_')}.jsonl"
+    entry = {"checked_at": time.time(), "name": name, "rows": report.rows, "overall": report.overall,
+             "score_match": report.score_match if report.has_scores else None, "feature_match": report.feature_match,
+             "over_time": report.over_time}
+    with open(file, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return file
+
+
+def read_checks(data_dir: Path) -> list[dict[str, Any]]:
+    """Every recorded check, oldest first."""
+    entries = []
+    for file in sorted((Path(data_dir) / "consistency").glob("*.jsonl")):
+        for line in file.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                continue
+    return sorted(entries, key=lambda e: e["checked_at"])
 
 
 def _compare_features(

@@ -239,6 +239,18 @@ def header(scope: dict, name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == name), None)
 
 
+# What a browser gets instead of a page when authentication is on and it sent no valid key: a
+# form that keeps the key in a same-site cookie, which servers accept on GET requests only.
+LOGIN_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"><title>featurestore: sign in</title></head>
+<body style="font-family:system-ui;max-width:28em;margin:4em auto"><h2>featurestore</h2>
+<p>This server needs an API key with the <code>read</code> scope.</p>
+<form id="login"><input id="key" type="password" placeholder="API key" autocomplete="off" style="width:100%;padding:.4em">
+<button style="margin-top:.6em">Sign in</button></form>
+<script>document.getElementById("login").onsubmit = function (e) { e.preventDefault();
+document.cookie = "featurestore_key=" + encodeURIComponent(document.getElementById("key").value) + "; path=/; SameSite=Strict";
+location.reload(); };</script></body></html>"""
+
+
 class FastLane:
     """Serve a few hot POST routes as plain ASGI, before FastAPI's routing and middleware.
 
@@ -283,8 +295,12 @@ class FastLane:
 
     async def _serve(self, scope, receive, send) -> None:
         if self.auth.enabled:  # every route, the fast ones included, before anything else runs
-            key = self.auth.identify(scope.get("headers", ()))
+            safe = scope.get("method") in ("GET", "HEAD")
+            key = self.auth.identify(scope.get("headers", ()), cookie=safe)
             if key is None:
+                if safe and "text/html" in (header(scope, b"accept") or ""):  # a browser: a form asking for the key
+                    await _reply(send, 401, LOGIN_PAGE, b"text/html; charset=utf-8")
+                    return
                 await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
                 return
             needed = route_scope(scope.get("path", ""))
@@ -319,7 +335,7 @@ class FastLane:
                                 f"(server.max_request_bytes sets the limit)"})
 
 
-async def _reply(send, status: int, payload: bytes) -> None:
+async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -86,8 +86,9 @@ ERRORS = {
 }
 
 
-def create_app(repo: str | Path | None = None, log_features: bool = False) -> FastAPI:
-    """The feature server; with ``log_features``, lookups by feature service are logged (Delta, off the request path)."""
+def create_app(repo: str | Path | None = None, log_features: bool = False, ui: bool = False) -> FastAPI:
+    """The feature server; with ``log_features``, lookups by feature service are logged (Delta, off the
+    request path); with ``ui``, the web UI is served under ``/ui``."""
     watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
     metrics = Metrics("featurestore_feature_server")
     jobs = JobRunner()
@@ -225,6 +226,11 @@ def create_app(repo: str | Path | None = None, log_features: bool = False) -> Fa
             newest = None  # the request metrics still answer during an outage
         return metrics.response(newest)
 
+    if ui:
+        from serving.ui import mount
+
+        mount(app, lambda: watcher.current, metrics)
+
     config = watcher.current.config
     return FastLane(app, {"/get-online-features": lookup, "/push": push}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
 
@@ -300,4 +306,5 @@ def app_factory() -> FastAPI:
     """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
     import os
 
-    return create_app(log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1")
+    return create_app(log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1",
+                      ui=os.environ.get("FEATURESTORE_UI") == "1")

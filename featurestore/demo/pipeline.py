@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from rich.console import Console
 from rich.progress import Progress
 
-from featurestore.consistency import ConsistencyReport, check_consistency
+from featurestore.consistency import ConsistencyReport, check_consistency, record_check
 from featurestore.demo.generate import generate, label_rows
 from featurestore.feature_store import FeatureStore
 from featurestore.training.metrics import roc_auc
@@ -106,6 +106,7 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
             server.send_signal(signal.SIGTERM)  # graceful: flushes the feature log
             server.wait(timeout=60)
         report = check_consistency(store, MODEL, as_of="event")  # served at simulated times: see the module doc
+        record_check(report, store.config.data_dir, MODEL)
 
     online_auc = roc_auc(np.array(labels), np.array(scores))
     with FeatureStore(repo) as store:

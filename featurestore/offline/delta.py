@@ -93,6 +93,15 @@ class DeltaOfflineStore:
         con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} FROM {rows}")
         return table.version()
 
+    def stats(self, view: str) -> dict[str, int | None]:
+        """Rows, files and version of the history table, from the Delta log (no data read)."""
+        table = self._table(view)
+        if table is None:
+            return {"history_rows": 0, "history_files": 0, "table_version": None}
+        actions = table.get_add_actions(flatten=True)
+        rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else []
+        return {"history_rows": int(sum(r or 0 for r in rows)), "history_files": len(rows), "table_version": table.version()}
+
     def file_count(self, view: str) -> int:
         table = self._table(view)
         return len(table.file_uris()) if table is not None else 0

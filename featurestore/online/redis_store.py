@@ -332,6 +332,10 @@ class RedisOnlineStore:
         finally:
             pool.release(connection)
 
+    def newest(self) -> dict[str, int]:
+        """``{view: newest event time written online, µs since the epoch}``."""
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
+
     async def newest_async(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
         return {k.decode(): int(v) for k, v in (await self.async_client.hgetall(self.prefix + b"newest")).items()}

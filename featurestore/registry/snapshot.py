@@ -44,14 +44,7 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
     for name, entry in objects.get("push_source", {}).items():
         defs.push_sources[name] = _source(entry["spec"])  # type: ignore[assignment]
     for name, entry in objects.get("feature_view", {}).items():
-        spec = entry["spec"]
-        view = FeatureView(
-            name, [defs.entities[e] for e in spec["entities"]], _source(spec["source"]), _fields(spec["schema"]),
-            ttl=timedelta(seconds=spec["ttl_seconds"]) if spec["ttl_seconds"] is not None else None,
-            online=spec["online"], offline=spec["offline"], description=spec.get("description", ""),
-            aggregations=[_aggregation(a) for a in spec.get("aggregations", [])], event_id=spec.get("event_id"),
-        )
-        view.history_version = state.get("history_versions", {}).get(name, 1)
+        view = view_from_spec(entry["spec"], defs.entities, state.get("history_versions", {}).get(name, 1))
         defs.feature_views[name] = view
         recorded = state.get("key_types", {}).get(name)
         defs.key_types[name] = ({k: from_name(t) for k, t in recorded.items()} if recorded
@@ -69,6 +62,19 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
                 items.append(FeatureViewProjection(defs.feature_views[view_name], [feature]))
         defs.feature_services[name] = FeatureService(name, items)  # type: ignore[arg-type]
     return defs
+
+
+def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity], history_version: int = 1) -> FeatureView:
+    """A feature view as applied (its transformation, code, is not part of the registry state)."""
+    view = FeatureView(
+        spec["name"], [entities[e] for e in spec["entities"]], _source(spec["source"]), _fields(spec["schema"]),
+        ttl=timedelta(seconds=spec["ttl_seconds"]) if spec["ttl_seconds"] is not None else None,
+        online=spec["online"], offline=spec["offline"], description=spec.get("description", ""),
+        owner=spec.get("owner", ""), tags=spec.get("tags", {}),
+        aggregations=[_aggregation(a) for a in spec.get("aggregations", [])], event_id=spec.get("event_id"),
+    )
+    view.history_version = history_version
+    return view
 
 
 def _fields(specs: list[dict]) -> list[Field]:

@@ -15,7 +15,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from featurestore.errors import FeatureStoreError, NotFoundError
+from featurestore.errors import NotFoundError, RequestError
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -49,7 +49,7 @@ class ArtifactStore:
 
     def path(self, sha: str) -> Path:
         if not _HEX.match(sha):
-            raise FeatureStoreError(f"an artifact is named by its SHA-256 (64 lower-case hex digits), not {sha[:80]!r}")
+            raise RequestError(f"an artifact is named by its SHA-256 (64 lower-case hex digits), not {sha[:80]!r}")
         target = self.root / sha
         if not target.exists():
             raise NotFoundError(f"no artifact {sha}")

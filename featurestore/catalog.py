@@ -1,0 +1,147 @@
+"""What is defined and how it is doing: the catalogue of applied objects and per-view status.
+
+Read from the applied registry state (what is served), not from the definition files, so it
+needs neither the user's modules nor their dependencies. Status reads the stores: the newest
+event written online, the last materialization, history rows and rejects, stream consumer lag.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from featurestore.definitions import Entity, StreamSource
+from featurestore.errors import NotFoundError
+from featurestore.registry.snapshot import from_name, view_from_spec
+from featurestore.registry.store import RegistryStore
+from featurestore.streaming import stream_key
+
+if TYPE_CHECKING:
+    from featurestore.offline.delta import DeltaOfflineStore
+    from featurestore.online.redis_store import RedisOnlineStore
+
+_versions_cache: dict[tuple[str, int], dict[str, list[int]]] = {}
+
+
+def definition_versions(registry: RegistryStore) -> dict[str, list[int]]:
+    """Per object (``kind/name``), the registry versions in which its definition changed.
+    Computed once per registry version (history files never change)."""
+    numbers = registry.versions()
+    key = (str(registry.path), numbers[-1] if numbers else 0)
+    if key not in _versions_cache:
+        changed: dict[str, list[int]] = {}
+        last: dict[str, str] = {}
+        for number in numbers:
+            for kind, objects in registry.version(number)["objects"].items():
+                for name, entry in objects.items():
+                    if last.get(f"{kind}/{name}") != entry["hash"]:
+                        last[f"{kind}/{name}"] = entry["hash"]
+                        changed.setdefault(f"{kind}/{name}", []).append(number)
+        _versions_cache.clear()  # one repo's history is all a process needs
+        _versions_cache[key] = changed
+    return _versions_cache[key]
+
+
+def catalogue(registry: RegistryStore) -> dict[str, Any]:
+    """Entities, feature views (with their features' types and windows), on-demand views,
+    services and sources of the applied registry, each with its definition versions."""
+    state = registry.current()
+    objects = state["objects"]
+    versions = definition_versions(registry)
+    entities = _entities(state)
+    views = []
+    for name, entry in sorted(objects.get("feature_view", {}).items()):
+        spec = entry["spec"]
+        view = view_from_spec(spec, entities, state.get("history_versions", {}).get(name, 1))
+        windows = {a.name: a for a in view.aggregations}
+        views.append({
+            "name": name, "kind": "feature_view", "description": spec.get("description", ""), "owner": spec.get("owner", ""),
+            "tags": spec.get("tags", {}), "entities": spec["entities"], "join_keys": spec["join_keys"],
+            "ttl_seconds": spec["ttl_seconds"], "online": spec["online"], "offline": spec["offline"],
+            "source": {k: spec["source"].get(k) for k in ("kind", "name", "path", "timestamp_field")},
+            "event_id": spec.get("event_id"), "transformation": bool(spec.get("transformation")),
+            "features": [{"name": f.name, "dtype": f.dtype.name, **(_window(windows[f.name]) if f.name in windows else {})}
+                         for f in view.features],
+            "hash": entry["hash"], "versions": versions.get(f"feature_view/{name}", []), "history_version": view.history_version,
+        })
+    for name, entry in sorted(objects.get("on_demand_feature_view", {}).items()):
+        spec = entry["spec"]
+        views.append({
+            "name": name, "kind": "on_demand_feature_view", "description": spec.get("description", ""),
+            "owner": spec.get("owner", ""), "tags": spec.get("tags", {}), "entities": [], "join_keys": [],
+            "ttl_seconds": None, "online": True, "offline": True, "source": {"kind": "on_demand", "name": None},
+            "features": [{"name": f["name"], "dtype": f["dtype"]} for f in spec.get("schema", [])],
+            "hash": entry["hash"], "versions": versions.get(f"on_demand_feature_view/{name}", []),
+        })
+    return {
+        "project_registry_version": state["version"], "applied_at": state.get("applied_at"),
+        "entities": [{"name": n, "join_keys": e["spec"]["join_keys"], "key_types": e["spec"]["key_types"],
+                      "description": e["spec"].get("description", ""), "versions": versions.get(f"entity/{n}", [])}
+                     for n, e in sorted(objects.get("entity", {}).items())],
+        "views": views,
+        "services": [{"name": n, "features": s["spec"]["features"], "description": s["spec"].get("description", ""),
+                      "owner": s["spec"].get("owner", ""), "tags": s["spec"].get("tags", {}),
+                      "versions": versions.get(f"feature_service/{n}", [])}
+                     for n, s in sorted(objects.get("feature_service", {}).items())],
+        "sources": [{"name": n, "kind": s["spec"]["kind"], "fields": [f["name"] for f in s["spec"]["schema"]],
+                     "stream": s["spec"].get("stream")}
+                    for n, s in sorted(objects.get("push_source", {}).items())],
+    }
+
+
+def _entities(state: dict[str, Any]) -> dict[str, Entity]:
+    return {name: Entity(name, list(e["spec"]["join_keys"]), {k: from_name(t) for k, t in e["spec"]["key_types"].items() if t} or None)
+            for name, e in state["objects"].get("entity", {}).items()}
+
+
+def _window(aggregation: Any) -> dict[str, Any]:
+    return {"function": aggregation.function, "column": aggregation.column,
+            "window_seconds": aggregation.window.total_seconds(), "where": aggregation.where}
+
+
+def view_status(registry: RegistryStore, offline: "DeltaOfflineStore", online: "RedisOnlineStore | None", project: str,
+                name: str, now: float | None = None) -> dict[str, Any]:
+    """Freshness and volume of one view: age of the newest online event, the last
+    materialization, history rows and table version, rejected rows, stream consumer lag."""
+    now = time.time() if now is None else now
+    state = registry.current()
+    if name not in state["objects"].get("feature_view", {}):
+        raise NotFoundError(f"no applied feature view named {name!r}")
+    spec = state["objects"]["feature_view"][name]["spec"]
+    view = view_from_spec(spec, _entities(state), state.get("history_versions", {}).get(name, 1))
+    table = view.history_table
+    mark = registry.watermarks().get(name, {})
+    status: dict[str, Any] = {
+        "view": name, "last_materialized_at": mark.get("materialized_at"),
+        "max_event_timestamp": mark.get("max_event_timestamp"), "online_synced": mark.get("online_synced"),
+        "history_table": table, **offline.stats(table), "rejected_rows": offline.rejects(name).num_rows,
+        "newest_online_event": None, "online_age_seconds": None, "stream": None, "online_error": None,
+    }
+    if online is not None:
+        try:
+            newest = online.newest().get(name)  # the view's newest event written online, µs
+            if newest is not None:
+                status["newest_online_event"] = newest
+                status["online_age_seconds"] = round(now - newest / 1e6, 3)
+            if isinstance(view.source, StreamSource):
+                status["stream"] = stream_lag(online.client, stream_key(project, view.source))
+        except (redis.RedisError, OSError) as exc:
+            status["online_error"] = f"online store unreachable: {exc}"
+    return status
+
+
+def stream_lag(client: Any, key: str) -> dict[str, Any]:
+    """Per consumer group of a stream: entries delivered but not acknowledged, and not yet delivered."""
+    try:
+        groups = client.xinfo_groups(key)
+    except redis.ResponseError:  # no stream yet
+        return {"stream": key, "length": 0, "groups": []}
+    return {"stream": key, "length": client.xlen(key),
+            "groups": [{"name": _text(g["name"]), "pending": g["pending"], "lag": g.get("lag"),
+                        "consumers": g["consumers"]} for g in groups]}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

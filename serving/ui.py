@@ -1,0 +1,189 @@
+"""The web UI: a catalogue of definitions, per-view freshness, runs with overlaid curves, the
+model registry with one-click lineage. Served under ``/ui`` by ``featurestore ui`` or inside the
+feature server (``featurestore serve --ui``), behind the same API keys.
+
+The page is static (``ui_static/``, shipped in the package: no CDN, works offline); it reads
+the JSON routes below, which are also the API (``/ui/api/...``, in the OpenAPI docs). Every
+route is read-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI, Query
+from fastapi.responses import FileResponse, RedirectResponse, Response
+
+from featurestore import FeatureStore
+from featurestore.auth import Authenticator
+from featurestore.catalog import catalogue, view_status
+from featurestore.consistency import read_checks
+from featurestore.errors import NotFoundError, RequestError
+from featurestore.tracking import compare, curve, list_runs, read_run
+from featurestore.tracking.lineage import model_lineage
+from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_response, repo_from_env
+
+STATIC = Path(__file__).parent / "ui_static"
+ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,200}$")
+MAX_POINTS = 5000
+
+
+def _name(value: str, what: str) -> str:
+    """A run id, model or view name as a path component: no traversal, no surprises."""
+    if not _NAME.match(value) or value in (".", ".."):
+        raise RequestError(f"{what} {value[:80]!r} is not a valid name")
+    return value
+
+
+def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
+    """The UI and its API; ``store()`` returns the current store (the caller reloads it on apply)."""
+    app = FastAPI(title="featurestore UI API", description="Read-only: catalogue, view status, runs, curves, models, lineage.",
+                  version="0.1.0")
+
+    def runs_root() -> Path:
+        return store().config.data_dir / "runs"
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{asset}", include_in_schema=False)
+    def static(asset: str) -> FileResponse:
+        if asset not in ASSETS:
+            raise NotFoundError(f"no UI asset {asset[:80]!r}")
+        return FileResponse(STATIC / asset, media_type=ASSETS[asset], headers={"Cache-Control": "max-age=300"})
+
+    @app.get("/api/catalog", summary="Entities, views (features, types, windows), services and sources; q filters by name, "
+             "description, owner, tag or feature")
+    def catalog(q: str = "") -> Response:
+        found = catalogue(store().registry)
+        if q:
+            needle = q.lower()
+            for kind in ("entities", "views", "services", "sources"):
+                found[kind] = [o for o in found[kind] if needle in _searchable(o)]
+        return json_response(found)
+
+    @app.get("/api/views/{name}", summary="One view: its definition, freshness, volume, and consistency checks covering it")
+    async def view(name: str) -> Response:
+        current = store()
+        found = next((v for v in catalogue(current.registry)["views"] if v["name"] == _name(name, "view")), None)
+        if found is None:
+            raise NotFoundError(f"no applied feature view named {name!r}")
+        status = None
+        if found["kind"] == "feature_view":
+            online = current.online_store if found["online"] else None
+            status = await asyncio.to_thread(view_status, current.registry, current.offline_store, online,
+                                             current.config.project, name)
+        features = {f["name"] for f in found["features"]}
+        checks = [{**c, "feature_match": {k: v for k, v in c["feature_match"].items() if k in features}}
+                  for c in read_checks(current.config.data_dir) if features & set(c["feature_match"])]
+        return json_response({"view": found, "status": status, "consistency": checks})
+
+    @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
+    def runs(q: str = "", tag: Optional[list[str]] = Query(None)) -> Response:
+        tags = dict(t.split("=", 1) for t in tag or [] if "=" in t)
+        return json_response({"runs": list_runs(runs_root(), q, tags)})
+
+    @app.get("/api/runs/{run_id}", summary="A run's params, tags, final metrics, logged metrics, artifacts")
+    def run(run_id: str) -> Response:
+        return json_response(read_run(runs_root() / _name(run_id, "run")))
+
+    @app.get("/api/runs/{run_id}/curve", summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)")
+    def run_curve(run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: Optional[str] = None) -> Response:
+        path = runs_root() / _name(run_id, "run")
+        if not path.is_dir():
+            raise NotFoundError(f"no run {run_id!r}")
+        return json_response(curve(path, metric, points, _name(writer, "writer") if writer else None))
+
+    @app.get("/api/compare", summary="Runs side by side: differing params first, final metrics")
+    def compare_runs(runs: list[str] = Query(..., description="Two or more run ids.")) -> Response:
+        if len(runs) < 2:
+            raise RequestError("compare takes two or more runs (runs=a&runs=b)")
+        return json_response(compare([read_run(runs_root() / _name(r, "run")) for r in runs]))
+
+    @app.get("/api/models", summary="Registered models: versions, stages, metrics, the run that trained each")
+    def models() -> Response:
+        registry = store().model_registry()
+        out = []
+        for name in registry.names():
+            aliases = registry.aliases(name)
+            out.append({"name": name, "stages": aliases, "versions": [
+                {"version": v, "stages": [s for s, n in aliases.items() if n == v], **_card_summary(registry.card(name, v))}
+                for v in reversed(registry.versions(name))]})
+        return json_response({"models": out})
+
+    @app.get("/api/models/{name}/{version}/lineage",
+             summary="Model version → run → dataset manifest → definitions → Delta table versions, each hop checked")
+    def lineage(name: str, version: int) -> Response:
+        current = store()
+        registry = current.model_registry()
+        if version not in registry.versions(_name(name, "model")):
+            raise NotFoundError(f"model {name!r} has no version {version}")
+        return json_response(model_lineage(registry, name, version, runs_root(), current.registry, current.offline_store))
+
+    @app.get("/api/artifacts/{sha256}", summary="An artifact's bytes, by its SHA-256 (verify with any sha256 tool)")
+    def artifact(sha256: str) -> FileResponse:
+        return FileResponse(store().artifacts().path(sha256), media_type="application/octet-stream",
+                            filename=sha256, headers={"X-Content-SHA256": sha256})
+
+    @app.get("/api/artifacts/{sha256}/verify", summary="Recompute an artifact's hash")
+    def verify(sha256: str) -> Response:
+        return json_response({"sha256": sha256, "ok": store().artifacts().verify(sha256)})
+
+    @app.get("/api/consistency", summary="Every recorded consistency check, oldest first, with match rate over served time")
+    def consistency() -> Response:
+        return json_response({"checks": read_checks(store().config.data_dir)})
+
+    return app
+
+
+def _card_summary(card: dict[str, Any]) -> dict[str, Any]:
+    return {k: card.get(k) for k in ("run", "metrics", "registered_at", "feature_service", "dataset_manifest_hash")}
+
+
+def _searchable(obj: dict[str, Any]) -> str:
+    parts = [obj.get("name", ""), obj.get("description", ""), obj.get("owner", ""),
+             *(f"{k}={v}" for k, v in (obj.get("tags") or {}).items()),
+             *(f["name"] if isinstance(f, dict) else str(f) for f in obj.get("features", []))]
+    return " ".join(str(p) for p in parts).lower()
+
+
+def create_app(repo: str | Path | None = None) -> FastAPI:
+    """The UI on its own (``featurestore ui``): ``/ui/``, its API under ``/ui/api``, docs at ``/docs``."""
+    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    metrics = Metrics("featurestore_ui")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(watcher.run())
+        yield
+        task.cancel()
+        watcher.current.close()
+
+    app = FastAPI(title="featurestore UI", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app, metrics)
+    mount(app, lambda: watcher.current, metrics)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/ui/")
+
+    config = watcher.current.config
+    return FastLane(app, {}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
+
+
+def mount(app: FastAPI, store: Callable[[], FeatureStore], metrics: Metrics) -> None:
+    """Serve the UI under ``/ui`` of ``app`` (errors mapped and counted like the app's)."""
+    sub = ui_app(store)
+    install_error_handlers(sub, metrics)
+    app.mount("/ui", sub)
+
+
+def app_factory() -> FastAPI:
+    """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
+    return create_app()

@@ -1,0 +1,253 @@
+"""The web UI (issue #16): its API on a real pipeline, and every page in headless Chromium.
+
+One small fraud pipeline is built once (apply, push, materialize, export, two training runs,
+a registered and promoted model, logged lookups and a recorded consistency check); the UI
+runs as a real server process; Debian's Chromium, driven by Playwright, opens each page,
+searches, compares two runs and follows lineage, and saves screenshots to
+``$FEATURESTORE_SCREENSHOTS`` (default: the test's temp folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from featurestore import FeatureStore
+from featurestore.auth import hash_key
+from featurestore.consistency import check_service_log, record_check
+from featurestore.demo.generate import generate, label_rows
+from featurestore.online.embedded import EmbeddedRedis
+
+from .conftest import free_port
+
+DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+KEY = "fsk_ui-test-key"
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    torch = pytest.importorskip("torch")  # noqa: F841  (the test extra has it)
+    from featurestore.training.trainer import TrainConfig, train
+    from serving.feature_server import create_app
+
+    root = tmp_path_factory.mktemp("ui")
+    repo = root / "repo"
+    shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data"))
+    redis_server = EmbeddedRedis(root / "redis")
+    env = {"FEATURESTORE_DATA_DIR": str(root / "data"), "REDIS_URL": redis_server.ensure_running()}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    store = FeatureStore(repo)
+    try:
+        data = generate(n_cards=200, days=8, seed=5)
+        store.apply()
+        store.push("card_profiles", data.profiles)
+        store.push("transactions", data.transactions.drop_columns(["label"]), to="online_and_offline")
+        store.flush()
+        store.materialize_incremental()
+        dataset = root / "data" / "datasets" / "v1"
+        store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", dataset)
+        runs = [train(TrainConfig(dataset=str(dataset), request_inputs=["amount"], epochs=1, batch_size=64, learning_rate=lr),
+                      root / "data" / "runs", progress=False) for lr in (2e-3, 5e-3)]
+        registry = store.model_registry()
+        version = registry.register("fraud", runs[1])
+        registry.promote("fraud", version, "production")
+        with TestClient(create_app(repo, log_features=True)) as client:  # logged lookups, then a real check
+            for card in range(1, 40):
+                client.post("/get-online-features", json={"feature_service": "fraud_model_v1", "entities": {"card_id": [card], "merchant_id": [card % 7]}})
+        record_check(check_service_log(store, "fraud_model_v1"), store.config.data_dir, "service:fraud_model_v1")
+        yield {"repo": repo, "env": env, "runs": runs, "store": store, "dataset": dataset}
+    finally:
+        store.close()
+        redis_server.stop()
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _serve(pipeline, extra_env: dict[str, str] | None = None):
+    port = free_port()
+    env = {**os.environ, **pipeline["env"], **(extra_env or {})}
+    process = subprocess.Popen([sys.executable, "-m", "featurestore", "ui", "--repo", str(pipeline["repo"]), "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"UI server exited: {process.stderr.read()[-3000:]}")
+        try:
+            httpx.get(url + "/ui/static/app.js", timeout=1)
+            return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    process.kill()
+    pytest.fail("UI server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(pipeline):
+    process, url = _serve(pipeline)
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
+    api = server + "/ui/api"
+    catalog = httpx.get(api + "/catalog").json()
+    views = {v["name"]: v for v in catalog["views"]}
+    assert set(views) >= {"card_activity", "card_profile", "merchant_risk"}
+    windows = {f["name"]: f.get("window_seconds") for f in views["card_activity"]["features"]}
+    assert windows["txn_count_1h"] == 3600 and windows["amount_avg_7d"] == 7 * 86400
+    assert [v["name"] for v in httpx.get(api + "/catalog", params={"q": "merchant_amount"}).json()["views"]] == ["merchant_risk"]
+
+    view = httpx.get(api + "/views/card_activity").json()
+    assert view["status"]["history_rows"] > 0 and view["status"]["online_age_seconds"] is not None
+    assert view["consistency"] and view["consistency"][-1]["over_time"]
+
+    runs = httpx.get(api + "/runs").json()["runs"]
+    assert {r["id"] for r in runs} == {p.name for p in pipeline["runs"]} and all(r["status"] == "finished" for r in runs)
+    a, b = (p.name for p in pipeline["runs"])
+    compared = httpx.get(api + "/compare", params=[("runs", a), ("runs", b)]).json()
+    assert "config.learning_rate" in compared["differs"]
+    line = httpx.get(api + f"/runs/{a}/curve", params={"metric": "train_loss", "points": 20}).json()
+    assert len(line["steps"]) == min(20, line["points"]) and line["points"] > 20
+
+    lineage = httpx.get(api + "/models/fraud/1/lineage").json()
+    assert lineage["run"]["id"] == b and lineage["run"]["exists"] and lineage["dataset"]["ok"]
+    assert all(d["current"] and d["registry_version"] == 1 for d in lineage["definitions"])
+    assert {t["view"] for t in lineage["tables"]} == {"card_activity", "card_profile", "merchant_risk"}
+    sha = lineage["model"]["files"]["model.pt"]
+    blob = httpx.get(api + f"/artifacts/{sha}")
+    assert hashlib.sha256(blob.content).hexdigest() == sha  # anyone can verify a model by its name
+    assert httpx.get(api + f"/artifacts/{sha}/verify").json()["ok"]
+
+    # bad input is a clear 4xx, never a 500 or a file outside the stores
+    assert httpx.get(api + "/runs/..%2F..%2Fetc").status_code in (404, 422)
+    assert httpx.get(api + "/artifacts/not-a-hash").status_code == 422
+    assert httpx.get(api + "/models/fraud/9/lineage").status_code == 404
+    assert httpx.get(api + "/compare", params={"runs": a}).status_code == 422
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM:
+        pytest.skip("no Chromium here: `apt-get install chromium` (.ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def shots(tmp_path):
+    folder = Path(os.environ.get("FEATURESTORE_SCREENSHOTS", tmp_path / "screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("requestfailed", lambda request: errors.append(f"request failed: {request.url}"))
+
+    # catalogue, then search
+    page.goto(server + "/ui/")
+    page.wait_for_selector("tr[data-view=card_activity]")
+    assert page.locator("tr[data-view]").count() == 3
+    page.screenshot(path=str(shots / "catalogue.png"), full_page=True)
+    page.fill("#search", "merchant")
+    assert page.locator("tr[data-view]").count() == 1 and page.locator("tr[data-view=merchant_risk]").is_visible()
+
+    # a view: freshness cards and the consistency chart
+    page.click("tr[data-view=merchant_risk] a")
+    page.wait_for_selector("#status")
+    assert "history rows" in page.inner_text("#status") and "ago" in page.inner_text("#status")
+    assert page.locator(".chart polyline").count() >= 1
+    page.screenshot(path=str(shots / "view.png"), full_page=True)
+
+    # runs: select two, compare: differing parameter first, curves overlaid
+    page.goto(server + "/ui/#/runs")
+    page.wait_for_selector("tr[data-run]")
+    assert page.locator("tr[data-run]").count() == 2
+    for box in page.locator("input[type=checkbox][data-run]").all():
+        box.check()
+    page.click("#compare")
+    page.wait_for_selector("tr.differs")
+    assert "config.learning_rate" in page.inner_text("tr.differs >> nth=0")
+    loss = page.locator(".chart[data-title=train_loss] polyline")
+    assert loss.count() == 2 and all(int(p.get_attribute("data-points")) > 3 for p in loss.all())
+    page.screenshot(path=str(shots / "compare.png"), full_page=True)
+
+    # models → lineage → the run that trained it
+    page.goto(server + "/ui/#/models")
+    page.wait_for_selector("tr[data-model='fraud:1']")
+    assert "production" in page.inner_text("tr[data-model='fraud:1']")
+    page.click("tr[data-model='fraud:1'] a.lineage")
+    page.wait_for_selector("[data-hop=dataset]")
+    assert "✓" in page.inner_text("[data-hop=dataset]") and "unchanged" in page.inner_text("[data-hop='feature definitions']")
+    page.screenshot(path=str(shots / "lineage.png"), full_page=True)
+    page.click("#run-link")
+    page.wait_for_selector(".chart[data-title=val_auc]")
+    assert pipeline["runs"][1].name in page.inner_text("h1")
+    page.screenshot(path=str(shots / "run.png"), full_page=True)
+
+    page.goto(server + "/ui/#/consistency")
+    page.wait_for_selector(".chart polyline")
+    page.screenshot(path=str(shots / "consistency.png"), full_page=True)
+    assert not errors, errors
+    page.close()
+
+
+def test_with_auth_on_every_route_needs_a_key_and_the_browser_signs_in(pipeline, browser, shots):
+    keys = json.dumps([{"name": "ui", "sha256": hash_key(KEY), "scopes": ["read"]}])
+    process, url = _serve(pipeline, {"FEATURESTORE_API_KEYS": keys})
+    try:
+        for path in ("/ui/", "/ui/static/app.js", "/ui/api/catalog", "/ui/api/runs", "/ui/api/models/fraud/1/lineage", "/docs"):
+            assert httpx.get(url + path).status_code == 401, path
+        assert httpx.get(url + "/ui/api/catalog", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        # a cookie is taken on GET only: a page elsewhere cannot make a signed-in browser write
+        assert httpx.post(url + "/ui/api/catalog", headers={"Cookie": f"featurestore_key={KEY}"}).status_code == 401
+
+        page = browser.new_page()
+        page.goto(url + "/ui/")
+        page.wait_for_selector("#login")
+        page.fill("#key", KEY)
+        page.click("#login button")
+        page.wait_for_selector("tr[data-view=card_activity]")
+        page.screenshot(path=str(shots / "signed-in.png"))
+        page.close()
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_a_definition_changed_since_training_shows_in_lineage(pipeline, server):
+    """Last in the module (it changes the repo): apply a changed window; the model's lineage names the view."""
+    repo = pipeline["repo"]
+    source = (repo / "features.py").read_text()
+    changed = source.replace('Aggregation("count", timedelta(hours=24), name="merchant_txn_count_24h")',
+                             'Aggregation("count", timedelta(hours=12), name="merchant_txn_count_24h")')
+    assert changed != source
+    (repo / "features.py").write_text(changed)
+    with FeatureStore(repo) as store:
+        store.apply(force=True)
+    lineage = httpx.get(server + "/ui/api/models/fraud/1/lineage").json()
+    by_view = {d["view"]: d for d in lineage["definitions"]}
+    assert not by_view["merchant_risk"]["current"] and by_view["merchant_risk"]["registry_version"] == 1
+    assert by_view["card_activity"]["current"] and by_view["card_profile"]["current"]
