@@ -547,11 +547,21 @@ def demo(
     days: int = typer.Option(30, help="Days of history."),
     replay_days: float = typer.Option(2, help="Held-out days replayed through the inference server."),
     batch_hours: float = typer.Option(2, help="Replay: history is appended every this many hours of replayed time (online updates per payment)."),
+    ui: bool = typer.Option(False, "--ui", help="Afterwards, serve the web UI on the demo's data until Ctrl-C."),
+    ui_port: int = typer.Option(8765, help="The web UI's port."),
 ) -> None:
     """Run the end-to-end fraud demo on embedded defaults and print AUC, latency and consistency."""
     from featurestore.demo.pipeline import run_demo
 
     result = run_demo(repo, data_dir, cards=cards, days=days, replay_days=replay_days, batch_hours=batch_hours)
+    url = f"http://127.0.0.1:{ui_port}/ui/"
+    if ui:
+        console.print(f"web UI: {url} (features, freshness, runs, models, lineage; Ctrl-C stops it)", markup=False)
+        _run_server("serving.ui:app_factory", repo, "127.0.0.1", ui_port, 1, "warning", False, what="serving the web UI of",
+                    path="/ui/")
+    else:
+        console.print(f"web UI: FEATURESTORE_DATA_DIR={result.data_dir} featurestore ui --repo {repo} --port {ui_port}, "
+                      f"then open {url} (or run the demo with --ui)", markup=False, soft_wrap=True)
     if not result.consistency.ok:
         raise typer.Exit(1)
 

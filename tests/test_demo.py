@@ -20,5 +20,7 @@ def test_demo_runs_end_to_end_and_proves_consistency(tmp_path):
     assert "difference +0.000" in out or "difference -0.000" in out  # served features = point-in-time features
     assert "all features                 100.000%" in out
     assert "training and serving saw the same values" in out
+    assert "web UI: " in out and "http://127.0.0.1:8765/ui/" in out
+    assert list((tmp_path / "consistency").glob("*.jsonl"))  # the check the UI charts was recorded
     leftover = subprocess.run(["pgrep", "-f", f"{tmp_path}/redis"], capture_output=True, text=True).stdout
     assert leftover == "", "the embedded redis-server was left running"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+import duckdb
+
 from featurestore.aggregation import WHERE_OPERATORS
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
@@ -28,8 +30,9 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
                     f"{kind.replace('_', ' ')} {name!r} ({obj.location}): names must be letters, digits and "
                     "underscores, not starting with a digit; rename it"
                 )
+    con = duckdb.connect()  # one for every view's source check
     for view in defs.feature_views.values():
-        problems += _validate_view(view, config, defs)
+        problems += _validate_view(view, config, defs, con)
     for odfv in defs.on_demand_feature_views.values():
         problems += _validate_on_demand(odfv, defs)
     for service in defs.feature_services.values():
@@ -77,7 +80,7 @@ def _validate_on_demand(odfv: OnDemandFeatureView, defs: Definitions) -> list[st
     return problems
 
 
-def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions) -> list[str]:
+def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions, con: duckdb.DuckDBPyConnection) -> list[str]:
     where = f"feature view {view.name!r} ({view.location})"
     problems: list[str] = []
     if view.ttl is not None and (not isinstance(view.ttl, timedelta) or view.ttl < timedelta(0)):
@@ -95,7 +98,7 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions) -> 
     if view.aggregations:
         problems += _validate_aggregations(view, where)
     try:
-        schema = view_output_schema(view, config.repo_path, config.data_dir)
+        schema = view_output_schema(view, config.repo_path, config.data_dir, con)
     except Exception as exc:
         what = "its transformation" if view.transformation is not None else "its source"
         problems.append(f"{where}: reading {what} failed: {str(exc).strip().splitlines()[0]}; fix the source path or query")

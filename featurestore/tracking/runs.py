@@ -115,7 +115,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotFoundError(f"no run {run_dir.name!r}; see `featurestore runs list`")
-    records = _records(run_dir)
+    records = _records(run_dir, columns=["metric"])
     return {
         **summary(run_dir), "params": _json(run_dir / "params.json"), "artifacts": _json(run_dir / "artifacts.json"),
         "metrics": sorted(pc.unique(records["metric"]).to_pylist()),
@@ -123,9 +123,9 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def _records(run_dir: Path, metric: str | None = None, writer: str | None = None) -> pa.Table:
+def _records(run_dir: Path, metric: str | None = None, writer: str | None = None, columns: list[str] | None = None) -> pa.Table:
     if (run_dir / "metrics").exists():
-        return read_metrics(run_dir, metric, writer)
+        return read_metrics(run_dir, metric, writer, columns)
     return _legacy_records(run_dir, metric)
 
 
@@ -149,16 +149,17 @@ def _legacy_records(run_dir: Path, metric: str | None) -> pa.Table:
 def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = None) -> dict[str, Any]:
     """One metric's curve downsampled to at most ``points`` (LTTB) with its raw length; from
     ``writer``, or the first writer that logged it (rank 0 in distributed runs). NaN steps are dropped."""
-    records = _records(Path(run_dir), metric, writer)
-    if writer is None and records.num_rows:
-        first = records["writer"][0].as_py()
-        records = records.filter(pc.equal(records["writer"], first))
-        writer = first
+    run_dir = Path(run_dir)
+    for candidate in [writer] if writer else (writers(run_dir) or [None]):
+        records = _records(run_dir, metric, candidate, ["step", "value"])
+        if records.num_rows:
+            writer = candidate or "main"
+            break
     steps = records["step"].to_numpy().astype(float)
     values = records["value"].to_numpy()
     keep = ~np.isnan(values)
     xs, ys = lttb(steps[keep], values[keep], points)
-    return {"run": Path(run_dir).name, "metric": metric, "writer": writer, "points": int(keep.sum()),
+    return {"run": run_dir.name, "metric": metric, "writer": writer, "points": int(keep.sum()),
             "steps": xs.tolist(), "values": ys.tolist()}
 
 
