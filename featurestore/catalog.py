@@ -139,8 +139,18 @@ def stream_lag(client: Any, key: str) -> dict[str, Any]:
     except redis.ResponseError:  # no stream yet
         return {"stream": key, "length": 0, "groups": []}
     return {"stream": key, "length": client.xlen(key),
-            "groups": [{"name": _text(g["name"]), "pending": g["pending"], "lag": g.get("lag"),
+            "groups": [{"name": _text(g["name"]), "pending": g["pending"], "lag": _lag(client, key, g),
                         "consumers": g["consumers"]} for g in groups]}
+
+
+LAG_COUNT_LIMIT = 10_000  # counted past the last delivered entry at most (Redis < 7 does not report lag)
+
+
+def _lag(client: Any, key: str, group: dict[str, Any]) -> int | None:
+    if group.get("lag") is not None:
+        return int(group["lag"])
+    last = _text(group["last-delivered-id"])
+    return len(client.xrange(key, min=f"({last}", max="+", count=LAG_COUNT_LIMIT))
 
 
 def _text(value: Any) -> str:

@@ -123,7 +123,11 @@ def relation_schema(con: duckdb.DuckDBPyConnection, name: str) -> pa.Schema:
 def view_output_schema(view: FeatureView, repo_path: Path, data_dir: Path, con: duckdb.DuckDBPyConnection | None = None) -> pa.Schema:
     """Columns the view's transformation produces (the source's, when there is none). Pass ``con``
     to check many views on one connection (opening one costs tens of milliseconds)."""
-    con = con or duckdb.connect()
+    if con is None:
+        con = duckdb.connect()
+    else:  # the previous view's source, registered (Arrow) or created (SQL): either blocks the other kind
+        con.unregister("source")
+        con.execute('DROP VIEW IF EXISTS "source"')
     register_source(con, view.source, repo_path, data_dir, "source")
     if view.transformation is None:
         return relation_schema(con, "source")

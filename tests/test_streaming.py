@@ -111,3 +111,19 @@ def test_a_push_source_is_not_a_stream(stream_repo, tmp_path):
 
     with pytest.raises(NotFoundError, match="not a StreamSource"):
         StreamConsumer(FeatureStore(write_repo(tmp_path / "plain", FEATURES.replace("StreamSource", "PushSource"))), "payments")
+
+
+def test_view_status_shows_the_consumer_groups_lag(stream_repo):
+    """The web UI's freshness for a stream view: entries not yet consumed, newest online event."""
+    from featurestore.catalog import view_status
+    from featurestore.streaming import publish, stream_key
+
+    _, store = stream_repo
+    source = store.definitions.push_source("payments")
+    consumer = StreamConsumer(store, "payments", batch=20)
+    publish(store.online_store.client, stream_key(store.config.project, source), _events(50, seed=4))
+    consumer.run(stop=lambda: consumer.stats.consumed >= 20)
+    status = view_status(store.registry, store.offline_store, store.online_store, store.config.project, "activity")
+    (group,) = status["stream"]["groups"]
+    assert status["stream"]["length"] == 50 and group["pending"] == 0 and group["lag"] == 30
+    assert status["newest_online_event"] is not None and status["online_error"] is None
