@@ -51,6 +51,9 @@ class RepoConfig:
     auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
     error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
+    offline_engine: str = "local"   # where point-in-time joins and exports run: local (DuckDB) or ray
+    ray_address: str | None = None  # the Ray cluster (host:port); None: a local one
+    ray_partitions: int = 0         # hash partitions per view; 0: twice the cluster's CPUs
 
     @property
     def embedded_redis(self) -> bool:
@@ -97,6 +100,10 @@ class RepoConfig:
             max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
+            offline_engine=_choice(os.environ.get("FEATURESTORE_OFFLINE_ENGINE") or (raw.get("offline_store") or {}).get("engine", "local"),
+                                   ("local", "ray"), f"{file}: offline_store.engine"),
+            ray_address=os.environ.get("FEATURESTORE_RAY_ADDRESS") or (raw.get("offline_store") or {}).get("ray_address"),
+            ray_partitions=int((raw.get("offline_store") or {}).get("ray_partitions", 0)),
         )
 
 
@@ -144,7 +151,7 @@ _KEYS = {
     "server": {"max_request_bytes", "auth", "errors"},
     "online_store": {"url", "type", "nodes", "read_from_replicas", "max_request_entities", "expire_after_ttl", "event_retention",
                      "read_timeout_ms"},
-    "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files"},
+    "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files", "engine", "ray_address", "ray_partitions"},
 }
 
 

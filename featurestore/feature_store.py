@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from featurestore.offline.delta import DeltaOfflineStore
     from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.online.redis_store import RedisOnlineStore
-    from featurestore.retrieval.historical import RetrievalJob
+    from featurestore.retrieval.historical import JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineResponse
     from featurestore.training.model_registry import ModelRegistry
 
@@ -299,11 +299,21 @@ class FeatureStore:
         full_feature_names: bool = False, as_of: Literal["event", "created"] = "event",
     ) -> "RetrievalJob":
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
-        from featurestore.retrieval.historical import RetrievalJob
-
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
         self._commit_buffered()
-        return RetrievalJob.build(self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of)
+        return self.join_engine()(self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of)
+
+    def join_engine(self) -> "JoinBuilder":
+        """What builds point-in-time joins: the local DuckDB engine, or the Ray one (``offline_store.engine``)."""
+        if self.config.offline_engine == "ray":
+            import functools
+
+            from featurestore.retrieval.ray_join import RayJoinJob
+
+            return functools.partial(RayJoinJob.build, address=self.config.ray_address, partitions=self.config.ray_partitions)
+        from featurestore.retrieval.historical import RetrievalJob
+
+        return RetrievalJob.build
 
     def get_online_features(
         self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
@@ -331,7 +341,8 @@ class FeatureStore:
         self.require_applied(self._used_by(feature_service=feature_service))
         self._commit_buffered()
         return export_training_dataset(self.definitions, self.offline_store, entity_df, feature_service, Path(path),
-                                       registry_version=self.registry.current()["version"], progress=progress)
+                                       registry_version=self.registry.current()["version"], progress=progress,
+                                       join=self.join_engine())
 
     def reproduce_training_dataset(self, manifest: str | Path, path: str | Path, progress: bool = False) -> dict:
         """Re-run an export from its ``manifest.json`` into ``path``, under the definitions and table
@@ -339,7 +350,8 @@ class FeatureStore:
         from featurestore.retrieval.export import reproduce
 
         self._commit_buffered()
-        return reproduce(self.definitions, self.registry, self.offline_store, Path(manifest), Path(path), progress=progress)
+        return reproduce(self.definitions, self.registry, self.offline_store, Path(manifest), Path(path), progress=progress,
+                         join=self.join_engine())
 
 
 def _feast_order(first: Any, second: Any) -> bool:

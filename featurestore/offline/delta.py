@@ -93,6 +93,11 @@ class DeltaOfflineStore:
         con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT {columns} FROM {rows}")
         return table.version()
 
+    def files(self, view: str, version: int | None = None) -> tuple[int | None, list[str]]:
+        """(version, data file URIs) of the history table at ``version`` (default latest)."""
+        table = self._table(view, version)
+        return (table.version(), table.file_uris()) if table is not None else (None, [])
+
     def stats(self, view: str) -> dict[str, int | None]:
         """Rows, files and version of the history table, from the Delta log (no data read)."""
         table = self._table(view)

@@ -22,7 +22,7 @@ from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
 from featurestore.registry.store import RegistryStore, atomic_write
-from featurestore.retrieval.historical import RetrievalJob, entity_input
+from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_input
 
 DATA_FILE = "data-00000.parquet"
 ENTITIES_FILE = "entities.parquet"
@@ -54,8 +54,10 @@ def _entity_table(entity_df: Any) -> pa.Table:
 def export_training_dataset(
     defs: Definitions, offline: OfflineStore, entity_df: Any, feature_service: str, out: Path, *,
     registry_version: int, progress: bool = False, versions: dict[str, int | None] | None = None,
+    join: JoinBuilder = RetrievalJob.build,
 ) -> dict[str, Any]:
-    """Join ``defs``' service over ``offline`` (at table ``versions``, default latest) into ``out``."""
+    """Join ``defs``' service over ``offline`` (at table ``versions``, default latest) into ``out``
+    with the ``join`` engine (local DuckDB, or Ray: the same rows and bytes)."""
     from featurestore import __version__
 
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +67,7 @@ def export_training_dataset(
     refs = defs.service(feature_service).feature_refs()
     views = list(dict.fromkeys(r.split(":")[0] for r in refs))
     hashes = {v: value_hash(defs.spec_of(v)) for v in views}
-    job = RetrievalJob.build(defs, offline, str(entities_path), None, feature_service, False, versions=versions)
+    job = join(defs, offline, str(entities_path), None, feature_service, False, versions=versions)
     total = pq.ParquetFile(entities_path).metadata.num_rows
     with progress_bar("rows", progress) as bar:
         task = bar.add_task(f"exporting {feature_service}", total=total)
@@ -91,7 +93,7 @@ def export_training_dataset(
 
 
 def reproduce(current: Definitions, registry: RegistryStore, offline: OfflineStore, manifest_path: Path, out: Path,
-              progress: bool = False) -> dict[str, Any]:
+              progress: bool = False, join: JoinBuilder = RetrievalJob.build) -> dict[str, Any]:
     """Re-run an export from its manifest into ``out``; raise if any data file differs.
 
     Under the ``current`` definitions when the manifest's views are unchanged, else under the
@@ -110,7 +112,7 @@ def reproduce(current: Definitions, registry: RegistryStore, offline: OfflineSto
     defs, registry_version = _definitions_of(manifest, current, registry)
     new = export_training_dataset(
         defs, offline, None, manifest["feature_service"], out, registry_version=registry_version, progress=progress,
-        versions=manifest["table_versions"],
+        versions=manifest["table_versions"], join=join,
     )
     mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
     if mismatched:

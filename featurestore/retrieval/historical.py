@@ -18,7 +18,7 @@ import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 import duckdb
 import pyarrow as pa
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 ROW = "__fs_row"
 TS = "__fs_ts"
 BATCH_ROWS = 256 * 1024
+
+
+JoinBuilder = Callable[..., Any]  # RetrievalJob.build's signature: (defs, offline, entity_df, features, service, full_names, as_of, versions)
 
 
 @dataclass
@@ -139,20 +142,25 @@ class RetrievalJob:
 
     def to_parquet(self, path: str | Path, on_batch: Any = None) -> int:
         """Write the result to one Parquet file (deterministic bytes for the same rows); return rows."""
-        rows = 0
-        writer: pq.ParquetWriter | None = None
-        try:
-            for batch in self.batches():
-                if writer is None:
-                    writer = pq.ParquetWriter(str(path), batch.schema, compression="zstd")
-                writer.write_batch(batch, row_group_size=BATCH_ROWS)
-                rows += batch.num_rows
-                if on_batch:
-                    on_batch(batch.num_rows)
-        finally:
-            if writer is not None:
-                writer.close()
-        return rows
+        return write_parquet(self.batches(), path, on_batch)
+
+
+def write_parquet(batches: Iterator[pa.RecordBatch], path: str | Path, on_batch: Any = None) -> int:
+    """Batches to one Parquet file, a row group per ``BATCH_ROWS``; returns rows written."""
+    rows = 0
+    writer: pq.ParquetWriter | None = None
+    try:
+        for batch in batches:
+            if writer is None:
+                writer = pq.ParquetWriter(str(path), batch.schema, compression="zstd")
+            writer.write_batch(batch, row_group_size=BATCH_ROWS)
+            rows += batch.num_rows
+            if on_batch:
+                on_batch(batch.num_rows)
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
 
 
 @contextlib.contextmanager
