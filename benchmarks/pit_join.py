@@ -77,15 +77,24 @@ def setup(root: Path, entities: int, history: int, entity_rows: int, seed: int) 
     pq.write_table(entity, root / "entities.parquet")
 
 
-def run_ours(root: Path) -> dict:
+def run_ours(root: Path, engine: str = "local") -> dict:
+    import os
+
     import pyarrow.parquet as pq
 
     from featurestore import FeatureStore
 
+    if engine == "ray":  # a local Ray cluster on every core, started (untimed) before the join
+        import ray
+
+        os.environ["FEATURESTORE_OFFLINE_ENGINE"] = "ray"
+        ray.init(num_cpus=os.cpu_count(), log_to_driver=False, include_dashboard=False)
     store = FeatureStore(root)
     store.definitions
     entity = pq.read_table(root / "entities.parquet")
     refs = [f"stats:{n}" for n, _ in FEATURES]
+    if engine == "ray":  # warm: workers started and importing, as on a cluster already serving
+        store.get_historical_features(entity.slice(0, 1000), features=refs).to_arrow()
     t0 = time.perf_counter()
     result = store.get_historical_features(entity, features=refs).to_arrow()
     seconds = time.perf_counter() - t0
@@ -139,10 +148,12 @@ def main() -> None:
     parser.add_argument("--entity-rows", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--data-dir", type=Path, default=HERE.parent / ".data" / "pit_join")
-    parser.add_argument("--child", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--ray", action="store_true", help="Also time the Ray engine (a local cluster on every core).")
+    parser.add_argument("--child", choices=["ours", "reference", "ray"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps((run_ours if args.child == "ours" else run_reference)(args.data_dir)))
+        run = {"ours": run_ours, "reference": run_reference, "ray": lambda root: run_ours(root, "ray")}[args.child]
+        print(json.dumps(run(args.data_dir)))
         return
     tag = f"{args.entities}-{args.history}-{args.entity_rows}-{args.seed}"
     root = args.data_dir / tag
@@ -152,7 +163,7 @@ def main() -> None:
         setup(root, args.entities, args.history, args.entity_rows, args.seed)
         print(f"  written in {time.perf_counter() - t0:.1f}s to {root}")
     results = {}
-    for side in ("reference", "ours", "reference", "ours"):  # interleaved; best of two each
+    for side in ("reference", "ours", *(["ray"] if args.ray else []), "reference", "ours", *(["ray"] if args.ray else [])):  # interleaved; best of two each
         r = run_child(str(HERE), "--child", side, "--data-dir", str(root))
         if side not in results or r["seconds"] < results[side]["seconds"]:
             results[side] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], results.get(side, {}).get("peak_rss_mb", 0))}
@@ -163,6 +174,11 @@ def main() -> None:
     print(f"{'get_historical_features':24}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
     print(f"ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
     print(f"results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
+    if args.ray:
+        on_ray = results["ray"]
+        print(f"{'Ray engine':24}{on_ray['seconds']:>10.2f}{on_ray['peak_rss_mb']:>14.0f}  (driver's RSS; workers not counted)")
+        print(f"ratio (Ray / local engine): time {on_ray['seconds'] / ours['seconds']:.2f}x; "
+              f"results agree: {on_ray['checksum'] == ours['checksum']}")
 
 
 if __name__ == "__main__":

@@ -210,9 +210,12 @@ def export(
     service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
     entities: Optional[Path] = typer.Option(None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."),
     from_manifest: Optional[Path] = typer.Option(None, "--from-manifest", help="Reproduce an earlier export byte for byte."),
+    engine: Optional[str] = typer.Option(None, help="Where the join runs: local (DuckDB) or ray; default offline_store.engine."),
+    ray_address: Optional[str] = typer.Option(None, help="The Ray cluster, host:port (default offline_store.ray_address)."),
     repo: Path = RepoOption,
 ) -> None:
     """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""
+    _engine_from_flags(engine, ray_address)
     store = _store(repo)
     if from_manifest is not None:
         manifest = store.reproduce_training_dataset(from_manifest, out, progress=True)
@@ -222,6 +225,16 @@ def export(
         raise FeatureStoreError("pass --service and --entities (or --from-manifest)")
     manifest = store.export_training_dataset(str(entities), service, out, progress=True)
     console.print(f"Exported {manifest['row_count']} rows to {out} (manifest {manifest['manifest_hash'][:12]}).")
+
+
+def _engine_from_flags(engine: Optional[str], ray_address: Optional[str]) -> None:
+    """Flags win over featurestore.yaml (through the environment the config reads)."""
+    import os
+
+    if engine is not None:
+        os.environ["FEATURESTORE_OFFLINE_ENGINE"] = engine
+    if ray_address is not None:
+        os.environ["FEATURESTORE_RAY_ADDRESS"] = ray_address
 
 
 @app.command()

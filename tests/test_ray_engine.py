@@ -7,7 +7,10 @@ with unknown entities, null keys, equal timestamps and rows before any history.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from featurestore import FeatureStore
@@ -24,7 +28,8 @@ from featurestore.online.embedded import EmbeddedRedis
 
 from .conftest import free_port
 
-ray = pytest.importorskip("ray")
+if importlib.util.find_spec("ray") is None:  # the test extra installs it
+    pytest.skip("ray is not installed: pip install 'featurestore[ray]'", allow_module_level=True)
 DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 
 
@@ -32,13 +37,21 @@ DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 def cluster(tmp_path_factory):
     """`ray start` a head and one worker node (separate processes), then attach this process."""
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # token authentication, as a shared cluster should run: head, worker and this driver share the token
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
+    old = {k: os.environ.get(k) for k in auth}
+    os.environ.update(auth)
+    import ray  # here, not at the top: ray reads RAY_AUTH_MODE when first imported
+
+    env = dict(os.environ)
     ray_bin = str(Path(sys.executable).with_name("ray"))
     temp = str(tmp_path_factory.mktemp("ray"))
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                    f"--temp-dir={temp}", "--disable-usage-stats"], check=True, capture_output=True, env=env)
+    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+                           f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True, env=env)
+    assert head.returncode == 0, head.stderr[-2000:]
     try:
-        subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"], check=True, capture_output=True, env=env)
+        worker = subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"], capture_output=True, text=True, env=env)
+        assert worker.returncode == 0, worker.stderr[-2000:]
         address = f"127.0.0.1:{port}"
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2
@@ -46,6 +59,8 @@ def cluster(tmp_path_factory):
     finally:
         ray.shutdown()
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env)
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +81,7 @@ def stores(tmp_path_factory, cluster):
     os.environ.update({"FEATURESTORE_OFFLINE_ENGINE": "ray", "FEATURESTORE_RAY_ADDRESS": cluster})
     distributed = FeatureStore(repo)
     assert distributed.config.offline_engine == "ray"
-    yield {"local": local, "ray": distributed, "data": data, "root": root}
+    yield {"local": local, "ray": distributed, "data": data, "root": root, "address": cluster, "repo": repo}
     for store in (local, distributed):
         store.close()
     redis_server.stop()
@@ -121,6 +136,14 @@ def test_export_on_ray_is_byte_identical_and_reproduces(stores):
     data = (root / "export-ray" / distributed["files"][0]["path"]).read_bytes()
     assert hashlib.sha256(data).hexdigest() == local["files"][0]["sha256"]
     stores["ray"].reproduce_training_dataset(root / "export-local" / "manifest.json", root / "again")
+    # the command line picks the engine by flag (a new driver process joining the cluster)
+    labels_file = root / "labels.parquet"
+    pq.write_table(labels, labels_file)
+    out = subprocess.run([sys.executable, "-m", "featurestore", "export", "--service", "fraud_model_v1", "--entities", str(labels_file),
+                          "--out", str(root / "export-cli"), "--engine", "ray", "--ray-address", stores["address"],
+                          "--repo", str(stores["repo"])], capture_output=True, text=True, env={**os.environ, "FEATURESTORE_OFFLINE_ENGINE": "local"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((root / "export-cli" / "manifest.json").read_text())["files"] == local["files"]
 
 
 def test_bad_input_gets_the_local_engines_errors(stores):

@@ -77,7 +77,7 @@ class RayJoinJob:
         # every check the local engine makes (key types, clashes, as_of), on no rows, before a task runs
         RetrievalJob.build(defs, offline, entities.slice(0, 0), features, feature_service, full_feature_names, as_of, versions)
         ray = connect(address)
-        parts = partitions or max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        parts = partitions or max(2, int(ray.cluster_resources().get("CPU", 1)))
         requests = resolve(defs, features, feature_service, full_feature_names)
         numbered = entities.append_column(ROW, pa.array(np.arange(entities.num_rows, dtype=np.int64)))
         ts_column = "event_timestamp" if "event_timestamp" in entities.column_names else None
@@ -142,8 +142,9 @@ def _submit(ray: Any, defs: Definitions, req: ViewRequest, entities: pa.Table, f
     """Tasks joining one view: a split per history file, then a join per partition."""
     state = _view_state(defs, req.view.name)
     key_types = state["key_types"][req.view.name]
-    split = ray.remote(num_returns=parts)(_split_file) if parts > 1 else ray.remote(_split_file)
-    history_parts = [split.remote(state, f, parts) for f in files]
+    split = ray.remote(num_returns=parts)(_split_files) if parts > 1 else ray.remote(_split_files)
+    groups = [files[g::parts] for g in range(min(parts, len(files)))]  # a task per group of files, not per file
+    history_parts = [split.remote(state, group, parts) for group in groups]
     if parts == 1:
         history_parts = [[h] for h in history_parts]
     entity_parts = _split(entities, key_types, parts, cast=True)
@@ -157,27 +158,39 @@ def _split(table: pa.Table, key_types: dict[str, str], parts: int, cast: bool = 
     """``table`` in ``parts`` by DuckDB's hash of its join keys (cast to their declared types)."""
     from featurestore.types import from_name
 
-    con = duckdb.connect()
+    con = _connection()
     keyed = table.select(list(key_types))
     if cast:  # entity keys as the history stores them, so equal keys hash alike (the local checks allow the cast)
         keyed = pa.table({k: keyed[k].cast(from_name(t).arrow) for k, t in key_types.items()})
     con.register("keys", keyed)
     which = con.sql(f"SELECT hash({', '.join(ident(k) for k in key_types)}) % {parts} AS p FROM keys").fetchnumpy()["p"]
+    con.unregister("keys")
     order = np.argsort(which, kind="stable")
     bounds = np.searchsorted(which[order], np.arange(parts + 1))
     return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
 
 
-def _split_file(state: dict[str, Any], uri: str, parts: int) -> Any:
-    """One history file of a view, read with the view's history columns (absent ones null), in parts."""
+_CONNECTION: list[duckdb.DuckDBPyConnection] = []
+
+
+def _connection() -> duckdb.DuckDBPyConnection:
+    """One DuckDB connection per process for hashing keys (opening one costs tens of milliseconds)."""
+    if not _CONNECTION:
+        _CONNECTION.append(duckdb.connect())
+    return _CONNECTION[0]
+
+
+def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
+    """History files of a view, read with the view's history columns (absent ones null), in parts."""
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
     schema = defs.history_schema(view)
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
-    stored = pq.read_table(path)
-    table = pa.table({f.name: stored[f.name].cast(f.type) if f.name in stored.column_names else pa.nulls(stored.num_rows, f.type)
-                      for f in schema})
-    split = _split(table, state["key_types"][view.name], parts)
+    tables = []
+    for uri in uris:
+        stored = pq.read_table(uri[len("file://"):] if uri.startswith("file://") else uri)
+        tables.append(pa.table({f.name: stored[f.name].cast(f.type) if f.name in stored.column_names
+                                else pa.nulls(stored.num_rows, f.type) for f in schema}))
+    split = _split(pa.concat_tables(tables), state["key_types"][view.name], parts)
     return split if parts > 1 else split[0]
 
 
