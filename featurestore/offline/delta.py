@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from deltalake import DeltaTable, write_deltalake
+from deltalake import Schema as DeltaSchema
+from deltalake.transaction import AddAction, create_table_with_add_actions
 
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.sources import connection, ident, quote
@@ -40,7 +46,7 @@ class DeltaOfflineStore:
         return table.version() if table is not None else None
 
     @contextlib.contextmanager
-    def _writer(self, view: str) -> Iterator[None]:
+    def writer(self, view: str) -> Iterator[None]:
         """One writer per view's history at a time (across processes): the read-dedupe-append of
         two concurrent runs would otherwise both see the old version and append the same rows."""
         locks = self.path / "_locks"
@@ -56,10 +62,18 @@ class DeltaOfflineStore:
         """Append rows not already stored; return those (without the partition column)."""
         if rows.num_rows == 0:
             return rows
-        with self._writer(view):
+        with self.writer(view):
             return self._append(view, rows)
 
     def _append(self, view: str, rows: pa.Table) -> pa.Table:
+        fresh = self.new_rows(view, rows)
+        if fresh.num_rows:  # "merge": a column added to the view evolves the table (older rows null)
+            write_deltalake(str(self.table_path(view)), fresh, mode="append", partition_by=[PARTITION], schema_mode="merge")
+        return fresh.drop_columns([PARTITION])
+
+    def new_rows(self, view: str, rows: pa.Table) -> pa.Table:
+        """``rows`` (with the partition column added) that the table does not hold yet, by ``_row_id``:
+        read-only, so distributed tasks can run it; writers hold ``writer`` around it and the commit."""
         rows = rows.append_column(PARTITION, pc.cast(rows["event_timestamp"], pa.date32()))
         con = connection()
         con.register("batch", rows)
@@ -72,10 +86,34 @@ class DeltaOfflineStore:
             if files:
                 file_list = "[" + ", ".join(quote(f) for f in files) + "]"
                 new = f"SELECT * FROM ({new}) ANTI JOIN (SELECT _row_id FROM read_parquet({file_list})) USING (_row_id)"
-        fresh = con.sql(new).to_arrow_table().cast(rows.schema)
-        if fresh.num_rows:  # "merge": a column added to the view evolves the table (older rows null)
-            write_deltalake(str(self.table_path(view)), fresh, mode="append", partition_by=[PARTITION], schema_mode="merge")
-        return fresh.drop_columns([PARTITION])
+        return con.sql(new).to_arrow_table().cast(rows.schema)
+
+    def write_files(self, view: str, rows: pa.Table) -> list[AddAction]:
+        """Write ``new_rows``' result as Parquet files in the table's partition folders, uncommitted
+        (invisible until ``commit``; a failed run leaves only files no version lists)."""
+        actions = []
+        for date in pc.unique(rows[PARTITION]).to_pylist():
+            part = rows.filter(pc.equal(rows[PARTITION], date)).drop_columns([PARTITION])
+            relative = f"{PARTITION}={date}/part-{uuid.uuid4().hex}.parquet"
+            target = self.table_path(view) / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(part, target, compression="snappy")
+            actions.append(AddAction(relative, target.stat().st_size, {PARTITION: str(date)}, int(time.time() * 1000), True,
+                                     json.dumps({"numRecords": part.num_rows})))
+        return actions
+
+    def commit(self, view: str, actions: list[AddAction], schema: pa.Schema) -> int | None:
+        """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the version."""
+        if not actions:
+            return self.version(view)
+        table = self._table(view)
+        full = schema.append(pa.field(PARTITION, pa.date32()))
+        if table is None:
+            create_table_with_add_actions(str(self.table_path(view)), DeltaSchema.from_arrow(full), actions, mode="append",
+                                          partition_by=[PARTITION])
+        else:
+            table.create_write_transaction(actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION])
+        return self.version(view)
 
     def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
         table = self._table(view, version)
