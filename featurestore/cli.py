@@ -26,6 +26,8 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+EngineOption = typer.Option(None, "--engine", help="Where the work runs: local (DuckDB) or ray; default offline_store.engine.")
+RayAddressOption = typer.Option(None, "--ray-address", help="The Ray cluster, host:port (default offline_store.ray_address).")
 RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
 LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
 AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
@@ -118,9 +120,12 @@ def materialize(
     end: str = typer.Argument(..., help="End of the window, exclusive."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     fail_on_bad_rows: bool = typer.Option(False, help="Fail instead of sending bad source rows to the rejects table."),
+    engine: Optional[str] = EngineOption,
+    ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Compute views over [START, END) and write the history store and Redis."""
+    _engine_from_flags(engine, ray_address)
     with _store(repo) as store:
         report = store.materialize(_parse_time(start), _parse_time(end), views or None,
                                    on_bad_rows="fail" if fail_on_bad_rows else "reject", progress=True)
@@ -132,9 +137,12 @@ def materialize_incremental(
     end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     rebuild_online: bool = typer.Option(False, help="Also refill Redis from the history store (after Redis lost data)."),
+    engine: Optional[str] = EngineOption,
+    ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Write every row not yet materialized, late arrivals included."""
+    _engine_from_flags(engine, ray_address)
     with _store(repo) as store:
         report = store.materialize_incremental(_parse_time(end), views or None, progress=True, rebuild_online=rebuild_online)
         console.print(report.describe(), markup=False, soft_wrap=True)
@@ -143,9 +151,12 @@ def materialize_incremental(
 @app.command()
 def backfill(
     views: list[str] = typer.Argument(..., help="Views to rebuild (what `plan` names after a new version or an added column)."),
+    engine: Optional[str] = EngineOption,
+    ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Recompute views' whole history from their sources into their current version, and refill Redis."""
+    _engine_from_flags(engine, ray_address)
     with _store(repo) as store:
         report = store.backfill(views, progress=True)
         console.print(report.describe(), markup=False, soft_wrap=True)
@@ -210,8 +221,8 @@ def export(
     service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
     entities: Optional[Path] = typer.Option(None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."),
     from_manifest: Optional[Path] = typer.Option(None, "--from-manifest", help="Reproduce an earlier export byte for byte."),
-    engine: Optional[str] = typer.Option(None, help="Where the join runs: local (DuckDB) or ray; default offline_store.engine."),
-    ray_address: Optional[str] = typer.Option(None, help="The Ray cluster, host:port (default offline_store.ray_address)."),
+    engine: Optional[str] = EngineOption,
+    ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""

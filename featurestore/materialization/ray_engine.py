@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import duckdb
-import numpy as np
 import pyarrow as pa
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView, FileSource, PushSource
 from featurestore.materialization.compute import compute
 from featurestore.materialization.engine import MaterializationReport, Materializer, ViewReport, _max_iso
+from featurestore.ray_cluster import connect, hash_split, local_path, partitions
 from featurestore.registry.snapshot import applied_definitions
-from featurestore.sources import ident, push_log_path, run_python_transformation
+from featurestore.sources import push_log_path, run_python_transformation
 from featurestore.types import duckdb_type
 
 log = logging.getLogger("featurestore.materialize")
@@ -54,10 +54,8 @@ class RayMaterializer(Materializer):
 
     def run(self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True,
             offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject") -> MaterializationReport:
-        from featurestore.retrieval.ray_join import connect
-
         ray = connect(self.address)
-        parts = self.partitions or max(2, int(ray.cluster_resources().get("CPU", 1)))
+        parts = partitions(ray, self.partitions)
         selected = [self.defs.view(v) for v in views] if views else list(self.defs.feature_views.values())
         end = end or datetime.now(timezone.utc)
         report = MaterializationReport()
@@ -113,7 +111,8 @@ class RayMaterializer(Materializer):
         if view.online and write_offline:
             registry.set_watermark(view.name, online_synced=False)
         split = ray.remote(num_returns=parts)(_read_split)
-        groups = [files[g::parts] for g in range(min(parts, len(files)))]
+        units = _row_groups(files)  # a large file is read by several tasks, a row group each
+        groups = [units[g::parts] for g in range(min(parts, len(units)))]
         pieces = [split.remote(group, key_types, parts) for group in groups]
         config = dataclasses.replace(self.config, online_url=getattr(self.online, "url", self.config.online_url))
         job = dict(state=state, view=view.name, transformation=transformation, run_id=run_id, now=now, start=start, end=end,
@@ -156,19 +155,19 @@ class RayMaterializer(Materializer):
         return report
 
 
-def _read_split(uris: list[str], key_types: dict[str, str], parts: int) -> Any:
-    """Source files read and split by a hash of the join keys (cast to their declared types)."""
+def _row_groups(files: list[str]) -> list[tuple[str, int]]:
     import pyarrow.parquet as pq
 
-    tables = [pq.read_table(u[len("file://"):] if u.startswith("file://") else u) for u in uris]
+    return [(uri, group) for uri in files for group in range(pq.ParquetFile(local_path(uri)).num_row_groups)]
+
+
+def _read_split(units: list[tuple[str, int]], key_types: dict[str, str], parts: int) -> Any:
+    """Row groups of source files, read and split by a hash of the join keys (cast to their declared types)."""
+    import pyarrow.parquet as pq
+
+    tables = [pq.ParquetFile(local_path(uri)).read_row_group(group) for uri, group in units]
     table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
-    con = duckdb.connect()
-    con.register("rows", table.select(list(key_types)))
-    expr = ", ".join(f"TRY_CAST({ident(k)} AS {t})" for k, t in key_types.items())
-    which = con.sql(f"SELECT hash({expr}) % {parts} AS p FROM rows").fetchnumpy()["p"]
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(parts + 1))
-    return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
+    return hash_split(table, key_types, parts)
 
 
 def _view_rows(con: duckdb.DuckDBPyConnection, source: pa.Table, transformation: Any) -> None:

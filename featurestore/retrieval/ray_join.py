@@ -26,13 +26,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featurestore.errors import FeatureStoreError, RequestError
+from featurestore.errors import RequestError
+from featurestore.ray_cluster import connect, hash_split, local_path
+from featurestore.ray_cluster import partitions as partitions_of
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions
 from featurestore.retrieval.historical import BATCH_ROWS, RetrievalJob, entity_input, write_parquet
 from featurestore.retrieval.on_demand import OnDemandPlan
 from featurestore.retrieval.refs import ViewRequest, resolve
-from featurestore.sources import ident
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -40,20 +41,6 @@ if TYPE_CHECKING:
     from featurestore.offline.delta import DeltaOfflineStore
 
 ROW = "__ray_row"  # the entity row's number: input order, restored at the end
-
-
-def connect(address: str | None) -> Any:
-    """Attach to the Ray cluster at ``address`` (``host:port``; None: start or reuse a local one)."""
-    try:
-        import ray
-    except ModuleNotFoundError:
-        raise FeatureStoreError("the Ray engine needs ray: pip install 'featurestore[ray]'") from None
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, log_to_driver=False, include_dashboard=False, configure_logging=False)
-        except ConnectionError as exc:
-            raise FeatureStoreError(f"no Ray cluster at {address}: {exc}; start one with `ray start --head`") from exc
-    return ray
 
 
 @dataclass
@@ -77,7 +64,7 @@ class RayJoinJob:
         # every check the local engine makes (key types, clashes, as_of), on no rows, before a task runs
         RetrievalJob.build(defs, offline, entities.slice(0, 0), features, feature_service, full_feature_names, as_of, versions)
         ray = connect(address)
-        parts = partitions or max(2, int(ray.cluster_resources().get("CPU", 1)))
+        parts = partitions_of(ray, partitions)
         requests = resolve(defs, features, feature_service, full_feature_names)
         numbered = entities.append_column(ROW, pa.array(np.arange(entities.num_rows, dtype=np.int64)))
         ts_column = "event_timestamp" if "event_timestamp" in entities.column_names else None
@@ -147,37 +134,17 @@ def _submit(ray: Any, defs: Definitions, req: ViewRequest, entities: pa.Table, f
     history_parts = [split.remote(state, group, parts) for group in groups]
     if parts == 1:
         history_parts = [[h] for h in history_parts]
-    entity_parts = _split(entities, key_types, parts, cast=True)
+    entity_parts = hash_split(entities, _duckdb_types(key_types), parts)
     join = ray.remote(_join_partition)
     refs = [f"{req.view.name}:{f}" for f in req.features]
     return [join.remote(state, refs, full_feature_names, as_of, entity_parts[p], *[h[p] for h in history_parts])
             for p in range(parts)]
 
 
-def _split(table: pa.Table, key_types: dict[str, str], parts: int, cast: bool = False) -> list[pa.Table]:
-    """``table`` in ``parts`` by DuckDB's hash of its join keys (cast to their declared types)."""
-    from featurestore.types import from_name
+def _duckdb_types(key_types: dict[str, str]) -> dict[str, str]:
+    from featurestore.types import duckdb_type, from_name
 
-    con = _connection()
-    keyed = table.select(list(key_types))
-    if cast:  # entity keys as the history stores them, so equal keys hash alike (the local checks allow the cast)
-        keyed = pa.table({k: keyed[k].cast(from_name(t).arrow) for k, t in key_types.items()})
-    con.register("keys", keyed)
-    which = con.sql(f"SELECT hash({', '.join(ident(k) for k in key_types)}) % {parts} AS p FROM keys").fetchnumpy()["p"]
-    con.unregister("keys")
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(parts + 1))
-    return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
-
-
-_CONNECTION: list[duckdb.DuckDBPyConnection] = []
-
-
-def _connection() -> duckdb.DuckDBPyConnection:
-    """One DuckDB connection per process for hashing keys (opening one costs tens of milliseconds)."""
-    if not _CONNECTION:
-        _CONNECTION.append(duckdb.connect())
-    return _CONNECTION[0]
+    return {k: duckdb_type(from_name(t)) for k, t in key_types.items()}
 
 
 def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
@@ -187,10 +154,10 @@ def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
     schema = defs.history_schema(view)
     tables = []
     for uri in uris:
-        stored = pq.read_table(uri[len("file://"):] if uri.startswith("file://") else uri)
+        stored = pq.read_table(local_path(uri))
         tables.append(pa.table({f.name: stored[f.name].cast(f.type) if f.name in stored.column_names
                                 else pa.nulls(stored.num_rows, f.type) for f in schema}))
-    split = _split(pa.concat_tables(tables), state["key_types"][view.name], parts)
+    split = hash_split(pa.concat_tables(tables), _duckdb_types(state["key_types"][view.name]), parts)
     return split if parts > 1 else split[0]
 
 

@@ -1,0 +1,56 @@
+"""What the Ray engines share: attaching to the cluster, and splitting rows by a hash of their
+join keys the same way in every process (DuckDB's ``hash`` of the keys cast to their declared
+types), so an entity's rows meet in one partition whichever task split them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from featurestore.errors import FeatureStoreError
+from featurestore.sources import ident
+
+
+def connect(address: str | None) -> Any:
+    """The ``ray`` module, attached to the cluster at ``address`` (``host:port``; None: start or reuse a local one)."""
+    try:
+        import ray
+    except ModuleNotFoundError:
+        raise FeatureStoreError("the Ray engine needs ray: pip install 'featurestore[ray]'") from None
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, log_to_driver=False, include_dashboard=False, configure_logging=False)
+        except ConnectionError as exc:
+            raise FeatureStoreError(f"no Ray cluster at {address}: {exc}; start one with `ray start --head`") from exc
+    return ray
+
+
+def partitions(ray: Any, configured: int) -> int:
+    """``configured``, or one partition per CPU of the cluster (at least 2)."""
+    return configured or max(2, int(ray.cluster_resources().get("CPU", 1)))
+
+
+_CONNECTION: list[duckdb.DuckDBPyConnection] = []
+
+
+def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[pa.Table]:
+    """``table`` in ``parts`` by the hash of its join keys; ``key_types``: key -> DuckDB type."""
+    if not _CONNECTION:  # one per process: opening one costs tens of milliseconds
+        _CONNECTION.append(duckdb.connect())
+    con = _CONNECTION[0]
+    con.register("__keys", table.select(list(key_types)))
+    try:
+        expr = ", ".join(f"TRY_CAST({ident(k)} AS {t})" for k, t in key_types.items())
+        which = con.sql(f"SELECT hash({expr}) % {parts} AS p FROM __keys").fetchnumpy()["p"]
+    finally:
+        con.unregister("__keys")
+    order = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[order], np.arange(parts + 1))
+    return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
+
+
+def local_path(uri: str) -> str:
+    return uri[len("file://"):] if uri.startswith("file://") else uri
