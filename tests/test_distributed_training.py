@@ -67,24 +67,28 @@ def _train(repo: Path, dataset: Path, *args: str) -> dict:
     return {"run": repo / "data" / "runs" / run_id, "stdout": out.stdout}
 
 
-def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
+@pytest.mark.parametrize("world, group, resumed_world, resumed_group", [
+    (2, 2, 1, 1),  # FSDP on 2 ranks, resumed on 1
+    pytest.param(4, 2, 2, 2, marks=pytest.mark.slow),  # HSDP: 2 sync groups of 2 shards, resumed on one group
+])
+def test_sharded_run_checkpoints_and_resumes_on_another_world_size(tmp_path, world, group, resumed_world, resumed_group):
     repo = write_repo(tmp_path / "repo", "")
     dataset = make_dataset(tmp_path / "ds")
-    first = _train(repo, dataset, "--epochs", "1", "--nproc-per-node", "4", "--shard-group-size", "2",
+    first = _train(repo, dataset, "--epochs", "1", "--nproc-per-node", str(world), "--shard-group-size", str(group),
                    "--entity-key", "card_id", "--entity-buckets", "20000")  # a table worth sharding
     run = first["run"]
     params = json.loads((run / "params.json").read_text())
-    assert params["layout"]["world_size"] == 4 and params["layout"]["shard_group_size"] == 2 and params["layout"]["backend"] == "gloo"
+    assert params["layout"]["world_size"] == world and params["layout"]["shard_group_size"] == group and params["layout"]["backend"] == "gloo"
     shards = [p.name for p in (run / "dcp").iterdir() if p.name.startswith("step-")]
     assert len(shards) == 1 and not any(p.suffix == ".tmp" for p in (run / "dcp").iterdir())
-    assert len(list((run / "dcp" / shards[0]).glob("*.distcp"))) == 4  # one shard file per rank
+    assert len(list((run / "dcp" / shards[0]).glob("*.distcp"))) == world  # one shard file per rank
     losses = read_metrics(run, "train_loss")
-    assert set(losses["writer"].to_pylist()) == {"rank0", "rank1", "rank2", "rank3"}  # every rank logs its own loss
+    assert set(losses["writer"].to_pylist()) == {f"rank{r}" for r in range(world)}  # every rank logs its own loss
     steps_first = read_metrics(run, writer="rank0")["step"].to_pylist()
 
-    # resumed on 2 processes (one shard group of 2): the loss curve continues where it stopped
-    _train(repo, dataset, "--epochs", "2", "--nproc-per-node", "2", "--shard-group-size", "2", "--resume", run.name,
-           "--entity-key", "card_id", "--entity-buckets", "20000")
+    # resumed on another world size: the loss curve continues where it stopped
+    _train(repo, dataset, "--epochs", "2", "--nproc-per-node", str(resumed_world), "--shard-group-size", str(resumed_group),
+           "--resume", run.name, "--entity-key", "card_id", "--entity-buckets", "20000")
     epochs = read_metrics(run, "epoch", writer="rank0")
     resumed = [step for step, epoch in zip(epochs["step"].to_pylist(), epochs["value"].to_pylist()) if epoch == 1]
     assert resumed and resumed[0] == max(steps_first) + 1
@@ -96,7 +100,7 @@ def test_hsdp_run_checkpoints_and_resumes_on_another_world_size(tmp_path):
 
     registry = ModelRegistry(tmp_path / "models", tmp_path / "ledger.json")
     loaded = registry.load("m", registry.register("m", run))
-    assert loaded.card["training_layout"]["world_size"] == 4  # lineage: the layout that trained it
+    assert loaded.card["training_layout"]["world_size"] == world  # lineage: the layout that trained it
     assert loaded.model.embeddings[-1].num_embeddings == 20001 and loaded.preprocessor.hashed == {"card_id": 20000}
     scores = loaded.predict({"amount": [10.0, None], "country": ["US", None], "risk": [0.1, 2.0], "card_id": [5, None]})
     assert scores.shape == (2,)

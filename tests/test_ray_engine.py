@@ -113,7 +113,7 @@ def _entity_rows(data, n: int, seed: int) -> pa.Table:
                      "amount": pa.array(rng.uniform(1, 500, n))})
 
 
-@pytest.mark.parametrize("as_of", ["event", "created"])
+@pytest.mark.parametrize("as_of", ["event", pytest.param("created", marks=pytest.mark.slow)])
 def test_point_in_time_join_equals_the_local_engine(stores, as_of):
     rows = _entity_rows(stores["data"], 3000, seed=1 if as_of == "event" else 2)
     local = stores["local"].get_historical_features(rows, feature_service="fraud_model_v1", as_of=as_of).to_arrow()

@@ -112,8 +112,9 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
     train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
     pre = Preprocessor.fit(train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys})
-    # every rank records its own training loss (writer rank<r>); rank 0 the rest
-    run = Run(run_dir, writer=f"rank{layout.rank}" if layout.distributed else "main")
+    # every rank records its own training loss (writer rank<r>; one process is rank 0, so a run
+    # resumed on another world size continues the same curves); rank 0 the rest
+    run = Run(run_dir, writer=f"rank{layout.rank}")
     if layout.is_main:
         run.log_params({
             "config": asdict(config), "dataset_path": str(dataset_dir.resolve()), "dataset_manifest_hash": manifest["manifest_hash"],
