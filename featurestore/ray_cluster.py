@@ -52,5 +52,18 @@ def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[p
     return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
 
 
+def gather(ray: Any, refs: list[Any], description: str, progress: bool) -> list[Any]:
+    """``ray.get(refs)``, showing tasks done, rate and elapsed time as they finish."""
+    from featurestore.progress import progress_bar
+
+    with progress_bar("tasks", progress) as bar:
+        task = bar.add_task(description, total=len(refs))
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            bar.advance(task, len(done))
+    return ray.get(refs)
+
+
 def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri

@@ -38,7 +38,7 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView, FileSource, PushSource
 from featurestore.materialization.compute import compute
 from featurestore.materialization.engine import MaterializationReport, Materializer, ViewReport, _max_iso
-from featurestore.ray_cluster import connect, hash_split, local_path, partitions
+from featurestore.ray_cluster import connect, gather, hash_split, local_path, partitions
 from featurestore.registry.snapshot import applied_definitions
 from featurestore.sources import push_log_path, run_python_transformation
 from featurestore.types import duckdb_type
@@ -120,7 +120,7 @@ class RayMaterializer(Materializer):
         compute_write = ray.remote(num_returns=2)(_compute_write)
         with store.writer(view.history_table):  # one writer per history table, across processes, until committed
             results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
-            summaries = ray.get([r[0] for r in results])
+            summaries = gather(ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", self.progress)
             report = ViewReport(view.name, computed_rows=sum(s["computed"] for s in summaries),
                                 rejected_rows=sum(s["rejects"].num_rows for s in summaries))
             rejects = pa.concat_tables([s["rejects"] for s in summaries], promote_options="default")
@@ -139,7 +139,8 @@ class RayMaterializer(Materializer):
         if write_online:
             if synced:  # each partition's rows, straight from the object store
                 write = ray.remote(_write_online)
-                report.online_rows = sum(ray.get([write.remote(job, r[1]) for r in results]))
+                report.online_rows = sum(gather(ray, [write.remote(job, r[1]) for r in results], f"{view.name}: writing online",
+                                                self.progress))
             else:  # history may hold rows Redis lacks: send the whole history (the local engine's recovery)
                 report.online_rows = self.write_online(view, self._whole_history(view, self.defs.history_schema(view).empty_table(),
                                                                                   written=True), now)
