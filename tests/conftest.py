@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+import shutil
 import socket
 import textwrap
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,6 +38,27 @@ def redis_url(tmp_path_factory) -> str:
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"))
     yield server.ensure_running()
     server.stop()
+
+
+DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
+
+
+@contextlib.contextmanager
+def demo_repo(root: Path) -> Iterator[Path]:
+    """A copy of the demo's repo under ``root``, with its own data dir and embedded Redis (set in
+    the environment until the block ends)."""
+    repo = root / "repo"
+    shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data"))
+    redis_server = EmbeddedRedis(root / "redis")
+    env = {"FEATURESTORE_DATA_DIR": str(root / "data"), "REDIS_URL": redis_server.ensure_running()}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield repo
+    finally:
+        redis_server.stop()
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def free_port() -> int:

@@ -24,13 +24,11 @@ import pytest
 
 from featurestore import FeatureStore
 from featurestore.demo.generate import generate, label_rows
-from featurestore.online.embedded import EmbeddedRedis
 
-from .conftest import free_port
+from .conftest import DEFINITIONS, demo_repo, free_port
 
 if importlib.util.find_spec("ray") is None:  # the test extra installs it
     pytest.skip("ray is not installed: pip install 'featurestore[ray]'", allow_module_level=True)
-DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 
 
 @pytest.fixture(scope="module")
@@ -66,29 +64,20 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, cluster):
     root = tmp_path_factory.mktemp("raypit")
-    repo = root / "repo"
-    shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data"))
-    redis_server = EmbeddedRedis(root / "redis")
-    env = {"FEATURESTORE_DATA_DIR": str(root / "data"), "REDIS_URL": redis_server.ensure_running()}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    local = FeatureStore(repo)
-    data = generate(n_cards=150, days=6, seed=11)
-    local.apply()
-    local.push("card_profiles", data.profiles, to="online_and_offline")
-    local.push("transactions", data.transactions.drop_columns(["label"]), to="online_and_offline")
-    local.flush()
-    os.environ.update({"FEATURESTORE_OFFLINE_ENGINE": "ray", "FEATURESTORE_RAY_ADDRESS": cluster})
-    distributed = FeatureStore(repo)
-    assert distributed.config.offline_engine == "ray"
-    yield {"local": local, "ray": distributed, "data": data, "root": root, "address": cluster, "repo": repo}
-    for store in (local, distributed):
-        store.close()
-    redis_server.stop()
-    for k in ("FEATURESTORE_OFFLINE_ENGINE", "FEATURESTORE_RAY_ADDRESS"):
-        os.environ.pop(k, None)
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    with demo_repo(root) as repo, FeatureStore(repo) as local:
+        data = generate(n_cards=150, days=6, seed=11)
+        local.apply()
+        local.push("card_profiles", data.profiles, to="online_and_offline")
+        local.push("transactions", data.transactions.drop_columns(["label"]), to="online_and_offline")
+        local.flush()
+        os.environ.update({"FEATURESTORE_OFFLINE_ENGINE": "ray", "FEATURESTORE_RAY_ADDRESS": cluster})
+        try:
+            with FeatureStore(repo) as distributed:
+                assert distributed.config.offline_engine == "ray"
+                yield {"local": local, "ray": distributed, "data": data, "root": root, "address": cluster, "repo": repo}
+        finally:
+            for k in ("FEATURESTORE_OFFLINE_ENGINE", "FEATURESTORE_RAY_ADDRESS"):
+                os.environ.pop(k, None)
 
 
 def _entity_rows(data, n: int, seed: int) -> pa.Table:

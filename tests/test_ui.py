@@ -26,11 +26,9 @@ from featurestore import FeatureStore
 from featurestore.auth import hash_key
 from featurestore.consistency import check_service_log, record_check
 from featurestore.demo.generate import generate, label_rows
-from featurestore.online.embedded import EmbeddedRedis
 
-from .conftest import free_port
+from .conftest import demo_repo, free_port
 
-DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KEY = "fsk_ui-test-key"
 
@@ -42,14 +40,7 @@ def pipeline(tmp_path_factory):
     from serving.feature_server import create_app
 
     root = tmp_path_factory.mktemp("ui")
-    repo = root / "repo"
-    shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data"))
-    redis_server = EmbeddedRedis(root / "redis")
-    env = {"FEATURESTORE_DATA_DIR": str(root / "data"), "REDIS_URL": redis_server.ensure_running()}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    store = FeatureStore(repo)
-    try:
+    with demo_repo(root) as repo, FeatureStore(repo) as store:
         data = generate(n_cards=200, days=8, seed=5)
         store.apply()
         store.push("card_profiles", data.profiles)
@@ -67,12 +58,8 @@ def pipeline(tmp_path_factory):
             for card in range(1, 40):
                 client.post("/get-online-features", json={"feature_service": "fraud_model_v1", "entities": {"card_id": [card], "merchant_id": [card % 7]}})
         record_check(check_service_log(store, "fraud_model_v1"), store.config.data_dir, "service:fraud_model_v1")
+        env = {k: os.environ[k] for k in ("FEATURESTORE_DATA_DIR", "REDIS_URL")}
         yield {"repo": repo, "env": env, "runs": runs, "store": store, "dataset": dataset}
-    finally:
-        store.close()
-        redis_server.stop()
-        for k, v in old.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _serve(pipeline, extra_env: dict[str, str] | None = None):
@@ -162,13 +149,14 @@ def shots(tmp_path):
 
 def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(90_000)  # a loaded 2-core CI machine: waits end when the page is drawn, rarely later
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("requestfailed", lambda request: errors.append(f"request failed: {request.url}"))
 
     # catalogue, then search
     page.goto(server + "/ui/")
-    page.wait_for_selector("tr[data-view=card_activity]")
+    page.wait_for_selector("main[data-page=catalog]")
     assert page.locator("tr[data-view]").count() == 3
     page.screenshot(path=str(shots / "catalogue.png"), full_page=True)
     page.fill("#search", "merchant")
@@ -176,19 +164,19 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
 
     # a view: freshness cards and the consistency chart
     page.click("tr[data-view=merchant_risk] a")
-    page.wait_for_selector("#status")
+    page.wait_for_selector("main[data-page=view]")
     assert "history rows" in page.inner_text("#status") and "ago" in page.inner_text("#status")
     assert page.locator(".chart polyline").count() >= 1
     page.screenshot(path=str(shots / "view.png"), full_page=True)
 
     # runs: select two, compare: differing parameter first, curves overlaid
     page.goto(server + "/ui/#/runs")
-    page.wait_for_selector("tr[data-run]")
+    page.wait_for_selector("main[data-page=runs]")
     assert page.locator("tr[data-run]").count() == 2
     for box in page.locator("input[type=checkbox][data-run]").all():
         box.check()
     page.click("#compare")
-    page.wait_for_selector("tr.differs")
+    page.wait_for_selector("main[data-page=compare]")
     assert "config.learning_rate" in page.inner_text("tr.differs >> nth=0")
     loss = page.locator(".chart[data-title=train_loss] polyline")
     assert loss.count() == 2 and all(int(p.get_attribute("data-points")) > 3 for p in loss.all())
@@ -196,19 +184,21 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
 
     # models → lineage → the run that trained it
     page.goto(server + "/ui/#/models")
-    page.wait_for_selector("tr[data-model='fraud:1']")
+    page.wait_for_selector("main[data-page=models]")
     assert "production" in page.inner_text("tr[data-model='fraud:1']")
     page.click("tr[data-model='fraud:1'] a.lineage")
-    page.wait_for_selector("[data-hop=dataset]")
+    page.wait_for_selector("main[data-page=lineage]")
     assert "✓" in page.inner_text("[data-hop=dataset]") and "unchanged" in page.inner_text("[data-hop='feature definitions']")
     page.screenshot(path=str(shots / "lineage.png"), full_page=True)
     page.click("#run-link")
-    page.wait_for_selector(".chart[data-title=val_auc]")
+    page.wait_for_selector("main[data-page=run]")
+    assert page.locator(".chart[data-title=val_auc] circle").count() >= 1
     assert pipeline["runs"][1].name in page.inner_text("h1")
     page.screenshot(path=str(shots / "run.png"), full_page=True)
 
     page.goto(server + "/ui/#/consistency")
-    page.wait_for_selector(".chart polyline")
+    page.wait_for_selector("main[data-page=consistency]")
+    assert page.locator(".chart circle").count() >= 1  # one recorded check: one point
     page.screenshot(path=str(shots / "consistency.png"), full_page=True)
     assert not errors, errors
     page.close()
@@ -225,11 +215,13 @@ def test_with_auth_on_every_route_needs_a_key_and_the_browser_signs_in(pipeline,
         assert httpx.post(url + "/ui/api/catalog", headers={"Cookie": f"featurestore_key={KEY}"}).status_code == 401
 
         page = browser.new_page()
+        page.set_default_timeout(90_000)
         page.goto(url + "/ui/")
         page.wait_for_selector("#login")
         page.fill("#key", KEY)
         page.click("#login button")
-        page.wait_for_selector("tr[data-view=card_activity]")
+        page.wait_for_selector("main[data-page=catalog]")
+        assert page.locator("tr[data-view=card_activity]").count() == 1
         page.screenshot(path=str(shots / "signed-in.png"))
         page.close()
     finally:

@@ -13,7 +13,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from featurestore.errors import FeatureStoreError
@@ -22,7 +21,7 @@ from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
 from featurestore.registry.store import RegistryStore, atomic_write
-from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_input
+from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_table
 
 DATA_FILE = "data-00000.parquet"
 ENTITIES_FILE = "entities.parquet"
@@ -42,15 +41,6 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def _entity_table(entity_df: Any) -> pa.Table:
-    if isinstance(entity_df, pa.Table):
-        return entity_df
-    if isinstance(entity_df, (str, Path)):
-        rows = entity_input(entity_df)
-        return pq.read_table(rows) if isinstance(rows, Path) else rows
-    return pa.Table.from_pandas(entity_df, preserve_index=False)
-
-
 def export_training_dataset(
     defs: Definitions, offline: OfflineStore, entity_df: Any, feature_service: str, out: Path, *,
     registry_version: int, progress: bool = False, versions: dict[str, int | None] | None = None,
@@ -63,7 +53,7 @@ def export_training_dataset(
     out.mkdir(parents=True, exist_ok=True)
     entities_path = out / ENTITIES_FILE
     if entity_df is not None:
-        pq.write_table(_entity_table(entity_df), entities_path, compression="zstd")
+        pq.write_table(entity_table(entity_df), entities_path, compression="zstd")
     refs = defs.service(feature_service).feature_refs()
     views = list(dict.fromkeys(r.split(":")[0] for r in refs))
     hashes = {v: value_hash(defs.spec_of(v)) for v in views}

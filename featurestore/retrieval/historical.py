@@ -200,6 +200,16 @@ def entity_input(value: str | Path) -> "pa.Table | Path":
         ) from exc
 
 
+def entity_table(entity_df: Any) -> pa.Table:
+    """Entity rows as one Arrow table, from a table, a pandas frame, a file or a SELECT."""
+    if isinstance(entity_df, pa.Table):
+        return entity_df
+    if isinstance(entity_df, (str, Path)):
+        rows = entity_input(entity_df)
+        return pq.read_table(rows) if isinstance(rows, Path) else rows
+    return pa.Table.from_pandas(entity_df, preserve_index=False)
+
+
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
     """Expose entity rows as ``__entities`` with ``__fs_row`` (input order) and ``__fs_ts`` (naive UTC)."""
     if isinstance(entity_df, (str, Path)):

@@ -31,7 +31,7 @@ from featurestore.ray_cluster import connect, hash_split, local_path
 from featurestore.ray_cluster import partitions as partitions_of
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions
-from featurestore.retrieval.historical import BATCH_ROWS, RetrievalJob, entity_input, write_parquet
+from featurestore.retrieval.historical import BATCH_ROWS, RetrievalJob, entity_table, write_parquet
 from featurestore.retrieval.on_demand import OnDemandPlan
 from featurestore.retrieval.refs import ViewRequest, resolve
 
@@ -60,7 +60,7 @@ class RayJoinJob:
         if OnDemandPlan.build(defs, features, feature_service, full_feature_names) is not None:
             raise RequestError("on-demand features are computed by the local engine; request stored features "
                                "from the Ray engine, or set offline_store.engine: local")
-        entities = _entities(entity_df)
+        entities = entity_table(entity_df)
         # every check the local engine makes (key types, clashes, as_of), on no rows, before a task runs
         RetrievalJob.build(defs, offline, entities.slice(0, 0), features, feature_service, full_feature_names, as_of, versions)
         ray = connect(address)
@@ -102,15 +102,6 @@ class RayJoinJob:
     def to_parquet(self, path: str | Path, on_batch: Any = None) -> int:
         """One Parquet file, written as the local engine writes it (the same rows give the same bytes)."""
         return write_parquet(self.batches(), path, on_batch)
-
-
-def _entities(entity_df: Any) -> pa.Table:
-    if isinstance(entity_df, pa.Table):
-        return entity_df
-    if isinstance(entity_df, (str, Path)):
-        rows = entity_input(entity_df)
-        return pq.read_table(rows) if isinstance(rows, Path) else rows
-    return pa.Table.from_pandas(entity_df, preserve_index=False)
 
 
 def _view_state(defs: Definitions, view_name: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ would change the artifact too.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -16,16 +15,9 @@ import uuid
 from pathlib import Path
 
 from featurestore.errors import NotFoundError, RequestError
+from featurestore.retrieval.export import sha256_file
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ArtifactStore:
@@ -43,7 +35,7 @@ class ArtifactStore:
             os.link(path, tmp)
         except OSError:  # a copy: asked for, or another file system
             shutil.copyfile(path, tmp)
-        sha = sha256_of(tmp)  # of the bytes kept, whatever happens to ``path`` meanwhile
+        sha = sha256_file(tmp)  # of the bytes kept, whatever happens to ``path`` meanwhile
         os.replace(tmp, self.root / sha)
         return sha
 
@@ -57,4 +49,4 @@ class ArtifactStore:
 
     def verify(self, sha: str) -> bool:
         """Whether the stored bytes still hash to their name."""
-        return sha256_of(self.path(sha)) == sha
+        return sha256_file(self.path(sha)) == sha

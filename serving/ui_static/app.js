@@ -236,15 +236,16 @@ async function consistencyPage() {
 
 // ------------------------------------------------------------------ router
 
+// [path, page, nav tab, page name]: once drawn, <main data-page="name"> says which page it shows
 const routes = [
-  [/^\/views\/(.+)$/, (m) => viewPage(decodeURIComponent(m[1])), "catalog"],
-  [/^\/runs\/(.+)$/, (m) => runPage(decodeURIComponent(m[1])), "runs"],
-  [/^\/runs$/, (m, p) => runsPage(p), "runs"],
-  [/^\/compare\/(.+)$/, (m) => comparePage(m[1]), "runs"],
-  [/^\/models$/, () => modelsPage(), "models"],
-  [/^\/lineage\/([^/]+)\/(\d+)$/, (m) => lineagePage(decodeURIComponent(m[1]), m[2]), "models"],
-  [/^\/consistency$/, () => consistencyPage(), "consistency"],
-  [/^\/?$/, (m, p) => catalogPage(p), "catalog"],
+  [/^\/views\/(.+)$/, (m) => viewPage(decodeURIComponent(m[1])), "catalog", "view"],
+  [/^\/runs\/(.+)$/, (m) => runPage(decodeURIComponent(m[1])), "runs", "run"],
+  [/^\/runs$/, (m, p) => runsPage(p), "runs", "runs"],
+  [/^\/compare\/(.+)$/, (m) => comparePage(m[1]), "runs", "compare"],
+  [/^\/models$/, () => modelsPage(), "models", "models"],
+  [/^\/lineage\/([^/]+)\/(\d+)$/, (m) => lineagePage(decodeURIComponent(m[1]), m[2]), "models", "lineage"],
+  [/^\/consistency$/, () => consistencyPage(), "consistency", "consistency"],
+  [/^\/?$/, (m, p) => catalogPage(p), "catalog", "catalog"],
 ];
 
 async function route() {
@@ -253,11 +254,14 @@ async function route() {
   const found = routes.find(([re]) => re.test(path));
   document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", found && a.dataset.nav === found[2]));
   main.setAttribute("aria-busy", "true");
+  main.removeAttribute("data-page");
   try {
     const content = found ? await found[1](path.match(found[0]), params) : [h("h1", {}, "Not found")];
     main.replaceChildren(...[content].flat(2).filter(Boolean));
+    main.dataset.page = found ? found[3] : "not-found";
   } catch (err) {
     main.replaceChildren(h("p", { class: "error" }, String(err.message || err)));
+    main.dataset.page = "error";
   }
   main.removeAttribute("aria-busy");
 }
