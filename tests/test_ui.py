@@ -243,3 +243,17 @@ def test_a_definition_changed_since_training_shows_in_lineage(pipeline, server):
     by_view = {d["view"]: d for d in lineage["definitions"]}
     assert not by_view["merchant_risk"]["current"] and by_view["merchant_risk"]["registry_version"] == 1
     assert by_view["card_activity"]["current"] and by_view["card_profile"]["current"]
+
+
+def test_the_feature_server_serves_the_ui_under_its_keys(pipeline, monkeypatch):
+    """`featurestore serve --ui`: the same pages and API under /ui of the feature server, behind its keys."""
+    from serving.feature_server import create_app
+
+    with TestClient(create_app(pipeline["repo"], ui=True)) as client:
+        assert client.get("/ui/").status_code == 200 and "app.js" in client.get("/ui/").text
+        assert {v["name"] for v in client.get("/ui/api/catalog").json()["views"]} >= {"card_activity"}
+    monkeypatch.setenv("FEATURESTORE_API_KEYS", json.dumps([{"name": "ui", "sha256": hash_key(KEY), "scopes": ["read"]}]))
+    with TestClient(create_app(pipeline["repo"], ui=True)) as client:
+        assert client.get("/ui/api/catalog").status_code == 401
+        assert client.get("/ui/api/catalog", headers={"X-API-Key": KEY}).status_code == 200
+        assert client.get("/ui/api/runs", headers={"Cookie": f"featurestore_key={KEY}"}).status_code == 200
