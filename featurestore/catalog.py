@@ -116,7 +116,7 @@ def view_status(registry: RegistryStore, offline: "DeltaOfflineStore", online: "
     status: dict[str, Any] = {
         "view": name, "last_materialized_at": mark.get("materialized_at"),
         "max_event_timestamp": mark.get("max_event_timestamp"), "online_synced": mark.get("online_synced"),
-        "history_table": table, **offline.stats(table), "rejected_rows": offline.rejects(name).num_rows,
+        "history_table": table, **offline.stats(table), "rejected_rows": offline.rejected_rows(name),
         "newest_online_event": None, "online_age_seconds": None, "stream": None, "online_error": None,
     }
     if online is not None:

@@ -198,9 +198,8 @@ class FeatureStore:
         if self.config.offline_engine == "ray":  # materialize and backfill fan out to the cluster; pushes stay local
             from featurestore.materialization.ray_engine import RayMaterializer
 
-            ray_engine = RayMaterializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress)
-            ray_engine.address, ray_engine.partitions = self.config.ray_address, self.config.ray_partitions
-            return ray_engine
+            return RayMaterializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress,
+                                   address=self.config.ray_address, partitions=self.config.ray_partitions)
         return Materializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress)
 
     def flush(self) -> int:

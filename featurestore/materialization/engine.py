@@ -122,43 +122,61 @@ class Materializer:
         now = datetime.now(timezone.utc)
         computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end,
                            self.config.future_tolerance)
-        report = ViewReport(view.name, computed_rows=computed.rows.num_rows, rejected_rows=computed.rejects.num_rows)
-        if computed.rejects.num_rows:
-            report.reject_sample = computed.rejects.slice(0, 5).to_pylist()
-            if on_bad_rows == "fail":
-                raise BadRowsError(
-                    f"view {view.name!r}: {computed.rejects.num_rows} source rows break the schema, e.g. "
-                    f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'"
-                )
-            self.offline.write_rejects(view.name, computed.rejects)
-
+        report = ViewReport(view.name, computed_rows=computed.rows.num_rows)
+        self.keep_rejects(view, computed.rejects, report, on_bad_rows)
         write_offline, write_online = offline and view.offline, online and view.online
         if buffer is not None:
             report.online_rows = self.write_pushed(view, computed.rows, now, write_online, write_offline, buffer)
             return report
-        mark = registry.watermarks().get(view.name, {})
-        # a new storage layout starts with nothing online: everything is re-sent
-        synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
-        if view.online and write_offline:
-            registry.set_watermark(view.name, online_synced=False)
+        synced = self.begin_history_write(view, write_offline)
         fresh = computed.rows
         if write_offline:
             fresh = self.offline.append(view.history_table, computed.rows)
             report.new_offline_rows = fresh.num_rows
-        marks: dict = {}
         if write_online:
             rows = fresh if synced else self._whole_history(view, computed.rows, written=write_offline)
             report.online_rows = self.write_online(view, rows, now)
+        self.finish_run(view, run_id, now, end, write_online, write_offline,
+                        _max_iso(computed.rows) if computed.rows.num_rows else None)
+        return report
+
+    def keep_rejects(self, view: FeatureView, rejects: pa.Table, report: ViewReport, on_bad_rows: str) -> None:
+        """Count and sample rejected rows into ``report``, then keep them (or fail, if asked to)."""
+        report.rejected_rows = rejects.num_rows
+        if not rejects.num_rows:
+            return
+        report.reject_sample = rejects.slice(0, 5).to_pylist()
+        if on_bad_rows == "fail":
+            raise BadRowsError(
+                f"view {view.name!r}: {rejects.num_rows} source rows break the schema, e.g. "
+                f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'"
+            )
+        self.offline.write_rejects(view.name, rejects)
+
+    def begin_history_write(self, view: FeatureView, write_offline: bool) -> bool:
+        """Whether Redis holds the view's whole history now (else the next online write sends it
+        all); marks it not so before history changes."""
+        mark = self.registry.watermarks().get(view.name, {})
+        # a new storage layout starts with nothing online: everything is re-sent
+        synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
+        if view.online and write_offline:
+            self.registry.set_watermark(view.name, online_synced=False)
+        return synced
+
+    def finish_run(self, view: FeatureView, run_id: int, now: datetime, end: datetime | None, wrote_online: bool,
+                   wrote_offline: bool, max_event: str | None) -> None:
+        """Record what the run wrote: Redis in sync, history up to ``end``."""
+        marks: dict = {}
+        if wrote_online:
             marks.update(online_synced=True, online_layout=view.storage_id)
-        if write_offline:
+        if wrote_offline:
             marks.update(last_run_id=run_id, materialized_at=now.isoformat())
             if end is not None:
                 marks["end"] = end.isoformat()
-            if computed.rows.num_rows:
-                marks["max_event_timestamp"] = _max_iso(computed.rows)
+            if max_event:
+                marks["max_event_timestamp"] = max_event
         if marks:
-            registry.set_watermark(view.name, **marks)
-        return report
+            self.registry.set_watermark(view.name, **marks)
 
     def write_pushed(self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer) -> int:
         """Pushed history rows: Redis synchronously, history through the durable buffer (no

@@ -49,8 +49,9 @@ log = logging.getLogger("featurestore.materialize")
 class RayMaterializer(Materializer):
     """``Materializer`` whose ``run`` fans views out to a Ray cluster (pushes stay local)."""
 
-    address: str | None = None
-    partitions: int = 0
+    def __init__(self, *args: Any, address: str | None = None, partitions: int = 0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.address, self.partitions = address, partitions
 
     def run(self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True,
             offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject") -> MaterializationReport:
@@ -106,10 +107,7 @@ class RayMaterializer(Materializer):
 
             cloudpickle.register_pickle_by_value(sys.modules[transformation.__module__])
         write_offline, write_online = offline and view.offline, online and view.online
-        mark = registry.watermarks().get(view.name, {})
-        synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
-        if view.online and write_offline:
-            registry.set_watermark(view.name, online_synced=False)
+        synced = self.begin_history_write(view, write_offline)
         split = ray.remote(num_returns=parts)(_read_split)
         units = _row_groups(files)  # a large file is read by several tasks, a row group each
         groups = [units[g::parts] for g in range(min(parts, len(units)))]
@@ -121,38 +119,21 @@ class RayMaterializer(Materializer):
         with store.writer(view.history_table):  # one writer per history table, across processes, until committed
             results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
             summaries = gather(ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", self.progress)
-            report = ViewReport(view.name, computed_rows=sum(s["computed"] for s in summaries),
-                                rejected_rows=sum(s["rejects"].num_rows for s in summaries))
-            rejects = pa.concat_tables([s["rejects"] for s in summaries], promote_options="default")
-            if rejects.num_rows:
-                report.reject_sample = rejects.slice(0, 5).to_pylist()
-                if on_bad_rows == "fail":
-                    from featurestore.errors import BadRowsError
-
-                    raise BadRowsError(f"view {view.name!r}: {rejects.num_rows} source rows break the schema, e.g. "
-                                       f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'")
-                store.write_rejects(view.name, rejects)
+            report = ViewReport(view.name, computed_rows=sum(s["computed"] for s in summaries))
+            self.keep_rejects(view, pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"), report, on_bad_rows)
             if write_offline:
                 store.commit(view.history_table, [a for s in summaries for a in s["actions"]], self.defs.history_schema(view))  # type: ignore[attr-defined]
                 report.new_offline_rows = sum(s["new"] for s in summaries)
-        marks: dict = {}
         if write_online:
             if synced:  # each partition's rows, straight from the object store
                 write = ray.remote(_write_online)
                 report.online_rows = sum(gather(ray, [write.remote(job, r[1]) for r in results], f"{view.name}: writing online",
                                                 self.progress))
             else:  # history may hold rows Redis lacks: send the whole history (the local engine's recovery)
-                report.online_rows = self.write_online(view, self._whole_history(view, self.defs.history_schema(view).empty_table(),
-                                                                                  written=True), now)
-            marks.update(online_synced=True, online_layout=view.storage_id)
-        if write_offline:
-            marks.update(last_run_id=run_id, materialized_at=now.isoformat())
-            marks["end"] = end.isoformat()
-            newest = [s["max_event"] for s in summaries if s["max_event"]]
-            if newest:
-                marks["max_event_timestamp"] = max(newest)
-        if marks:
-            registry.set_watermark(view.name, **marks)
+                computed = pa.concat_tables(ray.get([r[1] for r in results]))
+                report.online_rows = self.write_online(view, self._whole_history(view, computed, written=write_offline), now)
+        newest = [s["max_event"] for s in summaries if s["max_event"]]
+        self.finish_run(view, run_id, now, end, write_online, write_offline, max(newest) if newest else None)
         return report
 
 

@@ -141,9 +141,13 @@ class DeltaOfflineStore:
         table = self._table(view)
         if table is None:
             return {"history_rows": 0, "history_files": 0, "table_version": None}
-        actions = table.get_add_actions(flatten=True)
-        rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else []
-        return {"history_rows": int(sum(r or 0 for r in rows)), "history_files": len(rows), "table_version": table.version()}
+        rows, files = _logged_rows(table)
+        return {"history_rows": rows, "history_files": files, "table_version": table.version()}
+
+    def rejected_rows(self, view: str) -> int:
+        """How many rejected source rows the view keeps, from the Delta log (no data read)."""
+        path = self.path / "_rejects" / view
+        return _logged_rows(DeltaTable(str(path)))[0] if (path / "_delta_log").exists() else 0
 
     def file_count(self, view: str) -> int:
         table = self._table(view)
@@ -181,3 +185,10 @@ class DeltaOfflineStore:
         """Delete every version's history of the view."""
         for path in [self.table_path(view), *self.path.glob(f"{view}@v*")]:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _logged_rows(table: DeltaTable) -> tuple[int, int]:
+    """(rows, files) of a table's current version, as its log records them."""
+    actions = table.get_add_actions(flatten=True)
+    rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else []
+    return int(sum(r or 0 for r in rows)), len(rows)
