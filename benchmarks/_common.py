@@ -16,6 +16,14 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM belongs to the address space, so a child
+    started by a large parent does not report the parent's peak (``ru_maxrss`` survives exec)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
