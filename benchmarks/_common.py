@@ -27,7 +27,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_child(script: str, *args: str) -> dict:
+def run_child(script: str, *args: str, env: dict | None = None) -> dict:
     """Run one measurement in a fresh process (so its peak RSS is its own) and parse its JSON line."""
-    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])

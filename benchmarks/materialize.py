@@ -14,6 +14,7 @@ Runs on its own embedded Redis (flushed between measurements).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import peak_rss_mb  # noqa: E402
+from _common import peak_rss_mb, run_child  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFS = """
@@ -83,13 +84,22 @@ def main() -> None:
     parser.add_argument("--entities", type=int, default=100_000)
     parser.add_argument("--data-dir", type=Path, default=HERE / ".data" / "materialize")
     parser.add_argument("--ray", action="store_true", help="Also materialize both stores on a local Ray cluster (every core).")
+    parser.add_argument("--child-both", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    root = (args.data_dir / f"{args.rows}-{args.entities}").resolve()
+    if args.child_both:  # step 3 on its own, so its peak RSS is its own; Redis is the parent's
+        from featurestore import FeatureStore
+
+        t0 = time.perf_counter()
+        report = FeatureStore(root).materialize(None, datetime(2025, 1, 1, tzinfo=timezone.utc))
+        print(json.dumps({"seconds": time.perf_counter() - t0, "history_rows": report.views[0].new_offline_rows,
+                          "online_rows": report.views[0].online_rows, "peak_rss_mb": peak_rss_mb()}))
+        return
     os.environ.pop("REDIS_URL", None)
 
     from featurestore import FeatureStore
     from featurestore.materialization.compute import latest_per_entity
 
-    root = (args.data_dir / f"{args.rows}-{args.entities}").resolve()
     setup(root, args.rows, args.entities)
     store = FeatureStore(root)
     store.apply()
@@ -152,13 +162,16 @@ def main() -> None:
     print(f"   write_latest (encode + Lua compare):   {stage['ours']:6.2f}s  {n / stage['ours']:>12,.0f} rows/s")
     print(f"   rate ratio ours/raw: {stage['raw'] / stage['ours']:.2f}x\n")
 
-    fresh()
-    t0 = time.perf_counter()
-    report = store.materialize(None, end)
-    both = time.perf_counter() - t0
-    print("3. both stores (Delta history + Redis)")
-    print(f"   materialize: {both:6.2f}s  {args.rows / both:,.0f} source rows/s; {report.views[0].new_offline_rows:,} history rows, "
-          f"{report.views[0].online_rows:,} entities online; peak RSS of this process {peak_rss_mb():,.0f} MB")
+    both: dict = {}
+    for attempt in range(2):
+        fresh()
+        r = run_child(__file__, "--child-both", "--rows", str(args.rows), "--entities", str(args.entities),
+                      "--data-dir", str(args.data_dir), env={**os.environ, "REDIS_URL": store.online_store.url})
+        both = r if not both or r["seconds"] < both["seconds"] else both
+    print("3. both stores (Delta history + Redis), in a fresh process")
+    print(f"   materialize: {both['seconds']:6.2f}s  {args.rows / both['seconds']:,.0f} source rows/s; {both['history_rows']:,} history rows, "
+          f"{both['online_rows']:,} entities online; peak RSS {both['peak_rss_mb']:,.0f} MB")
+    both = both["seconds"]
     if args.ray:
         import ray
 

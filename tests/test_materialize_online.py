@@ -246,14 +246,16 @@ def test_crash_inside_delta_write_leaves_previous_version(users_store, monkeypat
     more = random_users(5, 20, seed=11)
     pq.write_table(pa.concat_tables([random_users(5, 20, seed=10), more]), store.config.repo_path / "data" / "users.parquet")
 
-    def crash(*args, **kwargs):
+    def crash(*args, **kwargs):  # the data files are written; the commit that would list them fails
         raise OSError("disk full")
 
-    monkeypatch.setattr(delta, "write_deltalake", crash)
+    monkeypatch.setattr(delta.DeltaOfflineStore, "commit", crash)
     with pytest.raises(OSError):
         store.materialize(None, NOW)
     monkeypatch.undo()
     assert store.offline_store.version("users") == 0
+    table_dir = store.offline_store.table_path("users")
+    assert len(list(table_dir.rglob("*.parquet"))) > store.offline_store.file_count("users")  # orphans, read by nobody
     store.materialize(None, NOW)
     assert store.offline_store.version("users") == 1
     online, offline = online_vs_offline(store, [1, 2, 3, 4, 5], NOW)

@@ -100,6 +100,9 @@ def test_an_added_feature_evolves_history_and_reads_null_until_backfilled(make_s
     assert report.views[0].new_offline_rows == 2
     assert _offline(changed, ["stats:rating", "stats:trips"]) == {"driver_id": [1, 2, 3], "rating": [110, 42, None], "trips": [3, 4, None]}
     assert _online(changed, ["stats:rating", "stats:trips"])["values"] == {"driver_id": [1, 2], "rating": [110, 42], "trips": [3, 4]}
+    from deltalake import DeltaTable  # the table's own schema gained the column (other Delta readers see it)
+
+    assert "trips" in [f.name for f in DeltaTable(str(changed.offline_store.table_path("stats"))).schema().fields]
 
 
 def test_a_removed_feature_fails_at_request_time_and_its_data_stays(make_store):

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
-from featurestore.materialization.compute import compute, events_to_add, latest_per_entity, max_micros
+from featurestore.materialization.compute import compute, events_to_add, latest_per_entity, latest_sql, max_micros
 from featurestore.offline.base import OfflineStore
 from featurestore.offline.buffer import PushBuffer
 from featurestore.online.codec import datetime_to_micros
@@ -128,7 +128,8 @@ class Materializer:
         if buffer is not None:
             report.online_rows = self.write_pushed(view, computed.rows, now, write_online, write_offline, buffer)
             return report
-        synced = self.begin_history_write(view, write_offline)
+        # with no history before this run, the whole history is this run's rows
+        synced = self.begin_history_write(view, write_offline) or self.offline.version(view.history_table) is None
         fresh = computed.rows
         if write_offline:
             fresh = self.offline.append(view.history_table, computed.rows)
@@ -190,13 +191,16 @@ class Materializer:
         return written
 
     def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:
-        """Every stored row of the view (and the computed ones, if not stored): what Redis must hold."""
+        """What Redis must hold from every stored row of the view (and the computed ones, if not
+        stored): each entity's latest row, or for an aggregated view every event."""
         con = connection()
         self.offline.register(con, view.history_table, "history", computed.schema)
-        if written:
-            return con.sql("SELECT * FROM history").to_arrow_table().cast(computed.schema)
-        con.register("computed", computed)
-        return con.sql("SELECT * FROM history UNION ALL SELECT * FROM computed").to_arrow_table().cast(computed.schema)
+        rows = "SELECT * FROM history"
+        if not written:
+            con.register("computed", computed)
+            rows += " UNION ALL SELECT * FROM computed"
+        query = rows if view.is_aggregated else latest_sql(f"({rows})", view.join_keys)
+        return con.sql(query).to_arrow_table().cast(computed.schema)
 
     def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
         """Send history rows online: each entity's latest row, or for aggregated views the events."""

@@ -12,14 +12,12 @@ import fcntl
 import json
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from deltalake import DeltaTable, write_deltalake
 from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
@@ -67,8 +65,8 @@ class DeltaOfflineStore:
 
     def _append(self, view: str, rows: pa.Table) -> pa.Table:
         fresh = self.new_rows(view, rows)
-        if fresh.num_rows:  # "merge": a column added to the view evolves the table (older rows null)
-            write_deltalake(str(self.table_path(view)), fresh, mode="append", partition_by=[PARTITION], schema_mode="merge")
+        if fresh.num_rows:
+            self.commit(view, self.write_files(view, fresh), rows.schema)
         return fresh.drop_columns([PARTITION])
 
     def new_rows(self, view: str, rows: pa.Table) -> pa.Table:
@@ -77,33 +75,42 @@ class DeltaOfflineStore:
         rows = rows.append_column(PARTITION, pc.cast(rows["event_timestamp"], pa.date32()))
         con = connection()
         con.register("batch", rows)
-        # within-batch duplicates (identical rows) are one fact
-        new = "SELECT * FROM batch QUALIFY row_number() OVER (PARTITION BY _row_id) = 1"
+        # within-batch duplicates (identical rows) are one fact; counting first spares the usual
+        # duplicate-free batch a ranking of every row
+        unique = con.execute("SELECT count(DISTINCT _row_id) FROM batch").fetchall()[0][0] == rows.num_rows
+        new = "SELECT * FROM batch" + ("" if unique else " QUALIFY row_number() OVER (PARTITION BY _row_id) = 1")
         table = self._table(view)
+        files = []
         if table is not None:
             dates = [str(d) for d in pc.unique(rows[PARTITION]).to_pylist()]
             files = table.file_uris(file_pruning_predicate=[(PARTITION, "in", dates)])
-            if files:
-                file_list = "[" + ", ".join(quote(f) for f in files) + "]"
-                new = f"SELECT * FROM ({new}) ANTI JOIN (SELECT _row_id FROM read_parquet({file_list})) USING (_row_id)"
+        if files:
+            file_list = "[" + ", ".join(quote(f) for f in files) + "]"
+            new = f"SELECT * FROM ({new}) ANTI JOIN (SELECT _row_id FROM read_parquet({file_list})) USING (_row_id)"
+        elif unique:
+            return rows
         return con.sql(new).to_arrow_table().cast(rows.schema)
 
     def write_files(self, view: str, rows: pa.Table) -> list[AddAction]:
         """Write ``new_rows``' result as Parquet files in the table's partition folders, uncommitted
-        (invisible until ``commit``; a failed run leaves only files no version lists)."""
-        actions = []
-        for date in pc.unique(rows[PARTITION]).to_pylist():
-            part = rows.filter(pc.equal(rows[PARTITION], date)).drop_columns([PARTITION])
-            relative = f"{PARTITION}={date}/part-{uuid.uuid4().hex}.parquet"
-            target = self.table_path(view) / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(part, target, compression="snappy")
-            actions.append(AddAction(relative, target.stat().st_size, {PARTITION: str(date)}, int(time.time() * 1000), True,
-                                     json.dumps({"numRecords": part.num_rows})))
-        return actions
+        (invisible until ``commit``; a failed run leaves only files no version lists). DuckDB
+        writes them, on every core, one file per partition."""
+        root = self.table_path(view)
+        root.mkdir(parents=True, exist_ok=True)
+        con = connection()
+        con.register("fresh", rows)
+        written = con.execute(
+            f"""COPY fresh TO {quote(str(root))} (FORMAT parquet, COMPRESSION snappy, PARTITION_BY ({PARTITION}),
+                FILENAME_PATTERN 'part-{{uuid}}', APPEND, RETURN_STATS)"""
+        ).fetchall()
+        now_ms = int(time.time() * 1000)
+        return [AddAction(Path(filename).relative_to(root).as_posix(), size, {PARTITION: partition[PARTITION]}, now_ms, True,
+                          json.dumps({"numRecords": count}))
+                for filename, count, size, _, _, partition, _ in written]
 
     def commit(self, view: str, actions: list[AddAction], schema: pa.Schema) -> int | None:
-        """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the version."""
+        """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the
+        version. A column the view gained is added to the table's schema first (older rows read null)."""
         if not actions:
             return self.version(view)
         table = self._table(view)
@@ -111,8 +118,12 @@ class DeltaOfflineStore:
         if table is None:
             create_table_with_add_actions(str(self.table_path(view)), DeltaSchema.from_arrow(full), actions, mode="append",
                                           partition_by=[PARTITION])
-        else:
-            table.create_write_transaction(actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION])
+            return self.version(view)
+        known = {f.name for f in table.schema().fields}
+        added = [f for f in DeltaSchema.from_arrow(full).fields if f.name not in known]
+        if added:
+            table.alter.add_columns(added)
+        table.create_write_transaction(actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION])
         return self.version(view)
 
     def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
