@@ -27,10 +27,21 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online.base import Lookup, Range
 from featurestore.online.codec import entity_keys
 from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, listen, redact
 
 SCHEME = "redis+cluster://"
+
+
+def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
+    """An HMGET per lookup, then the events of each range's key (the caller keeps those in
+    ``(low, high]``: ``codec.events_between``)."""
+    for key, fields in lookups:
+        pipe.hmget(key, fields)
+    for key, _, _ in ranges:
+        pipe.hvals(key)
+    return pipe
 
 
 def cluster_url(nodes: list[str]) -> str:
@@ -78,6 +89,19 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                      *args, **kwargs) -> int:  # type: ignore[override]
         order = self._slot_order(rows, join_keys)
         return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args, **kwargs)
+
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+        """Through redis-py's cluster pipeline: one batch per node, request order kept."""
+        try:
+            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+        try:
+            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
 
     def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
         """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call

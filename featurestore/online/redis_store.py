@@ -140,16 +140,6 @@ def redact(text: str, url: str) -> str:
     return text.replace(password, "***") if password else text
 
 
-def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
-    """One round trip: an HMGET per lookup, then the events of each range's key (the caller
-    keeps those in ``(low, high]``: ``codec.events_between``)."""
-    for key, fields in lookups:
-        pipe.hmget(key, fields)
-    for key, _, _ in ranges:
-        pipe.hvals(key)
-    return pipe
-
-
 # what a Redis that is down, hung, or failing over raises (a cluster: no master for a slot yet)
 UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
                redis.exceptions.RedisClusterException, OSError)
@@ -230,13 +220,28 @@ class RedisOnlineStore:
         return sum(self._run(calls, newest))
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        try:
-            if len(lookups) + len(ranges) == 1:  # one command needs no pipeline
-                return [self.client.hmget(*lookups[0]) if lookups else self.client.hvals(ranges[0][0])]
-            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            self._recover()
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        """Each lookup's values (HMGET), then each range key's events (HVALS), in one round trip."""
+        packed, replies = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        pool = self.client.connection_pool
+        for attempt in (1, 2):  # a pooled connection Redis dropped (a restart) fails once; reads are safe to resend
+            connection = None
+            try:
+                connection = pool.get_connection()
+                connection.send_packed_command([packed], check_health=False)
+                return [connection.read_response() for _ in range(replies)]
+            except BaseException as exc:
+                if connection is not None:
+                    connection.disconnect()  # replies may be left unread: never hand it back half-read
+                if not isinstance(exc, UNAVAILABLE):
+                    raise
+                if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                    continue
+                self._recover()
+                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            finally:
+                if connection is not None:
+                    pool.release(connection)
+        raise AssertionError("unreachable")
 
     def _connect(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=30)
@@ -252,13 +257,28 @@ class RedisOnlineStore:
         return self._async
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        try:
-            if len(lookups) + len(ranges) == 1:
-                return [await (self.async_client.hmget(*lookups[0]) if lookups else self.async_client.hvals(ranges[0][0]))]
-            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            self._recover_in_background()
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        """``read`` on the event loop."""
+        packed, replies = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        pool = self.async_client.connection_pool
+        for attempt in (1, 2):
+            connection = None
+            try:
+                connection = await pool.get_connection()
+                await connection.send_packed_command([packed], check_health=False)
+                return [await connection.read_response() for _ in range(replies)]
+            except BaseException as exc:
+                if connection is not None:
+                    await connection.disconnect()
+                if not isinstance(exc, UNAVAILABLE):
+                    raise
+                if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                    continue
+                self._recover_in_background()
+                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            finally:
+                if connection is not None:
+                    await pool.release(connection)
+        raise AssertionError("unreachable")
 
     def _recover(self) -> None:
         """An embedded server whose owner exited is restarted by whoever notices."""

@@ -1,4 +1,4 @@
-"""Redis commands packed in bulk (RESP2), from Arrow arrays.
+"""Redis commands packed in bulk (RESP2), from Arrow arrays, and lookups packed in one buffer.
 
 A write of 1,000 events is one EVALSHA with ~3,000 arguments: redis-py packs them one by one in
 Python (about 7 µs per event, as long as Redis takes to run the script); here a long array of
@@ -7,6 +7,8 @@ costs ~30 µs however short its input, which a one-event push would feel.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -54,3 +56,20 @@ def _frame(values: pa.Array) -> bytes:
     framed = pc.binary_join_element_wise(b"$", lengths, b"\r\n", values, b"\r\n", b"")
     offsets = np.frombuffer(framed.buffers()[1], dtype=np.int32, count=len(framed) + 1, offset=framed.offset * 4)
     return framed.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+
+
+def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, int, int]] = ()) -> bytes:
+    """An HMGET per lookup ``(key, fields)``, then an HVALS per range ``(key, low, high)``, as one buffer.
+    Lookups of one group share their fields list: it is framed once (redis-py frames every argument
+    of every command, ~3 µs a command)."""
+    framed: dict[int, tuple[bytes, bytes]] = {}
+    chunks = []
+    for key, fields in lookups:
+        frame = framed.get(id(fields))
+        if frame is None:
+            encoded = [f.encode() for f in fields]
+            frame = framed[id(fields)] = (b"*%d\r\n$5\r\nHMGET\r\n" % (len(fields) + 2),
+                                          b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in encoded))
+        chunks.append(b"%b$%d\r\n%b\r\n%b" % (frame[0], len(key), key, frame[1]))
+    chunks += [b"*2\r\n$5\r\nHVALS\r\n$%d\r\n%b\r\n" % (len(key), key) for key, _, _ in ranges]
+    return b"".join(chunks)
