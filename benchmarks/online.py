@@ -5,9 +5,10 @@ default, REDIS_URL to use another). Then, for 1, 10 and 100 entities per request
   - SDK: ``store.get_online_features`` vs a raw pipelined HMGET of the same keys;
   - HTTP (uvicorn, 1 worker, loopback, closed loop over a keep-alive socket):
     ``POST /get-online-features`` vs the plain-ASGI handler in raw_asgi.py;
-and throughput with 16 concurrent clients. Every loop is bounded by count and time.
+and throughput with 16 concurrent clients at 1 and 2 server workers (``--workers 1,2,4`` where
+cores allow). Every loop is bounded by count and time.
 
-    python benchmarks/online.py [--entities 100000] [--seconds 4]
+    python benchmarks/online.py [--entities 100000] [--seconds 4] [--workers 1,2,4]
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def main() -> None:
     parser.add_argument("--entities", type=int, default=100_000)
     parser.add_argument("--seconds", type=float, default=4.0, help="time bound per measured loop")
     parser.add_argument("--data-dir", type=Path, default=HERE / ".data" / "online")
+    parser.add_argument("--workers", type=lambda text: [int(w) for w in text.split(",")], default=[1, 2],
+                        help="server worker counts to measure throughput at, e.g. 1,2,4 (default 1,2)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent keep-alive clients in the throughput test")
     args = parser.parse_args()
 
     from featurestore import FeatureStore
@@ -223,10 +227,23 @@ def main() -> None:
             print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
                   f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
         bodies = [orjson.dumps({"features": FEATURES, "entities": {"user_id": b}}) for b in ids[1]]
-        ours_rps = asyncio.run(throughput(ours_port, "/get-online-features", bodies, 16, args.seconds))
-        raw_rps = asyncio.run(throughput(raw_port, "/", bodies, 16, args.seconds))
-        print(f"\nthroughput, 16 concurrent clients, 1 entity × 10 features: ours {ours_rps:,.0f} req/s, raw {raw_rps:,.0f} req/s "
-              f"(ratio {raw_rps / ours_rps:.2f}x); client and server share this machine's cores")
+        print(f"\nthroughput, {args.clients} concurrent clients (one client process), 1 entity × 10 features; "
+              f"client and servers share this machine's {os.cpu_count()} cores")
+        for workers in args.workers:
+            if workers > 1:  # fresh servers with that many worker processes
+                for s in servers:
+                    s.terminate()
+                    s.wait(timeout=30)
+                servers = [
+                    start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning",
+                           "--no-access-log", "--workers", str(workers)], env, ours_port),
+                    start([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log",
+                           "--workers", str(workers)], env, raw_port),
+                ]
+                time.sleep(2)  # every worker up
+            ours_rps = asyncio.run(throughput(ours_port, "/get-online-features", bodies, args.clients, args.seconds))
+            raw_rps = asyncio.run(throughput(raw_port, "/", bodies, args.clients, args.seconds))
+            print(f"  {workers} worker(s): ours {ours_rps:,.0f} req/s, plain ASGI {raw_rps:,.0f} req/s (ours / plain {ours_rps / raw_rps:.2f}x)")
     finally:
         for s in servers:
             s.terminate()

@@ -334,7 +334,8 @@ class FeatureStore:
             entity_rows, features = features, entity_rows  # type: ignore[assignment]
         if isinstance(features, FeatureService):  # Feast's `features=service`
             features, feature_service = None, features
-        self.require_applied(self._used_by(features=features, feature_service=feature_service))
+        if self.unapplied:  # (the hot path skips working out what the request uses when nothing is unapplied)
+            self.require_applied(self._used_by(features=features, feature_service=feature_service))
         query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
                                     full_feature_names, self.config.max_request_entities, now=at)
         return query.assemble(self.online_store.read(query.lookups, query.ranges))

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import itertools
 from datetime import timedelta
-from typing import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -152,6 +152,36 @@ def _array(values: pa.Array | list) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
 
 
+MAX_ASYNC_READS = 256  # concurrent reads (connections) per server process
+
+
+class ReadConnections:
+    """Connections for lookups, reused newest first: a pool without redis-py's per-checkout
+    bookkeeping (~10 µs a lookup). At most ``keep`` wait idle; ``make`` opens one lazily."""
+
+    def __init__(self, make: Callable[[], Any], keep: int = 64):
+        self.make, self.keep = make, keep
+        self._idle: list = []
+
+    def take(self) -> Any:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self.make()
+
+    def give_back(self, connection: Any) -> bool:
+        """Keep ``connection`` for the next lookup; False when enough are kept (close it)."""
+        if len(self._idle) >= self.keep:
+            return False
+        self._idle.append(connection)
+        return True
+
+    def drain(self) -> list:
+        """Every idle connection, forgotten (to close)."""
+        idle, self._idle = self._idle, []
+        return idle
+
+
 class Script:
     """A Lua script's text and SHA-1, as EVALSHA needs them."""
 
@@ -169,6 +199,8 @@ class RedisOnlineStore:
         self.embedded = embedded
         self.client = self._connect()
         self._async: aioredis.Redis | None = None
+        self._readers: ReadConnections | None = None
+        self._async_readers: tuple[ReadConnections, asyncio.Semaphore] | None = None
         self._scripts = {name: Script(code) for name, code in
                          (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
         self._recovering: asyncio.Future | None = None
@@ -221,26 +253,29 @@ class RedisOnlineStore:
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """Each lookup's values (HMGET), then each range key's events (HVALS), in one round trip."""
-        packed, replies = resp.reads(lookups, ranges), len(lookups) + len(ranges)
-        pool = self.client.connection_pool
-        for attempt in (1, 2):  # a pooled connection Redis dropped (a restart) fails once; reads are safe to resend
-            connection = None
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        if self._readers is None:
+            pool = self.client.connection_pool
+            self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
+        readers = self._readers
+        for attempt in (1, 2):  # a connection Redis dropped (a restart) fails once; reads are safe to resend
+            connection = readers.take()
             try:
-                connection = pool.get_connection()
                 connection.send_packed_command([packed], check_health=False)
-                return [connection.read_response() for _ in range(replies)]
+                replies = [connection.read_response() for _ in range(count)]
             except BaseException as exc:
-                if connection is not None:
-                    connection.disconnect()  # replies may be left unread: never hand it back half-read
+                connection.disconnect()  # replies may be left unread: never reuse it
                 if not isinstance(exc, UNAVAILABLE):
                     raise
+                for idle in readers.drain():  # connected to the same server: as stale
+                    idle.disconnect()
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
                 self._recover()
                 raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
-            finally:
-                if connection is not None:
-                    pool.release(connection)
+            if not readers.give_back(connection):
+                connection.disconnect()
+            return replies
         raise AssertionError("unreachable")
 
     def _connect(self) -> redis.Redis:
@@ -257,27 +292,34 @@ class RedisOnlineStore:
         return self._async
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        """``read`` on the event loop."""
-        packed, replies = resp.reads(lookups, ranges), len(lookups) + len(ranges)
-        pool = self.async_client.connection_pool
-        for attempt in (1, 2):
-            connection = None
-            try:
-                connection = await pool.get_connection()
-                await connection.send_packed_command([packed], check_health=False)
-                return [await connection.read_response() for _ in range(replies)]
-            except BaseException as exc:
-                if connection is not None:
+        """``read`` on the event loop; at most ``MAX_ASYNC_READS`` at once (more wait their turn)."""
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        if self._async_readers is None:
+            pool = self.async_client.connection_pool
+            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): one per lookup
+            untimed = {**pool.connection_kwargs, "socket_timeout": None}
+            self._async_readers = ReadConnections(lambda: pool.connection_class(**untimed)), asyncio.Semaphore(MAX_ASYNC_READS)
+        readers, slots = self._async_readers
+        async with slots:
+            for attempt in (1, 2):
+                connection = readers.take()
+                try:
+                    async with asyncio.timeout(self.read_timeout_ms / 1000):  # TimeoutError is an OSError: UNAVAILABLE
+                        await connection.send_packed_command([packed], check_health=False)
+                        replies = [await connection.read_response() for _ in range(count)]
+                except BaseException as exc:
                     await connection.disconnect()
-                if not isinstance(exc, UNAVAILABLE):
-                    raise
-                if attempt == 1 and isinstance(exc, redis.ConnectionError):
-                    continue
-                self._recover_in_background()
-                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
-            finally:
-                if connection is not None:
-                    await pool.release(connection)
+                    if not isinstance(exc, UNAVAILABLE):
+                        raise
+                    for idle in readers.drain():
+                        await idle.disconnect()
+                    if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                        continue
+                    self._recover_in_background()
+                    raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+                if not readers.give_back(connection):
+                    await connection.disconnect()
+                return replies
         raise AssertionError("unreachable")
 
     def _recover(self) -> None:
@@ -393,6 +435,8 @@ class RedisOnlineStore:
                     self.client.hdel(key, *fields)
 
     def close(self) -> None:
+        for connection in self._readers.drain() if self._readers else []:
+            connection.disconnect()
         self.client.close()
         if self.embedded is not None:
             self.embedded.stop()
