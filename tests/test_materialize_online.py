@@ -448,3 +448,51 @@ def test_rebuild_online_refills_an_emptied_redis(users_store):
     store.materialize_incremental(NOW, rebuild_online=True)
     online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
     assert online.to_dict()["i64"] == offline["i64"].to_pylist()
+
+
+def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(users_store, monkeypatch):
+    """The servers send the lookups of one event-loop turn to Redis together (``BatchedReads``):
+    every lookup must still get exactly its own replies, and one lookup's error stays its own."""
+    import asyncio
+
+    import redis
+
+    from featurestore.online import redis_store
+    from featurestore.retrieval.online import OnlineQuery
+
+    store = users_store(random_users(n_users=40, n_rows=600, seed=21))
+    store.materialize(None, NOW)
+    refs = [f"users:{f}" for f in FEATURES]
+    rnd = random.Random(5)
+    batches = [[rnd.randint(1, 45) for _ in range(rnd.randint(1, 6))] for _ in range(120)]  # 41..45 unknown
+    expected = [store.get_online_features({"user_id": ids}, features=refs, at=NOW).to_rest() for ids in batches]
+    beside = [store.get_online_features({"user_id": ids}, features=refs, at=NOW).to_rest() for ids in ([8], [9, 10])]
+    sent = []
+    exchange = redis_store.BatchedReads._exchange
+
+    async def counted(self, batch):
+        sent.append(len(batch))
+        return await exchange(self, batch)
+
+    monkeypatch.setattr(redis_store.BatchedReads, "_exchange", counted)
+
+    def query(ids):
+        return OnlineQuery.prepare(store.definitions, store.config.project, {"user_id": ids}, refs, None, False, now=NOW)
+
+    async def lookup(ids):
+        q = query(ids)
+        return q.assemble(await store.online_store.read_async(q.lookups, q.ranges)).to_rest()
+
+    async def run():
+        got = await asyncio.gather(*(lookup(ids) for ids in batches))
+        wrong_type = query([7]).lookups[0][0]  # user 7's hash replaced by a string: its HMGET fails
+        store.online_store.client.delete(wrong_type)
+        store.online_store.client.set(wrong_type, b"not a hash")
+        mixed = await asyncio.gather(lookup([7]), lookup([8]), lookup([9, 10]), return_exceptions=True)
+        return got, mixed
+
+    got, mixed = asyncio.run(run())
+    assert got == expected
+    assert sum(sent[:-1]) == len(batches) and max(sent) > 10  # few round trips carried them all
+    assert isinstance(mixed[0], redis.ResponseError)  # the failing lookup's own error ...
+    assert mixed[1:] == beside  # ... and the lookups sent with it unharmed

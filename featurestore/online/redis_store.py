@@ -152,7 +152,7 @@ def _array(values: pa.Array | list) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
 
 
-MAX_ASYNC_READS = 256  # concurrent reads (connections) per server process
+MAX_ASYNC_READS = 256  # batches of lookups in flight (connections in use) per server process
 
 
 class ReadConnections:
@@ -182,6 +182,85 @@ class ReadConnections:
         return idle
 
 
+class BatchedReads:
+    """Lookups made in one turn of the event loop go to Redis together: one write and one read on
+    one connection for all of them, replies handed back in order (ioredis calls it
+    auto-pipelining). Under concurrent requests the server and Redis then wake once per batch,
+    not once per lookup. The first lookup of a turn yields once, then sends the batch and hands
+    the others their replies. At most ``MAX_ASYNC_READS`` batches are in flight (connections in
+    use); a batch fails after ``timeout`` seconds (TimeoutError: an OSError)."""
+
+    Batch = list[tuple[bytes, int, "asyncio.Future | None"]]  # (commands, reply count, joiner's future; None: the sender's)
+
+    def __init__(self, readers: ReadConnections, timeout: float):
+        self.readers, self.timeout = readers, timeout
+        self._pending: BatchedReads.Batch | None = None
+        self._slots = asyncio.Semaphore(MAX_ASYNC_READS)
+
+    async def read(self, packed: bytes, count: int) -> list:
+        """The ``count`` replies to the commands in ``packed``."""
+        if self._pending is not None:  # a batch is forming: join it
+            future = asyncio.get_running_loop().create_future()
+            self._pending.append((packed, count, future))
+            return await future
+        batch: BatchedReads.Batch = [(packed, count, None)]
+        self._pending = batch
+        try:
+            await asyncio.sleep(0)  # the lookups of this turn join
+        except BaseException:  # cancelled before sending: the joiners retry
+            _fail(batch, redis.ConnectionError("the batch's sender was cancelled"))
+            raise
+        finally:
+            self._pending = None
+        return await self._exchange(batch)
+
+    async def _exchange(self, batch: "BatchedReads.Batch") -> list:
+        """Send ``batch``; resolve every joiner's future, whatever happens; return the sender's replies."""
+        own: list = []
+        try:
+            async with self._slots, asyncio.timeout(self.timeout):
+                connection = self.readers.take()
+                try:
+                    await connection.send_packed_command([packed for packed, _, _ in batch], check_health=False)
+                    for _, count, future in batch:
+                        replies = []
+                        for _ in range(count):
+                            try:
+                                replies.append(await connection.read_response())
+                            except redis.ResponseError as exc:  # that lookup's error; the replies after it still come
+                                replies.append(exc)
+                        if future is None:
+                            own = replies
+                        elif not future.done():  # (its caller may have gone)
+                            _settle(future, replies)
+                except BaseException:
+                    await connection.disconnect()  # replies may be left unread: never reuse it
+                    raise
+                if not self.readers.give_back(connection):
+                    await connection.disconnect()
+        except BaseException as exc:
+            for idle in self.readers.drain():  # connected to the same server: as stale
+                await idle.disconnect()
+            # a joiner retries once on a ConnectionError: so it does when the sender was cancelled
+            _fail(batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was cancelled"))
+            raise
+        error = next((r for r in own if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
+        return own
+
+
+def _fail(batch: "BatchedReads.Batch", error: Exception) -> None:
+    for _, _, future in batch:
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+
+def _settle(future: asyncio.Future, replies: list) -> None:
+    error = next((r for r in replies if isinstance(r, Exception)), None)
+    future.set_result(replies) if error is None else future.set_exception(error)
+
+
 class Script:
     """A Lua script's text and SHA-1, as EVALSHA needs them."""
 
@@ -200,7 +279,7 @@ class RedisOnlineStore:
         self.client = self._connect()
         self._async: aioredis.Redis | None = None
         self._readers: ReadConnections | None = None
-        self._async_readers: tuple[ReadConnections, asyncio.Semaphore] | None = None
+        self._batched: BatchedReads | None = None
         self._scripts = {name: Script(code) for name, code in
                          (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
         self._recovering: asyncio.Future | None = None
@@ -292,34 +371,21 @@ class RedisOnlineStore:
         return self._async
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        """``read`` on the event loop; at most ``MAX_ASYNC_READS`` at once (more wait their turn)."""
-        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
-        if self._async_readers is None:
+        """``read`` on the event loop, batched with the other lookups of the same loop turn."""
+        if self._batched is None:
             pool = self.async_client.connection_pool
-            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): one per lookup
+            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): one per batch
             untimed = {**pool.connection_kwargs, "socket_timeout": None}
-            self._async_readers = ReadConnections(lambda: pool.connection_class(**untimed)), asyncio.Semaphore(MAX_ASYNC_READS)
-        readers, slots = self._async_readers
-        async with slots:
-            for attempt in (1, 2):
-                connection = readers.take()
-                try:
-                    async with asyncio.timeout(self.read_timeout_ms / 1000):  # TimeoutError is an OSError: UNAVAILABLE
-                        await connection.send_packed_command([packed], check_health=False)
-                        replies = [await connection.read_response() for _ in range(count)]
-                except BaseException as exc:
-                    await connection.disconnect()
-                    if not isinstance(exc, UNAVAILABLE):
-                        raise
-                    for idle in readers.drain():
-                        await idle.disconnect()
-                    if attempt == 1 and isinstance(exc, redis.ConnectionError):
-                        continue
-                    self._recover_in_background()
-                    raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
-                if not readers.give_back(connection):
-                    await connection.disconnect()
-                return replies
+            self._batched = BatchedReads(ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000)
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
+            try:
+                return await self._batched.read(packed, count)
+            except UNAVAILABLE as exc:
+                if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                    continue
+                self._recover_in_background()
+                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         raise AssertionError("unreachable")
 
     def _recover(self) -> None:
