@@ -128,8 +128,7 @@ class Materializer:
         if buffer is not None:
             report.online_rows = self.write_pushed(view, computed.rows, now, write_online, write_offline, buffer)
             return report
-        # with no history before this run, the whole history is this run's rows
-        synced = self.begin_history_write(view, write_offline) or self.offline.version(view.history_table) is None
+        synced = self.begin_history_write(view, write_offline)
         fresh = computed.rows
         if write_offline:
             fresh = self.offline.append(view.history_table, computed.rows)
@@ -158,8 +157,10 @@ class Materializer:
         """Whether Redis holds the view's whole history now (else the next online write sends it
         all); marks it not so before history changes."""
         mark = self.registry.watermarks().get(view.name, {})
-        # a new storage layout starts with nothing online: everything is re-sent
-        synced = mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
+        # a new storage layout starts with nothing online: everything is re-sent; with no history
+        # yet, this run's rows are the whole of it
+        synced = (mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id) \
+            or self.offline.version(view.history_table) is None
         if view.online and write_offline:
             self.registry.set_watermark(view.name, online_synced=False)
         return synced
