@@ -82,7 +82,9 @@ class RayJoinJob:
         features_out: list[tuple[int, str, pa.ChunkedArray]] = []
         for i, (req, refs) in enumerate(zip(requests, pending)):
             joined = pa.concat_tables(ray.get(refs))
-            joined = joined.take(np.argsort(joined[ROW].to_numpy(), kind="stable"))
+            where = np.empty(joined.num_rows, dtype=np.int64)  # row numbers are a permutation: invert it, no sort
+            where[joined[ROW].to_numpy()] = np.arange(joined.num_rows, dtype=np.int64)
+            joined = joined.take(where)
             if i == 0:  # entity columns as the kernel returns them
                 columns += [(c, joined[c]) for c in entities.column_names]
             features_out += [(p, n, joined[n]) for p, n in zip(req.positions, req.output_names)]
