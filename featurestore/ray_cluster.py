@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from featurestore.errors import FeatureStoreError
-from featurestore.sources import ident
+from featurestore.sources import ident, quote
 
 
 def connect(address: str | None) -> Any:
@@ -36,20 +36,48 @@ def partitions(ray: Any, configured: int) -> int:
 _CONNECTION: list[duckdb.DuckDBPyConnection] = []
 
 
-def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[pa.Table]:
-    """``table`` in ``parts`` by the hash of its join keys; ``key_types``: key -> DuckDB type."""
+def _connection() -> duckdb.DuckDBPyConnection:
     if not _CONNECTION:  # one per process: opening one costs tens of milliseconds
         _CONNECTION.append(duckdb.connect())
-    con = _CONNECTION[0]
+    return _CONNECTION[0]
+
+
+def _part_sql(key_types: dict[str, str], parts: int) -> str:
+    """A row's partition: the hash of its join keys cast to their declared DuckDB types."""
+    return f"hash({', '.join(f'TRY_CAST({ident(k)} AS {t})' for k, t in key_types.items())}) % {parts}"
+
+
+def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[pa.Table]:
+    """``table`` in ``parts`` by the hash of its join keys; ``key_types``: key -> DuckDB type."""
+    con = _connection()
     con.register("__keys", table.select(list(key_types)))
     try:
-        expr = ", ".join(f"TRY_CAST({ident(k)} AS {t})" for k, t in key_types.items())
-        which = con.sql(f"SELECT hash({expr}) % {parts} AS p FROM __keys").fetchnumpy()["p"]
+        which = con.sql(f"SELECT {_part_sql(key_types, parts)} AS p FROM __keys").fetchnumpy()["p"]
     finally:
         con.unregister("__keys")
     order = np.argsort(which, kind="stable")
     bounds = np.searchsorted(which[order], np.arange(parts + 1))
     return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
+
+
+def read_split(uris: list[str], key_types: dict[str, str], parts: int) -> list[pa.Table]:
+    """Parquet files split as ``hash_split`` splits rows, in one DuckDB pass: read, ordered by
+    partition, sliced (a take of every row of every column costs ~5x as much). Columns absent
+    from some files read as null."""
+    files = "[" + ", ".join(quote(local_path(u)) for u in uris) + "]"
+    table = _connection().sql(
+        f"SELECT *, {_part_sql(key_types, parts)} AS __part FROM read_parquet({files}, union_by_name = true) ORDER BY __part"
+    ).to_arrow_table()
+    bounds = np.searchsorted(table["__part"].to_numpy(), np.arange(parts + 1))
+    table = table.drop_columns(["__part"])
+    return [_compact(table.slice(bounds[p], bounds[p + 1] - bounds[p])) for p in range(parts)]
+
+
+def _compact(table: pa.Table) -> pa.Table:
+    """A slice copied into buffers of its own: pickled (into Ray's object store), a slice carries
+    its parent's whole buffers."""
+    return pa.Table.from_arrays([pa.concat_arrays(c.chunks) if c.num_chunks else pa.array([], c.type) for c in table.columns],
+                                schema=table.schema)
 
 
 def gather(ray: Any, refs: list[Any], description: str, progress: bool) -> list[Any]:

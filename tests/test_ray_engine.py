@@ -232,3 +232,26 @@ def test_a_ray_driver_killed_mid_run_leaves_consistent_stores_and_a_rerun_conver
         assert pc.count_distinct(got["_row_id"]).as_py() == got.num_rows, view  # every row once
         assert got.drop_columns(["_run_id"]).equals(table.drop_columns(["_run_id"])), view
     assert online == expected_online
+
+
+def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, monkeypatch):
+    """History files written before a view gained a column lack it: the Ray split reads them as null."""
+    from datetime import datetime, timedelta, timezone
+
+    from .test_schema_changes import DEFS, STATS, _change
+
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store = make_store(DEFS, {"stats": STATS})
+    store.materialize(None, None)
+    changed = _change(store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]')
+    newer = STATS.set_column(1, "event_timestamp", pa.array([now - timedelta(minutes=30)] * 2, pa.timestamp("us", tz="UTC")))
+    pq.write_table(newer.set_column(3, "trips", pa.array([7, 8], pa.int64())), changed.config.repo_path / "data" / "stats.parquet")
+    changed.materialize(None, None)
+    rows = pa.table({"driver_id": pa.array([1, 2, 1, 3], pa.int64()),
+                     "event_timestamp": pa.array([now - timedelta(minutes=45), now - timedelta(minutes=45), now, now], pa.timestamp("us", tz="UTC"))})
+    local = changed.get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
+    monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", "ray")
+    monkeypatch.setenv("FEATURESTORE_RAY_ADDRESS", cluster)
+    distributed = FeatureStore(changed.config.repo_path).get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
+    assert local["trips"].to_pylist() == [None, None, 7, None]  # older rows null, the newer one as written
+    assert distributed.equals(local)

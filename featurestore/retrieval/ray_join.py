@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from featurestore.errors import RequestError
-from featurestore.ray_cluster import connect, hash_split, local_path
+from featurestore.ray_cluster import connect, hash_split, read_split
 from featurestore.ray_cluster import partitions as partitions_of
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions
@@ -145,12 +144,9 @@ def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
     schema = defs.history_schema(view)
-    tables = []
-    for uri in uris:
-        stored = pq.read_table(local_path(uri))
-        tables.append(pa.table({f.name: stored[f.name].cast(f.type) if f.name in stored.column_names
-                                else pa.nulls(stored.num_rows, f.type) for f in schema}))
-    split = hash_split(pa.concat_tables(tables), _duckdb_types(state["key_types"][view.name]), parts)
+    split = [pa.table({f.name: part[f.name].cast(f.type) if f.name in part.column_names else pa.nulls(part.num_rows, f.type)
+                       for f in schema})
+             for part in read_split(uris, _duckdb_types(state["key_types"][view.name]), parts)]
     return split if parts > 1 else split[0]
 
 
