@@ -241,6 +241,7 @@ def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, 
     from .test_schema_changes import DEFS, STATS, _change
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
+    monkeypatch.delenv("FEATURESTORE_DATA_DIR", raising=False)  # the module's demo repo sets it: this repo keeps its own
     store = make_store(DEFS, {"stats": STATS})
     store.materialize(None, None)
     changed = _change(store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]')
