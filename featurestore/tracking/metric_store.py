@@ -133,13 +133,14 @@ def read_metrics(run_dir: Path, metric: str | None = None, writer: str | None = 
     tables = []
     for name in [writer] if writer else writers(run_dir):
         folder = Path(run_dir) / "metrics" / name
-        for attempt in range(5):
+        for attempt in range(20):
             try:
                 parts = [_read(p, metric, columns) for _, _, p in _segments(folder)]
                 break
-            except FileNotFoundError:  # merged away between listing and reading: list again
-                if attempt == 4:
+            except FileNotFoundError:  # merged away between listing and reading: list again, once the merge is done
+                if attempt == 19:
                     raise
+                time.sleep(0.002 * attempt)
         table = pa.concat_tables(parts) if parts else empty
         tables.append(table.add_column(0, "writer", pa.DictionaryArray.from_arrays(
             pa.array(np.zeros(table.num_rows, np.int32)), pa.array([name]))))
