@@ -2,8 +2,9 @@
 
 Writes go through a Lua script so the compare-and-set is atomic in Redis: concurrent
 materializations or pushes cannot regress a value. Events of aggregated views are added by
-another script, once per event id. Reads are one pipelined round trip of HMGETs (latest
-values) and HVALS (window events). Writes are packed in bulk and sent without redis-py's
+another script, once per event id. Reads are one round trip of HMGETs (latest values) and
+HVALS (window events); on the servers the lookups of one event-loop turn share it
+(``BatchedReads``). Reads and writes are packed in bulk and sent without redis-py's
 per-argument packing (``resp``). Layout: see ``featurestore.online.codec``.
 """
 
@@ -258,7 +259,10 @@ def _fail(batch: "BatchedReads.Batch", error: Exception) -> None:
 
 def _settle(future: asyncio.Future, replies: list) -> None:
     error = next((r for r in replies if isinstance(r, Exception)), None)
-    future.set_result(replies) if error is None else future.set_exception(error)
+    if error is None:
+        future.set_result(replies)
+    else:
+        future.set_exception(error)
 
 
 class Script:
