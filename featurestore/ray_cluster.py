@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 
 from featurestore.errors import FeatureStoreError
-from featurestore.sources import ident, quote
+from featurestore.sources import connection, ident, quote
 
 
 def connect(address: str | None) -> Any:
@@ -33,15 +32,6 @@ def partitions(ray: Any, configured: int) -> int:
     return configured or max(2, int(ray.cluster_resources().get("CPU", 1)))
 
 
-_CONNECTION: list[duckdb.DuckDBPyConnection] = []
-
-
-def _connection() -> duckdb.DuckDBPyConnection:
-    if not _CONNECTION:  # one per process: opening one costs tens of milliseconds
-        _CONNECTION.append(duckdb.connect())
-    return _CONNECTION[0]
-
-
 def _part_sql(key_types: dict[str, str], parts: int) -> str:
     """A row's partition: the hash of its join keys cast to their declared DuckDB types."""
     return f"hash({', '.join(f'TRY_CAST({ident(k)} AS {t})' for k, t in key_types.items())}) % {parts}"
@@ -49,12 +39,9 @@ def _part_sql(key_types: dict[str, str], parts: int) -> str:
 
 def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[pa.Table]:
     """``table`` in ``parts`` by the hash of its join keys; ``key_types``: key -> DuckDB type."""
-    con = _connection()
+    con = connection()
     con.register("__keys", table.select(list(key_types)))
-    try:
-        which = con.sql(f"SELECT {_part_sql(key_types, parts)} AS p FROM __keys").fetchnumpy()["p"]
-    finally:
-        con.unregister("__keys")
+    which = con.sql(f"SELECT {_part_sql(key_types, parts)} AS p FROM __keys").fetchnumpy()["p"]
     order = np.argsort(which, kind="stable")
     bounds = np.searchsorted(which[order], np.arange(parts + 1))
     return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
@@ -65,7 +52,7 @@ def read_split(uris: list[str], key_types: dict[str, str], parts: int) -> list[p
     partition, sliced (a take of every row of every column costs ~5x as much). Columns absent
     from some files read as null."""
     files = "[" + ", ".join(quote(local_path(u)) for u in uris) + "]"
-    table = _connection().sql(
+    table = connection().sql(
         f"SELECT *, {_part_sql(key_types, parts)} AS __part FROM read_parquet({files}, union_by_name = true) ORDER BY __part"
     ).to_arrow_table()
     bounds = np.searchsorted(table["__part"].to_numpy(), np.arange(parts + 1))
