@@ -245,7 +245,7 @@ class BatchedReads:
             # a joiner retries once on a ConnectionError: so it does when the sender was cancelled
             _fail(batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was cancelled"))
             raise
-        error = next((r for r in own if isinstance(r, Exception)), None)
+        error = _first_error(own)
         if error is not None:
             raise error
         return own
@@ -257,8 +257,13 @@ def _fail(batch: "BatchedReads.Batch", error: Exception) -> None:
             future.set_exception(error)
 
 
+def _first_error(replies: list) -> Exception | None:
+    """A lookup's first error reply (its other replies are then of no use)."""
+    return next((r for r in replies if isinstance(r, Exception)), None)
+
+
 def _settle(future: asyncio.Future, replies: list) -> None:
-    error = next((r for r in replies if isinstance(r, Exception)), None)
+    error = _first_error(replies)
     if error is None:
         future.set_result(replies)
     else:
