@@ -240,7 +240,10 @@ def main() -> None:
                     start([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log",
                            "--workers", str(workers)], env, raw_port),
                 ]
-                time.sleep(2)  # every worker up
+                time.sleep(2)
+            # warm-up, discarded: a worker still importing (ours takes seconds) would count against its server
+            for port, path in ((ours_port, "/get-online-features"), (raw_port, "/")):
+                asyncio.run(throughput(port, path, bodies, args.clients, 2.0))
             ours_rps = asyncio.run(throughput(ours_port, "/get-online-features", bodies, args.clients, args.seconds))
             raw_rps = asyncio.run(throughput(raw_port, "/", bodies, args.clients, args.seconds))
             print(f"  {workers} worker(s): ours {ours_rps:,.0f} req/s, plain ASGI {raw_rps:,.0f} req/s (ours / plain {ours_rps / raw_rps:.2f}x)")

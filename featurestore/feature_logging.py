@@ -12,12 +12,13 @@ import sys
 import threading
 import uuid
 from collections import deque
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
+
+from featurestore.online.codec import micros_to_datetime
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -60,10 +61,11 @@ def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequ
     return pa.schema(fields)
 
 
-def vector_entry(query: "OnlineQuery", response: "OnlineResponse", served_at: datetime, **extra: list[Any]) -> dict[str, list[Any]]:
-    """One request's served vectors as log columns (``extra``: inputs, model fields, scores)."""
+def vector_entry(query: "OnlineQuery", response: "OnlineResponse", **extra: list[Any]) -> dict[str, list[Any]]:
+    """One request's served vectors as log columns (``extra``: inputs, model fields, scores), at the
+    time the lookup was evaluated at."""
     n = len(query.key_columns[0])
-    entry: dict[str, list[Any]] = {"served_at": [served_at] * n, "request_id": [uuid.uuid4().hex] * n,
+    entry: dict[str, list[Any]] = {"served_at": [micros_to_datetime(query.now_us)] * n, "request_id": [uuid.uuid4().hex] * n,
                                    **dict(zip(query.key_names, query.key_columns)), **(query.request_columns or {}), **extra}
     keys = len(query.key_names)
     for name, values, statuses in zip(response.feature_names[keys:], response.values[keys:], response.statuses[keys:]):

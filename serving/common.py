@@ -62,11 +62,11 @@ def error_status(exc: Exception) -> int:
     return 400
 
 
-def request_time(body: Any) -> datetime:
-    """The time a lookup is evaluated at: the body's optional ``at`` (ISO 8601, for replays), else now."""
+def request_time(body: Any) -> datetime | None:
+    """The time a lookup is evaluated at: the body's optional ``at`` (ISO 8601, for replays); None: now."""
     at = body.get("at") if isinstance(body, dict) else None
     if at is None:
-        return datetime.now(timezone.utc)
+        return None
     try:
         parsed = datetime.fromisoformat(at) if isinstance(at, str) else None
     except ValueError:
@@ -149,12 +149,13 @@ def error_body(exc: FeatureStoreError, feast: bool = False) -> bytes:
 
 
 def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes, dict], Awaitable[Any]], feast_errors: bool = False) -> JsonHandler:
-    """Wrap ``handle(body, scope) -> JSON-able`` as ``(body, scope) -> (status, JSON bytes)``: errors
+    """Wrap ``handle(body, scope) -> JSON-able (or JSON bytes)`` as ``(body, scope) -> (status, JSON bytes)``: errors
     become 403/404/409/422/503 with a message, Redis errors go to the metrics (latency: ``FastLane``)."""
 
     async def run(body: bytes, scope: dict) -> tuple[int, bytes]:
         try:
-            return 200, dumps(await handle(body, scope))
+            result = await handle(body, scope)
+            return 200, result if isinstance(result, bytes) else dumps(result)
         except FeatureStoreError as exc:
             if isinstance(exc, OnlineStoreUnavailable):
                 metrics.redis_errors.inc()
@@ -277,65 +278,66 @@ class FastLane:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.metrics is None:
-            await self._serve(scope, receive, send)
-            return
-        started, status = time.perf_counter(), [500]
-
-        async def send_and_note(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
+        started = time.perf_counter()
+        status = 500
         try:
-            await self._serve(scope, receive, send_and_note)
+            status = await self._serve(scope, receive, send)
         finally:  # every route, every status, the fast lanes included
-            path = scope.get("path", "")
-            self.metrics.observe(path if path in self.routes else "other", status[0], started)
+            if self.metrics is not None:
+                path = scope.get("path", "")
+                self.metrics.observe(path if path in self.routes else "other", status, started)
 
-    async def _serve(self, scope, receive, send) -> None:
+    async def _serve(self, scope, receive, send) -> int:
+        """Answer the request; return the status sent."""
         if self.auth.enabled:  # every route, the fast ones included, before anything else runs
             safe = scope.get("method") in ("GET", "HEAD")
             key = self.auth.identify(scope.get("headers", ()), cookie=safe)
             if key is None:
                 if safe and "text/html" in (header(scope, b"accept") or ""):  # a browser: a form asking for the key
-                    await _reply(send, 401, LOGIN_PAGE, b"text/html; charset=utf-8")
-                    return
-                await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
-                return
+                    return await _reply(send, 401, LOGIN_PAGE, b"text/html; charset=utf-8")
+                return await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
             needed = route_scope(scope.get("path", ""))
             if not (key.allows(needed) or (needed == "push" and any(s.startswith("push:") for s in key.scopes))):
-                await _reply(send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}))
-                return
+                return await _reply(send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}))
             scope.setdefault("state", {})["api_key"] = key
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _reply(send, 413, self._too_large())
-            return
+            return await _reply(send, 413, self._too_large())
         handler = self.handlers.get(scope.get("path")) if scope.get("method") == "POST" else None
         if handler is None:
-            await self.app(scope, receive, send)
-            return
+            return await self._delegate(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await _reply(send, 413, self._too_large())
-                return
+                return await _reply(send, 413, self._too_large())
             chunks.append(chunk)
             if not message.get("more_body"):
                 break
         status, payload = await handler(b"".join(chunks), scope)
-        await _reply(send, status, payload)
+        return await _reply(send, status, payload)
+
+    async def _delegate(self, scope, receive, send) -> int:
+        """Let the FastAPI app answer; return the status it sent (500 if it raised first)."""
+        sent = [500]
+
+        async def send_and_note(message) -> None:
+            if message["type"] == "http.response.start":
+                sent[0] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_and_note)
+        return sent[0]
 
     def _too_large(self) -> bytes:
         return dumps({"detail": f"request body over {self.max_body_bytes} bytes; split the request "
                                 f"(server.max_request_bytes sets the limit)"})
 
 
-async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> None:
+async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> int:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]})
+                "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]})
     await send({"type": "http.response.body", "body": payload})
+    return status

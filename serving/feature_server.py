@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 from datetime import datetime, timedelta, timezone
+from itertools import repeat
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
@@ -27,7 +28,7 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.auth import Authenticator
 from serving.jobs import JobRunner
-from serving.common import caller, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class GetOnlineFeaturesRequest(BaseModel):
@@ -121,19 +122,18 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     feast_errors = watcher.current.config.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
 
-    async def lookup_body(raw_body: bytes, scope: dict) -> dict[str, Any]:
+    async def lookup_body(raw_body: bytes, scope: dict) -> bytes:
         body = _parse_lookup(raw_body)
         store = watcher.current
-        served_at = request_time(body)
         query = OnlineQuery.prepare(
             store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
-            bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=served_at,
+            bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=request_time(body),
         )
         response = query.assemble(await store.online_store.read_async(query.lookups, query.ranges))
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
-            logger_for(service).log(vector_entry(query, response, served_at))
-        return response.to_rest()
+            logger_for(service).log(vector_entry(query, response))
+        return response.to_rest_json(dumps)
 
     lookup = json_handler(metrics, "get-online-features", lookup_body, feast_errors)
 
@@ -295,7 +295,7 @@ def _parse_lookup(raw: bytes) -> dict[str, Any]:
     if not isinstance(body.get("entities"), dict):
         raise RequestError("'entities' must be an object mapping each join key to a list of values")
     features = body.get("features")
-    if features is not None and (not isinstance(features, list) or not all(isinstance(f, str) for f in features)):
+    if features is not None and (not isinstance(features, list) or not all(map(isinstance, features, repeat(str)))):
         raise RequestError("'features' must be a list of 'view:feature' strings")
     if body.get("feature_service") is not None and not isinstance(body["feature_service"], str):
         raise RequestError("'feature_service' must be a string")

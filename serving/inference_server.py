@@ -153,9 +153,8 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 raise RequestError(f"every instance needs a numeric request input {name!r}")
             inputs[name] = [float(v) for v in values]
-        served_at = request_time(body)
         query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
-                                    False, current.config.max_request_entities, now=served_at)
+                                    False, current.config.max_request_entities, now=request_time(body))
         response = query.assemble(await current.online_store.read_async(query.lookups, query.ranges))
         n = len(instances)
         keys = len(query.key_names)
@@ -164,7 +163,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         scores = loaded.predict({**model_columns, **inputs, **keys_used})
         feature_names = response.feature_names[keys:]
         if logger:
-            logger.log(vector_entry(query, response, served_at, model_name=[loaded.name] * n,
+            logger.log(vector_entry(query, response, model_name=[loaded.name] * n,
                                     model_version=[loaded.version] * n, score=scores.tolist(), **inputs))
         predictions = []
         for row in range(n):

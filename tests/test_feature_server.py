@@ -292,6 +292,25 @@ def test_nan_and_infinity_are_told_apart_from_missing(tmp_path, redis_url, monke
     assert body["results"][1]["statuses"] == ["PRESENT"] * 3 + ["NULL_VALUE", "NOT_FOUND"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(columns=st.lists(st.lists(st.one_of(
+    st.none(), st.floats(), st.integers(-2**63, 2**63 - 1), st.booleans(), st.binary(max_size=3),
+    st.text(alphabet=st.sampled_from([",", "[", "n", "u", "l", "\"", "a"]), max_size=6),
+    st.lists(st.one_of(st.none(), st.floats()), max_size=3)), min_size=2, max_size=2), min_size=1, max_size=4),
+    missing_times=st.lists(st.booleans(), min_size=2, max_size=2))
+def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
+    """The server writes a lookup once and trusts orjson's nulls; the result must equal writing
+    ``to_rest()`` (every value looked at): NaN and infinities inside values and arrays, strings
+    that look like JSON nulls, bytes, None."""
+    from featurestore.retrieval.online import OnlineResponse
+    from serving.common import dumps
+
+    times = [None if gone else NOW for gone in missing_times]
+    response = OnlineResponse([f"f{i}" for i in range(len(columns))], columns, [["PRESENT"] * 2 for _ in columns],
+                              [list(times) for _ in columns])
+    assert response.to_rest_json(dumps) == dumps(response.to_rest())
+
+
 def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
     """Issue #11: the same batch pushed twice at once (a client retry) duplicated every history row."""
     from concurrent.futures import ThreadPoolExecutor

@@ -26,10 +26,12 @@ class LRUCache(OrderedDict):
         self.capacity = capacity
 
     def get(self, key, default=None):  # type: ignore[override]
-        if key in self:
-            self.move_to_end(key)
-            return self[key]
-        return default
+        try:
+            value = self[key]
+        except KeyError:
+            return default
+        self.move_to_end(key)
+        return value
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)

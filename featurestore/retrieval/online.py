@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from itertools import repeat
+from operator import is_
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -43,20 +45,28 @@ class OnlineResponse:
         """``{name: values}``, join keys first, as Feast's ``OnlineResponse.to_dict()``."""
         return dict(zip(self.feature_names, self.values))
 
-    def to_rest(self) -> dict[str, Any]:
+    def to_rest(self, replace_non_finite: bool = True) -> dict[str, Any]:
         """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``.
 
         Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``,
         and, as Feast does, the epoch (1970) where there is no event time (keys, missing values).
         NaN and infinities become ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (protobuf's JSON
         mapping, as Feast's server writes them): JSON has no such numbers, and ``null`` means missing."""
-        return {
-            "metadata": {"feature_names": self.feature_names},
-            "results": [
-                {"values": json_numbers(v), "statuses": s, "event_timestamps": [t or EPOCH for t in ts]}
-                for v, s, ts in zip(self.values, self.statuses, self.event_timestamps)
-            ],
-        }
+        results = []
+        for v, s, ts in zip(self.values, self.statuses, self.event_timestamps):
+            results.append({"values": json_numbers(v) if replace_non_finite else v, "statuses": s,
+                            "event_timestamps": [t or EPOCH for t in ts] if None in ts else ts})
+        return {"metadata": {"feature_names": self.feature_names}, "results": results}
+
+    def to_rest_json(self, dumps: Callable[[Any], bytes]) -> bytes:
+        """``dumps(self.to_rest())``, without looking at every value in Python: ``dumps`` (orjson)
+        writes a non-finite float as ``null``, so the response is written once and, only when it
+        holds more nulls than the values have Nones (a NaN, or a string that looks like a null),
+        written again with the replacements."""
+        payload = dumps(self.to_rest(replace_non_finite=False))
+        if payload.count(b",null") + payload.count(b"[null") != sum(v.count(None) for v in self.values):
+            payload = dumps(self.to_rest())
+        return payload
 
     def to_df(self, include_statuses: bool = False) -> "pd.DataFrame":
         import pandas as pd
@@ -162,6 +172,16 @@ class QueryTemplate:
     groups: list[_Group]
     views: list[_ViewPlan]
     windows: list[_WindowPlan]
+    names: list[str] = field(init=False)              # the response's columns, keys first
+    order: list[int] | None = field(init=False)       # views' then windows' columns -> request order (None: already)
+
+    def __post_init__(self) -> None:
+        plans = [*self.views, *self.windows]
+        positions = [p for plan in plans for p in plan.request.positions]
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        self.order = None if order == list(range(len(positions))) else order
+        names = [n for plan in plans for n in plan.request.output_names]
+        self.names = self.key_names + (names if self.order is None else [names[i] for i in self.order])
 
     @classmethod
     def build(cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool) -> "QueryTemplate":
@@ -250,9 +270,10 @@ class OnlineQuery:
             raise RequestError(f"missing join key(s) {missing} for the requested features; got {sorted(columns)}")
         for name, type_name, coerce in template.key_checks:
             converted = [coerce(value) for value in columns[name]]
-            for value, result in zip(columns[name], converted):
-                if result is _BAD:
-                    raise RequestError(f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})")
+            bad = list(map(is_, converted, repeat(_BAD)))  # identity, in C: a value's own == may misbehave
+            if any(bad):
+                value = columns[name][bad.index(True)]
+                raise RequestError(f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})")
             columns[name] = converted
         lookups: list[tuple[bytes, list[str]]] = []
         slots = []
@@ -287,24 +308,31 @@ class OnlineQuery:
 
     def assemble(self, raw: list) -> OnlineResponse:
         """Decode what ``read(self.lookups, self.ranges)`` returned into the response."""
-        now_us = self.now_us
+        now_us, template = self.now_us, self.template
         n = len(self.key_columns[0])
-        names = list(self.template.key_names)
-        values: list[list[Any]] = [list(c) for c in self.key_columns]
-        statuses: list[list[str]] = [[PRESENT] * n for _ in self.key_columns]
-        times: list[list[datetime | None]] = [[None] * n for _ in self.key_columns]
-        columns = []  # (position in the request, name, values, statuses, times)
-        for plan in self.template.views:
-            columns += zip(plan.request.positions, *self._view_columns(plan, raw, now_us))
-        events = [events_between(found, low, high) for found, (_, low, high) in zip(raw[len(self.lookups):], self.ranges)]
-        for window, slots in zip(self.template.windows, self.range_slots):
-            columns += zip(window.request.positions, *self._window_columns(window, slots, events, now_us))
-        for _, name, v, st, t in sorted(columns, key=lambda c: c[0]):
-            names.append(name)
-            values.append(v)
-            statuses.append(st)
-            times.append(t)
-        response = OnlineResponse(names, values, statuses, times)
+        values: list[list[Any]] = []
+        statuses: list[list[str]] = []
+        times: list[list[datetime | None]] = []
+        for plan in template.views:
+            v, st, t = self._view_columns(plan, raw, now_us)
+            values += v
+            statuses += st
+            times += t
+        if template.windows:
+            events = [events_between(found, low, high) for found, (_, low, high) in zip(raw[len(self.lookups):], self.ranges)]
+            for window, slots in zip(template.windows, self.range_slots):
+                v, st, t = self._window_columns(window, slots, events, now_us)
+                values += v
+                statuses += st
+                times += t
+        order = template.order
+        if order is not None:
+            values, statuses, times = [values[i] for i in order], [statuses[i] for i in order], [times[i] for i in order]
+        keys = len(self.key_columns)
+        response = OnlineResponse(
+            list(template.names), [list(c) for c in self.key_columns] + values,
+            [[PRESENT] * n for _ in range(keys)] + statuses, [[None] * n for _ in range(keys)] + times,
+        )
         return self._with_on_demand(response) if self.on_demand is not None else response
 
     def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
@@ -344,8 +372,7 @@ class OnlineQuery:
             row_statuses.append(result[1])
             row_times.append(result[2])
         width = len(plan.evaluator.aggregations)
-        return (plan.request.output_names, [list(c) for c in zip(*row_values)], [list(c) for c in zip(*row_statuses)],
-                [list(row_times) for _ in range(width)])
+        return [list(c) for c in zip(*row_values)], [list(c) for c in zip(*row_statuses)], [list(row_times) for _ in range(width)]
 
     def _view_columns(self, plan: "_ViewPlan", raw: list, now_us: int):
         width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
@@ -371,7 +398,7 @@ class OnlineQuery:
         cols_v = [list(c) for c in zip(*row_values)]
         cols_s = [list(c) for c in zip(*row_statuses)]
         cols_t = [list(row_times) for _ in range(width)]
-        return plan.request.output_names, cols_v, cols_s, cols_t
+        return cols_v, cols_s, cols_t
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
