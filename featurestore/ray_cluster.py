@@ -27,6 +27,17 @@ def connect(address: str | None) -> Any:
     return ray
 
 
+def fit_to_task(*connections: Any) -> None:
+    """Limit DuckDB (``connections`` and this process's shared database) to the CPUs Ray gave the
+    running task: by default DuckDB takes every core of the node, and tasks side by side then
+    fight over them (two 1-CPU join tasks on 2 cores ran ~25 % slower)."""
+    import ray
+
+    threads = max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    for con in (connection(), *connections):
+        con.execute(f"SET threads = {threads}")
+
+
 def partitions(ray: Any, configured: int) -> int:
     """``configured``, or one partition per CPU of the cluster (at least 2)."""
     return configured or max(2, int(ray.cluster_resources().get("CPU", 1)))
@@ -42,29 +53,39 @@ def hash_split(table: pa.Table, key_types: dict[str, str], parts: int) -> list[p
     con = connection()
     con.register("__keys", table.select(list(key_types)))
     which = con.sql(f"SELECT {_part_sql(key_types, parts)} AS p FROM __keys").fetchnumpy()["p"]
+    con.unregister("__keys")
+    return _group(table, which, parts)
+
+
+def _group(table: pa.Table, which: np.ndarray, parts: int) -> list[pa.Table]:
+    """``table``'s rows by partition number ``which``, in their order within each: a stable
+    counting sort (numpy's radix sort of small integers) and one gather per part, whose output
+    owns its buffers (a slice, pickled into Ray's object store, would carry its parent's)."""
+    which = which.astype(np.uint16 if parts <= 1 << 16 else np.uint32)
     order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(parts + 1))
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(which, minlength=parts))])
     return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
 
 
+FILTERED_SCANS_UP_TO = 4  # partitions; past it, one scan and a gather
+
+
 def read_split(uris: list[str], key_types: dict[str, str], parts: int) -> list[pa.Table]:
-    """Parquet files split as ``hash_split`` splits rows, in one DuckDB pass: read, ordered by
-    partition, sliced (a take of every row of every column costs ~5x as much). Columns absent
-    from some files read as null."""
+    """Parquet files split as ``hash_split`` splits rows. Columns absent from some files read as null.
+
+    Into a few parts, one filtered DuckDB scan per part: decoding the files again costs less
+    than gathering every row (measured: 2.5 s against 5.4 s for 25M rows into 2 parts; sorting
+    by part in SQL took 9.8 s). Into more, one scan and ``_group``, whose cost does not grow
+    with the number of parts."""
     files = "[" + ", ".join(quote(local_path(u)) for u in uris) + "]"
-    table = connection().sql(
-        f"SELECT *, {_part_sql(key_types, parts)} AS __part FROM read_parquet({files}, union_by_name = true) ORDER BY __part"
-    ).to_arrow_table()
-    bounds = np.searchsorted(table["__part"].to_numpy(), np.arange(parts + 1))
-    table = table.drop_columns(["__part"])
-    return [_compact(table.slice(bounds[p], bounds[p + 1] - bounds[p])) for p in range(parts)]
-
-
-def _compact(table: pa.Table) -> pa.Table:
-    """A slice copied into buffers of its own: pickled (into Ray's object store), a slice carries
-    its parent's whole buffers."""
-    return pa.Table.from_arrays([pa.concat_arrays(c.chunks) if c.num_chunks else pa.array([], c.type) for c in table.columns],
-                                schema=table.schema)
+    scan = f"read_parquet({files}, union_by_name = true)"
+    con = connection()
+    if parts <= FILTERED_SCANS_UP_TO:
+        return [con.sql(f"SELECT * FROM {scan} WHERE {_part_sql(key_types, parts)} = {p}").to_arrow_table()
+                for p in range(parts)]
+    table = con.sql(f"SELECT *, {_part_sql(key_types, parts)} AS __part FROM {scan}").to_arrow_table()
+    which = table["__part"].to_numpy()
+    return _group(table.drop_columns(["__part"]), which, parts)
 
 
 def gather(ray: Any, refs: list[Any], description: str, progress: bool) -> list[Any]:

@@ -256,3 +256,36 @@ def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, 
     distributed = FeatureStore(changed.config.repo_path).get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
     assert local["trips"].to_pylist() == [None, None, 7, None]  # older rows null, the newer one as written
     assert distributed.equals(local)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5, 9])
+def test_splitting_files_and_tables_agrees_with_a_row_by_row_reference(tmp_path, parts):
+    """Both ways ``read_split`` splits (a filtered scan per part up to 4 parts, one scan and a
+    gather past it) and ``hash_split`` put each row in the part DuckDB's hash of its declared-type
+    keys names, keep file order within a part, and read a column absent from a file as null."""
+    import duckdb
+
+    from featurestore.ray_cluster import hash_split, read_split
+
+    rng = np.random.default_rng(parts)
+    files, tables = [], []
+    for i in range(3):
+        n = 500
+        columns = {"k": pa.array([None if v == 0 else f"e{v}" for v in rng.integers(0, 40, n)]),
+                   "j": pa.array(rng.integers(-3, 3, n), pa.int32()), "seq": pa.array(np.arange(i * n, (i + 1) * n))}
+        if i != 1:  # a file written before the column existed
+            columns["late"] = pa.array(rng.random(n))
+        tables.append(pa.table(columns))
+        pq.write_table(tables[-1], tmp_path / f"{i}.parquet")
+        files.append(str(tmp_path / f"{i}.parquet"))
+    everything = pa.concat_tables(tables, promote_options="default")
+    key_types = {"k": "VARCHAR", "j": "BIGINT"}
+    con = duckdb.connect()
+    con.register("rows", everything)
+    part_of = [p for (p,) in con.sql(f"SELECT hash(TRY_CAST(k AS VARCHAR), TRY_CAST(j AS BIGINT)) % {parts} FROM rows").fetchall()]
+    expected = [[row for row, p in zip(everything.to_pylist(), part_of) if p == q] for q in range(parts)]
+    from_files = read_split(files, key_types, parts)
+    from_table = hash_split(everything, key_types, parts)
+    assert [t.to_pylist() for t in from_files] == expected
+    assert [t.to_pylist() for t in from_table] == expected
+    assert sum(len(rows) for rows in expected) == everything.num_rows and any(r["late"] is None for r in expected[0])

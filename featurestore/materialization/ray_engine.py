@@ -38,7 +38,7 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView, FileSource, PushSource
 from featurestore.materialization.compute import compute
 from featurestore.materialization.engine import MaterializationReport, Materializer, ViewReport, _max_iso
-from featurestore.ray_cluster import connect, gather, hash_split, local_path, partitions
+from featurestore.ray_cluster import connect, fit_to_task, gather, hash_split, local_path, partitions
 from featurestore.registry.snapshot import applied_definitions
 from featurestore.sources import push_log_path, run_python_transformation
 from featurestore.types import duckdb_type
@@ -147,6 +147,7 @@ def _read_split(units: list[tuple[str, int]], key_types: dict[str, str], parts: 
     """Row groups of source files, read and split by a hash of the join keys (cast to their declared types)."""
     import pyarrow.parquet as pq
 
+    fit_to_task()
     tables = [pq.ParquetFile(local_path(uri)).read_row_group(group) for uri, group in units]
     table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
     return hash_split(table, key_types, parts)
@@ -170,6 +171,7 @@ def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, An
     view = defs.view(job["view"])
     config: RepoConfig = job["config"]
     con = duckdb.connect()
+    fit_to_task(con)
     _view_rows(con, pa.concat_tables(pieces, promote_options="default"), job["transformation"])
     computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), job["run_id"], job["now"],
                        job["start"], job["end"], config.future_tolerance)
@@ -187,6 +189,7 @@ def _write_online(job: dict[str, Any], rows: pa.Table) -> int:
     """One partition's rows to Redis, as the local engine writes them."""
     from featurestore.online.base import open_online_store
 
+    fit_to_task()
     defs = applied_definitions(job["state"])
     online = open_online_store(job["config"])
     try:

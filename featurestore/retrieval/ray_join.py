@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from featurestore.errors import RequestError
-from featurestore.ray_cluster import connect, hash_split, read_split
+from featurestore.ray_cluster import connect, fit_to_task, hash_split, read_split
 from featurestore.ray_cluster import partitions as partitions_of
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions
@@ -141,6 +141,7 @@ def _duckdb_types(key_types: dict[str, str]) -> dict[str, str]:
 
 def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
     """History files of a view, read with the view's history columns (absent ones null), in parts."""
+    fit_to_task()
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
     schema = defs.history_schema(view)
@@ -168,4 +169,5 @@ def _join_partition(state: dict[str, Any], refs: list[str], full_feature_names: 
     rows = pa.concat_tables(history) if history else defs.history_schema(view).empty_table()
     job = RetrievalJob.build(defs, _InMemory({view.history_table: rows}), entities, refs, None,  # type: ignore[arg-type]
                              full_feature_names, as_of)  # type: ignore[arg-type]
+    fit_to_task(job.con)
     return job.to_arrow()
