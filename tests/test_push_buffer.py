@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 from deltalake import DeltaTable
 
+from featurestore.offline.buffer import _read
 from featurestore.sources import push_log_path
 
 from .test_aggregations import FEATURES, _frame
@@ -31,7 +32,10 @@ def test_a_push_is_durable_before_history_commits_and_reads_see_it(make_store):
     store = make_store(FEATURES)
     store.apply()
     store.push("payments", _frame([_payment(1), _payment(2)]), to="online_and_offline")
-    assert store.push_buffer.targets() == ["log:payments", "view:activity"]  # on disk, not yet in Delta
+    assert store.push_buffer.targets() == ["log:payments"]  # on disk, not yet in Delta
+    (segment,) = store.push_buffer.segments("log:payments")  # one file (one fsync) for the log and the view
+    parts = dict(_read(segment, "log:payments"))
+    assert sorted(parts) == ["log:payments", "view:activity"] and [t.num_rows for t in parts.values()] == [2, 2]
     assert store.offline_store.version("activity") is None
     assert _counts(store) == ([2], [2])  # a read of history commits what is buffered first
     assert store.push_buffer.targets() == []
@@ -48,7 +52,7 @@ def test_a_crash_between_buffer_and_redis_is_repaired_by_the_next_flush(make_sto
     with pytest.raises(KeyboardInterrupt):
         store.push("payments", _frame([_payment(3)]), to="online_and_offline")
     monkeypatch.undo()
-    assert any(".pending." in p.name for p in store.push_buffer.segments("view:activity"))
+    assert any(".pending." in p.name for p in store.push_buffer.segments("log:payments"))
     assert store.flush() >= 1  # re-sends the unconfirmed rows online, then commits them
     assert _counts(store) == ([1], [1])
 

@@ -2,10 +2,10 @@
 
 Views that read the source as is are written at once, typed in Arrow (``compute.pushed_rows``)
 or, when a row needs explaining or a cast, through ``Materializer.write_view`` (same typing,
-identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously,
-history through the durable ``PushBuffer`` (a fsynced segment per push; committed to Delta
-in batches by ``flush``). The raw rows also go to the source's Delta log through the buffer,
-so views with a transformation over the source see them at the next materialization.
+identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously, history through
+the durable ``PushBuffer``, committed to Delta in batches by ``flush``. The raw rows also go to
+the source's Delta log, so views with a transformation over the source see them at the next
+materialization: the log's rows and the views' history rows of one push share one fsynced segment.
 """
 
 from __future__ import annotations
@@ -76,23 +76,33 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     n, run_id = table.num_rows, push_run_id(ingested)
     ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
     table = pa.table([*columns, ingested_at, _push_ids(n, idempotency_key, ingested)], names=[*expected, INGESTED_AT, PUSH_ID])
+    typed: list[tuple[FeatureView, pa.Table]] = []  # views whose rows Arrow typed (the usual case)
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
         rows = pushed_rows(table, view, defs.key_types[view.name], defs.history_schema(view), run_id, now,
                            materializer.config.future_tolerance)
-        if rows is None:  # something only the full check (a query) can type or explain
-            con = connection()
-            con.register("view_rows", table)
-            try:
-                materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
-                                        on_bad_rows="fail", buffer=buffer, run_id=run_id)
-            except BadRowsError as exc:
-                raise RequestError(str(exc)) from exc
-        else:
-            materializer.write_pushed(view, rows, now, "online" in to and view.online, "offline" in to and view.offline, buffer)
-    if "offline" in to:  # after the views accepted the rows, so a rejected push leaves no trace
-        buffer.append(f"log:{source_name}", table, retry=ingested != now)
+        if rows is not None:
+            typed.append((view, rows))
+            continue
+        con = connection()  # something only the full check (a query) can type or explain
+        con.register("view_rows", table)
+        try:
+            materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
+                                    on_bad_rows="fail", buffer=buffer, run_id=run_id)
+        except BadRowsError as exc:
+            raise RequestError(str(exc)) from exc
+    online = [(view, rows) for view, rows in typed if "online" in to and view.online]
+    segment = None
+    if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
+        # one segment for the source's log and its views' history: one fsync, not one per target
+        parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
+        segment = buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table},
+                                      online_pending=bool(online), retry=ingested != now)
+    for view, rows in online:
+        materializer.write_online(view, rows, now)
+    if segment is not None and online:
+        buffer.confirm_online(segment)
     flush(materializer, buffer, only_due=True)
     return table.num_rows
 
@@ -153,24 +163,29 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     if only_due and not buffer.worth_looking():
         return 0
     current = {v.history_table: v for v in defs.feature_views.values()}
-    committed = 0
-    for target in buffer.targets():
-        if only_due and not buffer.due(target):
-            continue
+
+    def commit(target: str, rows: pa.Table, newest_seq: int, retried: bool) -> None:
         kind, name = target.split(":", 1)
-        if kind == "view":
-            if name.split("@")[0] not in defs.feature_views:
-                continue  # the view was removed; its segments stay for inspection
-            view = current.get(name)  # None: an older version's rows, whose online layout is gone
-            resend = None
-            if view is not None and view.online:
-                schema = defs.history_schema(view)
-                resend = lambda rows, view=view, schema=schema: materializer.write_online(view, conform(rows, schema), datetime.now(timezone.utc))  # noqa: E731
-            committed += buffer.drain(target, lambda rows, seq, retried, name=name: offline.append(name, rows), resend)
-            if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
-                offline.compact(name)
-        else:
-            committed += buffer.drain(target, lambda rows, seq, retried, name=name: _append_log(config.data_dir, name, rows, seq, retried))
+        if kind == "log":
+            _append_log(config.data_dir, name, rows, newest_seq, retried)
+            return
+        offline.append(name, rows)
+        if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
+            offline.compact(name)
+
+    def resend(target: str, rows: pa.Table) -> None:
+        view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None
+        if view is not None and view.online:  # (None: an older version's rows, whose online layout is gone)
+            materializer.write_online(view, conform(rows, defs.history_schema(view)), datetime.now(timezone.utc))
+
+    committed = 0
+    for lane in buffer.targets():
+        if only_due and not buffer.due(lane):
+            continue
+        kind, name = lane.split(":", 1)
+        if kind == "view" and name.split("@")[0] not in defs.feature_views:
+            continue  # the view was removed; its segments stay for inspection
+        committed += buffer.drain(lane, commit, resend)
     return committed
 
 
