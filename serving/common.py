@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import logging
 import contextlib
 import os
@@ -93,17 +94,36 @@ class Metrics:
         )
         self.redis_errors = Counter(f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry)
         self._children: dict[tuple[str, int], tuple] = {}
+        self._pending: dict[tuple[str, int], list[float]] = {}  # request durations not yet in Prometheus
+        self._flush_scheduled = False
 
     def observe(self, endpoint: str, status: int, started: float) -> None:
-        key = (endpoint, status)
-        children = self._children.get(key)
-        if children is None:  # label lookups take a lock; do them once per (endpoint, status)
-            children = self._children[key] = (self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint))
-        children[0].inc()
-        children[1].observe(time.perf_counter() - started)
+        """Count a request. Kept in a plain dict and handed to Prometheus in bulk within
+        ``FLUSH_SECONDS`` (and at each scrape): a Counter and a Histogram update per request
+        cost ~5 µs of a lookup's ~80."""
+        self._pending.setdefault((endpoint, status), []).append(time.perf_counter() - started)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            try:
+                asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.flush)
+            except RuntimeError:  # no event loop: at once
+                self.flush()
+
+    def flush(self) -> None:
+        """Hand the requests counted since the last flush to Prometheus."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for (endpoint, status), durations in pending.items():
+            key = (endpoint, status)
+            children = self._children.get(key)
+            if children is None:  # label lookups take a lock; do them once per (endpoint, status)
+                children = self._children[key] = (self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint))
+            children[0].inc(len(durations))
+            _observe_all(children[1], durations)
 
     def response(self, newest_events: dict[str, int] | None = None) -> Response:
         """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view freshness."""
+        self.flush()
         registry = self.registry
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
@@ -119,6 +139,23 @@ class Metrics:
             extra.register(_Fixed([freshness]))
             body += generate_latest(extra)
         return Response(body, media_type="text/plain; version=0.0.4")
+
+
+FLUSH_SECONDS = 1.0  # how far request metrics may lag (a scrape also flushes its own worker's)
+
+
+def _observe_all(histogram: Histogram, durations: list[float]) -> None:
+    """``histogram.observe(d)`` for each duration, as one update per bucket: bucket counts by
+    bisection, then prometheus_client's value objects (its ``_sum`` and ``_buckets``, which a
+    worker writes to its multiprocess files) incremented once each."""
+    bounds = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for d in durations:
+        counts[bisect.bisect_left(bounds, d)] += 1  # the first bound >= d, as observe() picks it
+    histogram._sum.inc(sum(durations))
+    for bucket, count in zip(histogram._buckets, counts):
+        if count:
+            bucket.inc(count)
 
 
 class _Fixed:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from featurestore import FeatureStore
 from featurestore.online.embedded import EmbeddedRedis
+from serving.common import FLUSH_SECONDS
 from serving.feature_server import create_app
 
 from .conftest import free_port, write_repo
@@ -311,6 +312,26 @@ def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
     assert response.to_rest_json(dumps) == dumps(response.to_rest())
 
 
+@settings(max_examples=100, deadline=None)
+@given(durations=st.lists(st.one_of(st.sampled_from([0.0, 0.0005, 0.001, 0.0050000001, 1.0, 5.0, 9.0]),
+                                    st.floats(0, 10, allow_nan=False)), min_size=1, max_size=50))
+def test_request_metrics_counted_in_bulk_equal_one_update_per_request(durations):
+    """The servers hand request durations to Prometheus in bulk (a bucket count each): the
+    exposition must equal a Counter and a Histogram updated per request, bucket edges included."""
+    from prometheus_client import generate_latest
+
+    from serving.common import Metrics
+
+    bulk, each = Metrics("m"), Metrics("m")
+    bulk._pending[("/x", 200)] = list(durations)
+    bulk.flush()
+    for d in durations:
+        each.requests.labels("/x", "200").inc()
+        each.latency.labels("/x").observe(d)
+    lines = lambda m: [line for line in generate_latest(m.registry).decode().splitlines() if "_created" not in line]  # noqa: E731
+    assert lines(bulk) == lines(each)
+
+
 def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
     """Issue #11: the same batch pushed twice at once (a client retry) duplicated every history row."""
     from concurrent.futures import ThreadPoolExecutor
@@ -368,6 +389,7 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
                 time.sleep(0.2)
         for _ in range(20):  # fresh connections spread over both workers
             assert httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code == 200
+        time.sleep(FLUSH_SECONDS + 0.5)  # each worker hands its counts to Prometheus within a second
         for _ in range(4):  # whichever worker answers the scrape reports the sum
             text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
             found = re.search(r'featurestore_feature_server_requests_total\{endpoint="/get-online-features",status="200"\} (\S+)', text)
