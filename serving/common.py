@@ -101,20 +101,23 @@ class Metrics:
         """Count a request. Kept in a plain dict and handed to Prometheus in bulk within
         ``FLUSH_SECONDS`` (and at each scrape): a Counter and a Histogram update per request
         cost ~5 µs of a lookup's ~80."""
-        self._pending.setdefault((endpoint, status), []).append(time.perf_counter() - started)
+        durations = self._pending.setdefault((endpoint, status), [])
+        durations.append(time.perf_counter() - started)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             try:
                 asyncio.get_running_loop().call_later(FLUSH_SECONDS, self.flush)
             except RuntimeError:  # no event loop: at once
                 self.flush()
+        elif len(durations) >= MAX_PENDING:
+            self.flush()
 
     def flush(self) -> None:
         """Hand the requests counted since the last flush to Prometheus."""
         self._flush_scheduled = False
         pending, self._pending = self._pending, {}
-        for (endpoint, status), durations in pending.items():
-            key = (endpoint, status)
+        for key, durations in pending.items():
+            endpoint, status = key
             children = self._children.get(key)
             if children is None:  # label lookups take a lock; do them once per (endpoint, status)
                 children = self._children[key] = (self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint))
@@ -142,6 +145,7 @@ class Metrics:
 
 
 FLUSH_SECONDS = 1.0  # how far request metrics may lag (a scrape also flushes its own worker's)
+MAX_PENDING = 10_000  # requests of one (endpoint, status) counted before a flush, whatever the time
 
 
 def _observe_all(histogram: Histogram, durations: list[float]) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import time
-from itertools import repeat
-from operator import is_
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import repeat
 from numbers import Integral, Real
+from operator import is_
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from featurestore.aggregation.evaluate import WindowEvaluator
