@@ -51,9 +51,12 @@ class RepoConfig:
     auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
     error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
+    # after such a compaction, files no version of the last this-many hours uses are deleted (Delta's
+    # default retention, 7 days): exports of older versions then no longer reproduce. None: never
+    vacuum_after_hours: int | None = 168
     offline_engine: str = "local"   # where point-in-time joins and exports run: local (DuckDB) or ray
     ray_address: str | None = None  # the Ray cluster (host:port); None: a local one
-    ray_partitions: int = 0         # hash partitions per view; 0: twice the cluster's CPUs
+    ray_partitions: int = 0         # hash partitions per view; 0: one per cluster CPU (at least 2)
 
     @property
     def embedded_redis(self) -> bool:
@@ -99,6 +102,7 @@ class RepoConfig:
             error_format=_choice((raw.get("server") or {}).get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"),
             max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
             compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
+            vacuum_after_hours=_hours_or_never((raw.get("offline_store") or {}).get("vacuum_after_hours", 168), f"{file}: offline_store.vacuum_after_hours"),
             buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
             offline_engine=_choice(os.environ.get("FEATURESTORE_OFFLINE_ENGINE") or (raw.get("offline_store") or {}).get("engine", "local"),
                                    ("local", "ray"), f"{file}: offline_store.engine"),
@@ -151,7 +155,8 @@ _KEYS = {
     "server": {"max_request_bytes", "auth", "errors"},
     "online_store": {"url", "type", "nodes", "read_from_replicas", "max_request_entities", "expire_after_ttl", "event_retention",
                      "read_timeout_ms"},
-    "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files", "engine", "ray_address", "ray_partitions"},
+    "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files", "vacuum_after_hours", "engine", "ray_address",
+                      "ray_partitions"},
 }
 
 
@@ -186,6 +191,14 @@ def _api_keys(auth: object, file: Path) -> "list[ApiKey] | None":
 def _positive_int(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FeatureStoreError(f"{where}: {value!r} is not a whole number >= 1")
+    return value
+
+
+def _hours_or_never(value: object, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FeatureStoreError(f"{where}: {value!r} is not a whole number of hours >= 0, or null (never)")
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from datetime import datetime, timedelta, timezone
 
@@ -93,3 +94,29 @@ def test_compaction_merges_small_files_and_keeps_history(make_store, tmp_path):
     dates = {(NOW - timedelta(minutes=i)).date() for i in range(10, 16)}  # one file per event-date partition (2 just after midnight)
     assert report["activity"]["files_after"] == len(dates) < report["activity"]["files_before"]
     assert _counts(store)[0] == before
+
+
+
+def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_reproduce(make_store, tmp_path):
+    """Issue #8: compaction was automatic but vacuum only a command, so replaced files piled up.
+    With ``vacuum_after_hours``, each automatic compaction deletes what earlier ones replaced;
+    reproducing an export whose version lost its files is a clear error, not a DuckDB IO error."""
+    import subprocess
+    import sys
+
+    store = make_store(FEATURES + 'from featurestore import FeatureService\nsvc = FeatureService(name="svc", features=[activity[["count_1h"]]])\n')
+    store.config.compact_after_files, store.config.vacuum_after_hours = 3, 0
+    store.push_buffer.max_rows = 1  # every push commits a file
+    for i in range(20, 24):
+        store.push("payments", _frame([_payment(i)]), to="offline")
+    store.export_training_dataset(pd.DataFrame({"card_id": [1], "event_timestamp": [NOW]}), "svc", tmp_path / "v1")
+    for i in range(24, 32):  # more compactions, each deleting what the earlier ones replaced
+        store.push("payments", _frame([_payment(i)]), to="offline")
+    table_dir = store.offline_store.table_path("activity")
+    assert len(list(table_dir.rglob("*.parquet"))) <= store.offline_store.file_count("activity") + 3  # no pile of old files
+    assert _counts(store)[0] == [12]  # every pushed row still in the history
+    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "export", "--repo", str(store.config.repo_path),
+                             "--from-manifest", str(tmp_path / "v1" / "manifest.json"), "--out", str(tmp_path / "v2")],
+                            capture_output=True, text=True, env={**os.environ, "REDIS_URL": store.config.online_url})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "lost" in result.stderr and "to a vacuum" in result.stderr and "export again from the current version" in result.stderr

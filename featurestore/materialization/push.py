@@ -172,6 +172,8 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
         offline.append(name, rows)
         if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
             offline.compact(name)
+            if config.vacuum_after_hours is not None:  # and delete what compactions replaced long enough ago
+                offline.vacuum(name, config.vacuum_after_hours)
 
     def resend(target: str, rows: pa.Table) -> None:
         view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,8 +23,19 @@ from deltalake import DeltaTable, write_deltalake
 from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, create_table_with_add_actions
 
+from featurestore.errors import FeatureStoreError
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.sources import connection, ident, quote
+
+
+def _require_files(view: str, version: int, uris: list[str]) -> None:
+    """A pinned version's files are all on disk (a vacuum deletes those only old versions use)."""
+    gone = [u for u in uris if "://" not in u.removeprefix("file://") and not os.path.exists(u.removeprefix("file://"))]
+    if gone:
+        raise FeatureStoreError(
+            f"the history of {view!r} at version {version} lost {len(gone)} file(s) to a vacuum (offline_store.vacuum_after_hours, "
+            f"`featurestore compact --vacuum-hours`), e.g. {gone[0]}; rows as of that version cannot be read back, so "
+            "this export cannot be reproduced: export again from the current version")
 
 
 class DeltaOfflineStore:
@@ -129,6 +141,8 @@ class DeltaOfflineStore:
     def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
         table = self._table(view, version)
         files = table.file_uris() if table is not None else []
+        if version is not None:
+            _require_files(view, version, files)
         if not files:
             con.register(name, schema.empty_table())
             return table.version() if table is not None else None
