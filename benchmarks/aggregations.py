@@ -8,7 +8,8 @@ side runs in a fresh process, so wall time and peak RSS are its own.
 Online: an SDK lookup of 1 card × 5 aggregates (each card has ~10 events in its 7 d window)
 against a plain latest-value lookup of 1 entity × 5 features, timed in alternating blocks;
 one-event pushes in-process and over HTTP (a feature server process), to Redis only and to both
-stores; and sustained ingest with pushes of 1,000 events.
+stores; sustained ingest with pushes of 1,000 events; and lookups of heavy cards (1,000, 10,000
+and 50,000 events in the 7 d window).
 
     python benchmarks/aggregations.py                          # full size
     python benchmarks/aggregations.py --events 500000 --entity-rows 100000 --cards 10000
@@ -220,11 +221,27 @@ def online(args: argparse.Namespace) -> None:
                 store.push("payments", table, to=to)
             store.flush()
             ingest[to] = batch * batches / (time.perf_counter() - t0)
+        # heavy cards, last (their big pushes would disturb the timings above): a lookup reads
+        # every event of the longest window
+        heavy: dict[int, dict] = {}
+        for k, n in enumerate((1_000, 10_000, 50_000)):
+            card = n_cards + 1 + k
+            ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
+            store.push("payments", pa.table({
+                "tx_id": np.arange(n, dtype=np.int64) + (k + 1) * 10**9, "card_id": np.full(n, card),
+                "amount": np.round(rng.lognormal(3.5, 1.1, n), 2), "event_timestamp": pa.array(ts, TS)}), to="online")
+            times = []
+            for _ in range(max(10, 20_000 // n)):
+                t0 = time.perf_counter()
+                store.get_online_features([{"card_id": card}], features=agg_refs)
+                times.append(time.perf_counter() - t0)
+            heavy[n] = percentiles(times)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
     print(f"  1 entity x 5 latest       p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms  (n={lat['n']})")
     print(f"  ratio aggregates / latest: p50 {agg['p50'] / lat['p50']:.2f}x, p99 {agg['p99'] / lat['p99']:.2f}x")
+    print("  1 heavy card x 5 aggregates: " + ", ".join(f"{n:,} events in 7 d p50 {p['p50']:.2f} ms" for n, p in heavy.items()))
     for to, times in push_times.items():
         push = percentiles(times)
         print(f"  push 1 event to {to:<18} in-process  p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")

@@ -254,3 +254,42 @@ def test_bad_aggregations_are_reported(make_store, change, message):
     store = make_store(features, apply=False)
     with pytest.raises(DefinitionError, match=message.replace("(", r"\(").replace(")", r"\)")):
         store.definitions
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(st.tuples(
+    st.integers(-3, 3), st.integers(-2**62, 2**62), st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)),
+    st.one_of(st.none(), st.floats(width=32)), st.one_of(st.none(), st.floats()), st.one_of(st.none(), st.booleans()),
+    st.one_of(st.none(), st.integers(-10**15, 10**15))), max_size=40),
+    low=st.integers(-4, 2), high=st.integers(-2, 4), with_text=st.booleans())
+def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, high, with_text):
+    """Online aggregations decode an entity's events as one numpy record array when the view has
+    only fixed-width columns: the same events, order ((time, id), equal times included), values,
+    nulls, NaN, float32 and bool as the one-by-one decoder after ``events_between``."""
+    import numpy as np
+
+    from featurestore.online.codec import encode_events, events_between, make_decoder, make_events_decoder
+    from featurestore.types import from_name
+
+    names = ["Int32", "Float32", "Float64", "Bool", "UnixTimestamp", *(["String"] if with_text else [])]
+    features = [(f"c{k}", from_name(n)) for k, n in enumerate(names)]
+    us = pa.timestamp("us", tz="UTC")
+    table = pa.table({
+        "event_timestamp": pa.array([e[0] for e in events], pa.int64()).cast(us),
+        "created_timestamp": pa.array([0] * len(events), pa.int64()).cast(us),
+        "_run_id": pa.array([1] * len(events), pa.int64()), "_row_id": pa.array(range(len(events)), pa.int64()),
+        "c0": pa.array([e[2] for e in events], pa.int32()), "c1": pa.array([e[3] for e in events], pa.float32()),
+        "c2": pa.array([e[4] for e in events], pa.float64()), "c3": pa.array([e[5] for e in events], pa.bool_()),
+        "c4": pa.array([e[6] for e in events], pa.int64()).cast(us),
+        **({"c5": pa.array([None if e[2] is None else str(e[2]) for e in events], pa.string())} if with_text else {}),
+    })
+    members = encode_events(table, features, np.array([e[1] for e in events], dtype=np.int64)).to_pylist()
+    wanted = list(range(len(features)))
+    times, columns = make_events_decoder(features, wanted, at_once_from=0)(members, low, high)
+    one = make_decoder(features, wanted)
+    expected = [one(m[8:]) for m in events_between(members, low, high)]
+    same = lambda a, b: a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert times == [t for t, _ in expected]
+    for k in wanted:
+        got, want = columns[k], [row[k] for _, row in expected]
+        assert len(got) == len(want) and all(same(a, b) and type(a) is type(b) for a, b in zip(got, want)), (names[k], got, want)

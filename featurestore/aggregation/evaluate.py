@@ -9,6 +9,7 @@ is NaN if any value is, ``min`` only if all are), distinct counts treat NaNs as 
 
 from __future__ import annotations
 
+import bisect
 import math
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -22,8 +23,23 @@ _MICRO = timedelta(microseconds=1)
 Event = tuple[int, list[Any]]  # (event µs, stored column values in schema order)
 
 
-def _nan_last(value: Any) -> tuple[bool, Any]:
-    return (isinstance(value, float) and math.isnan(value), value)
+def _has_nan(values: list[Any]) -> bool:
+    return isinstance(values[0], float) and any(map(math.isnan, values))  # a column holds one type
+
+
+def _min(values: list[Any]) -> Any:
+    """The smallest number, NaN only if all are (the first of equals, as ``min``)."""
+    if not values or not _has_nan(values):
+        return min(values) if values else None
+    numbers = [v for v in values if not math.isnan(v)]
+    return min(numbers) if numbers else values[0]
+
+
+def _max(values: list[Any]) -> Any:
+    """The largest number, NaN (the first) if any is."""
+    if not values or not _has_nan(values):
+        return max(values) if values else None
+    return next(v for v in values if math.isnan(v))
 
 
 def _distinct_key(value: Any) -> Any:
@@ -52,8 +68,8 @@ _REDUCERS: dict[str, Callable[[list[Any], Aggregation], Any]] = {
     "count_distinct": lambda vs, a: len({_distinct_key(v) for v in vs}),
     "sum": lambda vs, a: _fsum(vs),
     "mean": lambda vs, a: _fsum([float(v) for v in vs]) / len(vs),
-    "min": lambda vs, a: min(vs, key=_nan_last) if vs and not all(_nan_last(v)[0] for v in vs) else (vs[0] if vs else None),
-    "max": lambda vs, a: max(vs, key=_nan_last) if vs else None,
+    "min": lambda vs, a: _min(vs),
+    "max": lambda vs, a: _max(vs),
     "variance": lambda vs, a: _variance(vs),
     "stddev": lambda vs, a: None if (var := _variance(vs)) is None else math.sqrt(var),
     "last": lambda vs, a: vs[-1] if vs else None,
@@ -74,30 +90,39 @@ class WindowEvaluator:
         self.aggregations = list(aggregations)
         self.windows_us = [a.window // _MICRO for a in self.aggregations]
         self.longest_us = max(self.windows_us)
-        # per aggregation: index of its column (None: the event itself), and its filter
+        # per aggregation: index of its column (None: the event itself), and its filter (column index, test, value)
         self.columns = [columns.index(a.column) if a.column else None for a in self.aggregations]
-        self.filters: list[Callable[[list[Any]], bool] | None] = []
-        for a in self.aggregations:
-            if a.where is None:
-                self.filters.append(None)
-                continue
-            column, op, value = a.where
-            i, test = columns.index(column), _OPS[op]
-            self.filters.append(lambda row, i=i, test=test, value=value: row[i] is not None and bool(test(row[i], value)))
+        self.filters: list[tuple[int, Callable[[Any, Any], bool], Any] | None] = [
+            None if a.where is None else (columns.index(a.where[0]), _OPS[a.where[1]], a.where[2]) for a in self.aggregations]
+        self.needed = sorted({c for c in self.columns if c is not None} | {f[0] for f in self.filters if f is not None})
         self.empty = [_empty(a, view.field(a.output_name).dtype.name) for a in self.aggregations]
 
-    def evaluate(self, events: Sequence[Event], now_us: int) -> tuple[list[Any], list[str]]:
-        """Values and statuses at ``now_us``: NOT_FOUND when the window has no events (the value
-        is then the function's empty value), NULL_VALUE when it has some but the result is null."""
+    def evaluate(self, times: list[int], columns: dict[int, list[Any]], now_us: int) -> tuple[list[Any], list[str]]:
+        """Values and statuses at ``now_us`` of events given as columns (``times`` ascending, as
+        ``codec.events_between`` orders them; ``columns``: stored column index -> values, at least
+        ``needed``). NOT_FOUND when the window has no events (the value is then the function's
+        empty value), NULL_VALUE when it has some but the result is null."""
         values, statuses = [], []
-        for agg, window, column, keep, empty in zip(self.aggregations, self.windows_us, self.columns, self.filters, self.empty):
-            low = now_us - window
-            rows = [row for ts, row in events if low < ts <= now_us and (keep is None or keep(row))]
-            if not rows:
+        end = bisect.bisect_right(times, now_us)
+        for agg, window, column, where, empty in zip(self.aggregations, self.windows_us, self.columns, self.filters, self.empty):
+            start = bisect.bisect_right(times, now_us - window, 0, end)  # the window is (now - window, now]
+            picked = columns[column][start:end] if column is not None else None
+            if where is None:
+                count = end - start
+            else:
+                i, test, value = where
+                kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
+                count = sum(kept)
+                if picked is not None:
+                    picked = [v for v, keep in zip(picked, kept) if keep]
+            if not count:
                 values.append(empty)
                 statuses.append(NOT_FOUND)
                 continue
-            picked = [1] * len(rows) if column is None else [row[column] for row in rows if row[column] is not None]
+            if picked is None:
+                picked = [1] * count
+            elif None in picked:
+                picked = [v for v in picked if v is not None]
             value = _REDUCERS[agg.function](picked, agg) if picked else empty
             values.append(value)
             statuses.append(NULL_VALUE if value is None else PRESENT)

@@ -20,7 +20,7 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.online.codec import (
-    EPOCH, datetime_to_micros, entity_key, events_between, events_key, key_prefix, key_text, make_decoder, micros_to_datetime,
+    EPOCH, datetime_to_micros, entity_key, events_key, key_prefix, key_text, make_decoder, make_events_decoder, micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
@@ -159,7 +159,7 @@ class _WindowPlan:
     request: ViewRequest
     keyset: tuple[str, ...]
     key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> events key
-    decode: Callable[[bytes], tuple[int, list[Any]]]
+    decode: Callable[[list[bytes], int, int], tuple[list[int], dict[int, list[Any]]]]  # (members, low, high) -> (times, columns)
     evaluator: WindowEvaluator
 
 
@@ -203,10 +203,8 @@ class QueryTemplate:
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
                 events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
-                windows.append(_WindowPlan(
-                    req, keyset, events_of, make_decoder(stored, range(len(stored))),
-                    WindowEvaluator(req.view, [by_name[f] for f in req.features]),
-                ))
+                evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
+                windows.append(_WindowPlan(req, keyset, events_of, make_events_decoder(stored, evaluator.needed), evaluator))
                 continue
             if keyset not in groups:
                 groups[keyset] = _Group(keyset, [], _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}))
@@ -319,7 +317,7 @@ class OnlineQuery:
             statuses += st
             times += t
         if template.windows:
-            events = [events_between(found, low, high) for found, (_, low, high) in zip(raw[len(self.lookups):], self.ranges)]
+            events = raw[len(self.lookups):]  # per range key, every member Redis holds
             for window, slots in zip(template.windows, self.range_slots):
                 v, st, t = self._window_columns(window, slots, events, now_us)
                 values += v
@@ -364,9 +362,10 @@ class OnlineQuery:
         for pos in slots:
             result = results.get(pos)
             if result is None:
-                decoded = [decode(member[8:]) for member in events[pos]]
-                vals, stats = evaluate(decoded, now_us)
-                newest = micros_to_datetime(decoded[-1][0]) if decoded else None
+                _, low, high = self.ranges[pos]
+                times, columns = decode(events[pos], low, high)
+                vals, stats = evaluate(times, columns, now_us)
+                newest = micros_to_datetime(times[-1]) if times else None
                 result = results[pos] = (vals, stats, newest)
             row_values.append(result[0])
             row_statuses.append(result[1])
