@@ -176,7 +176,7 @@ class QueryTemplate:
     order: list[int] | None = field(init=False)       # views' then windows' columns -> request order (None: already)
 
     def __post_init__(self) -> None:
-        plans = [*self.views, *self.windows]
+        plans: list[_ViewPlan | _WindowPlan] = [*self.views, *self.windows]
         positions = [p for plan in plans for p in plan.request.positions]
         order = sorted(range(len(positions)), key=positions.__getitem__)
         self.order = None if order == list(range(len(positions))) else order
@@ -327,10 +327,9 @@ class OnlineQuery:
         if order is not None:
             values, statuses, times = [values[i] for i in order], [statuses[i] for i in order], [times[i] for i in order]
         keys = len(self.key_columns)
-        response = OnlineResponse(
-            list(template.names), [list(c) for c in self.key_columns] + values,
-            [[PRESENT] * n for _ in range(keys)] + statuses, [[None] * n for _ in range(keys)] + times,
-        )
+        no_times: list[list[datetime | None]] = [[None] * n for _ in range(keys)]  # join keys have no event time
+        response = OnlineResponse(list(template.names), [list(c) for c in self.key_columns] + values,
+                                  [[PRESENT] * n for _ in range(keys)] + statuses, no_times + times)
         return self._with_on_demand(response) if self.on_demand is not None else response
 
     def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
