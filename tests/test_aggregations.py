@@ -263,15 +263,15 @@ def test_bad_aggregations_are_reported(make_store, change, message):
     st.one_of(st.none(), st.integers(-10**15, 10**15))), max_size=40),
     low=st.integers(-4, 2), high=st.integers(-2, 4), with_text=st.booleans())
 def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, high, with_text):
-    """Online aggregations decode an entity's events as one numpy record array when the view has
-    only fixed-width columns: the same events, order ((time, id), equal times included), values,
-    nulls, NaN, float32 and bool as the one-by-one decoder after ``events_between``."""
+    """Online aggregations decode an entity's events at once (their heads as one numpy record
+    array): the same events, order ((time, id), equal times included), values, nulls, NaN,
+    float32, bool, strings, bytes and arrays as the one-by-one decoder after ``events_between``."""
     import numpy as np
 
     from featurestore.online.codec import encode_events, events_between, make_decoder, make_events_decoder
     from featurestore.types import from_name
 
-    names = ["Int32", "Float32", "Float64", "Bool", "UnixTimestamp", *(["String"] if with_text else [])]
+    names = ["Int32", "Float32", "Float64", "Bool", "UnixTimestamp", *(["String", "Bytes", "Array(Float64)"] if with_text else [])]
     features = [(f"c{k}", from_name(n)) for k, n in enumerate(names)]
     us = pa.timestamp("us", tz="UTC")
     table = pa.table({
@@ -281,7 +281,9 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
         "c0": pa.array([e[2] for e in events], pa.int32()), "c1": pa.array([e[3] for e in events], pa.float32()),
         "c2": pa.array([e[4] for e in events], pa.float64()), "c3": pa.array([e[5] for e in events], pa.bool_()),
         "c4": pa.array([e[6] for e in events], pa.int64()).cast(us),
-        **({"c5": pa.array([None if e[2] is None else str(e[2]) for e in events], pa.string())} if with_text else {}),
+        **({"c5": pa.array([None if e[2] is None else str(e[2]) for e in events], pa.string()),
+            "c6": pa.array([None if e[5] is None else bytes([e[0] % 256]) * ((e[2] or 0) % 5) for e in events], pa.binary()),
+            "c7": pa.array([None if e[3] is None else [e[4], e[3]] for e in events], pa.list_(pa.float64()))} if with_text else {}),
     })
     members = encode_events(table, features, np.array([e[1] for e in events], dtype=np.int64)).to_pylist()
     wanted = list(range(len(features)))
