@@ -20,8 +20,6 @@ PRESENT, NOT_FOUND, NULL_VALUE = "PRESENT", "NOT_FOUND", "NULL_VALUE"
 
 _MICRO = timedelta(microseconds=1)
 
-Event = tuple[int, list[Any]]  # (event µs, stored column values in schema order)
-
 
 def _has_nan(values: list[Any]) -> bool:
     return isinstance(values[0], float) and any(map(math.isnan, values))  # a column holds one type
