@@ -209,7 +209,8 @@ def compact(
                                                           "(exports from those versions can then no longer be reproduced)."),
     repo: Path = RepoOption,
 ) -> None:
-    """Merge small history files (pushes commit many); optionally vacuum old ones."""
+    """Merge small history files (pushes commit many); optionally vacuum old ones. Pushes do both on
+    their own past offline_store.compact_after_files and vacuum_after_hours (featurestore.yaml)."""
     with _store(repo) as store:
         for name, r in store.compact(views or None, vacuum_hours).items():
             console.print(f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed", markup=False)
