@@ -179,6 +179,52 @@ def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(own_redis):
     assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
 
 
+def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_cancel(tmp_path, monkeypatch):
+    """One watchdog timer times out every batch in flight: concurrent lookups on a hung Redis all
+    fail as unavailable within 1.25x the read timeout; a caller's own cancellation stays a
+    cancellation (not a timeout); nothing is left tracked; the store reads again after recovery."""
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from featurestore.errors import OnlineStoreUnavailable
+    from featurestore.retrieval.online import OnlineQuery
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    server = EmbeddedRedis(tmp_path / "own-redis")
+    root = write_repo(tmp_path / "repo", DEFS, url=server.ensure_running())
+    try:
+        with FeatureStore(root) as store:
+            store.apply()
+            store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]})
+            query = OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [1]}, ["spend:amount"], None, False)
+            online, timeout = store.online_store, store.config.read_timeout_ms / 1000
+
+            async def scenario() -> None:
+                assert (await online.read_async(query.lookups, query.ranges))[0] is not None  # connected
+                os.kill(server.redis_pid(), signal.SIGSTOP)
+                try:
+                    started = time.monotonic()
+                    results = await asyncio.gather(*(online.read_async(query.lookups, query.ranges) for _ in range(5)),
+                                                   return_exceptions=True)
+                    took = time.monotonic() - started
+                    assert all(isinstance(r, OnlineStoreUnavailable) for r in results), results
+                    assert timeout <= took <= 1.25 * timeout + 0.3, took
+                    with pytest.raises(asyncio.TimeoutError):  # the caller's deadline, shorter than ours
+                        await asyncio.wait_for(online.read_async(query.lookups, query.ranges), timeout / 10)
+                finally:
+                    os.kill(server.redis_pid(), signal.SIGCONT)
+                await asyncio.sleep(0)
+                assert (await online.read_async(query.lookups, query.ranges))[0] is not None  # no restart needed
+                batched = online._batched
+                assert not batched._deadlines and not batched._expired
+
+            asyncio.run(asyncio.wait_for(scenario(), 30))  # bounded, should the watchdog fail
+    finally:
+        server.stop()
+
+
 def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
     import time
 

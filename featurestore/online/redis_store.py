@@ -189,7 +189,7 @@ class BatchedReads:
     auto-pipelining). Under concurrent requests the server and Redis then wake once per batch,
     not once per lookup. The first lookup of a turn yields once, then sends the batch and hands
     the others their replies. At most ``MAX_ASYNC_READS`` batches are in flight (connections in
-    use); a batch fails after ``timeout`` seconds (TimeoutError: an OSError)."""
+    use); a batch fails after ``timeout`` to 1.25x ``timeout`` seconds (TimeoutError: an OSError)."""
 
     Batch = list[tuple[bytes, int, "asyncio.Future | None"]]  # (commands, reply count, joiner's future; None: the sender's)
 
@@ -197,6 +197,9 @@ class BatchedReads:
         self.readers, self.timeout = readers, timeout
         self._pending: BatchedReads.Batch | None = None
         self._slots = asyncio.Semaphore(MAX_ASYNC_READS)
+        self._deadlines: dict[asyncio.Task, float] = {}  # sending tasks -> loop time they time out at
+        self._expired: set[asyncio.Task] = set()         # those the watchdog cancelled
+        self._watching = False
 
     async def read(self, packed: bytes, count: int) -> list:
         """The ``count`` replies to the commands in ``packed``."""
@@ -218,8 +221,15 @@ class BatchedReads:
     async def _exchange(self, batch: "BatchedReads.Batch") -> list:
         """Send ``batch``; resolve every joiner's future, whatever happens; return the sender's replies."""
         own: list = []
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        self._deadlines[task] = loop.time() + self.timeout
+        if not self._watching:
+            self._watching = True
+            loop.call_later(self.timeout / 4, self._watch, loop)
         try:
-            async with self._slots, asyncio.timeout(self.timeout):
+            async with self._slots:
                 connection = self.readers.take()
                 try:
                     await connection.send_packed_command([packed for packed, _, _ in batch], check_health=False)
@@ -239,16 +249,44 @@ class BatchedReads:
                     raise
                 if not self.readers.give_back(connection):
                     await connection.disconnect()
+        except asyncio.CancelledError:
+            del self._deadlines[task]  # (the watchdog must not cancel the clean-up)
+            if task not in self._expired:  # the caller's cancellation: a joiner retries once on a ConnectionError
+                await self._abandon(batch, redis.ConnectionError("the batch's sender was cancelled"))
+                raise
+            self._expired.discard(task)  # the watchdog's: a timeout (an OSError), for the sender and its joiners
+            task.uncancel()
+            timeout = TimeoutError(f"Redis did not answer within {self.timeout:g} s")
+            await self._abandon(batch, timeout)
+            raise timeout from None
         except BaseException as exc:
-            for idle in self.readers.drain():  # connected to the same server: as stale
-                await idle.disconnect()
-            # a joiner retries once on a ConnectionError: so it does when the sender was cancelled
-            _fail(batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was cancelled"))
+            del self._deadlines[task]
+            await self._abandon(batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was stopped"))
             raise
+        self._deadlines.pop(task)
         error = _first_error(own)
         if error is not None:
             raise error
         return own
+
+    async def _abandon(self, batch: "BatchedReads.Batch", error: Exception) -> None:
+        for idle in self.readers.drain():  # connected to the same server: as stale
+            await idle.disconnect()
+        _fail(batch, error)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cancel the batches past their deadline. One timer for all batches in flight (an
+        ``asyncio.timeout`` per batch cost ~4 µs of a lookup's ~80): a batch times out within
+        1.25x ``timeout``."""
+        now = loop.time()
+        for task, deadline in list(self._deadlines.items()):
+            if deadline <= now and task not in self._expired:
+                self._expired.add(task)
+                task.cancel()
+        if self._deadlines:
+            loop.call_later(self.timeout / 4, self._watch, loop)
+        else:
+            self._watching = False
 
 
 def _fail(batch: "BatchedReads.Batch", error: Exception) -> None:
