@@ -39,7 +39,7 @@ class RepoConfig:
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
-    read_timeout_ms: int = 500  # servers' Redis reads: past it a request gets a 503 (an outage never hangs them)
+    read_timeout_ms: int = 500  # servers' Redis reads: past it (checked every quarter of it) a request gets a 503 (an outage never hangs them)
     read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master by a moment)
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     # rows whose event time is further ahead of the ingest time are rejected until due
