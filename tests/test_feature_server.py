@@ -182,7 +182,8 @@ def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(own_redis):
 def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_cancel(tmp_path, monkeypatch):
     """One watchdog timer times out every batch in flight: concurrent lookups on a hung Redis all
     fail as unavailable within 1.25x the read timeout; a caller's own cancellation stays a
-    cancellation (not a timeout); nothing is left tracked; the store reads again after recovery."""
+    cancellation (not a timeout); nothing is left tracked; the store reads again after recovery;
+    all of it in an event loop after another one closed."""
     import asyncio
     import os
     import signal
@@ -201,8 +202,11 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
             query = OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [1]}, ["spend:amount"], None, False)
             online, timeout = store.online_store, store.config.read_timeout_ms / 1000
 
+            async def connect() -> None:
+                assert (await online.read_async(query.lookups, query.ranges))[0] is not None
+
             async def scenario() -> None:
-                assert (await online.read_async(query.lookups, query.ranges))[0] is not None  # connected
+                await connect()
                 os.kill(server.redis_pid(), signal.SIGSTOP)
                 try:
                     started = time.monotonic()
@@ -220,6 +224,7 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
                 batched = online._batched
                 assert not batched._deadlines and not batched._expired
 
+            asyncio.run(connect())  # an earlier event loop, closed with the watchdog's timer pending
             asyncio.run(asyncio.wait_for(scenario(), 30))  # bounded, should the watchdog fail
     finally:
         server.stop()

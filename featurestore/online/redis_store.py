@@ -327,6 +327,7 @@ class RedisOnlineStore:
         self._async: aioredis.Redis | None = None
         self._readers: ReadConnections | None = None
         self._batched: BatchedReads | None = None
+        self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves
         self._scripts = {name: Script(code) for name, code in
                          (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
         self._recovering: asyncio.Future | None = None
@@ -419,15 +420,18 @@ class RedisOnlineStore:
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """``read`` on the event loop, batched with the other lookups of the same loop turn."""
-        if self._batched is None:
+        loop = asyncio.get_running_loop()
+        if self._batched is None or self._batched_loop is not loop:  # connections and timers belong to one loop
             pool = self.async_client.connection_pool
-            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): one per batch
+            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): BatchedReads' watchdog
             untimed = {**pool.connection_kwargs, "socket_timeout": None}
             self._batched = BatchedReads(ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000)
+            self._batched_loop = loop
+        batched = self._batched
         packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
         for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:
-                return await self._batched.read(packed, count)
+                return await batched.read(packed, count)
             except UNAVAILABLE as exc:
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
