@@ -183,12 +183,16 @@ class Materializer:
     def write_pushed(self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer) -> int:
         """Pushed history rows: Redis synchronously, history through the durable buffer (no
         registry state); returns the rows written online."""
-        segment = buffer.append(f"view:{view.history_table}", rows, online_pending=online) if offline else None
         written = 0
-        if online:
+
+        def write_online() -> None:
+            nonlocal written
             written = self.write_online(view, rows, now)
-            if segment is not None:
-                buffer.confirm_online(segment)
+
+        if offline:
+            buffer.append(f"view:{view.history_table}", rows, meanwhile=write_online if online else None)
+        elif online:
+            write_online()
         return written
 
     def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:

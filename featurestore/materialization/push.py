@@ -93,16 +93,18 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
         except BadRowsError as exc:
             raise RequestError(str(exc)) from exc
     online = [(view, rows) for view, rows in typed if "online" in to and view.online]
-    segment = None
+
+    def write_online() -> None:
+        for view, rows in online:
+            materializer.write_online(view, rows, now)
+
     if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
         # one segment for the source's log and its views' history: one fsync, not one per target
         parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
-        segment = buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table},
-                                      online_pending=bool(online), retry=ingested != now)
-    for view, rows in online:
-        materializer.write_online(view, rows, now)
-    if segment is not None and online:
-        buffer.confirm_online(segment)
+        buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table}, retry=ingested != now,
+                            meanwhile=write_online if online else None)
+    else:
+        write_online()
     flush(materializer, buffer, only_due=True)
     return table.num_rows
 

@@ -17,6 +17,14 @@ Delta app transaction (``featurestore-buffer``, version = the newest segment's s
 drain that crashed after its commit but before deleting its segments never appends them twice.
 A log is written from its own lane only, so those versions only grow.
 
+The online write runs while the segment's fsync is in flight, once its bytes are written
+(in the page cache): a killed process leaves a complete ``pending`` segment. A segment torn by
+a writer killed mid-write (or a power loss before its fsync) was acknowledged to no one and
+its rows never reached Redis; ``drain`` sets it aside (``.torn``) and says so. The one
+exception: a power loss in the ~0.3 ms between the online write and the end of the fsync, if
+Redis persisted the rows in that time (the embedded server fsyncs its log every second), leaves
+them in Redis only, unacknowledged.
+
 Concurrency: writers take a shared lock while writing a segment, ``drain`` an exclusive one,
 so a drain sees only complete segments and no two drains commit the same segment.
 """
@@ -25,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,6 +44,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 APP_ID = "featurestore-buffer"
+log = logging.getLogger(__name__)
 
 
 class PushBuffer:
@@ -68,39 +79,53 @@ class PushBuffer:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def append(self, target: str, rows: pa.Table, online_pending: bool = False, retry: bool = False) -> Path:
-        """Write rows durably as a new segment; ``online_pending``: Redis has not confirmed them yet;
-        ``retry``: they may have been written by an earlier attempt."""
-        return self.append_parts(target, {target: rows}, online_pending, retry)
+    def append(self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None) -> Path:
+        """Write rows durably as a new segment (see ``append_parts``)."""
+        return self.append_parts(target, {target: rows}, retry, meanwhile)
 
-    def append_parts(self, lane: str, parts: dict[str, pa.Table], online_pending: bool = False, retry: bool = False) -> Path:
-        """One segment in ``lane`` holding rows for several targets (``{target: rows}``): a push to
-        a source's log and its views pays one file and one directory fsync, not one of each per target."""
+    def append_parts(self, lane: str, parts: dict[str, pa.Table], retry: bool = False,
+                     meanwhile: Callable[[], object] | None = None) -> Path:
+        """Write one segment in ``lane`` holding rows for several targets (``{target: rows}``): a
+        push to a source's log and its views pays one file and one fsync, not one per target.
+        Returns once it is durable. ``meanwhile``: the online write of the same rows, run while the
+        fsync is in flight (a fsync is half a push's time); the segment is ``pending`` until it
+        returns. ``retry``: the rows may have been written by an earlier attempt."""
         single = list(parts) == [lane]
         table = parts[lane] if single else pa.table({
             "target": list(parts), "rows": pa.array([_ipc_bytes(rows) for rows in parts.values()], pa.large_binary())},
             metadata={PARTS: "1"})
         rows = max(t.num_rows for t in parts.values())
+        sink = pa.BufferOutputStream()
+        with ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
         with self._lock(lane, exclusive=False):
             seq = self._last_seq = max(time.time_ns(), self._last_seq + 1)
-            state = "pending" if online_pending else "ready"
-            # the name carries the row count, so checking the bounds opens no file
+            state = "ready" if meanwhile is None else "pending"
+            # the name carries the row count, so checking the bounds opens no file. Written under
+            # its final name: a writer killed mid-write leaves a torn segment, which no caller was
+            # told is durable, whose rows Redis never got, and which ``drain`` sets aside
             path = self._dir(lane) / f"{seq:020d}-{os.getpid()}-{rows}{'-retry' if retry else ''}.{state}.arrow"
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                with ipc.new_file(f, table.schema) as writer:
-                    writer.write_table(table)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-            self._buffered[lane] = self._buffered.get(lane, 0) + rows
-            return path
-
-    @staticmethod
-    def confirm_online(segment: Path) -> None:
-        """The segment's rows are in Redis: drains need not re-send them."""
-        os.replace(segment, segment.with_name(segment.name.replace(".pending.", ".ready.")))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                data = memoryview(sink.getvalue())
+                while data:
+                    data = data[os.write(fd, data):]
+            except BaseException:  # (a full disk): no segment
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+        self._buffered[lane] = self._buffered.get(lane, 0) + rows
+        # the online write goes to a thread and this one waits in fsync, which releases the GIL
+        # (the other way round, the fsync thread would wait for the GIL until Redis answers)
+        written = _helper().submit(meanwhile) if meanwhile is not None else None
+        try:
+            _fsync_and_close(fd, path.parent)
+        finally:
+            if written is not None:
+                written.result()
+        if meanwhile is not None:
+            os.replace(path, path.with_name(path.name.replace(".pending.", ".ready.")))  # re-sent by no drain
+        return path
 
     def segments(self, target: str) -> list[Path]:
         folder = self._dir(target)
@@ -128,18 +153,27 @@ class PushBuffer:
         ``resend_online(target, rows)`` first."""
         with self._lock(lane, exclusive=True):
             segments = self.segments(lane)
-            if not segments:
-                return 0
             by_target: dict[str, list[pa.Table]] = {}
             pending: dict[str, list[pa.Table]] = {}
-            for segment in segments:
-                for target, rows in _read(segment, lane):
+            for segment in list(segments):
+                try:
+                    parts = _read(segment, lane)
+                except (pa.ArrowInvalid, OSError) as exc:
+                    torn = segment.with_name(segment.name + ".torn")
+                    os.replace(segment, torn)
+                    segments.remove(segment)
+                    log.warning("buffer segment %s is unreadable (%s): its writer died before finishing it, so no "
+                                "push returned with it; set aside as %s", segment.name, exc, torn.name)
+                    continue
+                for target, rows in parts:
                     by_target.setdefault(target, []).append(rows)
                     if ".pending." in segment.name:
                         pending.setdefault(target, []).append(rows)
             if resend_online is not None:
                 for target, tables in pending.items():
                     resend_online(target, pa.concat_tables(tables, promote_options="default"))
+            if not segments:
+                return 0
             newest, retried = int(segments[-1].name.split("-")[0]), any(s.name.split(".")[0].endswith("-retry") for s in segments)
             total = 0
             for target, tables in by_target.items():
@@ -185,9 +219,33 @@ def _read(path: Path, lane: str) -> list[tuple[str, pa.Table]]:
             for target, payload in zip(table["target"].to_pylist(), table["rows"].to_pylist())]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_and_close(fd: int, folder: Path) -> None:
+    """Make a new segment durable: its bytes, then its name."""
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    folder_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(folder_fd)
+    finally:
+        os.close(folder_fd)
+
+
+_HELPER: ThreadPoolExecutor | None = None
+
+
+def _helper() -> ThreadPoolExecutor:
+    """The process's threads for online writes made while a segment is fsynced."""
+    global _HELPER
+    if _HELPER is None:
+        _HELPER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="featurestore-push")
+    return _HELPER
+
+
+def _forget_helper() -> None:  # a forked child has none of its parent's threads
+    global _HELPER
+    _HELPER = None
+
+
+os.register_at_fork(after_in_child=_forget_helper)
