@@ -65,7 +65,7 @@ _REDUCERS: dict[str, Callable[[list[Any], Aggregation], Any]] = {
     "count": lambda vs, a: len(vs),
     "count_distinct": lambda vs, a: len({_distinct_key(v) for v in vs}),
     "sum": lambda vs, a: _fsum(vs),
-    "mean": lambda vs, a: _fsum([float(v) for v in vs]) / len(vs),
+    "mean": lambda vs, a: _fsum(vs if isinstance(vs[0], float) else [float(v) for v in vs]) / len(vs),
     "min": lambda vs, a: _min(vs),
     "max": lambda vs, a: _max(vs),
     "variance": lambda vs, a: _variance(vs),

@@ -373,19 +373,19 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
         table = np.frombuffer(joined, dtype=head)
         times = (table["time"] ^ _SIGN).view(np.int64)
         kept = np.flatnonzero((times > low_us) & (times <= high_us))
-        kept = kept[np.lexsort((table["id"][kept], table["time"][kept]))]
-        table, times = table[kept], times[kept]
+        kept = kept[np.lexsort((table["id"][kept], times[kept]))]
+        times = times[kept]
         columns: dict[int, list[Any]] = {}
-        for i in wanted:
-            nulls = np.flatnonzero(table["nulls"][:, i >> 3] & (1 << (i & 7))).tolist()
+        for i in wanted:  # each field is gathered on its own: a whole record is 40+ bytes
+            nulls = np.flatnonzero(table["nulls"][kept, i >> 3] & (1 << (i & 7))).tolist()
             if i in var_decoders:  # its bytes follow the head and the variable-width values before it
-                start = size + sum((table[f"len{j}"].astype(np.int64) for j in var[:var.index(i)]), np.zeros(len(table), np.int64))
-                stop = start + table[f"len{i}"]
+                start = size + sum((table[f"len{j}"][kept].astype(np.int64) for j in var[:var.index(i)]), np.zeros(len(kept), np.int64))
+                stop = start + table[f"len{i}"][kept]
                 convert, skip = var_decoders[i], set(nulls)
                 values: list[Any] = [None if k in skip else convert(members[m][a:b])
                                      for k, (m, a, b) in enumerate(zip(kept.tolist(), start.tolist(), stop.tolist()))]
             else:
-                name, stored = features[i][1].name, table[f"f{i}"]
+                name, stored = features[i][1].name, table[f"f{i}"][kept]
                 values = (stored.astype(bool) if name == "Bool" else stored).tolist()
                 if name == "UnixTimestamp":
                     values = [micros_to_datetime(v) for v in values]
