@@ -167,3 +167,14 @@ def test_a_segment_torn_by_a_killed_writer_is_set_aside_and_the_rest_commits(mak
     assert _counts(store)[0] == [2]
     assert store.push_buffer.targets() == [] and torn.with_name(torn.name + ".torn").exists()
     assert "unreadable" in caplog.text and "set aside" in caplog.text
+
+
+def test_concurrent_pushes_to_both_stores_each_land_once(make_store):
+    """More pushing threads than online-write helpers: every push waits for its own write."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = make_store(FEATURES)
+    store.apply()
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda i: store.push("payments", _frame([_payment(i % 50 + 1)])), range(12 * 5)))
+    assert _counts(store) == ([50], [50])  # event ids 1..50 within the hour, each once (10 pushed twice)

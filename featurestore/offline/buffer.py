@@ -239,7 +239,7 @@ def _helper() -> ThreadPoolExecutor:
     """The process's threads for online writes made while a segment is fsynced."""
     global _HELPER
     if _HELPER is None:
-        _HELPER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="featurestore-push")
+        _HELPER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="featurestore-push")  # more pushes queue
     return _HELPER
 
 
