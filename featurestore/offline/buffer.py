@@ -25,8 +25,9 @@ exception: a power loss in the ~0.3 ms between the online write and the end of t
 Redis persisted the rows in that time (the embedded server fsyncs its log every second), leaves
 them in Redis only, unacknowledged.
 
-Concurrency: writers take a shared lock while writing a segment, ``drain`` an exclusive one,
-so a drain sees only complete segments and no two drains commit the same segment.
+Concurrency: writers take a shared lock while writing or renaming a segment, ``drain`` an
+exclusive one, so a drain sees only complete segments under stable names and no two drains
+commit the same segment.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class PushBuffer:
         finally:
             if written is not None:
                 written.result()
-        if meanwhile is not None:
-            os.replace(path, path.with_name(path.name.replace(".pending.", ".ready.")))  # re-sent by no drain
+        if meanwhile is not None:  # Redis has the rows: no drain need re-send them
+            with self._lock(lane, exclusive=False), contextlib.suppress(FileNotFoundError):  # (a drain took it)
+                os.replace(path, path.with_name(path.name.replace(".pending.", ".ready.")))
         return path
 
     def segments(self, target: str) -> list[Path]:
@@ -158,7 +160,7 @@ class PushBuffer:
             for segment in list(segments):
                 try:
                     parts = _read(segment, lane)
-                except (pa.ArrowInvalid, OSError) as exc:
+                except pa.ArrowInvalid as exc:
                     torn = segment.with_name(segment.name + ".torn")
                     os.replace(segment, torn)
                     segments.remove(segment)
