@@ -230,6 +230,7 @@ class FeatureStore:
     def close(self) -> None:
         if self._buffer is not None:
             self._commit_buffered()
+            self._buffer.close()
         if self._online is not None:
             self._online.close()
             self._online = None

@@ -11,7 +11,6 @@ import pandas as pd
 import pytest
 from deltalake import DeltaTable
 
-from featurestore.offline.buffer import _read
 from featurestore.sources import push_log_path
 
 from .test_aggregations import FEATURES, _frame
@@ -35,8 +34,8 @@ def test_a_push_is_durable_before_history_commits_and_reads_see_it(make_store):
     store.apply()
     store.push("payments", _frame([_payment(1), _payment(2)]), to="online_and_offline")
     assert store.push_buffer.targets() == ["log:payments"]  # on disk, not yet in Delta
-    (segment,) = store.push_buffer.segments("log:payments")  # one file (one fsync) for the log and the view
-    parts = dict(_read(segment, "log:payments"))
+    (record,) = store.push_buffer.records("log:payments")  # one record (one sync) for the log and the view
+    parts = dict(record.parts)
     assert sorted(parts) == ["log:payments", "view:activity"] and [t.num_rows for t in parts.values()] == [2, 2]
     assert store.offline_store.version("activity") is None
     assert _counts(store) == ([2], [2])  # a read of history commits what is buffered first
@@ -54,7 +53,7 @@ def test_a_crash_between_buffer_and_redis_is_repaired_by_the_next_flush(make_sto
     with pytest.raises(KeyboardInterrupt):
         store.push("payments", _frame([_payment(3)]), to="online_and_offline")
     monkeypatch.undo()
-    assert any(".pending." in p.name for p in store.push_buffer.segments("log:payments"))
+    assert [r.pending for r in store.push_buffer.records("log:payments")] == [True]
     assert store.flush() >= 1  # re-sends the unconfirmed rows online, then commits them
     assert _counts(store) == ([1], [1])
 
@@ -122,55 +121,86 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
     assert "lost" in result.stderr and "to a vacuum" in result.stderr and "export again from the current version" in result.stderr
 
 
-def test_a_push_writes_redis_while_its_segment_is_fsynced_and_returns_once_both_are_done(make_store, monkeypatch):
+def test_a_push_writes_redis_while_its_record_is_synced_and_returns_once_both_are_done(make_store, monkeypatch):
     """Issue #8: the one-event push to both stores paid its fsync and its Redis write one after
     the other (p99 over the 2 ms goal). They now overlap, and the push still returns durable."""
     from featurestore.offline import buffer as buffer_module
 
     store = make_store(FEATURES)
     store.apply()
+    store.push("payments", _frame([_payment(1)]), to="offline")  # the journal exists: a push makes one sync
     happened: list[str] = []
-    real_fsync, real_write = os.fsync, store.online_store.write_events
+    real_sync, real_write = os.fdatasync, store.online_store.write_events
 
-    def slow_fsync(fd):
-        happened.append("fsync starts")
+    def slow_sync(fd):
+        happened.append("sync starts")
         time.sleep(0.2)  # long enough that the online write finishes first if they overlap
-        real_fsync(fd)
-        happened.append("fsync ends")
+        real_sync(fd)
+        happened.append("sync ends")
 
     def write_events(*args, **kwargs):
         happened.append("redis write")
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(buffer_module.os, "fsync", slow_fsync)
+    monkeypatch.setattr(buffer_module.os, "fdatasync", slow_sync)
     monkeypatch.setattr(store.online_store, "write_events", write_events)
-    store.push("payments", _frame([_payment(1)]), to="online_and_offline")
+    store.push("payments", _frame([_payment(2)]), to="online_and_offline")
     happened.append("push returned")
-    assert happened[:4] == ["fsync starts", "redis write", "fsync ends", "fsync starts"]  # the file's, then the folder's
-    assert happened[-2:] == ["fsync ends", "push returned"]
-    (segment,) = store.push_buffer.segments("log:payments")
-    assert ".ready." in segment.name  # Redis confirmed: no drain re-sends it
+    assert happened == ["sync starts", "redis write", "sync ends", "push returned"]
+    assert [r.pending for r in store.push_buffer.records("log:payments")] == [False, False]  # no drain re-sends them
+    assert len(store.push_buffer.files("log:payments")) == 1  # one journal for both pushes
 
 
-def test_a_segment_torn_by_a_killed_writer_is_set_aside_and_the_rest_commits(make_store, caplog):
-    """A writer killed mid-write leaves a segment under its final name, cut short. No push
-    returned with it and Redis never got its rows; before, every later drain failed on it."""
+def test_a_record_torn_by_a_killed_writer_is_set_aside_and_the_rest_commits(make_store, caplog):
+    """A writer killed mid-write leaves its journal ending in a record cut short. No push
+    returned with it and Redis never got its rows: the records before it commit, the file is
+    kept for inspection, and the next push starts a new journal."""
     store = make_store(FEATURES)
     store.apply()
-    store.push("payments", _frame([_payment(1)]), to="offline")
-    (whole,) = store.push_buffer.segments("log:payments")
-    torn = whole.with_name(f"{int(whole.name.split('-')[0]) - 1:020d}-1-1.ready.arrow")  # older than the whole one
-    torn.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
-    store.push("payments", _frame([_payment(2)]), to="offline")
+    for i in (1, 2):
+        store.push("payments", _frame([_payment(i)]), to="offline")
+    (journal,) = store.push_buffer.files("log:payments")
+    data = journal.read_bytes()
+    end = data.rindex(b"\0" * 64) if not data.endswith(bytes(64)) else len(data.rstrip(b"\0"))
+    first_record = data[: end // 2]  # (both records are the same size)
+    with open(journal, "r+b") as f:  # a third record, cut short where its writer died
+        f.seek(end)
+        f.write(first_record[: len(first_record) // 2])
     with caplog.at_level("WARNING", logger="featurestore.offline.buffer"):
         assert store.flush() == 4  # 2 rows, each to the log and the view
     assert _counts(store)[0] == [2]
-    assert store.push_buffer.targets() == [] and torn.with_name(torn.name + ".torn").exists()
-    assert "unreadable" in caplog.text and "set aside" in caplog.text
+    assert store.push_buffer.targets() == [] and journal.with_name(journal.name + ".torn").exists()
+    assert "torn record" in caplog.text and "the 2 records before it commit" in caplog.text
+    store.push("payments", _frame([_payment(3)]), to="offline")  # its journal was drained: a new one
+    assert [r.rows for r in store.push_buffer.records("log:payments")] == [1] and _counts(store)[0] == [3]
+
+
+def test_segments_written_by_the_previous_version_still_commit(make_store):
+    """Buffers from before journals held a segment file per push and lane, its state in its name;
+    an upgrade must not strand them (a pending one is re-sent online)."""
+    import pyarrow.ipc as ipc
+
+    store = make_store(FEATURES)
+    store.apply()
+    store.push("payments", _frame([_payment(1)]), to="offline")  # not online: only a re-send puts it there
+    (record,) = store.push_buffer.records("log:payments")
+    for path in store.push_buffer.files("log:payments"):
+        path.unlink()
+    for target, rows in record.parts:
+        state = "pending" if target.startswith("view:") else "ready"
+        folder = store.push_buffer.root / target.replace(":", "__")
+        folder.mkdir(parents=True, exist_ok=True)
+        with ipc.new_file(folder / f"{record.seq:020d}-1-1.{state}.arrow", rows.schema) as writer:
+            writer.write_table(rows)
+    assert store.push_buffer.targets() == ["log:payments", "view:activity"]
+    assert store.flush() == 2
+    assert _counts(store) == ([1], [1]) and store.push_buffer.targets() == []
+    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    assert log["payment_id"].to_pylist() == [1]
 
 
 def test_concurrent_pushes_to_both_stores_each_land_once(make_store):
-    """More pushing threads than online-write helpers, and drains committing segments whose
+    """More pushing threads than online-write helpers, and drains committing records whose
     online write is still in flight: each event lands once in both stores, no push fails."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -5,7 +5,7 @@ or, when a row needs explaining or a cast, through ``Materializer.write_view`` (
 identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously, history through
 the durable ``PushBuffer``, committed to Delta in batches by ``flush``. The raw rows also go to
 the source's Delta log, so views with a transformation over the source see them at the next
-materialization: the log's rows and the views' history rows of one push share one fsynced segment.
+materialization: the log's rows and the views' history rows of one push share one synced record.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
             materializer.write_online(view, rows, now)
 
     if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
-        # one segment for the source's log and its views' history: one fsync, not one per target
+        # one record for the source's log and its views' history: one sync, not one per target
         parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
         buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table}, retry=ingested != now,
                             meanwhile=write_online if online else None)
@@ -159,7 +159,7 @@ def _first_attempt(materializer: Materializer, key: str, rows: pa.Table, now: da
 def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False) -> int:
     """Commit buffered pushes to the history store (all, or those over the size/age bounds); returns rows.
 
-    A segment names the history table (view version) it was computed for: rows of an older
+    A lane names the history table (view version) its rows were computed for: rows of an older
     version go to that version's table, never to a newer one."""
     defs, offline, config = materializer.defs, materializer.offline, materializer.config
     if only_due and not buffer.worth_looking():
@@ -188,7 +188,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
             continue
         kind, name = lane.split(":", 1)
         if kind == "view" and name.split("@")[0] not in defs.feature_views:
-            continue  # the view was removed; its segments stay for inspection
+            continue  # the view was removed; its records stay for inspection
         committed += buffer.drain(lane, commit, resend)
     return committed
 

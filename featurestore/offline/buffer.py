@@ -1,33 +1,37 @@
 """A durable buffer in front of the history store: pushes return fast, Delta gets batches.
 
-A push writes its rows as one segment file (Arrow IPC, fsynced; named by sequence, writer and
-row count) under ``<data_dir>/buffer/<lane>/`` before it returns, so an acknowledged push
-survives a crash; ``drain`` later commits all segments of a lane, one Delta append per target,
-and deletes them. Targets are a view's history (``view:<name>``) or a push source's log
-(``log:<name>``). A segment holds one target's rows (its lane's), or several (``append_parts``):
-a push to both stores writes the source's log and its views' history in one segment of the
-log's lane, one fsync for all (a fsync is most of a push's time).
+Each process appends its pushes to a journal per lane, ``<data_dir>/buffer/<lane>/<seq>-<pid>.journal``
+(lanes: a view's history, ``view:<name>``, or a push source's log, ``log:<name>``), and a push
+returns once its record is durable. A journal is preallocated with zeros, so making a record
+durable is an ``fdatasync`` of its bytes alone: no new file, no directory fsync, no file-system
+journal commit (a third of the old segment-per-push fsync; a journal is created, and its name
+fsynced, once per ~1,000 one-row pushes). ``drain`` later commits a lane's records, one Delta
+append per target, and deletes its journals.
 
-Crash safety: a segment is named ``<seq>-<pid>-<rows>[-retry].<state>.arrow`` (``retry``: rows of an
-idempotent push's retry, which the log must dedupe). ``pending`` means its online write
-was not confirmed yet; the push renames it ``ready`` after Redis took the rows. ``drain``
-re-sends pending segments online first (online writes are idempotent), so history never
-holds rows Redis lacks. History appends dedupe by row identity; push-log appends carry a
-Delta app transaction (``featurestore-buffer``, version = the newest segment's sequence), so a
-drain that crashed after its commit but before deleting its segments never appends them twice.
-A log is written from its own lane only, so those versions only grow.
+A record is a header (``RECORD``: magic, payload length, CRC-32 of the payload, sequence, rows,
+flags) and an Arrow IPC payload: one target's rows, or several (``PARTS``): a push to both
+stores writes the source's log and its views' history as one record of the log's lane.
 
-The online write runs while the segment's fsync is in flight, once its bytes are written
-(in the page cache): a killed process leaves a complete ``pending`` segment. A segment torn by
-a writer killed mid-write (or a power loss before its fsync) was acknowledged to no one and
-its rows never reached Redis; ``drain`` sets it aside (``.torn``) and says so. The one
-exception: a power loss in the ~0.3 ms between the online write and the end of the fsync, if
-Redis persisted the rows in that time (the embedded server fsyncs its log every second), leaves
-them in Redis only, unacknowledged.
+Crash safety: a record is ``PENDING`` until its online write is confirmed; the push then clears
+the flag. ``drain`` re-sends pending records online first (online writes are idempotent), so
+history never holds rows Redis lacks. The online write runs while the record's ``fdatasync``
+is in flight, once its bytes are written (in the page cache): a killed process leaves a complete
+pending record. A journal is read up to its first invalid record: zeros (its end) or a record
+torn by a writer killed mid-write or a power loss before its sync. Such a record was
+acknowledged to no one and its rows never reached Redis (nor did any after it: a process writes
+its records in order and each sync covers the earlier ones); ``drain`` keeps the journal as
+``.torn`` and says so. The one exception: a power loss in the ~0.3 ms between the online write
+and the end of the sync, if Redis persisted the rows in that time (the embedded server fsyncs
+its log every second), leaves them in Redis only, unacknowledged. History appends dedupe by row
+identity; push-log appends carry a Delta app transaction (``featurestore-buffer``, version =
+the newest record's sequence), so a drain that crashed after its commit but before deleting
+its journals never appends them twice. A log is written from its own lane only, so those
+versions only grow. (Segment files of one record each, ``<seq>-<pid>-<rows>[-retry].<state>.arrow``,
+written by earlier versions, drain as before.)
 
-Concurrency: writers take a shared lock while writing or renaming a segment, ``drain`` an
-exclusive one, so a drain sees only complete segments under stable names and no two drains
-commit the same segment.
+Concurrency: writers take a shared lock while writing a record, ``drain`` an exclusive one, so
+a drain sees only complete records and no two drains commit the same record; a journal a drain
+deleted is replaced at its writer's next append. Threads of one process share its journal.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ import contextlib
 import fcntl
 import logging
 import os
+import struct
+import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -47,6 +55,32 @@ import pyarrow.ipc as ipc
 APP_ID = "featurestore-buffer"
 log = logging.getLogger(__name__)
 
+RECORD = struct.Struct(">4sIIQIB7x")  # magic, payload bytes, CRC-32, sequence, rows, flags (32 bytes)
+MAGIC = b"FSB1"
+FLAGS_AT = 24  # the flags byte's offset in the header
+PENDING, RETRY = 1, 2
+JOURNAL_BYTES = 4 << 20  # preallocated per journal; a record over a quarter of it gets a journal of its own
+
+
+@dataclass
+class Record:
+    """One push's rows in a lane: ``parts`` is ``[(target, rows)]``."""
+
+    seq: int
+    rows: int
+    pending: bool
+    retry: bool
+    parts: list[tuple[str, pa.Table]]
+
+
+@dataclass
+class _Journal:
+    fd: int
+    path: Path
+    pid: int
+    offset: int
+    capacity: int
+
 
 class PushBuffer:
     def __init__(self, root: Path, max_rows: int = 10_000, max_seconds: float = 5.0):
@@ -55,11 +89,13 @@ class PushBuffer:
         self._last_seq = 0
         self._looked_at = 0.0
         self._buffered: dict[str, int] = {}  # rows per target: seen at the last scan + appended since
+        self._journals: dict[str, _Journal] = {}  # this process's journal per lane
+        self._mutex = threading.Lock()  # this process's threads: one record written at a time
 
     def worth_looking(self) -> bool:
-        """Whether to scan the segments for due targets now: when a target may hold ``max_rows``
+        """Whether to scan the journals for due targets now: when a target may hold ``max_rows``
         (what the last scan saw plus this process's appends), or 1/20 of ``max_seconds`` after the
-        last scan (a scan lists every segment: with each push it cost more than the push)."""
+        last scan (a scan with each push cost more than the push)."""
         now = time.monotonic()
         if now - self._looked_at < self.max_seconds / 20 and all(n < self.max_rows for n in self._buffered.values()):
             return False
@@ -80,115 +116,136 @@ class PushBuffer:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def append(self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None) -> Path:
-        """Write rows durably as a new segment (see ``append_parts``)."""
-        return self.append_parts(target, {target: rows}, retry, meanwhile)
+    def append(self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None) -> None:
+        """Write rows durably as a record of the target's lane (see ``append_parts``)."""
+        self.append_parts(target, {target: rows}, retry, meanwhile)
 
     def append_parts(self, lane: str, parts: dict[str, pa.Table], retry: bool = False,
-                     meanwhile: Callable[[], object] | None = None) -> Path:
-        """Write one segment in ``lane`` holding rows for several targets (``{target: rows}``): a
-        push to a source's log and its views pays one file and one fsync, not one per target.
-        Returns once it is durable. ``meanwhile``: the online write of the same rows, run while the
-        fsync is in flight (a fsync is half a push's time); the segment is ``pending`` until it
-        returns. ``retry``: the rows may have been written by an earlier attempt."""
+                     meanwhile: Callable[[], object] | None = None) -> None:
+        """Write one record in ``lane`` holding rows for several targets (``{target: rows}``): a
+        push to a source's log and its views pays one sync, not one per target. Returns once it
+        is durable. ``meanwhile``: the online write of the same rows, run while the sync is in
+        flight; the record is ``PENDING`` until it returns. ``retry``: the rows may have been
+        written by an earlier attempt."""
         single = list(parts) == [lane]
         table = parts[lane] if single else pa.table({
             "target": list(parts), "rows": pa.array([_ipc_bytes(rows) for rows in parts.values()], pa.large_binary())},
             metadata={PARTS: "1"})
         rows = max(t.num_rows for t in parts.values())
-        sink = pa.BufferOutputStream()
-        with ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-        with self._lock(lane, exclusive=False):
+        payload = _ipc_file_bytes(table)
+        flags = (PENDING if meanwhile is not None else 0) | (RETRY if retry else 0)
+        with self._lock(lane, exclusive=False), self._mutex:
             seq = self._last_seq = max(time.time_ns(), self._last_seq + 1)
-            state = "ready" if meanwhile is None else "pending"
-            # the name carries the row count, so checking the bounds opens no file. Written under
-            # its final name: a writer killed mid-write leaves a torn segment, which no caller was
-            # told is durable, whose rows Redis never got, and which ``drain`` sets aside
-            path = self._dir(lane) / f"{seq:020d}-{os.getpid()}-{rows}{'-retry' if retry else ''}.{state}.arrow"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                data = memoryview(sink.getvalue())
-                while data:
-                    data = data[os.write(fd, data):]
-            except BaseException:  # (a full disk): no segment
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                raise
+            record = RECORD.pack(MAGIC, len(payload), zlib.crc32(payload), seq, rows, flags) + payload
+            journal = self._journal(lane, len(record))
+            at = journal.offset
+            _write_all(journal.fd, record, at)
+            journal.offset += len(record)
         self._buffered[lane] = self._buffered.get(lane, 0) + rows
-        # the online write goes to a thread and this one waits in fsync, which releases the GIL
-        # (the other way round, the fsync thread would wait for the GIL until Redis answers)
+        # the online write goes to a thread and this one waits in the sync, which releases the GIL
+        # (the other way round, the sync thread would wait for the GIL until Redis answers)
         written = _helper().submit(meanwhile) if meanwhile is not None else None
         try:
-            _fsync_and_close(fd, path.parent)
+            os.fdatasync(journal.fd)
         finally:
             if written is not None:
                 written.result()
-        if meanwhile is not None:  # Redis has the rows: no drain need re-send them
-            with self._lock(lane, exclusive=False), contextlib.suppress(FileNotFoundError):  # (a drain took it)
-                os.replace(path, path.with_name(path.name.replace(".pending.", ".ready.")))
-        return path
+        if meanwhile is not None:  # Redis has the rows: no drain need re-send them (a lost clear only re-sends)
+            os.pwrite(journal.fd, bytes([flags & ~PENDING]), at + FLAGS_AT)
 
-    def segments(self, target: str) -> list[Path]:
+    def _journal(self, lane: str, size: int) -> _Journal:
+        """This process's journal of ``lane`` with room for ``size`` bytes, new if it is full, was
+        drained (deleted or set aside) or belongs to the process this one was forked from."""
+        journal = self._journals.get(lane)
+        if journal is not None and journal.pid == os.getpid():
+            if journal.offset + size <= journal.capacity and _same_file(journal):
+                return journal
+            os.close(journal.fd)
+        preallocate = size <= JOURNAL_BYTES // 4
+        path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if preallocate:  # real zeros (not fallocate's unwritten extents): later writes change no metadata
+            _write_all(fd, bytes(JOURNAL_BYTES), 0)
+            os.fsync(fd)
+        _fsync_dir(path.parent)
+        journal = self._journals[lane] = _Journal(fd, path, os.getpid(), 0, JOURNAL_BYTES if preallocate else size)
+        return journal
+
+    def close(self) -> None:
+        """Close this process's journals (their records stay for the next drain)."""
+        with self._mutex:
+            for journal in self._journals.values():
+                if journal.pid == os.getpid():
+                    os.close(journal.fd)
+            self._journals.clear()
+
+    def files(self, target: str) -> list[Path]:
+        """The lane's journals (and older segment files), oldest first."""
         folder = self._dir(target)
-        return [folder / name for name in _segment_names(folder)]
+        return [folder / name for name in _file_names(folder)]
+
+    def records(self, target: str) -> list[Record]:
+        """The lane's complete records, in sequence order."""
+        return sorted((r for path in self.files(target) for r in _records(path, target)[0]), key=lambda r: r.seq)
 
     def targets(self) -> list[str]:
         if not self.root.exists():
             return []
-        return sorted(d.name.replace("__", ":", 1) for d in os.scandir(self.root) if d.is_dir() and _any_segment(d.path))
+        return sorted(d.name.replace("__", ":", 1) for d in os.scandir(self.root) if d.is_dir() and _file_names(Path(d.path)))
 
     def due(self, target: str) -> bool:
         """Whether the target's buffered rows are many or old enough to commit."""
-        names = _segment_names(self._dir(target))
+        folder = self._dir(target)
+        names = _file_names(folder)
         if not names:
             self._buffered[target] = 0
             return False
-        rows = self._buffered[target] = sum(int(n.split("-")[2].split(".")[0]) for n in names)
+        rows = self._buffered[target] = sum(_rows_in(folder / name) for name in names)
         oldest_ns = int(names[0].split("-")[0])
         return time.time_ns() - oldest_ns >= self.max_seconds * 1e9 or rows >= self.max_rows
 
     def drain(self, lane: str, commit: Callable[[str, pa.Table, int, bool], None],
               resend_online: Callable[[str, pa.Table], None] | None = None) -> int:
-        """Commit every segment of ``lane``, per target (``commit(target, rows, newest_seq, any_retry)``),
-        and delete them; returns rows. Rows of segments Redis did not confirm go to
+        """Commit every record of ``lane``, per target (``commit(target, rows, newest_seq, any_retry)``),
+        and delete its journals; returns rows. Rows of records Redis did not confirm go to
         ``resend_online(target, rows)`` first."""
         with self._lock(lane, exclusive=True):
-            segments = self.segments(lane)
+            records: list[Record] = []
+            files, torn = self.files(lane), []
+            for path in files:
+                complete, problem = _records(path, lane)
+                records += complete
+                if problem:
+                    torn.append(path)
+                    log.warning("buffer %s ends in a torn record (%s): its writer died writing it, so no push "
+                                "returned with it; the %d records before it commit, the file is kept as %s.torn",
+                                path.name, problem, len(complete), path.name)
+            records.sort(key=lambda r: r.seq)
             by_target: dict[str, list[pa.Table]] = {}
             pending: dict[str, list[pa.Table]] = {}
-            for segment in list(segments):
-                try:
-                    parts = _read(segment, lane)
-                except pa.ArrowInvalid as exc:
-                    torn = segment.with_name(segment.name + ".torn")
-                    os.replace(segment, torn)
-                    segments.remove(segment)
-                    log.warning("buffer segment %s is unreadable (%s): its writer died before finishing it, so no "
-                                "push returned with it; set aside as %s", segment.name, exc, torn.name)
-                    continue
-                for target, rows in parts:
+            for record in records:
+                for target, rows in record.parts:
                     by_target.setdefault(target, []).append(rows)
-                    if ".pending." in segment.name:
+                    if record.pending:
                         pending.setdefault(target, []).append(rows)
             if resend_online is not None:
                 for target, tables in pending.items():
                     resend_online(target, pa.concat_tables(tables, promote_options="default"))
-            if not segments:
-                return 0
-            newest, retried = int(segments[-1].name.split("-")[0]), any(s.name.split(".")[0].endswith("-retry") for s in segments)
             total = 0
             for target, tables in by_target.items():
                 rows = pa.concat_tables(tables, promote_options="default")
-                commit(target, rows, newest, retried)
+                commit(target, rows, records[-1].seq, any(r.retry for r in records))
                 total += rows.num_rows
-            for s in segments:
-                s.unlink()
+            for path in files:
+                if path in torn:
+                    os.replace(path, path.with_name(path.name + ".torn"))
+                else:
+                    path.unlink()
             self._buffered[lane] = 0
             return total
 
 
-PARTS = "featurestore.parts"  # schema metadata of a segment holding several targets' rows
+PARTS = "featurestore.parts"  # schema metadata of a payload holding several targets' rows
 
 
 def _ipc_bytes(rows: pa.Table) -> bytes:
@@ -198,47 +255,95 @@ def _ipc_bytes(rows: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _segment_names(folder: Path) -> list[str]:
-    """Segment file names, oldest first (names, not Paths: a scan of thousands sorts 10x faster)."""
+def _ipc_file_bytes(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def _write_all(fd: int, data: bytes | pa.Buffer, at: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, at)
+        view, at = view[written:], at + written
+
+
+def _file_names(folder: Path) -> list[str]:
+    """Journal (and older segment) file names, oldest first."""
     try:
-        return sorted(name for name in os.listdir(folder) if name.endswith(".arrow"))
+        return sorted(name for name in os.listdir(folder) if name.endswith((".journal", ".arrow")))
     except FileNotFoundError:
         return []
 
 
-def _any_segment(folder: str) -> bool:
-    with os.scandir(folder) as entries:
-        return any(e.name.endswith(".arrow") for e in entries)
+def _records(path: Path, lane: str) -> tuple[list[Record], str | None]:
+    """A file's complete records, and what is wrong with the first incomplete one (None: none is)."""
+    if path.suffix == ".arrow":  # a segment of an earlier version: one record, its state in its name
+        seq, _, rows = path.name.split(".")[0].split("-")[:3]
+        try:
+            parts = _parts(pa.py_buffer(path.read_bytes()), lane)
+        except pa.ArrowInvalid as exc:
+            return [], str(exc)
+        return [Record(int(seq), int(rows), ".pending." in path.name, "-retry" in path.name, parts)], None
+    data = path.read_bytes()
+    records, at = [], 0
+    while at + RECORD.size <= len(data):
+        magic, size, crc, seq, rows, flags = RECORD.unpack_from(data, at)
+        if magic != MAGIC:
+            return records, None if not any(data[at:at + RECORD.size]) else f"no record header at byte {at}"
+        payload = memoryview(data)[at + RECORD.size:at + RECORD.size + size]  # (no copy)
+        if len(payload) < size or zlib.crc32(payload) != crc:
+            return records, f"record at byte {at} is cut short or corrupt"
+        records.append(Record(seq, rows, bool(flags & PENDING), bool(flags & RETRY), _parts(pa.py_buffer(payload), lane)))
+        at += RECORD.size + size
+    return records, None
 
 
-def _read(path: Path, lane: str) -> list[tuple[str, pa.Table]]:
-    """A segment's ``(target, rows)`` parts."""
-    with pa.memory_map(str(path)) as source:
-        table = ipc.open_file(source).read_all()
+def _rows_in(path: Path) -> int:
+    """Rows a file holds, from its record headers (payloads are not read)."""
+    if path.suffix == ".arrow":
+        return int(path.name.split("-")[2].split(".")[0])
+    rows, at = 0, 0
+    with open(path, "rb") as f:
+        while (header := os.pread(f.fileno(), RECORD.size, at)) and len(header) == RECORD.size:
+            magic, size, _, _, n, _ = RECORD.unpack(header)
+            if magic != MAGIC:
+                break
+            rows, at = rows + n, at + RECORD.size + size
+    return rows
+
+
+def _parts(payload: pa.Buffer, lane: str) -> list[tuple[str, pa.Table]]:
+    """A record's ``(target, rows)`` parts."""
+    table = ipc.open_file(payload).read_all()
     if (table.schema.metadata or {}).get(PARTS.encode()) != b"1":
         return [(lane, table)]
-    return [(target, ipc.open_stream(pa.py_buffer(payload)).read_all())
-            for target, payload in zip(table["target"].to_pylist(), table["rows"].to_pylist())]
+    return [(target, ipc.open_stream(pa.py_buffer(rows)).read_all())
+            for target, rows in zip(table["target"].to_pylist(), table["rows"].to_pylist())]
 
 
-def _fsync_and_close(fd: int, folder: Path) -> None:
-    """Make a new segment durable: its bytes, then its name."""
+def _same_file(journal: _Journal) -> bool:
+    """Whether the journal's name still names the file its writer has open."""
+    try:
+        return os.stat(journal.path).st_ino == os.fstat(journal.fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    folder_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(folder_fd)
-    finally:
-        os.close(folder_fd)
 
 
 _HELPER: ThreadPoolExecutor | None = None
 
 
 def _helper() -> ThreadPoolExecutor:
-    """The process's threads for online writes made while a segment is fsynced."""
+    """The process's threads for online writes made while a record is synced."""
     global _HELPER
     if _HELPER is None:
         _HELPER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="featurestore-push")  # more pushes queue
