@@ -197,14 +197,14 @@ def online(args: argparse.Namespace) -> None:
             "amount": np.full(n_cards, 1.0), "event_timestamp": pa.array([datetime.now(timezone.utc)] * n_cards, TS)}), to="online")
         events += n_cards
         push_times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
-        for i, to in enumerate(["online"] * args.block_size + ["online_and_offline"] * args.block_size):
+        for i, to in enumerate(["online"] * args.pushes + ["online_and_offline"] * args.pushes):
             one = pa.table({"tx_id": [events + i], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
                             "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
             t0 = time.perf_counter()
             store.push("payments", one, to=to)
             push_times[to].append(time.perf_counter() - t0)
         store.flush()
-        http = http_push(root, events + 5_000, n_cards, args.block_size)
+        http = http_push(root, events + 5_000, n_cards, args.pushes)
         ingest = {}
         for to in ("online", "online_and_offline"):  # sustained, batched: what a stream consumer does
             batch, batches = 1000, 20
@@ -287,6 +287,7 @@ def main() -> None:
     parser.add_argument("--online-cards", type=int, default=10_000)
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--block-size", type=int, default=300)
+    parser.add_argument("--pushes", type=int, default=1000, help="one-event pushes timed per target and path")
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--skip", choices=["offline", "online"])
