@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 from featurestore.types import DType
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
-EVENTS_LAYOUT = 2  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+EVENTS_LAYOUT = 3  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
@@ -339,7 +340,15 @@ class FeatureStore:
             self.require_applied(self._used_by(features=features, feature_service=feature_service))
         query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
                                     full_feature_names, self.config.max_request_entities, now=at)
-        return query.assemble(self.online_store.read(query.lookups, query.ranges))
+        response = query.assemble(self.online_store.read(query.lookups, query.ranges))
+        if query.seals:  # heavy entities' tiles, summarized for the next lookups; a failure costs only speed
+            import redis
+
+            try:
+                self.online_store.seal(query.seals)
+            except (FeatureStoreError, redis.RedisError) as exc:
+                logging.getLogger(__name__).debug("storing tile summaries failed: %s", exc)
+        return response
 
     def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""

@@ -28,7 +28,7 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.auth import Authenticator
 from serving.jobs import JobRunner
-from serving.common import caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import seal_in_background, caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class GetOnlineFeaturesRequest(BaseModel):
@@ -130,6 +130,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=request_time(body),
         )
         response = query.assemble(await store.online_store.read_async(query.lookups, query.ranges))
+        seal_in_background(store, query.seals)
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
             logger_for(service).log(vector_entry(query, response))

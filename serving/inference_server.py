@@ -28,7 +28,7 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from featurestore.auth import Authenticator
-from serving.common import FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import seal_in_background, FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
 class PredictRequest(BaseModel):
@@ -156,6 +156,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
         query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
                                     False, current.config.max_request_entities, now=request_time(body))
         response = query.assemble(await current.online_store.read_async(query.lookups, query.ranges))
+        seal_in_background(current, query.seals)
         n = len(instances)
         keys = len(query.key_names)
         model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))

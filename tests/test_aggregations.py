@@ -8,6 +8,7 @@ out-of-order pushes, retried (duplicate) pushes, nulls, NaN and infinities.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from datetime import datetime, timedelta, timezone
@@ -201,6 +202,135 @@ def test_offline_and_online_match_the_reference(activity_store, raw, batches, re
             assert same(online[name][0], want, name in INEXACT), (name, "online", card, t, online[name][0], want)
 
 
+TILED = ["count_1h", "amount_count_3h", "amount_sum_3h", "amount_mean_3h", "amount_min_1h", "amount_max_3h", "kind_last_3h",
+         "online_sum_3h", "not_card_count_30h"]
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(
+    raw=st.lists(event, min_size=1, max_size=30),
+    late=st.lists(event, max_size=8),
+    queries=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([0, 0, 1, -1])), min_size=1, max_size=6),
+)
+def test_lookups_from_tile_summaries_equal_lookups_from_events(activity_store, monkeypatch, raw, late, queries):
+    """Heavy entities read sealed tile summaries (``aggregation.tiles``) instead of every event.
+    Forced on for every entity here (and a summary for every tile with an event): the values
+    must be the reference's and bit-identical to reading the events, before and after sealing,
+    and after late events land in sealed tiles (which must drop their summaries)."""
+    from featurestore.aggregation import tiles
+
+    store = activity_store
+    offset = next(_cards) * 10 + 3_000_000
+    card = offset
+
+    def events_of(drawn, first_id):
+        return [{"payment_id": offset * 100 + first_id + i, "card_id": card, "amount": e["amount"], "kind": e["kind"],
+                 "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"])} for i, e in enumerate(drawn)]
+
+    def lookup(t, tiled: bool):
+        monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0 if tiled else 10**9)
+        return store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in TILED], at=t).to_dict()
+
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    pushed = events_of(raw, 0)
+    store.push("payments", _frame(pushed), to="online")
+    times = [BASE + slot * STEP / 2 + timedelta(microseconds=n) for slot, n in queries]
+    for round_ in ("before sealing", "sealed", "after late events"):
+        if round_ == "after late events" and late:
+            more = events_of(late, 1000)
+            store.push("payments", _frame(more), to="online")
+            pushed += more
+        for t in times:
+            tiled, plain = lookup(t, tiled=True), lookup(t, tiled=False)
+            for name in TILED:
+                want = reference(pushed, card, t, AGGS[name])
+                assert same(tiled[name][0], plain[name][0], inexact=False), (round_, name, t, tiled[name][0], plain[name][0])
+                assert same(tiled[name][0], want, name in INEXACT), (round_, name, t, tiled[name][0], want)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    values=st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), st.floats(-1e16, 1e16), st.floats(-1, 1)),
+                              st.sampled_from([None, "web", "card"])), min_size=1, max_size=60),
+    sealed_every=st.integers(1, 5),
+    now_slot=st.integers(0, 45),
+)
+def test_merged_tile_states_equal_the_events_evaluation(activity_store, values, sealed_every, now_slot):
+    """The merge itself, without Redis: events split into tiles, some summarized (partials,
+    JSON and back), the rest read as events, give exactly what the events give, float sums
+    included (values of very different magnitudes, where a plain sum would round differently)."""
+    from featurestore.aggregation import tiles
+    from featurestore.aggregation.evaluate import WindowEvaluator
+
+    view = activity_store.get_feature_view("activity")
+    spec = tiles.TileSpec.of(view)
+    tiled = tiles.TiledEvaluator(view, spec)
+    wanted = [i for i, a in enumerate(spec.aggregations) if a.output_name in TILED]
+    plain = WindowEvaluator(view, [spec.aggregations[i] for i in wanted])
+    size, start = spec.tile_us, 10**15 // spec.tile_us * spec.tile_us
+    events = sorted((start + slot * size // 2 + i, amount, kind) for i, (slot, amount, kind) in enumerate(values))
+    columns_of = {f.name: i for i, f in enumerate(view.schema)}
+    columns = {columns_of["amount"]: [e[1] for e in events], columns_of["kind"]: [e[2] for e in events]}
+    times = [e[0] for e in events]
+    now = start + now_slot * size // 2 + 3
+    cut = {(now - w + 1) // size for w in plain.windows_us} | {now // size}
+    summaries, kept = {}, []
+    for tile in sorted({t // size for t in times}):
+        a, b = bisect.bisect_left(times, tile * size), bisect.bisect_left(times, (tile + 1) * size)
+        states = tiled.states(columns, a, b, compact=True)
+        summary = tiled.encode(times[b - 1], states) if states is not None else None
+        if tile not in cut and tile % sealed_every == 0 and (tile + 1) * size <= now and summary is not None:
+            summaries[tile] = tiled.decode(summary)[1]
+        else:
+            kept += range(a, b)
+    raw_columns = {i: [c[k] for k in kept] for i, c in columns.items()}
+    got = tiles.evaluate_tiled(tiled, wanted, plain.windows_us, summaries, [times[k] for k in kept], raw_columns, now)
+    want = plain.evaluate(times, columns, now)
+    assert [s for s in got[1]] == want[1]
+    assert all(same(g, w, inexact=False) for g, w in zip(got[0], want[0])), (got, want)
+
+
+def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_store, monkeypatch):
+    """The mechanism under the property above, step by step: a lookup seals the tiles it read
+    whole; the next reads them; an event arriving late in a sealed tile drops its summary (the
+    write script), and a summary computed before that event is refused (the seal script)."""
+    from featurestore.aggregation import tiles
+
+    store = activity_store
+    card = next(_cards) * 10 + 4_000_000
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    events = [{"payment_id": card * 100 + i, "card_id": card, "amount": float(i), "kind": "web",
+               "event_timestamp": BASE + i * STEP} for i in range(12)]  # one per 30 min: tiles of 15 min
+    store.push("payments", _frame(events), to="online")
+    key = b"fs:" + store.config.project.encode() + b":{card_id=%d}:ev:" % card + store.get_feature_view("activity").online_field.encode()
+    tiles_key = key + b"|tiles"
+    at = BASE + 11 * STEP + timedelta(minutes=5)  # in the tile of the last event
+
+    def count_30h():
+        return store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h", "activity:amount_sum_3h"],
+                                         at=at).to_dict()
+
+    assert count_30h() == {"card_id": [card], "not_card_count_30h": [12], "amount_sum_3h": [float(6 + 7 + 8 + 9 + 10 + 11)]}
+    client = store.online_store.client
+    sealed = {int(t) for t in client.hkeys(tiles_key)}
+    size = 15 * 60 * 10**6
+    first_tile = (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) // size
+    # every tile with an event, but those holding the lookup time (22) and the 3 h window's start (10)
+    assert sealed == {first_tile + 2 * i for i in range(12)} - {first_tile + 10, first_tile + 22}
+    assert count_30h()["not_card_count_30h"] == [12]  # from the summaries
+    late = {**events[1], "payment_id": card * 100 + 50, "amount": 100.0}  # in the sealed tile of event 1
+    store.push("payments", _frame([late]), to="online")
+    assert first_tile + 2 not in {int(t) for t in client.hkeys(tiles_key)}
+    assert count_30h()["not_card_count_30h"] == [13]
+    # a summary computed before an event landed is refused: its tile's event count has changed
+    stale = [(first_tile + 4, 0, client.hget(tiles_key, str(first_tile + 4)))]
+    client.hdel(tiles_key, str(first_tile + 4))
+    store.online_store.seal([(key, size, stale)])
+    assert not client.hexists(tiles_key, str(first_tile + 4))
+
+
 def test_statuses_say_whether_the_window_had_events(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 1_000_000
@@ -235,7 +365,7 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     old = datetime.now(timezone.utc) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
     store.push("payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}]))
     key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.get_feature_view("activity").online_field.encode()
-    assert store.online_store.client.hlen(key) == 0
+    assert store.online_store.client.zcard(key) == 0
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 

@@ -1,6 +1,6 @@
 """Online windowed aggregation: the aggregates of a view at the lookup time, from its events.
 
-Events come in (event time, event id) order (``codec.events_between`` sorts what Redis holds)
+Events come in (event time, event id) order (the order of Redis's sorted set)
 — the order the offline ``last`` and ``last_n`` use — and each aggregate keeps those with event
 time in ``(now - window, now]``.
 Float handling follows DuckDB's, so both paths agree: NaN sorts above every number (``max``
@@ -97,7 +97,7 @@ class WindowEvaluator:
 
     def evaluate(self, times: list[int], columns: dict[int, list[Any]], now_us: int) -> tuple[list[Any], list[str]]:
         """Values and statuses at ``now_us`` of events given as columns (``times`` ascending, as
-        ``codec.events_between`` orders them; ``columns``: stored column index -> values, at least
+        Redis's sorted set orders them; ``columns``: stored column index -> values, at least
         ``needed``). NOT_FOUND when the window has no events (the value is then the function's
         empty value), NULL_VALUE when it has some but the result is null."""
         values, statuses = [], []

@@ -20,6 +20,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from featurestore.aggregation.tiles import tile_us
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
@@ -217,7 +218,7 @@ class Materializer:
             horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)
             events, ids = events_to_add(rows, view, cutoff_us)
-            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon, newest)
+            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon, tile_us(view), newest)
             return events.num_rows
         latest = latest_per_entity(rows, view.join_keys)
         self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view), newest)

@@ -13,8 +13,11 @@ if TYPE_CHECKING:
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
-# One event range: an events key and the event-time bounds (low exclusive, high inclusive), in µs.
-Range = tuple[bytes, int, int]
+# One entity's window: its events key and the arguments of ``READ_WINDOW`` (event-time bounds in
+# µs, low exclusive and high inclusive, then how to use tile summaries).
+Range = tuple[bytes, Sequence[bytes | int]]
+# Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
+Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
 
 class OnlineStore(Protocol):
@@ -22,12 +25,18 @@ class OnlineStore(Protocol):
         """Store each entity's row unless a stored one is newer (event, created, run, row id);
         with ``expire_after``, drop the entity's key once its newest data is that old."""
 
-    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids, cutoff_us: int, horizon: timedelta) -> int:
+    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids, cutoff_us: int,
+                     horizon: timedelta, tile_us: int) -> int:
         """Add each event to its entity's window state once per event id (ignoring events before ``cutoff_us``)."""
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
-        then for each range, the encoded events in it, oldest first."""
+        then for each range, the encoded events in it, oldest first, or ``[summaries, events]``."""
+
+    def seal(self, seals: Sequence[Seal]) -> None:
+        """Store tile summaries a lookup computed."""
+
+    async def seal_async(self, seals: Sequence[Seal]) -> None: ...
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """``read`` for async servers."""

@@ -12,6 +12,7 @@ master is failing over, its slots answer errors: the store raises ``OnlineStoreU
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from typing import AsyncIterator, Iterable, Sequence
 
@@ -34,13 +35,12 @@ from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore,
 SCHEME = "redis+cluster://"
 
 
-def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
-    """An HMGET per lookup, then the events of each range's key (the caller keeps those in
-    ``(low, high]``: ``codec.events_between``)."""
+def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], window_sha: str):
+    """An HMGET per lookup, then ``READ_WINDOW`` per range."""
     for key, fields in lookups:
         pipe.hmget(key, fields)
-    for key, _, _ in ranges:
-        pipe.hvals(key)
+    for key, arguments in ranges:
+        pipe.execute_command("EVALSHA", window_sha, 1, key, *arguments)  # (its method is blocked in cluster pipelines; the command routes by key)
     return pipe
 
 
@@ -92,16 +92,30 @@ class RedisClusterOnlineStore(RedisOnlineStore):
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
-        try:
-            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        sha = self._scripts["read_window"].sha
+        for attempt in (1, 2):  # a node that lost its scripts (a restart, a promoted replica) gets them
+            try:
+                return _queue(self.client.pipeline(transaction=False), lookups, ranges, sha).execute()
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                self._load_scripts()
+            except UNAVAILABLE as exc:
+                raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        raise AssertionError("unreachable")
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        try:
-            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        sha = self._scripts["read_window"].sha
+        for attempt in (1, 2):
+            try:
+                return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges, sha).execute()
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                await asyncio.to_thread(self._load_scripts)
+            except UNAVAILABLE as exc:
+                raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        raise AssertionError("unreachable")
 
     def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
         """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range
+from featurestore.online.base import Lookup, Range, Seal
 from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, key_prefix, numpy_values
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online import resp
@@ -71,13 +71,15 @@ return written
 """
 
 # KEYS: the events key of each event; ARGV[1]: cutoff µs (events before it are trimmed); ARGV[2]:
-# horizon ms (keys expire that long after their newest event); ARGV[3]: slack ms; then the n
-# events' µs as decimal text, then the events (8-byte id, then the value). The caller sends only
-# events at or after the cutoff. An event is added only if its id is new (HSETNX: first write
-# wins): retries and replays never count twice. Expiry is pushed out to newest + horizon + slack
-# whenever newest + horizon passes it, so a stream of events refreshes it (and trims old events)
-# once per slack, not per event: storage stays within horizon + slack. Every redis.call costs
-# ~3 µs here, so an event makes two (HSETNX, PTTL) and parses nothing.
+# horizon ms (keys expire that long after their newest event); ARGV[3]: slack ms; ARGV[4]: tile µs;
+# then the n events' µs as decimal text, then the events (8-byte id, then the value). The caller
+# sends only events at or after the cutoff. An event is added only if its id is new (HSETNX on
+# the ids hash: first write wins, even for an id reused at another time): retries and replays
+# never count twice. It goes into the events sorted set (score: its µs; members of one µs sort by
+# id, so a range comes in (time, id) order), and an event in a past tile drops that tile's sealed
+# summary. Expiry is pushed out to newest + horizon + slack whenever newest + horizon passes it,
+# so a stream of events refreshes it (and trims old events and summaries) once per slack, not
+# per event: storage stays within horizon + slack. Every redis.call costs ~3 µs here.
 KEEP_MAX = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current or tonumber(current) < tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
@@ -91,30 +93,106 @@ return redis.call('GET', KEYS[1])
 
 ADD_EVENTS = """
 local cutoff = tonumber(ARGV[1])
-local horizon_ms, slack_ms = tonumber(ARGV[2]), tonumber(ARGV[3])
+local horizon_ms, slack_ms, tile = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for k = 1, n do
-  local events, event = KEYS[k], ARGV[3 + n + k]
-  if redis.call('HSETNX', events, string.sub(event, 1, 8), event) == 1 then
+  local events, event, score = KEYS[k], ARGV[4 + n + k], ARGV[4 + k]
+  if redis.call('HSETNX', events .. '|ids', string.sub(event, 1, 8), '') == 1 then
     added = added + 1
-    local expire_at = math.floor(tonumber(ARGV[3 + k]) / 1000) + horizon_ms
+    redis.call('ZADD', events, score, event)
+    local us = tonumber(score)
+    local tile_no = math.floor(us / tile)
+    if (tile_no + 1) * tile <= now_ms * 1000 then redis.call('HDEL', events .. '|tiles', tile_no) end
+    local expire_at = math.floor(us / 1000) + horizon_ms
     local pttl = redis.call('PTTL', events)
     if pttl < 0 or now_ms + pttl < expire_at then
-      redis.call('PEXPIREAT', events, string.format('%.0f', expire_at + slack_ms))
-      local all, old = redis.call('HGETALL', events), {}
-      for i = 2, #all, 2 do
-        local hi, lo = struct.unpack('>I4I4', all[i], 9)
-        if (hi - 2147483648) * 4294967296 + lo < cutoff then old[#old + 1] = all[i - 1] end
-        if #old == 500 then redis.call('HDEL', events, unpack(old)); old = {} end
+      local until_ms = string.format('%.0f', expire_at + slack_ms)
+      for _, key in ipairs({events, events .. '|ids', events .. '|tiles'}) do redis.call('PEXPIREAT', key, until_ms) end
+      local old = redis.call('ZRANGEBYSCORE', events, '-inf', '(' .. ARGV[1])
+      for i = 1, #old, 500 do
+        local ids = {}
+        for j = i, math.min(i + 499, #old) do ids[#ids + 1] = string.sub(old[j], 1, 8) end
+        redis.call('HDEL', events .. '|ids', unpack(ids))
       end
-      if #old > 0 then redis.call('HDEL', events, unpack(old)) end
+      if #old > 0 then redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. ARGV[1]) end
+      local first_tile = math.floor(cutoff / tile)
+      for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
+        if tonumber(name) < first_tile then redis.call('HDEL', events .. '|tiles', name) end
+      end
     end
   end
 end
 return added
+"""
+
+# KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs (0: no tiles), the fewest
+# events in (low, high] worth tiles, the summaries' tag, then the window starts and the lookup
+# time (the tiles holding them are read event by event). Without tiles: the events in
+# (low, high], in (time, id) order. With: {summaries, events}: the sealed summary of each tile
+# inside (low, high] not holding a cut (``tile number, summary`` pairs), and the events of the
+# other tiles in (low, high], in order.
+READ_WINDOW = """
+local events, low, high = KEYS[1], ARGV[1], ARGV[2]
+local tile = tonumber(ARGV[3])
+if tile == 0 or redis.call('ZCOUNT', events, '(' .. low, high) < tonumber(ARGV[4]) then
+  return redis.call('ZRANGEBYSCORE', events, '(' .. low, high)
+end
+local tag = ARGV[5]
+local cut = {}
+for i = 6, #ARGV do cut[math.floor(tonumber(ARGV[i]) / tile)] = true end
+local sealed = {}
+local stored = redis.call('HGETALL', events .. '|tiles')
+for i = 1, #stored, 2 do
+  if string.sub(stored[i + 1], 1, #tag) == tag then sealed[tonumber(stored[i])] = stored[i + 1] end
+end
+local summaries, read = {}, {}
+local first, last = math.floor((tonumber(low) + 1) / tile), math.floor(tonumber(high) / tile)
+local run = nil  -- the first tile of a run read event by event
+for t = first, last + 1 do
+  local summary = t <= last and not cut[t] and sealed[t]
+  if summary then
+    summaries[#summaries + 1] = t
+    summaries[#summaries + 1] = summary
+  end
+  if (summary or t > last) and run then
+    local from = math.max(tonumber(low) + 1, run * tile)
+    local to = math.min(tonumber(high), t * tile - 1)
+    for _, e in ipairs(redis.call('ZRANGEBYSCORE', events, string.format('%.0f', from), string.format('%.0f', to))) do
+      read[#read + 1] = e
+    end
+    run = nil
+  elseif not summary and not run then
+    run = t
+  end
+end
+return {summaries, read}
+"""
+
+# KEYS[1]: an events key; ARGV[1]: tile µs; then per tile: its number, its event count when
+# summarized, the summary. A summary is kept only for a tile that has ended (by Redis's clock)
+# and still holds that many events: an event added since (which drops the tile's summary) makes
+# the count differ, so a summary never misses an event.
+SEAL_TILES = """
+local events, tile = KEYS[1], tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local sealed = 0
+for i = 2, #ARGV, 3 do
+  local no = tonumber(ARGV[i])
+  if (no + 1) * tile <= now_us and redis.call('EXISTS', events) == 1 then
+    local from, to = string.format('%.0f', no * tile), string.format('%.0f', (no + 1) * tile - 1)
+    if redis.call('ZCOUNT', events, from, to) == tonumber(ARGV[i + 1]) then
+      redis.call('HSET', events .. '|tiles', ARGV[i], ARGV[i + 2])
+      local ttl = redis.call('PTTL', events)
+      if ttl > 0 then redis.call('PEXPIRE', events .. '|tiles', ttl) end
+      sealed = sealed + 1
+    end
+  end
+end
+return sealed
 """
 
 
@@ -329,7 +407,8 @@ class RedisOnlineStore:
         self._batched: BatchedReads | None = None
         self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves
         self._scripts = {name: Script(code) for name, code in
-                         (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX))}
+                         (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX),
+                          ("read_window", READ_WINDOW), ("seal", SEAL_TILES))}
         self._recovering: asyncio.Future | None = None
 
     @classmethod
@@ -360,10 +439,11 @@ class RedisOnlineStore:
 
     def write_events(
         self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
-        cutoff_us: int, horizon: timedelta, newest: tuple[str, int] | None = None,
+        cutoff_us: int, horizon: timedelta, tile_us: int, newest: tuple[str, int] | None = None,
     ) -> int:
-        """Add events (history rows at or after ``cutoff_us``) to their entities' event hashes, once
-        per event id; older events are trimmed. Returns how many were new."""
+        """Add events (history rows at or after ``cutoff_us``) to their entities' events, once per
+        event id (an event in an ended tile drops its summary); older events are trimmed.
+        Returns how many were new."""
         if rows.num_rows == 0:
             return 0
         horizon_ms = horizon // timedelta(milliseconds=1)
@@ -373,14 +453,30 @@ class RedisOnlineStore:
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
-                yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix), [cutoff_us, horizon_ms, horizon_ms // 16],
+                yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix),
+                       [cutoff_us, horizon_ms, horizon_ms // 16, tile_us],
                        [scores, encode_events(part, features, event_ids[i:i + CHUNK])])
 
         return sum(self._run(calls, newest))
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        """Each lookup's values (HMGET), then each range key's events (HVALS), in one round trip."""
-        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        """Each lookup's values (HMGET), then each range's events and summaries (``READ_WINDOW``), in
+        one round trip."""
+        replies = self._read(lookups, ranges)
+        if ranges and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies[len(lookups):]):
+            self._load_scripts()  # a Redis that lost its scripts (a restart): once more
+            replies = self._read(lookups, ranges)
+        error = _first_error(replies)
+        if error is not None:
+            raise error
+        return replies
+
+    def _load_scripts(self) -> None:
+        for script in self._scripts.values():
+            self.client.script_load(script.code)
+
+    def _read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+        packed, count = resp.reads(lookups, ranges, self._scripts["read_window"].sha), len(lookups) + len(ranges)
         if self._readers is None:
             pool = self.client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
@@ -389,7 +485,12 @@ class RedisOnlineStore:
             connection = readers.take()
             try:
                 connection.send_packed_command([packed], check_health=False)
-                replies = [connection.read_response() for _ in range(count)]
+                replies = []
+                for _ in range(count):
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:  # (NOSCRIPT): the replies after it still come
+                        replies.append(exc)
             except BaseException as exc:
                 connection.disconnect()  # replies may be left unread: never reuse it
                 if not isinstance(exc, UNAVAILABLE):
@@ -428,10 +529,15 @@ class RedisOnlineStore:
             self._batched = BatchedReads(ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000)
             self._batched_loop = loop
         batched = self._batched
-        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
-        for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
+        packed, count = resp.reads(lookups, ranges, self._scripts["read_window"].sha), len(lookups) + len(ranges)
+        for attempt in (1, 2):  # as ``read``: a connection Redis dropped, or one that lost its scripts, fails once
             try:
                 return await batched.read(packed, count)
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                for script in self._scripts.values():
+                    await self.async_client.script_load(script.code)
             except UNAVAILABLE as exc:
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
@@ -511,6 +617,20 @@ class RedisOnlineStore:
         finally:
             pool.release(connection)
 
+    def seal(self, seals: Sequence[Seal]) -> None:
+        """Store tile summaries (``SEAL_TILES``: only where the tile still holds what was summarized)."""
+        self._run(lambda: (("seal", [key], [tile_us, *_flat(tiles)], []) for key, tile_us, tiles in seals), None)
+
+    async def seal_async(self, seals: Sequence[Seal]) -> None:
+        """``seal`` on the event loop."""
+        script = self._scripts["seal"]
+        for key, tile_us, tiles in seals:
+            try:
+                await self.async_client.evalsha(script.sha, 1, key, tile_us, *_flat(tiles))
+            except redis.exceptions.NoScriptError:
+                await self.async_client.script_load(script.code)
+                await self.async_client.evalsha(script.sha, 1, key, tile_us, *_flat(tiles))
+
     def newest(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
         return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
@@ -557,3 +677,7 @@ class RedisOnlineStore:
         self.client.close()
         if self.embedded is not None:
             self.embedded.stop()
+
+
+def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
+    return [x for tile in tiles for x in tile]

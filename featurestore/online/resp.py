@@ -58,8 +58,10 @@ def _frame(values: pa.Array) -> bytes:
     return framed.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
 
 
-def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, int, int]] = ()) -> bytes:
-    """An HMGET per lookup ``(key, fields)``, then an HVALS per range ``(key, low, high)``, as one buffer.
+def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, Sequence[bytes | int]]] = (),
+          window_sha: str = "") -> bytes:
+    """An HMGET per lookup ``(key, fields)``, then an EVALSHA of the script ``window_sha`` per range
+    ``(key, arguments)``, as one buffer.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument
     of every command, ~3 µs a command)."""
     framed: dict[int, tuple[bytes, bytes]] = {}
@@ -71,5 +73,5 @@ def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[byt
             frame = framed[id(fields)] = (b"*%d\r\n$5\r\nHMGET\r\n" % (len(fields) + 2),
                                           b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in encoded))
         chunks.append(b"%b$%d\r\n%b\r\n%b" % (frame[0], len(key), key, frame[1]))
-    chunks += [b"*2\r\n$5\r\nHVALS\r\n$%d\r\n%b\r\n" % (len(key), key) for key, _, _ in ranges]
+    chunks += [command("EVALSHA", window_sha, 1, key, *args) for key, args in ranges]
     return b"".join(chunks)

@@ -16,6 +16,7 @@ from numbers import Integral, Real
 from operator import is_
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from featurestore.aggregation import tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
@@ -154,13 +155,29 @@ class _ViewPlan:
 
 @dataclass
 class _WindowPlan:
-    """An aggregated view: its events in the longest window, read per entity, aggregated here."""
+    """An aggregated view: its events in the longest window, read per entity, aggregated here;
+    or for a heavy entity, the tile summaries of that window and the events of its edges."""
 
     request: ViewRequest
     keyset: tuple[str, ...]
     key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> events key
     decode: Callable[[list[bytes], int, int], tuple[list[int], dict[int, list[Any]]]]  # (members, low, high) -> (times, columns)
     evaluator: WindowEvaluator
+    tiled: tiles.TiledEvaluator | None  # None: some aggregation asked for is not tiled
+    wanted: list[int]                   # the aggregations asked for, as indexes into the tile spec's
+
+    def read_arguments(self, now_us: int) -> list[bytes | int]:
+        """``READ_WINDOW``'s arguments at ``now_us``: the window, and the tiles holding a cut."""
+        low = now_us - self.evaluator.longest_us
+        if self.tiled is None:
+            return [low, now_us, 0]
+        spec = self.tiled.spec
+        heavy_from = tiles.HEAVY_PER_TILE * -(-self.evaluator.longest_us // spec.tile_us)
+        return [low, now_us, spec.tile_us, heavy_from, spec.tag, *self.cuts(now_us)]
+
+    def cuts(self, now_us: int) -> list[int]:
+        """The first µs of each window and the lookup time: the tiles holding them are read event by event."""
+        return sorted({now_us - w + 1 for w in self.evaluator.windows_us} | {now_us})
 
 
 @dataclass
@@ -204,7 +221,11 @@ class QueryTemplate:
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
                 events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
                 evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
-                windows.append(_WindowPlan(req, keyset, events_of, make_events_decoder(stored, evaluator.needed), evaluator))
+                spec = tiles.TileSpec.of(req.view)
+                tiled = tiles.TiledEvaluator(req.view, spec) if spec is not None and spec.covers(evaluator.aggregations) else None
+                wanted = [spec.aggregations.index(a) for a in evaluator.aggregations] if tiled is not None and spec else []
+                decoded = sorted(set(evaluator.needed) | set(tiled.needed if tiled is not None else []))
+                windows.append(_WindowPlan(req, keyset, events_of, make_events_decoder(stored, decoded), evaluator, tiled, wanted))
                 continue
             if keyset not in groups:
                 groups[keyset] = _Group(keyset, [], _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}))
@@ -230,11 +251,12 @@ class OnlineQuery:
     key_columns: list[list[Any]]
     lookups: list[tuple[bytes, list[str]]]
     slots: list[list[int]]            # per group, per entity row: index into lookups
-    ranges: list[tuple[bytes, int, int]]
+    ranges: list[tuple[bytes, list[bytes | int]]]
     range_slots: list[list[int]]      # per window plan, per entity row: index into ranges
     now_us: int                       # the lookup time: ttl and windows are evaluated at it
     on_demand: OnDemandPlan | None = None         # request-time features to compute after the read
     request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
+    seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(default_factory=list)  # tile summaries to store
 
     @property
     def key_names(self) -> list[str]:
@@ -287,17 +309,18 @@ class OnlineQuery:
                 rows.append(pos)
             slots.append(rows)
         now_us = datetime_to_micros(now) if now is not None else time.time_ns() // 1000
-        ranges: list[tuple[bytes, int, int]] = []
+        ranges: list[tuple[bytes, list[bytes | int]]] = []
         range_slots = []
         for window in template.windows:
             index = {}
             rows = []
+            arguments = window.read_arguments(now_us)
             for values in zip(*(columns[k] for k in window.keyset)):
                 key = window.key_of(values)
                 pos = index.get(key)
                 if pos is None:
                     pos = index[key] = len(ranges)
-                    ranges.append((key, now_us - window.evaluator.longest_us, now_us))
+                    ranges.append((key, arguments))
                 rows.append(pos)
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
@@ -317,7 +340,7 @@ class OnlineQuery:
             statuses += st
             times += t
         if template.windows:
-            events = raw[len(self.lookups):]  # per range key, every member Redis holds
+            events = raw[len(self.lookups):]  # per range: its events, or [summaries, events]
             for window, slots in zip(template.windows, self.range_slots):
                 v, st, t = self._window_columns(window, slots, events, now_us)
                 values += v
@@ -358,19 +381,40 @@ class OnlineQuery:
         decode, evaluate = plan.decode, plan.evaluator.evaluate
         results: dict[int, tuple[list[Any], list[str], datetime | None]] = {}
         row_values, row_statuses, row_times = [], [], []
+        low = now_us - plan.evaluator.longest_us
         for pos in slots:
             result = results.get(pos)
             if result is None:
-                _, low, high = self.ranges[pos]
-                times, columns = decode(events[pos], low, high)
-                vals, stats = evaluate(times, columns, now_us)
-                newest = micros_to_datetime(times[-1]) if times else None
-                result = results[pos] = (vals, stats, newest)
+                reply = events[pos]
+                if reply and isinstance(reply[0], list):  # a heavy entity: [summaries, events]
+                    result = results[pos] = self._tiled(plan, self.ranges[pos][0], reply, low, now_us)
+                else:
+                    times, columns = decode(reply, low, now_us)
+                    vals, stats = evaluate(times, columns, now_us)
+                    result = results[pos] = (vals, stats, micros_to_datetime(times[-1]) if times else None)
             row_values.append(result[0])
             row_statuses.append(result[1])
             row_times.append(result[2])
         width = len(plan.evaluator.aggregations)
         return [list(c) for c in zip(*row_values)], [list(c) for c in zip(*row_statuses)], [list(row_times) for _ in range(width)]
+
+    def _tiled(self, plan: _WindowPlan, key: bytes, reply: list, low: int, now_us: int):
+        """One heavy entity's aggregates from its tile summaries and edge events; the tiles it read
+        whole are summarized for the next lookups (``seals``)."""
+        tiled = plan.tiled
+        assert tiled is not None
+        flat, members = reply
+        summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
+        times, columns = plan.decode(members, low, now_us)
+        vals, stats = tiles.evaluate_tiled(tiled, plan.wanted, plan.evaluator.windows_us,
+                                           {t: s[1] for t, s in summaries.items()}, times, columns, now_us)
+        newest = max(([times[-1]] if times else []) + [s[0] for s in summaries.values()], default=None)
+        size = tiled.spec.tile_us
+        cut = {c // size for c in plan.cuts(now_us)}
+        sealed = tiles.seals(tiled, times, columns, cut, time.time_ns() // 1000)
+        if sealed:
+            self.seals.append((key, size, sealed))
+        return vals, stats, micros_to_datetime(newest) if newest is not None else None
 
     def _view_columns(self, plan: "_ViewPlan", raw: list, now_us: int):
         width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position

@@ -1,0 +1,239 @@
+"""Tile summaries: a heavy entity's lookup merges sealed summaries instead of reading every event.
+
+Online, an aggregated view's events are grouped in tiles of ``tile_us`` (``TileSpec``). Once a
+tile has ended and holds ``SEAL_FROM`` events or more, the lookup that read it event by event
+stores its summary (``seal``): per tiled aggregation of the view, the events passing the filter,
+the non-null values among them and a mergeable state. A lookup of an entity with
+``HEAVY_PER_TILE`` events per tile or more in its longest window then reads the summaries of the tiles wholly inside, the
+events of the others (those holding a window's start or the lookup time, and tiles not sealed
+yet), and merges both in time order (``TiledEvaluator``): reads no longer grow with the events.
+An event added to an ended tile drops its summary (Redis scripts in ``online.redis_store``).
+
+Exact, not approximate: merged states give what the events give (``WindowEvaluator``). Counts,
+min, max and last merge exactly, integer sums too. A float sum or mean keeps each tile's
+Shewchuk partials (non-overlapping floats whose sum is exactly the tile's), so ``math.fsum``
+over the partials and the remaining values rounds the same exact sum: the same bits. A tile with
+a value that is not finite, or whose sum leaves the float range, is not sealed. Functions whose
+state grows with the events (``count_distinct``, ``last_n``, ``variance``, ``stddev``) and columns
+other than numbers and strings are not tiled: a lookup asking for one reads events.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+
+import numpy as np
+import orjson
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min
+from featurestore.definitions import Aggregation, FeatureView
+
+TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
+TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
+SEAL_FROM = 8         # events a tile needs before a summary pays for itself
+HEAVY_PER_TILE = 24   # events per tile of the longest window before a lookup reads summaries (its break-even)
+SEALS_PER_LOOKUP = 16  # tiles one lookup summarizes (each costs ~1 µs per event): the rest, later ones
+TILES_PER_WINDOW = 64  # about how many tiles the longest window spans, at least
+_TILE_SIZES_US = [s * 1_000_000 for s in (1, 10, 60, 300, 900, 3600, 6 * 3600, 86400)]
+
+State = list  # [events passing the filter, non-null values, payload]
+
+
+def tile_us(view: FeatureView) -> int:
+    """The view's tile size: the largest of 1 s, 10 s, 1 min, 5 min, 15 min, 1 h, 6 h, 1 d with
+    ``TILES_PER_WINDOW`` tiles in the longest window."""
+    longest = view.longest_window // timedelta(microseconds=1)
+    return max([size for size in _TILE_SIZES_US if size * TILES_PER_WINDOW <= longest] or [_TILE_SIZES_US[0]])
+
+
+@dataclass(frozen=True)
+class TileSpec:
+    """How a view's tiles are summarized: the tile size and the aggregations a summary holds."""
+
+    tile_us: int
+    aggregations: tuple[Aggregation, ...]
+    tag: bytes  # starts every summary: one written for other aggregations or another layout is not read
+
+    @classmethod
+    def of(cls, view: FeatureView) -> "TileSpec | None":
+        stored = {f.name: f.dtype.name for f in view.schema}
+        tiled = tuple(a for a in view.aggregations if a.function in TILED_FUNCTIONS
+                      and (a.column is None or stored[a.column] in TILED_TYPES))
+        if not tiled:
+            return None
+        size = tile_us(view)
+        layout = json.dumps([view.storage_id, size, [a.to_spec() for a in tiled]], sort_keys=True, default=str)
+        return cls(size, tiled, b"T" + hashlib.blake2b(layout.encode(), digest_size=6).hexdigest().encode() + b":")
+
+    def covers(self, aggregations: Sequence[Aggregation]) -> bool:
+        return all(a in self.aggregations for a in aggregations)
+
+
+def _partials(values: list[float]) -> list[float] | None:
+    """Shewchuk's non-overlapping partials of ``values`` (their sum, exactly); None if a value is
+    not finite or the sum overflows."""
+    partials: list[float] = []
+    for x in values:
+        if not math.isfinite(x):
+            return None
+        i = 0
+        for y in partials:
+            if abs(x) < abs(y):
+                x, y = y, x
+            hi = x + y
+            lo = y - (hi - x)
+            if lo:
+                partials[i] = lo
+                i += 1
+            x = hi
+        if not math.isfinite(x):
+            return None
+        partials[i:] = [x]
+    return partials
+
+
+class TiledEvaluator:
+    """States of a view's tiled aggregations over events, their merge in time order, and the
+    values they give (each equal to ``WindowEvaluator``'s over the same events)."""
+
+    def __init__(self, view: FeatureView, spec: TileSpec):
+        self.spec = spec
+        self.events = WindowEvaluator(view, spec.aggregations)  # columns, filters, empty values
+        stored = {f.name: f.dtype.name for f in view.schema}
+        self.floats = [a.column is not None and stored[a.column] in ("Float32", "Float64") for a in spec.aggregations]
+        self.needed = self.events.needed
+
+    def states(self, columns: dict[int, list[Any]], start: int, end: int, compact: bool,
+               indexes: Sequence[int] | None = None) -> list[State] | None:
+        """The state of each aggregation (or those at ``indexes``) over events ``start:end`` of
+        ``columns``. ``compact``: float sums as partials (a summary; None if it cannot be exact),
+        else as the values."""
+        ev = self.events
+        out: list[State] = []
+        for k in range(len(self.spec.aggregations)) if indexes is None else indexes:
+            agg, column, where, is_float = self.spec.aggregations[k], ev.columns[k], ev.filters[k], self.floats[k]
+            picked = columns[column][start:end] if column is not None else None
+            if where is None:
+                count = end - start
+            else:
+                i, test, value = where
+                kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
+                count = sum(kept)
+                if picked is not None:
+                    picked = [v for v, keep in zip(picked, kept) if keep]
+            if picked is None:
+                out.append([count, count, None])
+                continue
+            if None in picked:
+                picked = [v for v in picked if v is not None]
+            function, payload = agg.function, None
+            if function in ("sum", "mean"):
+                if function == "mean" and not is_float:
+                    picked_floats = [float(v) for v in picked]
+                else:
+                    picked_floats = picked
+                if is_float or function == "mean":
+                    payload = _partials(picked_floats) if compact else picked_floats
+                    if payload is None:
+                        return None
+                else:
+                    payload = sum(picked)
+            elif picked:
+                payload = _min(picked) if function == "min" else _max(picked) if function == "max" else picked[-1]
+            out.append([count, len(picked), payload])
+        return out
+
+    def finish(self, index: int, states: list[State]) -> tuple[Any, str]:
+        """The value and status of aggregation ``index`` from its states, oldest first."""
+        agg, empty = self.spec.aggregations[index], self.events.empty[index]
+        events, values = sum(s[0] for s in states), sum(s[1] for s in states)
+        if not events:
+            return empty, NOT_FOUND
+        payloads = [s[2] for s in states if s[1]]
+        if not values:
+            value = empty
+        elif agg.function == "count":
+            value = values
+        elif agg.function in ("sum", "mean"):
+            if self.floats[index] or agg.function == "mean":
+                total = _fsum([x for p in payloads for x in p])
+            else:
+                total = sum(payloads)
+            value = total / values if agg.function == "mean" else total
+        elif agg.function == "min":
+            value = _min(payloads)
+        elif agg.function == "max":
+            value = _max(payloads)
+        else:  # last
+            value = payloads[-1]
+        return value, NULL_VALUE if value is None else PRESENT
+
+    def encode(self, newest_us: int, states: list[State]) -> bytes | None:
+        """A summary: the tag, then JSON ``[newest event µs, states]`` (orjson: floats round-trip
+        exactly, and decoding is ~5x the standard library's, which a heavy lookup's 150+ summaries
+        feel). None when JSON cannot carry it exactly: a non-finite float, an integer past 64 bits."""
+        if any(isinstance(s[2], float) and not math.isfinite(s[2]) for s in states):
+            return None
+        try:
+            return self.spec.tag + orjson.dumps([newest_us, states])
+        except TypeError:  # an integer sum past 64 bits
+            return None
+
+    def decode(self, summary: bytes) -> tuple[int, list[State]]:
+        newest_us, states = orjson.loads(memoryview(summary)[len(self.spec.tag):])
+        return newest_us, states
+
+
+def evaluate_tiled(tiled: TiledEvaluator, wanted: Sequence[int], windows_us: Sequence[int], summaries: dict[int, list[State]],
+                   times: list[int], columns: dict[int, list[Any]], now_us: int) -> tuple[list[Any], list[str]]:
+    """Values and statuses at ``now_us`` of the aggregations ``wanted`` (indexes into the spec),
+    from sealed ``summaries`` ({tile: states}) and the events of the other tiles (``times``
+    ascending, ``columns`` as ``WindowEvaluator.evaluate`` takes them)."""
+    size = tiled.spec.tile_us
+    sealed = sorted(summaries)
+    # the events between two sealed tiles are one chunk: cut where the count of sealed tiles before an event changes
+    before = np.searchsorted(np.array(sealed, dtype=np.int64), np.array(times, dtype=np.int64) // size, side="right")
+    cuts = [0, *(np.flatnonzero(np.diff(before)) + 1).tolist(), len(times)]
+    runs = [(int(before[a]), a, b) for a, b in zip(cuts, cuts[1:]) if a < b]  # (sealed tiles before it, start, end)
+    cache: dict[tuple[int, int], list[State]] = {}
+    values, statuses = [], []
+    for slot, (index, window) in enumerate(zip(wanted, windows_us)):
+        first_us = now_us - window + 1
+        first_tile = bisect.bisect_left(sealed, -(-first_us // size))  # the sealed tiles wholly in the window
+        chunks = [(2 * i + 1, summaries[sealed[i]][index]) for i in range(first_tile, len(sealed))]
+        for position, start, end in runs:
+            lo = bisect.bisect_left(times, first_us, start, end)
+            hi = bisect.bisect_right(times, now_us, start, end)
+            if lo < hi:
+                states = cache.get((lo, hi))
+                if states is None:
+                    states = cache[(lo, hi)] = tiled.states(columns, lo, hi, compact=False, indexes=wanted)  # type: ignore[assignment]
+                chunks.append((2 * position, states[slot]))
+        chunks.sort(key=lambda c: c[0])  # time order: a run before the sealed tile after it
+        value, status = tiled.finish(index, [c[1] for c in chunks])
+        values.append(value)
+        statuses.append(status)
+    return values, statuses
+
+
+def seals(tiled: TiledEvaluator, times: list[int], columns: dict[int, list[Any]], cut: set[int], now_us: int) -> list[tuple[int, int, bytes]]:
+    """Summaries worth storing, ``(tile, events, summary)``: of the ended tiles read event by
+    event in full (holding no cut), those with ``SEAL_FROM`` events or more, at most ``SEALS_PER_LOOKUP``."""
+    size, out = tiled.spec.tile_us, []
+    start = 0
+    while start < len(times) and len(out) < SEALS_PER_LOOKUP:
+        tile = times[start] // size
+        end = bisect.bisect_left(times, (tile + 1) * size, start)
+        if end - start >= SEAL_FROM and tile not in cut and (tile + 1) * size <= now_us:
+            states = tiled.states(columns, start, end, compact=True)
+            summary = tiled.encode(times[end - 1], states) if states is not None else None
+            if summary is not None:
+                out.append((tile, end - start, summary))
+        start = end
+    return out
