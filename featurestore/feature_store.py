@@ -330,7 +330,7 @@ class FeatureStore:
 
         Windowed aggregates and ttls are evaluated at ``at`` (default: now); a past ``at`` suits
         replays and backtests while the events are retained online (``online_store.event_retention``)."""
-        from featurestore.retrieval.online import OnlineQuery
+        from featurestore.retrieval.online import OnlineQuery, read_online
 
         if _feast_order(entity_rows, features):  # Feast's positional order: (features, entity_rows)
             entity_rows, features = features, entity_rows  # type: ignore[assignment]
@@ -340,7 +340,7 @@ class FeatureStore:
             self.require_applied(self._used_by(features=features, feature_service=feature_service))
         query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
                                     full_feature_names, self.config.max_request_entities, now=at)
-        response = query.assemble(self.online_store.read(query.lookups, query.ranges))
+        response = read_online(self.online_store, query)
         if query.seals:  # heavy entities' tiles, summarized for the next lookups; a failure costs only speed
             import redis
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.online.codec import EPOCH
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
-from featurestore.retrieval.online import OnlineQuery
+from featurestore.retrieval.online import OnlineQuery, read_online_async
 from featurestore.auth import Authenticator
 from serving.jobs import JobRunner
 from serving.common import seal_in_background, caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
@@ -129,7 +129,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
             bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=request_time(body),
         )
-        response = query.assemble(await store.online_store.read_async(query.lookups, query.ranges))
+        response = await read_online_async(store.online_store, query)
         seal_in_background(store, query.seals)
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
-from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
+from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number, read_online_async
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from featurestore.auth import Authenticator
 from serving.common import seal_in_background, FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
@@ -155,7 +155,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             inputs[name] = [float(v) for v in values]
         query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
                                     False, current.config.max_request_entities, now=request_time(body))
-        response = query.assemble(await current.online_store.read_async(query.lookups, query.ranges))
+        response = await read_online_async(current.online_store, query)
         seal_in_background(current, query.seals)
         n = len(instances)
         keys = len(query.key_names)

@@ -331,6 +331,47 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
     assert not client.hexists(tiles_key, str(first_tile + 4))
 
 
+def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypatch):
+    """The servers' path: ``read_online_async`` reads heavy entities' summaries (a second round
+    trip), and ``seal_in_background`` stores the tiles a lookup summarized without holding it."""
+    import asyncio
+
+    from featurestore.aggregation import tiles
+    from featurestore.retrieval.online import OnlineQuery, read_online, read_online_async
+    from serving.common import _sealing, seal_in_background
+
+    store = activity_store
+    card = next(_cards) * 10 + 5_000_000
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
+                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    refs = [f"activity:{n}" for n in TILED]
+    at = BASE + 10 * STEP + timedelta(minutes=7)
+
+    def query():
+        return OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at)
+
+    async def served():
+        first = query()
+        response = await read_online_async(store.online_store, first)
+        assert first.seals  # tiles it read whole, to summarize
+        seal_in_background(store, first.seals)
+        await asyncio.gather(*_sealing)
+        second = query()  # the tiles past the first lookup's 16
+        again = await read_online_async(store.online_store, second)
+        seal_in_background(store, second.seals)
+        await asyncio.gather(*_sealing)
+        third = query()
+        await read_online_async(store.online_store, third)
+        return response.to_dict(), again.to_dict(), len(first.seals[0][2]), third.seals
+
+    first, again, sealed_first, seals_left = asyncio.run(served())
+    assert first == again == read_online(store.online_store, query()).to_dict()
+    assert sealed_first == tiles.SEALS_PER_LOOKUP and seals_left == []  # all summarized in two lookups
+    assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
+
+
 def test_statuses_say_whether_the_window_had_events(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 1_000_000

@@ -458,7 +458,7 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
     import redis
 
     from featurestore.online import redis_store
-    from featurestore.retrieval.online import OnlineQuery
+    from featurestore.retrieval.online import OnlineQuery, read_online_async
 
     store = users_store(random_users(n_users=40, n_rows=600, seed=21))
     store.materialize(None, NOW)
@@ -481,7 +481,7 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
 
     async def lookup(ids):
         q = query(ids)
-        return q.assemble(await store.online_store.read_async(q.lookups, q.ranges)).to_rest()
+        return (await read_online_async(store.online_store, q)).to_rest()
 
     async def run():
         got = await asyncio.gather(*(lookup(ids) for ids in batches))

@@ -90,6 +90,16 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
             a = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
             b = clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
             assert a == b
+        from featurestore.aggregation import tiles
+
+        cards = list(range(-2, 60))
+        plain = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+        with monkeypatch.context() as forced:  # every card through tile summaries: read, sealed, read again
+            forced.setattr(tiles, "HEAVY_PER_TILE", 0)
+            forced.setattr(tiles, "SEAL_FROM", 1)
+            for _ in range(2):
+                assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == plain
+        assert any(clustered.online_store.client.scan_iter(match=b"*|tiles"))
         offline = clustered.get_historical_features(pd.DataFrame({"card_id": list(range(600)), "event_timestamp": [NOW] * 600}),
                                                     features=["activity:count_1h"]).to_df()["count_1h"].tolist()
         assert clustered.get_online_features({"card_id": list(range(600))}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"] == offline

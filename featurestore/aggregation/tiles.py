@@ -113,37 +113,45 @@ class TiledEvaluator:
                indexes: Sequence[int] | None = None) -> list[State] | None:
         """The state of each aggregation (or those at ``indexes``) over events ``start:end`` of
         ``columns``. ``compact``: float sums as partials (a summary; None if it cannot be exact),
-        else as the values."""
+        else as the values. Aggregations over one column and filter (a sum and a mean, several
+        windows) share the picking and the partials."""
         ev = self.events
         out: list[State] = []
+        picks: dict[tuple, tuple[int, list[Any] | None]] = {}
+        sums: dict[tuple, Any] = {}
         for k in range(len(self.spec.aggregations)) if indexes is None else indexes:
             agg, column, where, is_float = self.spec.aggregations[k], ev.columns[k], ev.filters[k], self.floats[k]
-            picked = columns[column][start:end] if column is not None else None
-            if where is None:
-                count = end - start
-            else:
-                i, test, value = where
-                kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
-                count = sum(kept)
-                if picked is not None:
-                    picked = [v for v, keep in zip(picked, kept) if keep]
+            source = (column, repr(agg.where))
+            if source not in picks:
+                picked = columns[column][start:end] if column is not None else None
+                if where is None:
+                    count = end - start
+                else:
+                    i, test, value = where
+                    kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
+                    count = sum(kept)
+                    if picked is not None:
+                        picked = [v for v, keep in zip(picked, kept) if keep]
+                if picked is not None and None in picked:
+                    picked = [v for v in picked if v is not None]
+                picks[source] = (count, picked)
+            count, picked = picks[source]
             if picked is None:
                 out.append([count, count, None])
                 continue
-            if None in picked:
-                picked = [v for v in picked if v is not None]
             function, payload = agg.function, None
             if function in ("sum", "mean"):
-                if function == "mean" and not is_float:
-                    picked_floats = [float(v) for v in picked]
-                else:
-                    picked_floats = picked
-                if is_float or function == "mean":
-                    payload = _partials(picked_floats) if compact else picked_floats
-                    if payload is None:
-                        return None
-                else:
-                    payload = sum(picked)
+                exact_float = is_float or function == "mean"
+                key = (source, exact_float)
+                if key not in sums:
+                    if exact_float:
+                        values = picked if is_float else [float(v) for v in picked]
+                        sums[key] = _partials(values) if compact else values
+                    else:
+                        sums[key] = sum(picked)
+                payload = sums[key]
+                if payload is None:
+                    return None
             elif picked:
                 payload = _min(picked) if function == "min" else _max(picked) if function == "max" else picked[-1]
             out.append([count, len(picked), payload])

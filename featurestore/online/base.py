@@ -13,9 +13,11 @@ if TYPE_CHECKING:
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
-# One entity's window: its events key and the arguments of ``READ_WINDOW`` (event-time bounds in
-# µs, low exclusive and high inclusive, then how to use tile summaries).
-Range = tuple[bytes, Sequence[bytes | int]]
+# One entity's window: its events key, the event-time bounds in µs (low exclusive, high inclusive)
+# and the most events to read (None: all).
+Range = tuple[bytes, int, int, "int | None"]
+# A heavy entity's window, read from tile summaries: its events key and ``READ_WINDOW``'s arguments.
+TiledRange = tuple[bytes, Sequence[bytes | int]]
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
@@ -31,7 +33,12 @@ class OnlineStore(Protocol):
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
-        then for each range, the encoded events in it, oldest first, or ``[summaries, events]``."""
+        then for each range, the encoded events in it, in (time, id) order."""
+
+    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
+        """For each heavy entity's window, ``[tile summaries, events of the other tiles]``."""
+
+    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list: ...
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed."""

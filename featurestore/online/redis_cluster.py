@@ -12,7 +12,6 @@ master is failing over, its slots answer errors: the store raises ``OnlineStoreU
 
 from __future__ import annotations
 
-import asyncio
 from collections import defaultdict
 from typing import AsyncIterator, Iterable, Sequence
 
@@ -28,19 +27,22 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range
+from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.codec import entity_keys
 from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, listen, redact
 
 SCHEME = "redis+cluster://"
 
 
-def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], window_sha: str):
-    """An HMGET per lookup, then ``READ_WINDOW`` per range."""
+def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
+    """An HMGET per lookup, then each range's events."""
     for key, fields in lookups:
         pipe.hmget(key, fields)
-    for key, arguments in ranges:
-        pipe.execute_command("EVALSHA", window_sha, 1, key, *arguments)  # (its method is blocked in cluster pipelines; the command routes by key)
+    for key, low, high, limit in ranges:
+        if limit is None:
+            pipe.zrangebyscore(key, f"({low}", high)
+        else:
+            pipe.zrangebyscore(key, f"({low}", high, start=0, num=limit)
     return pipe
 
 
@@ -92,27 +94,31 @@ class RedisClusterOnlineStore(RedisOnlineStore):
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
+        try:
+            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+        try:
+            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
+    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
+        """One EVALSHA per window, each to its key's node (the scripts sum no lists, unlike ``_send``)."""
         sha = self._scripts["read_window"].sha
         for attempt in (1, 2):  # a node that lost its scripts (a restart, a promoted replica) gets them
             try:
-                return _queue(self.client.pipeline(transaction=False), lookups, ranges, sha).execute()
+                pipe = self.client.pipeline(transaction=False)
+                for key, arguments in windows:  # (EVALSHA's method is blocked in cluster pipelines; the command routes by key)
+                    pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
+                return pipe.execute()
             except redis.exceptions.NoScriptError:
                 if attempt == 2:
                     raise
-                self._load_scripts()
-            except UNAVAILABLE as exc:
-                raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
-        raise AssertionError("unreachable")
-
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        sha = self._scripts["read_window"].sha
-        for attempt in (1, 2):
-            try:
-                return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges, sha).execute()
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                await asyncio.to_thread(self._load_scripts)
+                for script in self._scripts.values():
+                    self.client.script_load(script.code)
             except UNAVAILABLE as exc:
                 raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         raise AssertionError("unreachable")

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range, Seal
+from featurestore.online.base import Lookup, Range, Seal, TiledRange
 from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, key_prefix, numpy_values
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online import resp
@@ -128,21 +128,16 @@ end
 return added
 """
 
-# KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs (0: no tiles), the fewest
-# events in (low, high] worth tiles, the summaries' tag, then the window starts and the lookup
-# time (the tiles holding them are read event by event). Without tiles: the events in
-# (low, high], in (time, id) order. With: {summaries, events}: the sealed summary of each tile
-# inside (low, high] not holding a cut (``tile number, summary`` pairs), and the events of the
-# other tiles in (low, high], in order.
+# KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs, the summaries' tag, then
+# the window starts and the lookup time (the tiles holding them are read event by event).
+# Returns {summaries, events}: the sealed summary of each tile inside (low, high] holding no cut
+# (``tile number, summary`` pairs), and the events of the other tiles in (low, high], in order.
 READ_WINDOW = """
 local events, low, high = KEYS[1], ARGV[1], ARGV[2]
 local tile = tonumber(ARGV[3])
-if tile == 0 or redis.call('ZCOUNT', events, '(' .. low, high) < tonumber(ARGV[4]) then
-  return redis.call('ZRANGEBYSCORE', events, '(' .. low, high)
-end
-local tag = ARGV[5]
+local tag = ARGV[4]
 local cut = {}
-for i = 6, #ARGV do cut[math.floor(tonumber(ARGV[i]) / tile)] = true end
+for i = 5, #ARGV do cut[math.floor(tonumber(ARGV[i]) / tile)] = true end
 local sealed = {}
 local stored = redis.call('HGETALL', events .. '|tiles')
 for i = 1, #stored, 2 do
@@ -460,23 +455,8 @@ class RedisOnlineStore:
         return sum(self._run(calls, newest))
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        """Each lookup's values (HMGET), then each range's events and summaries (``READ_WINDOW``), in
-        one round trip."""
-        replies = self._read(lookups, ranges)
-        if ranges and any(isinstance(r, redis.exceptions.NoScriptError) for r in replies[len(lookups):]):
-            self._load_scripts()  # a Redis that lost its scripts (a restart): once more
-            replies = self._read(lookups, ranges)
-        error = _first_error(replies)
-        if error is not None:
-            raise error
-        return replies
-
-    def _load_scripts(self) -> None:
-        for script in self._scripts.values():
-            self.client.script_load(script.code)
-
-    def _read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
-        packed, count = resp.reads(lookups, ranges, self._scripts["read_window"].sha), len(lookups) + len(ranges)
+        """Each lookup's values (HMGET), then each range's events (ZRANGEBYSCORE), in one round trip."""
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
         if self._readers is None:
             pool = self.client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
@@ -485,12 +465,7 @@ class RedisOnlineStore:
             connection = readers.take()
             try:
                 connection.send_packed_command([packed], check_health=False)
-                replies = []
-                for _ in range(count):
-                    try:
-                        replies.append(connection.read_response())
-                    except redis.ResponseError as exc:  # (NOSCRIPT): the replies after it still come
-                        replies.append(exc)
+                replies = [connection.read_response() for _ in range(count)]
             except BaseException as exc:
                 connection.disconnect()  # replies may be left unread: never reuse it
                 if not isinstance(exc, UNAVAILABLE):
@@ -529,15 +504,10 @@ class RedisOnlineStore:
             self._batched = BatchedReads(ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000)
             self._batched_loop = loop
         batched = self._batched
-        packed, count = resp.reads(lookups, ranges, self._scripts["read_window"].sha), len(lookups) + len(ranges)
-        for attempt in (1, 2):  # as ``read``: a connection Redis dropped, or one that lost its scripts, fails once
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:
                 return await batched.read(packed, count)
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                for script in self._scripts.values():
-                    await self.async_client.script_load(script.code)
             except UNAVAILABLE as exc:
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
@@ -617,19 +587,32 @@ class RedisOnlineStore:
         finally:
             pool.release(connection)
 
+    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
+        """Each heavy entity's ``[tile summaries, edge events]`` (``READ_WINDOW``)."""
+        return self._run(lambda: (("read_window", [key], list(arguments), []) for key, arguments in windows), None)
+
+    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list:
+        """``read_tiles`` on the event loop."""
+        return [await self._evalsha_async("read_window", key, *arguments) for key, arguments in windows]
+
+    async def _evalsha_async(self, name: str, key: bytes, *arguments: Any) -> Any:
+        script = self._scripts[name]
+        try:
+            return await self.async_client.evalsha(script.sha, 1, key, *arguments)
+        except redis.exceptions.NoScriptError:  # a Redis that lost its scripts (a restart)
+            await self.async_client.script_load(script.code)
+            return await self.async_client.evalsha(script.sha, 1, key, *arguments)
+        except UNAVAILABLE as exc:
+            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries (``SEAL_TILES``: only where the tile still holds what was summarized)."""
         self._run(lambda: (("seal", [key], [tile_us, *_flat(tiles)], []) for key, tile_us, tiles in seals), None)
 
     async def seal_async(self, seals: Sequence[Seal]) -> None:
         """``seal`` on the event loop."""
-        script = self._scripts["seal"]
         for key, tile_us, tiles in seals:
-            try:
-                await self.async_client.evalsha(script.sha, 1, key, tile_us, *_flat(tiles))
-            except redis.exceptions.NoScriptError:
-                await self.async_client.script_load(script.code)
-                await self.async_client.evalsha(script.sha, 1, key, tile_us, *_flat(tiles))
+            await self._evalsha_async("seal", key, tile_us, *_flat(tiles))
 
     def newest(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""

@@ -30,6 +30,8 @@ from featurestore.retrieval.refs import ViewRequest, resolve
 if TYPE_CHECKING:
     import pandas as pd
 
+    from featurestore.online.redis_store import RedisOnlineStore
+
 PRESENT, NOT_FOUND, NULL_VALUE, OUTSIDE_MAX_AGE = "PRESENT", "NOT_FOUND", "NULL_VALUE", "OUTSIDE_MAX_AGE"
 
 
@@ -166,14 +168,17 @@ class _WindowPlan:
     tiled: tiles.TiledEvaluator | None  # None: some aggregation asked for is not tiled
     wanted: list[int]                   # the aggregations asked for, as indexes into the tile spec's
 
-    def read_arguments(self, now_us: int) -> list[bytes | int]:
-        """``READ_WINDOW``'s arguments at ``now_us``: the window, and the tiles holding a cut."""
-        low = now_us - self.evaluator.longest_us
+    def heavy_from(self) -> int | None:
+        """Events in the window from which an entity reads tile summaries (None: never)."""
         if self.tiled is None:
-            return [low, now_us, 0]
+            return None
+        return tiles.HEAVY_PER_TILE * -(-self.evaluator.longest_us // self.tiled.spec.tile_us)
+
+    def tiles_arguments(self, now_us: int) -> list[bytes | int]:
+        """``READ_WINDOW``'s arguments at ``now_us``: the window, and the tiles holding a cut."""
+        assert self.tiled is not None
         spec = self.tiled.spec
-        heavy_from = tiles.HEAVY_PER_TILE * -(-self.evaluator.longest_us // spec.tile_us)
-        return [low, now_us, spec.tile_us, heavy_from, spec.tag, *self.cuts(now_us)]
+        return [now_us - self.evaluator.longest_us, now_us, spec.tile_us, spec.tag, *self.cuts(now_us)]
 
     def cuts(self, now_us: int) -> list[int]:
         """The first µs of each window and the lookup time: the tiles holding them are read event by event."""
@@ -251,8 +256,9 @@ class OnlineQuery:
     key_columns: list[list[Any]]
     lookups: list[tuple[bytes, list[str]]]
     slots: list[list[int]]            # per group, per entity row: index into lookups
-    ranges: list[tuple[bytes, list[bytes | int]]]
+    ranges: list[tuple[bytes, int, int, int | None]]
     range_slots: list[list[int]]      # per window plan, per entity row: index into ranges
+    range_plans: list[int]            # per range: index into the template's window plans
     now_us: int                       # the lookup time: ttl and windows are evaluated at it
     on_demand: OnDemandPlan | None = None         # request-time features to compute after the read
     request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
@@ -309,23 +315,33 @@ class OnlineQuery:
                 rows.append(pos)
             slots.append(rows)
         now_us = datetime_to_micros(now) if now is not None else time.time_ns() // 1000
-        ranges: list[tuple[bytes, list[bytes | int]]] = []
-        range_slots = []
-        for window in template.windows:
+        ranges: list[tuple[bytes, int, int, int | None]] = []
+        range_slots, range_plans = [], []
+        for number, window in enumerate(template.windows):
             index = {}
             rows = []
-            arguments = window.read_arguments(now_us)
+            low, limit = now_us - window.evaluator.longest_us, window.heavy_from()
             for values in zip(*(columns[k] for k in window.keyset)):
                 key = window.key_of(values)
                 pos = index.get(key)
                 if pos is None:
                     pos = index[key] = len(ranges)
-                    ranges.append((key, arguments))
+                    ranges.append((key, low, now_us, limit))
+                    range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
-        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, now_us,
+        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, range_plans, now_us,
                    on_demand, request_columns)
+
+    def heavy(self, raw: list) -> list[tuple[int, tuple[bytes, list[bytes | int]]]]:
+        """The ranges whose read stopped at its limit (heavy entities), with what ``read_tiles``
+        needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
+        out = []
+        for pos, (key, _, _, limit) in enumerate(self.ranges):
+            if limit is not None and len(raw[len(self.lookups) + pos]) >= limit:
+                out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
+        return out
 
     def assemble(self, raw: list) -> OnlineResponse:
         """Decode what ``read(self.lookups, self.ranges)`` returned into the response."""
@@ -461,3 +477,22 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
             raise RequestError(f"every entity row needs the same keys; {sorted(r)} differs from {sorted(keys)}")
     return {k: [r[k] for r in entities] for k in keys}
 
+
+def read_online(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
+    """``query`` answered from ``store``: one round trip, a second for heavy entities' tile summaries."""
+    raw = store.read(query.lookups, query.ranges)
+    heavy = query.heavy(raw)
+    if heavy:
+        for (pos, _), reply in zip(heavy, store.read_tiles([r for _, r in heavy])):
+            raw[len(query.lookups) + pos] = reply
+    return query.assemble(raw)
+
+
+async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
+    """``read_online`` on the event loop."""
+    raw = await store.read_async(query.lookups, query.ranges)
+    heavy = query.heavy(raw)
+    if heavy:
+        for (pos, _), reply in zip(heavy, await store.read_tiles_async([r for _, r in heavy])):
+            raw[len(query.lookups) + pos] = reply
+    return query.assemble(raw)
