@@ -344,6 +344,7 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     card = next(_cards) * 10 + 5_000_000
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
     monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    monkeypatch.setattr(tiles, "SEALS_PER_LOOKUP", 8)  # fewer than the whole tiles: two lookups summarize them
     store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
                                     "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
     refs = [f"activity:{n}" for n in TILED]
@@ -353,22 +354,19 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
         return OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at)
 
     async def served():
-        first = query()
-        response = await read_online_async(store.online_store, first)
-        assert first.seals  # tiles it read whole, to summarize
-        seal_in_background(store, first.seals)
-        await asyncio.gather(*_sealing)
-        second = query()  # the tiles past the first lookup's 16
-        again = await read_online_async(store.online_store, second)
-        seal_in_background(store, second.seals)
-        await asyncio.gather(*_sealing)
-        third = query()
-        await read_online_async(store.online_store, third)
-        return response.to_dict(), again.to_dict(), len(first.seals[0][2]), third.seals
+        responses, sealed = [], []
+        for _ in range(6):  # each lookup summarizes at most 8 tiles, in the background
+            q = query()
+            responses.append((await read_online_async(store.online_store, q)).to_dict())
+            sealed.append(sum(len(tiles_) for _, _, tiles_ in q.seals))
+            seal_in_background(store, q.seals)
+            await asyncio.gather(*_sealing)
+        return responses, sealed
 
-    first, again, sealed_first, seals_left = asyncio.run(served())
-    assert first == again == read_online(store.online_store, query()).to_dict()
-    assert sealed_first == tiles.SEALS_PER_LOOKUP and seals_left == []  # all summarized in two lookups
+    responses, sealed = asyncio.run(served())
+    first = responses[0]
+    assert all(r == first for r in responses) and first == read_online(store.online_store, query()).to_dict()
+    assert sealed[:2] == [8, 8] and sealed[-1] == 0  # the whole tiles summarized over lookups, then read
     assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
 
 

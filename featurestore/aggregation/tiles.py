@@ -38,7 +38,7 @@ TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
 SEAL_FROM = 8         # events a tile needs before a summary pays for itself
 HEAVY_PER_TILE = 24   # events per tile of the longest window before a lookup reads summaries (its break-even)
-SEALS_PER_LOOKUP = 16  # tiles one lookup summarizes (each costs ~1 µs per event): the rest, later ones
+SEALS_PER_LOOKUP = 64  # tiles one lookup summarizes (~1 µs per event each): the rest, the next lookups
 TILES_PER_WINDOW = 64  # about how many tiles the longest window spans, at least
 _TILE_SIZES_US = [s * 1_000_000 for s in (1, 10, 60, 300, 900, 3600, 6 * 3600, 86400)]
 

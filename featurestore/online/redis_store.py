@@ -130,8 +130,9 @@ return added
 
 # KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs, the summaries' tag, then
 # the window starts and the lookup time (the tiles holding them are read event by event).
-# Returns {summaries, events}: the sealed summary of each tile inside (low, high] holding no cut
-# (``tile number, summary`` pairs), and the events of the other tiles in (low, high], in order.
+# Returns {summaries, runs}: the sealed summary of each tile inside (low, high] holding no cut
+# (``tile number, summary`` pairs), and the events of the other tiles in (low, high], in order,
+# as one array per run of such tiles (not copied into one: Lua pays per element).
 READ_WINDOW = """
 local events, low, high = KEYS[1], ARGV[1], ARGV[2]
 local tile = tonumber(ARGV[3])
@@ -155,9 +156,7 @@ for t = first, last + 1 do
   if (summary or t > last) and run then
     local from = math.max(tonumber(low) + 1, run * tile)
     local to = math.min(tonumber(high), t * tile - 1)
-    for _, e in ipairs(redis.call('ZRANGEBYSCORE', events, string.format('%.0f', from), string.format('%.0f', to))) do
-      read[#read + 1] = e
-    end
+    read[#read + 1] = redis.call('ZRANGEBYSCORE', events, string.format('%.0f', from), string.format('%.0f', to))
     run = nil
   elseif not summary and not run then
     run = t

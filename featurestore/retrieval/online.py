@@ -7,6 +7,7 @@ Split in three steps so the SDK (sync) and the servers (async) share everything 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -419,7 +420,8 @@ class OnlineQuery:
         whole are summarized for the next lookups (``seals``)."""
         tiled = plan.tiled
         assert tiled is not None
-        flat, members = reply
+        flat, runs = reply
+        members = list(itertools.chain.from_iterable(runs))
         summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
         times, columns = plan.decode(members, low, now_us)
         vals, stats = tiles.evaluate_tiled(tiled, plan.wanted, plan.evaluator.windows_us,
