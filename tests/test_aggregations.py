@@ -409,6 +409,35 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 
 
+def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_store):
+    """Online storage stays within the horizon (longest window + retention): when a newer event
+    extends an entity's keys, events before the cutoff leave the sorted set, their ids the
+    first-write-wins hash, and tiles before it their summaries (the write script's trim)."""
+    store = make_store(FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    events = [{"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
+              for i, h in ((1, 25), (2, 5), (3, 0))]
+    store.push("payments", _frame(events[:2]), to="online_and_offline")
+    store.push("payments", _frame(events[2:]), to="offline")  # history only: written online below, hours "later"
+    store.flush()
+    view = store.get_feature_view("activity")
+    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + view.online_field.encode()
+    client = store.online_store.client
+    client.hset(key + b"|tiles", b"1", b"an old summary")
+    assert client.zcard(key) == 2 and client.hlen(key + b"|ids") == 2
+    import duckdb
+
+    con = duckdb.connect()
+    store.offline_store.register(con, view.history_table, "history", store.definitions.history_schema(view))
+    third = con.sql("SELECT * FROM history WHERE payment_id = 3").to_arrow_table().cast(store.definitions.history_schema(view))
+    store.materializer().write_online(view, third, now + timedelta(hours=8))  # the cutoff is now 22 h back
+    members = client.zrange(key, 0, -1)
+    assert len(members) == 2 and client.hlen(key + b"|ids") == 2  # the 25 h old event is gone from both
+    assert not client.hexists(key + b"|tiles", b"1")
+    at = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now).to_dict()
+    assert at["not_card_count_30h"] == [2]
+
+
 @pytest.mark.parametrize("change, message", [
     ('Aggregation("median", H, "amount")', "function 'median' is not one of"),
     ('Aggregation("sum", H, "kind")', "sum needs a numeric column"),
