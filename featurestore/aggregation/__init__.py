@@ -8,9 +8,10 @@ The value of an ``Aggregation`` at time t aggregates the entity's events with ev
   row (O(n log n), no per-row Python); ``as_of="created"`` also needs ``created <= t`` and uses
   a range join grouped per entity row.
 - online (``evaluate.py``): Redis keeps each entity's events of the last ``longest window +
-  retention`` in a hash by event id (written idempotently, first write wins, in one Lua call per
-  batch); a lookup reads the entity's events in the same round trip as the other views, keeps
-  those of the window and aggregates them in Python.
+  retention`` in a sorted set by event time (added once per event id, first write wins, in one
+  Lua call per batch); a lookup reads its window in the same round trip as the other views and
+  aggregates it in Python. A heavy entity reads tile summaries and the events at the window's
+  edges instead (``tiles.py``), with the same result.
 
 Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too. Float
 sums and means use compensated summation on both paths (DuckDB's ``fsum``, Python's

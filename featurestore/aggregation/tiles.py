@@ -2,20 +2,21 @@
 
 Online, an aggregated view's events are grouped in tiles of ``tile_us`` (``TileSpec``). Once a
 tile has ended and holds ``SEAL_FROM`` events or more, the lookup that read it event by event
-stores its summary (``seal``): per tiled aggregation of the view, the events passing the filter,
-the non-null values among them and a mergeable state. A lookup of an entity with
-``HEAVY_PER_TILE`` events per tile or more in its longest window then reads the summaries of the tiles wholly inside, the
-events of the others (those holding a window's start or the lookup time, and tiles not sealed
-yet), and merges both in time order (``TiledEvaluator``): reads no longer grow with the events.
-An event added to an ended tile drops its summary (Redis scripts in ``online.redis_store``).
+stores its summary (``seals``): per tiled aggregation of the view, the events passing the
+filter, the non-null values among them and a mergeable state. An entity with
+``HEAVY_PER_TILE`` events per tile of its longest window or more then reads the summaries of
+the tiles wholly inside the window, the events of the others (those holding a window's start
+or the lookup time, and tiles not sealed yet), and merges both in time order
+(``evaluate_tiled``): its reads no longer grow with its events. An event added to an ended
+tile drops the tile's summary (Redis scripts in ``online.redis_store``).
 
 Exact, not approximate: merged states give what the events give (``WindowEvaluator``). Counts,
 min, max and last merge exactly, integer sums too. A float sum or mean keeps each tile's
 Shewchuk partials (non-overlapping floats whose sum is exactly the tile's), so ``math.fsum``
-over the partials and the remaining values rounds the same exact sum: the same bits. A tile with
-a value that is not finite, or whose sum leaves the float range, is not sealed. Functions whose
-state grows with the events (``count_distinct``, ``last_n``, ``variance``, ``stddev``) and columns
-other than numbers and strings are not tiled: a lookup asking for one reads events.
+over the partials and the remaining values rounds the same exact sum: the same bits. A tile
+with a value that is not finite, or whose sum leaves the float range, is not sealed. Functions
+whose state grows with the events (``count_distinct``, ``last_n``, ``variance``, ``stddev``) and
+columns other than numbers and strings are not tiled: a lookup asking for one reads events.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import bisect
 import hashlib
 import json
 import math
-
-import numpy as np
-import orjson
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
+
+import numpy as np
+import orjson
 
 from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min
 from featurestore.definitions import Aggregation, FeatureView
@@ -219,10 +220,9 @@ def evaluate_tiled(tiled: TiledEvaluator, wanted: Sequence[int], windows_us: Seq
             lo = bisect.bisect_left(times, first_us, start, end)
             hi = bisect.bisect_right(times, now_us, start, end)
             if lo < hi:
-                states = cache.get((lo, hi))
-                if states is None:
-                    states = cache[(lo, hi)] = tiled.states(columns, lo, hi, compact=False, indexes=wanted)  # type: ignore[assignment]
-                chunks.append((2 * position, states[slot]))
+                if (lo, hi) not in cache:  # (not compact: never None)
+                    cache[(lo, hi)] = tiled.states(columns, lo, hi, compact=False, indexes=wanted) or []
+                chunks.append((2 * position, cache[(lo, hi)][slot]))
         chunks.sort(key=lambda c: c[0])  # time order: a run before the sealed tile after it
         value, status = tiled.finish(index, [c[1] for c in chunks])
         values.append(value)
@@ -233,8 +233,8 @@ def evaluate_tiled(tiled: TiledEvaluator, wanted: Sequence[int], windows_us: Seq
 def seals(tiled: TiledEvaluator, times: list[int], columns: dict[int, list[Any]], cut: set[int], now_us: int) -> list[tuple[int, int, bytes]]:
     """Summaries worth storing, ``(tile, events, summary)``: of the ended tiles read event by
     event in full (holding no cut), those with ``SEAL_FROM`` events or more, at most ``SEALS_PER_LOOKUP``."""
-    size, out = tiled.spec.tile_us, []
-    start = 0
+    size, start = tiled.spec.tile_us, 0
+    out: list[tuple[int, int, bytes]] = []
     while start < len(times) and len(out) < SEALS_PER_LOOKUP:
         tile = times[start] // size
         end = bisect.bisect_left(times, (tile + 1) * size, start)

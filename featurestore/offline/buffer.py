@@ -287,7 +287,8 @@ def _records(path: Path, lane: str) -> tuple[list[Record], str | None]:
             return [], str(exc)
         return [Record(int(seq), int(rows), ".pending." in path.name, "-retry" in path.name, parts)], None
     data = path.read_bytes()
-    records, at = [], 0
+    records: list[Record] = []
+    at = 0
     while at + RECORD.size <= len(data):
         magic, size, crc, seq, rows, flags = RECORD.unpack_from(data, at)
         if magic != MAGIC:
