@@ -80,6 +80,9 @@ _OPS: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
+Filter = tuple[int, Callable[[Any, Any], bool], Any]  # (column index, test, value)
+
+
 class WindowEvaluator:
     """Computes a fixed list of a view's aggregations from its events at a lookup time."""
 
@@ -90,7 +93,7 @@ class WindowEvaluator:
         self.longest_us = max(self.windows_us)
         # per aggregation: index of its column (None: the event itself), and its filter (column index, test, value)
         self.columns = [columns.index(a.column) if a.column else None for a in self.aggregations]
-        self.filters: list[tuple[int, Callable[[Any, Any], bool], Any] | None] = [
+        self.filters: list[Filter | None] = [
             None if a.where is None else (columns.index(a.where[0]), _OPS[a.where[1]], a.where[2]) for a in self.aggregations]
         self.needed = sorted({c for c in self.columns if c is not None} | {f[0] for f in self.filters if f is not None})
         self.empty = [_empty(a, view.field(a.output_name).dtype.name) for a in self.aggregations]
@@ -104,27 +107,34 @@ class WindowEvaluator:
         end = bisect.bisect_right(times, now_us)
         for agg, window, column, where, empty in zip(self.aggregations, self.windows_us, self.columns, self.filters, self.empty):
             start = bisect.bisect_right(times, now_us - window, 0, end)  # the window is (now - window, now]
-            picked = columns[column][start:end] if column is not None else None
-            if where is None:
-                count = end - start
-            else:
-                i, test, value = where
-                kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
-                count = sum(kept)
-                if picked is not None:
-                    picked = [v for v, keep in zip(picked, kept) if keep]
+            count, picked = pick(columns, column, where, start, end)
             if not count:
                 values.append(empty)
                 statuses.append(NOT_FOUND)
                 continue
             if picked is None:
                 picked = [1] * count
-            elif None in picked:
-                picked = [v for v in picked if v is not None]
             value = _REDUCERS[agg.function](picked, agg) if picked else empty
             values.append(value)
             statuses.append(NULL_VALUE if value is None else PRESENT)
         return values, statuses
+
+
+def pick(columns: dict[int, list[Any]], column: int | None, where: Filter | None, start: int, end: int) -> tuple[int, list[Any] | None]:
+    """Of events ``start:end``: how many pass ``where``, and their non-null values of ``column``
+    (None without a column)."""
+    picked = columns[column][start:end] if column is not None else None
+    if where is None:
+        count = end - start
+    else:
+        i, test, value = where
+        kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
+        count = sum(kept)
+        if picked is not None:
+            picked = [v for v, keep in zip(picked, kept) if keep]
+    if picked is not None and None in picked:
+        picked = [v for v in picked if v is not None]
+    return count, picked
 
 
 def _empty(agg: Aggregation, output_type: str) -> Any:

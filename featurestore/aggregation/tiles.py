@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 import orjson
 
-from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min
+from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min, pick
 from featurestore.definitions import Aggregation, FeatureView
 
 TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
@@ -124,18 +124,7 @@ class TiledEvaluator:
             agg, column, where, is_float = self.spec.aggregations[k], ev.columns[k], ev.filters[k], self.floats[k]
             source = (column, repr(agg.where))
             if source not in picks:
-                picked = columns[column][start:end] if column is not None else None
-                if where is None:
-                    count = end - start
-                else:
-                    i, test, value = where
-                    kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
-                    count = sum(kept)
-                    if picked is not None:
-                        picked = [v for v, keep in zip(picked, kept) if keep]
-                if picked is not None and None in picked:
-                    picked = [v for v in picked if v is not None]
-                picks[source] = (count, picked)
+                picks[source] = pick(columns, column, where, start, end)
             count, picked = picks[source]
             if picked is None:
                 out.append([count, count, None])
