@@ -210,3 +210,35 @@ def test_concurrent_pushes_to_both_stores_each_land_once(make_store):
     with ThreadPoolExecutor(12) as pool:
         list(pool.map(lambda i: store.push("payments", _frame([_payment(i % 50 + 1)])), range(12 * 5)))
     assert _counts(store) == ([50], [50])  # event ids 1..50 within the hour, each once (10 pushed twice)
+
+
+def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_reused_descriptor(make_store, monkeypatch):
+    """A push in flight still writes to its journal after its Redis write (clearing its pending
+    flag). If a drain deletes that journal meanwhile and another push starts a new one, the
+    old file must stay open until then: its descriptor number, closed and reused by the new
+    journal, had the late write land in the new journal's records (here: a retry's flag)."""
+    import threading
+
+    store = make_store(FEATURES)
+    store.apply()
+    store.push("payments", _frame([_payment(1)]), to="offline")  # the first record: the in-flight one is second
+    started, resume = threading.Event(), threading.Event()
+    real_write = store.online_store.write_events
+
+    def slow_write(*args, **kwargs):
+        started.set()
+        resume.wait(10)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store.online_store, "write_events", slow_write)
+    in_flight = threading.Thread(target=lambda: store.push("payments", _frame([_payment(2)]), to="online_and_offline"))
+    in_flight.start()
+    assert started.wait(10)
+    monkeypatch.setattr(store.online_store, "write_events", real_write)
+    assert store.flush() == 4  # the journal is drained and deleted (the pending record re-sent online)
+    for _ in range(2):  # a new journal: a first attempt, then its retry (a record flagged as one), as large as the first two
+        store.push("payments", _frame([_payment(3)]), to="offline", idempotency_key="retried")
+    assert [r.retry for r in store.push_buffer.records("log:payments")] == [False, True]
+    resume.set()
+    in_flight.join(10)
+    assert [r.retry for r in store.push_buffer.records("log:payments")] == [False, True]

@@ -80,6 +80,18 @@ class _Journal:
     pid: int
     offset: int
     capacity: int
+    users: int = 0         # appends still to sync or flag through ``fd``
+    retired: bool = False  # replaced: ``fd`` closes with its last user (a closed number is reused at once)
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.retired and not self.users:
+            os.close(self.fd)
+
+    def retire(self) -> None:
+        self.retired = True
+        if not self.users:
+            os.close(self.fd)
 
 
 class PushBuffer:
@@ -141,17 +153,22 @@ class PushBuffer:
             at = journal.offset
             _write_all(journal.fd, record, at)
             journal.offset += len(record)
+            journal.users += 1
         self._buffered[lane] = self._buffered.get(lane, 0) + rows
-        # the online write goes to a thread and this one waits in the sync, which releases the GIL
-        # (the other way round, the sync thread would wait for the GIL until Redis answers)
-        written = _helper().submit(meanwhile) if meanwhile is not None else None
         try:
-            os.fdatasync(journal.fd)
+            # the online write goes to a thread and this one waits in the sync, which releases the GIL
+            # (the other way round, the sync thread would wait for the GIL until Redis answers)
+            written = _helper().submit(meanwhile) if meanwhile is not None else None
+            try:
+                os.fdatasync(journal.fd)
+            finally:
+                if written is not None:
+                    written.result()
+            if meanwhile is not None:  # Redis has the rows: no drain need re-send them (a lost clear only re-sends)
+                os.pwrite(journal.fd, bytes([flags & ~PENDING]), at + FLAGS_AT)
         finally:
-            if written is not None:
-                written.result()
-        if meanwhile is not None:  # Redis has the rows: no drain need re-send them (a lost clear only re-sends)
-            os.pwrite(journal.fd, bytes([flags & ~PENDING]), at + FLAGS_AT)
+            with self._mutex:
+                journal.release()
 
     def _journal(self, lane: str, size: int) -> _Journal:
         """This process's journal of ``lane`` with room for ``size`` bytes, new if it is full, was
@@ -160,7 +177,7 @@ class PushBuffer:
         if journal is not None and journal.pid == os.getpid():
             if journal.offset + size <= journal.capacity and _same_file(journal):
                 return journal
-            os.close(journal.fd)
+            journal.retire()
         preallocate = size <= JOURNAL_BYTES // 4
         path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -176,7 +193,7 @@ class PushBuffer:
         with self._mutex:
             for journal in self._journals.values():
                 if journal.pid == os.getpid():
-                    os.close(journal.fd)
+                    journal.retire()
             self._journals.clear()
 
     def files(self, target: str) -> list[Path]:
