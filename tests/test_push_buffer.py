@@ -79,7 +79,8 @@ def test_buffered_rows_commit_when_the_bounds_are_reached(make_store):
     store.push_buffer.max_rows = 3
     store.push("payments", _frame([_payment(6), _payment(7)]))
     assert store.offline_store.version("activity") is None
-    store.push("payments", _frame([_payment(8)]))  # 3 rows buffered: committed by this push
+    store.push("payments", _frame([_payment(8)]))  # 3 rows buffered: committed after this push, in the background
+    store.push_buffer.wait_background()
     assert store.offline_store.version("activity") is not None and store.push_buffer.targets() == []
 
 
@@ -88,6 +89,7 @@ def test_compaction_merges_small_files_and_keeps_history(make_store, tmp_path):
     store.push_buffer.max_rows = 1  # every push commits: many small files
     for i in range(10, 16):
         store.push("payments", _frame([_payment(i)]), to="offline")
+        store.push_buffer.wait_background()
     before = _counts(store)[0]
     assert store.offline_store.file_count("activity") >= 6
     report = store.compact(["activity"])
@@ -108,9 +110,11 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
     store.push_buffer.max_rows = 1  # every push commits a file
     for i in range(20, 24):
         store.push("payments", _frame([_payment(i)]), to="offline")
+        store.push_buffer.wait_background()
     store.export_training_dataset(pd.DataFrame({"card_id": [1], "event_timestamp": [NOW]}), "svc", tmp_path / "v1")
     for i in range(24, 32):  # more compactions, each deleting what the earlier ones replaced
         store.push("payments", _frame([_payment(i)]), to="offline")
+        store.push_buffer.wait_background()
     table_dir = store.offline_store.table_path("activity")
     assert len(list(table_dir.rglob("*.parquet"))) <= store.offline_store.file_count("activity") + 3  # no pile of old files
     assert _counts(store)[0] == [12]  # every pushed row still in the history
@@ -242,3 +246,32 @@ def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_r
     resume.set()
     in_flight.join(10)
     assert [r.retry for r in store.push_buffer.records("log:payments")] == [False, True]
+
+
+def test_pushes_do_not_wait_for_the_delta_commit_of_what_they_buffered(make_store, monkeypatch):
+    """A push that finds the buffer due used to commit it to Delta itself, holding the lane's lock
+    meanwhile (~0.6 s for 5 s of pushes: every push of the lane waited). The commit now runs on
+    a background thread and holds writers only while it takes the journals."""
+    import threading
+
+    store = make_store(FEATURES)
+    store.apply()
+    store.push_buffer.max_rows = 2
+    committing, release = threading.Event(), threading.Event()
+    real_append = store.offline_store.append
+
+    def held_append(*args, **kwargs):
+        committing.set()
+        release.wait(20)
+        return real_append(*args, **kwargs)
+
+    monkeypatch.setattr(store.offline_store, "append", held_append)
+    store.push("payments", _frame([_payment(1), _payment(2)]))  # due: the commit starts and is held
+    assert committing.wait(10)
+    later = threading.Thread(target=lambda: [store.push("payments", _frame([_payment(i)])) for i in (3, 4, 5)])
+    later.start()
+    later.join(10)
+    assert not later.is_alive()  # three more pushes went through while the commit was held
+    release.set()
+    store.push_buffer.wait_background()
+    assert _counts(store) == ([5], [5])

@@ -3,7 +3,7 @@
 Views that read the source as is are written at once, typed in Arrow (``compute.pushed_rows``)
 or, when a row needs explaining or a cast, through ``Materializer.write_view`` (same typing,
 identity, tie-break, compare-and-set, event-id dedupe): Redis synchronously, history through
-the durable ``PushBuffer``, committed to Delta in batches by ``flush``. The raw rows also go to
+the durable ``PushBuffer``, committed to Delta in batches by ``flush`` (on a background thread once due). The raw rows also go to
 the source's Delta log, so views with a transformation over the source see them at the next
 materialization: the log's rows and the views' history rows of one push share one synced record.
 """
@@ -105,7 +105,8 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
                             meanwhile=write_online if online else None)
     else:
         write_online()
-    flush(materializer, buffer, only_due=True)
+    if buffer.worth_looking():  # lanes past the bounds commit on the committing thread, not in this call
+        buffer.in_background(lambda: flush(materializer, buffer, only_due=True))
     return table.num_rows
 
 
@@ -162,8 +163,6 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     A lane names the history table (view version) its rows were computed for: rows of an older
     version go to that version's table, never to a newer one."""
     defs, offline, config = materializer.defs, materializer.offline, materializer.config
-    if only_due and not buffer.worth_looking():
-        return 0
     current = {v.history_table: v for v in defs.feature_views.values()}
 
     def commit(target: str, rows: pa.Table, newest_seq: int, retried: bool) -> None:

@@ -44,7 +44,7 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -102,7 +102,9 @@ class PushBuffer:
         self._looked_at = 0.0
         self._buffered: dict[str, int] = {}  # rows per target: seen at the last scan + appended since
         self._journals: dict[str, _Journal] = {}  # this process's journal per lane
+        self._spares: dict[str, tuple[int, Future]] = {}  # per lane, the next journal being zero-filled: (pid, (fd, path))
         self._mutex = threading.Lock()  # this process's threads: one record written at a time
+        self._committing: tuple[int, Future] | None = None  # (pid, the background commit in flight)
 
     def worth_looking(self) -> bool:
         """Whether to scan the journals for due targets now: when a target may hold ``max_rows``
@@ -114,14 +116,31 @@ class PushBuffer:
         self._looked_at = now
         return True
 
+    def in_background(self, commit: Callable[[], object]) -> None:
+        """Run ``commit`` (a drain of the due lanes) on this process's committing thread, unless one
+        is in flight: a push returns without waiting for Delta (a commit of 5 s of pushes took
+        ~0.6 s in the pushing call)."""
+        with self._mutex:
+            if self._committing is not None and self._committing[0] == os.getpid() and not self._committing[1].done():
+                return
+            self._committing = (os.getpid(), _committer().submit(_logged, commit))
+
+    def wait_background(self) -> None:
+        """Until the background commit in flight, if any, has ended."""
+        committing = self._committing
+        if committing is not None and committing[0] == os.getpid():
+            committing[1].result()
+
     def _dir(self, target: str) -> Path:
         return self.root / target.replace(":", "__")
 
     @contextlib.contextmanager
-    def _lock(self, target: str, exclusive: bool) -> Iterator[None]:
+    def _lock(self, target: str, exclusive: bool, name: str = ".lock") -> Iterator[None]:
+        """Writers hold ``.lock`` shared while writing a record; a drain holds it exclusively while
+        it takes the journals, and ``.drain-lock`` (drains only) for the whole drain."""
         folder = self._dir(target)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".lock", "w") as lock:
+        with open(folder / name, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield
@@ -154,6 +173,8 @@ class PushBuffer:
             _write_all(journal.fd, record, at)
             journal.offset += len(record)
             journal.users += 1
+            if journal.offset * 4 > journal.capacity * 3 and journal.capacity == JOURNAL_BYTES and lane not in self._spares:
+                self._spares[lane] = (os.getpid(), _helper().submit(_zero_filled, self._dir(lane)))  # ready when needed
         self._buffered[lane] = self._buffered.get(lane, 0) + rows
         try:
             # the online write goes to a thread and this one waits in the sync, which releases the GIL
@@ -179,22 +200,33 @@ class PushBuffer:
                 return journal
             journal.retire()
         preallocate = size <= JOURNAL_BYTES // 4
-        path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        if preallocate:  # real zeros (not fallocate's unwritten extents): later writes change no metadata
-            _write_all(fd, bytes(JOURNAL_BYTES), 0)
-            os.fsync(fd)
+        path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"  # named now: ``due`` reads its age
+        pid, spare = self._spares.pop(lane, (None, None)) if preallocate else (None, None)
+        fd = _take_spare(spare, path) if spare is not None and pid == os.getpid() else None  # (a parent's: never done here)
+        if fd is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            if preallocate:
+                _write_all(fd, bytes(JOURNAL_BYTES), 0)
+                os.fsync(fd)
         _fsync_dir(path.parent)
         journal = self._journals[lane] = _Journal(fd, path, os.getpid(), 0, JOURNAL_BYTES if preallocate else size)
         return journal
 
     def close(self) -> None:
         """Close this process's journals (their records stay for the next drain)."""
+        self.wait_background()
         with self._mutex:
             for journal in self._journals.values():
                 if journal.pid == os.getpid():
                     journal.retire()
             self._journals.clear()
+            for pid, spare in self._spares.values():
+                if pid == os.getpid():
+                    with contextlib.suppress(Exception):
+                        fd, path = spare.result()
+                        os.close(fd)
+                        path.unlink()
+            self._spares.clear()
 
     def files(self, target: str) -> list[Path]:
         """The lane's journals (and older segment files), oldest first."""
@@ -225,18 +257,22 @@ class PushBuffer:
               resend_online: Callable[[str, pa.Table], None] | None = None) -> int:
         """Commit every record of ``lane``, per target (``commit(target, rows, newest_seq, any_retry)``),
         and delete its journals; returns rows. Rows of records Redis did not confirm go to
-        ``resend_online(target, rows)`` first."""
-        with self._lock(lane, exclusive=True):
+        ``resend_online(target, rows)`` first. Writers wait only while the journals are taken
+        (renamed ``.draining``: their next record goes to a new journal), not during the commit."""
+        with self._lock(lane, exclusive=True, name=".drain-lock"):
+            with self._lock(lane, exclusive=True):
+                files = [path if not path.name.endswith(".journal") else _renamed(path, path.name + ".draining")
+                         for path in self.files(lane)]
             records: list[Record] = []
-            files, torn = self.files(lane), []
+            torn = []
             for path in files:
                 complete, problem = _records(path, lane)
                 records += complete
                 if problem:
                     torn.append(path)
                     log.warning("buffer %s ends in a torn record (%s): its writer died writing it, so no push "
-                                "returned with it; the %d records before it commit, the file is kept as %s.torn",
-                                path.name, problem, len(complete), path.name)
+                                "returned with it; the %d records before it commit, the file is kept as %s",
+                                path.name, problem, len(complete), _torn_name(path))
             records.sort(key=lambda r: r.seq)
             by_target: dict[str, list[pa.Table]] = {}
             pending: dict[str, list[pa.Table]] = {}
@@ -255,9 +291,10 @@ class PushBuffer:
                 total += rows.num_rows
             for path in files:
                 if path in torn:
-                    os.replace(path, path.with_name(path.name + ".torn"))
+                    os.replace(path, path.with_name(_torn_name(path)))
                 else:
                     path.unlink()
+            _remove_dead_spares(self._dir(lane))
             self._buffered[lane] = 0
             return total
 
@@ -287,9 +324,9 @@ def _write_all(fd: int, data: bytes | pa.Buffer, at: int) -> None:
 
 
 def _file_names(folder: Path) -> list[str]:
-    """Journal (and older segment) file names, oldest first."""
+    """Journal (also those a drain took and did not finish) and older segment file names, oldest first."""
     try:
-        return sorted(name for name in os.listdir(folder) if name.endswith((".journal", ".arrow")))
+        return sorted(name for name in os.listdir(folder) if name.endswith((".journal", ".draining", ".arrow")))
     except FileNotFoundError:
         return []
 
@@ -341,6 +378,75 @@ def _parts(payload: pa.Buffer, lane: str) -> list[tuple[str, pa.Table]]:
             for target, rows in zip(table["target"].to_pylist(), table["rows"].to_pylist())]
 
 
+def _zero_filled(folder: Path) -> tuple[int, Path]:
+    """A journal-to-be: ``JOURNAL_BYTES`` of real zeros (not fallocate's unwritten extents, which
+    later writes would turn into metadata), synced, under a name no drain reads."""
+    path = folder / f"{time.time_ns():020d}-{os.getpid()}.spare"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, bytes(JOURNAL_BYTES), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    return fd, path
+
+
+def _torn_name(path: Path) -> str:
+    return path.name.removesuffix(".draining") + ".torn"
+
+
+def _renamed(path: Path, name: str) -> Path:
+    os.replace(path, path.with_name(name))
+    return path.with_name(name)
+
+
+def _logged(commit: Callable[[], object]) -> None:
+    try:
+        commit()
+    except Exception:  # the records stay buffered: the next commit takes them
+        log.warning("committing buffered pushes failed; they stay buffered for the next commit", exc_info=True)
+
+
+_COMMITTER: ThreadPoolExecutor | None = None
+
+
+def _committer() -> ThreadPoolExecutor:
+    """The process's thread for background commits: one at a time."""
+    global _COMMITTER
+    if _COMMITTER is None:
+        _COMMITTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-commit")
+    return _COMMITTER
+
+
+def _remove_dead_spares(folder: Path) -> None:
+    """Spare journals whose process is gone (4 MiB each, never used)."""
+    for name in os.listdir(folder):
+        if name.endswith(".spare"):
+            try:
+                os.kill(int(name.split("-")[1].split(".")[0]), 0)
+            except ProcessLookupError:
+                (folder / name).unlink(missing_ok=True)
+            except (PermissionError, ValueError):
+                pass  # alive (another user's), or not ours
+
+
+def _take_spare(spare: Future, path: Path) -> int | None:
+    """The spare journal renamed to ``path`` (its descriptor), or None if it failed or is gone
+    (a drain removed it as a dead process's)."""
+    try:
+        fd, spare_path = spare.result()
+    except Exception:
+        return None
+    try:
+        os.replace(spare_path, path)
+    except FileNotFoundError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _same_file(journal: _Journal) -> bool:
     """Whether the journal's name still names the file its writer has open."""
     try:
@@ -369,8 +475,8 @@ def _helper() -> ThreadPoolExecutor:
 
 
 def _forget_helper() -> None:  # a forked child has none of its parent's threads
-    global _HELPER
-    _HELPER = None
+    global _HELPER, _COMMITTER
+    _HELPER = _COMMITTER = None
 
 
 os.register_at_fork(after_in_child=_forget_helper)
