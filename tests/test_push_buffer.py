@@ -164,9 +164,13 @@ def test_a_record_torn_by_a_killed_writer_is_set_aside_and_the_rest_commits(make
     for i in (1, 2):
         store.push("payments", _frame([_payment(i)]), to="offline")
     (journal,) = store.push_buffer.files("log:payments")
-    data = journal.read_bytes()
-    end = data.rindex(b"\0" * 64) if not data.endswith(bytes(64)) else len(data.rstrip(b"\0"))
-    first_record = data[: end // 2]  # (both records are the same size)
+    from featurestore.offline.buffer import MAGIC, RECORD
+
+    data, end, sizes = journal.read_bytes(), 0, []
+    while data[end:end + 4] == MAGIC:  # past the two records
+        sizes.append(RECORD.size + RECORD.unpack_from(data, end)[1])
+        end += sizes[-1]
+    first_record = data[:sizes[0]]
     with open(journal, "r+b") as f:  # a third record, cut short where its writer died
         f.seek(end)
         f.write(first_record[: len(first_record) // 2])
