@@ -230,19 +230,11 @@ def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_r
     store = make_store(FEATURES)
     store.apply()
     store.push("payments", _frame([_payment(1)]), to="offline")  # the first record: the in-flight one is second
-    started, resume = threading.Event(), threading.Event()
-    real_write = store.online_store.write_events
-
-    def slow_write(*args, **kwargs):
-        started.set()
-        resume.wait(10)
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(store.online_store, "write_events", slow_write)
+    started, resume = _held(monkeypatch, store.online_store, "write_events")
     in_flight = threading.Thread(target=lambda: store.push("payments", _frame([_payment(2)]), to="online_and_offline"))
     in_flight.start()
     assert started.wait(10)
-    monkeypatch.setattr(store.online_store, "write_events", real_write)
+    monkeypatch.delattr(store.online_store, "write_events")  # the drain's re-send writes at once
     assert store.flush() == 4  # the journal is drained and deleted (the pending record re-sent online)
     for _ in range(2):  # a new journal: a first attempt, then its retry (a record flagged as one), as large as the first two
         store.push("payments", _frame([_payment(3)]), to="offline", idempotency_key="retried")
@@ -261,15 +253,7 @@ def test_pushes_do_not_wait_for_the_delta_commit_of_what_they_buffered(make_stor
     store = make_store(FEATURES)
     store.apply()
     store.push_buffer.max_rows = 2
-    committing, release = threading.Event(), threading.Event()
-    real_append = store.offline_store.append
-
-    def held_append(*args, **kwargs):
-        committing.set()
-        release.wait(20)
-        return real_append(*args, **kwargs)
-
-    monkeypatch.setattr(store.offline_store, "append", held_append)
+    committing, release = _held(monkeypatch, store.offline_store, "append")
     store.push("payments", _frame([_payment(1), _payment(2)]))  # due: the commit starts and is held
     assert committing.wait(10)
     later = threading.Thread(target=lambda: [store.push("payments", _frame([_payment(i)])) for i in (3, 4, 5)])
@@ -279,3 +263,19 @@ def test_pushes_do_not_wait_for_the_delta_commit_of_what_they_buffered(make_stor
     release.set()
     store.push_buffer.wait_background()
     assert _counts(store) == ([5], [5])
+
+
+def _held(monkeypatch, owner, name: str):
+    """Patch ``owner.name`` to wait, once called, until released: ``(called, release)`` events."""
+    import threading
+
+    called, release = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held(*args, **kwargs):
+        called.set()
+        release.wait(20)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    return called, release
