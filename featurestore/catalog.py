@@ -115,7 +115,9 @@ def view_status(registry: RegistryStore, offline: "DeltaOfflineStore", online: "
     mark = registry.watermarks().get(name, {})
     status: dict[str, Any] = {
         "view": name, "last_materialized_at": mark.get("materialized_at"),
-        "max_event_timestamp": mark.get("max_event_timestamp"), "online_synced": mark.get("online_synced"),
+        "max_event_timestamp": mark.get("max_event_timestamp"),
+        # Redis holds the view's history under its current layout (an upgrade that changes a layout: not until materialized)
+        "online_synced": mark.get("online_synced") and mark.get("online_layout") == view.storage_id,
         "history_table": table, **offline.stats(table), "rejected_rows": offline.rejected_rows(name),
         "newest_online_event": None, "online_age_seconds": None, "stream": None, "online_error": None,
     }

@@ -228,6 +228,14 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
     store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])   # a windowed run: user 1 is outside its window
     assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_dict()["score"] == [1.0, 2.0]
     assert store.registry.watermarks()["scores"]["online_synced"] is True
+    from featurestore.catalog import view_status
+
+    status = lambda: view_status(store.registry, store.offline_store, None, store.config.project, "scores")["online_synced"]  # noqa: E731
+    assert status() is True
+    store.registry.set_watermark("scores", online_layout="an older layout")  # as after an upgrade changing how values are stored
+    assert status() is False  # the UI says so; the next materialize re-sends the whole history
+    store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])
+    assert status() is True
 
     early = users_store(random_users(30, 300, seed=16))          # history written before T only, then a run over [T, T2)
     cut = NOW - timedelta(days=10)

@@ -121,6 +121,8 @@ async function viewPage(name) {
     out.push(h("h2", {}, "Freshness"), h("div", { class: "cards", id: "status" },
       card("newest online event", s.online_age_seconds === null ? "none" : `${fmt.secs(s.online_age_seconds)} ago`),
       card("last materialized", fmt.time(s.last_materialized_at)),
+      card("online store", s.online_synced === false ? "behind history: run materialize" : s.online_synced ? "in sync with history" : "–",
+           s.online_synced === false ? "bad" : ""),
       card("history rows", fmt.num(s.history_rows)),
       card("Delta version", fmt.num(s.table_version)),
       card("rejected rows", fmt.num(s.rejected_rows), s.rejected_rows ? "bad" : ""),
