@@ -406,6 +406,9 @@ class OnlineQuery:
                 if reply and isinstance(reply[0], list):  # a heavy entity: [summaries, events]
                     result = results[pos] = self._tiled(plan, self.ranges[pos][0], reply, low, now_us)
                 else:
+                    limit = self.ranges[pos][3]
+                    if limit is not None and len(reply) >= limit:  # (a partial read: never evaluate it)
+                        raise RuntimeError("a heavy entity's window reads tile summaries: answer queries with read_online")
                     times, columns = decode(reply, low, now_us)
                     vals, stats = evaluate(times, columns, now_us)
                     result = results[pos] = (vals, stats, micros_to_datetime(times[-1]) if times else None)
