@@ -5,7 +5,7 @@ Each process appends its pushes to a journal per lane, ``<data_dir>/buffer/<lane
 returns once its record is durable. A journal is preallocated with zeros, so making a record
 durable is an ``fdatasync`` of its bytes alone: no new file, no directory fsync, no file-system
 journal commit (a third of the old segment-per-push fsync; the next journal is zero-filled in
-the background once the current one is 3/4 full). ``drain`` later commits a lane's records, one
+the background, ready when the current one fills or a drain takes it). ``drain`` later commits a lane's records, one
 Delta append per target, and deletes its journals; a push that finds its lane due starts that
 on the process's committing thread (``in_background``) and returns.
 
@@ -64,7 +64,7 @@ RECORD = struct.Struct(">4sIIQIB7x")  # magic, payload bytes, CRC-32, sequence, 
 MAGIC = b"FSB2"
 FLAGS_AT = 24  # the flags byte's offset in the header
 PENDING, RETRY = 1, 2
-JOURNAL_BYTES = 4 << 20  # preallocated per journal; a record over a quarter of it gets a journal of its own
+JOURNAL_BYTES = 1 << 20  # preallocated per journal; a record over a quarter of it gets a journal of its own
 
 
 @dataclass
@@ -180,8 +180,8 @@ class PushBuffer:
             _write_all(journal.fd, record, at)
             journal.offset += len(record)
             journal.users += 1
-            if journal.offset * 4 > journal.capacity * 3 and journal.capacity == JOURNAL_BYTES and lane not in self._spares:
-                self._spares[lane] = (os.getpid(), _helper().submit(_zero_filled, self._dir(lane)))  # ready when needed
+            if journal.capacity == JOURNAL_BYTES and lane not in self._spares:  # the next journal, ready when this one
+                self._spares[lane] = (os.getpid(), _helper().submit(_zero_filled, self._dir(lane)))  # fills or is drained
         self._buffered[lane] = self._buffered.get(lane, 0) + rows
         try:
             # the online write goes to a thread and this one waits in the sync, which releases the GIL
