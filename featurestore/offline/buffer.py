@@ -476,7 +476,7 @@ def _committer() -> ThreadPoolExecutor:
 
 
 def _remove_dead_spares(folder: Path) -> None:
-    """Spare journals whose process is gone (4 MiB each, never used)."""
+    """Spare journals whose process is gone (1 MiB each, never used)."""
     for name in os.listdir(folder):
         if name.endswith(".spare"):
             try:
