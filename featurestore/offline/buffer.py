@@ -331,7 +331,8 @@ def _decode(streams: list) -> pa.Table:
             tables.append(ipc.open_stream(pa.py_buffer(b"".join([schema_message, *batches, _EOS]))).read_all())
             batches.clear()
 
-    for stream in streams:
+    for i, stream in enumerate(streams):
+        _yield_gil(i)
         if isinstance(stream, pa.Table):
             read_joined()
             tables.append(stream)
@@ -382,6 +383,7 @@ def _records(path: Path, lane: str) -> tuple[list[Record], str | None]:
     records: list[Record] = []
     at = 0
     while at + RECORD.size <= len(data):
+        _yield_gil(len(records))
         magic, size, crc, seq, rows, flags = RECORD.unpack_from(data, at)
         if magic != MAGIC:
             return records, None if not any(data[at:at + RECORD.size]) else f"no record header at byte {at}"
@@ -444,6 +446,13 @@ def _zero_filled(folder: Path) -> tuple[int, Path]:
         path.unlink(missing_ok=True)
         raise
     return fd, path
+
+
+def _yield_gil(i: int) -> None:
+    """Every 64 records, let a waiting thread (a push) have the GIL now: a commit's per-record loops
+    otherwise keep it for the interpreter's switch interval (5 ms) each time a push needs it."""
+    if i % 64 == 63:
+        time.sleep(0)
 
 
 def _torn_name(path: Path) -> str:
