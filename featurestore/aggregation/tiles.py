@@ -22,8 +22,6 @@ columns other than numbers and strings are not tiled: a lookup asking for one re
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +31,7 @@ import numpy as np
 import orjson
 
 from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min, pick
-from featurestore.definitions import Aggregation, FeatureView
+from featurestore.definitions import Aggregation, FeatureView, content_hash
 
 TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
@@ -69,8 +67,8 @@ class TileSpec:
         if not tiled:
             return None
         size = tile_us(view)
-        layout = json.dumps([view.storage_id, size, [a.to_spec() for a in tiled]], sort_keys=True, default=str)
-        return cls(size, tiled, b"T" + hashlib.blake2b(layout.encode(), digest_size=6).hexdigest().encode() + b":")
+        layout = content_hash({"storage": view.storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]})
+        return cls(size, tiled, b"T" + layout[:12].encode() + b":")
 
     def covers(self, aggregations: Sequence[Aggregation]) -> bool:
         return all(a in self.aggregations for a in aggregations)
