@@ -320,8 +320,14 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
               file=sys.stderr, flush=True)
     else:
         err_console.print(started, markup=False, soft_wrap=True)
-    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, log_level=log_level, access_log=access_log,
-                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {}))
+    options = {"factory": True, "log_level": log_level, "access_log": access_log,
+               **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
+    from featurestore import serve_workers
+
+    if workers > 1 and serve_workers.supported():  # a listening socket per worker: connections spread evenly
+        serve_workers.serve(factory, workers=workers, host=host, port=port, **options)
+    else:
+        uvicorn.run(factory, host=host, port=port, workers=workers, **options)
 
 
 @app.command("api-key")
