@@ -7,7 +7,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -320,7 +320,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
               file=sys.stderr, flush=True)
     else:
         err_console.print(started, markup=False, soft_wrap=True)
-    options = {"factory": True, "log_level": log_level, "access_log": access_log,
+    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log,
                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
     from featurestore import serve_workers
 
