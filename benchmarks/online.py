@@ -5,8 +5,10 @@ default, REDIS_URL to use another). Then, for 1, 10 and 100 entities per request
   - SDK: ``store.get_online_features`` vs a raw pipelined HMGET of the same keys;
   - HTTP (uvicorn, 1 worker, loopback, closed loop over a keep-alive socket):
     ``POST /get-online-features`` vs the plain-ASGI handler in raw_asgi.py;
-and throughput with 16 concurrent clients at 1 and 2 server workers (``--workers 1,2,4`` where
-cores allow). Every loop is bounded by count and time.
+and throughput with 16 concurrent keep-alive clients at 1 and 2 server workers (``--workers 1,2,4``
+where cores allow), ours and the plain handler in alternating one-second turns, with the CPU
+each process used meanwhile: a server's requests per CPU-second show whether a worker lost
+speed or only cores. Every loop is bounded by count and time.
 
     python benchmarks/online.py [--entities 100000] [--seconds 4] [--workers 1,2,4]
 """
@@ -111,32 +113,85 @@ class HttpClient:
         return payload
 
 
+class _ClosedLoop(asyncio.Protocol):
+    """One keep-alive connection sending its next request as soon as the previous answer is whole.
+    A bare protocol (no stream reader, no header parsing beyond Content-Length) costs the client
+    about half the CPU of asyncio streams: on a small host, the client's CPU is the servers' loss."""
+
+    def __init__(self, request: bytes, stop: float, counter: list[int]):
+        self.request, self.stop, self.counter, self.buffer = request, stop, counter, b""
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer + data
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            self.buffer = buffer
+            return
+        head = buffer[:end].lower()
+        if not head.startswith(b"http/1.1 200"):
+            raise RuntimeError(f"{buffer[:300]!r}")
+        at = head.index(b"content-length:") + 15
+        length = int(head[at:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+        if len(buffer) < end + 4 + length:
+            self.buffer = buffer
+            return
+        self.buffer = buffer[end + 4 + length:]
+        self.counter[0] += 1
+        if time.perf_counter() < self.stop:
+            self.transport.write(self.request)
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.closed.set_result(None)
+
+
 async def throughput(port: int, path: str, bodies: list[bytes], clients: int, seconds: float) -> float:
-    done = 0
+    """Requests per second from ``clients`` closed-loop keep-alive connections, each its own entity."""
+    loop = asyncio.get_running_loop()
+    counter = [0]
     stop = time.perf_counter() + seconds
-
-    async def worker(k: int) -> None:
-        nonlocal done
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        i = k
-        while time.perf_counter() < stop:
-            body = bodies[i % len(bodies)]
-            i += clients
-            writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
-            length = 0
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b""):
-                    break
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            await reader.readexactly(length)
-            done += 1
-        writer.close()
-
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker(k) for k in range(clients)))
-    return done / (time.perf_counter() - t0)
+    connections = []
+    for k in range(clients):
+        body = bodies[k % len(bodies)]
+        request = b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+        connections.append((await loop.create_connection(lambda: _ClosedLoop(request, stop, counter), "127.0.0.1", port))[1])
+    await asyncio.gather(*(c.closed for c in connections))
+    return counter[0] / (time.perf_counter() - t0)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its children so far (Linux /proc; 0 elsewhere)."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            times = proc.cpu_times()
+            total += times.user + times.system
+    except psutil.Error:
+        pass
+    return total
+
+
+def measured(port: int, path: str, bodies: list[bytes], clients: int, seconds: float, server_pid: int, redis_pid: int | None) -> dict:
+    """Throughput plus where the machine's CPU went meanwhile (cores busy: client, server, Redis)."""
+    import uvloop
+
+    before = time.process_time(), cpu_seconds(server_pid), cpu_seconds(redis_pid) if redis_pid else 0.0
+    t0 = time.perf_counter()
+    rps = uvloop.run(throughput(port, path, bodies, clients, seconds))
+    wall = time.perf_counter() - t0
+    after = time.process_time(), cpu_seconds(server_pid), cpu_seconds(redis_pid) if redis_pid else 0.0
+    client, server, redis_cores = ((a - b) / wall for a, b in zip(after, before))
+    return {"rps": rps, "client": client, "server": server, "redis": redis_cores, "per_core": rps / server if server else float("nan")}
 
 
 def start(args: list[str], env: dict, port: int) -> subprocess.Popen:
@@ -209,10 +264,19 @@ def main() -> None:
     env = {**os.environ, "FEATURESTORE_DATA_DIR": str(store.config.data_dir), "BENCH_REDIS_URL": store.online_store.url,
            "BENCH_PROJECT": PROJECT, "BENCH_VIEW": store.get_feature_view("stats").online_field, "REDIS_URL": store.online_store.url, "PYTHONPATH": str(HERE)}
     ours_port, raw_port = free_port(), free_port()
-    servers = [
-        start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning", "--no-access-log"], env, ours_port),
-        start([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log"], env, raw_port),
-    ]
+
+    def servers_with(workers: int) -> list[subprocess.Popen]:
+        """Ours via `featurestore serve`; the plain handler under the same worker supervisor (a
+        listening socket per worker), so both spread connections over their workers alike."""
+        raw = ([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log"]
+               if workers == 1 else
+               [sys.executable, "-c", "from featurestore.serve_workers import serve; "
+                f"serve('raw_asgi:app', workers={workers}, host='127.0.0.1', port={raw_port}, log_level='warning', access_log=False)"])
+        return [start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning",
+                       "--no-access-log", "--workers", str(workers)], env, ours_port),
+                start(raw, env, raw_port)]
+
+    servers = servers_with(1)
     try:
         ours_http, raw_http = HttpClient(ours_port), HttpClient(raw_port)
         print("\nHTTP (uvicorn, 1 worker, loopback) vs a plain-ASGI handler with the same Redis reads, latency ms")
@@ -226,27 +290,35 @@ def main() -> None:
                                                 lambda: raw_http.post("/", bodies[next(k) % len(bodies)]), iterations[size], args.seconds))
             print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
                   f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
+        ours_http.sock.close()
+        raw_http.sock.close()
         bodies = [orjson.dumps({"features": FEATURES, "entities": {"user_id": b}}) for b in ids[1]]
-        print(f"\nthroughput, {args.clients} concurrent clients (one client process), 1 entity × 10 features; "
-              f"client and servers share this machine's {os.cpu_count()} cores")
+        redis_pid = store.online_store.embedded.redis_pid() if store.online_store.embedded else None
+        print(f"\nthroughput, {args.clients} concurrent keep-alive clients (one client process), 1 entity × 10 features; "
+              f"client, servers and Redis share this machine's {os.cpu_count()} cores (figures in cores: CPU-seconds per second)")
+        first: dict[str, float] = {}
         for workers in args.workers:
             if workers > 1:  # fresh servers with that many worker processes
                 for s in servers:
                     s.terminate()
                     s.wait(timeout=30)
-                servers = [
-                    start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning",
-                           "--no-access-log", "--workers", str(workers)], env, ours_port),
-                    start([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log",
-                           "--workers", str(workers)], env, raw_port),
-                ]
+                servers = servers_with(workers)
                 time.sleep(2)
-            # warm-up, discarded: a worker still importing (ours takes seconds) would count against its server
-            for port, path in ((ours_port, "/get-online-features"), (raw_port, "/")):
-                asyncio.run(throughput(port, path, bodies, args.clients, 2.0))
-            ours_rps = asyncio.run(throughput(ours_port, "/get-online-features", bodies, args.clients, args.seconds))
-            raw_rps = asyncio.run(throughput(raw_port, "/", bodies, args.clients, args.seconds))
-            print(f"  {workers} worker(s): ours {ours_rps:,.0f} req/s, plain ASGI {raw_rps:,.0f} req/s (ours / plain {ours_rps / raw_rps:.2f}x)")
+            targets = {"ours": (ours_port, "/get-online-features", servers[0].pid), "plain": (raw_port, "/", servers[1].pid)}
+            for port, path, _ in targets.values():
+                asyncio.run(throughput(port, path, bodies, args.clients, 2.0))  # warm-up, discarded: a worker still importing would count
+            # one-second turns, alternating which goes first, so a slow spell of the host hits both
+            rounds: dict[str, list[dict]] = {"ours": [], "plain": []}
+            for turn in range(max(1, round(args.seconds))):
+                for name in (("ours", "plain") if turn % 2 == 0 else ("plain", "ours")):
+                    rounds[name].append(measured(*targets[name][:2], bodies, args.clients, 1.0, targets[name][2], redis_pid))
+            runs = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in rounds.items()}
+            for name, run in runs.items():
+                first.setdefault(name, run["rps"])
+                print(f"  {workers} worker(s), {name:>5}: {run['rps']:>8,.0f} req/s ({run['rps'] / first[name]:.2f}x its 1st row) | "
+                      f"cores busy: server {run['server']:.2f}, client {run['client']:.2f}, Redis {run['redis']:.2f} | "
+                      f"{run['per_core']:,.0f} req per server CPU-second")
+            print(f"  {workers} worker(s): ours / plain {runs['ours']['rps'] / runs['plain']['rps']:.2f}x")
     finally:
         for s in servers:
             s.terminate()

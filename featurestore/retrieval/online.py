@@ -65,10 +65,10 @@ class OnlineResponse:
     def to_rest_json(self, dumps: Callable[[Any], bytes]) -> bytes:
         """``dumps(self.to_rest())``, without looking at every value in Python: ``dumps`` (orjson)
         writes a non-finite float as ``null``, so the response is written once and, only when it
-        holds more nulls than the values have Nones (a NaN, or a string that looks like a null),
-        written again with the replacements."""
+        holds more ``null`` than the values have Nones (a NaN, or a name or string containing
+        "null"), written again with the replacements."""
         payload = dumps(self.to_rest(replace_non_finite=False))
-        if payload.count(b",null") + payload.count(b"[null") != sum(v.count(None) for v in self.values):
+        if payload.count(b"null") != sum(map(list.count, self.values, repeat(None))):
             payload = dumps(self.to_rest())
         return payload
 
@@ -367,9 +367,9 @@ class OnlineQuery:
         if order is not None:
             values, statuses, times = [values[i] for i in order], [statuses[i] for i in order], [times[i] for i in order]
         keys = len(self.key_columns)
-        no_times: list[list[datetime | None]] = [[None] * n for _ in range(keys)]  # join keys have no event time
-        response = OnlineResponse(list(template.names), [list(c) for c in self.key_columns] + values,
-                                  [[PRESENT] * n for _ in range(keys)] + statuses, no_times + times)
+        no_times: list[list[datetime | None]] = list(map(list, repeat([None] * n, keys)))  # join keys have no event time
+        response = OnlineResponse(list(template.names), list(map(list, self.key_columns)) + values,
+                                  list(map(list, repeat([PRESENT] * n, keys))) + statuses, no_times + times)
         return self._with_on_demand(response) if self.on_demand is not None else response
 
     def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
@@ -416,7 +416,7 @@ class OnlineQuery:
             row_statuses.append(result[1])
             row_times.append(result[2])
         width = len(plan.evaluator.aggregations)
-        return [list(c) for c in zip(*row_values)], [list(c) for c in zip(*row_statuses)], [list(row_times) for _ in range(width)]
+        return list(map(list, zip(*row_values))), list(map(list, zip(*row_statuses))), list(map(list, repeat(row_times, width)))
 
     def _tiled(self, plan: _WindowPlan, key: bytes, reply: list, low: int, now_us: int):
         """One heavy entity's aggregates from its tile summaries and edge events; the tiles it read
@@ -457,23 +457,20 @@ class OnlineQuery:
             else:
                 row_values.append(decoded)
                 row_statuses.append(present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded])
-        # rows -> columns in C (zip), not value by value in Python
-        cols_v = [list(c) for c in zip(*row_values)]
-        cols_s = [list(c) for c in zip(*row_statuses)]
-        cols_t = [list(row_times) for _ in range(width)]
-        return cols_v, cols_s, cols_t
+        # rows -> columns in C (zip, map), not value by value in Python
+        return list(map(list, zip(*row_values))), list(map(list, zip(*row_statuses))), list(map(list, repeat(row_times, width)))
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
     if isinstance(entities, dict):
-        columns = {k: list(v) if isinstance(v, (list, tuple)) else None for k, v in entities.items()}
-        bad = [k for k, v in columns.items() if v is None]
-        if bad:
+        if not all(isinstance(v, (list, tuple)) for v in entities.values()):
+            bad = [k for k, v in entities.items() if not isinstance(v, (list, tuple))]
             raise RequestError(f"entities must map each join key to a list of values; {bad} are not lists")
-        lengths = {len(v) for v in columns.values()}  # type: ignore[arg-type]
+        columns = dict(zip(entities, map(list, entities.values())))
+        lengths = set(map(len, columns.values()))
         if len(lengths) > 1:
             raise RequestError(f"entity columns have different lengths {sorted(lengths)}; give one value per row in each")
-        return columns  # type: ignore[return-value]
+        return columns
     if not isinstance(entities, (list, tuple)) or not all(isinstance(r, dict) for r in entities):
         raise RequestError("entity_rows must be a list of {join_key: value} dicts")
     keys = list(entities[0]) if entities else []
