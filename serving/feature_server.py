@@ -92,7 +92,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     request path); with ``ui``, the web UI is served under ``/ui``."""
     watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
     metrics = Metrics("featurestore_feature_server")
-    jobs = JobRunner()
+    jobs = JobRunner(watcher.current.config.data_dir / "jobs")
     loggers: dict[str, FeatureLogger] = {}
 
     def logger_for(service: str) -> FeatureLogger:

@@ -3,22 +3,33 @@
 ``POST /materialize`` answers 202 with a job id at once; the work runs on one worker thread
 (never the event loop, never two at once in a process; across processes the per-view history
 lock keeps writers apart), and ``GET /jobs/{id}`` reports its state. A request for views a
-queued or running job already covers gets 409 naming that job. The table of jobs is bounded:
-the oldest finished ones are forgotten first.
+queued or running job already covers gets 409 naming that job.
+
+The table of jobs is a folder of JSON files (one per job, replaced whole at each change) that
+every worker process of the server reads: with ``--workers N`` a status request lands on any
+worker, not only the one running the job. Each process holds a lock file while it lives, so a
+job whose process died (killed, or stopped before a queued job ran) reads as failed, not as
+running forever. The table is bounded: the oldest finished jobs are forgotten first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import orjson
 
 from featurestore.errors import ConflictError, FeatureStoreError, NotFoundError
+from serving.common import dumps
 
 log = logging.getLogger("featurestore.jobs")
 KEPT_JOBS = 200
@@ -35,6 +46,7 @@ class Job:
     finished_at: float | None = None
     result: Any = None
     error: str | None = None
+    runner: str = ""  # the process that runs it (its lock file's name)
 
     @property
     def active(self) -> bool:
@@ -45,28 +57,37 @@ class Job:
 
 
 class JobRunner:
-    def __init__(self) -> None:
+    """Runs jobs on one thread and keeps the table in ``folder``, shared by the server's workers."""
+
+    def __init__(self, folder: Path) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-job")
-        self._jobs: dict[str, Job] = {}
+        self._folder = folder
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._alive: IO = open(folder / f"runner-{self._name}.lock", "a")  # held while this process lives
+        fcntl.flock(self._alive, fcntl.LOCK_EX)
         self._lock = threading.Lock()
 
     def submit(self, kind: str, views: list[str], work: Callable[[], Any]) -> Job:
-        with self._lock:
-            busy = next((j for j in self._jobs.values() if j.active and j.overlaps(views)), None)
+        with self._lock, open(self._folder / ".table.lock", "a") as table:  # one submitter at a time, all processes
+            fcntl.flock(table, fcntl.LOCK_EX)
+            jobs = self.list()
+            busy = next((j for j in jobs if j.active and j.overlaps(views)), None)
             if busy is not None:
                 raise ConflictError(f"job {busy.id} ({busy.kind}, {busy.status}) already covers these views; "
                                     f"follow it at /jobs/{busy.id}")
-            job = Job(uuid.uuid4().hex[:12], kind, list(views))
-            self._jobs[job.id] = job
-            self._forget_old()
+            job = Job(uuid.uuid4().hex[:12], kind, list(views), runner=self._name)
+            self._save(job)
+            self._forget_old(jobs)
         self._pool.submit(self._run, job, work)
         log.info("job %s queued: %s %s", job.id, kind, views or "all views")
         return job
 
     def _run(self, job: Job, work: Callable[[], Any]) -> None:
         job.status, job.started_at = "running", time.time()
+        self._save(job)
         try:
-            job.result = work()
+            job.result = orjson.loads(dumps(work()))  # as the table will hold it
             job.status = "succeeded"
         except FeatureStoreError as exc:
             job.status, job.error = "failed", str(exc)
@@ -74,24 +95,59 @@ class JobRunner:
             job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("job %s failed:\n%s", job.id, traceback.format_exc())
         job.finished_at = time.time()
+        self._save(job)
         log.info("job %s %s in %.1f s", job.id, job.status, job.finished_at - job.started_at)
 
-    def _forget_old(self) -> None:
-        finished = [j for j in self._jobs.values() if not j.active]
-        for job in finished[: max(0, len(self._jobs) - KEPT_JOBS)]:
-            del self._jobs[job.id]
+    def _save(self, job: Job) -> None:
+        staged = self._folder / f".{job.id}.{self._name}.tmp"
+        staged.write_bytes(dumps(asdict(job)))
+        os.replace(staged, self._folder / f"{job.id}.json")  # readers see the old state or the new, whole
+
+    def _load(self, path: Path) -> Job | None:
+        try:
+            job = Job(**orjson.loads(path.read_bytes()))
+        except (OSError, ValueError, TypeError):  # gone meanwhile (forgotten), or not a job file
+            return None
+        if job.active and job.runner != self._name and not self._runner_alive(job.runner):
+            job.status = "failed"
+            job.error = "the server process that ran this job exited before it finished; submit it again"
+        return job
+
+    def _runner_alive(self, runner: str) -> bool:
+        """Whether the process named ``runner`` still holds its lock file."""
+        try:
+            with open(self._folder / f"runner-{runner}.lock") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def _forget_old(self, jobs: list[Job]) -> None:
+        finished = [j for j in jobs if not j.active]
+        for job in finished[: max(0, len(jobs) - KEPT_JOBS)]:
+            (self._folder / f"{job.id}.json").unlink(missing_ok=True)
+        live = {j.runner for j in jobs if j.active}  # dead processes' lock files, once no job names them
+        for lock in self._folder.glob("runner-*.lock"):
+            runner = lock.name[len("runner-"):-len(".lock")]
+            if runner != self._name and runner not in live and not self._runner_alive(runner):
+                lock.unlink(missing_ok=True)
 
     def get(self, job_id: str) -> Job:
-        try:
-            return self._jobs[job_id]
-        except KeyError:
-            raise NotFoundError(f"no job {job_id!r} (finished jobs are kept for the last {KEPT_JOBS})") from None
+        job = self._load(self._folder / f"{job_id}.json") if job_id.isalnum() else None
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r} (finished jobs are kept for the last {KEPT_JOBS})")
+        return job
 
     def list(self) -> list[Job]:
-        return list(self._jobs.values())
+        """Every job in the table, oldest first."""
+        jobs = [job for path in self._folder.glob("*.json") if (job := self._load(path)) is not None]
+        return sorted(jobs, key=lambda j: j.submitted_at)
 
     def describe(self, job: Job) -> dict[str, Any]:
         return {**asdict(job), "status_url": f"/jobs/{job.id}"}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._alive.close()  # releases the lock: jobs still queued here now read as failed

@@ -523,6 +523,11 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
         assert second.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in second.stderr
         assert "Traceback" not in second.stderr
 
+        # a background job is followed from whichever worker a status request reaches
+        job = httpx.post(url + "/materialize-incremental", json={}, headers={"Connection": "close"}).json()
+        for _ in range(12):
+            assert httpx.get(url + f"/jobs/{job['id']}", headers={"Connection": "close"}).status_code == 200
+
         os.kill(first.pid, signal.SIGKILL)
         wait_for_workers(2, gone=first.pid)
         assert sum(asyncio.run(burst()).values()) == 16
@@ -541,3 +546,48 @@ def test_workers_that_fail_to_start_stop_the_server(tmp_path):
 
     with pytest.raises(FeatureStoreError, match="failed while starting"):
         serve("no_such_module:app", workers=2, host="127.0.0.1", port=free_port(), log_level="critical")
+
+
+def test_job_table_is_shared_by_processes_and_outlives_them(tmp_path):
+    """With --workers N a job ran in one worker and only that worker knew it: GET /jobs/{id} on
+    another answered 404. The table is now shared by every process of the server; a job whose
+    process died reads as failed, and no process starts a job overlapping a live one elsewhere."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from serving.jobs import JobRunner
+
+    folder = tmp_path / "jobs"
+    here = JobRunner(folder)
+    release = threading.Event()
+    job = here.submit("materialize", ["spend"], lambda: release.wait(30) and {"rows": 3})
+    other = subprocess.run([sys.executable, "-c", (
+        "import sys, json; from pathlib import Path; from serving.jobs import JobRunner\n"
+        f"r = JobRunner(Path({str(folder)!r})); j = r.get({job.id!r})\n"
+        "try:\n    r.submit('materialize', [], lambda: None); conflict = None\n"
+        "except Exception as exc:\n    conflict = type(exc).__name__\n"
+        "print(json.dumps([j.status, conflict]))")], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    assert json.loads(other.stdout) == [here.get(job.id).status, "ConflictError"]
+    release.set()
+    deadline = time.monotonic() + 30
+    while here.get(job.id).active and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert here.get(job.id).status == "succeeded" and here.get(job.id).result == {"rows": 3}
+
+    # a process that dies with a job running: the others read it as failed, and may start another
+    killed = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from serving.jobs import JobRunner\n"
+        f"r = JobRunner(Path({str(folder)!r})); j = r.submit('materialize', ['spend'], lambda: time.sleep(60))\n"
+        "print(j.id, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    orphan = killed.stdout.readline().strip()
+    assert here.get(orphan).active
+    killed.kill()
+    killed.wait()
+    assert here.get(orphan).status == "failed" and "exited before it finished" in here.get(orphan).error
+    assert here.submit("materialize", ["spend"], lambda: {"rows": 0}).id != orphan
+    assert [j.id for j in here.list()][:2] == [job.id, orphan]
+    here.shutdown()
