@@ -9,14 +9,19 @@ workers' sockets by a hash of each connection's addresses.
 
 The supervisor restarts a worker that dies after it started serving, stops everything if one
 fails while starting (a broken app fails the same way every time), and on SIGTERM or SIGINT
-lets the workers finish their requests before it exits. Linux only: elsewhere
-``SO_REUSEPORT`` does not balance, and callers fall back to uvicorn's shared socket.
+lets the workers finish their requests before it exits. SIGHUP replaces the workers one by one,
+each new one serving before its predecessor stops (new code, no refused connection). Workers
+exit with the supervisor, even if it is killed. Linux only: elsewhere ``SO_REUSEPORT`` does not
+balance, and callers fall back to uvicorn's shared socket.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import sys
@@ -63,7 +68,11 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def _worker(config_kwargs: dict[str, Any], ready: Any) -> None:  # runs in the child process
+def _worker(config_kwargs: dict[str, Any], ready: Any, supervisor: int) -> None:  # runs in the child process
+    with contextlib.suppress(OSError, AttributeError):  # SIGTERM when the supervisor dies, however it dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != supervisor:  # it died before prctl
+        return
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -85,12 +94,38 @@ class _Slot:
 
     def __init__(self, config_kwargs: dict[str, Any]):
         self.config_kwargs = config_kwargs
-        self.start()
+        self.restart()
 
-    def start(self) -> None:
-        self.ready = _spawn.Event()
-        self.process = _spawn.Process(target=_worker, args=(self.config_kwargs, self.ready), daemon=False)
-        self.process.start()
+    def _spawn(self) -> tuple[Any, Any]:
+        ready = _spawn.Event()
+        process = _spawn.Process(target=_worker, args=(self.config_kwargs, ready, os.getpid()))
+        process.start()
+        return process, ready
+
+    def restart(self) -> None:
+        self.process, self.ready = self._spawn()
+
+    def replace(self, timeout: float) -> bool:
+        """Start a successor; once it serves, stop this worker (SIGTERM: its requests finish)."""
+        process, ready = self._spawn()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.1):
+            if not process.is_alive() or time.monotonic() > deadline:
+                _stop(process, grace=0.0)
+                return False
+        old, self.process, self.ready = self.process, process, ready
+        _stop(old, SHUTDOWN_GRACE_SECONDS)
+        return True
+
+
+def _stop(process: Any, grace: float) -> None:
+    """SIGTERM (uvicorn finishes in-flight requests), then SIGKILL after ``grace`` seconds."""
+    if process.is_alive():
+        process.terminate()
+    process.join(grace)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def serve(app: str, *, workers: int, host: str, port: int, **uvicorn_kwargs: Any) -> None:
@@ -101,12 +136,20 @@ def serve(app: str, *, workers: int, host: str, port: int, **uvicorn_kwargs: Any
         raise FeatureStoreError("--port 0 picks a different port per worker; give a port, or use --workers 1")
     _check_port_free(host, port)
     config_kwargs = {"app": app, "host": host, "port": port, **uvicorn_kwargs}
-    stopping = threading.Event()
+    stopping, reloading = threading.Event(), threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda *_: reloading.set())
     slots = [_Slot(config_kwargs) for _ in range(workers)]
     failure = None
     try:
         while not stopping.wait(0.5):
+            if reloading.is_set():
+                reloading.clear()
+                log.warning("SIGHUP: replacing %d worker(s) one by one", len(slots))
+                for slot in slots:
+                    if not stopping.is_set() and not slot.replace(timeout=60.0):
+                        log.error("a new worker did not start serving; keeping the old ones")
+                        break
             for slot in slots:
                 if slot.process.is_alive():
                     continue
@@ -117,17 +160,14 @@ def serve(app: str, *, workers: int, host: str, port: int, **uvicorn_kwargs: Any
                     break
                 log.warning("worker %s died (exit code %s); starting another", slot.process.pid, code)
                 time.sleep(RESTART_DELAY_SECONDS)
-                slot.start()
+                slot.restart()
     finally:
         for slot in slots:
             if slot.process.is_alive():
-                slot.process.terminate()  # SIGTERM: uvicorn finishes in-flight requests, then exits
+                slot.process.terminate()  # all at once, then wait for each within one grace period
         deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
         for slot in slots:
-            slot.process.join(max(0.0, deadline - time.monotonic()))
-            if slot.process.is_alive():
-                slot.process.kill()
-                slot.process.join()
+            _stop(slot.process, max(0.0, deadline - time.monotonic()))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if failure:

@@ -531,11 +531,28 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
         os.kill(first.pid, signal.SIGKILL)
         wait_for_workers(2, gone=first.pid)
         assert sum(asyncio.run(burst()).values()) == 16
+
+        # SIGHUP: every worker replaced, one at a time, while requests keep being answered
+        before = {p.pid for p in workers()}
+        server.send_signal(signal.SIGHUP)
+        deadline, statuses = time.monotonic() + 60, []
+        while before & {p.pid for p in workers()} and time.monotonic() < deadline:
+            statuses.append(httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code)
+        assert len(wait_for_workers(2)) == 2 and not before & {p.pid for p in workers()}
+        assert statuses and set(statuses) == {200}
     finally:
         server.terminate()
         logs = server.communicate(timeout=60)[1]
     assert server.returncode == 0, logs
     assert "died" in logs and "starting another" in logs
+
+    # workers never outlive their supervisor, even one killed outright
+    server = subprocess.Popen(serve + ["--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    orphans = wait_for_workers(2)
+    server.kill()
+    server.wait()
+    gone, alive = psutil.wait_procs(orphans, timeout=30)
+    assert not alive
 
 
 def test_workers_that_fail_to_start_stop_the_server(tmp_path):
