@@ -370,6 +370,39 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
 
 
+def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeypatch):
+    """A cold heavy card's first lookups decode and aggregate its whole window (~25 ms at 50,000
+    events), which held a server's event loop and every other request on it. Past
+    ``OFF_LOOP_EVENTS`` the assembly runs on a thread; the answer is the same."""
+    import asyncio
+    import threading
+
+    from featurestore.retrieval import online
+    from featurestore.retrieval.online import OnlineQuery, read_online
+
+    store = activity_store
+    card = next(_cards) * 10 + 6_000_000
+    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
+                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    refs = [f"activity:{n}" for n in TILED]
+    at = BASE + 10 * STEP
+
+    def query():
+        return OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at)
+
+    threads = []
+    assemble = OnlineQuery.assemble
+    monkeypatch.setattr(OnlineQuery, "assemble", lambda self, raw: threads.append(threading.current_thread()) or assemble(self, raw))
+
+    async def served(limit: int):
+        monkeypatch.setattr(online, "OFF_LOOP_EVENTS", limit)
+        return (await online.read_online_async(store.online_store, query())).to_dict()
+
+    expected = read_online(store.online_store, query()).to_dict()
+    assert asyncio.run(served(limit=100)) == expected and threads[-1] is threading.main_thread()  # 30 events: on the loop
+    assert asyncio.run(served(limit=10)) == expected and threads[-1] is not threading.main_thread()
+
+
 def test_statuses_say_whether_the_window_had_events(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 1_000_000

@@ -7,6 +7,7 @@ Split in three steps so the SDK (sync) and the servers (async) share everything 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
@@ -490,6 +491,11 @@ def read_online(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse
     return query.assemble(raw)
 
 
+# Events a response may decode and aggregate on the event loop; past it (a cold heavy card: 50,000
+# events, ~25 ms) assembling runs on a thread, and the loop answers other requests meanwhile.
+OFF_LOOP_EVENTS = 2_000
+
+
 async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
     """``read_online`` on the event loop."""
     raw = await store.read_async(query.lookups, query.ranges)
@@ -497,4 +503,11 @@ async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> On
     if heavy:
         for (pos, _), reply in zip(heavy, await store.read_tiles_async([r for _, r in heavy])):
             raw[len(query.lookups) + pos] = reply
+    if query.ranges and _events_in(raw[len(query.lookups):]) > OFF_LOOP_EVENTS:
+        return await asyncio.to_thread(query.assemble, raw)
     return query.assemble(raw)
+
+
+def _events_in(replies: list) -> int:
+    """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``."""
+    return sum(sum(map(len, r[1])) if r and isinstance(r[0], list) else len(r) for r in replies)
