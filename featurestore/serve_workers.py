@@ -2,8 +2,8 @@
 
 uvicorn's ``--workers`` shares one listening socket: every worker wakes for a new connection
 and the first one to run accepts the whole queue. Keep-alive clients that connect in a burst
-(a connection pool, a load balancer) then all land on one worker and the others idle; with
-16 clients and 2 workers, 16 of 16 connections went to one worker in every trial. Here each
+(a connection pool, a load balancer) then land on one worker while the others idle: with 16
+clients and 2 workers, one worker took 14 or more of the 16 in about two bursts of three. Here each
 worker binds the address with ``SO_REUSEPORT`` and the kernel spreads connections over the
 workers' sockets by a hash of each connection's addresses.
 
