@@ -8,8 +8,9 @@ side runs in a fresh process, so wall time and peak RSS are its own.
 Online: an SDK lookup of 1 card × 5 aggregates (each card has ~10 events in its 7 d window)
 against a plain latest-value lookup of 1 entity × 5 features, timed in alternating blocks;
 one-event pushes in-process and over HTTP (a feature server process), to Redis only and to both
-stores; sustained ingest with pushes of 1,000 events; and lookups of heavy cards (1,000, 10,000
-and 50,000 events in the 7 d window).
+stores; sustained ingest with pushes of 1,000 events; lookups of heavy cards (1,000, 10,000
+and 50,000 events in the 7 d window); and the event loop's longest stall during a cold heavy
+card's first lookups on the servers' path.
 
     python benchmarks/aggregations.py                          # full size
     python benchmarks/aggregations.py --events 500000 --entity-rows 100000 --cards 10000
@@ -257,6 +258,7 @@ def online(args: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 heavy[n][label] = percentiles(times)["p50"]
             tiles.HEAVY_PER_TILE = heavy_per_tile
+        stalls = loop_stalls(store, agg_refs, n_cards + 10, rng, now)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
@@ -266,6 +268,9 @@ def online(args: argparse.Namespace) -> None:
     for n, p in heavy.items():
         print(f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
               f"first lookup {p['first']:.1f} ms")
+    print("  a cold card of 50,000 events, its first 3 lookups on the servers' path (read_online_async): longest event-loop stall")
+    for label, (lookups, stall) in stalls.items():
+        print(f"    {label}: lookups {' / '.join(f'{ms:.0f}' for ms in lookups)} ms, longest stall {' / '.join(f'{ms:.1f}' for ms in stall)} ms")
     for to, times in push_times.items():
         push = percentiles(times)
         print(f"  push 1 event to {to:<18} in-process  p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
@@ -278,6 +283,57 @@ def online(args: argparse.Namespace) -> None:
         print(f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']}, one keep-alive client)")
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
+
+
+def loop_stalls(store, refs: list[str], first_card: int, rng, now: datetime) -> dict[str, tuple[list[float], list[float]]]:
+    """A cold heavy card's first lookups through ``read_online_async`` while a ticker task runs on
+    the same event loop: the longest gap between its ticks is how long the loop could not answer
+    anything else. Assembling on the loop (as before) and off it (past ``OFF_LOOP_EVENTS``)."""
+    import asyncio
+
+    from featurestore.retrieval import online
+    from featurestore.retrieval.online import OnlineQuery
+
+    n = 50_000
+    for card in (first_card, first_card + 1):
+        ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
+        store.push("payments", pa.table({"tx_id": np.arange(n, dtype=np.int64) + card * 10**7, "card_id": np.full(n, card),
+                                         "amount": np.round(rng.lognormal(3.5, 1.1, n), 2), "event_timestamp": pa.array(ts, TS)}), to="online")
+    threshold, out = online.OFF_LOOP_EVENTS, {}
+
+    async def measure() -> None:
+        gaps: list[float] = []
+        running = True
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while running:
+                await asyncio.sleep(0)
+                now_ = time.perf_counter()
+                gaps.append(now_ - last)
+                last = now_
+
+        task = asyncio.create_task(ticker())
+        for card, label, limit in ((first_card, "assembled on the loop ", 10**12), (first_card + 1, "assembled off the loop", threshold)):
+            online.OFF_LOOP_EVENTS = limit
+            lookups, stalls = [], []
+            for _ in range(3):
+                gaps.clear()
+                t0 = time.perf_counter()
+                q = OnlineQuery.prepare(store.definitions, store.config.project, [{"card_id": card}], refs, None, False)
+                await online.read_online_async(store.online_store, q)
+                await store.online_store.seal_async(q.seals)
+                lookups.append((time.perf_counter() - t0) * 1000)
+                stalls.append(max(gaps) * 1000)
+            out[label] = (lookups, stalls)
+        running = False
+        await task
+
+    try:
+        asyncio.run(measure())
+    finally:
+        online.OFF_LOOP_EVENTS = threshold
+    return out
 
 
 def http_push(root: Path, first_id: int, n_cards: int, n: int) -> dict[str, list[float]]:
