@@ -105,12 +105,13 @@ class _Slot:
     def restart(self) -> None:
         self.process, self.ready = self._spawn()
 
-    def replace(self, timeout: float) -> bool:
-        """Start a successor; once it serves, stop this worker (SIGTERM: its requests finish)."""
+    def replace(self, timeout: float, stopping: threading.Event) -> bool:
+        """Start a successor; once it serves, stop this worker (SIGTERM: its requests finish).
+        False, with this worker kept, if the successor does not serve in time or the server stops."""
         process, ready = self._spawn()
         deadline = time.monotonic() + timeout
         while not ready.wait(0.1):
-            if not process.is_alive() or time.monotonic() > deadline:
+            if not process.is_alive() or time.monotonic() > deadline or stopping.is_set():
                 _stop(process, grace=0.0)
                 return False
         old, self.process, self.ready = self.process, process, ready
@@ -147,8 +148,9 @@ def serve(app: str, *, workers: int, host: str, port: int, **uvicorn_kwargs: Any
                 reloading.clear()
                 log.warning("SIGHUP: replacing %d worker(s) one by one", len(slots))
                 for slot in slots:
-                    if not stopping.is_set() and not slot.replace(timeout=60.0):
-                        log.error("a new worker did not start serving; keeping the old ones")
+                    if not slot.replace(timeout=60.0, stopping=stopping):
+                        if not stopping.is_set():
+                            log.error("a new worker did not start serving; keeping the old ones")
                         break
             for slot in slots:
                 if slot.process.is_alive():
