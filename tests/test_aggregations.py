@@ -370,6 +370,43 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
 
 
+def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypatch):
+    """A heavy card's lookup first read its window plainly up to the threshold (~1,500 events,
+    ~1 ms of Redis), dropped that and read its tile summaries. Once found heavy, its next lookups
+    skip the plain read; the answer is the same. The hints are bounded and expire."""
+    from featurestore.aggregation import tiles
+    from featurestore.retrieval.online import HEAVY_KEYS, OnlineQuery, _HeavyKeys, read_online
+
+    store = activity_store
+    card = next(_cards) * 10 + 7_000_000
+    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
+                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    refs = [f"activity:{n}" for n in TILED]
+    client = store.online_store.client
+
+    def lookup():
+        query = OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP)
+        before = client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
+        response = read_online(store.online_store, query).to_dict()
+        return query, response, client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0) - before
+
+    expected = lookup()[1]  # every event (the default threshold: 30 events are light)
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card is heavy
+    first, found, range_reads = lookup()  # (READ_WINDOW reads ranges too: Redis counts those)
+    assert not first.known_heavy and found == expected
+    again, found, fewer_range_reads = lookup()
+    assert again.known_heavy == {0} and fewer_range_reads == range_reads - 1 and found == expected
+
+    hints = _HeavyKeys(size=3, seconds=60)
+    for key in (b"a", b"b", b"c", b"d"):
+        hints.add(key)
+    assert len(hints) == 3 and b"a" not in hints and b"d" in hints
+    hints.seconds = -1.0
+    hints.add(b"e")
+    assert b"e" not in hints
+    HEAVY_KEYS.clear()
+
+
 def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeypatch):
     """A cold heavy card's first lookups decode and aggregate its whole window (~25 ms at 50,000
     events), which held a server's event loop and every other request on it. Past

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import repeat
@@ -252,6 +254,45 @@ def _key_builder(project: str, keyset: tuple[str, ...], types: dict[str, str]) -
     return lambda values: entity_key(project, dict(zip(keyset, values)), types)
 
 
+class _HeavyKeys:
+    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once,
+    skipping the plain range read: up to the heavy threshold's events (~1,500), read only to be
+    dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint only saves time (summaries
+    answer exactly for any entity), and it is bounded and expires, so an entity gone light
+    returns to the plain read."""
+
+    def __init__(self, size: int = 10_000, seconds: float = 60.0):
+        self.size, self.seconds = size, seconds
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: bytes) -> bool:
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            self._until.pop(key, None)
+            return False
+        return True
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._until[key] = time.monotonic() + self.seconds
+            self._until.move_to_end(key)
+            while len(self._until) > self.size:
+                self._until.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._until.clear()
+
+
+HEAVY_KEYS = _HeavyKeys()
+
+
 @dataclass
 class OnlineQuery:
     template: QueryTemplate
@@ -265,6 +306,7 @@ class OnlineQuery:
     on_demand: OnDemandPlan | None = None         # request-time features to compute after the read
     request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
     seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(default_factory=list)  # tile summaries to store
+    known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HEAVY_KEYS``)
 
     @property
     def key_names(self) -> list[str]:
@@ -319,6 +361,7 @@ class OnlineQuery:
         now_us = datetime_to_micros(now) if now is not None else time.time_ns() // 1000
         ranges: list[tuple[bytes, int, int, int | None]] = []
         range_slots, range_plans = [], []
+        known_heavy: set[int] = set()
         for number, window in enumerate(template.windows):
             index = {}
             rows = []
@@ -330,18 +373,42 @@ class OnlineQuery:
                     pos = index[key] = len(ranges)
                     ranges.append((key, low, now_us, limit))
                     range_plans.append(number)
+                    if limit is not None and key in HEAVY_KEYS:
+                        known_heavy.add(pos)
                 rows.append(pos)
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, range_plans, now_us,
-                   on_demand, request_columns)
+                   on_demand, request_columns, known_heavy=known_heavy)
+
+    def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
+        """The ranges the first round trip reads plainly: all but those known heavy."""
+        if not self.known_heavy:
+            return self.ranges
+        return [r for pos, r in enumerate(self.ranges) if pos not in self.known_heavy]
+
+    def placed(self, replies: list) -> list:
+        """The first round trip's replies (lookups, then ``first_reads``) laid out as ``assemble``
+        takes them, known-heavy ranges left ``None`` for their summaries."""
+        if not self.known_heavy:
+            return replies
+        n = len(self.lookups)
+        raw: list = replies[:n] + [None] * len(self.ranges)
+        plain = iter(replies[n:])
+        for pos in range(len(self.ranges)):
+            if pos not in self.known_heavy:
+                raw[n + pos] = next(plain)
+        return raw
 
     def heavy(self, raw: list) -> list[tuple[int, tuple[bytes, list[bytes | int]]]]:
-        """The ranges whose read stopped at its limit (heavy entities), with what ``read_tiles``
-        needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
+        """The ranges known heavy, and those whose plain read stopped at its limit (noted in
+        ``HEAVY_KEYS``), with what ``read_tiles`` needs to read their tile summaries instead:
+        ``(range index, (key, arguments))``."""
         out = []
         for pos, (key, _, _, limit) in enumerate(self.ranges):
-            if limit is not None and len(raw[len(self.lookups) + pos]) >= limit:
+            if pos in self.known_heavy or (limit is not None and len(raw[len(self.lookups) + pos]) >= limit):
+                if pos not in self.known_heavy:
+                    HEAVY_KEYS.add(key)
                 out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
         return out
 
@@ -483,7 +550,8 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
 
 def read_online(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
     """``query`` answered from ``store``: one round trip, a second for heavy entities' tile summaries."""
-    raw = store.read(query.lookups, query.ranges)
+    first = query.first_reads()
+    raw = query.placed(store.read(query.lookups, first) if query.lookups or first else [])
     heavy = query.heavy(raw)
     if heavy:
         for (pos, _), reply in zip(heavy, store.read_tiles([r for _, r in heavy])):
@@ -498,7 +566,8 @@ OFF_LOOP_EVENTS = 2_000
 
 async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
     """``read_online`` on the event loop."""
-    raw = await store.read_async(query.lookups, query.ranges)
+    first = query.first_reads()
+    raw = query.placed(await store.read_async(query.lookups, first) if query.lookups or first else [])
     heavy = query.heavy(raw)
     if heavy:
         for (pos, _), reply in zip(heavy, await store.read_tiles_async([r for _, r in heavy])):
