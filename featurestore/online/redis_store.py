@@ -591,8 +591,23 @@ class RedisOnlineStore:
         return self._run(lambda: (("read_window", [key], list(arguments), []) for key, arguments in windows), None)
 
     async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list:
-        """``read_tiles`` on the event loop."""
-        return [await self._evalsha_async("read_window", key, *arguments) for key, arguments in windows]
+        """``read_tiles`` on the event loop: one round trip for all the windows."""
+        if len(windows) == 1:
+            return [await self._evalsha_async("read_window", windows[0][0], *windows[0][1])]
+        script = self._scripts["read_window"]
+        for attempt in (1, 2):
+            pipe = self.async_client.pipeline(transaction=False)
+            for key, arguments in windows:
+                pipe.evalsha(script.sha, 1, key, *arguments)
+            try:
+                return await pipe.execute()
+            except redis.exceptions.NoScriptError:  # a Redis that lost its scripts (a restart)
+                if attempt == 2:
+                    raise
+                await self.async_client.script_load(script.code)
+            except UNAVAILABLE as exc:
+                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        raise AssertionError("unreachable")
 
     async def _evalsha_async(self, name: str, key: bytes, *arguments: Any) -> Any:
         script = self._scripts[name]
