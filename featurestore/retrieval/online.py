@@ -4,7 +4,7 @@ Split in three steps so the SDK (sync) and the servers (async) share everything 
 ``OnlineQuery.prepare`` (validate, build keys), the store's ``read``/``read_async``, and
 ``OnlineQuery.assemble`` (decode, apply ttl, statuses). ``read_online``/``read_online_async``
 run them, with a second round trip for heavy entities' tile summaries (an entity known heavy
-reads them in the first instead of its plain range).
+skips its plain range read, and the first round trip when nothing else is read).
 """
 
 from __future__ import annotations
