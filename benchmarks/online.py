@@ -136,7 +136,8 @@ class _ClosedLoop(asyncio.Protocol):
         if not head.startswith(b"http/1.1 200"):
             raise RuntimeError(f"{buffer[:300]!r}")
         at = head.index(b"content-length:") + 15
-        length = int(head[at:head.find(b"\r\n", at) if head.find(b"\r\n", at) > 0 else None])
+        eol = head.find(b"\r\n", at)
+        length = int(head[at:eol if eol > 0 else None])
         if len(buffer) < end + 4 + length:
             self.buffer = buffer
             return
@@ -167,7 +168,7 @@ async def throughput(port: int, path: str, bodies: list[bytes], clients: int, se
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children so far (Linux /proc; 0 elsewhere)."""
+    """User + system CPU seconds of a process and its children so far (0 if it is gone)."""
     import psutil
 
     total = 0.0
