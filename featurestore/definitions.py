@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 from featurestore.types import DType
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
-EVENTS_LAYOUT = 3  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+EVENTS_LAYOUT = 4  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
@@ -324,7 +324,8 @@ class FeatureView:
             "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
             "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id, "key_encoding": KEY_ENCODING,
             **({"version": self.history_version} if self.history_version > 1 else {}),
-            **({"events": EVENTS_LAYOUT} if self.aggregations else {}),
+            # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
+            **({"events": EVENTS_LAYOUT, "longest_us": self.longest_window // timedelta(microseconds=1)} if self.aggregations else {}),
         })[:8]
         self.__dict__["_storage_id"] = (self.history_version, value)
         return value

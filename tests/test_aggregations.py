@@ -482,8 +482,9 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
 
 def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_store):
     """Online storage stays within the horizon (longest window + retention): when a newer event
-    extends an entity's keys, events before the cutoff leave the sorted set, their ids the
-    first-write-wins hash, and tiles before it their summaries (the write script's trim)."""
+    extends an entity's keys, events before the cutoff leave the sorted set and tiles before it
+    their summaries (the write script's trim). An id's write times stay one dedup window (the
+    longest window) longer, so a later write of the id is judged as offline judges it."""
     store = make_store(FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     events = [{"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
@@ -500,13 +501,21 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
 
     con = duckdb.connect()
     store.offline_store.register(con, view.history_table, "history", store.definitions.history_schema(view))
-    third = con.sql("SELECT * FROM history WHERE payment_id = 3").to_arrow_table().cast(store.definitions.history_schema(view))
+    schema = store.definitions.history_schema(view)
+    third = con.sql("SELECT * FROM history WHERE payment_id = 3").to_arrow_table().cast(schema)
     store.materializer().write_online(view, third, now + timedelta(hours=8))  # the cutoff is now 22 h back
     members = client.zrange(key, 0, -1)
-    assert len(members) == 2 and client.hlen(key + b"|ids") == 2  # the 25 h old event is gone from both
-    assert not client.hexists(key + b"|tiles", b"1")
+    assert len(members) == 2 and not client.hexists(key + b"|tiles", b"1")  # the 25 h old event is gone
+    ids = {int.from_bytes(k, "big") ^ (1 << 63) for k in client.hkeys(key + b"|ids")}
+    assert ids == {1, 2, 3}  # its write time stays: within 30 h (the dedup window) of the cutoff
     at = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now).to_dict()
     assert at["not_card_count_30h"] == [2]
+    fourth = third.set_column(third.schema.get_field_index("payment_id"), "payment_id", pa.array([4], pa.int64()))
+    fourth = fourth.set_column(fourth.schema.get_field_index("event_timestamp"), "event_timestamp",
+                               pa.array([now + timedelta(hours=38)], TS))
+    store.materializer().write_online(view, fourth, now + timedelta(hours=39))  # cutoff 9 h ahead: ids before -21 h go
+    ids = {int.from_bytes(k, "big") ^ (1 << 63) for k in client.hkeys(key + b"|ids")}
+    assert ids == {2, 3, 4} and client.zcard(key) == 1
 
 
 @pytest.mark.parametrize("change, message", [
@@ -568,3 +577,235 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
     for k in wanted:
         got, want = columns[k], [row[k] for _, row in expected]
         assert len(got) == len(want) and all(same(a, b) and type(a) is type(b) for a, b in zip(got, want)), (names[k], got, want)
+
+
+# ---------------------------------------------------------------- edge cases both paths must agree on
+
+EDGE_FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+from featurestore.types import Float32, Float64, Int64, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+payments = PushSource(name="payments", schema=[
+    Field("payment_id", Int64), Field("card_id", Int64), Field("amount", Float64), Field("f", Float32), Field("n", Int64),
+    Field("event_timestamp", UnixTimestamp)])
+H = timedelta(hours=1)
+edges = FeatureView(
+    name="edges", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64), Field("f", Float32), Field("n", Int64)],
+    aggregations=[
+        Aggregation("count", H),
+        Aggregation("sum", H, "amount"),
+        Aggregation("sum", H, "n"),
+        Aggregation("mean", H, "n"),
+        Aggregation("variance", H, "amount"),
+        Aggregation("stddev", H, "amount"),
+        Aggregation("count", H, name="big", where=("amount", ">", 500)),
+        Aggregation("count", H, name="not_big", where=("amount", "<=", 500)),
+        Aggregation("count", H, name="not_600", where=("amount", "!=", 600)),
+        Aggregation("count", H, name="in_600", where=("amount", "in", [600.0, float("nan")])),
+        Aggregation("count", H, name="not_in_600", where=("amount", "not in", [600.0])),
+        Aggregation("count", H, name="f_is", where=("f", "==", 0.1)),
+        Aggregation("count", H, name="f_above", where=("f", ">", 0.1)),
+        Aggregation("count", H, name="f_not", where=("f", "!=", 0.1)),
+    ],
+)
+"""
+EDGE_NAMES = ["count_1h", "amount_sum_1h", "amount_variance_1h", "amount_stddev_1h", "big", "not_big", "not_600", "in_600",
+              "not_in_600", "f_is", "f_above", "f_not"]
+
+
+def _edge_rows(events: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist([{"n": 0, "f": None, **e} for e in events], pa.schema([
+        ("payment_id", pa.int64()), ("card_id", pa.int64()), ("amount", pa.float64()), ("f", pa.float32()), ("n", pa.int64()),
+        ("event_timestamp", TS)]))
+
+
+def _both(store, card: int, at: datetime, names: list[str], view: str = "edges") -> tuple[dict, dict]:
+    refs = [f"{view}:{n}" for n in names]
+    offline = store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [at]}), features=refs).to_arrow().to_pylist()[0]
+    online = {k: v[0] for k, v in store.get_online_features([{"card_id": card}], features=refs, at=at).to_dict().items()}
+    return {n: offline[n] for n in names}, {n: online[n] for n in names}
+
+
+def test_where_filters_compare_as_ieee_with_values_typed_like_the_column(make_store):
+    """NaN passes no comparison but ``!=`` and ``not in`` (DuckDB had it above every number and
+    equal to itself); a Float32 column compares with the value rounded to Float32 (offline cast
+    it, online compared the widened value). Both paths give what the Python reference gives."""
+    store = make_store(EDGE_FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    amounts, fs = [math.nan, 600.0, -1.0], [0.1, 0.5, None]
+    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 1, "amount": a, "f": f, "event_timestamp": now - timedelta(minutes=i + 1)}
+                                        for i, (a, f) in enumerate(zip(amounts, fs))]))
+    import numpy as np
+
+    f32 = [None if f is None else float(np.float32(f)) for f in fs]
+    tenth = float(np.float32(0.1))
+    want = {"big": sum(a > 500 for a in amounts), "not_big": sum(a <= 500 for a in amounts), "not_600": sum(a != 600 for a in amounts),
+            "in_600": sum(a == 600 for a in amounts), "not_in_600": sum(a != 600 for a in amounts),
+            "f_is": sum(f == tenth for f in f32 if f is not None), "f_above": sum(f > tenth for f in f32 if f is not None),
+            "f_not": sum(f != tenth for f in f32 if f is not None)}
+    assert want == {"big": 1, "not_big": 1, "not_600": 2, "in_600": 1, "not_in_600": 2, "f_is": 1, "f_above": 1, "f_not": 1}
+    offline, online = _both(store, 1, now, list(want))
+    assert offline == want and online == want
+
+
+def test_a_where_value_of_another_type_is_a_definition_error(make_store):
+    store = make_store(EDGE_FEATURES.replace('where=("f", "==", 0.1)', 'where=("n", ">", 1.5)'), apply=False)
+    with pytest.raises(DefinitionError, match="where-value 1.5 is not a whole number"):
+        store.definitions
+
+
+def test_an_event_id_reused_past_the_longest_window_is_a_new_event_on_both_paths(make_store):
+    """Offline kept the first write of an id forever while Redis had forgotten it: an id reused 3 h
+    later in a 1 h window counted online only. Writes of one id less than the longest window apart
+    are one event (the first wins), further apart two, on both paths."""
+    store = make_store(EDGE_FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store.push("payments", _edge_rows([{"payment_id": 1, "card_id": 2, "amount": 1.0, "event_timestamp": now - timedelta(hours=3)},
+                                        {"payment_id": 2, "card_id": 2, "amount": 2.0, "event_timestamp": now - timedelta(minutes=50)}]))
+    store.push("payments", _edge_rows([{"payment_id": 1, "card_id": 2, "amount": 5.0, "event_timestamp": now - timedelta(minutes=10)},
+                                        {"payment_id": 2, "card_id": 2, "amount": 7.0, "event_timestamp": now - timedelta(minutes=5)}]))
+    offline, online = _both(store, 2, now, ["count_1h", "amount_sum_1h"])
+    assert offline == online == {"count_1h": 2, "amount_sum_1h": 7.0}  # id 1 again (3 h apart: new), id 2 once (45 min: the first)
+
+
+def test_a_backfill_keeps_the_first_write_of_each_event_id_first(tmp_path, redis_url, monkeypatch):
+    """Every backfilled row got the backfill's run id, so duplicates of an id were ordered by the
+    push id, random per push: after adding a column and backfilling, retried events (100.0)
+    replaced the first writes (1.0) in both stores. A pushed row keeps its push's run."""
+    from featurestore import FeatureStore
+    from tests.conftest import write_repo
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    without_f = EDGE_FEATURES.replace('schema=[Field("payment_id", Int64), Field("amount", Float64), Field("f", Float32), Field("n", Int64)],',
+                                      'schema=[Field("payment_id", Int64), Field("amount", Float64), Field("n", Int64)],')
+    without_f = without_f[:without_f.index('        Aggregation("count", H, name="f_is"')] + "    ],\n)\n"
+    root = write_repo(tmp_path / "repo", without_f, url=redis_url)
+    store = FeatureStore(root)
+    store.apply()
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 3, "amount": 1.0, "event_timestamp": now - timedelta(minutes=i)}
+                                        for i in range(1, 9)]))
+    for i in range(1, 9):
+        store.push("payments", _edge_rows([{"payment_id": i, "card_id": 3, "amount": 100.0, "event_timestamp": now - timedelta(minutes=i)}]))
+    assert _both(store, 3, now, ["amount_sum_1h"]) == ({"amount_sum_1h": 8.0}, {"amount_sum_1h": 8.0})
+    store.close()
+    (root / "features.py").write_text(EDGE_FEATURES)  # a column added to the event view: a new version, backfilled from the push log
+    store = FeatureStore(root)
+    try:
+        plan = store.apply()
+        assert any(c.new_version for c in plan.changes), plan.describe()
+        store.backfill(["edges"])
+        assert _both(store, 3, now, ["amount_sum_1h"]) == ({"amount_sum_1h": 8.0}, {"amount_sum_1h": 8.0})
+    finally:
+        store.close()
+
+
+def test_a_rebuild_makes_online_events_equal_history(make_store):
+    """An offline-only push of id 7, then a push of id 7 to both stores: online kept the second
+    (Redis never saw the first), history the first, and ``--rebuild-online`` could not repair it
+    (the resent first write was refused as a duplicate). A whole-history resend now carries the
+    history's verdicts, and an offline-only push marks the view for one."""
+    store = make_store(EDGE_FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    first = {"payment_id": 7, "card_id": 4, "amount": 1.0, "event_timestamp": now - timedelta(minutes=5)}
+    store.push("payments", _edge_rows([first]), to="offline")
+    store.push("payments", _edge_rows([{**first, "amount": 100.0}]), to="online_and_offline")
+    offline, online = _both(store, 4, now, ["amount_sum_1h"])
+    assert offline == {"amount_sum_1h": 1.0} and online == {"amount_sum_1h": 100.0}  # until the next materialization
+    assert store.registry.watermarks().get("edges", {}).get("online_synced") is not True
+    store.materialize_incremental()
+    assert _both(store, 4, now, ["amount_sum_1h", "count_1h"]) == ({"amount_sum_1h": 1.0, "count_1h": 1},) * 2
+    store.push("payments", _edge_rows([{**first, "payment_id": 8, "amount": 3.0}]), to="online_and_offline")
+    store.materialize(None, None, rebuild_online=True)
+    assert _both(store, 4, now, ["amount_sum_1h", "count_1h"]) == ({"amount_sum_1h": 4.0, "count_1h": 2},) * 2
+
+
+def test_integer_sums_past_int64_are_the_same_error_on_both_paths(make_store):
+    from featurestore.aggregation import AggregationOverflow
+
+    store = make_store(EDGE_FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 5, "amount": 1.0, "n": 2**62, "event_timestamp": now - timedelta(minutes=i)}
+                                        for i in range(1, 3)]))
+    entity_df = pd.DataFrame({"card_id": [5], "event_timestamp": [now]})
+    for lookup in (lambda: store.get_historical_features(entity_df, features=["edges:n_sum_1h"]).to_arrow(),
+                   lambda: store.get_online_features([{"card_id": 5}], features=["edges:n_sum_1h"], at=now)):
+        with pytest.raises(AggregationOverflow, match="aggregation 'n_sum_1h' of view 'edges'.*leaves Int64's range"):
+            lookup()
+    # the mean of the same integers is exact on both paths
+    assert _both(store, 5, now, ["n_mean_1h"]) == ({"n_mean_1h": float(2**62)},) * 2
+
+
+def test_variance_at_a_large_offset_is_accurate_and_the_same_on_both_paths(make_store):
+    """Offline var_samp lost 30 % of the variance of 1e15 + {0.125, 0.25, 0.5, 0.625} (and
+    depended on the evaluation order); both paths now take two passes."""
+    store = make_store(EDGE_FEATURES)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    values = [1e15 + d for d in (0.125, 0.25, 0.5, 0.625)]
+    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 6, "amount": v, "event_timestamp": now - timedelta(minutes=i + 1)}
+                                        for i, v in enumerate(values)]))
+    exact = 0.15625 / 3
+    for _ in range(3):  # deterministic
+        offline, online = _both(store, 6, now, ["amount_variance_1h", "amount_stddev_1h"])
+        assert math.isclose(offline["amount_variance_1h"], exact, rel_tol=1e-12), offline
+        assert math.isclose(online["amount_variance_1h"], exact, rel_tol=1e-12), online
+        assert math.isclose(offline["amount_stddev_1h"], math.sqrt(exact), rel_tol=1e-12)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 5), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(amounts=st.lists(st.one_of(st.floats(-1e6, 1e6).filter(lambda x: x == 0 or abs(x) >= 1e-3),
+                                  st.sampled_from([0.1, -0.1, 1e-3, 3.0, -0.0]),
+                                  st.floats(-1, 1).map(lambda x: x * 1e4 + 1e12)), min_size=1, max_size=60))
+def test_float_sums_and_means_are_the_exact_sum_rounded_once_on_both_paths(activity_store, amounts):
+    """Offline sums were DuckDB's compensated ``fsum``, which can miss the correctly rounded sum
+    (41 of ~100k values in an independent check). Offline now sums exactly (128-bit integers of
+    the values scaled by a power of two) and rounds once, as ``math.fsum`` online: the same bits,
+    for columns whose nonzero magnitudes lie within the documented span (here 1e-3 to 1e15, with
+    the module's other data). Cancellation (1e12-scale values) and -0.0 included."""
+    store = activity_store
+    card = next(_cards) * 10 + 8_000_000
+    now = BASE + timedelta(days=400)
+    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": a, "kind": "web",
+                                    "event_timestamp": now - timedelta(minutes=1 + i % 100)} for i, a in enumerate(amounts)]))
+    refs = ["activity:amount_sum_3h", "activity:amount_mean_3h"]
+    offline = store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [now]}), features=refs).to_arrow().to_pylist()[0]
+    online = store.get_online_features([{"card_id": card}], features=refs, at=now).to_dict()
+    exact = math.fsum(amounts) + 0.0
+    assert offline["amount_sum_3h"] == online["amount_sum_3h"][0] == exact
+    assert offline["amount_mean_3h"] == online["amount_mean_3h"][0] == exact / len(amounts)
+
+
+def test_negative_zero_keeps_its_sign_as_a_value_and_is_zero_as_a_key(make_store):
+    """``latest_per_entity`` sent -0.0 online as 0.0 (so ``amount / x`` gave +inf online, -inf
+    offline), and a Float64 key of -0.0 was NOT_FOUND online while offline joined it with 0.0."""
+    features = '''
+from datetime import timedelta
+from featurestore import Entity, FeatureView, Field, PushSource, RequestSource, on_demand_feature_view
+from featurestore.types import Float64, UnixTimestamp
+import pyarrow.compute as pc
+
+spot = Entity(name="spot", join_keys=["lat"], value_type=Float64)
+src = PushSource(name="readings", schema=[Field("lat", Float64), Field("x", Float64), Field("event_timestamp", UnixTimestamp)])
+readings = FeatureView(name="readings", entities=[spot], source=src, schema=[Field("x", Float64)])
+req = RequestSource(name="req", schema=[Field("amount", Float64)])
+
+@on_demand_feature_view(sources=[readings[["x"]], req], schema=[Field("ratio", Float64)])
+def ratio(inputs):
+    return {"ratio": pc.divide(inputs["amount"], inputs["x"])}
+'''
+    store = make_store(features)
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store.push("readings", pa.table({"lat": [-0.0, 1.5], "x": [-0.0, -0.0], "event_timestamp": pa.array([now - timedelta(minutes=1)] * 2, TS)}),
+               to="online_and_offline")
+    store.materialize_incremental()
+    entity_df = pd.DataFrame({"lat": [0.0, 1.5], "amount": [1.0, 1.0], "event_timestamp": [now, now]})
+    offline = store.get_historical_features(entity_df, features=["readings:x", "ratio:ratio"]).to_arrow().to_pylist()
+    online = store.get_online_features({"lat": [0.0, 1.5], "amount": [1.0, 1.0]}, features=["readings:x", "ratio:ratio"]).to_dict()
+    for i in range(2):
+        assert math.copysign(1, offline[i]["x"]) == -1 and math.copysign(1, online["x"][i]) == -1
+        assert offline[i]["ratio"] == online["ratio"][i] == -math.inf
+    assert store.get_online_features({"lat": [-0.0]}, features=["readings:x"]).statuses[1] == ["PRESENT"]

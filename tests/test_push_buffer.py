@@ -73,6 +73,28 @@ def test_a_repeated_drain_appends_nothing_twice(make_store, tmp_path):
     assert _counts(store)[0] == [2]
 
 
+def test_a_drain_repeated_with_new_records_beside_it_appends_each_record_once(make_store, tmp_path):
+    """A drain that crashed after its Delta commit and before deleting its journals, then new
+    pushes, then a drain: the log skipped a drain only when it held the drain's newest record, so
+    the old records went in again beside the new ones (41 of 1,050 events twice). The log now
+    leaves out every record it holds, whatever else the drain carries."""
+    store = make_store(FEATURES)
+    store.push("payments", _frame([_payment(i) for i in range(10, 14)]), to="offline")
+    saved = tmp_path / "saved"
+    shutil.copytree(store.push_buffer.root, saved)
+    store.flush()
+    shutil.rmtree(store.push_buffer.root)
+    shutil.copytree(saved, store.push_buffer.root)  # the drain committed, then died before deleting its journals
+    from featurestore import FeatureStore
+
+    with FeatureStore(store.config.repo_path, store.config) as restarted:
+        restarted.push("payments", _frame([_payment(i) for i in range(14, 16)]), to="offline")  # new events, no retry
+        restarted.flush()
+    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    assert sorted(log["payment_id"].to_pylist()) == list(range(10, 16))
+    assert _counts(store)[0] == [6]
+
+
 def test_buffered_rows_commit_when_the_bounds_are_reached(make_store):
     store = make_store(FEATURES)
     store.apply()

@@ -1,7 +1,13 @@
 """Windowed aggregations: one rule, two evaluators.
 
 The value of an ``Aggregation`` at time t aggregates the entity's events with event time in
-``(t - window, t]``, each event counted once (deduplicated by event id, first write wins).
+``(t - window, t]``, each event counted once. **Event ids**: a write of an event id is a
+duplicate, and is dropped, when an earlier write of the same id for the entity lies less than
+the view's longest window away in event time (``dedup_us``); the first write wins. Two writes of
+one id further apart can never fall in one window, so no window counts an id twice, and an id
+reused after that long is a new event on both paths (online keeps the write times of ids that
+long beyond its events for this). Writes are ordered by run, then row id: a push's run is its
+ingest time, kept when its rows are rewritten (backfills, new versions, compaction, Ray).
 
 - offline (``sql.py``): DuckDB over the view's event history. ``as_of="event"`` puts entity rows
   and events in one stream per entity and evaluates each window as a RANGE frame ending at the
@@ -13,20 +19,40 @@ The value of an ``Aggregation`` at time t aggregates the entity's events with ev
   aggregates it in Python. A heavy entity reads tile summaries and the events at the window's
   edges instead (``tiles.py``), with the same result.
 
-Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too. Float
-sums and means use compensated summation on both paths (DuckDB's ``fsum``, Python's
-``math.fsum``), which agree to the bit in practice; variances and standard deviations are
-computed by different algorithms (Welford offline, two-pass online). The guaranteed bound for
-these is ``FLOAT_TOLERANCE`` relative, which the consistency check applies and reports.
+Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too (a sum
+past Int64's range is an ``AggregationOverflow`` naming the aggregation, on both paths). Float
+sums and means are the exact sum rounded once on both paths (``math.fsum`` online; offline a
+128-bit integer sum of the values scaled by a power of two, see ``sql.py``): the same bits,
+whenever a column's nonzero magnitudes lie within a factor of 2^40 of each other (up to 2^32
+rows); beyond that offline falls back to DuckDB's compensated ``fsum``. A zero sum, min or max
+is +0.0. Variances and standard deviations are computed in two passes on both paths (the exact
+mean, then the compensated sum of squared deviations in (time, id) order) and agree within
+``FLOAT_TOLERANCE`` relative, which the consistency check applies and reports.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from featurestore.definitions import Aggregation, FeatureView
+from featurestore.errors import FeatureStoreError
 
 FLOAT_TOLERANCE = 1e-9
 INEXACT_FUNCTIONS = frozenset({"sum", "mean", "stddev", "variance"})
-WHERE_OPERATORS = ("==", "!=", "<", "<=", ">", ">=", "in", "not in")
+
+
+class AggregationOverflow(FeatureStoreError):
+    """An integer sum left Int64's range (both paths raise it, naming the aggregation)."""
+
+
+def overflow_message(view: str, agg: Aggregation) -> str:
+    return (f"aggregation {agg.output_name!r} of view {view!r}: the sum of {agg.column!r} leaves Int64's range; "
+            "sum a Float64 column instead (cast it in the source or a transformation)")
+
+
+def dedup_us(view: FeatureView) -> int:
+    """How far apart (µs of event time) two writes of one event id must be to be two events."""
+    return view.longest_window // timedelta(microseconds=1)
 
 
 def event_id_sql(view: FeatureView, prefix: str = "") -> str:

@@ -5,6 +5,8 @@ Events come in (event time, event id) order (the order of Redis's sorted set)
 time in ``(now - window, now]``.
 Float handling follows DuckDB's, so both paths agree: NaN sorts above every number (``max``
 is NaN if any value is, ``min`` only if all are), distinct counts treat NaNs as one value.
+Sums are exact, rounded once (see ``featurestore.aggregation``); ``where`` filters compare as
+``aggregation.where`` says.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ from __future__ import annotations
 import bisect
 import math
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from featurestore.aggregation import AggregationOverflow, overflow_message
+from featurestore.aggregation.where import predicate, typed_value
 from featurestore.definitions import Aggregation, FeatureView
 
 PRESENT, NOT_FOUND, NULL_VALUE = "PRESENT", "NOT_FOUND", "NULL_VALUE"
@@ -25,18 +30,23 @@ def _has_nan(values: list[Any]) -> bool:
     return isinstance(values[0], float) and any(map(math.isnan, values))  # a column holds one type
 
 
+def _zero_signless(value: Any) -> Any:
+    """A float zero as +0.0 (equal zeros of both signs: which one a store returns is arbitrary)."""
+    return value + 0.0 if isinstance(value, float) else value
+
+
 def _min(values: list[Any]) -> Any:
-    """The smallest number, NaN only if all are (the first of equals, as ``min``)."""
+    """The smallest number, NaN only if all are; a zero is +0.0."""
     if not values or not _has_nan(values):
-        return min(values) if values else None
+        return _zero_signless(min(values)) if values else None
     numbers = [v for v in values if not math.isnan(v)]
-    return min(numbers) if numbers else values[0]
+    return _zero_signless(min(numbers)) if numbers else values[0]
 
 
 def _max(values: list[Any]) -> Any:
-    """The largest number, NaN (the first) if any is."""
+    """The largest number, NaN (the first) if any is; a zero is +0.0."""
     if not values or not _has_nan(values):
-        return max(values) if values else None
+        return _zero_signless(max(values)) if values else None
     return next(v for v in values if math.isnan(v))
 
 
@@ -45,27 +55,41 @@ def _distinct_key(value: Any) -> Any:
 
 
 def _fsum(values: list[Any]) -> Any:
-    """Correctly rounded float sum (DuckDB's fsum offline agrees); exact for integers."""
+    """The exact sum, rounded once (offline computes the same, see ``aggregation.sql``); exact
+    for integers. A zero sum is +0.0; NaN, or both infinities, give NaN; one infinity gives itself."""
     if not values or not isinstance(values[0], float):
         return sum(values)
     try:
-        return math.fsum(values)
-    except (OverflowError, ValueError):  # inf - inf, or beyond the float range: as DuckDB, plainly
-        return sum(values)
+        return math.fsum(values) + 0.0
+    except ValueError:  # inf - inf
+        return math.nan
+    except OverflowError:  # a partial sum left the float range: exactly, then rounded (to +-inf if it must)
+        total = sum(map(Fraction, values), Fraction(0))
+        try:
+            return float(total)
+        except OverflowError:
+            return math.inf if total > 0 else -math.inf
 
 
-def _variance(values: list[float]) -> float | None:
+def _mean(values: list[Any]) -> float:
+    """The exact sum rounded once over the count, as offline: integers summed as integers."""
+    return (_fsum(values) if isinstance(values[0], float) else float(sum(values))) / len(values)
+
+
+def _variance(values: list[Any]) -> float | None:
+    """Two passes, as offline: the mean, then the sum of squared deviations (compensated)."""
     if len(values) < 2:
         return None
-    mean = sum(values) / len(values)
-    return sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    floats = values if isinstance(values[0], float) else [float(v) for v in values]
+    mean = _fsum(floats) / len(floats)
+    return _fsum([(v - mean) ** 2 for v in floats]) / (len(floats) - 1)
 
 
 _REDUCERS: dict[str, Callable[[list[Any], Aggregation], Any]] = {
     "count": lambda vs, a: len(vs),
     "count_distinct": lambda vs, a: len({_distinct_key(v) for v in vs}),
     "sum": lambda vs, a: _fsum(vs),
-    "mean": lambda vs, a: _fsum(vs if isinstance(vs[0], float) else [float(v) for v in vs]) / len(vs),
+    "mean": lambda vs, a: _mean(vs),
     "min": lambda vs, a: _min(vs),
     "max": lambda vs, a: _max(vs),
     "variance": lambda vs, a: _variance(vs),
@@ -74,13 +98,15 @@ _REDUCERS: dict[str, Callable[[list[Any], Aggregation], Any]] = {
     "last_n": lambda vs, a: vs[::-1][: a.n],
 }
 
-_OPS: dict[str, Callable[[Any, Any], bool]] = {
-    "==": lambda x, y: x == y, "!=": lambda x, y: x != y, "<": lambda x, y: x < y, "<=": lambda x, y: x <= y,
-    ">": lambda x, y: x > y, ">=": lambda x, y: x >= y, "in": lambda x, y: x in y, "not in": lambda x, y: x not in y,
-}
+Filter = tuple[int, Callable[[Any], bool]]  # (column index, test of a non-null value)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-Filter = tuple[int, Callable[[Any, Any], bool], Any]  # (column index, test, value)
+def checked_sum(total: Any, view: str, agg: Aggregation) -> Any:
+    """An integer sum, if Int64 holds it (offline raises the same error)."""
+    if isinstance(total, int) and not INT64_MIN <= total <= INT64_MAX:
+        raise AggregationOverflow(overflow_message(view, agg))
+    return total
 
 
 class WindowEvaluator:
@@ -88,13 +114,16 @@ class WindowEvaluator:
 
     def __init__(self, view: FeatureView, aggregations: Sequence[Aggregation]):
         columns = [f.name for f in view.schema]
+        stored = {f.name: f.dtype for f in view.schema}
+        self.view = view.name
         self.aggregations = list(aggregations)
         self.windows_us = [a.window // _MICRO for a in self.aggregations]
         self.longest_us = max(self.windows_us)
         # per aggregation: index of its column (None: the event itself), and its filter (column index, test, value)
         self.columns = [columns.index(a.column) if a.column else None for a in self.aggregations]
         self.filters: list[Filter | None] = [
-            None if a.where is None else (columns.index(a.where[0]), _OPS[a.where[1]], a.where[2]) for a in self.aggregations]
+            None if a.where is None else (columns.index(a.where[0]), predicate(a.where[1], typed_value(a.where[1], a.where[2], stored[a.where[0]])))
+            for a in self.aggregations]
         self.needed = sorted({c for c in self.columns if c is not None} | {f[0] for f in self.filters if f is not None})
         self.empty = [_empty(a, view.field(a.output_name).dtype.name) for a in self.aggregations]
 
@@ -115,6 +144,8 @@ class WindowEvaluator:
             if picked is None:
                 picked = [1] * count
             value = _REDUCERS[agg.function](picked, agg) if picked else empty
+            if agg.function == "sum":
+                value = checked_sum(value, self.view, agg)
             values.append(value)
             statuses.append(NULL_VALUE if value is None else PRESENT)
         return values, statuses
@@ -127,8 +158,8 @@ def pick(columns: dict[int, list[Any]], column: int | None, where: Filter | None
     if where is None:
         count = end - start
     else:
-        i, test, value = where
-        kept = [w is not None and bool(test(w, value)) for w in columns[i][start:end]]
+        i, test = where
+        kept = [w is not None and test(w) for w in columns[i][start:end]]
         count = sum(kept)
         if picked is not None:
             picked = [v for v, keep in zip(picked, kept) if keep]

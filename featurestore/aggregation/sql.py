@@ -1,8 +1,9 @@
 """Offline windowed aggregation in DuckDB: the CTEs ``retrieval.historical`` joins per view.
 
-Each CTE yields one row per entity row (``__fs_row``) that has events, with one column per
-requested aggregate; the caller left-joins it and fills the empty values (0 for counts and
-sums, ``[]`` for last-N, null otherwise).
+Each CTE yields one row per entity row (``__fs_row``) that has events, with the *parts* of
+each requested aggregate (``<output>__<part>``); ``output_sql`` turns the parts into the
+feature (the empty value where the row had no events: 0 for counts and sums, ``[]`` for
+last-N, null otherwise).
 
 ``as_of="event"``: entity rows are put in the same stream as the view's events (UNION ALL),
 partitioned by the join keys and ordered by time; every window is a RANGE frame
@@ -12,89 +13,146 @@ only. DuckDB evaluates each frame with a segment tree: O(n log n) over entity ro
 
 ``as_of="created"``: events must also have ``created_timestamp <= t``; a range join over the
 longest window, grouped per entity row, with one FILTER per window.
+
+Variances and standard deviations are computed in two passes over a range join in both modes
+(the window's mean, then the compensated sum of squared deviations in (time, id) order), as
+online: one pass over sums of squares loses the variance at a large offset, and its result
+depended on the evaluation order.
+
+Float sums and means are exact: each value is scaled by a power of two that makes every value of
+the column an integer (``SumScale``, from a scan of the column), summed as a 128-bit integer and
+rounded once, as ``math.fsum`` online rounds the exact sum: the same bits. A column whose nonzero
+magnitudes span too much for 128 bits falls back to DuckDB's compensated ``fsum``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
-from featurestore.aggregation import event_id_sql
+from featurestore.aggregation import dedup_us, event_id_sql, overflow_message
+from featurestore.aggregation.where import where_sql
 from featurestore.definitions import Aggregation, FeatureView
 from featurestore.sources import ident, quote
 from featurestore.types import DType, duckdb_type
 
 ROW, TS = "__fs_row", "__fs_ts"
+_HUGE_BITS = 126  # a sum stays below 2^126: HUGEINT holds 2^127 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+VARIANCE_FUNCTIONS = ("variance", "stddev")
 
 
-def _literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "TRUE" if value else "FALSE"
-    if isinstance(value, (int, float)):
-        return repr(float(value)) if isinstance(value, float) else str(value)
-    if isinstance(value, str):
-        return quote(value)
-    raise TypeError(f"where-values must be numbers, strings or booleans, not {type(value).__name__}")
+@dataclass(frozen=True)
+class SumScale:
+    """How a float column is summed exactly: every value times ``2**-exponent`` is an integer and
+    the sum of ``rows`` of them fits 126 bits; ``non_finite``: some value is NaN or infinite."""
+
+    exponent: int
+    non_finite: bool
 
 
-def where_sql(where: tuple[str, str, Any] | None, prefix: str = "") -> str | None:
-    if where is None:
+def scale_scan_sql(column: str, relation: str) -> str:
+    """One row: (rows, smallest and largest binary exponent of the nonzero finite values, non-finite count)."""
+    c = f"CAST({ident(column)} AS DOUBLE)"
+    finite = f"{c} <> 0 AND isfinite({c})"
+    return (f"SELECT count(*), min(floor(log2(abs({c})))) FILTER (WHERE {finite}), "
+            f"max(floor(log2(abs({c})))) FILTER (WHERE {finite}), count(*) FILTER (WHERE NOT isfinite({c})) FROM {relation}")
+
+
+def sum_scale(rows: int, low: float | None, high: float | None, non_finite: int) -> SumScale | None:
+    """The scale for a scanned column, or None when no power of two keeps its sums within 128 bits.
+
+    ``floor(log2|x|)`` may be one too high just below a power of two: a value's last bit is worth
+    at least ``2**(low - 53)``, and its magnitude is below ``2**(high + 1)``."""
+    if low is None or high is None:  # only zeros, nulls or non-finite values
+        return SumScale(0, bool(non_finite))
+    exponent = max(int(low) - 53, -1074)
+    if exponent < -1022 or int(high) + 1 - exponent + max(rows, 1).bit_length() > _HUGE_BITS:
         return None
-    column, op, value = where
-    col = prefix + ident(column)
-    if op in ("in", "not in"):
-        items = ", ".join(_literal(v) for v in value)
-        return f"COALESCE({col} {op.upper()} ({items}), FALSE)"
-    return f"COALESCE({col} {'=' if op == '==' else op} {_literal(value)}, FALSE)"
+    return SumScale(exponent, bool(non_finite))
 
 
-def _value(agg: Aggregation, prefix: str) -> str:
+def _double(value: float) -> str:
+    return f"CAST('{value!r}' AS DOUBLE)"
+
+
+def _value(agg: Aggregation, prefix: str, stored: dict[str, DType]) -> str:
     """The aggregated expression: the column (or the event id, for a column-less count), filtered."""
     target = prefix + (ident(agg.column) if agg.column else "__eid")
-    cond = where_sql(agg.where, prefix)
+    if agg.column and stored[agg.column].name == "Bool" and agg.function in ("sum", "mean"):
+        target = f"CAST({target} AS INTEGER)"
+    cond = where_sql(agg.where, stored[agg.where[0]] if agg.where else None, prefix)
     return f"CASE WHEN {cond} THEN {target} END" if cond else target
 
 
-def aggregate_sql(agg: Aggregation, output: DType, prefix: str, ev: str, over: str) -> str:
-    """The SQL aggregate of one ``Aggregation``, ``over`` (an OVER or FILTER clause) applied."""
-    sql = f"{_call(agg, prefix, ev, output.name == 'Float64')} {over}"
-    if agg.function == "mean":  # fsum / count, as online
-        return f"({sql} / NULLIF(count({_value(agg, prefix)}) {over}, 0))"
-    return f"CAST({sql} AS {duckdb_type(output)})" if agg.function == "sum" else sql
+def _is_float(agg: Aggregation, stored: dict[str, DType]) -> bool:
+    return agg.column is not None and stored[agg.column].name in ("Float32", "Float64")
 
 
-def _call(agg: Aggregation, prefix: str, ev: str, float_input: bool) -> str:
-    v = _value(agg, prefix)
-    order = f"CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
+def parts(agg: Aggregation, stored: dict[str, DType], scales: dict[str, SumScale | None], prefix: str, ev: str,
+          over: str) -> list[tuple[str, str]]:
+    """``(part, SQL aggregate)`` of one ``Aggregation`` (not a variance), ``over`` (an OVER or FILTER clause) applied."""
+    v = _value(agg, prefix, stored)
     f = agg.function
     if f == "count":
-        return f"count({v})"
+        return [("n", f"count({v}) {over}")]
     if f == "count_distinct":
-        return f"count(DISTINCT {v})"
-    if f == "sum":  # compensated for floats, like math.fsum online: the two agree to the bit in practice
-        return f"fsum({v})" if float_input else f"sum({v})"
-    if f == "mean":
-        return f"fsum(CAST({v} AS DOUBLE))"
-    if f == "stddev":
-        return f"stddev_samp({v})"
-    if f == "variance":
-        return f"var_samp({v})"
-    if f in ("min", "max"):
-        return f"{f}({v})"
+        return [("n", f"count(DISTINCT {v}) {over}")]
+    if f in ("min", "max"):  # + 0.0: a zero is +0.0, as online (DuckDB returns the last of equal zeros)
+        return [("v", f"({f}({v}) {over}) + 0.0" if _is_float(agg, stored) else f"{f}({v}) {over}")]
     if f == "last":
-        return f"arg_max({v}, {order})"
+        return [("v", f"arg_max({v}, CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END) {over}")]
     if f == "last_n":
-        return f"max_by({v}, {order}, {int(agg.n or 1)})"
-    raise ValueError(f"unknown aggregation function {f!r}")
+        order = f"CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
+        return [("v", f"max_by({v}, {order}, {int(agg.n or 1)}) {over}")]
+    assert f in ("sum", "mean"), f
+    out = [("n", f"count({v}) {over}")] if f == "mean" else []
+    if not _is_float(agg, stored):
+        return [("s", f"sum({v}) {over}"), *out]  # exact: HUGEINT
+    return [("f", float_sum(f"CAST({v} AS DOUBLE)", scales.get(agg.column or ""), over)), *out]
 
 
-def empty_value(agg: Aggregation, output: DType) -> str | None:
-    """What a window without events yields, as SQL (None: null)."""
-    if agg.function in ("count", "count_distinct", "sum"):
-        return f"CAST(0 AS {duckdb_type(output)})"
-    if agg.function == "last_n":
-        return f"CAST([] AS {duckdb_type(output)})"
-    return None
+def float_sum(double: str, scale: SumScale | None, over: str) -> str:
+    """The sum of a DOUBLE expression over ``over``: exact (a HUGEINT of scaled values, rounded
+    once) with ``scale``, else DuckDB's compensated ``fsum``. Non-finite values as IEEE 754: NaN, or
+    both infinities, give NaN; one infinity gives itself."""
+    if scale is None:  # magnitudes too far apart for 128 bits: compensated, not exact
+        return f"fsum({double}) {over}"
+    scaled = f"CAST({double} * {_double(2.0 ** -scale.exponent)} AS HUGEINT)"
+    if not scale.non_finite:
+        return f"CAST(sum({scaled}) {over} AS DOUBLE) * {_double(2.0 ** scale.exponent)}"
+    total = f"CAST(sum(CASE WHEN isfinite({double}) THEN {scaled} END) {over} AS DOUBLE) * {_double(2.0 ** scale.exponent)}"
+    nan, pinf, ninf = (f"count_if({test}) {over}" for test in (f"isnan({double})", f"{double} = 'inf'::DOUBLE", f"{double} = '-inf'::DOUBLE"))
+    return (f"CASE WHEN {nan} > 0 OR ({pinf} > 0 AND {ninf} > 0) THEN 'NaN'::DOUBLE WHEN {pinf} > 0 THEN 'inf'::DOUBLE "
+            f"WHEN {ninf} > 0 THEN '-inf'::DOUBLE ELSE {total} END")
+
+
+def _part(alias: str, agg: Aggregation, part: str) -> str:
+    return f"{alias}.{ident(f'{agg.output_name}__{part}')}"
+
+
+def output_sql(view: FeatureView, agg: Aggregation, alias: str) -> str:
+    """The feature column of one aggregate from its parts in ``alias``, with the empty value
+    where the row had no events."""
+    output = view.field(agg.output_name).dtype
+    stored = {f.name: f.dtype for f in view.schema}
+    f = agg.function
+    if f in ("count", "count_distinct"):
+        return f"COALESCE({_part(alias, agg, 'n')}, 0)"
+    if f == "last_n":
+        return f"COALESCE({_part(alias, agg, 'v')}, CAST([] AS {duckdb_type(output)}))"
+    if f in ("min", "max", "last", *VARIANCE_FUNCTIONS):
+        return _part(alias, agg, "v")
+    if not _is_float(agg, stored):  # an exact integer sum: Int64, or an error naming the aggregation
+        s = _part(alias, agg, "s")
+        if f == "mean":
+            return f"CAST({s} AS DOUBLE) / NULLIF({_part(alias, agg, 'n')}, 0)"
+        message = quote(overflow_message(view.name, agg))
+        return f"CASE WHEN {s} IS NULL THEN 0 WHEN {s} BETWEEN {INT64_MIN} AND {INT64_MAX} THEN CAST({s} AS BIGINT) ELSE error({message}) END"
+    total = _part(alias, agg, "f")
+    if f == "mean":
+        return f"{total} / NULLIF({_part(alias, agg, 'n')}, 0)"
+    return f"COALESCE({total} + 0.0, 0.0)"
 
 
 def _micros(agg: Aggregation) -> int:
@@ -102,55 +160,120 @@ def _micros(agg: Aggregation) -> int:
 
 
 def events_cte(view: FeatureView, hist: str, name: str) -> str:
-    """The view's events, one per event id (the first stored wins, as online)."""
+    """The view's events as both stores count them: a write of an event id is a duplicate, and
+    dropped, when an earlier write (by run, then row id) of the same id for the entity is less
+    than the longest window away in event time (``aggregation.dedup_us``). Only ids written more
+    than once are compared (a hash aggregate finds them): the usual history has none. A row is
+    its ``_row_id`` (unique in a history table)."""
     keys = ", ".join(ident(k) for k in view.join_keys)
     columns = ", ".join(ident(f.name) for f in view.schema)
-    return f"""{name} AS (SELECT {keys}, CAST(event_timestamp AS TIMESTAMP) AS __ev, CAST(created_timestamp AS TIMESTAMP) AS __created,
-        {event_id_sql(view)} AS __eid, {columns} FROM {hist}
-        QUALIFY row_number() OVER (PARTITION BY {keys}, __eid ORDER BY _run_id, _row_id) = 1)"""
+    same = " AND ".join(f"b.{ident(k)} = a.{ident(k)}" for k in view.join_keys)
+    within = dedup_us(view)
+    eid = event_id_sql(view)
+    # each CTE below is read once (DuckDB keeps a CTE read twice in memory): the history is scanned
+    # three times instead, the last time for the events themselves
+    return f"""{name}_ids AS (SELECT {keys}, {eid} AS __eid FROM {hist} GROUP BY ALL HAVING count(*) > 1),
+    {name}_twice AS MATERIALIZED (SELECT * FROM (SELECT {keys}, {eid} AS __eid, _run_id AS __run, _row_id AS __rid,
+        epoch_us(event_timestamp) AS __us FROM {hist}) SEMI JOIN {name}_ids USING ({keys}, __eid)),
+    {name}_dropped AS (SELECT DISTINCT a.__rid FROM {name}_twice a JOIN {name}_twice b ON {same} AND b.__eid = a.__eid
+        AND (b.__run < a.__run OR (b.__run = a.__run AND b.__rid < a.__rid)) AND b.__us > a.__us - {within} AND b.__us < a.__us + {within}),
+    {name} AS (SELECT {keys}, CAST(event_timestamp AS TIMESTAMP) AS __ev, CAST(created_timestamp AS TIMESTAMP) AS __created,
+        {eid} AS __eid, {columns} FROM {hist} h ANTI JOIN {name}_dropped d ON h._row_id = d.__rid)"""
+
+
+def _variance_ctes(view: FeatureView, aggs: list[Aggregation], events: str, alias: str, as_of: str,
+                   stored: dict[str, DType], scales: dict[str, SumScale | None]) -> list[str]:
+    """``alias(__fs_row, <output>__v ...)``: each variance (or its root) in two passes over the
+    events of the entity row's window (a range join), as ``aggregation.evaluate`` computes it."""
+    longest = max(_micros(a) for a in aggs)
+    on = " AND ".join([f"e.{ident(k)} = h.{ident(k)}" for k in view.join_keys]
+                      + [f"h.__ev <= e.{TS}", f"h.__ev > e.{TS} - INTERVAL ({longest}) MICROSECONDS"]
+                      + ([f"h.__created <= e.{TS}"] if as_of == "created" else []))
+    means, finals = [], []
+    for k, agg in enumerate(aggs):
+        v = f"CAST({_value(agg, 'h.', stored)} AS DOUBLE)"
+        in_window = f"FILTER (WHERE h.__ev > e.{TS} - INTERVAL ({_micros(agg)}) MICROSECONDS)"
+        over = f"{in_window} OVER (PARTITION BY e.{ROW})"  # the mean as online: the window's exact sum over its count
+        means.append(f"{float_sum(v, scales.get(agg.column or ''), over)} / count({v}) {over} AS __m{k}")
+        finals.append((agg, f"power(__v{k} - __m{k}, 2)", f"FILTER (WHERE __in{k})"))
+    flags = ", ".join(f"{_value(agg, 'h.', stored)} AS __v{k}, h.__ev > e.{TS} - INTERVAL ({_micros(agg)}) MICROSECONDS AS __in{k}"
+                      for k, agg in enumerate(aggs))
+    selects = []
+    for k, (agg, square, where) in enumerate(finals):
+        n = f"count(__v{k}) {where}"
+        variance = f"CASE WHEN {n} >= 2 THEN fsum({square} ORDER BY __ev, __eid) {where} / ({n} - 1) END"
+        selects.append(f"{'sqrt(' + variance + ')' if agg.function == 'stddev' else variance} AS {ident(agg.output_name + '__v')}")
+    return [
+        f"""{alias}_vj AS (SELECT e.{ROW}, h.__ev, h.__eid, {flags}, {', '.join(means)}
+            FROM __entities e JOIN {events} h ON {on})""",
+        f"{alias} AS (SELECT {ROW}, {', '.join(selects)} FROM {alias}_vj GROUP BY {ROW})",
+    ]
 
 
 def view_ctes(
     view: FeatureView, aggs: list[Aggregation], hist: str, alias: str, key_types: dict[str, DType], as_of: str,
+    scales: dict[str, SumScale | None] | None = None,
 ) -> list[str]:
-    """CTEs ending in ``alias(__fs_row, <aggregate columns named by output name>)``."""
-    outputs = {a.output_name: view.field(a.output_name).dtype for a in aggs}
+    """CTEs ending in ``alias(__fs_row, <parts of each aggregate>)``."""
+    scales = scales or {}
+    stored = {f.name: f.dtype for f in view.schema}
     events = f"{alias}_ev"
     ctes = [events_cte(view, hist, events)]
     keys = view.join_keys
-    if as_of == "event":
+    variances = [a for a in aggs if a.function in VARIANCE_FUNCTIONS]
+    others = [a for a in aggs if a.function not in VARIANCE_FUNCTIONS]
+    built = []
+    if variances:
+        ctes += _variance_ctes(view, variances, events, f"{alias}_var", as_of, stored, scales)
+        built.append(f"{alias}_var")
+    if others and as_of == "event":
         entity_keys = ", ".join(f"CAST({ident(k)} AS {duckdb_type(key_types[k])}) AS {ident(k)}" for k in keys)
         ctes.append(
             f"""{alias}_u AS (SELECT {entity_keys}, {TS} AS __ev, {ROW} FROM __entities
             UNION ALL BY NAME SELECT *, NULL::BIGINT AS {ROW} FROM {events})"""
         )
-        windows = sorted({_micros(a) for a in aggs})
+        windows = sorted({_micros(a) for a in others})
         partition = ", ".join(ident(k) for k in keys)
         frames = ", ".join(
             f"w{w} AS (PARTITION BY {partition} ORDER BY __ev RANGE BETWEEN INTERVAL ({w - 1}) MICROSECONDS PRECEDING AND CURRENT ROW)"
             for w in windows
         )
-        selects = ", ".join(
-            f"{aggregate_sql(a, outputs[a.output_name], '', '__ev', f'OVER w{_micros(a)}')} AS {ident(a.output_name)}" for a in aggs
-        )
-        ctes.append(f"""{alias} AS (SELECT {ROW}, {selects} FROM {alias}_u WINDOW {frames} QUALIFY {ROW} IS NOT NULL)""")
-    else:
-        longest = max(_micros(a) for a in aggs)
+        computed, named = _shared([(a, parts(a, stored, scales, "", "__ev", f"OVER w{_micros(a)}")) for a in others])
+        ctes.append(f"""{alias}_parts AS (SELECT {ROW}, {computed} FROM {alias}_u WINDOW {frames} QUALIFY {ROW} IS NOT NULL)""")
+        ctes.append(f"{alias}_win AS (SELECT {ROW}, {named} FROM {alias}_parts)")
+        built.append(f"{alias}_win")
+    elif others:
+        longest = max(_micros(a) for a in others)
         on = " AND ".join(
             [f"e.{ident(k)} = h.{ident(k)}" for k in keys]
             + [f"h.__ev <= e.{TS}", f"h.__ev > e.{TS} - INTERVAL ({longest}) MICROSECONDS", f"h.__created <= e.{TS}"]
         )
-        selects = ", ".join(
-            aggregate_sql(a, outputs[a.output_name], "h.", "__ev", f"FILTER (WHERE h.__ev > e.{TS} - INTERVAL ({_micros(a)}) MICROSECONDS)")
-            + f" AS {ident(a.output_name)}"
-            for a in aggs
-        )
-        ctes.append(f"{alias} AS (SELECT e.{ROW}, {selects} FROM __entities e JOIN {events} h ON {on} GROUP BY e.{ROW})")
+        computed, named = _shared([(a, parts(a, stored, scales, "h.", "__ev", f"FILTER (WHERE h.__ev > e.{TS} - INTERVAL ({_micros(a)}) MICROSECONDS)"))
+                                   for a in others])
+        ctes.append(f"{alias}_parts AS (SELECT e.{ROW}, {computed} FROM __entities e JOIN {events} h ON {on} GROUP BY e.{ROW})")
+        ctes.append(f"{alias}_win AS (SELECT {ROW}, {named} FROM {alias}_parts)")
+        built.append(f"{alias}_win")
+    if len(built) == 1:
+        ctes.append(f"{alias} AS (SELECT * FROM {built[0]})")
+    else:
+        ctes.append(f"{alias} AS (SELECT * FROM {built[0]} FULL JOIN {built[1]} USING ({ROW}))")
     return ctes
 
 
-def output_sql(agg: Aggregation, output: DType, alias: str) -> str:
-    """The result column for one aggregate, with the empty value where the row had no events."""
-    column = f"{alias}.{ident(agg.output_name)}"
-    empty = empty_value(agg, output)
-    return f"COALESCE({column}, {empty})" if empty else column
+def _shared(by_aggregation: list[tuple[Aggregation, list[tuple[str, str]]]]) -> tuple[str, str]:
+    """Each distinct part computed once (a mean and a sum of one column and window share their sum,
+    a mean and a count their count), then named per aggregation: (computing select, naming select)."""
+    columns: dict[str, str] = {}
+    names = []
+    for agg, agg_parts in by_aggregation:
+        for part, sql in agg_parts:
+            column = columns.setdefault(sql, f"__p{len(columns)}")
+            names.append(f"{column} AS {ident(f'{agg.output_name}__{part}')}")
+    return ", ".join(f"{sql} AS {column}" for sql, column in columns.items()), ", ".join(names)
+
+
+def needs_scale(view: FeatureView, aggs: list[Aggregation]) -> list[str]:
+    """The float columns whose exact sums (sums, means, the means of variances) need a ``SumScale``."""
+    stored = {f.name: f.dtype for f in view.schema}
+    return sorted({a.column for a in aggs if a.function in ("sum", "mean", *VARIANCE_FUNCTIONS) and a.column
+                   and _is_float(a, stored)})

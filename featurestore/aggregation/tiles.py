@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import orjson
 
-from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min, pick
+from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min, checked_sum, pick
 from featurestore.definitions import Aggregation, FeatureView, content_hash
 
 TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
@@ -128,16 +128,10 @@ class TiledEvaluator:
                 out.append([count, count, None])
                 continue
             function, payload = agg.function, None
-            if function in ("sum", "mean"):
-                exact_float = is_float or function == "mean"
-                key = (source, exact_float)
-                if key not in sums:
-                    if exact_float:
-                        values = picked if is_float else [float(v) for v in picked]
-                        sums[key] = _partials(values) if compact else values
-                    else:
-                        sums[key] = sum(picked)
-                payload = sums[key]
+            if function in ("sum", "mean"):  # floats as partials (or the values), integers as their exact sum
+                if source not in sums:
+                    sums[source] = (_partials(picked) if compact else picked) if is_float else sum(picked)
+                payload = sums[source]
                 if payload is None:
                     return None
             elif picked:
@@ -156,12 +150,12 @@ class TiledEvaluator:
             value = empty
         elif agg.function == "count":
             value = values
-        elif agg.function in ("sum", "mean"):
-            if self.floats[index] or agg.function == "mean":
+        elif agg.function in ("sum", "mean"):  # as ``WindowEvaluator``: one rounding of the exact sum
+            if self.floats[index]:
                 total = _fsum([x for p in payloads for x in p])
             else:
-                total = sum(payloads)
-            value = total / values if agg.function == "mean" else total
+                total = sum(payloads) if agg.function == "mean" else checked_sum(sum(payloads), self.events.view, agg)
+            value = (total if self.floats[index] else float(total)) / values if agg.function == "mean" else total
         elif agg.function == "min":
             value = _min(payloads)
         elif agg.function == "max":

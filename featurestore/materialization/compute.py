@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from featurestore.aggregation import event_id_sql
+from featurestore.aggregation import dedup_us, event_id_sql
 from featurestore.definitions import FeatureView
 from featurestore.online.codec import numpy_values, datetime_to_micros
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection, ident, quote, utc_micros_sql
@@ -91,6 +91,9 @@ def compute(
     identity = f"(hash({', '.join([*keys, '__event', '__created', *feats])}) >> 1)::BIGINT"
     if PUSH_ID in types and view.transformation is None:  # a push log read as is: the push's own ids
         identity = f"COALESCE({ident(PUSH_ID)}, {identity})"
+    # a pushed row keeps its push's run (its ingest time, ``push_run_id``) whenever it is recomputed
+    # (a backfill, a new version, Ray): the first write of an event id stays first
+    run = f"COALESCE(epoch_us({ident(INGESTED_AT)}), {int(run_id)})" if INGESTED_AT in types else str(int(run_id))
     ingest = utc_sql(ingest_time)
     source_columns = [c for c in con.view("view_rows").columns if not c.startswith("__") and c != PUSH_ID]
     raw_row = "to_json({" + ", ".join(f"{quote(c)}: {ident(c)}" for c in source_columns) + "})::VARCHAR"
@@ -99,7 +102,7 @@ def compute(
         f"""SELECT {', '.join(f'__k_{k} AS {ident(k)}' for k in key_types)},
             __event AS event_timestamp,
             COALESCE(__created, {ingest}) AS created_timestamp,
-            {int(run_id)}::BIGINT AS _run_id,
+            ({run})::BIGINT AS _run_id,
             {identity} AS _row_id,
             {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)},
             __reason, CASE WHEN __reason IS NOT NULL THEN {raw_row} END AS __raw
@@ -153,20 +156,27 @@ def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
 
 
 def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
-    """Each entity's newest row by (event, created, run, row id): the join's tie-break order."""
+    """Each entity's newest row by (event, created, run, row id): the join's tie-break order.
+    The rows are taken from ``rows`` by position, so every value keeps its bits (a struct through
+    DuckDB's ``arg_max`` came back with -0.0 as 0.0)."""
     if rows.num_rows == 0:
         return rows
     con = connection()
-    con.register("r", rows)
-    return con.sql(latest_sql("r", join_keys)).to_arrow_table().cast(rows.schema)
-
-
-def latest_sql(relation: str, join_keys: list[str]) -> str:
-    """SQL for each entity's newest row of ``relation`` (history columns). A hash aggregate keeping
-    the arg-max row: about 3x faster than ranking every row with a window."""
+    con.register("r", rows.select([*join_keys, "event_timestamp", "created_timestamp", "_run_id", "_row_id"])
+                 .append_column("__i", pa.array(np.arange(rows.num_rows, dtype=np.int64))))
     keys = ", ".join(ident(k) for k in join_keys)
-    return f"""SELECT unnest(arg_max(r, (event_timestamp, created_timestamp, _run_id, _row_id)))
-        FROM {relation} r GROUP BY {keys}"""
+    positions = con.sql(f"SELECT arg_max(__i, (event_timestamp, created_timestamp, _run_id, _row_id)) FROM r GROUP BY {keys}")
+    return rows.take(positions.to_arrow_table().column(0))
+
+
+def latest_sql(relation: str, join_keys: list[str], columns: list[str]) -> str:
+    """SQL for each entity's newest row of ``relation`` (history ``columns``): a hash aggregate, about
+    3x faster than ranking every row with a window, one ``arg_max_null`` per column (through a struct,
+    -0.0 came back as 0.0)."""
+    keys = ", ".join(ident(k) for k in join_keys)
+    order = "(event_timestamp, created_timestamp, _run_id, _row_id)"
+    picked = ", ".join(ident(c) if c in join_keys else f"arg_max_null({ident(c)}, {order}) AS {ident(c)}" for c in columns)
+    return f"SELECT {picked} FROM {relation} GROUP BY {keys}"
 
 
 def max_micros(column: pa.ChunkedArray) -> int:
@@ -174,23 +184,43 @@ def max_micros(column: pa.ChunkedArray) -> int:
     return int(numpy_values(column).view(np.int64).max())
 
 
-def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int) -> tuple[pa.Table, np.ndarray]:
-    """An aggregated view's rows to send online: recent enough, one per (entity, event id),
-    the first stored winning (the offline rule), with their event ids."""
+@dataclass
+class EventWrites:
+    """An aggregated view's writes to send online, in write order (run, row id): those recent
+    enough to count (at or after the cutoff) and, before it, those within one dedup window
+    (their ids' write times decide whether a later write of the id is a duplicate)."""
+
+    rows: pa.Table
+    ids: np.ndarray                   # each write's event id
+    accepted: np.ndarray | None = None  # per write, the offline rule's verdict (whole-history resends)
+
+
+def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int, verdicts: bool = False) -> EventWrites:
+    """``rows``' writes to send online. Redis applies the duplicate rule as they arrive, so they go
+    in write order. ``verdicts``: ``rows`` are the view's whole history, and each write carries
+    whether the rule keeps it (``aggregation.sql.events_cte``): Redis then makes its events match."""
+    low = cutoff_us - dedup_us(view)
     ids = _plain_event_ids(rows, view) if view.event_id is not None else None
-    if ids is not None and len(np.unique(ids)) == rows.num_rows:  # no duplicates: no DuckDB query
-        recent = numpy_values(rows["event_timestamp"]).view(np.int64) >= cutoff_us
-        return (rows, ids) if recent.all() else (rows.filter(recent), ids[recent])
+    if not verdicts and ids is not None and len(np.unique(ids)) == rows.num_rows:  # no id twice: any order, no query
+        recent = numpy_values(rows["event_timestamp"]).view(np.int64) > low
+        return EventWrites(rows, ids) if recent.all() else EventWrites(rows.filter(recent), ids[recent])
     con = connection()
     con.register("r", rows)
-    keys = ", ".join(ident(k) for k in view.join_keys)
+    keep = ""
+    if verdicts:
+        keys = " AND ".join(f"b.{ident(k)} = a.{ident(k)}" for k in view.join_keys)
+        within = dedup_us(view)
+        keep = f""", NOT EXISTS (SELECT 1 FROM w b WHERE {keys} AND b.__eid = a.__eid
+            AND (b._run_id < a._run_id OR (b._run_id = a._run_id AND b._row_id < a._row_id))
+            AND epoch_us(b.event_timestamp) > epoch_us(a.event_timestamp) - {within}
+            AND epoch_us(b.event_timestamp) < epoch_us(a.event_timestamp) + {within}) AS __keep"""
     out = con.sql(
-        f"""SELECT *, {event_id_sql(view)} AS __eid FROM r
-        WHERE epoch_us(event_timestamp) >= {int(cutoff_us)}
-        QUALIFY row_number() OVER (PARTITION BY {keys}, __eid ORDER BY _run_id, _row_id) = 1"""
+        f"""WITH w AS (SELECT *, {event_id_sql(view)} AS __eid FROM r)
+        SELECT *{keep} FROM w a WHERE epoch_us(event_timestamp) > {int(low)} ORDER BY _run_id, _row_id"""
     ).to_arrow_table()
-    ids = out["__eid"].to_numpy()
-    return out.drop_columns(["__eid"]).cast(rows.schema), ids
+    accepted = out["__keep"].to_numpy(zero_copy_only=False) if verdicts else None
+    return EventWrites(out.drop_columns([c for c in ("__eid", "__keep") if c in out.column_names]).cast(rows.schema),
+                       out["__eid"].to_numpy(), accepted)
 
 
 def _plain_event_ids(rows: pa.Table, view: FeatureView) -> np.ndarray | None:

@@ -20,6 +20,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from featurestore.aggregation import dedup_us
 from featurestore.aggregation.tiles import tile_us
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
@@ -135,8 +136,11 @@ class Materializer:
             fresh = self.offline.append(view.history_table, computed.rows)
             report.new_offline_rows = fresh.num_rows
         if write_online:
-            rows = fresh if synced else self._whole_history(view, computed.rows, written=write_offline)
-            report.online_rows = self.write_online(view, rows, now)
+            if synced:
+                report.online_rows = self.write_online(view, fresh, now)
+            else:  # the whole history, as authority: Redis is made to match it
+                report.online_rows = self.write_online(view, self._whole_history(view, computed.rows, written=write_offline), now,
+                                                       whole_history=True)
         self.finish_run(view, run_id, now, end, write_online, write_offline,
                         _max_iso(computed.rows) if computed.rows.num_rows else None)
         return report
@@ -205,11 +209,13 @@ class Materializer:
         if not written:
             con.register("computed", computed)
             rows += " UNION ALL SELECT * FROM computed"
-        query = rows if view.is_aggregated else latest_sql(f"({rows})", view.join_keys)
+        query = rows if view.is_aggregated else latest_sql(f"({rows})", view.join_keys, computed.schema.names)
         return con.sql(query).to_arrow_table().cast(computed.schema)
 
-    def write_online(self, view: FeatureView, rows: pa.Table, now: datetime) -> int:
-        """Send history rows online: each entity's latest row, or for aggregated views the events."""
+    def write_online(self, view: FeatureView, rows: pa.Table, now: datetime, whole_history: bool = False) -> int:
+        """Send history rows online: each entity's latest row, or for aggregated views the events
+        (``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
+        event ids Redis then takes over its own)."""
         if rows.num_rows == 0:
             return 0
         stored = [(f.name, f.dtype) for f in view.schema]
@@ -217,9 +223,9 @@ class Materializer:
         if view.is_aggregated:
             horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)
-            events, ids = events_to_add(rows, view, cutoff_us)
-            self.online.write_events(view.online_field, events, view.join_keys, stored, ids, cutoff_us, horizon, tile_us(view), newest)
-            return events.num_rows
+            writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
+            return self.online.write_events(view.online_field, writes.rows, view.join_keys, stored, writes.ids, cutoff_us, horizon,
+                                            tile_us(view), dedup_us(view), accepted=writes.accepted, newest=newest)
         latest = latest_per_entity(rows, view.join_keys)
         self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view), newest)
         return latest.num_rows

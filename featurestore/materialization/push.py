@@ -93,6 +93,8 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
         except BadRowsError as exc:
             raise RequestError(str(exc)) from exc
     online = [(view, rows) for view, rows in typed if "online" in to and view.online]
+    if "online" not in to:  # history gains rows Redis lacks: the next materialization re-sends the view's history
+        _mark_behind(materializer, [view for view, _ in typed if view.online and view.offline])
 
     def write_online() -> None:
         for view, rows in online:
@@ -108,6 +110,15 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     if buffer.worth_looking():  # lanes past the bounds commit on the committing thread, not in this call
         buffer.in_background(lambda: flush(materializer, buffer, only_due=True))
     return table.num_rows
+
+
+def _mark_behind(materializer: Materializer, views: list[FeatureView]) -> None:
+    """Record that Redis may lack some of these views' history (before the rows are written: a
+    crash in between only re-sends), unless already recorded."""
+    marks = materializer.registry.watermarks()
+    for view in views:
+        if marks.get(view.name, {}).get("online_synced", False):
+            materializer.registry.set_watermark(view.name, online_synced=False)
 
 
 def write_online_only(materializer: Materializer, view: FeatureView, df: Any) -> int:
@@ -176,6 +187,15 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
             if config.vacuum_after_hours is not None:  # and delete what compactions replaced long enough ago
                 offline.vacuum(name, config.vacuum_after_hours)
 
+    def logged(target: str) -> int:
+        """The newest buffer record a push log holds (its Delta app transaction); -1 for history
+        tables, whose appends dedupe by row identity."""
+        kind, name = target.split(":", 1)
+        path = push_log_path(config.data_dir, name)
+        if kind != "log" or not (path / "_delta_log").exists():
+            return -1
+        return DeltaTable(str(path)).transaction_version(APP_ID) or -1
+
     def resend(target: str, rows: pa.Table) -> None:
         view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None
         if view is not None and view.online:  # (None: an older version's rows, whose online layout is gone)
@@ -188,7 +208,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
         kind, name = lane.split(":", 1)
         if kind == "view" and name.split("@")[0] not in defs.feature_views:
             continue  # the view was removed; its records stay for inspection
-        committed += buffer.drain(lane, commit, resend)
+        committed += buffer.drain(lane, commit, resend, logged)
     return committed
 
 
@@ -215,12 +235,12 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int, retried: bool) -> None:
-    """Append to the push log once per drain, even if a crash repeats the drain (Delta app
-    transaction); a retried push's rows only if no earlier attempt logged them (by push id)."""
+    """Append a drain's records to the push log, recording the newest (``seq``) as the log's Delta
+    app transaction: a drain repeated after a crash leaves out the records the log holds
+    (``PushBuffer.drain``'s ``committed``). A retried push's rows only if no earlier attempt
+    logged them (by push id)."""
     path = push_log_path(data_dir, source_name)
     exists = (path / "_delta_log").exists()
-    if exists and (DeltaTable(str(path)).transaction_version(APP_ID) or -1) >= seq:
-        return
     if retried:
         rows = _not_logged(rows, DeltaTable(str(path)) if exists else None)
     write_deltalake(str(path), rows, mode="append", schema_mode="merge",  # logs from before INGESTED_AT

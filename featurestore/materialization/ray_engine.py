@@ -131,7 +131,8 @@ class RayMaterializer(Materializer):
                                                 self.progress))
             else:  # history may hold rows Redis lacks: send the whole history (the local engine's recovery)
                 computed = pa.concat_tables(ray.get([r[1] for r in results]))
-                report.online_rows = self.write_online(view, self._whole_history(view, computed, written=write_offline), now)
+                report.online_rows = self.write_online(view, self._whole_history(view, computed, written=write_offline), now,
+                                                       whole_history=True)
         newest = [s["max_event"] for s in summaries if s["max_event"]]
         self.finish_run(view, run_id, now, end, write_online, write_offline, max(newest) if newest else None)
         return report

@@ -280,11 +280,15 @@ class PushBuffer:
         return rows
 
     def drain(self, lane: str, commit: Callable[[str, pa.Table, int, bool], None],
-              resend_online: Callable[[str, pa.Table], None] | None = None) -> int:
+              resend_online: Callable[[str, pa.Table], None] | None = None,
+              committed: Callable[[str], int] | None = None) -> int:
         """Commit every record of ``lane``, per target (``commit(target, rows, newest_seq, any_retry)``),
         and delete its journals; returns rows. Rows of records Redis did not confirm go to
-        ``resend_online(target, rows)`` first. Writers wait only while the journals are taken
-        (renamed ``.draining``: their next record goes to a new journal), not during the commit."""
+        ``resend_online(target, rows)`` first. ``committed(target)``: the newest sequence the target
+        already holds (a drain that crashed after its commit, before deleting its journals): its
+        records up to that one are not committed again, whatever else the drain holds. Writers wait
+        only while the journals are taken (renamed ``.draining``: their next record goes to a new
+        journal), not during the commit."""
         with self._lock(lane, exclusive=True, name=".drain-lock"):
             with self._lock(lane, exclusive=True):
                 files = [path if not path.name.endswith(".journal") else _renamed(path, path.name + ".draining")
@@ -301,19 +305,28 @@ class PushBuffer:
                                 path.name, problem, len(complete), _torn_name(path))
             records.sort(key=lambda r: r.seq)
             by_target: dict[str, list] = {}
+            newest: dict[str, int] = {}
+            retried: dict[str, bool] = {}
             pending: dict[str, list] = {}
+            held: dict[str, int] = {}
             for record in records:
                 for target, stream in record.streams:
-                    by_target.setdefault(target, []).append(stream)
                     if record.pending:
                         pending.setdefault(target, []).append(stream)
+                    if committed is not None and target not in held:
+                        held[target] = committed(target)
+                    if record.seq <= held.get(target, -1):
+                        continue  # committed by a drain that did not get to delete its journals
+                    by_target.setdefault(target, []).append(stream)
+                    newest[target] = record.seq
+                    retried[target] = retried.get(target, False) or record.retry
             if resend_online is not None:
                 for target, streams in pending.items():
                     resend_online(target, _decode(streams))
             total = 0
             for target, streams in by_target.items():
                 rows = _decode(streams)
-                commit(target, rows, records[-1].seq, any(r.retry for r in records))
+                commit(target, rows, newest[target], retried[target])
                 total += rows.num_rows
             for path in files:
                 if path in torn:

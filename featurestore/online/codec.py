@@ -87,8 +87,8 @@ def key_text(value: Any, type_name: str) -> str:
         return value
     if type_name == "Bytes":
         return (value if isinstance(value, bytes) else str(value).encode()).hex()
-    if type_name in ("Float32", "Float64"):
-        return repr(float(np.float32(value)) if type_name == "Float32" else float(value))
+    if type_name in ("Float32", "Float64"):  # + 0.0: -0.0 is the key 0.0 (they are equal, and join offline)
+        return repr((float(np.float32(value)) if type_name == "Float32" else float(value)) + 0.0)
     if type_name == "UnixTimestamp":
         return str(datetime_to_micros(value))
     raise TypeError(f"no key encoding for {type_name}")
@@ -107,8 +107,8 @@ def _key_column(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
         for raw, escaped in _ESCAPES:
             column = pc.replace_substring(column, raw, escaped)
         return column
-    if pa.types.is_floating(t):  # rare as keys: Python's repr is the canonical text
-        return pa.array([repr(float(v)) for v in column.to_pylist()], pa.string())
+    if pa.types.is_floating(t):  # rare as keys: Python's repr is the canonical text (-0.0 as 0.0)
+        return pa.array([repr(float(v) + 0.0) for v in column.to_pylist()], pa.string())
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return pa.array([v.hex() for v in column.to_pylist()], pa.string())
     raise TypeError(f"no key encoding for {t}")

@@ -88,9 +88,10 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         return super().write_latest(view, rows.take(self._slot_order(rows, join_keys)), join_keys, *args, **kwargs)
 
     def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
-                     *args, **kwargs) -> int:  # type: ignore[override]
-        order = self._slot_order(rows, join_keys)
-        return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args, **kwargs)
+                     *args, accepted: np.ndarray | None = None, **kwargs) -> int:  # type: ignore[override]
+        order = self._slot_order(rows, join_keys)  # stable: each entity's writes keep their order
+        return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args,
+                                    accepted=accepted[order] if accepted is not None else None, **kwargs)
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""

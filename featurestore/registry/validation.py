@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import duckdb
 
-from featurestore.aggregation import WHERE_OPERATORS
+from featurestore.aggregation.where import OPERATORS as WHERE_OPERATORS, typed_value
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
     AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection, OnDemandFeatureView, RequestSource,
@@ -180,4 +180,9 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
                 problems.append(f"{what}: where-operator {agg.where[1]!r} is not one of {list(WHERE_OPERATORS)}")
             elif agg.where[1] in ("in", "not in") and not isinstance(agg.where[2], (list, tuple, set, frozenset)):
                 problems.append(f"{what}: '{agg.where[1]}' takes a list of values, got {agg.where[2]!r}")
+            else:
+                try:  # compared as a value of the column's type on both paths
+                    typed_value(agg.where[1], agg.where[2], stored[agg.where[0]])
+                except ValueError as exc:
+                    problems.append(f"{what}: where-value {exc}; give a value of the column's type")
     return problems

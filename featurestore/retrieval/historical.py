@@ -24,7 +24,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featurestore.aggregation import sql as aggregation_sql
+from featurestore.aggregation import AggregationOverflow, sql as aggregation_sql
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.offline.base import OfflineStore
@@ -98,7 +98,7 @@ class RetrievalJob:
             else:
                 wanted = versions.get(req.view.name) if versions is not None else None
                 table_versions[req.view.name] = offline.register(con, req.view.history_table, f"__hist{i}", schema, version=wanted)
-        sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types)
+        sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types, _sum_scales(con, requests))
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
         job = cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
         if on_demand is not None:
@@ -165,9 +165,15 @@ def write_parquet(batches: Iterator[pa.RecordBatch], path: str | Path, on_batch:
 
 @contextlib.contextmanager
 def _entity_type_errors() -> Iterator[None]:
-    """A join key of the wrong type in the entity rows is the caller's mistake: say so."""
+    """A join key of the wrong type in the entity rows is the caller's mistake: say so. An
+    aggregate the declared type cannot hold is the definition's: ``AggregationOverflow``."""
     try:
         yield
+    except duckdb.InvalidInputException as exc:
+        text = str(exc).splitlines()[0]
+        if "leaves Int64's range" in text:
+            raise AggregationOverflow(text.split(": ", 1)[-1]) from None
+        raise
     except (duckdb.ConversionException, duckdb.BinderException) as exc:
         raise RequestError(f"entity rows do not fit the views' join keys ({str(exc).splitlines()[0]}); "
                            "give each join key the entity's type") from exc
@@ -256,19 +262,33 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
     return columns, ts if not is_nanoseconds(ts_type) else ""  # "": return the caller's column untouched
 
 
-def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str, key_types: dict) -> str:
+def _wanted(req: ViewRequest) -> list:
+    by_name = {a.output_name: a for a in req.view.aggregations}
+    return [by_name[f] for f in req.features]
+
+
+def _sum_scales(con: duckdb.DuckDBPyConnection, requests: list[ViewRequest]) -> dict[int, dict]:
+    """Per request (by index), how each float column it sums is summed exactly (``aggregation.sql.SumScale``):
+    a scan of the column's magnitudes in the history it joins."""
+    scales: dict[int, dict] = {}
+    for i, req in enumerate(requests):
+        if req.view.is_aggregated:
+            scales[i] = {column: aggregation_sql.sum_scale(*con.sql(aggregation_sql.scale_scan_sql(column, f"__hist{i}")).fetchall()[0])
+                         for column in aggregation_sql.needs_scale(req.view, _wanted(req))}
+    return scales
+
+
+def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str, key_types: dict,
+              scales: dict[int, dict]) -> str:
     ctes, joins, outputs = [], [], []
     for i, req in enumerate(requests):
         view, alias = req.view, f"v{i}"
         if view.is_aggregated:
-            aggs = {a.output_name: a for a in view.aggregations}
-            wanted = [aggs[f] for f in req.features]
-            ctes += aggregation_sql.view_ctes(view, wanted, f"__hist{i}", alias, key_types[view.name], as_of)
+            wanted = _wanted(req)
+            ctes += aggregation_sql.view_ctes(view, wanted, f"__hist{i}", alias, key_types[view.name], as_of, scales[i])
             joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
-            outputs += [
-                (pos, f"{aggregation_sql.output_sql(a, view.field(a.output_name).dtype, alias)} AS {ident(name)}")
-                for a, name, pos in zip(wanted, req.output_names, req.positions)
-            ]
+            outputs += [(pos, f"{aggregation_sql.output_sql(view, a, alias)} AS {ident(name)}")
+                        for a, name, pos in zip(wanted, req.output_names, req.positions)]
             continue
         keys = ", ".join(ident(k) for k in view.join_keys)
         feats = ", ".join(ident(f) for f in req.features)
