@@ -38,3 +38,7 @@ class ForbiddenError(FeatureStoreError):
 
 class ConflictError(FeatureStoreError):
     """The request conflicts with an earlier one (an idempotency key reused for other rows, a job already running)."""
+
+
+class OnDemandError(FeatureStoreError):
+    """An on-demand view's function failed or returned something its schema does not allow."""

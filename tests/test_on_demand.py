@@ -103,3 +103,42 @@ def test_the_consistency_check_covers_request_time_features(store):
             assert client.post("/get-online-features", json=body).status_code == 200
     report = check_service_log(store, "svc")
     assert report.rows == 6 and report.feature_match == {"country": 1.0, "amount_ratio": 1.0, "large": 1.0}, report.mismatches
+
+
+EDGE_DEFS = """
+import pyarrow.compute as pc
+from featurestore import Entity, FeatureView, Field, PushSource, RequestSource, on_demand_feature_view
+from featurestore.types import Float64, Int64, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+events = PushSource(name="events", schema=[Field("card_id", Int64), Field("limit", Int64), Field("avg_amount", Float64),
+                                           Field("event_timestamp", UnixTimestamp)])
+stats = FeatureView(name="stats", entities=[card], source=events, schema=[Field("limit", Int64), Field("avg_amount", Float64)])
+req = RequestSource(name="req", schema=[Field("count", Int64), Field("amount", Float64)])
+
+@on_demand_feature_view(sources=[stats, req], schema=[Field("per_count", Int64), Field("plus", Float64)])
+def over_the_whole_view(inputs):
+    return {"per_count": pc.divide(inputs["limit"], inputs["count"]), "plus": pc.add(inputs["amount"], inputs["avg_amount"])}
+"""
+
+
+def test_on_demand_edge_cases_behave_alike_on_both_paths(make_store):
+    """Three things an independent check found: a view over a whole FeatureView was refused
+    (``Field`` objects taken for feature names); an integer division by zero raised a raw
+    ``ArrowInvalid``; a NaN request field in a pandas entity_df became null offline, NaN online."""
+    import math
+
+    from featurestore.errors import OnDemandError
+
+    store = make_store(EDGE_DEFS)  # applies: the whole-view source is accepted
+    store.push("events", {"card_id": [1], "limit": [100], "avg_amount": [2.0], "event_timestamp": [NOW]}, to="online_and_offline")
+    refs = ["over_the_whole_view:per_count", "over_the_whole_view:plus"]
+    rows = pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(seconds=1)], "count": [4], "amount": [math.nan]})
+    offline = store.get_historical_features(rows, features=refs).to_arrow().to_pylist()[0]
+    online = store.get_online_features({"card_id": [1], "count": [4], "amount": [math.nan]}, features=refs).to_dict()
+    assert offline["per_count"] == online["per_count"][0] == 25
+    assert math.isnan(offline["plus"]) and math.isnan(online["plus"][0])
+    for lookup in (lambda: store.get_historical_features(rows.assign(count=[0]), features=refs).to_arrow(),
+                   lambda: store.get_online_features({"card_id": [1], "count": [0], "amount": [1.0]}, features=refs)):
+        with pytest.raises(OnDemandError, match=r"on-demand view 'over_the_whole_view' .*raised ArrowInvalid: .*divide by zero"):
+            lookup()

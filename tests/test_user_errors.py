@@ -102,3 +102,47 @@ def test_serving_features_needs_no_torch_and_training_says_which_extra(tmp_path)
     train = subprocess.run([sys.executable, "-c", blocked + "import sys; from featurestore.cli import main; "
                             "sys.argv = ['featurestore', 'train', '--dataset', '.']; main()"], capture_output=True, text=True, cwd=tmp_path)
     assert train.returncode == 1 and "pip install 'featurestore[train]'" in train.stderr and "Traceback" not in train.stderr
+
+
+MISSHAPEN = """
+from featurestore import Entity, FeatureView, Field, FileSource, PushSource
+from featurestore.types import Float64, Int64, UnixTimestamp
+src = PushSource(name="src", schema=[Field("user", Int64), Field("x", Float64), Field("event_timestamp", UnixTimestamp)])
+user = Entity(name="user", join_keys=["user"], value_type=Int64)
+"""
+
+
+@pytest.mark.parametrize("line, message", [
+    ('v = FeatureView(name="v", entities=["user"], source=src, schema=[Field("x", Float64)])',
+     "entities lists 'user' (str); pass the Entity object itself"),
+    ('v = FeatureView(name="v", entities=[Entity(name=123, join_keys=["user"])], source=src, schema=[Field("x", Float64)])',
+     "name must be a non-empty string, got 123 (int)"),
+    ('v = FeatureView(name="v", entities=[user], source=src, schema=[("x", Float64)])',
+     "schema lists ('x', Float64) (tuple); write Field(name, dtype)"),
+    ('f = FileSource(path="x.parquet")', "features.py:6: TypeError: FileSource.__init__() missing 1 required positional argument: 'timestamp_field'"),
+    ('v = FeatureView(name="v", entities=[user], source="src", schema=[Field("x", Float64)])', "source must be a FileSource"),
+])
+def test_definition_mistakes_are_one_line_without_a_traceback(tmp_path, line, message):
+    root = write_repo(tmp_path / "repo", MISSHAPEN + line + "\n")
+    result = _cli(root, "plan")
+    assert result.returncode == 1, result.stdout
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert len([l for l in result.stderr.splitlines() if l.strip()]) == 2, result.stderr  # "error: 1 problem", then the problem
+
+
+def test_a_source_column_retyped_after_apply_is_named(tmp_path):
+    import pyarrow.parquet as pq
+
+    features = """
+from featurestore import Entity, FeatureView, Field, FileSource
+from featurestore.types import Float64
+user = Entity(name="user", join_keys=["user"])
+v = FeatureView(name="v", entities=[user], source=FileSource(path="data/src.parquet", timestamp_field="ts"), schema=[Field("x", Float64)])
+"""
+    ts = [datetime(2024, 1, 1, tzinfo=timezone.utc)] * 2
+    root = write_repo(tmp_path / "repo", features, {"src": pa.table({"user": [1, 2], "x": [1.0, 2.0], "ts": ts})})
+    assert _cli(root, "apply").returncode == 0
+    pq.write_table(pa.table({"user": ["1", "2"], "x": [1.0, 2.0], "ts": ts}), root / "data" / "src.parquet")
+    result = _cli(root, "materialize-incremental")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "type of join key 'user' (Int64 -> String)" in result.stderr, result.stderr

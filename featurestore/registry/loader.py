@@ -14,6 +14,7 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import (
     Entity, FeatureService, FeatureView, FeatureViewProjection, OnDemandFeatureView, PushSource, content_hash,
 )
+from featurestore.registry.shapes import shape_problems
 from featurestore.errors import NotFoundError
 from featurestore.types import DType
 
@@ -130,15 +131,32 @@ def load_definitions(config: RepoConfig) -> tuple[Definitions, list[str]]:
                 continue
             try:
                 module = _import(path, f"{package}.{path.stem}")
-            except Exception:
-                problems.append(f"importing {path} failed:\n{traceback.format_exc(limit=-3)}")
+            except Exception as exc:
+                problems.append(f"importing {module_file} failed: {_where_it_failed(exc, config.repo_path, path)}")
                 continue
             for value in list(vars(module).values()):
+                if isinstance(value, tuple(_KINDS)):
+                    misshapen = shape_problems(value)
+                    if misshapen:
+                        problems += misshapen
+                        continue
                 for obj in _with_dependencies(value):
                     _collect(obj, defs, seen, problems)
     finally:
         sys.path.remove(str(config.repo_path))
     return defs, problems
+
+
+def _where_it_failed(exc: BaseException, repo: Path, module: Path) -> str:
+    """``file:line: Error: message`` at the innermost line of the repo's own code (one line, no traceback)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}: SyntaxError: {exc.msg}"
+    file, line = str(module), 0
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        name = frame.f_code.co_filename
+        if name.startswith(str(repo)) and not name.startswith(str(repo / ".venv")):
+            file, line = name, lineno
+    return f"{file}:{line}: {type(exc).__name__}: {exc}"
 
 
 def _import(path: Path, module_name: str):

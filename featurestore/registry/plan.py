@@ -111,6 +111,9 @@ def make_plan(applied: dict[str, Any], desired: dict[str, dict[str, dict]], key_
                             else _entity_keys(before_objects, before["spec"]) != _entity_keys(desired, entry["spec"]))
             if _starts_new_version(change, before["spec"], entry["spec"], keys_changed):
                 version = change.new_version = version + 1
+            if keys_changed and old_keys is not None:  # (say which: the attributes show none when only a source's column type changed)
+                change.attributes = sorted({*change.attributes, *(f"type of join key {k!r} ({old_keys.get(k)} -> {t})"
+                                                                  for k, t in (key_types.get(name) or {}).items() if old_keys.get(k) != t)})
             if change.needs_backfill and ("feature_view", name) not in by_name:  # only an entity's key type changed
                 changes.append(change)
         versions[name] = version

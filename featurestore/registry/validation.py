@@ -70,7 +70,8 @@ def _validate_on_demand(odfv: OnDemandFeatureView, defs: Definitions) -> list[st
             problems.append(f"{where}: source {getattr(view, 'name', view)!r} is not a feature view defined in the repo's modules "
                             "(on-demand views read stored features and RequestSource fields)")
         else:
-            unknown = [f for f in getattr(source, "features", []) if f not in view.feature_names]
+            projected = source.features if isinstance(source, FeatureViewProjection) else []  # a whole view: all its features
+            unknown = [f for f in projected if f not in view.feature_names]
             if unknown:
                 problems.append(f"{where}: {unknown} are not features of {view.name!r}; its features are {view.feature_names}")
             inputs += [r.split(":")[1] for r in odfv.input_refs if r.startswith(view.name + ":")]

@@ -213,7 +213,20 @@ def entity_table(entity_df: Any) -> pa.Table:
     if isinstance(entity_df, (str, Path)):
         rows = entity_input(entity_df)
         return pq.read_table(rows) if isinstance(rows, Path) else rows
-    return pa.Table.from_pandas(entity_df, preserve_index=False)
+    return frame_to_arrow(entity_df)
+
+
+def frame_to_arrow(frame: "pd.DataFrame") -> pa.Table:
+    """A pandas frame as Arrow, NaN kept as NaN in float columns (pandas' conversion makes it null,
+    which online lookups, given the same NaN, would not): None and ``pd.NA`` stay null."""
+    import numpy as np
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    for i, name in enumerate(table.column_names):
+        column = frame[name] if name in frame.columns else None
+        if column is not None and column.dtype.kind == "f" and isinstance(column.dtype, np.dtype) and column.isna().any():
+            table = table.set_column(i, name, pa.array(column.to_numpy(), type=table.schema.field(i).type, from_pandas=False))
+    return table
 
 
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
@@ -228,7 +241,7 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
             table = entity_df
         else:
             try:
-                table = pa.Table.from_pandas(entity_df, preserve_index=False)
+                table = frame_to_arrow(entity_df)
             except Exception as exc:
                 raise RequestError(
                     f"entity_df must be a pandas DataFrame, pyarrow Table, .parquet path or SQL string, not {type(entity_df).__name__}"

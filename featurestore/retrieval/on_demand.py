@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 import pyarrow as pa
 
 from featurestore.definitions import FeatureService, OnDemandFeatureView
-from featurestore.errors import NotFoundError, RequestError
+from featurestore.errors import NotFoundError, OnDemandError, RequestError
 from featurestore.registry.loader import Definitions
 
 
@@ -95,13 +95,24 @@ class OnDemandPlan:
                     inputs[f.name] = _array(columns[f.name], f.dtype.arrow)
                 except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
                     raise RequestError(f"request field {f.name!r} takes {f.dtype.name} values: {exc}") from exc
-            result = odfv.udf(inputs)
+            try:
+                result = odfv.udf(inputs)
+            except Exception as exc:  # the user's function: one clear line, on both paths
+                raise OnDemandError(
+                    f"on-demand view {odfv.name!r} ({odfv.location}) raised {type(exc).__name__}: {exc}; its function must give "
+                    "every row a value or null (e.g. pc.if_else(pc.equal(b, 0), None, pc.divide(a, b)) for a division by zero)"
+                ) from exc
+            if not isinstance(result, Mapping):
+                raise OnDemandError(f"on-demand view {odfv.name!r} returned {type(result).__name__}; return {{output name: values}}")
             for f in odfv.schema:
                 if f.name not in result:
-                    raise RequestError(f"on-demand view {odfv.name!r} returned no {f.name!r}; its function must return every field of its schema")
-                values = _array(result[f.name], f.dtype.arrow)
+                    raise OnDemandError(f"on-demand view {odfv.name!r} returned no {f.name!r}; its function must return every field of its schema")
+                try:
+                    values = _array(result[f.name], f.dtype.arrow)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                    raise OnDemandError(f"on-demand view {odfv.name!r} returned {f.name!r} values that are not {f.dtype.name}: {exc}") from exc
                 if len(values) != n:
-                    raise RequestError(f"on-demand view {odfv.name!r} returned {len(values)} values of {f.name!r} for {n} rows")
+                    raise OnDemandError(f"on-demand view {odfv.name!r} returned {len(values)} values of {f.name!r} for {n} rows")
                 out[f"{odfv.name}__{f.name}"] = values
         return out
 
