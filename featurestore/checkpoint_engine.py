@@ -2,7 +2,7 @@
 
 One engine runs beside the trainer (the **source**: it serves the repo's model registry) and
 one beside each inference replica (serving that replica's own registry; no shared filesystem).
-Every engine answers the same HTTP routes:
+Every engine answers the same HTTP routes (``serving.checkpoint_engine``, behind the servers' API keys):
 
     GET /models/{name}                     aliases, each version's file hashes, a revision
     GET /models/{name}?wait=REV&timeout=S  the same, once the revision differs from REV (long poll)
@@ -21,21 +21,18 @@ its inference server notices the alias change and swaps models between requests.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import json
 import logging
-import threading
+import os
+import re
 import time
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Query
-from fastapi.responses import FileResponse, Response
 
 from featurestore.errors import FeatureStoreError, NotFoundError
-from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
+from featurestore.training.model_registry import MODEL_FILES, STAGES, ModelRegistry
 
 log = logging.getLogger("featurestore.checkpoint_engine")
 UPSTREAM_GRACE_SECONDS = 10.0  # how long a replica waits for its upstream to have a version before asking the source
@@ -49,61 +46,49 @@ def state(registry: ModelRegistry, name: str) -> dict[str, Any]:
     return body
 
 
-def create_app(registry: ModelRegistry, replica: "Replica | None" = None) -> FastAPI:
-    """The routes every engine serves over its own registry (see the module docstring); with
-    ``replica``, the engine also keeps that registry in step with its source, on a thread."""
+KEY_ENV = "FEATURESTORE_API_KEY"  # the key a replica presents to its source and upstream (their `read` scope)
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        stop = threading.Event()
-        if replica is not None:
-            threading.Thread(target=replica.sync_forever, args=(stop,), daemon=True, name="checkpoint-sync").start()
-        yield
-        stop.set()
 
-    app = FastAPI(title="featurestore checkpoint engine", version="0.1.0", lifespan=lifespan,
-                  description="Model versions for inference replicas: aliases, hashes, files; long-poll for changes.")
+def checked_state(body: Any, source: str) -> dict[str, Any]:
+    """A peer's answer, validated like user input: stages it may name, versions as positive
+    integers, a SHA-256 for every model file (a name or version from a peer becomes a path here)."""
+    def bad(what: str) -> FeatureStoreError:
+        return FeatureStoreError(f"the checkpoint engine at {source} answered {what}; refusing its state")
 
-    @app.get("/models/{name}", summary="Aliases and versions of a model; with `wait`, once they change")
-    async def model_state(name: str, wait: str | None = None, timeout: float = Query(25.0, ge=0, le=60)) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        current = state(registry, name)
-        while wait is not None and current["revision"] == wait and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            current = state(registry, name)
-        return current
-
-    served = {"files": 0}
-
-    @app.get("/models/{name}/{version}/{file}", summary="One file of a registered version")
-    async def model_file(name: str, version: int, file: str) -> Response:
-        if file not in MODEL_FILES or version not in registry.versions(name):
-            return Response(status_code=404)
-        served["files"] += 1
-        return FileResponse(registry.root / name / str(version) / file)
-
-    @app.get("/stats", summary="Files this engine has sent (a tree keeps the source's count at one copy per child)")
-    async def stats() -> dict[str, int]:
-        return {"files_served": served["files"]}
-
-    return app
+    if not isinstance(body, dict) or not isinstance(body.get("aliases"), dict) or not isinstance(body.get("versions"), dict):
+        raise bad("no aliases and versions")
+    for stage, version in body["aliases"].items():
+        if stage not in STAGES or type(version) is not int or version < 1:
+            raise bad(f"an alias {stage!r} -> {version!r} (stages are {list(STAGES)}, versions positive integers)")
+    for version, hashes in body["versions"].items():
+        if not (isinstance(version, str) and version.isdigit() and version == str(int(version)) and int(version) >= 1):
+            raise bad(f"a version named {version!r}")
+        if not isinstance(hashes, dict) or any(not isinstance(hashes.get(f), str) or not _HEX64.match(hashes[f]) for f in MODEL_FILES):
+            raise bad(f"version {version} without a SHA-256 for each of {list(MODEL_FILES)}")
+    missing = [v for v in body["aliases"].values() if str(v) not in body["versions"]]
+    if missing or not isinstance(body.get("revision"), str):
+        raise bad(f"aliases to versions it does not list ({missing})" if missing else "no revision")
+    return body
 
 
 class Replica:
     """Keeps a replica's registry in step with the source's (run ``sync_forever`` beside its server)."""
 
     def __init__(self, registry: ModelRegistry, name: str, source: str, upstream: str | None = None,
-                 client: httpx.Client | None = None):
+                 client: httpx.Client | None = None, api_key: str | None = None):
         self.registry, self.name = registry, name
         self.source, self.upstream = source.rstrip("/"), upstream.rstrip("/") if upstream else None
-        self.http = client or httpx.Client(timeout=httpx.Timeout(10.0, read=70.0))
+        key = api_key if api_key is not None else os.environ.get(KEY_ENV)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = client or httpx.Client(timeout=httpx.Timeout(10.0, read=70.0), headers=headers)
         self.fetched_from: dict[int, str] = {}  # version -> where its files came from (for tests and logs)
 
     def sync_once(self, wait: str | None = None, timeout: float = 25.0) -> str:
         """Bring this registry level with the source (after the revision changes from ``wait``); returns
         the source's revision."""
         params: dict[str, Any] = {"wait": wait, "timeout": timeout} if wait else {}
-        wanted = self.http.get(f"{self.source}/models/{self.name}", params=params).raise_for_status().json()
+        wanted = checked_state(self.http.get(f"{self.source}/models/{self.name}", params=params).raise_for_status().json(), self.source)
         for stage, version in sorted(wanted["aliases"].items()):
             if version not in self.registry.versions(self.name):
                 self._fetch(version, wanted["versions"][str(version)])

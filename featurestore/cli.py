@@ -281,6 +281,15 @@ def ui(
                 path="/ui/")
 
 
+def _require_auth_off_loopback(host: str, config: Any) -> None:
+    """Binding beyond loopback needs API keys, or an explicit ``server: {auth: off}``."""
+    if host not in ("127.0.0.1", "localhost", "::1") and config.api_keys is None and not config.auth_off:
+        raise FeatureStoreError(
+            f"serving on {host} exposes every route without authentication; configure `server.auth.keys` "
+            "(`featurestore api-key` prints an entry) or set `server: {auth: off}` to accept that"
+        )
+
+
 def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool,
                 log_format: str = "text", what: str = "serving", path: str = "") -> None:
     import os
@@ -290,11 +299,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
     from featurestore.config import REPO_ENV
 
     store = _store(repo)
-    if host not in ("127.0.0.1", "localhost", "::1") and store.config.api_keys is None and not store.config.auth_off:
-        raise FeatureStoreError(
-            f"serving on {host} exposes every route without authentication; configure `server.auth.keys` "
-            "(`featurestore api-key` prints an entry) or set `server: {auth: off}` to accept that"
-        )
+    _require_auth_off_loopback(host, store.config)
     store.require_applied()  # fail here, readably, rather than in every worker
     store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
@@ -320,7 +325,9 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
               file=sys.stderr, flush=True)
     else:
         err_console.print(started, markup=False, soft_wrap=True)
-    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log,
+    from serving.protocol import GuardedHttpProtocol
+
+    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log, "http": GuardedHttpProtocol,
                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
     from featurestore import serve_workers
 
@@ -428,23 +435,32 @@ def train_command(
 
 @app.command("checkpoint-engine")
 def checkpoint_engine(
-    model: str = typer.Option("fraud", help="Model name to distribute."),
+    model: str = typer.Option(..., help="Model name to distribute."),
     source: Optional[str] = typer.Option(None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."),
     upstream: Optional[str] = typer.Option(None, help="Another replica's engine to fetch versions from first (a broadcast tree)."),
-    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port."),
     repo: Path = RepoOption,
 ) -> None:
-    """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it."""
+    """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it.
+
+    With API keys configured every route needs the `read` scope; a replica presents the key in
+    FEATURESTORE_API_KEY to its source and upstream."""
     import uvicorn
 
-    from featurestore.checkpoint_engine import Replica, create_app
+    from featurestore.checkpoint_engine import Replica
+    from serving.checkpoint_engine import create_app
 
-    registry = _store(repo).model_registry()
-    app = create_app(registry, Replica(registry, model, source, upstream) if source else None)
+    store = _store(repo)
+    _require_auth_off_loopback(host, store.config)
+    registry = store.model_registry()
+    app = create_app(registry, Replica(registry, model, source, upstream) if source else None, store.config)
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
-    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}", markup=False)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
+    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
+    from serving.protocol import GuardedHttpProtocol
+
+    uvicorn.run(app, host=host, port=port, log_level="warning", http=GuardedHttpProtocol)
 
 
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)

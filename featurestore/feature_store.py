@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
 from featurestore.errors import DefinitionError, FeatureStoreError
+from featurestore.files import private_dir
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
 from featurestore.registry.snapshot import value_hash
 from featurestore.registry.validation import validate
@@ -34,6 +35,8 @@ class FeatureStore:
 
     def __init__(self, repo_path: str | Path = ".", config: RepoConfig | None = None):
         self.config = config or RepoConfig.load(repo_path)
+        for folder in {self.config.data_dir, self.config.offline_path, self.config.registry_path}:
+            private_dir(folder)  # history, registry, buffers, models, runs: this user's alone
         self.registry = RegistryStore(self.config.registry_path)
         self._definitions: Definitions | None = None
         self._offline: DeltaOfflineStore | None = None

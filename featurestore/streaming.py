@@ -27,6 +27,7 @@ import redis
 
 from featurestore.definitions import StreamSource
 from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable
+from featurestore.online.codec import key_prefix
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def stream_key(project: str, source: StreamSource) -> str:
-    return source.stream or f"fs:{project}:stream:{source.name}"
+    return source.stream or (key_prefix(project) + b"stream:" + source.name.encode()).decode()
 
 
 def publish(client: redis.Redis, stream: str, rows: list[dict[str, Any]]) -> list[bytes]:

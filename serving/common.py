@@ -317,8 +317,8 @@ class FastLane:
 
     The FastAPI app still declares those routes (OpenAPI docs, same handler); everything
     else, lifespan included, goes to it. ``handlers`` map a path to ``async (body) -> (status, bytes)``.
-    Every request body is bounded by ``max_body_bytes`` (413 past it); hot-route bodies are
-    read in linear time (chunks joined once, never re-concatenated).
+    Every request body, on every route, is read here first: bounded by ``max_body_bytes`` (413
+    past it, whether declared or chunked), and by ``BODY_CHUNK_SECONDS`` between chunks (408).
     """
 
     def __init__(self, app: FastAPI, handlers: dict[str, Callable], max_body_bytes: int = 16 * 1024 * 1024,
@@ -364,20 +364,36 @@ class FastLane:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _reply(send, 413, self._too_large())
         handler = self.handlers.get(scope.get("path")) if scope.get("method") == "POST" else None
-        if handler is None:
+        if handler is None and scope.get("method") not in BODY_METHODS:
             return await self._delegate(scope, receive, send)
+        # every body is read here, bounded in size (chunked ones too) and in time between chunks
+        body = await self._read_body(receive)
+        if isinstance(body, int):
+            return await _reply(send, body, self._too_large() if body == 413 else self._too_slow())
+        if handler is None:
+            return await self._delegate(scope, _replay(body), send)
+        status, payload = await handler(body, scope)
+        return await _reply(send, status, payload)
+
+    async def _read_body(self, receive) -> bytes | int:
+        """The request body, or the status to answer instead: 413 past ``max_body_bytes``, 408 when
+        the client sends nothing for ``BODY_CHUNK_SECONDS`` (a slow client holds no server forever).
+        Chunks are joined once, in linear time."""
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_CHUNK_SECONDS)
+            except asyncio.TimeoutError:
+                return 408
+            if message.get("type") == "http.disconnect":
+                return 400
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await _reply(send, 413, self._too_large())
+                return 413
             chunks.append(chunk)
             if not message.get("more_body"):
-                break
-        status, payload = await handler(b"".join(chunks), scope)
-        return await _reply(send, status, payload)
+                return b"".join(chunks)
 
     async def _delegate(self, scope, receive, send) -> int:
         """Let the FastAPI app answer; return the status it sent (500 if it raised first)."""
@@ -391,9 +407,31 @@ class FastLane:
         await self.app(scope, receive, send_and_note)
         return sent[0]
 
+    def _too_slow(self) -> bytes:
+        return dumps({"detail": f"the request body stalled for {BODY_CHUNK_SECONDS:g} s; send it at once"})
+
     def _too_large(self) -> bytes:
         return dumps({"detail": f"request body over {self.max_body_bytes} bytes; split the request "
                                 f"(server.max_request_bytes sets the limit)"})
+
+
+BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+BODY_CHUNK_SECONDS = 30.0  # the longest a request body may pause between chunks
+
+
+def _replay(body: bytes):
+    """An ASGI ``receive`` that hands the app the body already read, then waits for the disconnect."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # (a real receive blocks until the client goes)
+        return {"type": "http.disconnect"}
+
+    return receive
 
 
 async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> int:

@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from featurestore.definitions import PushSource
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.online.codec import EPOCH
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
@@ -175,6 +176,10 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         store = watcher.current
         view = store.definitions.view(body.feature_view_name)
         source = view.source
+        key = caller(request)  # a push:<source> key writes only views of that source; other views need push
+        needed = f"push:{source.name}" if isinstance(source, PushSource) else "push"
+        if key is not None and not key.allows(needed):
+            raise ForbiddenError(f"API key {key.name!r} may not write view {view.name!r} (needs push or {needed})")
         times = [source.timestamp_field, *([source.created_timestamp_field] if source.created_timestamp_field else [])]
         return {"written_rows": store.write_to_online_store(view.name, _frame(body.df, times))}
 

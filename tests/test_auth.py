@@ -18,12 +18,16 @@ from .conftest import write_repo
 from .test_feature_server import DEFS, NOW
 
 KEYS = {"reader": ["read"], "pusher": ["push:events"], "operator": ["materialize"], "root": ["admin"]}
+LEDGER = """
+ledger = PushSource(name="ledger", schema=[Field("card_id", Int64), Field("total", Float64), Field("event_timestamp", UnixTimestamp)])
+stats = FeatureView(name="stats", entities=[card], source=ledger, schema=[Field("total", Float64)])
+"""
 
 
 @pytest.fixture
 def secured(tmp_path, redis_url, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
-    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    root = write_repo(tmp_path / "repo", DEFS + LEDGER, url=redis_url)
     entries = [{"name": n, "sha256": hash_key(f"key-{n}"), "scopes": s} for n, s in KEYS.items()]
     with open(root / "featurestore.yaml", "a") as f:
         f.write("server:\n  auth:\n    keys: " + json.dumps(entries) + "\n")
@@ -84,3 +88,65 @@ def test_api_key_command_prints_a_key_and_its_config(tmp_path):
     assert result.returncode == 0
     key = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("key:"))
     assert hash_key(key) in result.stdout
+
+
+def test_write_to_online_store_honours_the_push_scopes_source(secured):
+    """A key scoped only to ``push:events`` wrote view ``stats`` of another source through
+    ``/write-to-online-store`` (and a lookup then served the injected row)."""
+    client, _ = secured
+    rows = {"card_id": [7], "total": [1e9], "event_timestamp": [NOW.isoformat()]}
+    response = client.post("/write-to-online-store", json={"feature_view_name": "stats", "df": rows}, headers={"X-API-Key": "key-pusher"})
+    assert response.status_code == 403 and "push:ledger" in response.json()["detail"]
+    lookup = client.post("/get-online-features", json={"features": ["stats:total"], "entities": {"card_id": [7]}},
+                         headers={"X-API-Key": "key-reader"})
+    assert lookup.json()["results"][1]["statuses"] == ["NOT_FOUND"]
+    own = {"card_id": [7], "amount": [2.0], "country": ["FR"], "event_timestamp": [NOW.isoformat()]}
+    assert client.post("/write-to-online-store", json={"feature_view_name": "spend", "df": own},
+                       headers={"X-API-Key": "key-pusher"}).status_code == 200
+    assert client.post("/write-to-online-store", json={"feature_view_name": "stats", "df": rows},
+                       headers={"X-API-Key": "key-root"}).status_code == 200
+
+
+def test_a_projects_keys_are_never_another_projects(tmp_path, redis_url, monkeypatch):
+    """``apply --force`` removing view ``stats2`` in project ``shop`` also deleted it in ``shop:eu``
+    on the same Redis: ``drop_view`` scanned the glob ``fs:shop:*``."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    stores = {}
+    for project in ("shop", "shop:eu", "sh*p"):
+        root = write_repo(tmp_path / project.replace(":", "_").replace("*", "x"), DEFS, url=redis_url, project=project)
+        store = stores[project] = FeatureStore(root)
+        store.apply()
+        store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online")
+    try:
+        shop = stores["shop"]
+        (shop.config.repo_path / "features.py").write_text(DEFS.split("spend = FeatureView")[0] + "ledger = None\n")
+        shop._definitions, shop._unapplied = None, None
+        shop.apply(force=True)  # removes every view of project shop
+        for project in ("shop:eu", "sh*p"):
+            values = stores[project].get_online_features({"card_id": [1]}, features=["spend:amount"]).to_dict()
+            assert values["amount"] == [3.0], project
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def test_stored_data_is_private_to_its_user(tmp_path, redis_url, monkeypatch):
+    """History tables were readable by other local users (the umask gave 0644 files in 0755
+    folders). Every folder the stores keep data in is now 0700, wherever it is configured."""
+    import os
+    import stat
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    previous = os.umask(0o022)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    (tmp_path / "elsewhere").mkdir(mode=0o755)
+    with open(root / "featurestore.yaml", "a") as f:
+        f.write(f"offline_store: {{path: '{tmp_path / 'elsewhere' / 'history'}'}}\n")
+    with FeatureStore(root) as store:
+        store.apply()
+        store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="offline")
+        store.flush()
+        for folder in (store.config.data_dir, store.config.offline_path, store.config.registry_path):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+        assert any(store.config.offline_path.rglob("*.parquet"))  # the history written, behind a 0700 folder
+    os.umask(previous)

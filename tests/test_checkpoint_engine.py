@@ -134,3 +134,88 @@ def test_a_version_that_does_not_load_is_never_promoted_on_a_replica(tmp_path, r
     finally:
         for e in (source, replica):
             e.stop()
+
+
+def test_engines_take_the_servers_api_keys_and_replicas_present_theirs(tmp_path, redis_url, run, monkeypatch):
+    """With keys configured, anonymous ``GET /models/m/1/model.pt`` returned the weights, the
+    engine started on 0.0.0.0 without keys, and replicas sent no credentials."""
+    import os
+
+    from featurestore.auth import hash_key
+
+    entries = [{"name": "replicas", "sha256": hash_key("key-replicas"), "scopes": ["read"]},
+               {"name": "pusher", "sha256": hash_key("key-pusher"), "scopes": ["push"]}]
+    source = Engine.__new__(Engine)
+    source.repo = write_repo(tmp_path / "source", "", url=redis_url)
+    with open(source.repo / "featurestore.yaml", "a") as f:
+        f.write("server:\n  auth:\n    keys: " + json.dumps(entries) + "\n")
+    refused = subprocess.run([sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo",
+                              str(write_repo(tmp_path / "open", "", url=redis_url)), "--host", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "server.auth" in refused.stderr and "Traceback" not in refused.stderr
+    source.port = free_port()
+    source.url = f"http://127.0.0.1:{source.port}"
+    source.args = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo", str(source.repo),
+                   "--port", str(source.port)]
+    source.process = subprocess.Popen(source.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    monkeypatch.setenv("FEATURESTORE_API_KEY", "key-replicas")  # what the replica presents
+    replica = None
+    try:
+        _until(lambda: httpx.get(source.url + "/stats", headers={"X-API-Key": "key-replicas"}).status_code == 200, [source])
+        v1 = source.registry.register("m", run)
+        source.registry.promote("m", v1, "production")
+        assert httpx.get(f"{source.url}/models/m/{v1}/model.pt").status_code == 401
+        assert httpx.get(f"{source.url}/models/m/{v1}/model.pt", headers={"X-API-Key": "key-pusher"}).status_code == 403
+        assert httpx.get(f"{source.url}/models/m", headers={"X-API-Key": "key-replicas"}).status_code == 200
+        replica = Engine(tmp_path / "r1", redis_url, source=source.url)
+        _until(lambda: replica.serves(v1), [source, replica])
+        assert os.environ["FEATURESTORE_API_KEY"] == "key-replicas"
+    finally:
+        for e in (source, replica):
+            if e is not None:
+                e.stop()
+
+
+def test_a_replica_refuses_names_and_versions_that_would_leave_its_registry(tmp_path):
+    """A source announcing version ``"../../../t9-escaped"`` made the replica create that folder
+    with the source's files and record it in its ledger. Peers' names and versions are now
+    checked like user input."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from featurestore.checkpoint_engine import Replica
+    from featurestore.errors import FeatureStoreError
+
+    digest = hashlib.sha256(b"x").hexdigest()
+    answers = [
+        {"aliases": {"production": "../../../t9-escaped"}, "versions": {"../../../t9-escaped": {f: digest for f in MODEL_FILES}}, "revision": "a"},
+        {"aliases": {"production": 1}, "versions": {"1": {f: digest for f in MODEL_FILES}, "../../x": {}}, "revision": "b"},
+        {"aliases": {"../stage": 1}, "versions": {"1": {f: digest for f in MODEL_FILES}}, "revision": "c"},
+        {"aliases": {"production": 1}, "versions": {"1": {f: "../../etc" for f in MODEL_FILES}}, "revision": "d"},
+    ]
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(answers[0]).encode() if self.path.startswith("/models/m") else b"x"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = ModelRegistry(tmp_path / "replica" / "models", tmp_path / "replica" / "registry" / "models.json")
+    replica = Replica(registry, "m", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        while answers:
+            with pytest.raises(FeatureStoreError, match="refusing its state"):
+                replica.sync_once()
+            answers.pop(0)
+    finally:
+        server.shutdown()
+    assert not any(p.name.startswith("t9") for p in tmp_path.rglob("*")) and not registry.ledger.exists()
+    with pytest.raises(FeatureStoreError, match="not a model name"):
+        Replica(registry, "../escape", "http://127.0.0.1:1").registry.versions("../escape")

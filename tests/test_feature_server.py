@@ -616,3 +616,100 @@ def test_job_table_is_shared_by_processes_and_outlives_them(tmp_path):
     assert here.submit("materialize", ["spend"], lambda: {"rows": 0}).id != orphan
     assert [j.id for j in here.list()][:2] == [job.id, orphan]
     here.shutdown()
+
+
+def test_chunked_bodies_are_bounded_on_every_route(tmp_path, redis_url, monkeypatch):
+    """A chunked body (no Content-Length) bypassed ``server.max_request_bytes`` on the regular
+    routes: 256 MiB to ``/materialize`` got 202 and started a job; ``/write-to-online-store`` read
+    it whole before a 422. Every body is now read by the bound first, declared or not."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with open(root / "featurestore.yaml", "a") as f:
+        f.write("server: {max_request_bytes: 2000}\n")
+    with FeatureStore(root) as store:
+        store.apply()
+    def chunks():  # a valid JSON object, padded past the bound
+        yield b'{"feature_views": null, "padding": "'
+        for _ in range(1000):
+            yield b"x" * 1000
+        yield b'"}'
+
+    with TestClient(create_app(root)) as client:
+        for path in ("/materialize", "/write-to-online-store", "/get-online-features", "/push"):
+            response = client.post(path, content=chunks(), headers={"Content-Type": "application/json"})
+            assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], (path, response.text)
+        assert client.get("/jobs").json()["jobs"] == []  # no job was started
+
+
+def test_a_stalled_body_gets_408(monkeypatch):
+    import asyncio
+
+    from serving import common
+
+    monkeypatch.setattr(common, "BODY_CHUNK_SECONDS", 0.2)
+    replies = []
+
+    async def receive():
+        if not replies:
+            replies.append("first")
+            return {"type": "http.request", "body": b'{"a":', "more_body": True}
+        await asyncio.sleep(10)  # the client stops sending
+
+    async def send(message):
+        replies.append(message)
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/materialize")
+    def never_reached() -> None:
+        raise AssertionError("the app got a stalled request")
+
+    lane = common.FastLane(app, {}, 1000)
+    asyncio.run(lane({"type": "http", "method": "POST", "path": "/materialize", "headers": []}, receive, send))
+    assert replies[1]["status"] == 408
+
+
+def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
+    """300 slowloris connections (headers sent a line at a time, never finished) were all still
+    held after 40 s. A request's head now has ``serving.protocol.HEAD_SECONDS`` to arrive."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from serving.protocol import HEAD_SECONDS
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
+                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
+                time.sleep(0.2)
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            slow.append(s)
+        time.sleep(HEAD_SECONDS + 2)
+        for s in slow:
+            s.settimeout(5)
+            assert s.recv(100) == b""  # closed by the server
+            s.close()
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200  # others still served
+    finally:
+        server.terminate()
+        server.wait(30)

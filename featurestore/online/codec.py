@@ -62,7 +62,19 @@ _FIXED: dict[str, tuple[str, int, str]] = {
 
 
 def key_prefix(project: str) -> bytes:
-    return f"fs:{project}:".encode()
+    """``fs:<project>:``, the project's ``%`` and ``:`` escaped, so no project's prefix starts another's
+    (``shop`` and ``shop:eu``). Names without them, the usual ones, are written as they are."""
+    return f"fs:{project.replace('%', '%25').replace(':', '%3A')}:".encode()
+
+
+def glob_escaped(literal: bytes) -> bytes:
+    """``literal`` as a Redis ``MATCH`` pattern matching itself only."""
+    out = bytearray()
+    for byte in literal:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
 
 
 _ESCAPES = (("%", "%25"), ("\x1f", "%1F"), ("{", "%7B"), ("}", "%7D"))

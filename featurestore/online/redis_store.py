@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range, Seal, TiledRange
-from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, key_prefix, numpy_values
+from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, glob_escaped, key_prefix, numpy_values
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
@@ -721,7 +721,9 @@ class RedisOnlineStore:
     def drop_view(self, view: str) -> None:
         """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
         marker = view.encode() + b"#"
-        for key in self.client.scan_iter(match=self.prefix + b"*", count=1000):
+        for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
+            if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
+                continue
             tail = key.rsplit(b":", 1)[-1]
             if tail.startswith(marker):  # an events or event-ids key
                 self.client.delete(key)

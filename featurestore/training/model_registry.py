@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -64,6 +65,13 @@ class LoadedModel:
 
 
 MODEL_FILES = ("model.pt", "preprocessing.json", "card.json")
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"  # a model's name is a folder: no separators, no '..'
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or ".." in name:
+        raise FeatureStoreError(f"{name!r} is not a model name: letters, digits, '_', '.' and '-', starting with a letter or digit")
+    return name
 
 
 def _sha256(path: Path) -> str:
@@ -103,6 +111,7 @@ class ModelRegistry:
     def register(self, name: str, run_dir: Path) -> int:
         import torch
 
+        check_name(name)
         run_dir = Path(run_dir)
         state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
         params = json.loads((run_dir / "params.json").read_text())
@@ -135,7 +144,7 @@ class ModelRegistry:
         return version
 
     def versions(self, name: str) -> list[int]:
-        folder = self.root / name
+        folder = self.root / check_name(name)
         return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
 
     def names(self) -> list[str]:
@@ -152,6 +161,9 @@ class ModelRegistry:
     def install(self, name: str, version: int, files: dict[str, bytes], hashes: dict[str, str]) -> None:
         """Add a version made elsewhere (copied by the checkpoint engine), under its own number,
         after checking every file against ``hashes``; a version already here is left as is."""
+        check_name(name)
+        if type(version) is not int or version < 1:
+            raise FeatureStoreError(f"model {name}: {version!r} is not a version number")
         if version in self.versions(name):
             return
         wrong = [f for f in MODEL_FILES if hashlib.sha256(files.get(f, b"")).hexdigest() != hashes.get(f)]

@@ -1,0 +1,69 @@
+"""The checkpoint engine's HTTP routes over one model registry (``featurestore.checkpoint_engine``
+says how engines form a tree): behind the same API keys, scopes and body bound as the other
+servers, every route needing the ``read`` scope (model weights are as private as features)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from typing import Any
+
+from fastapi import FastAPI, Path, Query
+from fastapi.responses import FileResponse, Response
+
+from featurestore.auth import Authenticator
+from featurestore.checkpoint_engine import Replica, state
+from featurestore.config import RepoConfig
+from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, ModelRegistry
+from serving.common import FastLane, Metrics, install_error_handlers
+
+NOT_FOUND = {404: {"description": "No such model, version or file."}}
+
+
+def create_app(registry: ModelRegistry, replica: Replica | None = None, config: RepoConfig | None = None) -> FastAPI:
+    """The routes every engine serves over its own registry; with ``replica``, the engine also keeps
+    that registry in step with its source, on a thread. ``config``: the repo's API keys and bounds."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stop = threading.Event()
+        if replica is not None:
+            threading.Thread(target=replica.sync_forever, args=(stop,), daemon=True, name="checkpoint-sync").start()
+        yield
+        stop.set()
+
+    app = FastAPI(title="featurestore checkpoint engine", version="0.1.0", lifespan=lifespan,
+                  description="Model versions for inference replicas: aliases, hashes, files; long-poll for changes.")
+    metrics = Metrics("featurestore_checkpoint_engine")
+    install_error_handlers(app, metrics)
+    name_path = Path(..., pattern=NAME_PATTERN, description="A registered model's name.")
+
+    @app.get("/models/{name}", summary="Aliases and versions of a model; with `wait`, once they change")
+    async def model_state(name: str = name_path, wait: str | None = Query(None, max_length=64),
+                          timeout: float = Query(25.0, ge=0, le=60)) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        current = state(registry, name)
+        while wait is not None and current["revision"] == wait and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            current = state(registry, name)
+        return current
+
+    served = {"files": 0}
+
+    @app.get("/models/{name}/{version}/{file}", summary="One file of a registered version", responses=NOT_FOUND,
+             response_class=FileResponse)
+    async def model_file(name: str = name_path, version: int = Path(..., ge=1), file: str = Path(..., pattern="^[a-z.]+$")) -> Response:
+        if file not in MODEL_FILES or version not in registry.versions(name):
+            return Response(status_code=404)
+        served["files"] += 1
+        return FileResponse(registry.root / name / str(version) / file)
+
+    @app.get("/stats", summary="Files this engine has sent (a tree keeps the source's count at one copy per child)")
+    async def stats() -> dict[str, int]:
+        return {"files_served": served["files"]}
+
+    keys = config.api_keys if config is not None else None
+    bound = config.max_request_bytes if config is not None else 16 * 1024 * 1024
+    return FastLane(app, {}, bound, Authenticator(keys), metrics)  # type: ignore[return-value]
