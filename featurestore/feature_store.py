@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
-from featurestore.errors import DefinitionError, FeatureStoreError
+from featurestore.errors import DefinitionError, FeatureStoreError, OnlineStoreUnavailable
 from featurestore.files import private_dir
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
 from featurestore.registry.snapshot import value_hash
@@ -233,7 +233,11 @@ class FeatureStore:
 
     def close(self) -> None:
         if self._buffer is not None:
-            self._commit_buffered()
+            try:
+                self._commit_buffered()
+            except OnlineStoreUnavailable as exc:  # durable in the buffer: the next flush commits them
+                logging.getLogger(__name__).warning("buffered pushes stay in %s until the online store is back (%s)",
+                                                    self._buffer.root, exc)
             self._buffer.close()
         if self._online is not None:
             self._online.close()

@@ -162,6 +162,26 @@ def test_redis_stopped_and_restarted_under_a_running_server(own_redis):
     assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
 
 
+def test_every_write_during_a_redis_outage_is_a_503_and_the_sdk_raises_the_stores_error(own_redis, tmp_path):
+    """With Redis killed, some ``/push`` got 500 and the SDK raised redis-py's ``ConnectionError``
+    (the write path connected outside the ``try`` that maps store errors)."""
+    from featurestore.errors import OnlineStoreUnavailable
+
+    server, client = own_redis
+    server.stop()
+    for to in ("online", "online_and_offline"):
+        for _ in range(3):
+            response = push(client, [2], [4.0], [NOW], to=to)
+            assert response.status_code == 503 and "unreachable" in response.json()["detail"], response.text
+    rows = {"card_id": [2], "amount": [4.0], "country": ["FR"], "event_timestamp": [NOW.isoformat()]}
+    assert client.post("/write-to-online-store", json={"feature_view_name": "spend", "df": rows}).status_code == 503
+    with FeatureStore(tmp_path / "repo") as store:
+        with pytest.raises(OnlineStoreUnavailable):
+            store.push("events", {"card_id": [2], "amount": [4.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online")
+        with pytest.raises(OnlineStoreUnavailable):
+            store.online_store.newest()
+
+
 def test_a_hung_redis_gives_503s_and_recovery_needs_no_restart(own_redis):
     """Issue #11: a SIGSTOPped Redis froze the whole server (health included) for 34 s."""
     import os

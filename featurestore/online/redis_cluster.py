@@ -27,11 +27,16 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range, TiledRange
+from featurestore.online.base import Lookup, Range, Seal, TiledRange
 from featurestore.online.codec import entity_keys
-from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, listen, redact
+from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, _flat, listen, redact
 
 SCHEME = "redis+cluster://"
+# what redis-py's cluster client raises while a master fails over: the usual errors, and from its
+# pipelines and slot map now and then a lookup on a node that has just gone (seen under failover)
+PIPELINE_FAILURES = (*UNAVAILABLE, AttributeError, KeyError, IndexError)
+# replies of a node whose slots are moving or failing over (redis-py parses some into these)
+MOVING = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.MovedError, redis.exceptions.AskError)
 
 
 def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
@@ -93,18 +98,21 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args,
                                     accepted=accepted[order] if accepted is not None else None, **kwargs)
 
+    def _error(self, exc: BaseException) -> OnlineStoreUnavailable:
+        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
         try:
             return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        except PIPELINE_FAILURES as exc:
+            raise self._error(exc) from exc
 
     async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         try:
             return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
-        except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+        except PIPELINE_FAILURES as exc:
+            raise self._error(exc) from exc
 
     def read_tiles(self, windows: Sequence[TiledRange]) -> list:
         """One EVALSHA per window, each to its key's node (the scripts sum no lists, unlike ``_send``)."""
@@ -118,11 +126,46 @@ class RedisClusterOnlineStore(RedisOnlineStore):
             except redis.exceptions.NoScriptError:
                 if attempt == 2:
                     raise
-                for script in self._scripts.values():
-                    self.client.script_load(script.code)
-            except UNAVAILABLE as exc:
-                raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+                with self._calling():
+                    for script in self._scripts.values():
+                        self.client.script_load(script.code)
+            except PIPELINE_FAILURES as exc:
+                raise self._error(exc) from exc
         raise AssertionError("unreachable")
+
+    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list:
+        """``read_tiles`` on the event loop: the async cluster pipeline, by command (its EVALSHA method is blocked too)."""
+        sha = self._scripts["read_window"].sha
+        for attempt in (1, 2):
+            try:
+                pipe = self.async_client.pipeline(transaction=False)
+                for key, arguments in windows:
+                    pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
+                return await pipe.execute()
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                try:
+                    for script in self._scripts.values():
+                        await self.async_client.script_load(script.code)
+                except PIPELINE_FAILURES as exc:
+                    raise self._error(exc) from exc
+            except PIPELINE_FAILURES as exc:
+                raise self._error(exc) from exc
+        raise AssertionError("unreachable")
+
+    async def seal_async(self, seals: Sequence[Seal]) -> None:
+        """``seal`` on the event loop, one script call per key (each on its key's node)."""
+        sha = self._scripts["seal"].sha
+        try:
+            for key, tile_us, tiles in seals:
+                try:
+                    await self.async_client.execute_command("EVALSHA", sha, 1, key, tile_us, *_flat(tiles))
+                except redis.exceptions.NoScriptError:
+                    await self.async_client.script_load(self._scripts["seal"].code)
+                    await self.async_client.execute_command("EVALSHA", sha, 1, key, tile_us, *_flat(tiles))
+        except PIPELINE_FAILURES as exc:
+            raise self._error(exc) from exc
 
     def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
         """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call
@@ -137,21 +180,21 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         calls = list(calls)
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
-        for i, (name, keys, args, per_key) in enumerate(calls):
-            keys = _array(keys)
-            slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
-            if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
-                order = pa.array(np.argsort(slots, kind="stable"))
-                keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
-            starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
-            for start, end in zip(starts, starts[1:]):
-                node = manager.get_node_from_slot(int(slots[start]))
-                queued[node.name].append((i, self._command(name, keys.slice(start, end - start), args,
-                                                           [c.slice(start, end - start) for c in per_key])))
         results: list = [0] * len(calls)
-        pools = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool for name in queued}
         connections = {}
-        try:
+        try:  # (the slot map and the connections fail during a failover too: all of it is the store's error)
+            for i, (name, keys, args, per_key) in enumerate(calls):
+                keys = _array(keys)
+                slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
+                if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
+                    order = pa.array(np.argsort(slots, kind="stable"))
+                    keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
+                starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
+                for start, end in zip(starts, starts[1:]):
+                    node = manager.get_node_from_slot(int(slots[start]))
+                    queued[node.name].append((i, self._command(name, keys.slice(start, end - start), args,
+                                                               [c.slice(start, end - start) for c in per_key])))
+            pools = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool for name in queued}
             for name, commands in queued.items():
                 connections[name] = pools[name].get_connection()
                 connections[name].send_packed_command([command for _, command in commands])
@@ -165,15 +208,16 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                         results[i] = reply
                     elif not isinstance(results[i], Exception):
                         results[i] += reply or 0
-        except UNAVAILABLE as exc:
+        except PIPELINE_FAILURES as exc:
             for connection in connections.values():  # replies may be left unread on them
                 connection.disconnect()
             self._refresh_slots()
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            raise self._error(exc) from exc
         finally:
             for name, connection in connections.items():
                 pools[name].release(connection)
-        moved = [r for r in results if isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN"))]
+        moved = [r for r in results if isinstance(r, MOVING) or (isinstance(r, redis.ResponseError)
+                                                                  and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")))]
         if moved:  # a slot moved or is failing over: the writes are idempotent, a retry sends them again
             self._refresh_slots()
             raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is resharding or failing over ({moved[0]}); retry")

@@ -11,6 +11,7 @@ per-argument packing (``resp``). Layout: see ``featurestore.online.codec``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 from datetime import timedelta
@@ -535,8 +536,7 @@ class RedisOnlineStore:
                     idle.disconnect()
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
-                self._recover()
-                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+                raise self.unavailable(exc) from exc
             if not readers.give_back(connection):
                 connection.disconnect()
             return replies
@@ -573,7 +573,7 @@ class RedisOnlineStore:
                 if attempt == 1 and isinstance(exc, redis.ConnectionError):
                     continue
                 self._recover_in_background()
-                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+                raise self._error(exc) from exc
         raise AssertionError("unreachable")
 
     def _recover(self) -> None:
@@ -592,14 +592,15 @@ class RedisOnlineStore:
         self._recovering = asyncio.get_running_loop().run_in_executor(None, self._recover)
 
     def ping(self) -> bool:
-        return bool(self.client.ping())
+        with self._calling():
+            return bool(self.client.ping())
 
     async def ping_async(self) -> bool:
         try:
             return bool(await self.async_client.ping())
         except (redis.RedisError, OSError) as exc:
             self._recover_in_background()
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            raise self._error(exc) from exc
 
     def _run(self, calls: Callable[[], Iterable[Call]], newest: tuple[str, int] | None) -> list:
         """Run script calls ``(script, keys, arguments, per-key arguments)`` in one round trip, then
@@ -614,8 +615,9 @@ class RedisOnlineStore:
         for attempt in (1, 2):
             results = self._send(itertools.chain(calls(), noted))
             if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
-                for script in self._scripts.values():
-                    self.client.script_load(script.code)
+                with self._calling():
+                    for script in self._scripts.values():
+                        self.client.script_load(script.code)
                 continue
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
@@ -629,7 +631,10 @@ class RedisOnlineStore:
     def _send(self, calls: Iterable[Call]) -> list:
         """Send each call as it comes, then read the replies (errors as values)."""
         pool = self.client.connection_pool
-        connection = pool.get_connection()
+        try:
+            connection = pool.get_connection()  # (connects: a Redis that is down fails here)
+        except UNAVAILABLE as exc:
+            raise self.unavailable(exc) from exc
         try:
             sent = 0
             for name, keys, args, per_key in calls:
@@ -644,9 +649,25 @@ class RedisOnlineStore:
             return results
         except UNAVAILABLE as exc:
             connection.disconnect()
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            raise self.unavailable(exc) from exc
         finally:
             pool.release(connection)
+
+    def _error(self, exc: BaseException) -> OnlineStoreUnavailable:
+        """What a failed call raises: the store's error (a 503 on the servers), never redis-py's."""
+        return OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+
+    def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
+        """``_error``, an embedded server that died restarted first (by whoever notices)."""
+        self._recover()
+        return self._error(exc)
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        try:
+            yield
+        except UNAVAILABLE as exc:
+            raise self.unavailable(exc) from exc
 
     def read_tiles(self, windows: Sequence[TiledRange]) -> list:
         """Each heavy entity's ``[tile summaries, edge events]`` (``READ_WINDOW``)."""
@@ -668,7 +689,7 @@ class RedisOnlineStore:
                     raise
                 await self.async_client.script_load(script.code)
             except UNAVAILABLE as exc:
-                raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+                raise self._error(exc) from exc
         raise AssertionError("unreachable")
 
     async def _evalsha_async(self, name: str, key: bytes, *arguments: Any) -> Any:
@@ -679,7 +700,7 @@ class RedisOnlineStore:
             await self.async_client.script_load(script.code)
             return await self.async_client.evalsha(script.sha, 1, key, *arguments)
         except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
+            raise self._error(exc) from exc
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries (``SEAL_TILES``: only where the tile still holds what was summarized)."""
@@ -692,7 +713,8 @@ class RedisOnlineStore:
 
     def newest(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
-        return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
+        with self._calling():
+            return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
 
     async def newest_async(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
@@ -702,16 +724,15 @@ class RedisOnlineStore:
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is
         recorded (a retry gets the first attempt's time and fingerprint)."""
         name = self.prefix + b"idem:" + key.encode()
-        try:
+        with self._calling():
             recorded = self.client.eval(FIRST_USE, 1, name, f"{now_us}:{fingerprint}", keep_seconds).decode()
-        except UNAVAILABLE as exc:
-            raise OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}") from exc
         first, _, recorded_fingerprint = recorded.partition(":")
         return int(first), recorded_fingerprint
 
     def publish(self, channel: bytes, message: str) -> None:
         """Broadcast to every subscribed server (model promotions)."""
-        self.client.publish(self.prefix + channel, message)
+        with self._calling():
+            self.client.publish(self.prefix + channel, message)
 
     async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
         """Messages published on ``channel``, as they come; raises when Redis goes away."""
@@ -720,6 +741,10 @@ class RedisOnlineStore:
 
     def drop_view(self, view: str) -> None:
         """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
+        with self._calling():
+            self._drop_view(view)
+
+    def _drop_view(self, view: str) -> None:
         marker = view.encode() + b"#"
         for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
             if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
