@@ -332,6 +332,7 @@ class FeatureStore:
     def get_online_features(
         self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
         feature_service: str | FeatureService | None = None, full_feature_names: bool = False, at: datetime | None = None,
+        include_feature_view_version_metadata: bool = False,
     ) -> "OnlineResponse":
         """Latest values per entity from the online store, with per-value statuses.
 
@@ -348,6 +349,8 @@ class FeatureStore:
         query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
                                     full_feature_names, self.config.max_request_entities, now=at)
         response = read_online(self.online_store, query)
+        if include_feature_view_version_metadata:  # (Feast's flag)
+            response.feature_view_metadata = query.view_versions()
         if query.seals:  # heavy entities' tiles, summarized for the next lookups; a failure costs only speed
             import redis
 

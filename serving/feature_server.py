@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from itertools import repeat
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from featurestore.definitions import PushSource
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
-from featurestore.online.codec import EPOCH
+from featurestore.timestamps import parse_timestamp
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import OnlineQuery, read_online_async
 from featurestore.auth import Authenticator
@@ -39,6 +39,8 @@ class GetOnlineFeaturesRequest(BaseModel):
     feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
     entities: dict[str, list[Any]] = Field(..., description="Join key -> list of values; request-time inputs also go here.")
     full_feature_names: bool = Field(False, description="Name features 'view__feature'.")
+    include_feature_view_version_metadata: bool = Field(False, description="Feast's flag: add metadata.feature_view_metadata, "
+                                                        "each view read with its history version.")
     at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
 
     model_config = {"json_schema_extra": {"examples": [
@@ -73,12 +75,19 @@ class MaterializeRequest(BaseModel):
     start_ts: Optional[datetime] = Field(None, description="Window start (inclusive); omit for all history.")
     end_ts: Optional[datetime] = Field(None, description="Window end (exclusive); default now.")
     feature_views: Optional[list[str]] = None
+    disable_event_timestamp: bool = Field(False, description="Feast's flag: every row, whatever its event time (the window is ignored).")
+    full_feature_names: bool = Field(False, description="Accepted for Feast's clients; nothing to name here.")
 
 
 class MaterializeIncrementalRequest(BaseModel):
     end_ts: Optional[datetime] = None
     feature_views: Optional[list[str]] = None
 
+
+JOB_RESPONSES = {
+    200: {"description": "The job finished: its state and report (`Prefer: respond-async` not sent)."},
+    202: {"description": "`Prefer: respond-async`: the job, queued; follow it at `/jobs/{id}`."},
+}
 
 ERRORS = {
     404: {"description": "Unknown feature, view, service or push source."},
@@ -131,6 +140,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=request_time(body),
         )
         response = await read_online_async(store.online_store, query)
+        if body.get("include_feature_view_version_metadata"):
+            response.feature_view_metadata = query.view_versions()
         seal_in_background(store, query.seals)
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
@@ -183,24 +194,33 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         times = [source.timestamp_field, *([source.created_timestamp_field] if source.created_timestamp_field else [])]
         return {"written_rows": store.write_to_online_store(view.name, _frame(body.df, times))}
 
-    def start_job(kind: str, views: list[str] | None, run: Callable[[Any], Any]) -> Response:
+    def run_job(request: Request, kind: str, views: list[str] | None, run: Callable[[Any], Any]) -> Response:
+        """A background job: with ``Prefer: respond-async`` 202 at once, else its outcome once it finished
+        (as Feast's server answers: its clients expect the data online when the call returns)."""
         store = watcher.current
         for name in views or []:
             store.definitions.view(name)  # 404 now, not a failed job later
-        job = jobs.submit(kind, views or [], lambda: {"views": [vars(v) for v in run(watcher.current).views]})
-        return json_response(jobs.describe(job), 202)
+        work = lambda: {"views": [vars(v) for v in run(watcher.current).views]}  # noqa: E731
+        if "respond-async" in (request.headers.get("prefer") or "").lower():
+            return json_response(jobs.describe(jobs.submit(kind, views or [], work)), 202)
+        job = jobs.wait(kind, views or [], work)
+        if job.status != "succeeded":
+            return json_response({"detail": f"job {job.id} failed: {job.error}", "job": jobs.describe(job)}, job.error_status or 500)
+        return json_response(jobs.describe(job))
 
-    @app.post("/materialize", status_code=202, responses=ERRORS,
-              summary="Start materializing views over an event-time window into both stores (a background job)")
-    def materialize(body: MaterializeRequest) -> Response:
-        return start_job("materialize", body.feature_views,
-                         lambda store: store.materialize(body.start_ts, body.end_ts, body.feature_views))
+    @app.post("/materialize", responses={**JOB_RESPONSES, **ERRORS},
+              summary="Materialize views over an event-time window into both stores (a background job; waits for it "
+                      "unless `Prefer: respond-async`)")
+    def materialize(body: MaterializeRequest, request: Request) -> Response:
+        start, end = (None, None) if body.disable_event_timestamp else (body.start_ts, body.end_ts)
+        return run_job(request, "materialize", body.feature_views, lambda store: store.materialize(start, end, body.feature_views))
 
-    @app.post("/materialize-incremental", status_code=202, responses=ERRORS,
-              summary="Start materializing everything not yet written, late rows included (a background job)")
-    def materialize_incremental(body: MaterializeIncrementalRequest) -> Response:
-        return start_job("materialize-incremental", body.feature_views,
-                         lambda store: store.materialize_incremental(body.end_ts, body.feature_views))
+    @app.post("/materialize-incremental", responses={**JOB_RESPONSES, **ERRORS},
+              summary="Materialize everything not yet written, late rows included (a background job; waits for it "
+                      "unless `Prefer: respond-async`)")
+    def materialize_incremental(body: MaterializeIncrementalRequest, request: Request) -> Response:
+        return run_job(request, "materialize-incremental", body.feature_views,
+                       lambda store: store.materialize_incremental(body.end_ts, body.feature_views))
 
     @app.get("/jobs/{job_id}", responses=ERRORS, summary="A background job's state: queued, running, succeeded (with its report) or failed")
     def job_status(job_id: str) -> Response:
@@ -243,7 +263,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
 
 def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:
     """A pushed ``df`` as an Arrow table (the store casts it to the declared types); timestamps as
-    ISO 8601 text (naive means UTC) or epoch seconds (numbers), as Feast's clients send."""
+    ISO 8601 text (naive means UTC) or epoch numbers (seconds, milliseconds, µs or ns by their
+    size: ``featurestore.timestamps``), as Feast's clients send."""
     lengths = {len(values) for values in df.values()}
     if len(lengths) > 1:
         raise RequestError(f"'df' must map columns to lists of equal length, not lengths {sorted(lengths)}")
@@ -258,19 +279,11 @@ def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:
 
 def _timestamps(name: str, values: list[Any]) -> pa.Array:
     try:
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            parsed = [EPOCH + timedelta(seconds=v) for v in values]
-        elif all(isinstance(v, str) for v in values):
-            parsed = [_utc(datetime.fromisoformat(v)) for v in values]
-        else:
-            raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch seconds")
+        parsed = [None if v is None else parse_timestamp(v) for v in values]
     except (ValueError, TypeError, OverflowError) as exc:
-        raise RequestError(f"column {name!r} holds values that are not timestamps: {exc}") from exc
+        raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch numbers "
+                           f"(seconds, milliseconds, µs or ns): {exc}") from exc
     return pa.array(parsed, pa.timestamp("us", tz="UTC"))
-
-
-def _utc(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=timezone.utc) if ts.tzinfo is None else ts
 
 
 def _parse_push(raw: bytes) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Background jobs for the feature server: materializations run off the request path, one at a time.
 
-``POST /materialize`` answers 202 with a job id at once; the work runs on one worker thread
-(never the event loop, never two at once in a process; across processes the per-view history
-lock keeps writers apart), and ``GET /jobs/{id}`` reports its state. A request for views a
-queued or running job already covers gets 409 naming that job.
+``POST /materialize`` with ``Prefer: respond-async`` answers 202 with a job id at once; the work
+runs on one worker thread (never the event loop, never two at once in a process; across
+processes the per-view history lock keeps writers apart), and ``GET /jobs/{id}`` reports its
+state. Such a request for views a queued or running job already covers gets 409 naming that job.
+Without the header (Feast's clients, which expect the call to finish) the request waits: for a
+job already covering its views, else for its own, and answers with the outcome (``wait``).
 
 The table of jobs is a folder of JSON files (one per job, replaced whole at each change) that
 every worker process of the server reads: with ``--workers N`` a status request lands on any
@@ -29,7 +31,7 @@ from typing import IO, Any, Callable
 import orjson
 
 from featurestore.errors import ConflictError, FeatureStoreError, NotFoundError
-from serving.common import dumps
+from serving.common import dumps, error_status
 
 log = logging.getLogger("featurestore.jobs")
 KEPT_JOBS = 200
@@ -47,6 +49,11 @@ class Job:
     result: Any = None
     error: str | None = None
     runner: str = ""  # the process that runs it (its lock file's name)
+    error_status: int | None = None  # the HTTP status its failure answers with
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("succeeded", "failed")
 
     @property
     def active(self) -> bool:
@@ -69,19 +76,43 @@ class JobRunner:
         self._lock = threading.Lock()
 
     def submit(self, kind: str, views: list[str], work: Callable[[], Any]) -> Job:
+        """Queue ``work``; ConflictError if a queued or running job covers any of ``views``."""
+        job, busy = self._submit_unless_busy(kind, views, work)
+        if busy is not None:
+            raise ConflictError(f"job {busy.id} ({busy.kind}, {busy.status}) already covers these views; "
+                                f"follow it at /jobs/{busy.id}")
+        assert job is not None
+        return job
+
+    def wait(self, kind: str, views: list[str], work: Callable[[], Any], poll: float = 0.1) -> Job:
+        """Run ``work`` as a job and return it finished. A job already running over some of ``views``
+        is waited for first; if it was the same kind of job over all of them (or every view), its
+        outcome is the answer, else this one runs after it."""
+        while True:
+            job, busy = self._submit_unless_busy(kind, views, work)
+            done = self._finished(job or busy, poll)  # type: ignore[arg-type]
+            if job is not None or (done.kind == kind and (not done.views or set(views) <= set(done.views))):
+                return done
+
+    def _finished(self, job: Job, poll: float) -> Job:
+        while not (current := self.get(job.id)).finished:
+            time.sleep(poll)
+        return current
+
+    def _submit_unless_busy(self, kind: str, views: list[str], work: Callable[[], Any]) -> tuple[Job | None, Job | None]:
+        """(the queued job, None), or (None, the active job that covers some of ``views``)."""
         with self._lock, open(self._folder / ".table.lock", "a") as table:  # one submitter at a time, all processes
             fcntl.flock(table, fcntl.LOCK_EX)
             jobs = self.list()
             busy = next((j for j in jobs if j.active and j.overlaps(views)), None)
             if busy is not None:
-                raise ConflictError(f"job {busy.id} ({busy.kind}, {busy.status}) already covers these views; "
-                                    f"follow it at /jobs/{busy.id}")
+                return None, busy
             job = Job(uuid.uuid4().hex[:12], kind, list(views), runner=self._name)
             self._save(job)
             self._forget_old(jobs)
         self._pool.submit(self._run, job, work)
         log.info("job %s queued: %s %s", job.id, kind, views or "all views")
-        return job
+        return job, None
 
     def _run(self, job: Job, work: Callable[[], Any]) -> None:
         job.status, job.started_at = "running", time.time()
@@ -90,9 +121,9 @@ class JobRunner:
             job.result = orjson.loads(dumps(work()))  # as the table will hold it
             job.status = "succeeded"
         except FeatureStoreError as exc:
-            job.status, job.error = "failed", str(exc)
+            job.status, job.error, job.error_status = "failed", str(exc), error_status(exc)
         except Exception as exc:  # noqa: BLE001 - a job's failure is reported, never lost
-            job.status, job.error = "failed", f"{type(exc).__name__}: {exc}"
+            job.status, job.error, job.error_status = "failed", f"{type(exc).__name__}: {exc}", 500
             log.error("job %s failed:\n%s", job.id, traceback.format_exc())
         job.finished_at = time.time()
         self._save(job)
@@ -109,7 +140,7 @@ class JobRunner:
         except (OSError, ValueError, TypeError):  # gone meanwhile (forgotten), or not a job file
             return None
         if job.active and job.runner != self._name and not self._runner_alive(job.runner):
-            job.status = "failed"
+            job.status, job.error_status = "failed", 503
             job.error = "the server process that ran this job exited before it finished; submit it again"
         return job
 

@@ -120,3 +120,51 @@ def test_errors_in_feasts_shape_when_asked(tmp_path, redis_url, monkeypatch):
         assert detail["class"] == "FeastObjectNotFoundException" and "nope" in detail["message"]
         bad = c.post("/push", json={"push_source_name": "events", "df": {"card_id": ["x"]}})
         assert json.loads(bad.json())["class"] == "FeastError"
+
+
+def test_pushed_epoch_milliseconds_and_version_metadata_as_feast(client, tmp_path):  # noqa: F811
+    """Pushes with epoch-millisecond timestamps got 422 ("date value out of range") where Feast takes
+    them; ``include_feature_view_version_metadata`` was ignored."""
+    when = NOW - timedelta(minutes=2)
+    millis = int(when.timestamp() * 1000)
+    for card, stamp in ((31, millis), (32, millis * 1000), (33, int(when.timestamp())), (34, millis * 1_000_000)):
+        response = client.post("/push", json={"push_source_name": "events", "df": {
+            "card_id": [card], "amount": [1.5], "country": ["FR"], "event_timestamp": [stamp]}})
+        assert response.status_code == 200, response.text
+    body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [31, 32, 33, 34]},
+                                                     "include_feature_view_version_metadata": True}).json()
+    assert body["results"][1]["values"] == [1.5] * 4
+    stamps = body["results"][1]["event_timestamps"]
+    assert stamps[0] == stamps[1] == stamps[3] == when.replace(microsecond=(when.microsecond // 1000) * 1000).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    assert body["metadata"]["feature_view_metadata"] == [{"name": "spend", "version": 1}]
+    plain = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [31]}}).json()
+    assert "feature_view_metadata" not in plain["metadata"]
+
+
+def test_timestamp_join_keys_over_rest(make_store):
+    """Timestamp join keys could not be looked up over REST: ISO with an offset, ``Z``, a space
+    separator and epoch µs all got 422 (only a Python datetime was taken)."""
+    from datetime import datetime, timezone
+
+    from fastapi.testclient import TestClient
+
+    from serving.feature_server import create_app
+
+    defs = """
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, UnixTimestamp
+day = Entity(name="day", join_keys=["day"], value_type=UnixTimestamp)
+src = PushSource(name="days", schema=[Field("day", UnixTimestamp), Field("total", Float64), Field("event_timestamp", UnixTimestamp)])
+daily = FeatureView(name="daily", entities=[day], source=src, schema=[Field("total", Float64)])
+"""
+    store = make_store(defs)
+    day = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+    store.push("days", {"day": [day], "total": [42.0], "event_timestamp": [NOW - timedelta(minutes=1)]}, to="online")
+    micros = int(day.timestamp()) * 1_000_000
+    with TestClient(create_app(store.config.repo_path)) as c:
+        keys = ["2024-05-01T12:00:00Z", "2024-05-01T14:00:00+02:00", "2024-05-01 12:00:00", micros, int(day.timestamp()), "nope"]
+        for key in keys[:-1]:
+            body = c.post("/get-online-features", json={"features": ["daily:total"], "entities": {"day": [key]}})
+            assert body.status_code == 200 and body.json()["results"][1]["values"] == [42.0], (key, body.text)
+        bad = c.post("/get-online-features", json={"features": ["daily:total"], "entities": {"day": ["nope"]}})
+        assert bad.status_code == 422 and "UnixTimestamp" in bad.json()["detail"]

@@ -116,9 +116,10 @@ def test_materialize_runs_as_a_background_job(client):
     import time
 
     push(client, [5], [1.0], [NOW - timedelta(minutes=5)], to="online_and_offline")
-    started = client.post("/materialize-incremental", json={})
+    later = {"Prefer": "respond-async"}  # our job API; without it, the call waits (as Feast's server does)
+    started = client.post("/materialize-incremental", json={}, headers=later)
     assert started.status_code == 202 and started.json()["status"] in ("queued", "running")
-    again = client.post("/materialize", json={"feature_views": ["spend"]})
+    again = client.post("/materialize", json={"feature_views": ["spend"]}, headers=later)
     job = started.json()
     if again.status_code == 409:  # the first still covers the view
         assert job["id"] in again.json()["detail"]
@@ -129,6 +130,26 @@ def test_materialize_runs_as_a_background_job(client):
     assert job["id"] in [j["id"] for j in client.get("/jobs").json()["jobs"]]
     assert client.post("/materialize", json={"feature_views": ["nope"]}).status_code == 404
     assert client.get("/jobs/nope").status_code == 404
+
+
+def test_feasts_materialize_call_returns_once_the_data_is_online(client):
+    """Feast's client expects ``/materialize`` to finish: a lookup right after was NOT_FOUND (202, a
+    queued job), a second call got 409 and raised, and a failed job read as success. Without
+    ``Prefer: respond-async`` the call now waits; concurrent ones wait for the running job."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    push(client, [6], [2.5], [NOW - timedelta(minutes=5)], to="offline")
+    window = {"start_ts": (NOW - timedelta(days=1)).isoformat(), "end_ts": (NOW + timedelta(minutes=1)).isoformat()}
+    with ThreadPoolExecutor(3) as pool:
+        calls = [pool.submit(client.post, "/materialize", json={**window, "feature_views": ["spend"]}) for _ in range(3)]
+        answers = [c.result() for c in calls]
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    assert all(a.json()["status"] == "succeeded" for a in answers)
+    lookup = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [6]}}).json()
+    assert lookup["results"][1]["values"] == [2.5]
+    assert client.post("/materialize", json={"disable_event_timestamp": True, "feature_views": ["spend"]}).status_code == 200
+    failed = client.post("/materialize", json={"start_ts": NOW.isoformat(), "end_ts": (NOW - timedelta(days=1)).isoformat()})
+    assert failed.status_code == 400 and "window is empty" in failed.json()["detail"], failed.text
 
 
 LOOKUP = {"features": ["spend:amount"], "entities": {"card_id": [1]}}

@@ -32,6 +32,7 @@ from featurestore.online.codec import (
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
 from featurestore.retrieval.refs import ViewRequest, resolve
+from featurestore.timestamps import parse_timestamp
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,6 +50,8 @@ class OnlineResponse:
     values: list[list[Any]]
     statuses: list[list[str]]
     event_timestamps: list[list[datetime | None]]
+    # Feast's ``include_feature_view_version_metadata``: [{"name": view, "version": history version}]
+    feature_view_metadata: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, list[Any]]:
         """``{name: values}``, join keys first, as Feast's ``OnlineResponse.to_dict()``."""
@@ -65,7 +68,10 @@ class OnlineResponse:
         for v, s, ts in zip(self.values, self.statuses, self.event_timestamps):
             results.append({"values": json_numbers(v) if replace_non_finite else v, "statuses": s,
                             "event_timestamps": [t or EPOCH for t in ts] if None in ts else ts})
-        return {"metadata": {"feature_names": self.feature_names}, "results": results}
+        metadata: dict[str, Any] = {"feature_names": self.feature_names}
+        if self.feature_view_metadata is not None:
+            metadata["feature_view_metadata"] = self.feature_view_metadata
+        return {"metadata": metadata, "results": results}
 
     def to_rest_json(self, dumps: Callable[[Any], bytes]) -> bytes:
         """``dumps(self.to_rest())``, without looking at every value in Python: ``dumps`` (orjson)
@@ -134,8 +140,16 @@ _KEY_COERCIONS: dict[str, Callable[[Any], Any]] = {
     "Bytes": lambda v: v if isinstance(v, (bytes, str)) else _BAD,
     "Float32": lambda v: v if isinstance(v, (int, float, Real)) and not isinstance(v, bool) else _BAD,
     "Float64": lambda v: v if isinstance(v, (int, float, Real)) and not isinstance(v, bool) else _BAD,
-    "UnixTimestamp": lambda v: v if isinstance(v, datetime) else _BAD,
+    "UnixTimestamp": lambda v: _timestamp_key(v),
 }
+
+
+def _timestamp_key(value: Any) -> Any:
+    """A datetime, ISO 8601 text or an epoch number (REST sends no datetimes: ``featurestore.timestamps``)."""
+    try:
+        return parse_timestamp(value)
+    except (ValueError, OverflowError):
+        return _BAD
 
 
 @dataclass
@@ -382,6 +396,12 @@ class OnlineQuery:
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, range_plans, now_us,
                    on_demand, request_columns, known_heavy=known_heavy)
+
+    def view_versions(self) -> list[dict[str, Any]]:
+        """The feature views the query reads, each once, with the history version read (Feast's
+        ``feature_view_metadata``; our versions count from 1, as ``plan`` names them)."""
+        views = {plan.request.view.name: plan.request.view.history_version for plan in [*self.template.views, *self.template.windows]}
+        return [{"name": name, "version": version} for name, version in views.items()]
 
     def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
         """The ranges the first round trip reads plainly: all but those known heavy."""
