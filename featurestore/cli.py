@@ -170,7 +170,9 @@ def stream(
     source: str = typer.Argument(..., help="A StreamSource's name."),
     to: str = typer.Option("online_and_offline", help="online, offline or online_and_offline."),
     batch: int = typer.Option(1000, help="Entries read (and pushed) per round trip."),
-    consumer: Optional[str] = typer.Option(None, help="Consumer name in the group (default: host-pid); reuse it to resume its pending entries."),
+    consumer: Optional[str] = typer.Option(None, help="Consumer name in the group (default: host-pid)."),
+    claim_idle: float = typer.Option(30.0, min=0.1, help="Seconds an entry another consumer took may stay unacknowledged "
+                                     "before this one takes it over (that consumer died)."),
     until_idle: bool = typer.Option(False, help="Stop once the stream has nothing new (default: run until Ctrl-C)."),
     repo: Path = RepoOption,
 ) -> None:
@@ -180,7 +182,7 @@ def stream(
     from featurestore.streaming import StreamConsumer
 
     with _store(repo) as store:
-        runner = StreamConsumer(store, source, consumer=consumer, batch=batch, to=to)
+        runner = StreamConsumer(store, source, consumer=consumer, batch=batch, to=to, claim_idle_ms=int(claim_idle * 1000))
         console.print(f"consuming {runner.stream} as {runner.consumer} (group featurestore) → {to}")
 
         def line(stats) -> str:

@@ -288,15 +288,17 @@ class FeatureStore:
         return self.materialize(None, end, views, **kw)
 
     def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict",
-             to: Literal["online", "offline", "online_and_offline"] = "online_and_offline", idempotency_key: str | None = None) -> int:
+             to: Literal["online", "offline", "online_and_offline"] = "online_and_offline", idempotency_key: str | None = None,
+             arrival: "tuple[pa.Array, pa.Array] | None" = None) -> int:
         """Validate rows against the push source and write them; returns the row count.
 
-        Retrying a push? Pass the same ``idempotency_key`` each time: the rows are then kept once."""
+        Retrying a push? Pass the same ``idempotency_key`` each time: the rows are then kept once.
+        (``arrival``: each row's ingest time and push id, for stream consumers: see ``push.push``.)"""
         from featurestore.materialization.push import push
 
         readers = [v.name for v in self.definitions.feature_views.values() if getattr(v.source, "name", None) == push_source_name]
         self.require_applied([push_source_name, *self._used_by(readers)])
-        return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key)
+        return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key, arrival)
 
     def write_to_online_store(self, feature_view_name: str, df: "pd.DataFrame | pa.Table | dict") -> int:
         """Write a view's rows (join keys, event time, features) to the online store only, as Feast's

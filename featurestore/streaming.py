@@ -1,10 +1,11 @@
 """Consume a ``StreamSource``'s Redis Stream into both stores.
 
 At least once, nothing lost: entries are read through a consumer group, pushed (history and
-Redis, the same path as ``FeatureStore.push``) and only then acknowledged. A consumer killed
-between the push and the acknowledgement gets the same entries again on restart (it first
-re-reads its own pending entries) and pushing them twice changes nothing: history dedupes by
-row identity, windowed aggregations by event id, latest values by their order key.
+Redis, the same path as ``FeatureStore.push``) and only then acknowledged. Entries a consumer
+took and never acknowledged (it was killed, whatever its name) are claimed by a live consumer
+once idle for ``claim_idle_ms`` (``XAUTOCLAIM``), and a consumer first re-reads its own pending
+ones. Pushing an entry twice changes nothing: each row's ingest time and push id come from its
+entry id, so a redelivered entry is the same row everywhere (the push log included).
 
 Entries map column names to text (``XADD s * card_id 17 amount 12.5 event_timestamp
 2024-05-01T10:00:00Z``). An entry that does not fit the source's schema goes to the dead-letter
@@ -13,6 +14,7 @@ stream ``<stream>:dead`` with the reason, and is acknowledged: one bad entry nev
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -77,7 +79,7 @@ class StreamConsumer:
 
     def __init__(
         self, store: "FeatureStore", source_name: str, *, consumer: str | None = None, batch: int = 1000,
-        block_ms: int = 1000, to: str = "online_and_offline",
+        block_ms: int = 1000, to: str = "online_and_offline", claim_idle_ms: int = 30_000,
     ):
         source = store.definitions.push_source(source_name)
         if not isinstance(source, StreamSource):
@@ -87,6 +89,8 @@ class StreamConsumer:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.client: redis.Redis = store.online_store.client
         self.stats = StreamStats(started=time.monotonic())
+        self.claim_idle_ms = claim_idle_ms  # how long another consumer's entry waits unacknowledged before this one takes it
+        self._claimed_at = 0.0
         try:
             self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -102,6 +106,8 @@ class StreamConsumer:
         retry = 0.1
         while not stop():
             try:
+                if time.monotonic() - self._claimed_at >= self.claim_idle_ms / 2000:
+                    self._claim_idle()
                 start = "0" if backlog else ">"
                 reply = self.client.xreadgroup(GROUP, self.consumer, {self.stream: start}, count=self.batch,
                                                block=None if backlog else self.block_ms)
@@ -140,8 +146,22 @@ class StreamConsumer:
         self.client.xack(self.stream, GROUP, *[entry_id for entry_id, _ in entries])
         self.stats.consumed += len(entries)
 
+    def _claim_idle(self) -> None:
+        """Take over, and push, the entries other consumers left unacknowledged for ``claim_idle_ms``
+        (a consumer killed, or gone for good under a name nobody reuses)."""
+        self._claimed_at = time.monotonic()
+        cursor = "0-0"
+        while True:
+            reply = self.client.xautoclaim(self.stream, GROUP, self.consumer, self.claim_idle_ms, start_id=cursor, count=self.batch)
+            cursor, entries = reply[0], [e for e in reply[1] if e[1] is not None]  # (trimmed entries come back empty)
+            if entries:
+                log.info("stream %s: %d entries idle for %d ms claimed by %s", self.stream, len(entries), self.claim_idle_ms, self.consumer)
+                self._handle(entries)
+            if cursor in (b"0-0", "0-0"):
+                return
+
     def _push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        self.store.push(self.source.name, entries_to_table(entries, self.source), to=self.to)
+        self.store.push(self.source.name, entries_to_table(entries, self.source), to=self.to, arrival=arrival(self.stream, entries))
 
     def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
         entry_id, fields = entry
@@ -157,6 +177,15 @@ class StreamConsumer:
         newest = self.client.xrevrange(self.stream, count=1)
         if newest:
             self.stats.lag_ms = float(_ms(newest[0][0]) - _ms(last))
+
+
+def arrival(stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[pa.Array, pa.Array]:
+    """Each entry's ingest time (its id's milliseconds: when Redis took it) and push id (a hash of the
+    stream and the id): the same on every delivery."""
+    ids = [entry_id.decode() if isinstance(entry_id, bytes) else entry_id for entry_id, _ in entries]
+    times = pa.array([_ms(i) * 1000 for i in ids], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    pushes = [int.from_bytes(hashlib.blake2b(f"{stream}\0{i}".encode(), digest_size=8).digest(), "big") >> 1 for i in ids]
+    return times, pa.array(pushes, pa.int64())
 
 
 def _ms(entry_id: bytes | str) -> int:

@@ -20,7 +20,6 @@ from deltalake import DeltaTable
 from redis.connection import Connection
 
 from featurestore.materialization.compute import compute, pushed_rows
-from featurestore.materialization.engine import push_run_id
 from featurestore.online import resp
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection
 
@@ -48,8 +47,7 @@ def test_arrow_typing_of_pushed_rows_equals_the_sql_one(make_store):
         table = _frame(rows)
         n = table.num_rows
         table = table.append_column(INGESTED_AT, pa.array([NOW] * n, TS)).append_column(PUSH_ID, pa.array(range(seed, seed + n), pa.int64()))
-        run = push_run_id(NOW)  # a push's run is its ingest time, on both paths
-        fast = pushed_rows(table, view, defs.key_types["activity"], schema, run, NOW, timedelta(seconds=5))
+        fast = pushed_rows(table, view, defs.key_types["activity"], schema, NOW, timedelta(seconds=5))  # a push's run: its ingest time
         con = connection()
         con.register("view_rows", table)
         slow = compute(con, view, defs.key_types["activity"], schema, 77, NOW, future_tolerance=timedelta(seconds=5)).rows

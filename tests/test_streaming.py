@@ -105,6 +105,46 @@ def test_consumer_killed_mid_stream_resumes_without_loss_or_double_counting(stre
     _assert_stores_match(store, events)
 
 
+def test_consumers_killed_under_their_default_names_lose_nothing_and_log_each_entry_once(stream_repo):
+    """``featurestore stream payments`` without ``--consumer``, SIGKILLed while events flowed: each
+    restart had a new name (host-pid), so what the dead ones had pending stayed pending for good
+    (payments missing in both stores, poison entries never dead-lettered), and redelivered
+    entries were stored again in the raw push log. Idle pending entries are now claimed whatever
+    their consumer's name, and an entry's ingest time and push id come from its entry id."""
+    from deltalake import DeltaTable
+
+    from featurestore.sources import push_log_path
+
+    root, store = stream_repo
+    events = _events(1500, seed=5)
+    stream = stream_key(store.config.project, store.definitions.push_source("payments"))
+    client = store.online_store.client
+    publish(client, stream, events[:700])
+    bad = publish(client, stream, [{"payment_id": 88888, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()}])
+    publish(client, stream, events[700:])
+    command = [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root), "--batch", "25", "--claim-idle", "0.3"]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    rnd = random.Random(7)
+    for _ in range(3):  # killed at random moments, each time under a new default name
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 60
+        while time.time() < deadline and not client.xinfo_groups(stream):
+            time.sleep(0.05)
+        time.sleep(rnd.uniform(1.0, 2.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    consumers = {c["name"] for c in client.xinfo_consumers(stream, GROUP)}
+    assert len(consumers) >= 2  # every restart joined under another name
+    final = subprocess.run([*command, "--until-idle"], env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert client.xpending(stream, GROUP)["pending"] == 0
+    assert [fields[b"_entry_id"] for _, fields in client.xrange(stream + ":dead")] == bad
+    _assert_stores_match(store, events)
+    store.flush()
+    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    assert log.num_rows == len(events) and len(set(log["payment_id"].to_pylist())) == len(events)
+
+
 def test_a_push_source_is_not_a_stream(stream_repo, tmp_path):
     _, store = stream_repo
     from featurestore.errors import NotFoundError

@@ -117,7 +117,7 @@ def compute(
     return Computed(rows, _rejects(table.filter(pc.invert(valid)), run_id))
 
 
-def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType], history_schema: pa.Schema, run_id: int,
+def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType], history_schema: pa.Schema,
                 ingest_time: datetime, future_tolerance: timedelta) -> pa.Table | None:
     """``compute``'s result for pushed rows (typed to the push source, with ``INGESTED_AT`` and
     ``PUSH_ID``), in Arrow alone: a push then pays no query. None when a row needs ``compute``'s
@@ -135,9 +135,10 @@ def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType],
         return None
     if max_micros(table[time_column]) > datetime_to_micros(ingest_time + future_tolerance):
         return None
-    n = table.num_rows
+    # a pushed row's run is its ingest time (``push_run_id``), as ``compute`` reads it from the log
+    runs = numpy_values(table[INGESTED_AT]).view(np.int64)
     columns = {"event_timestamp": table[time_column], "created_timestamp": table[INGESTED_AT], "_row_id": table[PUSH_ID],
-               "_run_id": pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])}
+               "_run_id": pa.array(runs, pa.int64())}
     return pa.Table.from_arrays([columns[name] if name in columns else table[name] for name in history_schema.names],
                                 schema=history_schema)
 

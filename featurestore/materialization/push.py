@@ -43,12 +43,14 @@ def _as_table(df: Any) -> pa.Table:
 
 
 def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: Any, to: str = "online_and_offline",
-         idempotency_key: str | None = None) -> int:
+         idempotency_key: str | None = None, arrival: tuple[pa.Array, pa.Array] | None = None) -> int:
     """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``).
 
     A re-push of the same rows is a new fact (a correction reverted must win again), so a client
     that *retries* passes the same ``idempotency_key``: every attempt then takes the first
-    attempt's ingest time, so the rows are identical to it and both stores keep them once."""
+    attempt's ingest time, so the rows are identical to it and both stores keep them once.
+    ``arrival``: each row's own ingest time and push id (a stream's entries carry them in their
+    entry ids), so a redelivered row is the same row and every store keeps it once."""
     if to not in TARGETS:
         raise RequestError(f"`to` must be one of {list(TARGETS)}, not {to!r}")
     defs = materializer.defs
@@ -74,14 +76,17 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     if idempotency_key is not None:
         ingested = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
     n, run_id = table.num_rows, push_run_id(ingested)
-    ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
-    table = pa.table([*columns, ingested_at, _push_ids(n, idempotency_key, ingested)], names=[*expected, INGESTED_AT, PUSH_ID])
+    if arrival is not None:  # (each row's run is its own ingest time: see compute)
+        ingested_at, push_ids = arrival[0].cast(TIMESTAMP), arrival[1].cast(pa.int64())
+    else:
+        ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
+        push_ids = _push_ids(n, idempotency_key, ingested)
+    table = pa.table([*columns, ingested_at, push_ids], names=[*expected, INGESTED_AT, PUSH_ID])
     typed: list[tuple[FeatureView, pa.Table]] = []  # views whose rows Arrow typed (the usual case)
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
-        rows = pushed_rows(table, view, defs.key_types[view.name], defs.history_schema(view), run_id, now,
-                           materializer.config.future_tolerance)
+        rows = pushed_rows(table, view, defs.key_types[view.name], defs.history_schema(view), now, materializer.config.future_tolerance)
         if rows is not None:
             typed.append((view, rows))
             continue
@@ -103,7 +108,7 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
         # one record for the source's log and its views' history: one sync, not one per target
         parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
-        buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table}, retry=ingested != now,
+        buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table}, retry=ingested != now or arrival is not None,
                             meanwhile=write_online if online else None)
     else:
         write_online()
