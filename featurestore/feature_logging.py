@@ -1,19 +1,23 @@
 """Feature logging: every served feature vector, written to a Delta table off the request path.
 
 ``log()`` appends to an in-memory buffer (no I/O, never raises); a background thread
-flushes it every second (or when it grows) to ``<data_dir>/feature_logs/<name>``. If the
-buffer overflows because writes keep failing, the oldest entries are dropped and counted:
-serving never blocks or fails on logging.
+flushes it every second to ``<data_dir>/feature_logs/<name>``. While the table cannot be
+written (a read-only or missing folder, a full disk), rows wait in the buffer up to its bound and
+the thread keeps trying every second (a cheap probe first, so an outage costs no merging), so
+rows flow again within a second of the folder being writable. Past the bound the oldest entries
+are dropped: counted (``dropped_rows``, and in the servers' ``/metrics``) and logged. Serving
+never blocks or fails on logging.
 """
 
 from __future__ import annotations
 
-import sys
+import logging
+import os
 import threading
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
     from featurestore.retrieval.online import OnlineQuery, OnlineResponse
 
 MODEL_COLUMNS = ("model_name", "model_version", "score")
+log = logging.getLogger(__name__)
 
 
 def log_path(data_dir: Path, name: str) -> Path:
@@ -73,24 +78,29 @@ def vector_entry(query: "OnlineQuery", response: "OnlineResponse", **extra: list
     return entry
 
 
+Counts = Callable[[str, int], None]  # (outcome: "logged", "dropped" or "failed flush", how many)
+
+
 class FeatureLogger:
     """Buffers logged feature vectors and appends them to Delta off the request path.
 
-    Bounded: past ``max_buffered_rows`` the oldest entries are dropped and counted
-    (``dropped_rows``), so a log store that is down costs memory up to the bound, never
-    serving latency; failed flushes back off (1 s doubling to 60 s) instead of re-merging
-    the whole buffer every second."""
+    Bounded: past ``max_buffered_rows`` the oldest entries are dropped, counted
+    (``dropped_rows``; ``count``, if given, hears every outcome) and logged, so a log store that
+    is down costs memory up to the bound, never serving latency."""
 
-    def __init__(self, path: Path, schema: pa.Schema, flush_interval: float = 1.0, max_buffered_rows: int = 100_000):
+    def __init__(self, path: Path, schema: pa.Schema, flush_interval: float = 1.0, max_buffered_rows: int = 100_000,
+                 count: Counts | None = None):
         self.path, self.schema = Path(path), schema
         self.interval, self.max_rows = flush_interval, max_buffered_rows
         self._buffer: deque[dict[str, list[Any]]] = deque()
         self._rows = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._backoff = 0.0
+        self.logged_rows = 0
         self.dropped_rows = 0
         self.failed_flushes = 0
+        self._reported_drops = 0
+        self._count = count or (lambda outcome, n: None)
         self._thread = threading.Thread(target=self._run, name="feature-logger", daemon=True)
         self._thread.start()
 
@@ -101,10 +111,17 @@ class FeatureLogger:
             self._trim()
 
     def flush(self) -> int:
+        """Write what is buffered; returns the rows written (0 when the table cannot be written now:
+        they stay buffered, within the bound)."""
+        with self._lock:
+            if not self._buffer:
+                return 0
+        problem = self._unwritable()
+        if problem is not None:
+            self._failed(problem)
+            return 0
         with self._lock:
             pending, self._buffer, self._rows = list(self._buffer), deque(), 0
-        if not pending:
-            return 0
         try:
             merged: dict[str, list[Any]] = {f.name: [] for f in self.schema}
             for entry in pending:  # one Arrow array per column, not per request: short GIL holds
@@ -112,18 +129,44 @@ class FeatureLogger:
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
             write_deltalake(str(self.path), table, mode="append")
-            self._backoff = 0.0
-            return table.num_rows
         except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
-            self.failed_flushes += 1
-            self._backoff = min(max(self._backoff * 2, 1.0), 60.0)
-            print(f"feature logging: flush failed ({exc}); retrying in {self._backoff:.0f}s", file=sys.stderr)
             with self._lock:
                 for entry in reversed(pending):
                     self._buffer.appendleft(entry)
                 self._rows += sum(_rows(c) for c in pending)
                 self._trim()
+            self._failed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return 0
+        if self.failed_flushes:
+            log.warning("feature log %s: written again after %d failed flushes (%d rows dropped in all)", self.path,
+                        self.failed_flushes, self.dropped_rows)
+            self.failed_flushes = 0
+        self.logged_rows += table.num_rows
+        self._count("logged", table.num_rows)
+        return table.num_rows
+
+    def _unwritable(self) -> str | None:
+        """Why the table's folder cannot be written now (a file made and removed there), or None."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            return f"{self.path} is not writable ({exc.strerror or exc})"
+        return None
+
+    def _failed(self, reason: str) -> None:
+        self.failed_flushes += 1
+        self._count("failed flush", 1)
+        if self.failed_flushes == 1:
+            log.warning("feature log %s: flush failed (%s); rows wait in memory (at most %d) and are retried every %.0f s",
+                        self.path, reason, self.max_rows, self.interval)
+        new_drops = self.dropped_rows - self._reported_drops
+        if new_drops:
+            self._reported_drops = self.dropped_rows
+            log.warning("feature log %s: dropped %d logged rows, the oldest (the buffer holds at most %d while flushes fail)",
+                        self.path, new_drops, self.max_rows)
 
     def _trim(self) -> None:
         """Drop the oldest entries past the bound (the lock is held)."""
@@ -131,9 +174,10 @@ class FeatureLogger:
             dropped = _rows(self._buffer.popleft())
             self._rows -= dropped
             self.dropped_rows += dropped
+            self._count("dropped", dropped)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval + self._backoff):
+        while not self._stop.wait(self.interval):
             self.flush()
 
     def close(self) -> None:

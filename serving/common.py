@@ -112,9 +112,15 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
         )
         self.redis_errors = Counter(f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry)
+        self.feature_log = Counter(f"{prefix}_feature_log_total", "Feature log: rows logged or dropped (past the buffer's bound "
+                                   "while flushes fail), and failed flushes, per log.", ["log", "outcome"], registry=self.registry)
         self._children: dict[tuple[str, int], tuple] = {}
         self._pending: dict[tuple[str, int], list[float]] = {}  # request durations not yet in Prometheus
         self._flush_scheduled = False
+
+    def feature_log_counts(self, name: str):
+        """The ``count`` callback of a ``FeatureLogger`` named ``name``: its outcomes as metrics."""
+        return lambda outcome, n: self.feature_log.labels(name, outcome.replace(" ", "_")).inc(n)
 
     def observe(self, endpoint: str, status: int, started: float) -> None:
         """Count a request. Kept in a plain dict and handed to Prometheus in bulk within

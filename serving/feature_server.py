@@ -108,7 +108,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     def logger_for(service: str) -> FeatureLogger:
         if service not in loggers:
             store = watcher.current
-            loggers[service] = FeatureLogger(log_path(store.config.data_dir, f"service:{service}"), vector_schema(store, service))
+            loggers[service] = FeatureLogger(log_path(store.config.data_dir, f"service:{service}"), vector_schema(store, service),
+                                             count=metrics.feature_log_counts(f"service:{service}"))
         return loggers[service]
 
     @contextlib.asynccontextmanager

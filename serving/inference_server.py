@@ -72,7 +72,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     logger = None
     if log_features:
         schema = vector_schema(store, holder.loaded.card["feature_service"], holder.loaded.card["request_inputs"], with_model=True)
-        logger = FeatureLogger(log_path(store.config.data_dir, model_name), schema)
+        logger = FeatureLogger(log_path(store.config.data_dir, model_name), schema, count=metrics.feature_log_counts(model_name))
 
     async def follow_promotions() -> None:
         """Swap in a newly promoted version between requests (each replica does the same)."""

@@ -333,6 +333,12 @@ def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, mon
         push(client, [1, 2], [4.0, 5.0], [NOW - timedelta(minutes=2)] * 2, to="online_and_offline")
         for ids in ([1], [1, 2, 3]):
             assert client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": ids}}).status_code == 200
+        import time
+
+        deadline = time.monotonic() + 10
+        while 'outcome="logged"' not in (text := client.get("/metrics").text) and time.monotonic() < deadline:
+            time.sleep(0.1)  # (the logger flushes every second)
+        assert 'featurestore_feature_server_feature_log_total{log="service:svc",outcome="logged"} 4.0' in text
     store = FeatureStore(root)
     report = check_service_log(store, "svc")
     assert report.rows == 4 and report.ok, report.describe()

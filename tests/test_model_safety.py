@@ -59,3 +59,44 @@ def test_the_feature_log_buffer_is_bounded_when_its_store_is_down(tmp_path):
     blocked.unlink()  # the store comes back: the newest rows are written
     assert logger.flush() == 100
     logger.close()
+
+
+def test_the_feature_log_loses_only_past_its_bound_says_so_and_recovers_promptly(tmp_path, caplog):
+    """The log's folder unwritable for a while under load: rows beyond the 100k bound were lost
+    (expected), failed flushes backed off to 60 s so rows kept dropping after the folder was
+    writable again, and nothing said so. Now: every row is logged or counted dropped, drops are
+    logged and counted for ``/metrics``, and flushing resumes within a second."""
+    import logging
+    import time
+
+    import pyarrow as pa
+
+    from featurestore.feature_logging import FeatureLogger, read_log
+
+    blocked = tmp_path / "log"
+    blocked.write_text("a file where the Delta table should be")
+    counts: dict[str, int] = {}
+    logger = FeatureLogger(blocked, pa.schema([("x", pa.int64())]), flush_interval=0.05, max_buffered_rows=1000,
+                           count=lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n))
+    served = 0
+    with caplog.at_level(logging.WARNING, logger="featurestore.feature_logging"):
+        deadline = time.monotonic() + 1.0  # an outage of a second, under load
+        while time.monotonic() < deadline:
+            logger.log({"x": list(range(served, served + 50))})
+            served += 50
+            time.sleep(0.002)
+        assert counts.get("failed flush", 0) >= 3  # kept trying, no long backoff
+        blocked.unlink()  # writable again: rows flow within a few intervals
+        recovered = time.monotonic()
+        while logger.logged_rows == 0 and time.monotonic() - recovered < 5:
+            time.sleep(0.01)
+        assert logger.logged_rows > 0 and time.monotonic() - recovered < 2
+        for _ in range(20):
+            logger.log({"x": list(range(served, served + 50))})
+            served += 50
+        logger.close()
+    assert logger.logged_rows + logger.dropped_rows == served
+    assert logger.dropped_rows == served - 1000 - 20 * 50 and counts["dropped"] == logger.dropped_rows
+    assert read_log(blocked).num_rows == logger.logged_rows == counts["logged"]
+    assert any("dropped" in r.message for r in caplog.records) and any("flush failed" in r.message for r in caplog.records)
+    assert any("written again" in r.message for r in caplog.records)
