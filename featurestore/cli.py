@@ -573,17 +573,23 @@ def models_rollback(name: str, stage: str = typer.Option("production", help="sta
 
 @app.command("check-consistency")
 def check_consistency_command(
-    model: str = typer.Option("fraud", help="Model whose feature log to check."),
+    model: Optional[str] = typer.Option(None, help="Model whose feature log (inference server) to check."),
     service: Optional[str] = typer.Option(None, help="Check the feature server's log of this service instead."),
+    as_of: str = typer.Option("auto", help="History as of: auto (each vector as it was served: replays with `at` as of event "
+                              "time, live lookups as of created time), event or created."),
     repo: Path = RepoOption,
 ) -> None:
     """Compare served feature vectors (feature log) with the history store, and rescore offline."""
-    from featurestore.consistency import check_consistency, check_service_log, record_check
+    from featurestore.consistency import MODES, check_consistency, check_service_log, record_check
 
+    if (model is None) == (service is None):
+        raise FeatureStoreError("name what to check: --model NAME (an inference server's log) or --service NAME (the feature server's)")
+    if as_of not in MODES:
+        raise FeatureStoreError(f"--as-of is one of {list(MODES)}, not {as_of!r}")
     with _store(repo) as store:
-        report = check_service_log(store, service) if service else check_consistency(store, model)
-        record_check(report, store.config.data_dir, f"service:{service}" if service else model)
-    console.print(report.describe())
+        report = check_service_log(store, service, as_of=as_of) if service else check_consistency(store, model, as_of=as_of)  # type: ignore[arg-type]
+        record_check(report, store.config.data_dir, f"service:{service}" if service else model)  # type: ignore[arg-type]
+    console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(1)
 

@@ -7,8 +7,10 @@ by rounding (see ``featurestore.aggregation``): they match within ``FLOAT_TOLERA
 largest relative difference seen is reported. The model's score is recomputed from the
 offline row, in the same request groups, and compared with the logged score bit for bit (float32).
 
-A replay that serves at simulated past times (``at``) is checked with ``as_of="event"``:
-its rows were written at wall-clock times after the simulated ones.
+A replay that serves at simulated past times (``at``) is checked with ``as_of="event"``: its
+rows were written at wall-clock times after the simulated ones. Every logged vector says which
+it was (``replayed``), and the default, ``as_of="auto"``, checks each the way it was served:
+replayed ones as of event time, the others as of created time. Each recorded check says its mode.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ConsistencyReport:
     has_scores: bool = True
     max_relative_difference: float = 0.0   # over matched inexact aggregates (0: all bit-identical)
     over_time: list[dict[str, Any]] = field(default_factory=list)  # match rate of whole vectors per served-time bucket
+    mode: str = "created"                  # auto (each vector as served), event or created
+    as_of: str = "history as of created time"  # the same, in words, with the vectors read each way
 
     @property
     def overall(self) -> float:
@@ -50,7 +54,7 @@ class ConsistencyReport:
         return self.rows > 0 and self.overall == 1.0 and self.score_match == 1.0
 
     def describe(self) -> str:
-        lines = [f"Consistency over {self.rows} served feature vectors:"]
+        lines = [f"Consistency over {self.rows} served feature vectors ({self.as_of}):"]
         lines += [f"  {name:<28} {rate:8.3%}" for name, rate in self.feature_match.items()]
         lines.append(f"  {'all features':<28} {self.overall:8.3%}")
         if self.max_relative_difference:
@@ -62,7 +66,31 @@ class ConsistencyReport:
         return "\n".join(lines)
 
 
-def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "created") -> ConsistencyReport:
+MODES = ("auto", "event", "created")
+
+
+def _by_mode(log: pa.Table, as_of: str) -> list[tuple[str, pa.Table]]:
+    """The log's vectors in groups checked alike: all of them as ``as_of`` says, or with ``auto``
+    the replayed ones (served at a time the caller gave) as of event time, the rest as of created time."""
+    if as_of not in MODES:
+        raise ValueError(f"as_of is one of {list(MODES)}, not {as_of!r}")
+    if as_of != "auto":
+        return [(as_of, log)]
+    replayed = (pc.fill_null(log["replayed"], False) if "replayed" in log.column_names
+                else pa.array([False] * log.num_rows))
+    groups = [("event", log.filter(replayed)), ("created", log.filter(pc.invert(replayed)))]
+    return [(mode, part) for mode, part in groups if part.num_rows]
+
+
+def _mode_name(as_of: str, groups: list[tuple[str, pa.Table]]) -> str:
+    """How a check read the history, in words (what it prints and records)."""
+    if as_of != "auto":
+        return f"history as of {as_of} time"
+    return "history as each vector was served: " + ", ".join(
+        f"as of {mode} time for {part.num_rows:,} {'replayed' if mode == 'event' else 'live'} vectors" for mode, part in groups)
+
+
+def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "auto") -> ConsistencyReport:
     """Check an inference server's log: features, and the model's scores rescored offline."""
 
     logs = read_log(log_path(store.config.data_dir, model_name))
@@ -71,11 +99,13 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     report = ConsistencyReport(logs.num_rows, {}, 1.0)
     hits: dict[str, list[bool]] = {}
     score_hits = 0
-    for version in pc.unique(logs["model_version"]).to_pylist():
-        part = logs.filter(pc.equal(logs["model_version"], version))
+    groups = [(mode, sub, version) for version in pc.unique(logs["model_version"]).to_pylist()
+              for mode, sub in _by_mode(logs.filter(pc.equal(logs["model_version"], version)), as_of)]
+    report.mode, report.as_of = as_of, _mode_name(as_of, [(mode, sub) for mode, sub, _ in groups])
+    for mode, part, version in groups:
         served.append(part["served_at"])
         loaded = registry.load(model_name, int(version))
-        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report, max_mismatches, as_of)
+        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report, max_mismatches, mode)
         # recompute scores per request (same batch composition as at serving time)
         request_ids = part["request_id"].to_numpy(zero_copy_only=False)
         recomputed = np.empty(part.num_rows, dtype=np.float32)
@@ -92,14 +122,17 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     return report
 
 
-def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "created") -> ConsistencyReport:
+def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "auto") -> ConsistencyReport:
     """Check the feature server's log of lookups by ``service`` (``featurestore serve --log-features``)."""
     logs = read_log(log_path(store.config.data_dir, f"service:{service}"))
     report = ConsistencyReport(logs.num_rows, {}, 1.0, has_scores=False)
     hits: dict[str, list[bool]] = {}
-    _compare_features(store, logs, service, [], hits, report, max_mismatches, as_of)
+    groups = _by_mode(logs, as_of)
+    report.mode, report.as_of = as_of, _mode_name(as_of, groups)
+    for mode, part in groups:
+        _compare_features(store, part, service, [], hits, report, max_mismatches, mode)
     report.feature_match = {n: float(np.mean(v)) for n, v in hits.items()}
-    report.over_time = _over_time([logs["served_at"]], hits)
+    report.over_time = _over_time([part["served_at"] for _, part in groups], hits)
     return report
 
 
@@ -128,7 +161,8 @@ def record_check(report: ConsistencyReport, data_dir: Path, name: str) -> Path:
     folder = Path(data_dir) / "consistency"
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"{name.replace(':', '_').replace('/', '_')}.jsonl"
-    entry = {"checked_at": time.time(), "name": name, "rows": report.rows, "overall": report.overall,
+    entry = {"checked_at": time.time(), "name": name, "mode": report.mode, "as_of": report.as_of, "rows": report.rows,
+             "overall": report.overall,
              "score_match": report.score_match if report.has_scores else None, "feature_match": report.feature_match,
              "over_time": report.over_time}
     with open(file, "a") as f:
@@ -159,7 +193,7 @@ def _compare_features(
     refs = store.get_feature_service(service).feature_refs()
     names = [ref.split(":")[1] for ref in refs]
     inexact = {ref.split(":")[1] for ref in refs if _inexact(store, ref)}
-    meta = {"served_at", "request_id", *MODEL_COLUMNS, *request_inputs}
+    meta = {"served_at", "request_id", "replayed", *MODEL_COLUMNS, *request_inputs}
     keys = [c for c in part.column_names if c not in meta and c not in names and not c.endswith("__status")]
     entity_df = pa.table({**{k: part[k] for k in keys}, "event_timestamp": part["served_at"]})
     offline = store.get_historical_features(entity_df, feature_service=service, as_of=as_of).to_arrow()

@@ -43,7 +43,8 @@ def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequ
     """Columns of a served-vector log: time, request, keys, inputs, each feature and its status (and the score)."""
     defs = store.definitions
     refs = store.get_feature_service(service_name).feature_refs()
-    fields = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string())]
+    fields = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string()),
+              pa.field("replayed", pa.bool_())]  # served at a time the caller gave (``at``): checked as of event time
     if with_model:
         fields += [pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
     keys: dict[str, pa.DataType] = {}
@@ -71,6 +72,7 @@ def vector_entry(query: "OnlineQuery", response: "OnlineResponse", **extra: list
     time the lookup was evaluated at."""
     n = len(query.key_columns[0])
     entry: dict[str, list[Any]] = {"served_at": [micros_to_datetime(query.now_us)] * n, "request_id": [uuid.uuid4().hex] * n,
+                                   "replayed": [query.replayed] * n,
                                    **dict(zip(query.key_names, query.key_columns)), **(query.request_columns or {}), **extra}
     keys = len(query.key_names)
     for name, values, statuses in zip(response.feature_names[keys:], response.values[keys:], response.statuses[keys:]):
@@ -128,7 +130,7 @@ class FeatureLogger:
                 for name, column in merged.items():
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
-            write_deltalake(str(self.path), table, mode="append")
+            write_deltalake(str(self.path), table, mode="append", schema_mode="merge")  # (logs from before a column was added)
         except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
             with self._lock:
                 for entry in reversed(pending):

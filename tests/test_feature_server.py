@@ -760,3 +760,36 @@ def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_check_consistency_reads_each_vector_as_it_was_served(tmp_path, redis_url, monkeypatch):
+    """``featurestore check-consistency`` on the demo's data said 15.6 % right after the demo said
+    100 %: the demo replays the past (lookups ``at`` simulated times), which only an event-time
+    check reproduces, and the command always checked as of created time, with no flag. Each
+    logged vector now says whether it was replayed; the default checks each as it was served,
+    ``--as-of`` forces one mode, and every recorded check says its mode."""
+    import json
+    import subprocess
+    import sys
+
+    from featurestore.consistency import check_service_log, read_checks
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    FeatureStore(root).apply()
+    with TestClient(create_app(root, log_features=True)) as client:
+        push(client, [1], [4.0], [NOW - timedelta(minutes=90)], to="online_and_offline")  # written now, stamped 90 min ago
+        lookup = {"feature_service": "svc", "entities": {"card_id": [1]}}
+        assert client.post("/get-online-features", json={**lookup, "at": (NOW - timedelta(minutes=60)).isoformat()}).status_code == 200
+        assert client.post("/get-online-features", json=lookup).status_code == 200
+    with FeatureStore(root) as store:
+        assert check_service_log(store, "svc").ok
+        assert not check_service_log(store, "svc", as_of="created").ok  # the replayed vector: not known yet at its time
+    cli = [sys.executable, "-m", "featurestore.cli", "check-consistency", "--service", "svc", "--repo", str(root)]
+    default = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert default.returncode == 0, default.stdout
+    assert "as each vector was served: as of event time for 1 replayed vectors, as of created time for 1 live vectors" in default.stdout
+    forced = subprocess.run([*cli, "--as-of", "created"], capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 1 and "(history as of created time)" in forced.stdout
+    assert [c["mode"] for c in read_checks(FeatureStore(root).config.data_dir)] == ["auto", "created"]
+    assert json.loads(json.dumps(read_checks(FeatureStore(root).config.data_dir)[-1]))["overall"] < 1.0

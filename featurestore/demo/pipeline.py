@@ -105,7 +105,7 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
         finally:
             server.send_signal(signal.SIGTERM)  # graceful: flushes the feature log
             server.wait(timeout=60)
-        report = check_consistency(store, MODEL, as_of="event")  # served at simulated times: see the module doc
+        report = check_consistency(store, MODEL)  # each vector as served: the replay's as of event time (see the module doc)
         record_check(report, store.config.data_dir, MODEL)
 
     online_auc = roc_auc(np.array(labels), np.array(scores))

@@ -323,6 +323,7 @@ class OnlineQuery:
     request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
     seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(default_factory=list)  # tile summaries to store
     known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HEAVY_KEYS``)
+    replayed: bool = False            # evaluated at a time the caller gave (``at``), not at the lookup's own
 
     @property
     def key_names(self) -> list[str]:
@@ -395,7 +396,7 @@ class OnlineQuery:
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, range_plans, now_us,
-                   on_demand, request_columns, known_heavy=known_heavy)
+                   on_demand, request_columns, known_heavy=known_heavy, replayed=now is not None)
 
     def view_versions(self) -> list[dict[str, Any]]:
         """The feature views the query reads, each once, with the history version read (Feast's

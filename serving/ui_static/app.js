@@ -137,8 +137,9 @@ async function viewPage(name) {
     const last = data.consistency[data.consistency.length - 1];
     out.push(chart(`match rate over served time: ${last.name}`, [{ name: last.name, xs: last.over_time.map((b) => b.from_us / 1e6), ys: last.over_time.map((b) => b.match) }],
       { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16) }));
-    out.push(table(["checked", "check", "vectors", ...Object.keys(last.feature_match)], data.consistency.map((c) =>
-      h("tr", {}, h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, fmt.num(c.rows)), Object.keys(last.feature_match).map((k) => h("td", {}, fmt.pct(c.feature_match[k])))))));
+    out.push(table(["checked", "check", "read", "vectors", ...Object.keys(last.feature_match)], data.consistency.map((c) =>
+      h("tr", {}, h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, c.as_of || "history as of created time"), h("td", {}, fmt.num(c.rows)),
+        Object.keys(last.feature_match).map((k) => h("td", {}, fmt.pct(c.feature_match[k])))))));
   }
   out.push(h("p", { class: "muted" }, `definition ${v.hash} · changed in registry versions ${(v.versions || []).join(", ")}`));
   return out;
@@ -232,8 +233,9 @@ async function consistencyPage() {
   data.checks.forEach((c) => (byName[c.name] = byName[c.name] || []).push(c));
   return [h("h1", {}, "Consistency"), h("div", { class: "charts" }, Object.entries(byName).map(([n, cs]) =>
     chart(`${n}: all features matching, per check`, [{ name: n, xs: cs.map((c) => c.checked_at), ys: cs.map((c) => c.overall) }], { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16) }))),
-    table(["checked", "check", "vectors", "all features", "model score"], data.checks.slice().reverse().map((c) => h("tr", {},
-      h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, fmt.num(c.rows)), h("td", {}, fmt.pct(c.overall)), h("td", {}, fmt.pct(c.score_match)))))];
+    table(["checked", "check", "read", "vectors", "all features", "model score"], data.checks.slice().reverse().map((c) => h("tr", {},
+      h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, c.as_of || "history as of created time"), h("td", {}, fmt.num(c.rows)),
+      h("td", {}, fmt.pct(c.overall)), h("td", {}, fmt.pct(c.score_match)))))];
 }
 
 // ------------------------------------------------------------------ router
