@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -19,10 +20,19 @@ from featurestore.errors import FeatureStoreError
 
 app = typer.Typer(
     help="featurestore: one Python definition per feature, point-in-time-correct training data, Redis serving.",
+    epilog=("Examples:\n\n"
+            "featurestore init my_repo && featurestore apply -r my_repo   (scaffold a repo, record its definitions)\n\n"
+            "featurestore materialize-incremental -r my_repo   (write history and Redis)\n\n"
+            "featurestore serve -r my_repo --workers 2   (the feature server; its docs at /docs)\n\n"
+            "featurestore COMMAND --help   (what a command takes)"),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+# typer writes a type beside every option, "<bool>" for flags too (--help included): a flag takes no value
+_display_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)  # type: ignore[method-assign]
 console = Console()
 err_console = Console(stderr=True)
 
@@ -46,7 +56,7 @@ def _parse_time(value: Optional[str]) -> Optional[datetime]:
     return parse_time(value) if value is not None else None
 
 
-@app.command()
+@app.command(rich_help_panel="Definitions")
 def init(path: Path = typer.Argument(Path("feature_repo"), help="Folder to create."), project: str = typer.Option("my_project", help="Project name.")) -> None:
     """Scaffold a feature repo with an example entity, source and view."""
     from featurestore.scaffold import scaffold
@@ -55,13 +65,13 @@ def init(path: Path = typer.Argument(Path("feature_repo"), help="Folder to creat
     console.print(f"Created feature repo in [bold]{path}[/]. Next: [cyan]featurestore --help[/] or [cyan]featurestore plan -r {path}[/]")
 
 
-@app.command()
+@app.command(rich_help_panel="Definitions")
 def plan(repo: Path = RepoOption) -> None:
     """Show what `apply` would change (added / changed / removed objects)."""
     console.print(_store(repo).plan().describe(), markup=False, soft_wrap=True)  # "[... needs --force]" is text, not markup
 
 
-@app.command()
+@app.command(rich_help_panel="Definitions")
 def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", help="Allow removing views and deleting their data.")) -> None:
     """Validate the definitions and record them in the registry."""
     store = _store(repo)
@@ -72,7 +82,7 @@ def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", 
     store.close()
 
 
-@app.command("list")
+@app.command("list", rich_help_panel="Definitions")
 def list_objects(repo: Path = RepoOption) -> None:
     """List entities, feature views, services and push/stream sources; flag edits not yet applied."""
     store = _store(repo)
@@ -88,6 +98,9 @@ def list_objects(repo: Path = RepoOption) -> None:
             ttl = window_label(v.ttl) if v.ttl is not None else "none"
             details = f"{len(v.features)} features, ttl {ttl}, entities: {entities}"
         table.add_row("feature view", v.name, details)
+    for o in store.definitions.on_demand_feature_views.values():
+        inputs = [*o.input_refs, *(f"request:{f.name}" for f in o.request_fields)]
+        table.add_row("on-demand view", o.name, f"{len(o.features)} features from {', '.join(inputs)}")
     for s in store.list_feature_services():
         table.add_row("feature service", s.name, f"{len(s.feature_refs())} features")
     for p in store.definitions.push_sources.values():
@@ -100,7 +113,7 @@ def list_objects(repo: Path = RepoOption) -> None:
             console.print(f"  {what}", markup=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(rich_help_panel="Definitions")
 def describe(name: str = typer.Argument(..., help="Name of an entity, view, service or push source."), repo: Path = RepoOption) -> None:
     """Print an object's definition as the registry stores it."""
     store = _store(repo)
@@ -114,7 +127,7 @@ def describe(name: str = typer.Argument(..., help="Name of an entity, view, serv
     raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
 
 
-@app.command()
+@app.command(rich_help_panel="Data")
 def materialize(
     start: str = typer.Argument(..., help="Start of the event-time window (ISO 8601; naive = UTC)."),
     end: str = typer.Argument(..., help="End of the window, exclusive."),
@@ -132,7 +145,7 @@ def materialize(
         console.print(report.describe(), markup=False, soft_wrap=True)
 
 
-@app.command("materialize-incremental")
+@app.command("materialize-incremental", rich_help_panel="Data")
 def materialize_incremental(
     end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
@@ -148,7 +161,7 @@ def materialize_incremental(
         console.print(report.describe(), markup=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(rich_help_panel="Data")
 def backfill(
     views: list[str] = typer.Argument(..., help="Views to rebuild (what `plan` names after a new version or an added column)."),
     engine: Optional[str] = EngineOption,
@@ -165,7 +178,7 @@ def backfill(
             console.print(f"{name}: version v{view.history_version} (history table {view.history_table}) is complete", markup=False)
 
 
-@app.command()
+@app.command(rich_help_panel="Data")
 def stream(
     source: str = typer.Argument(..., help="A StreamSource's name."),
     to: str = typer.Option("online_and_offline", help="online, offline or online_and_offline."),
@@ -204,21 +217,22 @@ def stream(
             live.update(line(stats), refresh=True)
 
 
-@app.command()
+@app.command(rich_help_panel="Data")
 def compact(
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     vacuum_hours: Optional[int] = typer.Option(None, help="Also delete files only versions older than this many hours use "
                                                           "(exports from those versions can then no longer be reproduced)."),
     repo: Path = RepoOption,
 ) -> None:
-    """Merge small history files (pushes commit many); optionally vacuum old ones. Pushes do both on
-    their own past offline_store.compact_after_files and vacuum_after_hours (featurestore.yaml)."""
+    """Merge small history files (pushes commit many); optionally vacuum old ones.
+
+    Pushes do both on their own past offline_store.compact_after_files and vacuum_after_hours (featurestore.yaml)."""
     with _store(repo) as store:
         for name, r in store.compact(views or None, vacuum_hours).items():
             console.print(f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed", markup=False)
 
 
-@app.command()
+@app.command(rich_help_panel="Data")
 def export(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
     service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
@@ -251,7 +265,7 @@ def _engine_from_flags(engine: Optional[str], ray_address: Optional[str]) -> Non
         os.environ["FEATURESTORE_RAY_ADDRESS"] = ray_address
 
 
-@app.command()
+@app.command(rich_help_panel="Serving")
 def serve(
     repo: Path = RepoOption,
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
@@ -271,7 +285,7 @@ def serve(
     _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
-@app.command()
+@app.command(rich_help_panel="Serving")
 def ui(
     repo: Path = RepoOption,
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
@@ -339,7 +353,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
         uvicorn.run(factory, host=host, port=port, workers=workers, **options)
 
 
-@app.command("api-key")
+@app.command("api-key", rich_help_panel="Serving")
 def api_key(
     name: str = typer.Option(..., help="Who uses the key (shown in logs and errors)."),
     scope: list[str] = typer.Option(["read"], "--scope", help="read, push, push:<source>, materialize or admin (repeatable)."),
@@ -355,10 +369,10 @@ def api_key(
     console.print(f"  - {json.dumps(entry)}", markup=False, soft_wrap=True)
 
 
-@app.command("serve-model")
+@app.command("serve-model", rich_help_panel="Serving")
 def serve_model(
     repo: Path = RepoOption,
-    model: str = typer.Option("fraud", help="Registered model name."),
+    model: str = typer.Option(..., help="Registered model name."),
     stage: str = typer.Option("production", help="Stage alias to serve (follows promotions)."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8000, help="Port."),
@@ -378,7 +392,7 @@ def serve_model(
     _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
-@app.command("train")
+@app.command("train", rich_help_panel="Training and models")
 def train_command(
     dataset: Path = typer.Option(..., "--dataset", "-d", help="Exported dataset folder (has manifest.json)."),
     label: str = typer.Option("label", help="Label column."),
@@ -435,7 +449,7 @@ def train_command(
         console.print(f"registered {register} v{store.model_registry().register(register, run)}")
 
 
-@app.command("checkpoint-engine")
+@app.command("checkpoint-engine", rich_help_panel="Serving")
 def checkpoint_engine(
     model: str = typer.Option(..., help="Model name to distribute."),
     source: Optional[str] = typer.Option(None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."),
@@ -467,8 +481,8 @@ def checkpoint_engine(
 
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
 models_app = typer.Typer(help="The model registry: versions and stage aliases.", no_args_is_help=True)
-app.add_typer(runs_app, name="runs")
-app.add_typer(models_app, name="models")
+app.add_typer(runs_app, name="runs", rich_help_panel="Training and models")
+app.add_typer(models_app, name="models", rich_help_panel="Training and models")
 
 
 @runs_app.command("list")
@@ -481,6 +495,7 @@ def runs_list(
     from featurestore.tracking import list_runs
 
     table = Table("run", "status", "started", "tags", "metrics")
+    table.columns[0].no_wrap, table.columns[0].min_width = True, 20  # a run id is copied whole into `runs show`
     for run in list_runs(_store(repo).config.data_dir / "runs", search, _key_values(tag)):
         table.add_row(run["id"], run["status"], run["started_at"], " ".join(f"{k}={v}" for k, v in run["tags"].items()),
                       " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()))
@@ -571,7 +586,7 @@ def models_rollback(name: str, stage: str = typer.Option("production", help="sta
     console.print(f"{name} {stage} → v{version} (rolled back)")
 
 
-@app.command("check-consistency")
+@app.command("check-consistency", rich_help_panel="Training and models")
 def check_consistency_command(
     model: Optional[str] = typer.Option(None, help="Model whose feature log (inference server) to check."),
     service: Optional[str] = typer.Option(None, help="Check the feature server's log of this service instead."),
@@ -594,7 +609,7 @@ def check_consistency_command(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(rich_help_panel="Try it")
 def demo(
     repo: Path = typer.Option(Path("definitions"), "--repo", "-r", help="The example repo (definitions/)."),
     data_dir: Optional[Path] = typer.Option(None, help="Where to put data (default: a new temp folder)."),

@@ -81,7 +81,7 @@ class FeatureStore:
     def require_applied(self, names: Iterable[str] | None = None) -> None:
         """Raise unless the named definitions (default: all) are as applied."""
         unapplied = self.unapplied
-        found = [unapplied[n] for n in (unapplied if names is None else names) if n in unapplied]
+        found = [unapplied[n] for n in dict.fromkeys(unapplied if names is None else names) if n in unapplied]  # each once
         if found:
             raise FeatureStoreError(
                 f"the code's definitions differ from the applied registry: {'; '.join(found)}. "

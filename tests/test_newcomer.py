@@ -90,3 +90,47 @@ def test_a_users_repo_passes_mypy_strict(tmp_path):
                           "--python-executable", str(tmp_path / "env" / "bin" / "python"), "features.py", "train.py", "use.py"],
                          cwd=tmp_path / "repo", capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_the_cli_reads_well(tmp_path, redis_url):
+    """Small things an independent first hour found: ``--help`` showed a ``<bool>`` type beside
+    every flag (``--help`` too) and one flat list of commands with no examples; ``list`` left out
+    on-demand views; ``runs list`` cut run ids at 80 columns; servers defaulted to the demo's
+    ``--model fraud``; the "not applied" error named a push source twice."""
+    from .test_on_demand import DEFS
+    from .conftest import write_repo
+
+    env = {**os.environ, "REDIS_URL": redis_url, "COLUMNS": "80"}
+    repo = write_repo(tmp_path / "repo", DEFS)
+
+    def cli(*args: str, code: int = 0) -> str:
+        out = subprocess.run([sys.executable, "-m", "featurestore", *args, *(["-r", str(repo)] if args[0] not in ("--help",) and "--help" not in args else [])],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == code, out.stdout + out.stderr
+        return out.stdout + out.stderr
+
+    top = cli("--help")
+    assert "<bool>" not in top and "Examples:" in top
+    assert all(panel in top for panel in ("Definitions", "Data", "Serving", "Training and models"))
+    assert "<bool>" not in cli("apply", "--help") and "--force" in cli("apply", "--help")
+    cli("apply")
+    listing = cli("list")
+    assert "on-demand view" in listing and "payment_vs_usual" in listing
+    for command in (("serve-model",), ("checkpoint-engine",)):
+        assert "Missing option '--model'" in cli(*command, code=2)
+    assert "--model NAME" in cli("check-consistency", code=1)
+    (repo / "features.py").write_text((repo / "features.py").read_text().replace('Field("country", String),\n', 'Field("country", String), Field("x", Int64),\n', 1))
+    unapplied = cli("materialize-incremental", code=1)
+    assert unapplied.count("push source 'events'") == 1, unapplied
+
+
+def test_runs_list_shows_whole_run_ids(tmp_path):
+    from featurestore.tracking.runs import Run
+
+    run = Run(tmp_path / "data" / "runs" / "20261201-235959-abcdef")  # the trainer's id shape
+    run.log_params({"config": {"epochs": 1}, "code_version": "x"})
+    run.finish({"val_auc": 0.5})
+    (tmp_path / "featurestore.yaml").write_text("project: runs_only\nmodules: []\n")
+    out = subprocess.run([sys.executable, "-m", "featurestore", "runs", "list", "-r", str(tmp_path)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    assert out.returncode == 0 and run.id in out.stdout, out.stdout + out.stderr

@@ -213,7 +213,8 @@ def test_promotion_is_broadcast_to_every_replica(trained):
     env = {**os.environ, **trained["env"]}
     ports = [free_port(), free_port()]
     servers = [
-        subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--port", str(p), "--no-access-log"],
+        subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--model", "fraud", "--port", str(p),
+                          "--no-access-log"],
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for p in ports
     ]

@@ -100,6 +100,8 @@ class RetrievalJob:
                 table_versions[req.view.name] = offline.register(con, req.view.history_table, f"__hist{i}", schema, version=wanted)
         sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types, _sum_scales(con, requests))
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
+        if not ts_column:  # the entity rows' time in nanoseconds: returned UTC (naive input is UTC), its nanoseconds kept
+            types[_time_column(entity_columns, con)] = pa.timestamp("ns", tz="UTC")
         job = cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
         if on_demand is not None:
             missing = [f for f in on_demand.request_fields if f not in entity_columns]
@@ -229,6 +231,12 @@ def frame_to_arrow(frame: "pd.DataFrame") -> pa.Table:
     return table
 
 
+def _time_column(columns: list[str], con: duckdb.DuckDBPyConnection) -> str:
+    """The entity rows' nanosecond time column (the one ``_register_entities`` joins at)."""
+    schema = con.sql("SELECT * FROM __raw LIMIT 0").to_arrow_table().schema
+    return "event_timestamp" if "event_timestamp" in columns else next(c for c in columns if is_nanoseconds(schema.field(c).type))
+
+
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
     """Expose entity rows as ``__entities`` with ``__fs_row`` (input order) and ``__fs_ts`` (naive UTC)."""
     if isinstance(entity_df, (str, Path)):
@@ -272,7 +280,7 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
         f"""CREATE TEMP VIEW __entities AS SELECT {select},
             {utc_micros_sql(ident(ts), is_nanoseconds(ts_type))} AS {TS}, {row_expr} AS {ROW} FROM __raw"""
     )
-    return columns, ts if not is_nanoseconds(ts_type) else ""  # "": return the caller's column untouched
+    return columns, ts if not is_nanoseconds(ts_type) else ""  # "": the caller's column, its nanoseconds kept (see build)
 
 
 def _wanted(req: ViewRequest) -> list:

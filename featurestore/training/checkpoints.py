@@ -12,8 +12,10 @@ registry registers and the validation pass scores.
 from __future__ import annotations
 
 import shutil
+import contextlib
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,13 +32,22 @@ from featurestore.training.preprocessing import Preprocessor
 KEEP = 2  # sharded checkpoints kept per run (the newest)
 
 
+@contextlib.contextmanager
+def _one_process_is_fine() -> Iterator[None]:
+    """torch warns on every single-process checkpoint that it assumes a single process: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pre: Preprocessor,
          layout: distributed.Layout, *, epoch: int, step: int) -> TabularMLP | None:
     """Write this epoch's checkpoints (a collective: every rank calls it); rank 0 gets the full model back."""
     folder = Path(run_dir) / "dcp"
     name = f"step-{step:09d}"
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / f"{name}.tmp"))
+    with _one_process_is_fine():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder / f"{name}.tmp"))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     distributed.barrier(layout)
     if not layout.is_main:
@@ -61,7 +72,8 @@ def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     name, epoch, step = latest.read_text().split()
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(latest.parent / name))
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(latest.parent / name))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"epoch": int(epoch), "step": int(step)}
 
