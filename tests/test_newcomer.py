@@ -134,3 +134,32 @@ def test_runs_list_shows_whole_run_ids(tmp_path):
     out = subprocess.run([sys.executable, "-m", "featurestore", "runs", "list", "-r", str(tmp_path)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "80"}, timeout=120)
     assert out.returncode == 0 and run.id in out.stdout, out.stdout + out.stderr
+
+
+def test_training_warns_nothing_on_one_process(tmp_path):
+    import warnings
+
+    from featurestore.training.trainer import TrainConfig, train
+
+    from .test_distributed_training import make_dataset
+
+    dataset = make_dataset(tmp_path / "ds", rows=400)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(TrainConfig(dataset=str(dataset), epochs=1, device="cpu"), tmp_path / "runs", progress=False)
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+
+
+def test_nanosecond_entity_times_come_back_utc(make_store):
+    import pandas as pd
+    import pyarrow as pa
+
+    from .test_feature_server import DEFS
+
+    store = make_store(DEFS)
+    for times in (pd.to_datetime(["2024-01-01 10:00:00.000000700"]),
+                  pd.to_datetime(["2024-01-01 10:00:00.000000700"]).tz_localize("Europe/Paris")):
+        out = store.get_historical_features(pd.DataFrame({"card_id": [1], "event_timestamp": times}), features=["spend:amount"]).to_arrow()
+        assert out.schema.field("event_timestamp").type == pa.timestamp("ns", tz="UTC")
+        assert out["event_timestamp"].cast(pa.int64()).to_pylist() == [times.tz_localize(None).asi8[0] if times.tz is None
+                                                                          else times.tz_convert("UTC").asi8[0]]
