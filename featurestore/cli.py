@@ -273,6 +273,7 @@ def serve(
     workers: int = typer.Option(1, min=1, help="Worker processes, each listening on its own socket (Linux); `kill -HUP` replaces them one by one."),
     log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
     ui: bool = typer.Option(False, "--ui", help="Also serve the web UI under /ui (behind the same API keys)."),
+    keep_alive: float = typer.Option(5.0, min=0.1, help="Seconds an idle keep-alive connection stays open."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
@@ -282,7 +283,8 @@ def serve(
 
     os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
     os.environ["FEATURESTORE_UI"] = "1" if ui else "0"
-    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
+    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format,
+                keep_alive=keep_alive)
 
 
 @app.command(rich_help_panel="Serving")
@@ -307,7 +309,7 @@ def _require_auth_off_loopback(host: str, config: Any) -> None:
 
 
 def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool,
-                log_format: str = "text", what: str = "serving", path: str = "") -> None:
+                log_format: str = "text", what: str = "serving", path: str = "", keep_alive: float = 5.0) -> None:
     import os
 
     import uvicorn
@@ -344,6 +346,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
     from serving.protocol import GuardedHttpProtocol
 
     options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log, "http": GuardedHttpProtocol,
+                               "timeout_keep_alive": keep_alive,
                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
     from featurestore import serve_workers
 

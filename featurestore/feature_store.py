@@ -300,6 +300,20 @@ class FeatureStore:
         self.require_applied([push_source_name, *self._used_by(readers)])
         return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key, arrival)
 
+    def append_to_stream(self, source_name: str, rows: Iterable[dict[str, Any]]) -> list[str]:
+        """Append rows to a ``StreamSource``'s Redis Stream, as a producer does (``featurestore stream``
+        consumes them); the way in when Redis is embedded and has no address to give a producer.
+        Returns the entry ids."""
+        from featurestore.definitions import StreamSource
+        from featurestore.streaming import publish, stream_key
+
+        source = self.definitions.push_source(source_name)
+        if not isinstance(source, StreamSource):
+            raise FeatureStoreError(f"{source_name!r} is a push source, not a StreamSource: write to it with push()")
+        with self.online_store._calling():
+            ids = publish(self.online_store.client, stream_key(self.config.project, source), list(rows))
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
     def write_to_online_store(self, feature_view_name: str, df: "pd.DataFrame | pa.Table | dict") -> int:
         """Write a view's rows (join keys, event time, features) to the online store only, as Feast's
         ``write_to_online_store``: validated and ordered like every other write; history is not touched."""

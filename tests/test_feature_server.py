@@ -523,7 +523,10 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
         store.apply()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port), "--log-level", "warning"]
+    # (kept-alive connections stay open while they are counted, however slow a loaded host is; at uvicorn's
+    # default of 5 s the server had closed 9 of 16 before the count, on a busy machine)
+    serve = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port), "--log-level", "warning",
+             "--keep-alive", "600"]
     server = subprocess.Popen(serve + ["--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def listening(process: psutil.Process) -> bool:
