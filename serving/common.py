@@ -87,8 +87,8 @@ def request_time(body: Any) -> datetime | None:
     at = body.get("at") if isinstance(body, dict) else None
     if at is None:
         return None
-    try:
-        parsed = datetime.fromisoformat(at) if isinstance(at, str) else None
+    try:  # (a date alone is no date-time: the schema says date-time)
+        parsed = datetime.fromisoformat(at) if isinstance(at, str) and len(at.strip()) > 10 else None
     except ValueError:
         parsed = None
     if parsed is None:

@@ -13,16 +13,17 @@ import gc
 from datetime import datetime
 from itertools import repeat
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional
 
 import orjson
 import pyarrow as pa
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StringConstraints
 
 from featurestore.definitions import PushSource
+from featurestore.materialization.engine import MaterializationReport
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.timestamps import parse_timestamp
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
@@ -32,18 +33,38 @@ from serving.jobs import JobRunner
 from serving.common import seal_in_background, caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
 
 
+def _iso_time(value: Any) -> Any:
+    """A time in a request model: ISO 8601 text with a time of day (or a datetime), as the schema says;
+    a number is refused here (pydantic would read it as epoch seconds, which the schema does not say)."""
+    if isinstance(value, datetime) or (isinstance(value, str) and len(value.strip()) > 10):
+        return value
+    raise ValueError("an ISO 8601 date and time, e.g. 2024-05-01T10:00:00Z")
+
+
+IsoTime = Annotated[datetime, BeforeValidator(_iso_time)]
+FeatureRef = Annotated[str, StringConstraints(pattern=r"^[^:]+:[^:]+$")]  # view:feature
+
+# exactly one of the two names what to look up (an empty list or name counts as absent, as Feast's clients send them)
+_ONE_OF_FEATURES_OR_SERVICE = [
+    {"required": ["features"], "properties": {"features": {"type": "array", "minItems": 1},
+                                              "feature_service": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]}}},
+    {"required": ["feature_service"], "properties": {"feature_service": {"type": "string", "minLength": 1},
+                                                     "features": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}},
+]
+
+
 class GetOnlineFeaturesRequest(BaseModel):
     """Feast's request body."""
 
-    features: Optional[list[str]] = Field(None, description="'view:feature' references (or use feature_service).")
+    features: Optional[list[FeatureRef]] = Field(None, description="'view:feature' references (or use feature_service).")
     feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
     entities: dict[str, list[Any]] = Field(..., description="Join key -> list of values; request-time inputs also go here.")
-    full_feature_names: bool = Field(False, description="Name features 'view__feature'.")
-    include_feature_view_version_metadata: bool = Field(False, description="Feast's flag: add metadata.feature_view_metadata, "
-                                                        "each view read with its history version.")
-    at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
+    full_feature_names: StrictBool = Field(False, description="Name features 'view__feature'.")
+    include_feature_view_version_metadata: StrictBool = Field(False, description="Feast's flag: add metadata.feature_view_metadata, "
+                                                              "each view read with its history version.")
+    at: Optional[IsoTime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
 
-    model_config = {"json_schema_extra": {"examples": [
+    model_config = {"json_schema_extra": {"anyOf": _ONE_OF_FEATURES_OR_SERVICE, "examples": [
         {"features": ["card_activity:txn_count_1h", "card_profile:credit_limit"], "entities": {"card_id": [1, 2]}}
     ]}}
 
@@ -72,15 +93,16 @@ class WriteToOnlineStoreRequest(BaseModel):
 
 
 class MaterializeRequest(BaseModel):
-    start_ts: Optional[datetime] = Field(None, description="Window start (inclusive); omit for all history.")
-    end_ts: Optional[datetime] = Field(None, description="Window end (exclusive); default now.")
+    start_ts: Optional[IsoTime] = Field(None, description="Window start (inclusive); omit for all history.")
+    end_ts: Optional[IsoTime] = Field(None, description="Window end (exclusive); default now. A window that ends before it "
+                                      "starts holds nothing: the job writes nothing.")
     feature_views: Optional[list[str]] = None
-    disable_event_timestamp: bool = Field(False, description="Feast's flag: every row, whatever its event time (the window is ignored).")
-    full_feature_names: bool = Field(False, description="Accepted for Feast's clients; nothing to name here.")
+    disable_event_timestamp: StrictBool = Field(False, description="Feast's flag: every row, whatever its event time (the window is ignored).")
+    full_feature_names: StrictBool = Field(False, description="Accepted for Feast's clients; nothing to name here.")
 
 
 class MaterializeIncrementalRequest(BaseModel):
-    end_ts: Optional[datetime] = None
+    end_ts: Optional[IsoTime] = None
     feature_views: Optional[list[str]] = None
 
 
@@ -90,6 +112,7 @@ JOB_RESPONSES = {
 }
 
 ERRORS = {
+    400: {"description": "The body is not JSON of the documented shape, or the work it asked for failed on this input."},
     404: {"description": "Unknown feature, view, service or push source."},
     409: {"description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already running)."},
     422: {"description": "Malformed request: missing or mistyped keys, empty or oversized request."},
@@ -214,7 +237,13 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
                       "unless `Prefer: respond-async`)")
     def materialize(body: MaterializeRequest, request: Request) -> Response:
         start, end = (None, None) if body.disable_event_timestamp else (body.start_ts, body.end_ts)
-        return run_job(request, "materialize", body.feature_views, lambda store: store.materialize(start, end, body.feature_views))
+
+        def work(store: Any) -> Any:
+            if start is not None and end is not None and start >= end:  # nothing in it (Feast's server answers so too)
+                return MaterializationReport([])
+            return store.materialize(start, end, body.feature_views)
+
+        return run_job(request, "materialize", body.feature_views, work)
 
     @app.post("/materialize-incremental", responses={**JOB_RESPONSES, **ERRORS},
               summary="Materialize everything not yet written, late rows included (a background job; waits for it "
@@ -244,7 +273,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             return json_response({"status": "degraded", "detail": str(exc)}, 503)
         return json_response({"status": "ok", "registry_version": version})
 
-    @app.get("/metrics", summary="Prometheus metrics: requests, latency, Redis errors (all workers), per-view freshness")
+    @app.get("/metrics", summary="Prometheus metrics: requests, latency, Redis errors (all workers), per-view freshness",
+             response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         try:
             newest = await watcher.current.online_store.newest_async()
@@ -319,6 +349,13 @@ def _parse_lookup(raw: bytes) -> dict[str, Any]:
         raise RequestError("'features' must be a list of 'view:feature' strings")
     if body.get("feature_service") is not None and not isinstance(body["feature_service"], str):
         raise RequestError("'feature_service' must be a string")
+    if body.get("feature_service") == "":  # (Feast's clients send it empty beside a list of features)
+        del body["feature_service"]
+    for flag in ("full_feature_names", "include_feature_view_version_metadata"):
+        if not isinstance(body.get(flag, False), bool):
+            raise RequestError(f"{flag!r} must be true or false")
+    if body.get("at") is not None and not isinstance(body["at"], str):
+        raise RequestError("'at' must be an ISO 8601 time such as '2024-05-01T10:00:00Z'")
     return body
 
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import orjson
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from featurestore import FeatureStore
@@ -35,6 +35,39 @@ class PredictRequest(BaseModel):
     instances: list[dict[str, Any]] = Field(..., description="Entity keys and request-time inputs, one object per prediction.")
     at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
     model_config = {"json_schema_extra": {"examples": [{"instances": [{"card_id": 17, "merchant_id": 4, "amount": 129.9}]}]}}
+
+
+_KEY_SCHEMAS = {  # a join key's JSON values by declared type (as the lookup coerces them: "17" for an Int64 too)
+    "Int64": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^-?[1-9][0-9]*$|^0$"}]},  # (beyond Int64: NOT_FOUND)
+    "Int32": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^-?[1-9][0-9]*$|^0$"}]},
+    "String": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+    "Float32": {"type": "number"}, "Float64": {"type": "number"}, "Bool": {"type": "boolean"},
+    "UnixTimestamp": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "integer"}]},
+}
+
+
+_VALUE_SCHEMAS = {"Int64": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+                  "Int32": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
+                  "Float32": {"type": "number"}, "Float64": {"type": "number"}, "String": {"type": "string"}, "Bool": {"type": "boolean"}}
+
+
+def predict_schema(store: FeatureStore, loaded: LoadedModel) -> dict[str, Any]:
+    """``/predict``'s body for the served model: instances with its entity keys and request inputs
+    (what it looks up and scores), each required; or one such instance alone."""
+    defs = store.definitions
+    refs = store.get_feature_service(loaded.card["feature_service"]).feature_refs()
+    views = list(dict.fromkeys(r.split(":")[0] for r in refs))
+    stored = [v for name in views for v in ([r.split(":")[0] for r in defs.on_demand_feature_views[name].input_refs]
+                                            if name in defs.on_demand_feature_views else [name])]
+    keys = {k: _KEY_SCHEMAS.get(t.name, {}) for view in dict.fromkeys(stored) for k, t in defs.key_types[view].items()}
+    fields = {f.name: _VALUE_SCHEMAS.get(f.dtype.name, {}) for name in views if name in defs.on_demand_feature_views
+              for f in defs.on_demand_feature_views[name].request_fields}
+    inputs = {**fields, **{name: {"type": "number"} for name in loaded.card["request_inputs"]}}
+    instance = {"type": "object", "properties": {**keys, **inputs}, "required": [*keys, *inputs]}
+    return {"anyOf": [{**PredictRequest.model_json_schema(), "properties": {
+        "instances": {"type": "array", "items": instance, "minItems": 1, "description": PredictRequest.model_fields["instances"].description},
+        "at": PredictRequest.model_json_schema()["properties"]["at"]}, "required": ["instances"]},
+        {**instance, "not": {"required": ["instances"]}, "description": "One instance alone."}]}
 
 
 def model_registry(store: FeatureStore) -> ModelRegistry:
@@ -130,7 +163,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     @app.post(
         "/predict", summary="Score one or more instances",
         responses={404: {"description": "Unknown model or feature."}, 422: {"description": "Missing or mistyped keys or inputs."}, 503: {"description": "Redis unreachable."}},
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PredictRequest.model_json_schema()}}}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": predict_schema(store, holder.loaded)}}}},
     )
     async def predict(request: Request) -> Response:
         return await respond(predict_body, request)
@@ -190,7 +223,7 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             return json_response({**body, "status": "unavailable", "detail": str(exc)}, 503)
         return json_response({**body, "status": "ok"})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         return metrics.response()
 

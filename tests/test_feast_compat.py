@@ -69,6 +69,7 @@ view = FeatureView(name="view", entities=[card], source=src, schema=[Field("v", 
     store.push("src", {"card_id": [17], "v": [1.5], "event_timestamp": [datetime.now(timezone.utc)]})
     got = store.get_online_features({"card_id": [17, "17", 17.0, "-3"]}, features=["view:v"])
     assert got.to_dict() == {"card_id": [17, 17, 17, -3], "v": [1.5, 1.5, 1.5, None]}
+    assert store.get_online_features({"card_id": [2**64]}, features=["view:v"]).statuses[1] == ["NOT_FOUND"]  # no such entity
     for bad in ("017", "17a", 17.5, True, "1e3"):
         with pytest.raises(RequestError, match="takes Int64"):
             store.get_online_features({"card_id": [bad]}, features=["view:v"])

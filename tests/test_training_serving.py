@@ -292,3 +292,18 @@ def test_regression_task_reports_rmse(trained, tmp_path):
     run = train(config, tmp_path, progress=False)
     final = json.loads((run / "final.json").read_text())
     assert final["val_rmse"] > 0 and "val_auc" not in final
+
+
+def test_the_inference_servers_document_matches_it(trained):
+    """schemathesis found undocumented 400s, ``{"instances": [{}]}`` refused though the document took
+    it, and ``/metrics``'s content type undocumented. The body's schema is now the served model's."""
+    from .test_openapi import schemathesis, serving
+
+    port = free_port()
+    server = serving([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--model", "fraud",
+                      "--port", str(port), "--log-level", "warning", "--no-access-log"], port, env={**os.environ, **trained["env"]})
+    try:
+        schemathesis(f"http://127.0.0.1:{port}")
+    finally:
+        server.terminate()
+        server.wait(30)

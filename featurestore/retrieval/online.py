@@ -119,22 +119,22 @@ def _integer(v: Any) -> bool:
 _BAD = object()  # a key value that does not convert to the declared type
 
 
-def _to_int(bits: int) -> Callable[[Any], Any]:
-    """Integers, and their canonical text (``"17"``, as Feast clients send; ``"017"`` is ambiguous: refused)."""
-    def convert(v: Any) -> Any:
-        if isinstance(v, str) and v.lstrip("-").isdigit() and str(int(v)) == v:
-            v = int(v)
-        elif isinstance(v, float) and v.is_integer():
-            v = int(v)
-        return v if _integer(v) and -(2 ** (bits - 1)) <= v < 2 ** (bits - 1) else _BAD
-    return convert
+def _to_int(v: Any) -> Any:
+    """Integers, integral floats, and integers' canonical text (``"17"``, as Feast clients send; ``"017"``
+    is ambiguous: refused). One outside the key's declared range names no entity: NOT_FOUND, as for
+    any entity never written (JSON carries integers of any size, and its readers disagree near 2^63)."""
+    if isinstance(v, str) and v.lstrip("-").isdigit() and str(int(v)) == v:
+        v = int(v)
+    elif isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return v if _integer(v) else _BAD
 
 
 # Join-key values by declared type, coerced as Feast does where it is unambiguous: a String key
 # takes an integer as its text, an integer key takes its canonical text. Anything else is an error.
 _KEY_COERCIONS: dict[str, Callable[[Any], Any]] = {
-    "Int32": _to_int(32),
-    "Int64": _to_int(64),
+    "Int32": _to_int,
+    "Int64": _to_int,
     "String": lambda v: v if isinstance(v, str) else str(v) if _integer(v) else _BAD,
     "Bool": lambda v: v if isinstance(v, bool) else _BAD,
     "Bytes": lambda v: v if isinstance(v, (bytes, str)) else _BAD,
