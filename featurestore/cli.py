@@ -42,6 +42,7 @@ RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (
 LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
 AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
 LogFormatOption = typer.Option("text", help="Server log lines as text, or json (one object per line, for log shippers).")
+GUARDED_HTTP = "serving.protocol:GuardedHttpProtocol"  # uvicorn's protocol with a deadline for request heads
 
 
 def _store(repo: Path):
@@ -343,9 +344,7 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
               file=sys.stderr, flush=True)
     else:
         err_console.print(started, markup=False, soft_wrap=True)
-    from serving.protocol import GuardedHttpProtocol
-
-    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log, "http": GuardedHttpProtocol,
+    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log, "http": GUARDED_HTTP,
                                "timeout_keep_alive": keep_alive,
                **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
     from featurestore import serve_workers
@@ -465,21 +464,21 @@ def checkpoint_engine(
 
     With API keys configured every route needs the `read` scope; a replica presents the key in
     FEATURESTORE_API_KEY to its source and upstream."""
+    import os
+
     import uvicorn
 
-    from featurestore.checkpoint_engine import Replica
-    from serving.checkpoint_engine import create_app
+    from featurestore.config import REPO_ENV
 
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
-    registry = store.model_registry()
-    app = create_app(registry, Replica(registry, model, source, upstream) if source else None, store.config)
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
     auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
     err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
-    from serving.protocol import GuardedHttpProtocol
-
-    uvicorn.run(app, host=host, port=port, log_level="warning", http=GuardedHttpProtocol)
+    os.environ.update({REPO_ENV: str(repo.resolve()), "FEATURESTORE_MODEL": model, "FEATURESTORE_SOURCE": source or "",
+                       "FEATURESTORE_UPSTREAM": upstream or ""})
+    uvicorn.run("serving.checkpoint_engine:app_factory", factory=True, host=host, port=port, log_level="warning",
+                http=GUARDED_HTTP)
 
 
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)

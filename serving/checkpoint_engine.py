@@ -67,3 +67,17 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
     keys = config.api_keys if config is not None else None
     bound = config.max_request_bytes if config is not None else 16 * 1024 * 1024
     return FastLane(app, {}, bound, Authenticator(keys), metrics)  # type: ignore[return-value]
+
+
+def app_factory() -> FastAPI:
+    """Entry for ``featurestore checkpoint-engine`` (repo, model, source and upstream from its environment)."""
+    import os
+
+    from featurestore.config import REPO_ENV
+    from featurestore.feature_store import FeatureStore
+
+    store = FeatureStore(os.environ.get(REPO_ENV, "."))
+    registry = store.model_registry()
+    source = os.environ.get("FEATURESTORE_SOURCE") or None
+    replica = Replica(registry, os.environ["FEATURESTORE_MODEL"], source, os.environ.get("FEATURESTORE_UPSTREAM") or None) if source else None
+    return create_app(registry, replica, store.config)

@@ -809,3 +809,19 @@ def ratio(inputs):
         assert math.copysign(1, offline[i]["x"]) == -1 and math.copysign(1, online["x"][i]) == -1
         assert offline[i]["ratio"] == online["ratio"][i] == -math.inf
     assert store.get_online_features({"lat": [-0.0]}, features=["readings:x"]).statuses[1] == ["PRESENT"]
+
+
+def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
+    """The longest window bounds what Redis keeps and which writes of an id are duplicates: a change
+    of it is a new online layout (NOT_FOUND until re-sent), and ``plan`` says so."""
+    store = make_store(FEATURES)
+    layout = store.get_feature_view("activity").online_field
+    root = store.config.repo_path
+    (root / "features.py").write_text((root / "features.py").read_text().replace("Aggregation(\"count\", 30 * H,", "Aggregation(\"count\", 40 * H,"))
+    from featurestore import FeatureStore
+
+    with FeatureStore(root) as changed:
+        text = changed.plan().describe()
+        assert "longest window changed" in text and "featurestore materialize" in text, text
+        changed.apply()
+        assert changed.get_feature_view("activity").online_field != layout

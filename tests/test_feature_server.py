@@ -148,8 +148,23 @@ def test_feasts_materialize_call_returns_once_the_data_is_online(client):
     lookup = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [6]}}).json()
     assert lookup["results"][1]["values"] == [2.5]
     assert client.post("/materialize", json={"disable_event_timestamp": True, "feature_views": ["spend"]}).status_code == 200
-    failed = client.post("/materialize", json={"start_ts": NOW.isoformat(), "end_ts": (NOW - timedelta(days=1)).isoformat()})
-    assert failed.status_code == 400 and "window is empty" in failed.json()["detail"], failed.text
+    empty = client.post("/materialize", json={"start_ts": NOW.isoformat(), "end_ts": (NOW - timedelta(days=1)).isoformat()})
+    assert empty.status_code == 200 and empty.json()["result"] == {"views": []}  # nothing in the window (as Feast answers)
+
+
+def test_a_failed_job_answers_its_error_not_success(tmp_path):
+    from featurestore.errors import RequestError
+    from serving.jobs import JobRunner
+
+    def broken():
+        raise RequestError("the source says no")
+
+    runner = JobRunner(tmp_path / "jobs")
+    try:
+        job = runner.wait("materialize", ["v"], broken)
+        assert job.status == "failed" and job.error_status == 422 and "says no" in job.error
+    finally:
+        runner.shutdown()
 
 
 LOOKUP = {"features": ["spend:amount"], "entities": {"card_id": [1]}}

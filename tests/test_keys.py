@@ -67,8 +67,8 @@ def test_a_key_of_the_wrong_type_is_an_error_online_and_offline(store):
         store.get_online_features({"s": [1.5]}, features=["by_text:x"])
     with pytest.raises(RequestError, match="join key 's' is String but the entity rows give int64"):
         store.get_historical_features(pd.DataFrame({"s": [1], "event_timestamp": [NOW]}), features=["by_text:x"]).to_df()
-    with pytest.raises(RequestError, match="join key 't' takes UnixTimestamp"):
-        store.get_online_features({"t": ["2024-05-01"]}, features=["by_time:x"])
+    with pytest.raises(RequestError, match="join key 't' takes UnixTimestamp"):  # (ISO 8601 text is taken: REST sends no datetimes)
+        store.get_online_features({"t": ["the first of May"]}, features=["by_time:x"])
 
 
 PUSHED = """

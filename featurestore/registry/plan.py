@@ -8,7 +8,8 @@ Every change to a feature view has one defined outcome for its stored data:
   versions stay readable, so datasets exported under them still reproduce;
 - an added column **evolves** the history (older rows read null until a backfill);
 - a removed column is no longer served; its stored data stays;
-- ttl, aggregations and metadata are applied at read time: stored data stays valid.
+- ttl, aggregations and metadata are applied at read time: stored data stays valid (a change of
+  an aggregated view's longest window changes its online layout: see ``Change.relayout``).
 
 Whenever the online layout changes (any of the above but the read-time ones), values written
 before read NOT_FOUND until the next ``materialize``/``backfill`` re-sends them: bytes are
@@ -31,6 +32,7 @@ class Change:
     action: Literal["add", "change", "remove"]
     attributes: list[str] = field(default_factory=list)
     new_version: int | None = None        # a feature view's new history version, when it gets one
+    relayout: bool = False                # an aggregated view's longest window changed: online read NOT_FOUND until re-sent
     added_columns: list[str] = field(default_factory=list)
     removed_columns: list[str] = field(default_factory=list)
 
@@ -56,6 +58,9 @@ class Change:
                      f"NOT_FOUND until {backfill}]")
         if self.removed_columns:
             text += f"  [{', '.join(self.removed_columns)} no longer served; stored data stays]"
+        if self.relayout and self.new_version is None:
+            text += ("  [its longest window changed what Redis keeps and which writes of an event id are duplicates: "
+                     "online values read NOT_FOUND until `featurestore materialize` re-sends its history]")
         if self.deletes_data:
             text += "  [its stored data will be deleted: needs --force]"
         return text
@@ -111,6 +116,7 @@ def make_plan(applied: dict[str, Any], desired: dict[str, dict[str, dict]], key_
                             else _entity_keys(before_objects, before["spec"]) != _entity_keys(desired, entry["spec"]))
             if _starts_new_version(change, before["spec"], entry["spec"], keys_changed):
                 version = change.new_version = version + 1
+            change.relayout = _longest_window(before["spec"]) != _longest_window(entry["spec"])
             if keys_changed and old_keys is not None:  # (say which: the attributes show none when only a source's column type changed)
                 change.attributes = sorted({*change.attributes, *(f"type of join key {k!r} ({old_keys.get(k)} -> {t})"
                                                                   for k, t in (key_types.get(name) or {}).items() if old_keys.get(k) != t)})
@@ -137,6 +143,11 @@ def _starts_new_version(change: Change, old: dict, new: dict, keys_changed: bool
         change.added_columns = []
         return True
     return False
+
+
+def _longest_window(spec: dict) -> int | None:
+    windows = [a["window_us"] for a in spec.get("aggregations") or []]
+    return max(windows) if windows else None
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
