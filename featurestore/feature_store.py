@@ -305,13 +305,16 @@ class FeatureStore:
         consumes them); the way in when Redis is embedded and has no address to give a producer.
         Returns the entry ids."""
         from featurestore.definitions import StreamSource
+        from featurestore.online.redis_store import UNAVAILABLE
         from featurestore.streaming import publish, stream_key
 
         source = self.definitions.push_source(source_name)
         if not isinstance(source, StreamSource):
             raise FeatureStoreError(f"{source_name!r} is a push source, not a StreamSource: write to it with push()")
-        with self.online_store._calling():
+        try:
             ids = publish(self.online_store.client, stream_key(self.config.project, source), list(rows))
+        except UNAVAILABLE as exc:
+            raise self.online_store.unavailable(exc) from exc
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
     def write_to_online_store(self, feature_view_name: str, df: "pd.DataFrame | pa.Table | dict") -> int:
