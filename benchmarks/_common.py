@@ -12,7 +12,12 @@ import numpy as np
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
     ms = np.array(seconds) * 1000
-    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "p99.9": float(np.percentile(ms, 99.9)), "n": len(ms)}
+    return {
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+        "p99.9": float(np.percentile(ms, 99.9)),
+        "n": len(ms),
+    }
 
 
 def peak_rss_mb() -> float:

@@ -73,22 +73,33 @@ def setup_offline(root: Path, cards: int, events: int, entity_rows: int, seed: i
     span_s = 90 * 86_400
     start_us = int(START.timestamp() * 1e6)
     event = start_us + np.sort(rng.integers(0, span_s, events)) * 10**6  # whole seconds: ties happen
-    table = pa.table({
-        "card_id": rng.integers(1, cards + 1, events),
-        "event_timestamp": pa.array(event, pa.int64()).cast(TS),
-        "created_timestamp": pa.array(event, pa.int64()).cast(TS),
-        "_run_id": np.ones(events, np.int64),
-        "_row_id": rng.permutation(events).astype(np.int64),
-        "tx_id": np.arange(events, dtype=np.int64),
-        "amount": np.round(rng.lognormal(3.5, 1.1, events), 2),
-    })
+    table = pa.table(
+        {
+            "card_id": rng.integers(1, cards + 1, events),
+            "event_timestamp": pa.array(event, pa.int64()).cast(TS),
+            "created_timestamp": pa.array(event, pa.int64()).cast(TS),
+            "_run_id": np.ones(events, np.int64),
+            "_row_id": rng.permutation(events).astype(np.int64),
+            "tx_id": np.arange(events, dtype=np.int64),
+            "amount": np.round(rng.lognormal(3.5, 1.1, events), 2),
+        }
+    )
     store = FeatureStore(root)
     store.apply()
-    store.offline_store.append("activity", table.cast(store.definitions.history_schema(store.get_feature_view("activity"))))
-    pq.write_table(pa.table({
-        "card_id": rng.integers(1, int(cards * 1.1) + 1, entity_rows),
-        "event_timestamp": pa.array(start_us + rng.integers(0, (span_s + 86_400) * 10**6, entity_rows), pa.int64()).cast(TS),
-    }), root / "entities.parquet")
+    store.offline_store.append(
+        "activity", table.cast(store.definitions.history_schema(store.get_feature_view("activity")))
+    )
+    pq.write_table(
+        pa.table(
+            {
+                "card_id": rng.integers(1, int(cards * 1.1) + 1, entity_rows),
+                "event_timestamp": pa.array(
+                    start_us + rng.integers(0, (span_s + 86_400) * 10**6, entity_rows), pa.int64()
+                ).cast(TS),
+            }
+        ),
+        root / "entities.parquet",
+    )
 
 
 def run_ours(root: Path) -> dict:
@@ -115,8 +126,12 @@ def run_reference(root: Path) -> dict:
         f"w{w} AS (PARTITION BY card_id ORDER BY ts RANGE BETWEEN INTERVAL ({s * 10**6 - 1}) MICROSECONDS PRECEDING AND CURRENT ROW)"
         for w, s in WINDOWS.items()
     )
-    sql_of = {"count": "count(amount) OVER w{w}", "sum": "COALESCE(fsum(amount) OVER w{w}, 0)",
-              "mean": "fsum(amount) OVER w{w} / NULLIF(count(amount) OVER w{w}, 0)", "max": "max(amount) OVER w{w}"}
+    sql_of = {
+        "count": "count(amount) OVER w{w}",
+        "sum": "COALESCE(fsum(amount) OVER w{w}, 0)",
+        "mean": "fsum(amount) OVER w{w} / NULLIF(count(amount) OVER w{w}, 0)",
+        "max": "max(amount) OVER w{w}",
+    }
     aggregates = ", ".join(f"{sql_of[f].format(w=w)} AS amount_{f}_{w}" for w in WINDOWS for f in FUNCTIONS)
     sql = f"""
         WITH e AS (SELECT card_id, event_timestamp, CAST(event_timestamp AS TIMESTAMP) AS ts, row_number() OVER () AS rn FROM entities),
@@ -132,7 +147,9 @@ def run_reference(root: Path) -> dict:
 def _checksum(table: pa.Table) -> str:
     import pyarrow.compute as pc
 
-    return "/".join(str(pc.sum(table[n]).as_py()) for n in ("amount_count_1h", "amount_count_7d", "amount_max_24h", "amount_sum_7d"))
+    return "/".join(
+        str(pc.sum(table[n]).as_py()) for n in ("amount_count_1h", "amount_count_7d", "amount_max_24h", "amount_sum_7d")
+    )
 
 
 def offline(args: argparse.Namespace) -> None:
@@ -146,11 +163,15 @@ def offline(args: argparse.Namespace) -> None:
         if side not in results or r["seconds"] < results[side]["seconds"]:
             results[side] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], results.get(side, {}).get("peak_rss_mb", 0))}
     ours, ref = results["ours"], results["reference"]
-    print(f"offline: {args.entity_rows:,} entity rows x {args.events:,} events, {len(NAMES)} aggregates over {list(WINDOWS)}")
+    print(
+        f"offline: {args.entity_rows:,} entity rows x {args.events:,} events, {len(NAMES)} aggregates over {list(WINDOWS)}"
+    )
     print(f"  {'':26}{'wall s':>10}{'peak RSS MB':>14}")
     print(f"  {'hand-written DuckDB SQL':26}{ref['seconds']:>10.2f}{ref['peak_rss_mb']:>14.0f}")
     print(f"  {'get_historical_features':26}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
-    print(f"  ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
+    print(
+        f"  ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x"
+    )
     print(f"  results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
 
 
@@ -169,15 +190,33 @@ def online(args: argparse.Namespace) -> None:
     with FeatureStore(root) as store:
         store.apply()
         ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, events)]
-        store.push("payments", pa.table({
-            "tx_id": np.arange(events, dtype=np.int64), "card_id": np.repeat(np.arange(1, n_cards + 1), per_card),
-            "amount": np.round(rng.lognormal(3.5, 1.1, events), 2), "event_timestamp": pa.array(ts, TS),
-        }), to="online")
-        store.push("profiles", pa.table({
-            "card_id": np.arange(1, n_cards + 1), "event_timestamp": pa.array([now - timedelta(hours=1)] * n_cards, TS),
-            "f1": rng.normal(size=n_cards), "f2": rng.normal(size=n_cards), "f3": rng.integers(0, 100, n_cards),
-            "f4": pa.array(rng.integers(0, 100, n_cards).astype(str)), "f5": rng.normal(size=n_cards),
-        }), to="online")
+        store.push(
+            "payments",
+            pa.table(
+                {
+                    "tx_id": np.arange(events, dtype=np.int64),
+                    "card_id": np.repeat(np.arange(1, n_cards + 1), per_card),
+                    "amount": np.round(rng.lognormal(3.5, 1.1, events), 2),
+                    "event_timestamp": pa.array(ts, TS),
+                }
+            ),
+            to="online",
+        )
+        store.push(
+            "profiles",
+            pa.table(
+                {
+                    "card_id": np.arange(1, n_cards + 1),
+                    "event_timestamp": pa.array([now - timedelta(hours=1)] * n_cards, TS),
+                    "f1": rng.normal(size=n_cards),
+                    "f2": rng.normal(size=n_cards),
+                    "f3": rng.integers(0, 100, n_cards),
+                    "f4": pa.array(rng.integers(0, 100, n_cards).astype(str)),
+                    "f5": rng.normal(size=n_cards),
+                }
+            ),
+            to="online",
+        )
         agg_refs = [f"activity:amount_{f}" for f in ("count_1h", "sum_24h", "mean_7d", "max_7d", "count_7d")]
         latest_refs = [f"latest:f{i}" for i in range(1, 6)]
         timings: dict[str, list[float]] = {"aggregates": [], "latest": []}
@@ -193,14 +232,29 @@ def online(args: argparse.Namespace) -> None:
                 break
         # the cards become active: each gets an event now, as in a stream (a card's first event after a
         # quiet spell extends its keys' expiry and trims its old events; later ones, for hours, do not)
-        store.push("payments", pa.table({
-            "tx_id": np.arange(events, events + n_cards, dtype=np.int64), "card_id": np.arange(1, n_cards + 1),
-            "amount": np.full(n_cards, 1.0), "event_timestamp": pa.array([datetime.now(timezone.utc)] * n_cards, TS)}), to="online")
+        store.push(
+            "payments",
+            pa.table(
+                {
+                    "tx_id": np.arange(events, events + n_cards, dtype=np.int64),
+                    "card_id": np.arange(1, n_cards + 1),
+                    "amount": np.full(n_cards, 1.0),
+                    "event_timestamp": pa.array([datetime.now(timezone.utc)] * n_cards, TS),
+                }
+            ),
+            to="online",
+        )
         events += n_cards
         push_times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
         for i, to in enumerate(["online"] * args.pushes + ["online_and_offline"] * args.pushes):
-            one = pa.table({"tx_id": [events + i], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
-                            "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
+            one = pa.table(
+                {
+                    "tx_id": [events + i],
+                    "card_id": [int(rng.integers(1, n_cards + 1))],
+                    "amount": [12.5],
+                    "event_timestamp": pa.array([datetime.now(timezone.utc)], TS),
+                }
+            )
             t0 = time.perf_counter()
             store.push("payments", one, to=to)
             push_times[to].append(time.perf_counter() - t0)
@@ -209,8 +263,14 @@ def online(args: argparse.Namespace) -> None:
         stream: list[float] = []
         first, deadline = events + 2 * args.pushes, time.monotonic() + args.stream_seconds
         while time.monotonic() < deadline:
-            one = pa.table({"tx_id": [first + len(stream)], "card_id": [int(rng.integers(1, n_cards + 1))], "amount": [12.5],
-                            "event_timestamp": pa.array([datetime.now(timezone.utc)], TS)})
+            one = pa.table(
+                {
+                    "tx_id": [first + len(stream)],
+                    "card_id": [int(rng.integers(1, n_cards + 1))],
+                    "amount": [12.5],
+                    "event_timestamp": pa.array([datetime.now(timezone.utc)], TS),
+                }
+            )
             t0 = time.perf_counter()
             store.push("payments", one, to="online_and_offline")
             stream.append(time.perf_counter() - t0)
@@ -222,11 +282,16 @@ def online(args: argparse.Namespace) -> None:
             tables = []
             for b in range(batches):
                 first = events + 10_000 + (b + (batches if to != "online" else 0)) * batch
-                tables.append(pa.table({
-                    "tx_id": np.arange(first, first + batch, dtype=np.int64), "card_id": rng.integers(1, n_cards + 1, batch),
-                    "amount": np.round(rng.lognormal(3.5, 1.1, batch), 2),
-                    "event_timestamp": pa.array([datetime.now(timezone.utc)] * batch, TS),
-                }))
+                tables.append(
+                    pa.table(
+                        {
+                            "tx_id": np.arange(first, first + batch, dtype=np.int64),
+                            "card_id": rng.integers(1, n_cards + 1, batch),
+                            "amount": np.round(rng.lognormal(3.5, 1.1, batch), 2),
+                            "event_timestamp": pa.array([datetime.now(timezone.utc)] * batch, TS),
+                        }
+                    )
+                )
             t0 = time.perf_counter()
             for table in tables:
                 store.push("payments", table, to=to)
@@ -242,9 +307,18 @@ def online(args: argparse.Namespace) -> None:
         for k, n in enumerate((1_000, 10_000, 50_000)):
             card = n_cards + 1 + k
             ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
-            store.push("payments", pa.table({
-                "tx_id": np.arange(n, dtype=np.int64) + (k + 1) * 10**9, "card_id": np.full(n, card),
-                "amount": np.round(rng.lognormal(3.5, 1.1, n), 2), "event_timestamp": pa.array(ts, TS)}), to="online")
+            store.push(
+                "payments",
+                pa.table(
+                    {
+                        "tx_id": np.arange(n, dtype=np.int64) + (k + 1) * 10**9,
+                        "card_id": np.full(n, card),
+                        "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
+                        "event_timestamp": pa.array(ts, TS),
+                    }
+                ),
+                to="online",
+            )
             t0 = time.perf_counter()
             store.get_online_features([{"card_id": card}], features=agg_refs)
             heavy[n] = {"first": (time.perf_counter() - t0) * 1000}
@@ -266,28 +340,44 @@ def online(args: argparse.Namespace) -> None:
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
     print(f"  1 entity x 5 latest       p50 {lat['p50']:.3f} ms  p99 {lat['p99']:.3f} ms  (n={lat['n']})")
     print(f"  ratio aggregates / latest: p50 {agg['p50'] / lat['p50']:.2f}x, p99 {agg['p99'] / lat['p99']:.2f}x")
-    print(f"  1 heavy card x 5 aggregates, p50 from tile summaries (from every event; {heavy_per_tile}+ events per 1 h tile use summaries):")
+    print(
+        f"  1 heavy card x 5 aggregates, p50 from tile summaries (from every event; {heavy_per_tile}+ events per 1 h tile use summaries):"
+    )
     for n, p in heavy.items():
-        print(f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
-              f"first lookup {p['first']:.1f} ms")
-    print("  a cold card of 50,000 events, its first 3 lookups on the servers' path (read_online_async): longest event-loop stall")
+        print(
+            f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
+            f"first lookup {p['first']:.1f} ms"
+        )
+    print(
+        "  a cold card of 50,000 events, its first 3 lookups on the servers' path (read_online_async): longest event-loop stall"
+    )
     for label, (lookups, stall) in stalls.items():
-        print(f"    {label}: lookups {' / '.join(f'{ms:.0f}' for ms in lookups)} ms, longest stall {' / '.join(f'{ms:.1f}' for ms in stall)} ms")
+        print(
+            f"    {label}: lookups {' / '.join(f'{ms:.0f}' for ms in lookups)} ms, longest stall {' / '.join(f'{ms:.1f}' for ms in stall)} ms"
+        )
     for to, times in push_times.items():
         push = percentiles(times)
-        print(f"  push 1 event to {to:<18} in-process  p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})")
+        print(
+            f"  push 1 event to {to:<18} in-process  p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']})"
+        )
     ms = np.array(stream) * 1000
-    print(f"  push 1 event to online_and_offline, {len(ms):,} in {args.stream_seconds:g} s (Delta commits in the background): "
-          f"p50 {np.percentile(ms, 50):.2f} ms  p99 {np.percentile(ms, 99):.2f} ms  p99.9 {np.percentile(ms, 99.9):.2f} ms  "
-          f"max {ms.max():.1f} ms")
+    print(
+        f"  push 1 event to online_and_offline, {len(ms):,} in {args.stream_seconds:g} s (Delta commits in the background): "
+        f"p50 {np.percentile(ms, 50):.2f} ms  p99 {np.percentile(ms, 99):.2f} ms  p99.9 {np.percentile(ms, 99.9):.2f} ms  "
+        f"max {ms.max():.1f} ms"
+    )
     for to, times in http.items():
         push = percentiles(times)
-        print(f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']}, one keep-alive client)")
+        print(
+            f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']}, one keep-alive client)"
+        )
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
 
 
-def loop_stalls(store, refs: list[str], first_card: int, rng, now: datetime) -> dict[str, tuple[list[float], list[float]]]:
+def loop_stalls(
+    store, refs: list[str], first_card: int, rng, now: datetime
+) -> dict[str, tuple[list[float], list[float]]]:
     """A cold heavy card's first lookups through ``read_online_async`` while a ticker task runs on
     the same event loop: the longest gap between its ticks is how long the loop could not answer
     anything else. Assembling on the loop (as before) and off it (past ``OFF_LOOP_EVENTS``)."""
@@ -299,8 +389,18 @@ def loop_stalls(store, refs: list[str], first_card: int, rng, now: datetime) -> 
     n = 50_000
     for card in (first_card, first_card + 1):
         ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
-        store.push("payments", pa.table({"tx_id": np.arange(n, dtype=np.int64) + card * 10**7, "card_id": np.full(n, card),
-                                         "amount": np.round(rng.lognormal(3.5, 1.1, n), 2), "event_timestamp": pa.array(ts, TS)}), to="online")
+        store.push(
+            "payments",
+            pa.table(
+                {
+                    "tx_id": np.arange(n, dtype=np.int64) + card * 10**7,
+                    "card_id": np.full(n, card),
+                    "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
+                    "event_timestamp": pa.array(ts, TS),
+                }
+            ),
+            to="online",
+        )
     threshold, out = online.OFF_LOOP_EVENTS, {}
 
     async def measure() -> None:
@@ -316,7 +416,10 @@ def loop_stalls(store, refs: list[str], first_card: int, rng, now: datetime) -> 
                 last = now_
 
         task = asyncio.create_task(ticker())
-        for card, label, limit in ((first_card, "assembled on the loop ", 10**12), (first_card + 1, "assembled off the loop", threshold)):
+        for card, label, limit in (
+            (first_card, "assembled on the loop ", 10**12),
+            (first_card + 1, "assembled off the loop", threshold),
+        ):
             online.OFF_LOOP_EVENTS = limit
             lookups, stalls = [], []
             for _ in range(3):
@@ -345,16 +448,40 @@ def http_push(root: Path, first_id: int, n_cards: int, n: int) -> dict[str, list
     from online import HttpClient, free_port, start
 
     port = free_port()
-    server = start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
-                    "--log-level", "warning", "--no-access-log"], dict(os.environ), port)
+    server = start(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        dict(os.environ),
+        port,
+    )
     times: dict[str, list[float]] = {"online": [], "online_and_offline": []}
     try:
         client = HttpClient(port)
         for i in range(2 * n + 50):
             to = "online" if i < n + 50 else "online_and_offline"
-            body = json.dumps({"push_source_name": "payments", "to": to, "df": {
-                "tx_id": [first_id + i], "card_id": [1 + i % n_cards], "amount": [12.5],
-                "event_timestamp": [datetime.now(timezone.utc).isoformat()]}}).encode()
+            body = json.dumps(
+                {
+                    "push_source_name": "payments",
+                    "to": to,
+                    "df": {
+                        "tx_id": [first_id + i],
+                        "card_id": [1 + i % n_cards],
+                        "amount": [12.5],
+                        "event_timestamp": [datetime.now(timezone.utc).isoformat()],
+                    },
+                }
+            ).encode()
             t0 = time.perf_counter()
             client.post("/push", body)
             if i >= 50:  # after warm-up

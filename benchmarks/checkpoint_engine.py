@@ -38,9 +38,22 @@ def fake_run(folder: Path, rows: int) -> Path:
     model = TabularMLP(1, [rows], [32], 16)
     pre = Preprocessor(["x"], ["c"], [0.0], [1.0], {"c": ["a"]})
     folder.mkdir(parents=True)
-    torch.save({"model": model.state_dict(), "model_config": model.config, "preprocessor": pre.to_dict()}, folder / "checkpoint.pt")
-    (folder / "params.json").write_text(json.dumps({"config": {"task": "classification", "request_inputs": []}, "feature_service": "svc",
-                                                    "features": [], "definition_hashes": {}, "dataset_manifest_hash": "", "code_version": ""}))
+    torch.save(
+        {"model": model.state_dict(), "model_config": model.config, "preprocessor": pre.to_dict()},
+        folder / "checkpoint.pt",
+    )
+    (folder / "params.json").write_text(
+        json.dumps(
+            {
+                "config": {"task": "classification", "request_inputs": []},
+                "feature_service": "svc",
+                "features": [],
+                "definition_hashes": {},
+                "dataset_manifest_hash": "",
+                "code_version": "",
+            }
+        )
+    )
     (folder / "final.json").write_text("{}")
     return folder
 
@@ -67,9 +80,30 @@ def main() -> None:
             path = source_repo if name == "source" else repo(name)
             port = _port()
             urls[name] = f"http://127.0.0.1:{port}"
-            extra = [] if name == "source" else ["--source", urls["source"], *(["--upstream", urls[upstream]] if upstream else [])]
-            engines.append(subprocess.Popen([sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo",
-                                             str(path), "--port", str(port), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            extra = (
+                []
+                if name == "source"
+                else ["--source", urls["source"], *(["--upstream", urls[upstream]] if upstream else [])]
+            )
+            engines.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "featurestore.cli",
+                        "checkpoint-engine",
+                        "--model",
+                        "m",
+                        "--repo",
+                        str(path),
+                        "--port",
+                        str(port),
+                        *extra,
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         time.sleep(6)
         source = registry(source_repo)
         version = source.register("m", run)
@@ -77,8 +111,9 @@ def main() -> None:
         replicas = [registry(root / f"r{i}") for i in range(1, 5)]
         started = time.perf_counter()
         source.promote("m", version, "production")
-        while not all(r.aliases("m").get("production") == version for r in replicas if (r.root / "m").exists()) or \
-                not all((r.root / "m").exists() for r in replicas):
+        while not all(
+            r.aliases("m").get("production") == version for r in replicas if (r.root / "m").exists()
+        ) or not all((r.root / "m").exists() for r in replicas):
             time.sleep(0.01)
         engine_s = time.perf_counter() - started
 
@@ -86,8 +121,10 @@ def main() -> None:
         for i in range(4):  # the reference: copy the version's folder to each replica in turn
             shutil.copytree(source.root / "m" / str(version), root / "copies" / str(i))
         copy_s = time.perf_counter() - started
-        print(f"model of {size / 1e6:.0f} MB to 4 replicas: checkpoint engine {engine_s:.2f} s (HTTP tree, SHA-256, load-checked "
-              f"promotion); copying to each in turn {copy_s:.2f} s (same disk, no checks); ratio {engine_s / copy_s:.1f}x")
+        print(
+            f"model of {size / 1e6:.0f} MB to 4 replicas: checkpoint engine {engine_s:.2f} s (HTTP tree, SHA-256, load-checked "
+            f"promotion); copying to each in turn {copy_s:.2f} s (same disk, no checks); ratio {engine_s / copy_s:.1f}x"
+        )
     finally:
         for e in engines:
             e.kill()

@@ -54,20 +54,38 @@ def setup(root: Path, rows: int, entities: int) -> None:
     if source.exists():
         return
     start = int(datetime(2024, 1, 1, tzinfo=timezone.utc).timestamp() * 1e6)
-    pq.write_table(pa.table({
-        "user_id": rng.integers(1, entities + 1, rows),
-        "event_timestamp": pa.array(start + rng.integers(0, 90 * 86_400, rows) * 10**6, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-        "f1": rng.normal(size=rows), "f2": rng.normal(size=rows), "f3": rng.normal(size=rows).astype(np.float32),
-        "f4": rng.integers(0, 10**9, rows), "f5": rng.integers(0, 10**9, rows), "f6": rng.integers(0, 1000, rows).astype(np.int32),
-        "f7": pa.array(rng.integers(0, 1000, rows).astype(str)), "f8": rng.random(rows) < 0.5, "f9": rng.normal(size=rows),
-        "f10": pa.array(np.char.add("category-", rng.integers(0, 50, rows).astype(str))),
-    }), source, row_group_size=500_000)
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": rng.integers(1, entities + 1, rows),
+                "event_timestamp": pa.array(start + rng.integers(0, 90 * 86_400, rows) * 10**6, pa.int64()).cast(
+                    pa.timestamp("us", tz="UTC")
+                ),
+                "f1": rng.normal(size=rows),
+                "f2": rng.normal(size=rows),
+                "f3": rng.normal(size=rows).astype(np.float32),
+                "f4": rng.integers(0, 10**9, rows),
+                "f5": rng.integers(0, 10**9, rows),
+                "f6": rng.integers(0, 1000, rows).astype(np.int32),
+                "f7": pa.array(rng.integers(0, 1000, rows).astype(str)),
+                "f8": rng.random(rows) < 0.5,
+                "f9": rng.normal(size=rows),
+                "f10": pa.array(np.char.add("category-", rng.integers(0, 50, rows).astype(str))),
+            }
+        ),
+        source,
+        row_group_size=500_000,
+    )
 
 
 def raw_hand_written(root: Path, client) -> int:
     """DuckDB latest row per entity, then one HSET per entity with its features as a mapping."""
-    rows = duckdb.sql(f"""SELECT user_id, {', '.join(FEATURES)} FROM read_parquet('{root / 'data' / 'source.parquet'}')
-        QUALIFY row_number() OVER (PARTITION BY user_id ORDER BY event_timestamp DESC) = 1""").to_arrow_table().to_pylist()
+    rows = (
+        duckdb.sql(f"""SELECT user_id, {", ".join(FEATURES)} FROM read_parquet('{root / "data" / "source.parquet"}')
+        QUALIFY row_number() OVER (PARTITION BY user_id ORDER BY event_timestamp DESC) = 1""")
+        .to_arrow_table()
+        .to_pylist()
+    )
     pipe = client.pipeline(transaction=False)
     for i, row in enumerate(rows):
         user = row.pop("user_id")
@@ -83,7 +101,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--entities", type=int, default=100_000)
     parser.add_argument("--data-dir", type=Path, default=HERE / ".data" / "materialize")
-    parser.add_argument("--ray", action="store_true", help="Also materialize both stores on a local Ray cluster (every core).")
+    parser.add_argument(
+        "--ray", action="store_true", help="Also materialize both stores on a local Ray cluster (every core)."
+    )
     parser.add_argument("--child-both", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     root = (args.data_dir / f"{args.rows}-{args.entities}").resolve()
@@ -92,8 +112,16 @@ def main() -> None:
 
         t0 = time.perf_counter()
         report = FeatureStore(root).materialize(None, datetime(2025, 1, 1, tzinfo=timezone.utc))
-        print(json.dumps({"seconds": time.perf_counter() - t0, "history_rows": report.views[0].new_offline_rows,
-                          "online_rows": report.views[0].online_rows, "peak_rss_mb": peak_rss_mb()}))
+        print(
+            json.dumps(
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "history_rows": report.views[0].new_offline_rows,
+                    "online_rows": report.views[0].online_rows,
+                    "peak_rss_mb": peak_rss_mb(),
+                }
+            )
+        )
         return
     os.environ.pop("REDIS_URL", None)
 
@@ -127,20 +155,33 @@ def main() -> None:
     n_ours = report.views[0].online_rows
     assert n_ours == n_raw, (n_ours, n_raw)
     print("1. online path end to end (source rows → latest per entity → Redis)")
-    print(f"   hand-written DuckDB + pipelined HSET: {best['raw']:6.2f}s  {args.rows / best['raw']:>12,.0f} source rows/s")
-    print(f"   materialize(online only):             {best['ours_online']:6.2f}s  {args.rows / best['ours_online']:>12,.0f} source rows/s")
+    print(
+        f"   hand-written DuckDB + pipelined HSET: {best['raw']:6.2f}s  {args.rows / best['raw']:>12,.0f} source rows/s"
+    )
+    print(
+        f"   materialize(online only):             {best['ours_online']:6.2f}s  {args.rows / best['ours_online']:>12,.0f} source rows/s"
+    )
     print(f"   rate ratio ours/raw: {best['raw'] / best['ours_online']:.2f}x\n")
 
     # 2. the write stage on identical latest rows
     con = duckdb.connect()
     store_rows = store.definitions.history_schema(view)
     con.register("src", pq.read_table(root / "data" / "source.parquet"))
-    latest = latest_per_entity(con.sql(
-        f"SELECT user_id, event_timestamp, event_timestamp AS created_timestamp, 1::BIGINT AS _run_id, (hash(user_id) >> 1)::BIGINT AS _row_id, "
-        f"{', '.join(FEATURES)} FROM src").to_arrow_table().cast(store_rows), ["user_id"])
+    latest = latest_per_entity(
+        con.sql(
+            f"SELECT user_id, event_timestamp, event_timestamp AS created_timestamp, 1::BIGINT AS _run_id, (hash(user_id) >> 1)::BIGINT AS _row_id, "
+            f"{', '.join(FEATURES)} FROM src"
+        )
+        .to_arrow_table()
+        .cast(store_rows),
+        ["user_id"],
+    )
     from featurestore.online.codec import encode_values, entity_keys
 
-    keys, values = entity_keys("bench_mat", latest, ["user_id"]).to_pylist(), encode_values(latest, features).to_pylist()
+    keys, values = (
+        entity_keys("bench_mat", latest, ["user_id"]).to_pylist(),
+        encode_values(latest, features).to_pylist(),
+    )
     stage: dict[str, float] = {}
     for attempt in range(2):
         client.flushdb()
@@ -165,13 +206,26 @@ def main() -> None:
     runs = []
     for attempt in range(2):  # best of two
         fresh()
-        runs.append(run_child(__file__, "--child-both", "--rows", str(args.rows), "--entities", str(args.entities),
-                              "--data-dir", str(args.data_dir), env={**os.environ, "REDIS_URL": store.online_store.url}))
+        runs.append(
+            run_child(
+                __file__,
+                "--child-both",
+                "--rows",
+                str(args.rows),
+                "--entities",
+                str(args.entities),
+                "--data-dir",
+                str(args.data_dir),
+                env={**os.environ, "REDIS_URL": store.online_store.url},
+            )
+        )
     best_run = min(runs, key=lambda r: r["seconds"])
     both = best_run["seconds"]
     print("3. both stores (Delta history + Redis), in a fresh process")
-    print(f"   materialize: {both:6.2f}s  {args.rows / both:,.0f} source rows/s; {best_run['history_rows']:,} history rows, "
-          f"{best_run['online_rows']:,} entities online; peak RSS {best_run['peak_rss_mb']:,.0f} MB")
+    print(
+        f"   materialize: {both:6.2f}s  {args.rows / both:,.0f} source rows/s; {best_run['history_rows']:,} history rows, "
+        f"{best_run['online_rows']:,} entities online; peak RSS {best_run['peak_rss_mb']:,.0f} MB"
+    )
     if args.ray:
         import ray
 
@@ -186,8 +240,10 @@ def main() -> None:
         report = on_ray.materialize(None, end)
         seconds = time.perf_counter() - t0
         print("4. both stores on Ray (a local cluster on this machine's cores, workers warm)")
-        print(f"   materialize: {seconds:6.2f}s  {args.rows / seconds:,.0f} source rows/s; {report.views[0].new_offline_rows:,} history rows, "
-              f"{report.views[0].online_rows:,} entities online; Ray / local: {seconds / both:.2f}x")
+        print(
+            f"   materialize: {seconds:6.2f}s  {args.rows / seconds:,.0f} source rows/s; {report.views[0].new_offline_rows:,} history rows, "
+            f"{report.views[0].online_rows:,} entities online; Ray / local: {seconds / both:.2f}x"
+        )
     store.close()
 
 

@@ -45,15 +45,34 @@ def main() -> None:
         store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
         store.materialize_incremental()
         store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", data_dir / "dataset")
-        run = train(TrainConfig(dataset=str(data_dir / "dataset"), request_inputs=["amount"], epochs=1), data_dir / "runs", progress=False)
+        run = train(
+            TrainConfig(dataset=str(data_dir / "dataset"), request_inputs=["amount"], epochs=1),
+            data_dir / "runs",
+            progress=False,
+        )
         registry = store.model_registry()
         versions = [registry.register("fraud", run) for _ in range(args.swaps + 1)]
         registry.promote("fraud", versions[0], "production")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--port", str(port),
-                               "--no-access-log", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve-model",
+            "--repo",
+            str(DEFINITIONS),
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -68,7 +87,9 @@ def main() -> None:
         with httpx.Client(base_url=url, timeout=30) as client:
             while not stop.is_set():
                 r = client.post("/predict", json={"instances": [{"card_id": 7, "merchant_id": 3, "amount": 120.0}]})
-                answers.append((time.monotonic(), r.json()["model"]["version"] if r.status_code == 200 else -r.status_code))
+                answers.append(
+                    (time.monotonic(), r.json()["model"]["version"] if r.status_code == 200 else -r.status_code)
+                )
 
     threads = [threading.Thread(target=loop) for _ in range(4)]
     for t in threads:
@@ -91,8 +112,10 @@ def main() -> None:
         redis_server.stop()
     failed = [a for a in answers if a[1] < 0]
     by_version = Counter(v for _, v in answers if v > 0)
-    print(f"{len(answers):,} /predict requests over {args.swaps} promotions and 1 rollback: {len(failed)} failed; "
-          f"answers per version {dict(sorted(by_version.items()))}")
+    print(
+        f"{len(answers):,} /predict requests over {args.swaps} promotions and 1 rollback: {len(failed)} failed; "
+        f"answers per version {dict(sorted(by_version.items()))}"
+    )
 
 
 if __name__ == "__main__":

@@ -57,13 +57,25 @@ def setup(root: Path, n: int) -> None:
     (root / "featurestore.yaml").write_text(f"project: {PROJECT}\nmodules: [features.py]\n")
     (root / "features.py").write_text(DEFS)
     now = datetime.now(timezone.utc)
-    pq.write_table(pa.table({
-        "user_id": np.arange(1, n + 1), "event_timestamp": pa.array([now - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")),
-        "f1": rng.normal(size=n), "f2": rng.normal(size=n), "f3": rng.normal(size=n).astype(np.float32),
-        "f4": rng.integers(0, 10**9, n), "f5": rng.integers(0, 10**9, n), "f6": rng.integers(0, 1000, n).astype(np.int32),
-        "f7": pa.array(rng.integers(0, 1000, n).astype(str)), "f8": rng.random(n) < 0.5, "f9": rng.normal(size=n),
-        "f10": pa.array(np.char.add("category-", rng.integers(0, 50, n).astype(str))),
-    }), root / "data" / "stats.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": np.arange(1, n + 1),
+                "event_timestamp": pa.array([now - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")),
+                "f1": rng.normal(size=n),
+                "f2": rng.normal(size=n),
+                "f3": rng.normal(size=n).astype(np.float32),
+                "f4": rng.integers(0, 10**9, n),
+                "f5": rng.integers(0, 10**9, n),
+                "f6": rng.integers(0, 1000, n).astype(np.int32),
+                "f7": pa.array(rng.integers(0, 1000, n).astype(str)),
+                "f8": rng.random(n) < 0.5,
+                "f9": rng.normal(size=n),
+                "f10": pa.array(np.char.add("category-", rng.integers(0, 50, n).astype(str))),
+            }
+        ),
+        root / "data" / "stats.parquet",
+    )
 
 
 def timed(fn, iterations: int, seconds: float) -> list[float]:
@@ -98,7 +110,10 @@ class HttpClient:
         self.file = self.sock.makefile("rb")
 
     def post(self, path: str, body: bytes) -> bytes:
-        self.sock.sendall(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        self.sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), len(body), body)
+        )
         status = self.file.readline()
         length = 0
         while True:
@@ -137,11 +152,11 @@ class _ClosedLoop(asyncio.Protocol):
             raise RuntimeError(f"{buffer[:300]!r}")
         at = head.index(b"content-length:") + 15
         eol = head.find(b"\r\n", at)
-        length = int(head[at:eol if eol > 0 else None])
+        length = int(head[at : eol if eol > 0 else None])
         if len(buffer) < end + 4 + length:
             self.buffer = buffer
             return
-        self.buffer = buffer[end + 4 + length:]
+        self.buffer = buffer[end + 4 + length :]
         self.counter[0] += 1
         if time.perf_counter() < self.stop:
             self.transport.write(self.request)
@@ -161,8 +176,13 @@ async def throughput(port: int, path: str, bodies: list[bytes], clients: int, se
     connections = []
     for k in range(clients):
         body = bodies[k % len(bodies)]
-        request = b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
-        connections.append((await loop.create_connection(lambda: _ClosedLoop(request, stop, counter), "127.0.0.1", port))[1])
+        request = (
+            b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), len(body), body)
+        )
+        connections.append(
+            (await loop.create_connection(lambda: _ClosedLoop(request, stop, counter), "127.0.0.1", port))[1]
+        )
     await asyncio.gather(*(c.closed for c in connections))
     return counter[0] / (time.perf_counter() - t0)
 
@@ -182,7 +202,9 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def measured(port: int, path: str, bodies: list[bytes], clients: int, seconds: float, server_pid: int, redis_pid: int | None) -> dict:
+def measured(
+    port: int, path: str, bodies: list[bytes], clients: int, seconds: float, server_pid: int, redis_pid: int | None
+) -> dict:
     """Throughput plus where the machine's CPU went meanwhile (cores busy: client, server, Redis)."""
     import uvloop
 
@@ -192,7 +214,13 @@ def measured(port: int, path: str, bodies: list[bytes], clients: int, seconds: f
     wall = time.perf_counter() - t0
     after = time.process_time(), cpu_seconds(server_pid), cpu_seconds(redis_pid) if redis_pid else 0.0
     client, server, redis_cores = ((a - b) / wall for a, b in zip(after, before))
-    return {"rps": rps, "client": client, "server": server, "redis": redis_cores, "per_core": rps / server if server else float("nan")}
+    return {
+        "rps": rps,
+        "client": client,
+        "server": server,
+        "redis": redis_cores,
+        "per_core": rps / server if server else float("nan"),
+    }
 
 
 def start(args: list[str], env: dict, port: int) -> subprocess.Popen:
@@ -220,8 +248,12 @@ def main() -> None:
     parser.add_argument("--entities", type=int, default=100_000)
     parser.add_argument("--seconds", type=float, default=4.0, help="time bound per measured loop")
     parser.add_argument("--data-dir", type=Path, default=HERE / ".data" / "online")
-    parser.add_argument("--workers", type=lambda text: [int(w) for w in text.split(",")], default=[1, 2],
-                        help="server worker counts to measure throughput at, e.g. 1,2,4 (default 1,2)")
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(w) for w in text.split(",")],
+        default=[1, 2],
+        help="server worker counts to measure throughput at, e.g. 1,2,4 (default 1,2)",
+    )
     parser.add_argument("--clients", type=int, default=16, help="concurrent keep-alive clients in the throughput test")
     args = parser.parse_args()
 
@@ -233,7 +265,9 @@ def main() -> None:
     store.apply()
     t0 = time.perf_counter()
     store.materialize(None, None)
-    print(f"materialized {args.entities:,} entities × 10 features in {time.perf_counter() - t0:.1f}s; Redis: {store.online_store.url}")
+    print(
+        f"materialized {args.entities:,} entities × 10 features in {time.perf_counter() - t0:.1f}s; Redis: {store.online_store.url}"
+    )
     client = store.online_store.client
     field = store.get_feature_view("stats").online_field
     rnd = random.Random(7)
@@ -259,23 +293,67 @@ def main() -> None:
 
         ours, ref = map(percentiles, paired(sdk, raw, iterations[size], args.seconds))
         rows.append(("sdk", size, ours, ref))
-        print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
-              f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
+        print(
+            f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
+            f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
+        )
 
-    env = {**os.environ, "FEATURESTORE_DATA_DIR": str(store.config.data_dir), "BENCH_REDIS_URL": store.online_store.url,
-           "BENCH_PROJECT": PROJECT, "BENCH_VIEW": store.get_feature_view("stats").online_field, "REDIS_URL": store.online_store.url, "PYTHONPATH": str(HERE)}
+    env = {
+        **os.environ,
+        "FEATURESTORE_DATA_DIR": str(store.config.data_dir),
+        "BENCH_REDIS_URL": store.online_store.url,
+        "BENCH_PROJECT": PROJECT,
+        "BENCH_VIEW": store.get_feature_view("stats").online_field,
+        "REDIS_URL": store.online_store.url,
+        "PYTHONPATH": str(HERE),
+    }
     ours_port, raw_port = free_port(), free_port()
 
     def servers_with(workers: int) -> list[subprocess.Popen]:
         """Ours via `featurestore serve`; the plain handler under the same worker supervisor (a
         listening socket per worker), so both spread connections over their workers alike."""
-        raw = ([sys.executable, "-m", "uvicorn", "raw_asgi:app", "--port", str(raw_port), "--log-level", "warning", "--no-access-log"]
-               if workers == 1 else
-               [sys.executable, "-c", "from featurestore.serve_workers import serve; "
-                f"serve('raw_asgi:app', workers={workers}, host='127.0.0.1', port={raw_port}, log_level='warning', access_log=False)"])
-        return [start([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(ours_port), "--log-level", "warning",
-                       "--no-access-log", "--workers", str(workers)], env, ours_port),
-                start(raw, env, raw_port)]
+        raw = (
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "raw_asgi:app",
+                "--port",
+                str(raw_port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ]
+            if workers == 1
+            else [
+                sys.executable,
+                "-c",
+                "from featurestore.serve_workers import serve; "
+                f"serve('raw_asgi:app', workers={workers}, host='127.0.0.1', port={raw_port}, log_level='warning', access_log=False)",
+            ]
+        )
+        return [
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "featurestore.cli",
+                    "serve",
+                    "--repo",
+                    str(root),
+                    "--port",
+                    str(ours_port),
+                    "--log-level",
+                    "warning",
+                    "--no-access-log",
+                    "--workers",
+                    str(workers),
+                ],
+                env,
+                ours_port,
+            ),
+            start(raw, env, raw_port),
+        ]
 
     servers = servers_with(1)
     try:
@@ -287,16 +365,27 @@ def main() -> None:
             for _ in range(200):  # warm up both
                 ours_http.post("/get-online-features", bodies[0])
                 raw_http.post("/", bodies[0])
-            ours, ref = map(percentiles, paired(lambda: ours_http.post("/get-online-features", bodies[next(k) % len(bodies)]),
-                                                lambda: raw_http.post("/", bodies[next(k) % len(bodies)]), iterations[size], args.seconds))
-            print(f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
-                  f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x")
+            ours, ref = map(
+                percentiles,
+                paired(
+                    lambda: ours_http.post("/get-online-features", bodies[next(k) % len(bodies)]),
+                    lambda: raw_http.post("/", bodies[next(k) % len(bodies)]),
+                    iterations[size],
+                    args.seconds,
+                ),
+            )
+            print(
+                f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
+                f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
+            )
         ours_http.sock.close()
         raw_http.sock.close()
         bodies = [orjson.dumps({"features": FEATURES, "entities": {"user_id": b}}) for b in ids[1]]
         redis_pid = store.online_store.embedded.redis_pid() if store.online_store.embedded else None
-        print(f"\nthroughput, {args.clients} concurrent keep-alive clients (one client process), 1 entity × 10 features; "
-              f"client, servers and Redis share this machine's {os.cpu_count()} cores (figures in cores: CPU-seconds per second)")
+        print(
+            f"\nthroughput, {args.clients} concurrent keep-alive clients (one client process), 1 entity × 10 features; "
+            f"client, servers and Redis share this machine's {os.cpu_count()} cores (figures in cores: CPU-seconds per second)"
+        )
         first: dict[str, float] = {}
         for workers in args.workers:
             if workers > 1:  # fresh servers with that many worker processes
@@ -305,20 +394,29 @@ def main() -> None:
                     s.wait(timeout=30)
                 servers = servers_with(workers)
                 time.sleep(2)
-            targets = {"ours": (ours_port, "/get-online-features", servers[0].pid), "plain": (raw_port, "/", servers[1].pid)}
+            targets = {
+                "ours": (ours_port, "/get-online-features", servers[0].pid),
+                "plain": (raw_port, "/", servers[1].pid),
+            }
             for port, path, _ in targets.values():
-                asyncio.run(throughput(port, path, bodies, args.clients, 2.0))  # warm-up, discarded: a worker still importing would count
+                asyncio.run(
+                    throughput(port, path, bodies, args.clients, 2.0)
+                )  # warm-up, discarded: a worker still importing would count
             # one-second turns, alternating which goes first, so a slow spell of the host hits both
             rounds: dict[str, list[dict]] = {"ours": [], "plain": []}
             for turn in range(max(1, round(args.seconds))):
-                for name in (("ours", "plain") if turn % 2 == 0 else ("plain", "ours")):
-                    rounds[name].append(measured(*targets[name][:2], bodies, args.clients, 1.0, targets[name][2], redis_pid))
+                for name in ("ours", "plain") if turn % 2 == 0 else ("plain", "ours"):
+                    rounds[name].append(
+                        measured(*targets[name][:2], bodies, args.clients, 1.0, targets[name][2], redis_pid)
+                    )
             runs = {name: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]} for name, rs in rounds.items()}
             for name, run in runs.items():
                 first.setdefault(name, run["rps"])
-                print(f"  {workers} worker(s), {name:>5}: {run['rps']:>8,.0f} req/s ({run['rps'] / first[name]:.2f}x its 1st row) | "
-                      f"cores busy: server {run['server']:.2f}, client {run['client']:.2f}, Redis {run['redis']:.2f} | "
-                      f"{run['per_core']:,.0f} req per server CPU-second")
+                print(
+                    f"  {workers} worker(s), {name:>5}: {run['rps']:>8,.0f} req/s ({run['rps'] / first[name]:.2f}x its 1st row) | "
+                    f"cores busy: server {run['server']:.2f}, client {run['client']:.2f}, Redis {run['redis']:.2f} | "
+                    f"{run['per_core']:,.0f} req per server CPU-second"
+                )
             print(f"  {workers} worker(s): ours / plain {runs['ours']['rps'] / runs['plain']['rps']:.2f}x")
     finally:
         for s in servers:

@@ -52,15 +52,35 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-outage-"))
     redis_server = EmbeddedRedis(root / "redis-data")
     url = redis_server.ensure_running()
-    (root / "featurestore.yaml").write_text(f"project: bench_outage\nmodules: [features.py]\nonline_store: {{url: '{url}', read_timeout_ms: {args.read_timeout_ms}}}\n")
+    (root / "featurestore.yaml").write_text(
+        f"project: bench_outage\nmodules: [features.py]\nonline_store: {{url: '{url}', read_timeout_ms: {args.read_timeout_ms}}}\n"
+    )
     (root / "features.py").write_text(DEFS)
     with FeatureStore(root) as store:
         store.apply()
-        store.push("events", {"card_id": [1], "amount": [1.0], "event_timestamp": [datetime.now(timezone.utc)]}, to="online")
+        store.push(
+            "events", {"card_id": [1], "amount": [1.0], "event_timestamp": [datetime.now(timezone.utc)]}, to="online"
+        )
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
-                               "--log-level", "warning", "--no-access-log"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     samples: list[tuple[float, int, float]] = []  # (start, status, seconds)
     stop = threading.Event()
 
@@ -116,7 +136,9 @@ def main() -> None:
         line = f"  {name:<22} {len(inside):>6} requests, statuses {statuses}, slowest {slowest:7.1f} ms"
         if back is not None:
             first_ok = next((s[0] + s[2] for s in samples if s[0] >= back and s[1] == 200), None)
-            line += f", first 200 {((first_ok - back) * 1000 if first_ok else float('nan')):7.1f} ms after Redis was back"
+            line += (
+                f", first 200 {((first_ok - back) * 1000 if first_ok else float('nan')):7.1f} ms after Redis was back"
+            )
         print(line)
 
     print(f"feature server under a request loop while Redis fails (read timeout {args.read_timeout_ms} ms):")

@@ -34,8 +34,18 @@ from _common import peak_rss_mb, run_child  # noqa: E402
 HERE = Path(__file__).resolve()
 START = datetime(2024, 1, 1, tzinfo=timezone.utc)
 TS = pa.timestamp("us", tz="UTC")
-MIXED = [("f_f64_a", "Float64"), ("f_f64_b", "Float64"), ("f_f64_c", "Float64"), ("f_f32_a", "Float32"), ("f_f32_b", "Float32"),
-            ("f_i64_a", "Int64"), ("f_i64_b", "Int64"), ("f_i32", "Int32"), ("f_str", "String"), ("f_bool", "Bool")]
+MIXED = [
+    ("f_f64_a", "Float64"),
+    ("f_f64_b", "Float64"),
+    ("f_f64_c", "Float64"),
+    ("f_f32_a", "Float32"),
+    ("f_f32_b", "Float32"),
+    ("f_i64_a", "Int64"),
+    ("f_i64_b", "Int64"),
+    ("f_i32", "Int32"),
+    ("f_str", "String"),
+    ("f_bool", "Bool"),
+]
 APPEND_LOG = [*((f"f_f64_{c}", "Float64") for c in "abcdefgh"), ("f_i64_a", "Int64"), ("f_str", "String")]
 SHAPES = {"mixed": (MIXED, 30), "append-log": (APPEND_LOG, 7)}  # features, ttl days
 
@@ -68,11 +78,15 @@ def setup(root: Path, shape: str, entities: int, history: int, entity_rows: int,
     store = FeatureStore(root)
     store.apply()
     store.offline_store.append("stats", table.cast(store.definitions.history_schema(store.get_feature_view("stats"))))
-    entity = pa.table({
-        "user_id": rng.integers(1, int(entities * 1.1) + 1, entity_rows),
-        "event_timestamp": pa.array(start_us + rng.integers(0, span + 10 * 86_400 * 10**6, entity_rows), pa.int64()).cast(TS),
-        "label": rng.integers(0, 2, entity_rows).astype(np.int32),
-    })
+    entity = pa.table(
+        {
+            "user_id": rng.integers(1, int(entities * 1.1) + 1, entity_rows),
+            "event_timestamp": pa.array(
+                start_us + rng.integers(0, span + 10 * 86_400 * 10**6, entity_rows), pa.int64()
+            ).cast(TS),
+            "label": rng.integers(0, 2, entity_rows).astype(np.int32),
+        }
+    )
     import pyarrow.parquet as pq
 
     pq.write_table(entity, root / "entities.parquet")
@@ -88,33 +102,42 @@ def _append_log(rng: np.random.Generator, entities: int, history: int, start_us:
     created[tied] = event[tied] + rng.integers(10**6, 2 * 10**6, int(tied.sum()))
     order = np.argsort(event, kind="stable")
     f64 = {f"f_f64_{c}": rng.normal(size=history) for c in "abcdefgh"}  # i.i.d.: no reordering needed
-    return pa.table({
-        "user_id": users[order],
-        "event_timestamp": pa.array(event[order], pa.int64()).cast(TS),
-        "created_timestamp": pa.array(created[order], pa.int64()).cast(TS),
-        "_run_id": np.ones(history, np.int64),
-        "_row_id": np.arange(history, dtype=np.int64),
-        **f64,
-        "f_i64_a": rng.integers(0, 10**6, history),
-        "f_str": pa.array(rng.integers(0, 100, history).astype(str)),
-    })
+    return pa.table(
+        {
+            "user_id": users[order],
+            "event_timestamp": pa.array(event[order], pa.int64()).cast(TS),
+            "created_timestamp": pa.array(created[order], pa.int64()).cast(TS),
+            "_run_id": np.ones(history, np.int64),
+            "_row_id": np.arange(history, dtype=np.int64),
+            **f64,
+            "f_i64_a": rng.integers(0, 10**6, history),
+            "f_str": pa.array(rng.integers(0, 100, history).astype(str)),
+        }
+    )
 
 
 def _mixed(rng: np.random.Generator, entities: int, history: int, start_us: int, span: int) -> pa.Table:
     # whole seconds: equal event times (ties) happen, as in real data
     event = start_us + rng.integers(0, span // 10**6, history) * 10**6
-    return pa.table({
-        "user_id": rng.integers(1, entities + 1, history),
-        "event_timestamp": pa.array(event, pa.int64()).cast(TS),
-        "created_timestamp": pa.array(event + rng.integers(0, 3, history) * 10**6, pa.int64()).cast(TS),
-        "_run_id": np.ones(history, np.int64),
-        "_row_id": rng.permutation(history).astype(np.int64),
-        "f_f64_a": rng.normal(size=history), "f_f64_b": rng.normal(size=history), "f_f64_c": rng.normal(size=history),
-        "f_f32_a": rng.normal(size=history).astype(np.float32), "f_f32_b": rng.normal(size=history).astype(np.float32),
-        "f_i64_a": rng.integers(0, 10**6, history), "f_i64_b": rng.integers(0, 10**6, history),
-        "f_i32": rng.integers(0, 1000, history).astype(np.int32),
-        "f_str": pa.array(rng.integers(0, 100, history).astype(str)), "f_bool": rng.random(history) < 0.5,
-    })
+    return pa.table(
+        {
+            "user_id": rng.integers(1, entities + 1, history),
+            "event_timestamp": pa.array(event, pa.int64()).cast(TS),
+            "created_timestamp": pa.array(event + rng.integers(0, 3, history) * 10**6, pa.int64()).cast(TS),
+            "_run_id": np.ones(history, np.int64),
+            "_row_id": rng.permutation(history).astype(np.int64),
+            "f_f64_a": rng.normal(size=history),
+            "f_f64_b": rng.normal(size=history),
+            "f_f64_c": rng.normal(size=history),
+            "f_f32_a": rng.normal(size=history).astype(np.float32),
+            "f_f32_b": rng.normal(size=history).astype(np.float32),
+            "f_i64_a": rng.integers(0, 10**6, history),
+            "f_i64_b": rng.integers(0, 10**6, history),
+            "f_i32": rng.integers(0, 1000, history).astype(np.int32),
+            "f_str": pa.array(rng.integers(0, 100, history).astype(str)),
+            "f_bool": rng.random(history) < 0.5,
+        }
+    )
 
 
 def run_ours(root: Path, shape: str, engine: str = "local") -> dict:
@@ -167,8 +190,11 @@ def run_reference(root: Path, shape: str) -> dict:
     features, ttl_days = SHAPES[shape]
     names = [n for n, _ in features]
     sql = REFERENCE.format(
-        features=", ".join(names), files=files,
-        ttl_features=", ".join(f"CASE WHEN l.ev >= e.t - INTERVAL {ttl_days} DAYS THEN l.{n} END AS {n}" for n in names),
+        features=", ".join(names),
+        files=files,
+        ttl_features=", ".join(
+            f"CASE WHEN l.ev >= e.t - INTERVAL {ttl_days} DAYS THEN l.{n} END AS {n}" for n in names
+        ),
     )
     t0 = time.perf_counter()
     result = con.sql(sql).df() if shape == "append-log" else con.sql(sql).to_arrow_table()
@@ -182,7 +208,11 @@ def _checksum(table) -> str:
         table = pa.Table.from_pandas(table[["f_i64_a", "f_f64_a"]], preserve_index=False)
     import pyarrow.compute as pc
 
-    parts = [str(pc.sum(pc.cast(table["f_i64_a"], pa.float64())).as_py()), str(table["f_f64_a"].null_count), str(table.num_rows)]
+    parts = [
+        str(pc.sum(pc.cast(table["f_i64_a"], pa.float64())).as_py()),
+        str(table["f_f64_a"].null_count),
+        str(table.num_rows),
+    ]
     return "/".join(parts)
 
 
@@ -198,18 +228,29 @@ def main() -> None:
     parser.add_argument("--child", choices=["ours", "reference", "ray"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        run = {"ours": run_ours, "reference": run_reference, "ray": lambda root, shape: run_ours(root, shape, "ray")}[args.child]
+        run = {"ours": run_ours, "reference": run_reference, "ray": lambda root, shape: run_ours(root, shape, "ray")}[
+            args.child
+        ]
         print(json.dumps(run(args.data_dir, args.shape)))
         return
     tag = f"{args.shape}-{args.entities}-{args.history}-{args.entity_rows}-{args.seed}"
     root = args.data_dir / tag
     if not (root / "entities.parquet").exists():
-        print(f"generating {args.history:,} history rows for {args.entities:,} entities, {args.entity_rows:,} entity rows ...")
+        print(
+            f"generating {args.history:,} history rows for {args.entities:,} entities, {args.entity_rows:,} entity rows ..."
+        )
         t0 = time.perf_counter()
         setup(root, args.shape, args.entities, args.history, args.entity_rows, args.seed)
         print(f"  written in {time.perf_counter() - t0:.1f}s to {root}")
     results = {}
-    for side in ("reference", "ours", *(["ray"] if args.ray else []), "reference", "ours", *(["ray"] if args.ray else [])):  # interleaved; best of two each
+    for side in (
+        "reference",
+        "ours",
+        *(["ray"] if args.ray else []),
+        "reference",
+        "ours",
+        *(["ray"] if args.ray else []),
+    ):  # interleaved; best of two each
         r = run_child(str(HERE), "--child", side, "--data-dir", str(root), "--shape", args.shape)
         if side not in results or r["seconds"] < results[side]["seconds"]:
             results[side] = {**r, "peak_rss_mb": max(r["peak_rss_mb"], results.get(side, {}).get("peak_rss_mb", 0))}
@@ -218,13 +259,19 @@ def main() -> None:
     print(f"{'':24}{'wall s':>10}{'peak RSS MB':>14}")
     print(f"{'hand-written ASOF SQL':24}{ref['seconds']:>10.2f}{ref['peak_rss_mb']:>14.0f}")
     print(f"{'get_historical_features':24}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
-    print(f"ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x")
+    print(
+        f"ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x"
+    )
     print(f"results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
     if args.ray:
         on_ray = results["ray"]
-        print(f"{'Ray engine':24}{on_ray['seconds']:>10.2f}{on_ray['peak_rss_mb']:>14.0f}  (driver's RSS; workers not counted)")
-        print(f"ratio (Ray / local engine): time {on_ray['seconds'] / ours['seconds']:.2f}x; "
-              f"results agree: {on_ray['checksum'] == ours['checksum']}")
+        print(
+            f"{'Ray engine':24}{on_ray['seconds']:>10.2f}{on_ray['peak_rss_mb']:>14.0f}  (driver's RSS; workers not counted)"
+        )
+        print(
+            f"ratio (Ray / local engine): time {on_ray['seconds'] / ours['seconds']:.2f}x; "
+            f"results agree: {on_ray['checksum'] == ours['checksum']}"
+        )
 
 
 if __name__ == "__main__":

@@ -60,19 +60,31 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     n = args.entities
-    table = pa.table({"user_id": np.arange(n, dtype=np.int64),
-                      "event_timestamp": pa.array([datetime.now(timezone.utc) - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")),
-                      **{f: rng.normal(size=n) for f in FEATURES}})
+    table = pa.table(
+        {
+            "user_id": np.arange(n, dtype=np.int64),
+            "event_timestamp": pa.array(
+                [datetime.now(timezone.utc) - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")
+            ),
+            **{f: rng.normal(size=n) for f in FEATURES},
+        }
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     procs = start_local_cluster(work / "cluster")
     port = free_ports(1)[0]
-    single = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                              stdout=subprocess.DEVNULL)
+    single = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
         nodes = ", ".join(f"'127.0.0.1:{p}'" for p in list(procs)[:2])
-        stores = {"single Redis": FeatureStore(repo(work / "single", f"{{url: 'redis://127.0.0.1:{port}'}}", table)),
-                  "Redis Cluster (3+3)": FeatureStore(repo(work / "cluster-repo", f"{{type: redis_cluster, nodes: [{nodes}]}}", table))}
+        stores = {
+            "single Redis": FeatureStore(repo(work / "single", f"{{url: 'redis://127.0.0.1:{port}'}}", table)),
+            "Redis Cluster (3+3)": FeatureStore(
+                repo(work / "cluster-repo", f"{{type: redis_cluster, nodes: [{nodes}]}}", table)
+            ),
+        }
         writes = {}
         for name, store in stores.items():
             store.apply()
@@ -95,8 +107,10 @@ def main() -> None:
         print("SDK lookups, 10 features, p50 (p99):")
         for size in (1, 100):
             a, b = (percentiles(timings[(name, size)]) for name in stores)
-            print(f"  {size:>3} entities: single {a['p50']:.3f} ({a['p99']:.3f}) ms   cluster {b['p50']:.3f} ({b['p99']:.3f}) ms   "
-                  f"ratio {b['p50'] / a['p50']:.2f}x p50, {b['p99'] / a['p99']:.2f}x p99")
+            print(
+                f"  {size:>3} entities: single {a['p50']:.3f} ({a['p99']:.3f}) ms   cluster {b['p50']:.3f} ({b['p99']:.3f}) ms   "
+                f"ratio {b['p50'] / a['p50']:.2f}x p50, {b['p99'] / a['p99']:.2f}x p99"
+            )
         for store in stores.values():
             store.close()
     finally:

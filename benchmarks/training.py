@@ -31,16 +31,32 @@ def make_dataset(folder: Path, rows: int) -> Path:
     country = rng.choice(["FR", "DE", "US", "GB"], rows)
     label = ((amount > 80) & (country == "US")) | (risk > 1.2)
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
-    table = pa.table({
-        "event_timestamp": pa.array([start + timedelta(seconds=i) for i in range(rows)], pa.timestamp("us", tz="UTC")),
-        "amount": amount, "country": country, "risk": risk, **{f"x{i}": rng.normal(0, 1, rows) for i in range(16)},
-        "label": label.astype(np.int64),
-    })
+    table = pa.table(
+        {
+            "event_timestamp": pa.array(
+                [start + timedelta(seconds=i) for i in range(rows)], pa.timestamp("us", tz="UTC")
+            ),
+            "amount": amount,
+            "country": country,
+            "risk": risk,
+            **{f"x{i}": rng.normal(0, 1, rows) for i in range(16)},
+            "label": label.astype(np.int64),
+        }
+    )
     folder.mkdir(parents=True)
     pq.write_table(table, folder / "data-00000.parquet", row_group_size=65536)
     features = ["v:amount", "v:country", "v:risk", *[f"v:x{i}" for i in range(16)]]
-    (folder / "manifest.json").write_text(json.dumps({"feature_service": "svc", "features": features, "definition_hashes": {},
-                                                      "manifest_hash": "bench", "files": [{"path": "data-00000.parquet"}]}))
+    (folder / "manifest.json").write_text(
+        json.dumps(
+            {
+                "feature_service": "svc",
+                "features": features,
+                "definition_hashes": {},
+                "manifest_hash": "bench",
+                "files": [{"path": "data-00000.parquet"}],
+            }
+        )
+    )
     return folder
 
 
@@ -56,22 +72,58 @@ def main() -> None:
     (root / "featurestore.yaml").write_text("project: bench_train\nmodules: []\n")
     dataset = make_dataset(root / "ds", args.rows)
     env = {**{k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}, "OMP_NUM_THREADS": "1"}
-    layouts = [("1 process", [], 1), (f"{args.procs} processes, HSDP 2 x {args.procs // 2}", ["--shard-group-size", str(args.procs // 2)], args.procs),
-               (f"{args.procs} processes, local SGD every 8 steps", ["--shard-group-size", str(args.procs // 2), "--sync-every", "8"], args.procs)]
-    print(f"training {args.rows:,} rows x {args.epochs} epochs, global batch {args.batch}, device {args.device} "
-          f"({os.cpu_count()} CPUs)")
+    layouts = [
+        ("1 process", [], 1),
+        (
+            f"{args.procs} processes, HSDP 2 x {args.procs // 2}",
+            ["--shard-group-size", str(args.procs // 2)],
+            args.procs,
+        ),
+        (
+            f"{args.procs} processes, local SGD every 8 steps",
+            ["--shard-group-size", str(args.procs // 2), "--sync-every", "8"],
+            args.procs,
+        ),
+    ]
+    print(
+        f"training {args.rows:,} rows x {args.epochs} epochs, global batch {args.batch}, device {args.device} "
+        f"({os.cpu_count()} CPUs)"
+    )
     for name, extra, procs in layouts:
         started = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "featurestore.cli", "train", "--repo", str(root), "--dataset", str(dataset),
-                              "--epochs", str(args.epochs), "--device", args.device, "--batch-size", str(args.batch // procs),
-                              "--nproc-per-node", str(procs), *extra], capture_output=True, text=True, env=env)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "featurestore.cli",
+                "train",
+                "--repo",
+                str(root),
+                "--dataset",
+                str(dataset),
+                "--epochs",
+                str(args.epochs),
+                "--device",
+                args.device,
+                "--batch-size",
+                str(args.batch // procs),
+                "--nproc-per-node",
+                str(procs),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if out.returncode != 0:
             print(f"  {name}: failed\n{out.stderr[-2000:]}")
             continue
         run = out.stdout.split("run ", 1)[1].split(":", 1)[0]
         final = json.loads((root / "data" / "runs" / run / "final.json").read_text())
-        print(f"  {name:42s} {final['train_samples_per_s']:>10,.0f} samples/s   val AUC {final['val_auc']:.4f}   "
-              f"wall {time.perf_counter() - started:5.1f} s")
+        print(
+            f"  {name:42s} {final['train_samples_per_s']:>10,.0f} samples/s   val AUC {final['val_auc']:.4f}   "
+            f"wall {time.perf_counter() - started:5.1f} s"
+        )
 
 
 if __name__ == "__main__":

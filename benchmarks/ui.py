@@ -31,20 +31,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import percentiles  # noqa: E402
 from featurestore.tracking import MetricWriter, read_metrics  # noqa: E402
 
-VIEW = '''
+VIEW = """
 v{i} = FeatureView(name="view_{i:03d}", entities=[user], source=FileSource(path="data/rows.parquet", timestamp_field="ts"),
                    schema=[Field("f_a", Float64), Field("f_b", Int64)], ttl=timedelta(days=1), owner="team-{team}",
                    description="Synthetic view {i} for the catalogue benchmark.", tags={{"domain": "d{team}"}})
-'''
+"""
 
 
 def make_repo(root: Path, views: int) -> None:
     (root / "data").mkdir(parents=True)
-    pq.write_table(pa.table({"user_id": [1], "f_a": [1.0], "f_b": [1], "ts": pa.array([0], pa.timestamp("us", tz="UTC"))}),
-                   root / "data" / "rows.parquet")
+    pq.write_table(
+        pa.table({"user_id": [1], "f_a": [1.0], "f_b": [1], "ts": pa.array([0], pa.timestamp("us", tz="UTC"))}),
+        root / "data" / "rows.parquet",
+    )
     (root / "featurestore.yaml").write_text("project: uibench\nmodules: [features.py]\n")
-    body = ("from datetime import timedelta\nfrom featurestore import Entity, FeatureView, Field, FileSource\n"
-            "from featurestore.types import Float64, Int64\nuser = Entity(name='user', join_keys=['user_id'], value_type=Int64)\n")
+    body = (
+        "from datetime import timedelta\nfrom featurestore import Entity, FeatureView, Field, FileSource\n"
+        "from featurestore.types import Float64, Int64\nuser = Entity(name='user', join_keys=['user_id'], value_type=Int64)\n"
+    )
     body += "".join(VIEW.format(i=i, team=i % 12) for i in range(views))
     (root / "features.py").write_text(body)
 
@@ -81,16 +85,25 @@ def main() -> None:
     os.environ["FEATURESTORE_DATA_DIR"] = str(root / "store")
     try:
         make_repo(root / "repo", args.views)
-        subprocess.run([sys.executable, "-m", "featurestore", "apply", "--repo", str(root / "repo")], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "featurestore", "apply", "--repo", str(root / "repo")],
+            check=True,
+            capture_output=True,
+        )
         run_dir = root / "store" / "runs" / "big-run"
         logging_s = make_run(run_dir, args.steps)
         size = sum(p.stat().st_size for p in (run_dir / "metrics").rglob("*.parquet"))
-        print(f"logged {args.steps:,} steps in {logging_s:.2f} s ({args.steps / logging_s:,.0f} steps/s); "
-              f"{size / 1e6:.2f} MB on disk ({size / args.steps:.1f} bytes/step)")
+        print(
+            f"logged {args.steps:,} steps in {logging_s:.2f} s ({args.steps / logging_s:,.0f} steps/s); "
+            f"{size / 1e6:.2f} MB on disk ({size / args.steps:.1f} bytes/step)"
+        )
 
         port = 18765
-        server = subprocess.Popen([sys.executable, "-m", "featurestore", "ui", "--repo", str(root / "repo"), "--port", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "featurestore", "ui", "--repo", str(root / "repo"), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         base = f"http://127.0.0.1:{port}/ui"
         try:
             for _ in range(300):
@@ -102,16 +115,25 @@ def main() -> None:
                 except httpx.HTTPError:
                     time.sleep(0.2)
             client = httpx.Client(timeout=120)
-            curve = timed(lambda: client.get(base + "/api/runs/big-run/curve", params={"metric": "train_loss", "points": 400}).json(), args.repeat)
+            curve = timed(
+                lambda: client.get(
+                    base + "/api/runs/big-run/curve", params={"metric": "train_loss", "points": 400}
+                ).json(),
+                args.repeat,
+            )
 
             def every_point() -> None:  # what a UI without downsampling ships: every record as JSON
                 table = read_metrics(run_dir, "train_loss")
-                httpx.Response(200, json={"steps": table["step"].to_pylist(), "values": table["value"].to_pylist()}).read()
+                httpx.Response(
+                    200, json={"steps": table["step"].to_pylist(), "values": table["value"].to_pylist()}
+                ).read()
 
             raw = timed(every_point, max(2, args.repeat // 3))
             catalog = timed(lambda: client.get(base + "/api/catalog").json(), args.repeat)
-            print(f"curve API, 1 metric of {args.steps:,} steps -> 400 points: p50 {curve['p50']:.0f} ms "
-                  f"(reference, every point as JSON, no server: {raw['p50']:.0f} ms: {raw['p50'] / curve['p50']:.1f}x the API's time)")
+            print(
+                f"curve API, 1 metric of {args.steps:,} steps -> 400 points: p50 {curve['p50']:.0f} ms "
+                f"(reference, every point as JSON, no server: {raw['p50']:.0f} ms: {raw['p50'] / curve['p50']:.1f}x the API's time)"
+            )
             print(f"catalogue API, {args.views} views: p50 {catalog['p50']:.0f} ms")
             browser(base, args.views)
         finally:
@@ -129,10 +151,14 @@ def browser(base: str, views: int) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        engine = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        engine = p.chromium.launch(
+            executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
         page = engine.new_page(viewport={"width": 1280, "height": 900})
-        for name, url, selector in (("1M-step run page, curve drawn", f"{base}/#/runs/big-run", ".chart polyline"),
-                                    (f"catalogue of {views} views drawn", f"{base}/", f"tr[data-view=view_{views - 1:03d}]")):
+        for name, url, selector in (
+            ("1M-step run page, curve drawn", f"{base}/#/runs/big-run", ".chart polyline"),
+            (f"catalogue of {views} views drawn", f"{base}/", f"tr[data-view=view_{views - 1:03d}]"),
+        ):
             times = []
             for _ in range(5):
                 page.goto("about:blank")

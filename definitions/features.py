@@ -11,7 +11,9 @@ from featurestore import Aggregation, Entity, FeatureService, FeatureView, Field
 from featurestore.types import Float64, Int32, Int64, String, UnixTimestamp
 
 card = Entity(name="card", join_keys=["card_id"], value_type=Int64, description="A payment card.")
-merchant = Entity(name="merchant", join_keys=["merchant_id"], value_type=Int64, description="A merchant accepting cards.")
+merchant = Entity(
+    name="merchant", join_keys=["merchant_id"], value_type=Int64, description="A merchant accepting cards."
+)
 
 transactions = PushSource(
     name="transactions",

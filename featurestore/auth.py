@@ -57,8 +57,12 @@ def parse_keys(raw: Any, where: str) -> list[ApiKey]:
         digest, scopes = str(entry["sha256"]).lower(), entry["scopes"]
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise FeatureStoreError(f"{where}[{i}] ({entry['name']}): sha256 must be 64 hex digits, the key's SHA-256")
-        if not isinstance(scopes, list) or not all(isinstance(s, str) and (s in SCOPES or s.startswith("push:")) for s in scopes):
-            raise FeatureStoreError(f"{where}[{i}] ({entry['name']}): scopes are a list of {list(SCOPES)} or 'push:<source>'")
+        if not isinstance(scopes, list) or not all(
+            isinstance(s, str) and (s in SCOPES or s.startswith("push:")) for s in scopes
+        ):
+            raise FeatureStoreError(
+                f"{where}[{i}] ({entry['name']}): scopes are a list of {list(SCOPES)} or 'push:<source>'"
+            )
         keys.append(ApiKey(str(entry["name"]), digest, frozenset(scopes)))
     return keys
 

@@ -56,53 +56,115 @@ def catalogue(registry: RegistryStore) -> dict[str, Any]:
         spec = entry["spec"]
         view = view_from_spec(spec, entities, state.get("history_versions", {}).get(name, 1))
         windows = {a.name: a for a in view.aggregations}
-        views.append({
-            "name": name, "kind": "feature_view", "description": spec.get("description", ""), "owner": spec.get("owner", ""),
-            "tags": spec.get("tags", {}), "entities": spec["entities"], "join_keys": spec["join_keys"],
-            "ttl_seconds": spec["ttl_seconds"], "online": spec["online"], "offline": spec["offline"],
-            "source": {k: spec["source"].get(k) for k in ("kind", "name", "path", "timestamp_field")},
-            "event_id": spec.get("event_id"), "transformation": bool(spec.get("transformation")),
-            "features": [{"name": f.name, "dtype": f.dtype.name, **(_window(windows[f.name]) if f.name in windows else {})}
-                         for f in view.features],
-            "hash": entry["hash"], "versions": versions.get(f"feature_view/{name}", []), "history_version": view.history_version,
-        })
+        views.append(
+            {
+                "name": name,
+                "kind": "feature_view",
+                "description": spec.get("description", ""),
+                "owner": spec.get("owner", ""),
+                "tags": spec.get("tags", {}),
+                "entities": spec["entities"],
+                "join_keys": spec["join_keys"],
+                "ttl_seconds": spec["ttl_seconds"],
+                "online": spec["online"],
+                "offline": spec["offline"],
+                "source": {k: spec["source"].get(k) for k in ("kind", "name", "path", "timestamp_field")},
+                "event_id": spec.get("event_id"),
+                "transformation": bool(spec.get("transformation")),
+                "features": [
+                    {"name": f.name, "dtype": f.dtype.name, **(_window(windows[f.name]) if f.name in windows else {})}
+                    for f in view.features
+                ],
+                "hash": entry["hash"],
+                "versions": versions.get(f"feature_view/{name}", []),
+                "history_version": view.history_version,
+            }
+        )
     for name, entry in sorted(objects.get("on_demand_feature_view", {}).items()):
         spec = entry["spec"]
-        views.append({
-            "name": name, "kind": "on_demand_feature_view", "description": spec.get("description", ""),
-            "owner": spec.get("owner", ""), "tags": spec.get("tags", {}), "entities": [], "join_keys": [],
-            "ttl_seconds": None, "online": True, "offline": True, "source": {"kind": "on_demand", "name": None},
-            "features": [{"name": f["name"], "dtype": f["dtype"]} for f in spec.get("schema", [])],
-            "hash": entry["hash"], "versions": versions.get(f"on_demand_feature_view/{name}", []),
-        })
+        views.append(
+            {
+                "name": name,
+                "kind": "on_demand_feature_view",
+                "description": spec.get("description", ""),
+                "owner": spec.get("owner", ""),
+                "tags": spec.get("tags", {}),
+                "entities": [],
+                "join_keys": [],
+                "ttl_seconds": None,
+                "online": True,
+                "offline": True,
+                "source": {"kind": "on_demand", "name": None},
+                "features": [{"name": f["name"], "dtype": f["dtype"]} for f in spec.get("schema", [])],
+                "hash": entry["hash"],
+                "versions": versions.get(f"on_demand_feature_view/{name}", []),
+            }
+        )
     return {
-        "project_registry_version": state["version"], "applied_at": state.get("applied_at"),
-        "entities": [{"name": n, "join_keys": e["spec"]["join_keys"], "key_types": e["spec"]["key_types"],
-                      "description": e["spec"].get("description", ""), "versions": versions.get(f"entity/{n}", [])}
-                     for n, e in sorted(objects.get("entity", {}).items())],
+        "project_registry_version": state["version"],
+        "applied_at": state.get("applied_at"),
+        "entities": [
+            {
+                "name": n,
+                "join_keys": e["spec"]["join_keys"],
+                "key_types": e["spec"]["key_types"],
+                "description": e["spec"].get("description", ""),
+                "versions": versions.get(f"entity/{n}", []),
+            }
+            for n, e in sorted(objects.get("entity", {}).items())
+        ],
         "views": views,
-        "services": [{"name": n, "features": s["spec"]["features"], "description": s["spec"].get("description", ""),
-                      "owner": s["spec"].get("owner", ""), "tags": s["spec"].get("tags", {}),
-                      "versions": versions.get(f"feature_service/{n}", [])}
-                     for n, s in sorted(objects.get("feature_service", {}).items())],
-        "sources": [{"name": n, "kind": s["spec"]["kind"], "fields": [f["name"] for f in s["spec"]["schema"]],
-                     "stream": s["spec"].get("stream")}
-                    for n, s in sorted(objects.get("push_source", {}).items())],
+        "services": [
+            {
+                "name": n,
+                "features": s["spec"]["features"],
+                "description": s["spec"].get("description", ""),
+                "owner": s["spec"].get("owner", ""),
+                "tags": s["spec"].get("tags", {}),
+                "versions": versions.get(f"feature_service/{n}", []),
+            }
+            for n, s in sorted(objects.get("feature_service", {}).items())
+        ],
+        "sources": [
+            {
+                "name": n,
+                "kind": s["spec"]["kind"],
+                "fields": [f["name"] for f in s["spec"]["schema"]],
+                "stream": s["spec"].get("stream"),
+            }
+            for n, s in sorted(objects.get("push_source", {}).items())
+        ],
     }
 
 
 def _entities(state: dict[str, Any]) -> dict[str, Entity]:
-    return {name: Entity(name, list(e["spec"]["join_keys"]), {k: from_name(t) for k, t in e["spec"]["key_types"].items() if t} or None)
-            for name, e in state["objects"].get("entity", {}).items()}
+    return {
+        name: Entity(
+            name,
+            list(e["spec"]["join_keys"]),
+            {k: from_name(t) for k, t in e["spec"]["key_types"].items() if t} or None,
+        )
+        for name, e in state["objects"].get("entity", {}).items()
+    }
 
 
 def _window(aggregation: Any) -> dict[str, Any]:
-    return {"function": aggregation.function, "column": aggregation.column,
-            "window_seconds": aggregation.window.total_seconds(), "where": aggregation.where}
+    return {
+        "function": aggregation.function,
+        "column": aggregation.column,
+        "window_seconds": aggregation.window.total_seconds(),
+        "where": aggregation.where,
+    }
 
 
-def view_status(registry: RegistryStore, offline: "DeltaOfflineStore", online: "RedisOnlineStore | None", project: str,
-                name: str, now: float | None = None) -> dict[str, Any]:
+def view_status(
+    registry: RegistryStore,
+    offline: "DeltaOfflineStore",
+    online: "RedisOnlineStore | None",
+    project: str,
+    name: str,
+    now: float | None = None,
+) -> dict[str, Any]:
     """Freshness and volume of one view: age of the newest online event, the last
     materialization, history rows and table version, rejected rows, stream consumer lag."""
     now = time.time() if now is None else now
@@ -114,12 +176,18 @@ def view_status(registry: RegistryStore, offline: "DeltaOfflineStore", online: "
     table = view.history_table
     mark = registry.watermarks().get(name, {})
     status: dict[str, Any] = {
-        "view": name, "last_materialized_at": mark.get("materialized_at"),
+        "view": name,
+        "last_materialized_at": mark.get("materialized_at"),
         "max_event_timestamp": mark.get("max_event_timestamp"),
         # Redis holds the view's history under its current layout (an upgrade that changes a layout: not until materialized)
         "online_synced": mark.get("online_synced") and mark.get("online_layout") == view.storage_id,
-        "history_table": table, **offline.stats(table), "rejected_rows": offline.rejected_rows(name),
-        "newest_online_event": None, "online_age_seconds": None, "stream": None, "online_error": None,
+        "history_table": table,
+        **offline.stats(table),
+        "rejected_rows": offline.rejected_rows(name),
+        "newest_online_event": None,
+        "online_age_seconds": None,
+        "stream": None,
+        "online_error": None,
     }
     if online is not None:
         try:
@@ -140,9 +208,19 @@ def stream_lag(client: Any, key: str) -> dict[str, Any]:
         groups = client.xinfo_groups(key)
     except redis.ResponseError:  # no stream yet
         return {"stream": key, "length": 0, "groups": []}
-    return {"stream": key, "length": client.xlen(key),
-            "groups": [{"name": _text(g["name"]), "pending": g["pending"], "lag": _lag(client, key, g),
-                        "consumers": g["consumers"]} for g in groups]}
+    return {
+        "stream": key,
+        "length": client.xlen(key),
+        "groups": [
+            {
+                "name": _text(g["name"]),
+                "pending": g["pending"],
+                "lag": _lag(client, key, g),
+                "consumers": g["consumers"],
+            }
+            for g in groups
+        ],
+    }
 
 
 LAG_COUNT_LIMIT = 10_000  # counted past the last delivered entry at most (Redis < 7 does not report lag)

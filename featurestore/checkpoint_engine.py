@@ -40,8 +40,10 @@ UPSTREAM_GRACE_SECONDS = 10.0  # how long a replica waits for its upstream to ha
 
 def state(registry: ModelRegistry, name: str) -> dict[str, Any]:
     """What an engine has of model ``name``: aliases, versions' hashes, and a revision naming both."""
-    body = {"aliases": registry.aliases(name), "versions": {str(v): h for v, h in registry.hashes(name).items()
-                                                             if v in registry.versions(name)}}
+    body = {
+        "aliases": registry.aliases(name),
+        "versions": {str(v): h for v, h in registry.hashes(name).items() if v in registry.versions(name)},
+    }
     body["revision"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
     return body
 
@@ -53,10 +55,15 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 def checked_state(body: Any, source: str) -> dict[str, Any]:
     """A peer's answer, validated like user input: stages it may name, versions as positive
     integers, a SHA-256 for every model file (a name or version from a peer becomes a path here)."""
+
     def bad(what: str) -> FeatureStoreError:
         return FeatureStoreError(f"the checkpoint engine at {source} answered {what}; refusing its state")
 
-    if not isinstance(body, dict) or not isinstance(body.get("aliases"), dict) or not isinstance(body.get("versions"), dict):
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get("aliases"), dict)
+        or not isinstance(body.get("versions"), dict)
+    ):
         raise bad("no aliases and versions")
     for stage, version in body["aliases"].items():
         if stage not in STAGES or type(version) is not int or version < 1:
@@ -64,7 +71,9 @@ def checked_state(body: Any, source: str) -> dict[str, Any]:
     for version, hashes in body["versions"].items():
         if not (isinstance(version, str) and version.isdigit() and version == str(int(version)) and int(version) >= 1):
             raise bad(f"a version named {version!r}")
-        if not isinstance(hashes, dict) or any(not isinstance(hashes.get(f), str) or not _HEX64.match(hashes[f]) for f in MODEL_FILES):
+        if not isinstance(hashes, dict) or any(
+            not isinstance(hashes.get(f), str) or not _HEX64.match(hashes[f]) for f in MODEL_FILES
+        ):
             raise bad(f"version {version} without a SHA-256 for each of {list(MODEL_FILES)}")
     missing = [v for v in body["aliases"].values() if str(v) not in body["versions"]]
     if missing or not isinstance(body.get("revision"), str):
@@ -75,8 +84,15 @@ def checked_state(body: Any, source: str) -> dict[str, Any]:
 class Replica:
     """Keeps a replica's registry in step with the source's (run ``sync_forever`` beside its server)."""
 
-    def __init__(self, registry: ModelRegistry, name: str, source: str, upstream: str | None = None,
-                 client: httpx.Client | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        name: str,
+        source: str,
+        upstream: str | None = None,
+        client: httpx.Client | None = None,
+        api_key: str | None = None,
+    ):
         self.registry, self.name = registry, name
         self.source, self.upstream = source.rstrip("/"), upstream.rstrip("/") if upstream else None
         key = api_key if api_key is not None else os.environ.get(KEY_ENV)
@@ -88,7 +104,9 @@ class Replica:
         """Bring this registry level with the source (after the revision changes from ``wait``); returns
         the source's revision."""
         params: dict[str, Any] = {"wait": wait, "timeout": timeout} if wait else {}
-        wanted = checked_state(self.http.get(f"{self.source}/models/{self.name}", params=params).raise_for_status().json(), self.source)
+        wanted = checked_state(
+            self.http.get(f"{self.source}/models/{self.name}", params=params).raise_for_status().json(), self.source
+        )
         for stage, version in sorted(wanted["aliases"].items()):
             if version not in self.registry.versions(self.name):
                 self._fetch(version, wanted["versions"][str(version)])
@@ -100,13 +118,18 @@ class Replica:
     def _fetch(self, version: int, hashes: dict[str, str]) -> None:
         for origin in self._origins(version):
             try:
-                files = {f: self.http.get(f"{origin}/models/{self.name}/{version}/{f}").raise_for_status().content for f in MODEL_FILES}
+                files = {
+                    f: self.http.get(f"{origin}/models/{self.name}/{version}/{f}").raise_for_status().content
+                    for f in MODEL_FILES
+                }
                 self.registry.install(self.name, version, files, hashes)  # refuses a file whose hash differs
                 self.fetched_from[version] = origin
                 log.info("%s v%s fetched from %s", self.name, version, origin)
                 return
             except (httpx.HTTPError, FeatureStoreError) as exc:
-                log.warning("%s v%s from %s refused or failed (%s); trying the next source", self.name, version, origin, exc)
+                log.warning(
+                    "%s v%s from %s refused or failed (%s); trying the next source", self.name, version, origin, exc
+                )
         raise FeatureStoreError(f"{self.name} v{version} could not be fetched intact; retrying")
 
     def _origins(self, version: int) -> list[str]:
@@ -135,4 +158,3 @@ class Replica:
                 revision = None  # reconcile fully on reconnect
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-

@@ -20,11 +20,13 @@ from featurestore.errors import FeatureStoreError
 
 app = typer.Typer(
     help="featurestore: one Python definition per feature, point-in-time-correct training data, Redis serving.",
-    epilog=("Examples:\n\n"
-            "featurestore init my_repo && featurestore apply -r my_repo   (scaffold a repo, record its definitions)\n\n"
-            "featurestore materialize-incremental -r my_repo   (write history and Redis)\n\n"
-            "featurestore serve -r my_repo --workers 2   (the feature server; its docs at /docs)\n\n"
-            "featurestore COMMAND --help   (what a command takes)"),
+    epilog=(
+        "Examples:\n\n"
+        "featurestore init my_repo && featurestore apply -r my_repo   (scaffold a repo, record its definitions)\n\n"
+        "featurestore materialize-incremental -r my_repo   (write history and Redis)\n\n"
+        "featurestore serve -r my_repo --workers 2   (the feature server; its docs at /docs)\n\n"
+        "featurestore COMMAND --help   (what a command takes)"
+    ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -36,12 +38,18 @@ typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_fla
 console = Console()
 err_console = Console(stderr=True)
 
-EngineOption = typer.Option(None, "--engine", help="Where the work runs: local (DuckDB) or ray; default offline_store.engine.")
-RayAddressOption = typer.Option(None, "--ray-address", help="The Ray cluster, host:port (default offline_store.ray_address).")
+EngineOption = typer.Option(
+    None, "--engine", help="Where the work runs: local (DuckDB) or ray; default offline_store.engine."
+)
+RayAddressOption = typer.Option(
+    None, "--ray-address", help="The Ray cluster, host:port (default offline_store.ray_address)."
+)
 RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
 LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
 AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
-LogFormatOption = typer.Option("text", help="Server log lines as text, or json (one object per line, for log shippers).")
+LogFormatOption = typer.Option(
+    "text", help="Server log lines as text, or json (one object per line, for log shippers)."
+)
 GUARDED_HTTP = "serving.protocol:GuardedHttpProtocol"  # uvicorn's protocol with a deadline for request heads
 
 
@@ -58,22 +66,32 @@ def _parse_time(value: Optional[str]) -> Optional[datetime]:
 
 
 @app.command(rich_help_panel="Definitions")
-def init(path: Path = typer.Argument(Path("feature_repo"), help="Folder to create."), project: str = typer.Option("my_project", help="Project name.")) -> None:
+def init(
+    path: Path = typer.Argument(Path("feature_repo"), help="Folder to create."),
+    project: str = typer.Option("my_project", help="Project name."),
+) -> None:
     """Scaffold a feature repo with an example entity, source and view."""
     from featurestore.scaffold import scaffold
 
     scaffold(path, project)
-    console.print(f"Created feature repo in [bold]{path}[/]. Next: [cyan]featurestore --help[/] or [cyan]featurestore plan -r {path}[/]")
+    console.print(
+        f"Created feature repo in [bold]{path}[/]. Next: [cyan]featurestore --help[/] or [cyan]featurestore plan -r {path}[/]"
+    )
 
 
 @app.command(rich_help_panel="Definitions")
 def plan(repo: Path = RepoOption) -> None:
     """Show what `apply` would change (added / changed / removed objects)."""
-    console.print(_store(repo).plan().describe(), markup=False, soft_wrap=True)  # "[... needs --force]" is text, not markup
+    console.print(
+        _store(repo).plan().describe(), markup=False, soft_wrap=True
+    )  # "[... needs --force]" is text, not markup
 
 
 @app.command(rich_help_panel="Definitions")
-def apply(repo: Path = RepoOption, force: bool = typer.Option(False, "--force", help="Allow removing views and deleting their data.")) -> None:
+def apply(
+    repo: Path = RepoOption,
+    force: bool = typer.Option(False, "--force", help="Allow removing views and deleting their data."),
+) -> None:
     """Validate the definitions and record them in the registry."""
     store = _store(repo)
     result = store.apply(force=force)
@@ -115,7 +133,9 @@ def list_objects(repo: Path = RepoOption) -> None:
 
 
 @app.command(rich_help_panel="Definitions")
-def describe(name: str = typer.Argument(..., help="Name of an entity, view, service or push source."), repo: Path = RepoOption) -> None:
+def describe(
+    name: str = typer.Argument(..., help="Name of an entity, view, service or push source."), repo: Path = RepoOption
+) -> None:
     """Print an object's definition as the registry stores it."""
     store = _store(repo)
     for kind, objects in store.definitions.all().items():
@@ -123,7 +143,11 @@ def describe(name: str = typer.Argument(..., help="Name of an entity, view, serv
             spec = objects[name].to_spec()
             applied = store.unapplied.get(name, "applied")
             version = {"history_version": objects[name].history_version} if kind == "feature_view" else {}
-            console.print_json(json.dumps({"defined_at": str(objects[name].location), "registry": applied, **version, **spec}, default=str))
+            console.print_json(
+                json.dumps(
+                    {"defined_at": str(objects[name].location), "registry": applied, **version, **spec}, default=str
+                )
+            )
             return
     raise FeatureStoreError(f"nothing named {name!r}; see `featurestore list`")
 
@@ -141,8 +165,13 @@ def materialize(
     """Compute views over [START, END) and write the history store and Redis."""
     _engine_from_flags(engine, ray_address)
     with _store(repo) as store:
-        report = store.materialize(_parse_time(start), _parse_time(end), views or None,
-                                   on_bad_rows="fail" if fail_on_bad_rows else "reject", progress=True)
+        report = store.materialize(
+            _parse_time(start),
+            _parse_time(end),
+            views or None,
+            on_bad_rows="fail" if fail_on_bad_rows else "reject",
+            progress=True,
+        )
         console.print(report.describe(), markup=False, soft_wrap=True)
 
 
@@ -150,7 +179,9 @@ def materialize(
 def materialize_incremental(
     end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
-    rebuild_online: bool = typer.Option(False, help="Also refill Redis from the history store (after Redis lost data)."),
+    rebuild_online: bool = typer.Option(
+        False, help="Also refill Redis from the history store (after Redis lost data)."
+    ),
     engine: Optional[str] = EngineOption,
     ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
@@ -158,13 +189,17 @@ def materialize_incremental(
     """Write every row not yet materialized, late arrivals included."""
     _engine_from_flags(engine, ray_address)
     with _store(repo) as store:
-        report = store.materialize_incremental(_parse_time(end), views or None, progress=True, rebuild_online=rebuild_online)
+        report = store.materialize_incremental(
+            _parse_time(end), views or None, progress=True, rebuild_online=rebuild_online
+        )
         console.print(report.describe(), markup=False, soft_wrap=True)
 
 
 @app.command(rich_help_panel="Data")
 def backfill(
-    views: list[str] = typer.Argument(..., help="Views to rebuild (what `plan` names after a new version or an added column)."),
+    views: list[str] = typer.Argument(
+        ..., help="Views to rebuild (what `plan` names after a new version or an added column)."
+    ),
     engine: Optional[str] = EngineOption,
     ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
@@ -176,7 +211,10 @@ def backfill(
         console.print(report.describe(), markup=False, soft_wrap=True)
         for name in views:
             view = store.definitions.view(name)
-            console.print(f"{name}: version v{view.history_version} (history table {view.history_table}) is complete", markup=False)
+            console.print(
+                f"{name}: version v{view.history_version} (history table {view.history_table}) is complete",
+                markup=False,
+            )
 
 
 @app.command(rich_help_panel="Data")
@@ -185,8 +223,12 @@ def stream(
     to: str = typer.Option("online_and_offline", help="online, offline or online_and_offline."),
     batch: int = typer.Option(1000, help="Entries read (and pushed) per round trip."),
     consumer: Optional[str] = typer.Option(None, help="Consumer name in the group (default: host-pid)."),
-    claim_idle: float = typer.Option(30.0, min=0.1, help="Seconds an entry another consumer took may stay unacknowledged "
-                                     "before this one takes it over (that consumer died)."),
+    claim_idle: float = typer.Option(
+        30.0,
+        min=0.1,
+        help="Seconds an entry another consumer took may stay unacknowledged "
+        "before this one takes it over (that consumer died).",
+    ),
     until_idle: bool = typer.Option(False, help="Stop once the stream has nothing new (default: run until Ctrl-C)."),
     repo: Path = RepoOption,
 ) -> None:
@@ -196,12 +238,16 @@ def stream(
     from featurestore.streaming import StreamConsumer
 
     with _store(repo) as store:
-        runner = StreamConsumer(store, source, consumer=consumer, batch=batch, to=to, claim_idle_ms=int(claim_idle * 1000))
+        runner = StreamConsumer(
+            store, source, consumer=consumer, batch=batch, to=to, claim_idle_ms=int(claim_idle * 1000)
+        )
         console.print(f"consuming {runner.stream} as {runner.consumer} (group featurestore) → {to}")
 
         def line(stats) -> str:
-            return (f"{stats.consumed:,} consumed  {stats.rate:,.0f}/s  pending {stats.pending:,}  "
-                    f"lag {stats.lag_ms / 1000:.1f}s  dead-lettered {stats.dead:,}")
+            return (
+                f"{stats.consumed:,} consumed  {stats.rate:,.0f}/s  pending {stats.pending:,}  "
+                f"lag {stats.lag_ms / 1000:.1f}s  dead-lettered {stats.dead:,}"
+            )
 
         with Live(console=console, transient=False, auto_refresh=False) as live:
             shown = [0.0]
@@ -221,8 +267,11 @@ def stream(
 @app.command(rich_help_panel="Data")
 def compact(
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
-    vacuum_hours: Optional[int] = typer.Option(None, help="Also delete files only versions older than this many hours use "
-                                                          "(exports from those versions can then no longer be reproduced)."),
+    vacuum_hours: Optional[int] = typer.Option(
+        None,
+        help="Also delete files only versions older than this many hours use "
+        "(exports from those versions can then no longer be reproduced).",
+    ),
     repo: Path = RepoOption,
 ) -> None:
     """Merge small history files (pushes commit many); optionally vacuum old ones.
@@ -230,15 +279,22 @@ def compact(
     Pushes do both on their own past offline_store.compact_after_files and vacuum_after_hours (featurestore.yaml)."""
     with _store(repo) as store:
         for name, r in store.compact(views or None, vacuum_hours).items():
-            console.print(f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed", markup=False)
+            console.print(
+                f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed",
+                markup=False,
+            )
 
 
 @app.command(rich_help_panel="Data")
 def export(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
     service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
-    entities: Optional[Path] = typer.Option(None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."),
-    from_manifest: Optional[Path] = typer.Option(None, "--from-manifest", help="Reproduce an earlier export byte for byte."),
+    entities: Optional[Path] = typer.Option(
+        None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."
+    ),
+    from_manifest: Optional[Path] = typer.Option(
+        None, "--from-manifest", help="Reproduce an earlier export byte for byte."
+    ),
     engine: Optional[str] = EngineOption,
     ray_address: Optional[str] = RayAddressOption,
     repo: Path = RepoOption,
@@ -271,8 +327,14 @@ def serve(
     repo: Path = RepoOption,
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(6566, help="Port (Feast's default)."),
-    workers: int = typer.Option(1, min=1, help="Worker processes, each listening on its own socket (Linux); `kill -HUP` replaces them one by one."),
-    log_features: bool = typer.Option(False, help="Log lookups by feature service (for `check-consistency --service`)."),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        help="Worker processes, each listening on its own socket (Linux); `kill -HUP` replaces them one by one.",
+    ),
+    log_features: bool = typer.Option(
+        False, help="Log lookups by feature service (for `check-consistency --service`)."
+    ),
     ui: bool = typer.Option(False, "--ui", help="Also serve the web UI under /ui (behind the same API keys)."),
     keep_alive: float = typer.Option(5.0, min=0.1, help="Seconds an idle keep-alive connection stays open."),
     log_level: str = LogLevelOption,
@@ -284,8 +346,17 @@ def serve(
 
     os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
     os.environ["FEATURESTORE_UI"] = "1" if ui else "0"
-    _run_server("serving.feature_server:app_factory", repo, host, port, workers, log_level, access_log, log_format,
-                keep_alive=keep_alive)
+    _run_server(
+        "serving.feature_server:app_factory",
+        repo,
+        host,
+        port,
+        workers,
+        log_level,
+        access_log,
+        log_format,
+        keep_alive=keep_alive,
+    )
 
 
 @app.command(rich_help_panel="Serving")
@@ -296,8 +367,18 @@ def ui(
     log_level: str = LogLevelOption,
 ) -> None:
     """Run the web UI: catalogue, view freshness, runs and curves, models and lineage (at /ui/)."""
-    _run_server("serving.ui:app_factory", repo, host, port, 1, log_level, False, "text", what="serving the web UI of",
-                path="/ui/")
+    _run_server(
+        "serving.ui:app_factory",
+        repo,
+        host,
+        port,
+        1,
+        log_level,
+        False,
+        "text",
+        what="serving the web UI of",
+        path="/ui/",
+    )
 
 
 def _require_auth_off_loopback(host: str, config: Any) -> None:
@@ -309,8 +390,19 @@ def _require_auth_off_loopback(host: str, config: Any) -> None:
         )
 
 
-def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, log_level: str, access_log: bool,
-                log_format: str = "text", what: str = "serving", path: str = "", keep_alive: float = 5.0) -> None:
+def _run_server(
+    factory: str,
+    repo: Path,
+    host: str,
+    port: int,
+    workers: int,
+    log_level: str,
+    access_log: bool,
+    log_format: str = "text",
+    what: str = "serving",
+    path: str = "",
+    keep_alive: float = 5.0,
+) -> None:
     import os
 
     import uvicorn
@@ -331,8 +423,10 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
         atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
-    started = (f"featurestore: {what} {repo.resolve()} (registry v{store.registry.current()['version']}) on "
-               f"http://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs")
+    started = (
+        f"featurestore: {what} {repo.resolve()} (registry v{store.registry.current()['version']}) on "
+        f"http://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs"
+    )
     from featurestore.logs import LOG_FORMATS, JsonFormatter, uvicorn_log_config
 
     if log_format not in LOG_FORMATS:
@@ -340,13 +434,23 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
     if log_format == "json":
         import logging
 
-        print(JsonFormatter().format(logging.makeLogRecord({"name": "featurestore", "levelname": "INFO", "msg": started})),
-              file=sys.stderr, flush=True)
+        print(
+            JsonFormatter().format(
+                logging.makeLogRecord({"name": "featurestore", "levelname": "INFO", "msg": started})
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         err_console.print(started, markup=False, soft_wrap=True)
-    options: dict[str, Any] = {"factory": True, "log_level": log_level, "access_log": access_log, "http": GUARDED_HTTP,
-                               "timeout_keep_alive": keep_alive,
-               **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {})}
+    options: dict[str, Any] = {
+        "factory": True,
+        "log_level": log_level,
+        "access_log": access_log,
+        "http": GUARDED_HTTP,
+        "timeout_keep_alive": keep_alive,
+        **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {}),
+    }
     from featurestore import serve_workers
 
     if workers > 1 and serve_workers.supported():  # a listening socket per worker: connections spread evenly
@@ -358,7 +462,9 @@ def _run_server(factory: str, repo: Path, host: str, port: int, workers: int, lo
 @app.command("api-key", rich_help_panel="Serving")
 def api_key(
     name: str = typer.Option(..., help="Who uses the key (shown in logs and errors)."),
-    scope: list[str] = typer.Option(["read"], "--scope", help="read, push, push:<source>, materialize or admin (repeatable)."),
+    scope: list[str] = typer.Option(
+        ["read"], "--scope", help="read, push, push:<source>, materialize or admin (repeatable)."
+    ),
 ) -> None:
     """Make a new API key: give the key to the client, put the printed entry under server.auth.keys."""
     from featurestore.auth import hash_key, new_key, parse_keys
@@ -378,7 +484,9 @@ def serve_model(
     stage: str = typer.Option("production", help="Stage alias to serve (follows promotions)."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8000, help="Port."),
-    workers: int = typer.Option(1, min=1, help="Worker processes (replicas all follow promotions; `kill -HUP` replaces them one by one)."),
+    workers: int = typer.Option(
+        1, min=1, help="Worker processes (replicas all follow promotions; `kill -HUP` replaces them one by one)."
+    ),
     device: str = typer.Option("cpu", help="Where the model scores: cpu, cuda or auto (CUDA when present)."),
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
@@ -390,7 +498,11 @@ def serve_model(
     from featurestore.training.distributed import pick_device
 
     pick_device(device)  # a clear error now rather than in every worker
-    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"], os.environ["FEATURESTORE_DEVICE"] = model, stage, device
+    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"], os.environ["FEATURESTORE_DEVICE"] = (
+        model,
+        stage,
+        device,
+    )
     _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
 
 
@@ -400,21 +512,32 @@ def train_command(
     label: str = typer.Option("label", help="Label column."),
     task: str = typer.Option("classification", help="classification or regression."),
     request_input: list[str] = typer.Option(None, "--request-input", help="Request-time input column (repeatable)."),
-    entity_key: list[str] = typer.Option(None, "--entity-key", help="Entity key learned as a hashed embedding table, e.g. card_id (repeatable)."),
+    entity_key: list[str] = typer.Option(
+        None, "--entity-key", help="Entity key learned as a hashed embedding table, e.g. card_id (repeatable)."
+    ),
     entity_buckets: int = typer.Option(65_536, help="Rows of each entity-key embedding table."),
     epochs: int = typer.Option(4, help="Epochs."),
     batch_size: int = typer.Option(512, help="Rows per step on each rank."),
     seed: int = typer.Option(0, help="Seeds weights, data order and each rank's share of the rows."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
     bf16: bool = typer.Option(False, help="bfloat16 autocast on CUDA."),
-    nproc_per_node: int = typer.Option(1, help="Training processes on this machine (runs torchrun: gloo on CPU, NCCL on CUDA)."),
+    nproc_per_node: int = typer.Option(
+        1, help="Training processes on this machine (runs torchrun: gloo on CPU, NCCL on CUDA)."
+    ),
     nnodes: int = typer.Option(1, help="Machines in the run (each runs this command with its --node-rank)."),
     node_rank: int = typer.Option(0, help="This machine's rank among --nnodes."),
     master_addr: str = typer.Option("127.0.0.1", help="Address of node 0 (with --nnodes > 1)."),
     master_port: int = typer.Option(29500, help="Port on node 0 (with --nnodes > 1)."),
-    shard_group_size: int = typer.Option(1, help="Ranks sharing one sharded model replica (FSDP); the world is sync groups x this."),
-    sync_every: int = typer.Option(0, help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD)."),
-    resume: Optional[str] = typer.Option(None, help="Resume this run id from its last checkpoint (on any number of processes)."),
+    shard_group_size: int = typer.Option(
+        1, help="Ranks sharing one sharded model replica (FSDP); the world is sync groups x this."
+    ),
+    sync_every: int = typer.Option(
+        0,
+        help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD).",
+    ),
+    resume: Optional[str] = typer.Option(
+        None, help="Resume this run id from its last checkpoint (on any number of processes)."
+    ),
     register: Optional[str] = typer.Option(None, help="Register the trained model under this name."),
     repo: Path = RepoOption,
 ) -> None:
@@ -425,22 +548,60 @@ def train_command(
     from featurestore.training.trainer import TrainConfig, new_run_id, train
 
     store = _store(repo)
-    config = TrainConfig(dataset=str(dataset), label=label, task=task, request_inputs=request_input or [], epochs=epochs,  # type: ignore[arg-type]
-                         batch_size=batch_size, seed=seed, device=device, bf16=bf16, shard_group_size=shard_group_size,
-                         sync_every=sync_every, entity_keys=entity_key or [], entity_buckets=entity_buckets)
+    config = TrainConfig(
+        dataset=str(dataset),
+        label=label,
+        task=task,
+        request_inputs=request_input or [],
+        epochs=epochs,  # type: ignore[arg-type]
+        batch_size=batch_size,
+        seed=seed,
+        device=device,
+        bf16=bf16,
+        shard_group_size=shard_group_size,
+        sync_every=sync_every,
+        entity_keys=entity_key or [],
+        entity_buckets=entity_buckets,
+    )
     runs = store.config.data_dir / "runs"
     world = nproc_per_node * nnodes
     if world > 1 and "WORLD_SIZE" not in os.environ:
         if world % shard_group_size:
             raise FeatureStoreError(f"{world} processes do not split into shard groups of {shard_group_size}")
         run_id = resume or new_run_id()
-        where = (["--standalone"] if nnodes == 1 else
-                 ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr, "--master-port", str(master_port)])
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node), *where,
-                   "-m", "featurestore.training.launch", json.dumps(config.__dict__), str(runs), run_id, *(["--resume"] if resume else [])]
+        where = (
+            ["--standalone"]
+            if nnodes == 1
+            else [
+                "--nnodes",
+                str(nnodes),
+                "--node-rank",
+                str(node_rank),
+                "--master-addr",
+                master_addr,
+                "--master-port",
+                str(master_port),
+            ]
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            *where,
+            "-m",
+            "featurestore.training.launch",
+            json.dumps(config.__dict__),
+            str(runs),
+            run_id,
+            *(["--resume"] if resume else []),
+        ]
         if subprocess.run(command).returncode != 0:
-            raise FeatureStoreError(f"distributed training failed (run {run_id}); see the ranks' errors above, "
-                                    f"resume it with --resume {run_id}")
+            raise FeatureStoreError(
+                f"distributed training failed (run {run_id}); see the ranks' errors above, "
+                f"resume it with --resume {run_id}"
+            )
         if node_rank != 0:
             return
         run = runs / run_id
@@ -454,8 +615,12 @@ def train_command(
 @app.command("checkpoint-engine", rich_help_panel="Serving")
 def checkpoint_engine(
     model: str = typer.Option(..., help="Model name to distribute."),
-    source: Optional[str] = typer.Option(None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."),
-    upstream: Optional[str] = typer.Option(None, help="Another replica's engine to fetch versions from first (a broadcast tree)."),
+    source: Optional[str] = typer.Option(
+        None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."
+    ),
+    upstream: Optional[str] = typer.Option(
+        None, help="Another replica's engine to fetch versions from first (a broadcast tree)."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port."),
     repo: Path = RepoOption,
@@ -475,10 +640,22 @@ def checkpoint_engine(
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
     auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
     err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
-    os.environ.update({REPO_ENV: str(repo.resolve()), "FEATURESTORE_MODEL": model, "FEATURESTORE_SOURCE": source or "",
-                       "FEATURESTORE_UPSTREAM": upstream or ""})
-    uvicorn.run("serving.checkpoint_engine:app_factory", factory=True, host=host, port=port, log_level="warning",
-                http=GUARDED_HTTP)
+    os.environ.update(
+        {
+            REPO_ENV: str(repo.resolve()),
+            "FEATURESTORE_MODEL": model,
+            "FEATURESTORE_SOURCE": source or "",
+            "FEATURESTORE_UPSTREAM": upstream or "",
+        }
+    )
+    uvicorn.run(
+        "serving.checkpoint_engine:app_factory",
+        factory=True,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=GUARDED_HTTP,
+    )
 
 
 runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
@@ -499,8 +676,13 @@ def runs_list(
     table = Table("run", "status", "started", "tags", "metrics")
     table.columns[0].no_wrap, table.columns[0].min_width = True, 20  # a run id is copied whole into `runs show`
     for run in list_runs(_store(repo).config.data_dir / "runs", search, _key_values(tag)):
-        table.add_row(run["id"], run["status"], run["started_at"], " ".join(f"{k}={v}" for k, v in run["tags"].items()),
-                      " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()))
+        table.add_row(
+            run["id"],
+            run["status"],
+            run["started_at"],
+            " ".join(f"{k}={v}" for k, v in run["tags"].items()),
+            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()),
+        )
     console.print(table)
 
 
@@ -520,7 +702,9 @@ def runs_show(run_id: str, repo: Path = RepoOption) -> None:
 
 
 @runs_app.command("tag")
-def runs_tag(run_id: str, tags: list[str] = typer.Argument(..., help="key=value pairs."), repo: Path = RepoOption) -> None:
+def runs_tag(
+    run_id: str, tags: list[str] = typer.Argument(..., help="key=value pairs."), repo: Path = RepoOption
+) -> None:
     """Label a run (``baseline=yes``, ``note=...``): list and the web UI filter on tags."""
     from featurestore.tracking import set_tags
 
@@ -572,7 +756,12 @@ def models_list(repo: Path = RepoOption) -> None:
 
 
 @models_app.command("promote")
-def models_promote(name: str, version: int, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption) -> None:
+def models_promote(
+    name: str,
+    version: int,
+    stage: str = typer.Option("production", help="staging or production."),
+    repo: Path = RepoOption,
+) -> None:
     """Point a stage alias at a version; running inference servers switch to it."""
 
     with _store(repo) as store:
@@ -581,7 +770,9 @@ def models_promote(name: str, version: int, stage: str = typer.Option("productio
 
 
 @models_app.command("rollback")
-def models_rollback(name: str, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption) -> None:
+def models_rollback(
+    name: str, stage: str = typer.Option("production", help="staging or production."), repo: Path = RepoOption
+) -> None:
     """Point a stage back at the version it had before its last promotion."""
     with _store(repo) as store:
         version = store.model_registry().rollback(name, stage)
@@ -592,19 +783,26 @@ def models_rollback(name: str, stage: str = typer.Option("production", help="sta
 def check_consistency_command(
     model: Optional[str] = typer.Option(None, help="Model whose feature log (inference server) to check."),
     service: Optional[str] = typer.Option(None, help="Check the feature server's log of this service instead."),
-    as_of: str = typer.Option("auto", help="History as of: auto (each vector as it was served: replays with `at` as of event "
-                              "time, live lookups as of created time), event or created."),
+    as_of: str = typer.Option(
+        "auto",
+        help="History as of: auto (each vector as it was served: replays with `at` as of event "
+        "time, live lookups as of created time), event or created.",
+    ),
     repo: Path = RepoOption,
 ) -> None:
     """Compare served feature vectors (feature log) with the history store, and rescore offline."""
     from featurestore.consistency import MODES, check_consistency, check_service_log, record_check
 
     if (model is None) == (service is None):
-        raise FeatureStoreError("name what to check: --model NAME (an inference server's log) or --service NAME (the feature server's)")
+        raise FeatureStoreError(
+            "name what to check: --model NAME (an inference server's log) or --service NAME (the feature server's)"
+        )
     if as_of not in MODES:
         raise FeatureStoreError(f"--as-of is one of {list(MODES)}, not {as_of!r}")
     with _store(repo) as store:
-        report = check_service_log(store, service, as_of=as_of) if service else check_consistency(store, model, as_of=as_of)  # type: ignore[arg-type]
+        report = (
+            check_service_log(store, service, as_of=as_of) if service else check_consistency(store, model, as_of=as_of)
+        )  # type: ignore[arg-type]
         record_check(report, store.config.data_dir, f"service:{service}" if service else model)  # type: ignore[arg-type]
     console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:
@@ -618,7 +816,9 @@ def demo(
     cards: int = typer.Option(2000, help="Number of cards to simulate."),
     days: int = typer.Option(30, help="Days of history."),
     replay_days: float = typer.Option(2, help="Held-out days replayed through the inference server."),
-    batch_hours: float = typer.Option(2, help="Replay: history is appended every this many hours of replayed time (online updates per payment)."),
+    batch_hours: float = typer.Option(
+        2, help="Replay: history is appended every this many hours of replayed time (online updates per payment)."
+    ),
     ui: bool = typer.Option(False, "--ui", help="Afterwards, serve the web UI on the demo's data until Ctrl-C."),
     ui_port: int = typer.Option(8765, help="The web UI's port."),
 ) -> None:
@@ -629,11 +829,24 @@ def demo(
     url = f"http://127.0.0.1:{ui_port}/ui/"
     if ui:
         console.print(f"web UI: {url} (features, freshness, runs, models, lineage; Ctrl-C stops it)", markup=False)
-        _run_server("serving.ui:app_factory", repo, "127.0.0.1", ui_port, 1, "warning", False, what="serving the web UI of",
-                    path="/ui/")
+        _run_server(
+            "serving.ui:app_factory",
+            repo,
+            "127.0.0.1",
+            ui_port,
+            1,
+            "warning",
+            False,
+            what="serving the web UI of",
+            path="/ui/",
+        )
     else:
-        console.print(f"web UI: FEATURESTORE_DATA_DIR={result.data_dir} featurestore ui --repo {repo} --port {ui_port}, "
-                      f"then open {url} (or run the demo with --ui)", markup=False, soft_wrap=True)
+        console.print(
+            f"web UI: FEATURESTORE_DATA_DIR={result.data_dir} featurestore ui --repo {repo} --port {ui_port}, "
+            f"then open {url} (or run the demo with --ui)",
+            markup=False,
+            soft_wrap=True,
+        )
     if not result.consistency.ok:
         raise typer.Exit(1)
 
@@ -651,8 +864,12 @@ def main() -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in TRAINING_MODULES:
             raise
-        err_console.print(f"[bold red]error:[/] this command trains or serves models and needs {exc.name}: "
-                          + escape("pip install 'featurestore[train]'"), highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] this command trains or serves models and needs {exc.name}: "
+            + escape("pip install 'featurestore[train]'"),
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)
 
 

@@ -54,9 +54,9 @@ class RepoConfig:
     # after such a compaction, files no version of the last this-many hours uses are deleted (Delta's
     # default retention, 7 days): exports of older versions then no longer reproduce. None: never
     vacuum_after_hours: int | None = 168
-    offline_engine: str = "local"   # where point-in-time joins and exports run: local (DuckDB) or ray
+    offline_engine: str = "local"  # where point-in-time joins and exports run: local (DuckDB) or ray
     ray_address: str | None = None  # the Ray cluster (host:port); None: a local one
-    ray_partitions: int = 0         # hash partitions per view; 0: one per cluster CPU (at least 2)
+    ray_partitions: int = 0  # hash partitions per view; 0: one per cluster CPU (at least 2)
 
     @property
     def embedded_redis(self) -> bool:
@@ -67,9 +67,7 @@ class RepoConfig:
         repo = Path(repo_path).resolve()
         file = repo / CONFIG_FILE
         if not file.exists():
-            raise FeatureStoreError(
-                f"no {CONFIG_FILE} in {repo}; run `featurestore init {repo}` to create a repo"
-            )
+            raise FeatureStoreError(f"no {CONFIG_FILE} in {repo}; run `featurestore init {repo}` to create a repo")
         try:
             raw = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as exc:
@@ -91,22 +89,45 @@ class RepoConfig:
             registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
             online_url=os.environ.get("REDIS_URL") or _online_url(online, file),
             read_from_replicas=bool(online.get("read_from_replicas", False)),
-            max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"),
+            max_request_entities=_positive_int(
+                online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"
+            ),
             expire_after_ttl=bool(online.get("expire_after_ttl", False)),
             read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{file}: online_store.read_timeout_ms"),
             event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
-            buffer_max_rows=_positive_int((raw.get("offline_store") or {}).get("buffer_max_rows", 10_000), f"{file}: offline_store.buffer_max_rows"),
+            buffer_max_rows=_positive_int(
+                (raw.get("offline_store") or {}).get("buffer_max_rows", 10_000),
+                f"{file}: offline_store.buffer_max_rows",
+            ),
             api_keys=_api_keys((raw.get("server") or {}).get("auth"), file),
             auth_off=(raw.get("server") or {}).get("auth") in (False, "off"),
-            error_format=_choice((raw.get("server") or {}).get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"),
-            max_request_bytes=_positive_int((raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"),
-            compact_after_files=_positive_int((raw.get("offline_store") or {}).get("compact_after_files", 256), f"{file}: offline_store.compact_after_files"),
-            vacuum_after_hours=_hours_or_never((raw.get("offline_store") or {}).get("vacuum_after_hours", 168), f"{file}: offline_store.vacuum_after_hours"),
-            buffer_max_seconds=parse_duration((raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age").total_seconds(),
-            offline_engine=_choice(os.environ.get("FEATURESTORE_OFFLINE_ENGINE") or (raw.get("offline_store") or {}).get("engine", "local"),
-                                   ("local", "ray"), f"{file}: offline_store.engine"),
-            ray_address=os.environ.get("FEATURESTORE_RAY_ADDRESS") or (raw.get("offline_store") or {}).get("ray_address"),
+            error_format=_choice(
+                (raw.get("server") or {}).get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"
+            ),
+            max_request_bytes=_positive_int(
+                (raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024),
+                f"{file}: server.max_request_bytes",
+            ),
+            compact_after_files=_positive_int(
+                (raw.get("offline_store") or {}).get("compact_after_files", 256),
+                f"{file}: offline_store.compact_after_files",
+            ),
+            vacuum_after_hours=_hours_or_never(
+                (raw.get("offline_store") or {}).get("vacuum_after_hours", 168),
+                f"{file}: offline_store.vacuum_after_hours",
+            ),
+            buffer_max_seconds=parse_duration(
+                (raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age"
+            ).total_seconds(),
+            offline_engine=_choice(
+                os.environ.get("FEATURESTORE_OFFLINE_ENGINE")
+                or (raw.get("offline_store") or {}).get("engine", "local"),
+                ("local", "ray"),
+                f"{file}: offline_store.engine",
+            ),
+            ray_address=os.environ.get("FEATURESTORE_RAY_ADDRESS")
+            or (raw.get("offline_store") or {}).get("ray_address"),
             ray_partitions=int((raw.get("offline_store") or {}).get("ray_partitions", 0)),
         )
 
@@ -119,7 +140,9 @@ def _online_url(online: dict, file: Path) -> str:
         return str(online.get("url", EMBEDDED))
     nodes = online.get("nodes")
     if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) and ":" in n for n in nodes):
-        raise FeatureStoreError(f"{file}: online_store.type redis_cluster needs `nodes: [host:port, ...]` (a few are enough)")
+        raise FeatureStoreError(
+            f"{file}: online_store.type redis_cluster needs `nodes: [host:port, ...]` (a few are enough)"
+        )
     from featurestore.online.redis_cluster import cluster_url
 
     return cluster_url(nodes)
@@ -136,7 +159,9 @@ def parse_time(value: "str | datetime") -> datetime:
         try:
             ts = datetime.fromisoformat(str(value).strip())
         except ValueError:
-            raise FeatureStoreError(f"{value!r} is not an ISO 8601 time; write e.g. 2024-05-01 or 2024-05-01T10:00:00Z") from None
+            raise FeatureStoreError(
+                f"{value!r} is not an ISO 8601 time; write e.g. 2024-05-01 or 2024-05-01T10:00:00Z"
+            ) from None
     return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
@@ -153,10 +178,26 @@ def parse_duration(value: object, where: str) -> timedelta:
 _KEYS = {
     "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
     "server": {"max_request_bytes", "auth", "errors"},
-    "online_store": {"url", "type", "nodes", "read_from_replicas", "max_request_entities", "expire_after_ttl", "event_retention",
-                     "read_timeout_ms"},
-    "offline_store": {"path", "buffer_max_rows", "buffer_max_age", "compact_after_files", "vacuum_after_hours", "engine", "ray_address",
-                      "ray_partitions"},
+    "online_store": {
+        "url",
+        "type",
+        "nodes",
+        "read_from_replicas",
+        "max_request_entities",
+        "expire_after_ttl",
+        "event_retention",
+        "read_timeout_ms",
+    },
+    "offline_store": {
+        "path",
+        "buffer_max_rows",
+        "buffer_max_age",
+        "compact_after_files",
+        "vacuum_after_hours",
+        "engine",
+        "ray_address",
+        "ray_partitions",
+    },
 }
 
 
@@ -170,11 +211,15 @@ def _check_keys(file: Path, raw: dict) -> None:
             continue
         where = f"{section}." if section else ""
         if not isinstance(mapping, dict):
-            raise FeatureStoreError(f"{file}: `{section}` must be a mapping of settings, e.g. `{section}: {{{sorted(allowed)[0]}: ...}}`")
+            raise FeatureStoreError(
+                f"{file}: `{section}` must be a mapping of settings, e.g. `{section}: {{{sorted(allowed)[0]}: ...}}`"
+            )
         for key in mapping:
             if key not in allowed:
                 close = difflib.get_close_matches(str(key), allowed, n=1)
-                hint = f"; did you mean `{where}{close[0]}`?" if close else f"; known keys: {', '.join(sorted(allowed))}"
+                hint = (
+                    f"; did you mean `{where}{close[0]}`?" if close else f"; known keys: {', '.join(sorted(allowed))}"
+                )
                 raise FeatureStoreError(f"{file}: unknown setting `{where}{key}`{hint}")
 
 
@@ -184,7 +229,9 @@ def _api_keys(auth: object, file: Path) -> "list[ApiKey] | None":
     if auth in (None, False, "off"):
         return keys_from_env(None)
     if not isinstance(auth, dict) or set(auth) != {"keys"}:
-        raise FeatureStoreError(f"{file}: `server.auth` is `off` or `{{keys: [...]}}` (`featurestore api-key` prints an entry)")
+        raise FeatureStoreError(
+            f"{file}: `server.auth` is `off` or `{{keys: [...]}}` (`featurestore api-key` prints an entry)"
+        )
     return keys_from_env(parse_keys(auth["keys"], f"{file}: server.auth.keys"))
 
 

@@ -39,9 +39,9 @@ class ConsistencyReport:
     score_match: float
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     has_scores: bool = True
-    max_relative_difference: float = 0.0   # over matched inexact aggregates (0: all bit-identical)
+    max_relative_difference: float = 0.0  # over matched inexact aggregates (0: all bit-identical)
     over_time: list[dict[str, Any]] = field(default_factory=list)  # match rate of whole vectors per served-time bucket
-    mode: str = "created"                  # auto (each vector as served), event or created
+    mode: str = "created"  # auto (each vector as served), event or created
     as_of: str = "history as of created time"  # the same, in words, with the vectors read each way
 
     @property
@@ -76,8 +76,9 @@ def _by_mode(log: pa.Table, as_of: str) -> list[tuple[str, pa.Table]]:
         raise ValueError(f"as_of is one of {list(MODES)}, not {as_of!r}")
     if as_of != "auto":
         return [(as_of, log)]
-    replayed = (pc.fill_null(log["replayed"], False) if "replayed" in log.column_names
-                else pa.array([False] * log.num_rows))
+    replayed = (
+        pc.fill_null(log["replayed"], False) if "replayed" in log.column_names else pa.array([False] * log.num_rows)
+    )
     groups = [("event", log.filter(replayed)), ("created", log.filter(pc.invert(replayed)))]
     return [(mode, part) for mode, part in groups if part.num_rows]
 
@@ -87,10 +88,14 @@ def _mode_name(as_of: str, groups: list[tuple[str, pa.Table]]) -> str:
     if as_of != "auto":
         return f"history as of {as_of} time"
     return "history as each vector was served: " + ", ".join(
-        f"as of {mode} time for {part.num_rows:,} {'replayed' if mode == 'event' else 'live'} vectors" for mode, part in groups)
+        f"as of {mode} time for {part.num_rows:,} {'replayed' if mode == 'event' else 'live'} vectors"
+        for mode, part in groups
+    )
 
 
-def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "auto") -> ConsistencyReport:
+def check_consistency(
+    store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "auto"
+) -> ConsistencyReport:
     """Check an inference server's log: features, and the model's scores rescored offline."""
 
     logs = read_log(log_path(store.config.data_dir, model_name))
@@ -99,20 +104,34 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     report = ConsistencyReport(logs.num_rows, {}, 1.0)
     hits: dict[str, list[bool]] = {}
     score_hits = 0
-    groups = [(mode, sub, version) for version in pc.unique(logs["model_version"]).to_pylist()
-              for mode, sub in _by_mode(logs.filter(pc.equal(logs["model_version"], version)), as_of)]
+    groups = [
+        (mode, sub, version)
+        for version in pc.unique(logs["model_version"]).to_pylist()
+        for mode, sub in _by_mode(logs.filter(pc.equal(logs["model_version"], version)), as_of)
+    ]
     report.mode, report.as_of = as_of, _mode_name(as_of, [(mode, sub) for mode, sub, _ in groups])
     for mode, part, version in groups:
         served.append(part["served_at"])
         loaded = registry.load(model_name, int(version))
-        offline, names = _compare_features(store, part, loaded.card["feature_service"], loaded.card["request_inputs"], hits, report, max_mismatches, mode)
+        offline, names = _compare_features(
+            store,
+            part,
+            loaded.card["feature_service"],
+            loaded.card["request_inputs"],
+            hits,
+            report,
+            max_mismatches,
+            mode,
+        )
         # recompute scores per request (same batch composition as at serving time)
         request_ids = part["request_id"].to_numpy(zero_copy_only=False)
         recomputed = np.empty(part.num_rows, dtype=np.float32)
         for rid in dict.fromkeys(request_ids.tolist()):
             take = pa.array(np.flatnonzero(request_ids == rid))
             columns = {n: offline[n].take(take) for n in names}
-            columns.update({i: part[i].take(take) for i in [*loaded.card["request_inputs"], *loaded.preprocessor.hashed]})
+            columns.update(
+                {i: part[i].take(take) for i in [*loaded.card["request_inputs"], *loaded.preprocessor.hashed]}
+            )
             recomputed[take.to_numpy()] = loaded.predict(columns)
         logged = part["score"].to_numpy(zero_copy_only=False).astype(np.float32)
         score_hits += int((recomputed.view(np.uint32) == logged.view(np.uint32)).sum())
@@ -122,7 +141,9 @@ def check_consistency(store: "FeatureStore", model_name: str, max_mismatches: in
     return report
 
 
-def check_service_log(store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "auto") -> ConsistencyReport:
+def check_service_log(
+    store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "auto"
+) -> ConsistencyReport:
     """Check the feature server's log of lookups by ``service`` (``featurestore serve --log-features``)."""
     logs = read_log(log_path(store.config.data_dir, f"service:{service}"))
     report = ConsistencyReport(logs.num_rows, {}, 1.0, has_scores=False)
@@ -151,8 +172,14 @@ def _over_time(served: list[Any], hits: dict[str, list[bool]], buckets: int = 24
     for b in range(buckets):
         inside = which == b
         if inside.any():
-            out.append({"from_us": int(edges[b]), "to_us": int(edges[b + 1]), "rows": int(inside.sum()),
-                        "match": float(whole[inside].mean())})
+            out.append(
+                {
+                    "from_us": int(edges[b]),
+                    "to_us": int(edges[b + 1]),
+                    "rows": int(inside.sum()),
+                    "match": float(whole[inside].mean()),
+                }
+            )
     return out
 
 
@@ -161,10 +188,17 @@ def record_check(report: ConsistencyReport, data_dir: Path, name: str) -> Path:
     folder = Path(data_dir) / "consistency"
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"{name.replace(':', '_').replace('/', '_')}.jsonl"
-    entry = {"checked_at": time.time(), "name": name, "mode": report.mode, "as_of": report.as_of, "rows": report.rows,
-             "overall": report.overall,
-             "score_match": report.score_match if report.has_scores else None, "feature_match": report.feature_match,
-             "over_time": report.over_time}
+    entry = {
+        "checked_at": time.time(),
+        "name": name,
+        "mode": report.mode,
+        "as_of": report.as_of,
+        "rows": report.rows,
+        "overall": report.overall,
+        "score_match": report.score_match if report.has_scores else None,
+        "feature_match": report.feature_match,
+        "over_time": report.over_time,
+    }
     with open(file, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return file
@@ -183,8 +217,14 @@ def read_checks(data_dir: Path) -> list[dict[str, Any]]:
 
 
 def _compare_features(
-    store: "FeatureStore", part: pa.Table, service: str, request_inputs: list[str],
-    hits: dict[str, list[bool]], report: ConsistencyReport, max_mismatches: int, as_of: str,
+    store: "FeatureStore",
+    part: pa.Table,
+    service: str,
+    request_inputs: list[str],
+    hits: dict[str, list[bool]],
+    report: ConsistencyReport,
+    max_mismatches: int,
+    as_of: str,
 ) -> tuple[pa.Table, list[str]]:
     """Point-in-time rows at each served time (as known then), compared feature by feature.
 
@@ -217,10 +257,16 @@ def _compare_features(
         hit = pc.or_(equal, pc.and_(pc.is_null(served), pc.is_null(expected))).to_numpy(zero_copy_only=False)
         hits.setdefault(name, []).extend(hit.tolist())
         for i in np.flatnonzero(~hit)[: max(0, max_mismatches - len(mismatches))]:
-            mismatches.append({
-                "feature": name, **{k: part[k][i].as_py() for k in keys}, "served_at": str(part["served_at"][i].as_py()),
-                "status": part[f"{name}__status"][i].as_py(), "online": served[i].as_py(), "offline": expected[i].as_py(),
-            })
+            mismatches.append(
+                {
+                    "feature": name,
+                    **{k: part[k][i].as_py() for k in keys},
+                    "served_at": str(part["served_at"][i].as_py()),
+                    "status": part[f"{name}__status"][i].as_py(),
+                    "online": served[i].as_py(),
+                    "offline": expected[i].as_py(),
+                }
+            )
     return offline, names
 
 

@@ -177,7 +177,16 @@ Transformation = Union[str, Callable[..., Any], None]
 # ---------------------------------------------------------------- aggregations
 
 AGGREGATION_FUNCTIONS = (
-    "count", "sum", "mean", "min", "max", "stddev", "variance", "last", "last_n", "count_distinct",
+    "count",
+    "sum",
+    "mean",
+    "min",
+    "max",
+    "stddev",
+    "variance",
+    "last",
+    "last_n",
+    "count_distinct",
 )
 
 
@@ -239,8 +248,12 @@ class Aggregation:
 
     def to_spec(self) -> dict[str, Any]:
         return {
-            "function": self.function, "column": self.column, "window_us": self.window // timedelta(microseconds=1),
-            "name": self.output_name, "n": self.n, "where": list(self.where) if self.where else None,
+            "function": self.function,
+            "column": self.column,
+            "window_us": self.window // timedelta(microseconds=1),
+            "name": self.output_name,
+            "n": self.n,
+            "where": list(self.where) if self.where else None,
         }
 
 
@@ -303,7 +316,9 @@ class FeatureView:
         if not self.aggregations:
             return self.schema
         stored = {f.name: f.dtype for f in self.schema}
-        return [Field(a.output_name, a.output_type(stored.get(a.column) if a.column else None)) for a in self.aggregations]
+        return [
+            Field(a.output_name, a.output_type(stored.get(a.column) if a.column else None)) for a in self.aggregations
+        ]
 
     @property
     def feature_names(self) -> list[str]:
@@ -320,13 +335,22 @@ class FeatureView:
         cached = self.__dict__.get("_storage_id")
         if cached is not None and cached[0] == self.history_version:
             return cached[1]
-        value = content_hash({
-            "keys": [e.to_spec()["key_types"] for e in self.entities], "join_keys": self.join_keys,
-            "schema": [f.to_spec() for f in self.schema], "event_id": self.event_id, "key_encoding": KEY_ENCODING,
-            **({"version": self.history_version} if self.history_version > 1 else {}),
-            # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
-            **({"events": EVENTS_LAYOUT, "longest_us": self.longest_window // timedelta(microseconds=1)} if self.aggregations else {}),
-        })[:8]
+        value = content_hash(
+            {
+                "keys": [e.to_spec()["key_types"] for e in self.entities],
+                "join_keys": self.join_keys,
+                "schema": [f.to_spec() for f in self.schema],
+                "event_id": self.event_id,
+                "key_encoding": KEY_ENCODING,
+                **({"version": self.history_version} if self.history_version > 1 else {}),
+                # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
+                **(
+                    {"events": EVENTS_LAYOUT, "longest_us": self.longest_window // timedelta(microseconds=1)}
+                    if self.aggregations
+                    else {}
+                ),
+            }
+        )[:8]
         self.__dict__["_storage_id"] = (self.history_version, value)
         return value
 
@@ -374,7 +398,11 @@ class FeatureView:
             "description": self.description,
             "owner": self.owner,
             "tags": dict(self.tags),
-            **({"aggregations": [a.to_spec() for a in self.aggregations], "event_id": self.event_id} if self.aggregations else {}),
+            **(
+                {"aggregations": [a.to_spec() for a in self.aggregations], "event_id": self.event_id}
+                if self.aggregations
+                else {}
+            ),
         }
 
 
@@ -449,18 +477,30 @@ class OnDemandFeatureView:
         except (OSError, TypeError):
             code = getattr(self.udf, "__qualname__", repr(self.udf))
         return {
-            "kind": "on_demand_feature_view", "name": self.name, "inputs": self.input_refs,
-            "request_schema": [f.to_spec() for f in self.request_fields], "schema": [f.to_spec() for f in self.schema],
-            "udf": code, "description": self.description, "owner": self.owner, "tags": dict(self.tags),
+            "kind": "on_demand_feature_view",
+            "name": self.name,
+            "inputs": self.input_refs,
+            "request_schema": [f.to_spec() for f in self.request_fields],
+            "schema": [f.to_spec() for f in self.schema],
+            "udf": code,
+            "description": self.description,
+            "owner": self.owner,
+            "tags": dict(self.tags),
         }
 
 
 def on_demand_feature_view(
-    *, sources: list["FeatureView | FeatureViewProjection | RequestSource"], schema: list[Field], name: str = "", description: str = "",
+    *,
+    sources: list["FeatureView | FeatureViewProjection | RequestSource"],
+    schema: list[Field],
+    name: str = "",
+    description: str = "",
 ) -> Callable[[OnDemandFunction], OnDemandFeatureView]:
     """Decorator form, as in Feast: ``@on_demand_feature_view(sources=[...], schema=[...])`` over the function."""
+
     def wrap(udf: OnDemandFunction) -> OnDemandFeatureView:
         return OnDemandFeatureView(name or udf.__name__, sources, schema, udf, description, location=_location())
+
     return wrap
 
 

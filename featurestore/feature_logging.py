@@ -39,18 +39,23 @@ def log_path(data_dir: Path, name: str) -> Path:
     return Path(data_dir) / "feature_logs" / name
 
 
-def vector_schema(store: "FeatureStore", service_name: str, request_inputs: Sequence[str] = (), with_model: bool = False) -> pa.Schema:
+def vector_schema(
+    store: "FeatureStore", service_name: str, request_inputs: Sequence[str] = (), with_model: bool = False
+) -> pa.Schema:
     """Columns of a served-vector log: time, request, keys, inputs, each feature and its status (and the score)."""
     defs = store.definitions
     refs = store.get_feature_service(service_name).feature_refs()
-    fields = [pa.field("served_at", pa.timestamp("us", tz="UTC")), pa.field("request_id", pa.string()),
-              pa.field("replayed", pa.bool_())]  # served at a time the caller gave (``at``): checked as of event time
+    fields = [
+        pa.field("served_at", pa.timestamp("us", tz="UTC")),
+        pa.field("request_id", pa.string()),
+        pa.field("replayed", pa.bool_()),
+    ]  # served at a time the caller gave (``at``): checked as of event time
     if with_model:
         fields += [pa.field("model_name", pa.string()), pa.field("model_version", pa.int32())]
     keys: dict[str, pa.DataType] = {}
     for ref in refs:
         odfv = defs.on_demand_feature_views.get(ref.split(":")[0])
-        for view in ([r.split(":")[0] for r in odfv.input_refs] if odfv else [ref.split(":")[0]]):
+        for view in [r.split(":")[0] for r in odfv.input_refs] if odfv else [ref.split(":")[0]]:
             keys.update({k: t.arrow for k, t in defs.key_types[view].items()})
     fields += [pa.field(k, t) for k, t in keys.items()]
     fields += [pa.field(i, pa.float64()) for i in request_inputs]
@@ -71,9 +76,14 @@ def vector_entry(query: "OnlineQuery", response: "OnlineResponse", **extra: list
     """One request's served vectors as log columns (``extra``: inputs, model fields, scores), at the
     time the lookup was evaluated at."""
     n = len(query.key_columns[0])
-    entry: dict[str, list[Any]] = {"served_at": [micros_to_datetime(query.now_us)] * n, "request_id": [uuid.uuid4().hex] * n,
-                                   "replayed": [query.replayed] * n,
-                                   **dict(zip(query.key_names, query.key_columns)), **(query.request_columns or {}), **extra}
+    entry: dict[str, list[Any]] = {
+        "served_at": [micros_to_datetime(query.now_us)] * n,
+        "request_id": [uuid.uuid4().hex] * n,
+        "replayed": [query.replayed] * n,
+        **dict(zip(query.key_names, query.key_columns)),
+        **(query.request_columns or {}),
+        **extra,
+    }
     keys = len(query.key_names)
     for name, values, statuses in zip(response.feature_names[keys:], response.values[keys:], response.statuses[keys:]):
         entry[name], entry[f"{name}__status"] = values, statuses
@@ -90,8 +100,14 @@ class FeatureLogger:
     (``dropped_rows``; ``count``, if given, hears every outcome) and logged, so a log store that
     is down costs memory up to the bound, never serving latency."""
 
-    def __init__(self, path: Path, schema: pa.Schema, flush_interval: float = 1.0, max_buffered_rows: int = 100_000,
-                 count: Counts | None = None):
+    def __init__(
+        self,
+        path: Path,
+        schema: pa.Schema,
+        flush_interval: float = 1.0,
+        max_buffered_rows: int = 100_000,
+        count: Counts | None = None,
+    ):
         self.path, self.schema = Path(path), schema
         self.interval, self.max_rows = flush_interval, max_buffered_rows
         self._buffer: deque[dict[str, list[Any]]] = deque()
@@ -130,7 +146,9 @@ class FeatureLogger:
                 for name, column in merged.items():
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
-            write_deltalake(str(self.path), table, mode="append", schema_mode="merge")  # (logs from before a column was added)
+            write_deltalake(
+                str(self.path), table, mode="append", schema_mode="merge"
+            )  # (logs from before a column was added)
         except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
             with self._lock:
                 for entry in reversed(pending):
@@ -140,8 +158,12 @@ class FeatureLogger:
             self._failed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return 0
         if self.failed_flushes:
-            log.warning("feature log %s: written again after %d failed flushes (%d rows dropped in all)", self.path,
-                        self.failed_flushes, self.dropped_rows)
+            log.warning(
+                "feature log %s: written again after %d failed flushes (%d rows dropped in all)",
+                self.path,
+                self.failed_flushes,
+                self.dropped_rows,
+            )
             self.failed_flushes = 0
         self.logged_rows += table.num_rows
         self._count("logged", table.num_rows)
@@ -162,13 +184,22 @@ class FeatureLogger:
         self.failed_flushes += 1
         self._count("failed flush", 1)
         if self.failed_flushes == 1:
-            log.warning("feature log %s: flush failed (%s); rows wait in memory (at most %d) and are retried every %.0f s",
-                        self.path, reason, self.max_rows, self.interval)
+            log.warning(
+                "feature log %s: flush failed (%s); rows wait in memory (at most %d) and are retried every %.0f s",
+                self.path,
+                reason,
+                self.max_rows,
+                self.interval,
+            )
         new_drops = self.dropped_rows - self._reported_drops
         if new_drops:
             self._reported_drops = self.dropped_rows
-            log.warning("feature log %s: dropped %d logged rows, the oldest (the buffer holds at most %d while flushes fail)",
-                        self.path, new_drops, self.max_rows)
+            log.warning(
+                "feature log %s: dropped %d logged rows, the oldest (the buffer holds at most %d while flushes fail)",
+                self.path,
+                new_drops,
+                self.max_rows,
+            )
 
     def _trim(self) -> None:
         """Drop the oldest entries past the bound (the lock is held)."""

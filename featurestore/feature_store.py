@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from featurestore.training.model_registry import ModelRegistry
 
 
-
 class FeatureStore:
     """A feature repo: its definitions, applied registry, offline and online stores."""
 
@@ -81,19 +80,27 @@ class FeatureStore:
     def require_applied(self, names: Iterable[str] | None = None) -> None:
         """Raise unless the named definitions (default: all) are as applied."""
         unapplied = self.unapplied
-        found = [unapplied[n] for n in dict.fromkeys(unapplied if names is None else names) if n in unapplied]  # each once
+        found = [
+            unapplied[n] for n in dict.fromkeys(unapplied if names is None else names) if n in unapplied
+        ]  # each once
         if found:
             raise FeatureStoreError(
                 f"the code's definitions differ from the applied registry: {'; '.join(found)}. "
                 "Review with `featurestore plan`, then record them with `featurestore apply`"
             )
 
-    def _used_by(self, views: Iterable[str] = (), features: Sequence[str] | None = None,
-                 feature_service: "str | FeatureService | None" = None) -> list[str]:
+    def _used_by(
+        self,
+        views: Iterable[str] = (),
+        features: Sequence[str] | None = None,
+        feature_service: "str | FeatureService | None" = None,
+    ) -> list[str]:
         """Every definition a request depends on: its service, views, their entities and sources."""
         names = list(views)
         if feature_service is not None:
-            service = self.definitions.service(feature_service if isinstance(feature_service, str) else feature_service.name)
+            service = self.definitions.service(
+                feature_service if isinstance(feature_service, str) else feature_service.name
+            )
             names.append(service.name)
             features = service.feature_refs()
         names += [ref.split(":")[0] for ref in features or [] if isinstance(ref, str)]
@@ -160,7 +167,9 @@ class FeatureStore:
         def announce(name: str, version: int, stage: str) -> None:
             self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
-        return ModelRegistry(self.config.data_dir / "models", self.config.registry_path / "models.json", announce, self.artifacts())
+        return ModelRegistry(
+            self.config.data_dir / "models", self.config.registry_path / "models.json", announce, self.artifacts()
+        )
 
     def artifacts(self) -> "ArtifactStore":
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
@@ -192,7 +201,9 @@ class FeatureStore:
         if self._buffer is None:
             from featurestore.offline.buffer import PushBuffer
 
-            self._buffer = PushBuffer(self.config.data_dir / "buffer", self.config.buffer_max_rows, self.config.buffer_max_seconds)
+            self._buffer = PushBuffer(
+                self.config.data_dir / "buffer", self.config.buffer_max_rows, self.config.buffer_max_seconds
+            )
         return self._buffer
 
     def materializer(self, progress: bool = False) -> "Materializer":
@@ -202,9 +213,19 @@ class FeatureStore:
         if self.config.offline_engine == "ray":  # materialize and backfill fan out to the cluster; pushes stay local
             from featurestore.materialization.ray_engine import RayMaterializer
 
-            return RayMaterializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress,
-                                   address=self.config.ray_address, partitions=self.config.ray_partitions)
-        return Materializer(self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress)
+            return RayMaterializer(
+                self.definitions,
+                self.registry,
+                self.offline_store,
+                self.online_store,
+                self.config,
+                progress,
+                address=self.config.ray_address,
+                partitions=self.config.ray_partitions,
+            )
+        return Materializer(
+            self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress
+        )
 
     def flush(self) -> int:
         """Commit every buffered push to the history store now; returns the rows committed."""
@@ -222,8 +243,12 @@ class FeatureStore:
             before = self.offline_store.file_count(table)
             metrics = self.offline_store.compact(table)
             removed = self.offline_store.vacuum(table, vacuum_hours) if vacuum_hours is not None else 0
-            report[name] = {"files_before": before, "files_after": self.offline_store.file_count(table),
-                            "files_removed": metrics.get("numFilesRemoved", 0), "files_vacuumed": removed}
+            report[name] = {
+                "files_before": before,
+                "files_after": self.offline_store.file_count(table),
+                "files_removed": metrics.get("numFilesRemoved", 0),
+                "files_vacuumed": removed,
+            }
         return report
 
     def _commit_buffered(self) -> None:
@@ -236,8 +261,9 @@ class FeatureStore:
             try:
                 self._commit_buffered()
             except OnlineStoreUnavailable as exc:  # durable in the buffer: the next flush commits them
-                logging.getLogger(__name__).warning("buffered pushes stay in %s until the online store is back (%s)",
-                                                    self._buffer.root, exc)
+                logging.getLogger(__name__).warning(
+                    "buffered pushes stay in %s until the online store is back (%s)", self._buffer.root, exc
+                )
             self._buffer.close()
         if self._online is not None:
             self._online.close()
@@ -252,9 +278,16 @@ class FeatureStore:
     # ------------------------------------------------------------ materialization
 
     def materialize(
-        self, start: datetime | str | None, end: datetime | str | None, views: Sequence[str] | None = None,
-        *, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
-        progress: bool = False, rebuild_online: bool = False,
+        self,
+        start: datetime | str | None,
+        end: datetime | str | None,
+        views: Sequence[str] | None = None,
+        *,
+        online: bool = True,
+        offline: bool = True,
+        on_bad_rows: Literal["reject", "fail"] = "reject",
+        progress: bool = False,
+        rebuild_online: bool = False,
     ) -> "MaterializationReport":
         """Compute the views' rows with event time in [start, end) once and write both stores.
 
@@ -265,38 +298,55 @@ class FeatureStore:
         self.require_applied(self._used_by(selected))
         start, end = (parse_time(t) if t is not None else None for t in (start, end))
         if start is not None and end is not None and start >= end:
-            raise FeatureStoreError(f"the window is empty: start {start.isoformat()} is not before end {end.isoformat()}")
+            raise FeatureStoreError(
+                f"the window is empty: start {start.isoformat()} is not before end {end.isoformat()}"
+            )
         self._commit_buffered()  # the push log and histories must hold every pushed row first
         if rebuild_online:  # "Redis may lack history rows": the next online write sends them all
             for name in selected:
                 self.registry.set_watermark(name, online_synced=False)
-        return self.materializer(progress).run(views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+        return self.materializer(progress).run(
+            views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
+        )
 
     def backfill(self, views: Sequence[str], progress: bool = False) -> "MaterializationReport":
         """Recompute the views' whole history from their sources into their current version and
         re-send it online: what a new version or an added column needs (``plan`` says when)."""
         return self.materialize(None, None, views, progress=progress, rebuild_online=True)
 
-    def materialize_offline(self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
+    def materialize_offline(
+        self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None, **kw: Any
+    ) -> "MaterializationReport":
         return self.materialize(start, end, views, online=False, **kw)
 
-    def materialize_incremental(self, end: datetime | None = None, views: Sequence[str] | None = None, **kw: Any) -> "MaterializationReport":
+    def materialize_incremental(
+        self, end: datetime | None = None, views: Sequence[str] | None = None, **kw: Any
+    ) -> "MaterializationReport":
         """Write every row not yet materialized (late arrivals included) up to ``end``.
 
         No start: the whole source is computed and only rows the history lacks (by identity)
         are new, so rows arriving late, whatever their event time, are never skipped."""
         return self.materialize(None, end, views, **kw)
 
-    def push(self, push_source_name: str, df: "pd.DataFrame | pa.Table | dict",
-             to: Literal["online", "offline", "online_and_offline"] = "online_and_offline", idempotency_key: str | None = None,
-             arrival: "tuple[pa.Array, pa.Array] | None" = None) -> int:
+    def push(
+        self,
+        push_source_name: str,
+        df: "pd.DataFrame | pa.Table | dict",
+        to: Literal["online", "offline", "online_and_offline"] = "online_and_offline",
+        idempotency_key: str | None = None,
+        arrival: "tuple[pa.Array, pa.Array] | None" = None,
+    ) -> int:
         """Validate rows against the push source and write them; returns the row count.
 
         Retrying a push? Pass the same ``idempotency_key`` each time: the rows are then kept once.
         (``arrival``: each row's ingest time and push id, for stream consumers: see ``push.push``.)"""
         from featurestore.materialization.push import push
 
-        readers = [v.name for v in self.definitions.feature_views.values() if getattr(v.source, "name", None) == push_source_name]
+        readers = [
+            v.name
+            for v in self.definitions.feature_views.values()
+            if getattr(v.source, "name", None) == push_source_name
+        ]
         self.require_applied([push_source_name, *self._used_by(readers)])
         return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key, arrival)
 
@@ -328,13 +378,19 @@ class FeatureStore:
     # ------------------------------------------------------------ retrieval
 
     def get_historical_features(
-        self, entity_df: Any, features: Sequence[str] | None = None, feature_service: str | FeatureService | None = None,
-        full_feature_names: bool = False, as_of: Literal["event", "created"] = "event",
+        self,
+        entity_df: Any,
+        features: Sequence[str] | None = None,
+        feature_service: str | FeatureService | None = None,
+        full_feature_names: bool = False,
+        as_of: Literal["event", "created"] = "event",
     ) -> "RetrievalJob":
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
         self._commit_buffered()
-        return self.join_engine()(self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of)
+        return self.join_engine()(
+            self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of
+        )
 
     def join_engine(self) -> "JoinBuilder":
         """What builds point-in-time joins: the local DuckDB engine, or the Ray one (``offline_store.engine``)."""
@@ -343,14 +399,20 @@ class FeatureStore:
 
             from featurestore.retrieval.ray_join import RayJoinJob
 
-            return functools.partial(RayJoinJob.build, address=self.config.ray_address, partitions=self.config.ray_partitions)
+            return functools.partial(
+                RayJoinJob.build, address=self.config.ray_address, partitions=self.config.ray_partitions
+            )
         from featurestore.retrieval.historical import RetrievalJob
 
         return RetrievalJob.build
 
     def get_online_features(
-        self, entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]], features: Sequence[str] | None = None,
-        feature_service: str | FeatureService | None = None, full_feature_names: bool = False, at: datetime | None = None,
+        self,
+        entity_rows: Sequence[dict[str, Any]] | dict[str, Sequence[Any]],
+        features: Sequence[str] | None = None,
+        feature_service: str | FeatureService | None = None,
+        full_feature_names: bool = False,
+        at: datetime | None = None,
         include_feature_view_version_metadata: bool = False,
     ) -> "OnlineResponse":
         """Latest values per entity from the online store, with per-value statuses.
@@ -365,8 +427,16 @@ class FeatureStore:
             features, feature_service = None, features
         if self.unapplied:  # (the hot path skips working out what the request uses when nothing is unapplied)
             self.require_applied(self._used_by(features=features, feature_service=feature_service))
-        query = OnlineQuery.prepare(self.definitions, self.config.project, entity_rows, features, feature_service,
-                                    full_feature_names, self.config.max_request_entities, now=at)
+        query = OnlineQuery.prepare(
+            self.definitions,
+            self.config.project,
+            entity_rows,
+            features,
+            feature_service,
+            full_feature_names,
+            self.config.max_request_entities,
+            now=at,
+        )
         response = read_online(self.online_store, query)
         if include_feature_view_version_metadata:  # (Feast's flag)
             response.feature_view_metadata = query.view_versions()
@@ -379,15 +449,24 @@ class FeatureStore:
                 logging.getLogger(__name__).debug("storing tile summaries failed: %s", exc)
         return response
 
-    def export_training_dataset(self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False) -> dict:
+    def export_training_dataset(
+        self, entity_df: Any, feature_service: str, path: str | Path, progress: bool = False
+    ) -> dict:
         """Write a versioned training dataset (Parquet + manifest.json) and return the manifest."""
         from featurestore.retrieval.export import export_training_dataset
 
         self.require_applied(self._used_by(feature_service=feature_service))
         self._commit_buffered()
-        return export_training_dataset(self.definitions, self.offline_store, entity_df, feature_service, Path(path),
-                                       registry_version=self.registry.current()["version"], progress=progress,
-                                       join=self.join_engine())
+        return export_training_dataset(
+            self.definitions,
+            self.offline_store,
+            entity_df,
+            feature_service,
+            Path(path),
+            registry_version=self.registry.current()["version"],
+            progress=progress,
+            join=self.join_engine(),
+        )
 
     def reproduce_training_dataset(self, manifest: str | Path, path: str | Path, progress: bool = False) -> dict:
         """Re-run an export from its ``manifest.json`` into ``path``, under the definitions and table
@@ -395,11 +474,24 @@ class FeatureStore:
         from featurestore.retrieval.export import reproduce
 
         self._commit_buffered()
-        return reproduce(self.definitions, self.registry, self.offline_store, Path(manifest), Path(path), progress=progress,
-                         join=self.join_engine())
+        return reproduce(
+            self.definitions,
+            self.registry,
+            self.offline_store,
+            Path(manifest),
+            Path(path),
+            progress=progress,
+            join=self.join_engine(),
+        )
 
 
 def _feast_order(first: Any, second: Any) -> bool:
     """``get_online_features(["v:f"], [{"k": 1}])``: features first, as Feast's signature has them."""
-    return (isinstance(first, (list, tuple)) and bool(first) and all(isinstance(f, str) for f in first)
-            and (isinstance(second, dict) or (isinstance(second, (list, tuple)) and all(isinstance(r, dict) for r in second))))
+    return (
+        isinstance(first, (list, tuple))
+        and bool(first)
+        and all(isinstance(f, str) for f in first)
+        and (
+            isinstance(second, dict) or (isinstance(second, (list, tuple)) and all(isinstance(r, dict) for r in second))
+        )
+    )

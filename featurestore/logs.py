@@ -16,8 +16,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "level": record.levelname.lower(), "logger": record.name, "message": record.getMessage(),
+            "time": datetime.fromtimestamp(record.created, timezone.utc)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
         }
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
             client, method, path, _, status = record.args
@@ -33,8 +37,12 @@ def uvicorn_log_config(log_format: str) -> dict[str, Any] | None:
         return None
     handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
     return {
-        "version": 1, "disable_existing_loggers": False,
+        "version": 1,
+        "disable_existing_loggers": False,
         "formatters": {"json": {"()": "featurestore.logs.JsonFormatter"}},
         "handlers": {"default": handler},
-        "loggers": {name: {"handlers": ["default"], "propagate": False} for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "featurestore")},
+        "loggers": {
+            name: {"handlers": ["default"], "propagate": False}
+            for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "featurestore")
+        },
     }

@@ -9,7 +9,15 @@ from typing import Iterator
 import duckdb
 from rich.console import Console
 from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 from rich.text import Text
 
@@ -28,8 +36,17 @@ class RateColumn(ProgressColumn):
 def progress_bar(unit: str, enabled: bool = True, percent: bool = False) -> Progress:
     """A bar with counts and a rate in ``unit``/s (or a percentage), elapsed time and ETA."""
     counts = [TextColumn("{task.percentage:>3.0f}%")] if percent else [MofNCompleteColumn(), RateColumn(unit)]
-    return Progress(TextColumn("{task.description}"), BarColumn(), *counts, TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=Console(stderr=True), disable=not enabled, transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *counts,
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=True,
+    )
 
 
 @contextlib.contextmanager

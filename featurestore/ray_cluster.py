@@ -64,7 +64,7 @@ def _group(table: pa.Table, which: np.ndarray, parts: int) -> list[pa.Table]:
     which = which.astype(np.uint16 if parts <= 1 << 16 else np.uint32)
     order = np.argsort(which, kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(which, minlength=parts))])
-    return [table.take(order[bounds[p]:bounds[p + 1]]) for p in range(parts)]
+    return [table.take(order[bounds[p] : bounds[p + 1]]) for p in range(parts)]
 
 
 FILTERED_SCANS_UP_TO = 4  # partitions; past it, one scan and a gather
@@ -81,8 +81,10 @@ def read_split(uris: list[str], key_types: dict[str, str], parts: int) -> list[p
     scan = f"read_parquet({files}, union_by_name = true)"
     con = connection()
     if parts <= FILTERED_SCANS_UP_TO:
-        return [con.sql(f"SELECT * FROM {scan} WHERE {_part_sql(key_types, parts)} = {p}").to_arrow_table()
-                for p in range(parts)]
+        return [
+            con.sql(f"SELECT * FROM {scan} WHERE {_part_sql(key_types, parts)} = {p}").to_arrow_table()
+            for p in range(parts)
+        ]
     table = con.sql(f"SELECT *, {_part_sql(key_types, parts)} AS __part FROM {scan}").to_arrow_table()
     which = table["__part"].to_numpy()
     return _group(table.drop_columns(["__part"]), which, parts)
@@ -102,4 +104,4 @@ def gather(ray: Any, refs: list[Any], description: str, progress: bool) -> list[
 
 
 def local_path(uri: str) -> str:
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+    return uri[len("file://") :] if uri.startswith("file://") else uri

@@ -22,7 +22,7 @@ modules: [features.py]
 # online_store: {{url: redis://localhost:6379}}   # default: embedded; REDIS_URL overrides
 """
 
-FEATURES = '''\
+FEATURES = """\
 from datetime import timedelta
 
 from featurestore import Entity, FeatureService, FeatureView, Field, FileSource
@@ -41,7 +41,7 @@ driver_stats = FeatureView(
 )
 
 driver_activity = FeatureService(name="driver_activity", features=[driver_stats])
-'''
+"""
 
 README = """\
 # {project}
@@ -106,9 +106,11 @@ def scaffold(path: Path, project: str) -> None:
         }
     )
     pq.write_table(table, path / "sources" / "driver_stats.parquet")
-    labels = pa.table({  # what happened half an hour after each row: something to learn
-        "driver_id": [r[0] for r in rows],
-        "event_timestamp": pa.array([r[1] + timedelta(minutes=30) for r in rows], pa.timestamp("us", tz="UTC")),
-        "label": [int(r[3] % 3 == 0) for r in rows],
-    })
+    labels = pa.table(
+        {  # what happened half an hour after each row: something to learn
+            "driver_id": [r[0] for r in rows],
+            "event_timestamp": pa.array([r[1] + timedelta(minutes=30) for r in rows], pa.timestamp("us", tz="UTC")),
+            "label": [int(r[3] % 3 == 0) for r in rows],
+        }
+    )
     pq.write_table(labels, path / "sources" / "labels.parquet")

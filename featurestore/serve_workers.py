@@ -54,8 +54,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise FeatureStoreError(f"cannot listen on {host}:{port}: {exc.strerror}; stop what holds the port "
-                                    "or choose another --port") from None
+            raise FeatureStoreError(
+                f"cannot listen on {host}:{port}: {exc.strerror}; stop what holds the port or choose another --port"
+            ) from None
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:

@@ -113,14 +113,18 @@ def run_python_transformation(fn: Any, table: pa.Table) -> pa.Table:
     try:
         return pa.Table.from_pandas(out, preserve_index=False)
     except Exception as exc:  # pragma: no cover - message path
-        raise TypeError(f"transformation returned {type(out).__name__}; return a pyarrow Table or pandas DataFrame") from exc
+        raise TypeError(
+            f"transformation returned {type(out).__name__}; return a pyarrow Table or pandas DataFrame"
+        ) from exc
 
 
 def relation_schema(con: duckdb.DuckDBPyConnection, name: str) -> pa.Schema:
     return con.sql(f"SELECT * FROM {ident(name)} LIMIT 0").to_arrow_table().schema
 
 
-def view_output_schema(view: FeatureView, repo_path: Path, data_dir: Path, con: duckdb.DuckDBPyConnection | None = None) -> pa.Schema:
+def view_output_schema(
+    view: FeatureView, repo_path: Path, data_dir: Path, con: duckdb.DuckDBPyConnection | None = None
+) -> pa.Schema:
     """Columns the view's transformation produces (the source's, when there is none). Pass ``con``
     to check many views on one connection (opening one costs tens of milliseconds)."""
     if con is None:

@@ -62,10 +62,10 @@ def _text(value: Any) -> str | bytes:
 
 @dataclass
 class StreamStats:
-    consumed: int = 0          # entries pushed and acknowledged
-    dead: int = 0              # entries sent to the dead-letter stream
-    pending: int = 0           # delivered to this group, not yet acknowledged
-    lag_ms: float = 0.0        # newest entry's time minus the newest consumed entry's time
+    consumed: int = 0  # entries pushed and acknowledged
+    dead: int = 0  # entries sent to the dead-letter stream
+    pending: int = 0  # delivered to this group, not yet acknowledged
+    lag_ms: float = 0.0  # newest entry's time minus the newest consumed entry's time
     started: float = 0.0
 
     @property
@@ -78,18 +78,29 @@ class StreamConsumer:
     """One member of the consumer group of a stream source."""
 
     def __init__(
-        self, store: "FeatureStore", source_name: str, *, consumer: str | None = None, batch: int = 1000,
-        block_ms: int = 1000, to: str = "online_and_offline", claim_idle_ms: int = 30_000,
+        self,
+        store: "FeatureStore",
+        source_name: str,
+        *,
+        consumer: str | None = None,
+        batch: int = 1000,
+        block_ms: int = 1000,
+        to: str = "online_and_offline",
+        claim_idle_ms: int = 30_000,
     ):
         source = store.definitions.push_source(source_name)
         if not isinstance(source, StreamSource):
-            raise NotFoundError(f"{source_name!r} is a push source, not a StreamSource; declare it with StreamSource(...) to consume a stream")
+            raise NotFoundError(
+                f"{source_name!r} is a push source, not a StreamSource; declare it with StreamSource(...) to consume a stream"
+            )
         self.store, self.source, self.batch, self.block_ms, self.to = store, source, batch, block_ms, to
         self.stream = stream_key(store.config.project, source)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.client: redis.Redis = store.online_store.client
         self.stats = StreamStats(started=time.monotonic())
-        self.claim_idle_ms = claim_idle_ms  # how long another consumer's entry waits unacknowledged before this one takes it
+        self.claim_idle_ms = (
+            claim_idle_ms  # how long another consumer's entry waits unacknowledged before this one takes it
+        )
         self._claimed_at = 0.0
         try:
             self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
@@ -99,8 +110,13 @@ class StreamConsumer:
         except redis.ConnectionError as exc:
             raise OnlineStoreUnavailable(f"Redis is unreachable: {exc}") from exc
 
-    def run(self, *, until_idle: bool = False, stop: Callable[[], bool] = lambda: False,
-            on_progress: Callable[[StreamStats], None] | None = None) -> StreamStats:
+    def run(
+        self,
+        *,
+        until_idle: bool = False,
+        stop: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[StreamStats], None] | None = None,
+    ) -> StreamStats:
         """Consume until ``stop()`` (or, with ``until_idle``, until a read finds nothing new)."""
         backlog = True  # first our own pending entries (delivered before a crash), then new ones
         retry = 0.1
@@ -109,8 +125,13 @@ class StreamConsumer:
                 if time.monotonic() - self._claimed_at >= self.claim_idle_ms / 2000:
                     self._claim_idle()
                 start = "0" if backlog else ">"
-                reply = self.client.xreadgroup(GROUP, self.consumer, {self.stream: start}, count=self.batch,
-                                               block=None if backlog else self.block_ms)
+                reply = self.client.xreadgroup(
+                    GROUP,
+                    self.consumer,
+                    {self.stream: start},
+                    count=self.batch,
+                    block=None if backlog else self.block_ms,
+                )
                 entries = reply[0][1] if reply else []
                 if backlog and not entries:
                     backlog = False
@@ -152,16 +173,26 @@ class StreamConsumer:
         self._claimed_at = time.monotonic()
         cursor = "0-0"
         while True:
-            reply = self.client.xautoclaim(self.stream, GROUP, self.consumer, self.claim_idle_ms, start_id=cursor, count=self.batch)
+            reply = self.client.xautoclaim(
+                self.stream, GROUP, self.consumer, self.claim_idle_ms, start_id=cursor, count=self.batch
+            )
             cursor, entries = reply[0], [e for e in reply[1] if e[1] is not None]  # (trimmed entries come back empty)
             if entries:
-                log.info("stream %s: %d entries idle for %d ms claimed by %s", self.stream, len(entries), self.claim_idle_ms, self.consumer)
+                log.info(
+                    "stream %s: %d entries idle for %d ms claimed by %s",
+                    self.stream,
+                    len(entries),
+                    self.claim_idle_ms,
+                    self.consumer,
+                )
                 self._handle(entries)
             if cursor in (b"0-0", "0-0"):
                 return
 
     def _push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
-        self.store.push(self.source.name, entries_to_table(entries, self.source), to=self.to, arrival=arrival(self.stream, entries))
+        self.store.push(
+            self.source.name, entries_to_table(entries, self.source), to=self.to, arrival=arrival(self.stream, entries)
+        )
 
     def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
         entry_id, fields = entry
@@ -184,7 +215,9 @@ def arrival(stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tup
     stream and the id): the same on every delivery."""
     ids = [entry_id.decode() if isinstance(entry_id, bytes) else entry_id for entry_id, _ in entries]
     times = pa.array([_ms(i) * 1000 for i in ids], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
-    pushes = [int.from_bytes(hashlib.blake2b(f"{stream}\0{i}".encode(), digest_size=8).digest(), "big") >> 1 for i in ids]
+    pushes = [
+        int.from_bytes(hashlib.blake2b(f"{stream}\0{i}".encode(), digest_size=8).digest(), "big") >> 1 for i in ids
+    ]
     return times, pa.array(pushes, pa.int64())
 
 

@@ -34,9 +34,7 @@ Bool = DType("Bool", pa.bool_())
 Bytes = DType("Bytes", pa.binary())
 UnixTimestamp = DType("UnixTimestamp", pa.timestamp("us", tz="UTC"))
 
-SCALARS: dict[str, DType] = {
-    t.name: t for t in (Int32, Int64, Float32, Float64, String, Bool, Bytes, UnixTimestamp)
-}
+SCALARS: dict[str, DType] = {t.name: t for t in (Int32, Int64, Float32, Float64, String, Bool, Bytes, UnixTimestamp)}
 
 
 def Array(of: DType) -> DType:  # noqa: N802 - reads like a type constructor, as in Feast
@@ -101,9 +99,7 @@ def castable(source: pa.DataType, target: DType) -> bool:
     src, dst = _kind(source), _kind(target.arrow)
     if src == dst:
         # a float column cannot silently become an integer feature
-        return not (
-            src == "number" and pa.types.is_integer(target.arrow) and pa.types.is_floating(source)
-        )
+        return not (src == "number" and pa.types.is_integer(target.arrow) and pa.types.is_floating(source))
     return False
 
 

@@ -34,15 +34,20 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
         yield
         stop.set()
 
-    app = FastAPI(title="featurestore checkpoint engine", version="0.1.0", lifespan=lifespan,
-                  description="Model versions for inference replicas: aliases, hashes, files; long-poll for changes.")
+    app = FastAPI(
+        title="featurestore checkpoint engine",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Model versions for inference replicas: aliases, hashes, files; long-poll for changes.",
+    )
     metrics = Metrics("featurestore_checkpoint_engine")
     install_error_handlers(app, metrics)
     name_path = Path(..., pattern=NAME_PATTERN, description="A registered model's name.")
 
     @app.get("/models/{name}", summary="Aliases and versions of a model; with `wait`, once they change")
-    async def model_state(name: str = name_path, wait: str | None = Query(None, max_length=64),
-                          timeout: float = Query(25.0, ge=0, le=60)) -> dict[str, Any]:
+    async def model_state(
+        name: str = name_path, wait: str | None = Query(None, max_length=64), timeout: float = Query(25.0, ge=0, le=60)
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         current = state(registry, name)
         while wait is not None and current["revision"] == wait and time.monotonic() < deadline:
@@ -52,9 +57,15 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
 
     served = {"files": 0}
 
-    @app.get("/models/{name}/{version}/{file}", summary="One file of a registered version", responses=NOT_FOUND,
-             response_class=FileResponse)
-    async def model_file(name: str = name_path, version: int = Path(..., ge=1), file: str = Path(..., pattern="^[a-z.]+$")) -> Response:
+    @app.get(
+        "/models/{name}/{version}/{file}",
+        summary="One file of a registered version",
+        responses=NOT_FOUND,
+        response_class=FileResponse,
+    )
+    async def model_file(
+        name: str = name_path, version: int = Path(..., ge=1), file: str = Path(..., pattern="^[a-z.]+$")
+    ) -> Response:
         if file not in MODEL_FILES or version not in registry.versions(name):
             return Response(status_code=404)
         served["files"] += 1
@@ -79,5 +90,9 @@ def app_factory() -> FastAPI:
     store = FeatureStore(os.environ.get(REPO_ENV, "."))
     registry = store.model_registry()
     source = os.environ.get("FEATURESTORE_SOURCE") or None
-    replica = Replica(registry, os.environ["FEATURESTORE_MODEL"], source, os.environ.get("FEATURESTORE_UPSTREAM") or None) if source else None
+    replica = (
+        Replica(registry, os.environ["FEATURESTORE_MODEL"], source, os.environ.get("FEATURESTORE_UPSTREAM") or None)
+        if source
+        else None
+    )
     return create_app(registry, replica, store.config)

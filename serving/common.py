@@ -24,7 +24,12 @@ from featurestore import FeatureStore
 from featurestore.auth import ApiKey, Authenticator
 from featurestore.config import REPO_ENV
 from featurestore.errors import (
-    ConflictError, FeatureStoreError, ForbiddenError, NotFoundError, OnlineStoreUnavailable, RequestError,
+    ConflictError,
+    FeatureStoreError,
+    ForbiddenError,
+    NotFoundError,
+    OnlineStoreUnavailable,
+    RequestError,
 )
 
 log = logging.getLogger("featurestore.server")
@@ -106,14 +111,29 @@ class Metrics:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.registry = CollectorRegistry()
-        self.requests = Counter(f"{prefix}_requests_total", "Requests by endpoint and status.", ["endpoint", "status"], registry=self.registry)
+        self.requests = Counter(
+            f"{prefix}_requests_total",
+            "Requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            f"{prefix}_request_seconds", "Request latency by endpoint.", ["endpoint"], registry=self.registry,
+            f"{prefix}_request_seconds",
+            "Request latency by endpoint.",
+            ["endpoint"],
+            registry=self.registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0),
         )
-        self.redis_errors = Counter(f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry)
-        self.feature_log = Counter(f"{prefix}_feature_log_total", "Feature log: rows logged or dropped (past the buffer's bound "
-                                   "while flushes fail), and failed flushes, per log.", ["log", "outcome"], registry=self.registry)
+        self.redis_errors = Counter(
+            f"{prefix}_redis_errors_total", "Online store (Redis) errors.", registry=self.registry
+        )
+        self.feature_log = Counter(
+            f"{prefix}_feature_log_total",
+            "Feature log: rows logged or dropped (past the buffer's bound "
+            "while flushes fail), and failed flushes, per log.",
+            ["log", "outcome"],
+            registry=self.registry,
+        )
         self._children: dict[tuple[str, int], tuple] = {}
         self._pending: dict[tuple[str, int], list[float]] = {}  # request durations not yet in Prometheus
         self._flush_scheduled = False
@@ -145,7 +165,10 @@ class Metrics:
             endpoint, status = key
             children = self._children.get(key)
             if children is None:  # label lookups take a lock; do them once per (endpoint, status)
-                children = self._children[key] = (self.requests.labels(endpoint, str(status)), self.latency.labels(endpoint))
+                children = self._children[key] = (
+                    self.requests.labels(endpoint, str(status)),
+                    self.latency.labels(endpoint),
+                )
             children[0].inc(len(durations))
             _observe_all(children[1], durations)
 
@@ -159,8 +182,11 @@ class Metrics:
         body = generate_latest(registry)
         if newest_events:
             now = time.time()
-            freshness = GaugeMetricFamily(f"{self.prefix}_view_freshness_seconds",
-                                          "Age of the newest event written online, per view.", labels=["view"])
+            freshness = GaugeMetricFamily(
+                f"{self.prefix}_view_freshness_seconds",
+                "Age of the newest event written online, per view.",
+                labels=["view"],
+            )
             for view, us in sorted(newest_events.items()):
                 freshness.add_metric([view], max(0.0, now - us / 1e6))
             extra = CollectorRegistry()
@@ -201,8 +227,11 @@ JsonHandler = Callable[[bytes, dict], Awaitable[tuple[int, bytes]]]  # (body, AS
 
 
 # Feast's clients turn a body naming one of its error classes into that exception (feast.errors)
-_FEAST_ERRORS = ((ForbiddenError, "FeastPermissionError"), (NotFoundError, "FeastObjectNotFoundException"),
-                 (FeatureStoreError, "FeastError"))
+_FEAST_ERRORS = (
+    (ForbiddenError, "FeastPermissionError"),
+    (NotFoundError, "FeastObjectNotFoundException"),
+    (FeatureStoreError, "FeastError"),
+)
 
 
 def error_body(exc: FeatureStoreError, feast: bool = False) -> bytes:
@@ -214,7 +243,9 @@ def error_body(exc: FeatureStoreError, feast: bool = False) -> bytes:
     return dumps(orjson.dumps({"module": "feast.errors", "class": name, "message": str(exc)}).decode())
 
 
-def json_handler(metrics: Metrics, endpoint: str, handle: Callable[[bytes, dict], Awaitable[Any]], feast_errors: bool = False) -> JsonHandler:
+def json_handler(
+    metrics: Metrics, endpoint: str, handle: Callable[[bytes, dict], Awaitable[Any]], feast_errors: bool = False
+) -> JsonHandler:
     """Wrap ``handle(body, scope) -> JSON-able (or JSON bytes)`` as ``(body, scope) -> (status, JSON bytes)``: errors
     become 403/404/409/422/503 with a message, Redis errors go to the metrics (latency: ``FastLane``)."""
 
@@ -286,8 +317,13 @@ def repo_from_env() -> Path:
     return Path(os.environ.get(REPO_ENV, ".")).resolve()
 
 
-ROUTE_SCOPES = {"/push": "push", "/write-to-online-store": "push", "/materialize": "materialize",
-                "/materialize-incremental": "materialize", "/jobs": "materialize"}  # every other route needs "read"
+ROUTE_SCOPES = {
+    "/push": "push",
+    "/write-to-online-store": "push",
+    "/materialize": "materialize",
+    "/materialize-incremental": "materialize",
+    "/jobs": "materialize",
+}  # every other route needs "read"
 
 
 def route_scope(path: str) -> str:
@@ -327,8 +363,14 @@ class FastLane:
     past it, whether declared or chunked), and by ``BODY_CHUNK_SECONDS`` between chunks (408).
     """
 
-    def __init__(self, app: FastAPI, handlers: dict[str, Callable], max_body_bytes: int = 16 * 1024 * 1024,
-                 auth: Authenticator | None = None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        handlers: dict[str, Callable],
+        max_body_bytes: int = 16 * 1024 * 1024,
+        auth: Authenticator | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.app = app
         self.handlers = handlers
         self.max_body_bytes = max_body_bytes
@@ -361,10 +403,14 @@ class FastLane:
             if key is None:
                 if safe and "text/html" in (header(scope, b"accept") or ""):  # a browser: a form asking for the key
                     return await _reply(send, 401, LOGIN_PAGE, b"text/html; charset=utf-8")
-                return await _reply(send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}))
+                return await _reply(
+                    send, 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"})
+                )
             needed = route_scope(scope.get("path", ""))
             if not (key.allows(needed) or (needed == "push" and any(s.startswith("push:") for s in key.scopes))):
-                return await _reply(send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}))
+                return await _reply(
+                    send, 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"})
+                )
             scope.setdefault("state", {})["api_key"] = key
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -417,8 +463,12 @@ class FastLane:
         return dumps({"detail": f"the request body stalled for {BODY_CHUNK_SECONDS:g} s; send it at once"})
 
     def _too_large(self) -> bytes:
-        return dumps({"detail": f"request body over {self.max_body_bytes} bytes; split the request "
-                                f"(server.max_request_bytes sets the limit)"})
+        return dumps(
+            {
+                "detail": f"request body over {self.max_body_bytes} bytes; split the request "
+                f"(server.max_request_bytes sets the limit)"
+            }
+        )
 
 
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
@@ -441,7 +491,12 @@ def _replay(body: bytes):
 
 
 async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> int:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type), (b"content-length", b"%d" % len(payload))],
+        }
+    )
     await send({"type": "http.response.body", "body": payload})
     return status

@@ -30,7 +30,21 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.retrieval.online import OnlineQuery, read_online_async
 from featurestore.auth import Authenticator
 from serving.jobs import JobRunner
-from serving.common import seal_in_background, caller, dumps, FastLane, header, request_time, Metrics, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import (
+    seal_in_background,
+    caller,
+    dumps,
+    FastLane,
+    header,
+    request_time,
+    Metrics,
+    RegistryWatcher,
+    install_error_handlers,
+    json_handler,
+    json_response,
+    repo_from_env,
+    respond,
+)
 
 
 def _iso_time(value: Any) -> Any:
@@ -46,58 +60,104 @@ FeatureRef = Annotated[str, StringConstraints(pattern=r"^[^:]+:[^:]+$")]  # view
 
 # exactly one of the two names what to look up (an empty list or name counts as absent, as Feast's clients send them)
 _ONE_OF_FEATURES_OR_SERVICE = [
-    {"required": ["features"], "properties": {"features": {"type": "array", "minItems": 1},
-                                              "feature_service": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]}}},
-    {"required": ["feature_service"], "properties": {"feature_service": {"type": "string", "minLength": 1},
-                                                     "features": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}},
+    {
+        "required": ["features"],
+        "properties": {
+            "features": {"type": "array", "minItems": 1},
+            "feature_service": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]},
+        },
+    },
+    {
+        "required": ["feature_service"],
+        "properties": {
+            "feature_service": {"type": "string", "minLength": 1},
+            "features": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+        },
+    },
 ]
 
 
 class GetOnlineFeaturesRequest(BaseModel):
     """Feast's request body."""
 
-    features: Optional[list[FeatureRef]] = Field(None, description="'view:feature' references (or use feature_service).")
+    features: Optional[list[FeatureRef]] = Field(
+        None, description="'view:feature' references (or use feature_service)."
+    )
     feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
-    entities: dict[str, list[Any]] = Field(..., description="Join key -> list of values; request-time inputs also go here.")
+    entities: dict[str, list[Any]] = Field(
+        ..., description="Join key -> list of values; request-time inputs also go here."
+    )
     full_feature_names: StrictBool = Field(False, description="Name features 'view__feature'.")
-    include_feature_view_version_metadata: StrictBool = Field(False, description="Feast's flag: add metadata.feature_view_metadata, "
-                                                              "each view read with its history version.")
-    at: Optional[IsoTime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
+    include_feature_view_version_metadata: StrictBool = Field(
+        False, description="Feast's flag: add metadata.feature_view_metadata, each view read with its history version."
+    )
+    at: Optional[IsoTime] = Field(
+        None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays."
+    )
 
-    model_config = {"json_schema_extra": {"anyOf": _ONE_OF_FEATURES_OR_SERVICE, "examples": [
-        {"features": ["card_activity:txn_count_1h", "card_profile:credit_limit"], "entities": {"card_id": [1, 2]}}
-    ]}}
+    model_config = {
+        "json_schema_extra": {
+            "anyOf": _ONE_OF_FEATURES_OR_SERVICE,
+            "examples": [
+                {
+                    "features": ["card_activity:txn_count_1h", "card_profile:credit_limit"],
+                    "entities": {"card_id": [1, 2]},
+                }
+            ],
+        }
+    }
 
 
 class OnlineFeaturesResponse(BaseModel):
     metadata: dict[str, list[str]] = Field(..., examples=[{"feature_names": ["card_id", "txn_count_1h"]}])
-    results: list[dict[str, list[Any]]] = Field(..., examples=[[
-        {"values": [1], "statuses": ["PRESENT"], "event_timestamps": [None]},
-        {"values": [3], "statuses": ["PRESENT"], "event_timestamps": ["2024-05-01T10:00:00Z"]},
-    ]])
+    results: list[dict[str, list[Any]]] = Field(
+        ...,
+        examples=[
+            [
+                {"values": [1], "statuses": ["PRESENT"], "event_timestamps": [None]},
+                {"values": [3], "statuses": ["PRESENT"], "event_timestamps": ["2024-05-01T10:00:00Z"]},
+            ]
+        ],
+    )
 
 
 class PushRequest(BaseModel):
     push_source_name: str = Field(..., examples=["transactions"])
     df: dict[str, list[Any]] = Field(..., description="Column name -> values; timestamps as ISO 8601 strings.")
-    to: Literal["online", "offline", "online_and_offline"] = Field("online", description="Feast's default: online only.")
-    idempotency_key: Optional[str] = Field(None, description="Same key on every retry of one push: its rows are kept once "
-                                           "(the `Idempotency-Key` header works too). 409 if reused for other rows.")
+    to: Literal["online", "offline", "online_and_offline"] = Field(
+        "online", description="Feast's default: online only."
+    )
+    idempotency_key: Optional[str] = Field(
+        None,
+        description="Same key on every retry of one push: its rows are kept once "
+        "(the `Idempotency-Key` header works too). 409 if reused for other rows.",
+    )
 
 
 class WriteToOnlineStoreRequest(BaseModel):
     feature_view_name: str = Field(..., examples=["driver_stats"])
-    df: dict[str, list[Any]] = Field(..., description="The view's join keys, event timestamp and features: column -> values.")
-    allow_registry_cache: bool = Field(True, description="Accepted for Feast's clients; the served registry is always the applied one.")
-    transform_on_write: bool = Field(True, description="Accepted for Feast's clients; rows are taken as the view's rows.")
+    df: dict[str, list[Any]] = Field(
+        ..., description="The view's join keys, event timestamp and features: column -> values."
+    )
+    allow_registry_cache: bool = Field(
+        True, description="Accepted for Feast's clients; the served registry is always the applied one."
+    )
+    transform_on_write: bool = Field(
+        True, description="Accepted for Feast's clients; rows are taken as the view's rows."
+    )
 
 
 class MaterializeRequest(BaseModel):
     start_ts: Optional[IsoTime] = Field(None, description="Window start (inclusive); omit for all history.")
-    end_ts: Optional[IsoTime] = Field(None, description="Window end (exclusive); default now. A window that ends before it "
-                                      "starts holds nothing: the job writes nothing.")
+    end_ts: Optional[IsoTime] = Field(
+        None,
+        description="Window end (exclusive); default now. A window that ends before it "
+        "starts holds nothing: the job writes nothing.",
+    )
     feature_views: Optional[list[str]] = None
-    disable_event_timestamp: StrictBool = Field(False, description="Feast's flag: every row, whatever its event time (the window is ignored).")
+    disable_event_timestamp: StrictBool = Field(
+        False, description="Feast's flag: every row, whatever its event time (the window is ignored)."
+    )
     full_feature_names: StrictBool = Field(False, description="Accepted for Feast's clients; nothing to name here.")
 
 
@@ -112,9 +172,13 @@ JOB_RESPONSES = {
 }
 
 ERRORS = {
-    400: {"description": "The body is not JSON of the documented shape, or the work it asked for failed on this input."},
+    400: {
+        "description": "The body is not JSON of the documented shape, or the work it asked for failed on this input."
+    },
     404: {"description": "Unknown feature, view, service or push source."},
-    409: {"description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already running)."},
+    409: {
+        "description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already running)."
+    },
     422: {"description": "Malformed request: missing or mistyped keys, empty or oversized request."},
     503: {"description": "The online store (Redis) is unreachable; retry later."},
 }
@@ -131,8 +195,11 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     def logger_for(service: str) -> FeatureLogger:
         if service not in loggers:
             store = watcher.current
-            loggers[service] = FeatureLogger(log_path(store.config.data_dir, f"service:{service}"), vector_schema(store, service),
-                                             count=metrics.feature_log_counts(f"service:{service}"))
+            loggers[service] = FeatureLogger(
+                log_path(store.config.data_dir, f"service:{service}"),
+                vector_schema(store, service),
+                count=metrics.feature_log_counts(f"service:{service}"),
+            )
         return loggers[service]
 
     @contextlib.asynccontextmanager
@@ -160,8 +227,14 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         body = _parse_lookup(raw_body)
         store = watcher.current
         query = OnlineQuery.prepare(
-            store.definitions, store.config.project, body["entities"], body.get("features"), body.get("feature_service"),
-            bool(body.get("full_feature_names", False)), store.config.max_request_entities, now=request_time(body),
+            store.definitions,
+            store.config.project,
+            body["entities"],
+            body.get("features"),
+            body.get("feature_service"),
+            bool(body.get("full_feature_names", False)),
+            store.config.max_request_entities,
+            now=request_time(body),
         )
         response = await read_online_async(store.online_store, query)
         if body.get("include_feature_view_version_metadata"):
@@ -175,8 +248,15 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     lookup = json_handler(metrics, "get-online-features", lookup_body, feast_errors)
 
     @app.post(
-        "/get-online-features", response_model=OnlineFeaturesResponse, responses=ERRORS,
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": GetOnlineFeaturesRequest.model_json_schema()}}}},
+        "/get-online-features",
+        response_model=OnlineFeaturesResponse,
+        responses=ERRORS,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": GetOnlineFeaturesRequest.model_json_schema()}},
+            }
+        },
         summary="Latest feature values for entities, column-major (Feast's shape)",
     )
     async def get_online_features(request: Request) -> Response:
@@ -199,14 +279,24 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     push = json_handler(metrics, "push", push_body, feast_errors)
 
     @app.post(
-        "/push", responses=ERRORS, summary="Write rows of a push source to the online and/or offline store",
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": PushRequest.model_json_schema()}}}},
+        "/push",
+        responses=ERRORS,
+        summary="Write rows of a push source to the online and/or offline store",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": PushRequest.model_json_schema()}},
+            }
+        },
     )
     async def push_route(request: Request) -> Response:
         return await respond(push, request)
 
-    @app.post("/write-to-online-store", responses=ERRORS,
-              summary="Write a feature view's rows straight to the online store (Feast's route; history is not written)")
+    @app.post(
+        "/write-to-online-store",
+        responses=ERRORS,
+        summary="Write a feature view's rows straight to the online store (Feast's route; history is not written)",
+    )
     def write_to_online_store(body: WriteToOnlineStoreRequest, request: Request) -> dict[str, Any]:
         store = watcher.current
         view = store.definitions.view(body.feature_view_name)
@@ -229,12 +319,17 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             return json_response(jobs.describe(jobs.submit(kind, views or [], work)), 202)
         job = jobs.wait(kind, views or [], work)
         if job.status != "succeeded":
-            return json_response({"detail": f"job {job.id} failed: {job.error}", "job": jobs.describe(job)}, job.error_status or 500)
+            return json_response(
+                {"detail": f"job {job.id} failed: {job.error}", "job": jobs.describe(job)}, job.error_status or 500
+            )
         return json_response(jobs.describe(job))
 
-    @app.post("/materialize", responses={**JOB_RESPONSES, **ERRORS},
-              summary="Materialize views over an event-time window into both stores (a background job; waits for it "
-                      "unless `Prefer: respond-async`)")
+    @app.post(
+        "/materialize",
+        responses={**JOB_RESPONSES, **ERRORS},
+        summary="Materialize views over an event-time window into both stores (a background job; waits for it "
+        "unless `Prefer: respond-async`)",
+    )
     def materialize(body: MaterializeRequest, request: Request) -> Response:
         start, end = (None, None) if body.disable_event_timestamp else (body.start_ts, body.end_ts)
 
@@ -245,14 +340,25 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
 
         return run_job(request, "materialize", body.feature_views, work)
 
-    @app.post("/materialize-incremental", responses={**JOB_RESPONSES, **ERRORS},
-              summary="Materialize everything not yet written, late rows included (a background job; waits for it "
-                      "unless `Prefer: respond-async`)")
+    @app.post(
+        "/materialize-incremental",
+        responses={**JOB_RESPONSES, **ERRORS},
+        summary="Materialize everything not yet written, late rows included (a background job; waits for it "
+        "unless `Prefer: respond-async`)",
+    )
     def materialize_incremental(body: MaterializeIncrementalRequest, request: Request) -> Response:
-        return run_job(request, "materialize-incremental", body.feature_views,
-                       lambda store: store.materialize_incremental(body.end_ts, body.feature_views))
+        return run_job(
+            request,
+            "materialize-incremental",
+            body.feature_views,
+            lambda store: store.materialize_incremental(body.end_ts, body.feature_views),
+        )
 
-    @app.get("/jobs/{job_id}", responses=ERRORS, summary="A background job's state: queued, running, succeeded (with its report) or failed")
+    @app.get(
+        "/jobs/{job_id}",
+        responses=ERRORS,
+        summary="A background job's state: queued, running, succeeded (with its report) or failed",
+    )
     def job_status(job_id: str) -> Response:
         return json_response(jobs.describe(jobs.get(job_id)))
 
@@ -273,8 +379,12 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             return json_response({"status": "degraded", "detail": str(exc)}, 503)
         return json_response({"status": "ok", "registry_version": version})
 
-    @app.get("/metrics", summary="Prometheus metrics: requests, latency, Redis errors (all workers), per-view freshness",
-             response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics: requests, latency, Redis errors (all workers), per-view freshness",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
     async def prometheus() -> Response:
         try:
             newest = await watcher.current.online_store.newest_async()
@@ -289,7 +399,13 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         mount(app, lambda: watcher.current, metrics)
 
     config = watcher.current.config
-    return FastLane(app, {"/get-online-features": lookup, "/push": push}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
+    return FastLane(
+        app,
+        {"/get-online-features": lookup, "/push": push},
+        config.max_request_bytes,
+        Authenticator(config.api_keys),
+        metrics,
+    )  # type: ignore[return-value]
 
 
 def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:
@@ -312,8 +428,10 @@ def _timestamps(name: str, values: list[Any]) -> pa.Array:
     try:
         parsed = [None if v is None else parse_timestamp(v) for v in values]
     except (ValueError, TypeError, OverflowError) as exc:
-        raise RequestError(f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch numbers "
-                           f"(seconds, milliseconds, µs or ns): {exc}") from exc
+        raise RequestError(
+            f"column {name!r} takes ISO 8601 strings (e.g. '2024-05-01T10:00:00Z') or epoch numbers "
+            f"(seconds, milliseconds, µs or ns): {exc}"
+        ) from exc
     return pa.array(parsed, pa.timestamp("us", tz="UTC"))
 
 
@@ -363,5 +481,6 @@ def app_factory() -> FastAPI:
     """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
     import os
 
-    return create_app(log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1",
-                      ui=os.environ.get("FEATURESTORE_UI") == "1")
+    return create_app(
+        log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1", ui=os.environ.get("FEATURESTORE_UI") == "1"
+    )

@@ -28,27 +28,53 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number, read_online_async
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from featurestore.auth import Authenticator
-from serving.common import seal_in_background, FastLane, Metrics, request_time, RegistryWatcher, install_error_handlers, json_handler, json_response, repo_from_env, respond
+from serving.common import (
+    seal_in_background,
+    FastLane,
+    Metrics,
+    request_time,
+    RegistryWatcher,
+    install_error_handlers,
+    json_handler,
+    json_response,
+    repo_from_env,
+    respond,
+)
 
 
 class PredictRequest(BaseModel):
-    instances: list[dict[str, Any]] = Field(..., description="Entity keys and request-time inputs, one object per prediction.")
-    at: Optional[datetime] = Field(None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays.")
-    model_config = {"json_schema_extra": {"examples": [{"instances": [{"card_id": 17, "merchant_id": 4, "amount": 129.9}]}]}}
+    instances: list[dict[str, Any]] = Field(
+        ..., description="Entity keys and request-time inputs, one object per prediction."
+    )
+    at: Optional[datetime] = Field(
+        None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays."
+    )
+    model_config = {
+        "json_schema_extra": {"examples": [{"instances": [{"card_id": 17, "merchant_id": 4, "amount": 129.9}]}]}
+    }
 
 
 _KEY_SCHEMAS = {  # a join key's JSON values by declared type (as the lookup coerces them: "17" for an Int64 too)
-    "Int64": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^-?[1-9][0-9]*$|^0$"}]},  # (beyond Int64: NOT_FOUND)
+    "Int64": {
+        "anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^-?[1-9][0-9]*$|^0$"}]
+    },  # (beyond Int64: NOT_FOUND)
     "Int32": {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "^-?[1-9][0-9]*$|^0$"}]},
     "String": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
-    "Float32": {"type": "number"}, "Float64": {"type": "number"}, "Bool": {"type": "boolean"},
+    "Float32": {"type": "number"},
+    "Float64": {"type": "number"},
+    "Bool": {"type": "boolean"},
     "UnixTimestamp": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "integer"}]},
 }
 
 
-_VALUE_SCHEMAS = {"Int64": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
-                  "Int32": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
-                  "Float32": {"type": "number"}, "Float64": {"type": "number"}, "String": {"type": "string"}, "Bool": {"type": "boolean"}}
+_VALUE_SCHEMAS = {
+    "Int64": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+    "Int32": {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1},
+    "Float32": {"type": "number"},
+    "Float64": {"type": "number"},
+    "String": {"type": "string"},
+    "Bool": {"type": "boolean"},
+}
 
 
 def predict_schema(store: FeatureStore, loaded: LoadedModel) -> dict[str, Any]:
@@ -57,17 +83,42 @@ def predict_schema(store: FeatureStore, loaded: LoadedModel) -> dict[str, Any]:
     defs = store.definitions
     refs = store.get_feature_service(loaded.card["feature_service"]).feature_refs()
     views = list(dict.fromkeys(r.split(":")[0] for r in refs))
-    stored = [v for name in views for v in ([r.split(":")[0] for r in defs.on_demand_feature_views[name].input_refs]
-                                            if name in defs.on_demand_feature_views else [name])]
+    stored = [
+        v
+        for name in views
+        for v in (
+            [r.split(":")[0] for r in defs.on_demand_feature_views[name].input_refs]
+            if name in defs.on_demand_feature_views
+            else [name]
+        )
+    ]
     keys = {k: _KEY_SCHEMAS.get(t.name, {}) for view in dict.fromkeys(stored) for k, t in defs.key_types[view].items()}
-    fields = {f.name: _VALUE_SCHEMAS.get(f.dtype.name, {}) for name in views if name in defs.on_demand_feature_views
-              for f in defs.on_demand_feature_views[name].request_fields}
+    fields = {
+        f.name: _VALUE_SCHEMAS.get(f.dtype.name, {})
+        for name in views
+        if name in defs.on_demand_feature_views
+        for f in defs.on_demand_feature_views[name].request_fields
+    }
     inputs = {**fields, **{name: {"type": "number"} for name in loaded.card["request_inputs"]}}
     instance = {"type": "object", "properties": {**keys, **inputs}, "required": [*keys, *inputs]}
-    return {"anyOf": [{**PredictRequest.model_json_schema(), "properties": {
-        "instances": {"type": "array", "items": instance, "minItems": 1, "description": PredictRequest.model_fields["instances"].description},
-        "at": PredictRequest.model_json_schema()["properties"]["at"]}, "required": ["instances"]},
-        {**instance, "not": {"required": ["instances"]}, "description": "One instance alone."}]}
+    return {
+        "anyOf": [
+            {
+                **PredictRequest.model_json_schema(),
+                "properties": {
+                    "instances": {
+                        "type": "array",
+                        "items": instance,
+                        "minItems": 1,
+                        "description": PredictRequest.model_fields["instances"].description,
+                    },
+                    "at": PredictRequest.model_json_schema()["properties"]["at"],
+                },
+                "required": ["instances"],
+            },
+            {**instance, "not": {"required": ["instances"]}, "description": "One instance alone."},
+        ]
+    }
 
 
 def model_registry(store: FeatureStore) -> ModelRegistry:
@@ -95,7 +146,9 @@ class ModelHolder:
         self.loaded = loaded
 
 
-def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage: str = "production", log_features: bool = True) -> FastAPI:
+def create_app(
+    repo: str | Path | None = None, model_name: str = "fraud", stage: str = "production", log_features: bool = True
+) -> FastAPI:
     # one request scores a handful of rows: intra-op threads only add hand-offs (and spin on shared cores)
     torch.set_num_threads(1)
     watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
@@ -104,8 +157,12 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     metrics = Metrics("featurestore_inference_server")
     logger = None
     if log_features:
-        schema = vector_schema(store, holder.loaded.card["feature_service"], holder.loaded.card["request_inputs"], with_model=True)
-        logger = FeatureLogger(log_path(store.config.data_dir, model_name), schema, count=metrics.feature_log_counts(model_name))
+        schema = vector_schema(
+            store, holder.loaded.card["feature_service"], holder.loaded.card["request_inputs"], with_model=True
+        )
+        logger = FeatureLogger(
+            log_path(store.config.data_dir, model_name), schema, count=metrics.feature_log_counts(model_name)
+        )
 
     async def follow_promotions() -> None:
         """Swap in a newly promoted version between requests (each replica does the same)."""
@@ -115,7 +172,9 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
                     name, version, promoted_stage = message.split(":")
                     if name == model_name and promoted_stage == stage and int(version) != holder.loaded.version:
                         try:
-                            holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, int(version))
+                            holder.loaded = await asyncio.to_thread(
+                                load_checked, watcher.current, model_name, int(version)
+                            )
                         except FeatureStoreError as exc:
                             print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
             except asyncio.CancelledError:
@@ -139,7 +198,11 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [asyncio.create_task(watcher.run()), asyncio.create_task(follow_promotions()), asyncio.create_task(reconcile())]
+        tasks = [
+            asyncio.create_task(watcher.run()),
+            asyncio.create_task(follow_promotions()),
+            asyncio.create_task(reconcile()),
+        ]
         # promotions made while we were starting are picked up here
         latest = model_registry(store).resolve(model_name, stage)
         if latest != holder.loaded.version:
@@ -155,15 +218,26 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
     app = FastAPI(
         title="featurestore inference server",
         description=f"Scores with model '{model_name}' ({stage}) from online features; statuses and event times per feature.",
-        version="0.1.0", lifespan=lifespan,
+        version="0.1.0",
+        lifespan=lifespan,
     )
     feast_errors = watcher.current.config.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
 
     @app.post(
-        "/predict", summary="Score one or more instances",
-        responses={404: {"description": "Unknown model or feature."}, 422: {"description": "Missing or mistyped keys or inputs."}, 503: {"description": "Redis unreachable."}},
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": predict_schema(store, holder.loaded)}}}},
+        "/predict",
+        summary="Score one or more instances",
+        responses={
+            404: {"description": "Unknown model or feature."},
+            422: {"description": "Missing or mistyped keys or inputs."},
+            503: {"description": "Redis unreachable."},
+        },
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": predict_schema(store, holder.loaded)}},
+            }
+        },
     )
     async def predict(request: Request) -> Response:
         return await respond(predict_body, request)
@@ -186,30 +260,55 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 raise RequestError(f"every instance needs a numeric request input {name!r}")
             inputs[name] = [float(v) for v in values]
-        query = OnlineQuery.prepare(current.definitions, current.config.project, columns, None, loaded.card["feature_service"],
-                                    False, current.config.max_request_entities, now=request_time(body))
+        query = OnlineQuery.prepare(
+            current.definitions,
+            current.config.project,
+            columns,
+            None,
+            loaded.card["feature_service"],
+            False,
+            current.config.max_request_entities,
+            now=request_time(body),
+        )
         response = await read_online_async(current.online_store, query)
         seal_in_background(current, query.seals)
         n = len(instances)
         keys = len(query.key_names)
         model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
-        keys_used = {k: columns.get(k, [None] * len(instances)) for k in loaded.preprocessor.hashed}  # entity-key embeddings
+        keys_used = {
+            k: columns.get(k, [None] * len(instances)) for k in loaded.preprocessor.hashed
+        }  # entity-key embeddings
         scores = loaded.predict({**model_columns, **inputs, **keys_used})
         feature_names = response.feature_names[keys:]
         if logger:
-            logger.log(vector_entry(query, response, model_name=[loaded.name] * n,
-                                    model_version=[loaded.version] * n, score=scores.tolist(), **inputs))
+            logger.log(
+                vector_entry(
+                    query,
+                    response,
+                    model_name=[loaded.name] * n,
+                    model_version=[loaded.version] * n,
+                    score=scores.tolist(),
+                    **inputs,
+                )
+            )
         predictions = []
         for row in range(n):
-            predictions.append({
-                "score": json_number(float(scores[row])),
-                "features": {
-                    name: {"value": json_number(response.values[keys + j][row]), "status": response.statuses[keys + j][row],
-                           "event_timestamp": response.event_timestamps[keys + j][row]}
-                    for j, name in enumerate(feature_names)
-                },
-                "missing_features": [name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT],
-            })
+            predictions.append(
+                {
+                    "score": json_number(float(scores[row])),
+                    "features": {
+                        name: {
+                            "value": json_number(response.values[keys + j][row]),
+                            "status": response.statuses[keys + j][row],
+                            "event_timestamp": response.event_timestamps[keys + j][row],
+                        }
+                        for j, name in enumerate(feature_names)
+                    },
+                    "missing_features": [
+                        name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT
+                    ],
+                }
+            )
         return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
 
     predict_body = json_handler(metrics, "predict", _predict, feast_errors)
@@ -223,7 +322,12 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
             return json_response({**body, "status": "unavailable", "detail": str(exc)}, 503)
         return json_response({**body, "status": "ok"})
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}}},
+    )
     async def prometheus() -> Response:
         return metrics.response()
 
@@ -234,4 +338,6 @@ def create_app(repo: str | Path | None = None, model_name: str = "fraud", stage:
 def app_factory() -> FastAPI:
     import os
 
-    return create_app(None, os.environ.get("FEATURESTORE_MODEL", "fraud"), os.environ.get("FEATURESTORE_STAGE", "production"))
+    return create_app(
+        None, os.environ.get("FEATURESTORE_MODEL", "fraud"), os.environ.get("FEATURESTORE_STAGE", "production")
+    )

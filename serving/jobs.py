@@ -79,8 +79,9 @@ class JobRunner:
         """Queue ``work``; ConflictError if a queued or running job covers any of ``views``."""
         job, busy = self._submit_unless_busy(kind, views, work)
         if busy is not None:
-            raise ConflictError(f"job {busy.id} ({busy.kind}, {busy.status}) already covers these views; "
-                                f"follow it at /jobs/{busy.id}")
+            raise ConflictError(
+                f"job {busy.id} ({busy.kind}, {busy.status}) already covers these views; follow it at /jobs/{busy.id}"
+            )
         assert job is not None
         return job
 
@@ -99,7 +100,9 @@ class JobRunner:
             time.sleep(poll)
         return current
 
-    def _submit_unless_busy(self, kind: str, views: list[str], work: Callable[[], Any]) -> tuple[Job | None, Job | None]:
+    def _submit_unless_busy(
+        self, kind: str, views: list[str], work: Callable[[], Any]
+    ) -> tuple[Job | None, Job | None]:
         """(the queued job, None), or (None, the active job that covers some of ``views``)."""
         with self._lock, open(self._folder / ".table.lock", "a") as table:  # one submitter at a time, all processes
             fcntl.flock(table, fcntl.LOCK_EX)
@@ -161,7 +164,7 @@ class JobRunner:
             (self._folder / f"{job.id}.json").unlink(missing_ok=True)
         live = {j.runner for j in jobs if j.active}  # dead processes' lock files, once no job names them
         for lock in self._folder.glob("runner-*.lock"):
-            runner = lock.name[len("runner-"):-len(".lock")]
+            runner = lock.name[len("runner-") : -len(".lock")]
             if runner != self._name and runner not in live and not self._runner_alive(runner):
                 lock.unlink(missing_ok=True)
 

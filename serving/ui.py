@@ -42,8 +42,11 @@ def _name(value: str, what: str) -> str:
 
 def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
     """The UI and its API; ``store()`` returns the current store (the caller reloads it on apply)."""
-    app = FastAPI(title="featurestore UI API", description="Read-only: catalogue, view status, runs, curves, models, lineage.",
-                  version="0.1.0")
+    app = FastAPI(
+        title="featurestore UI API",
+        description="Read-only: catalogue, view status, runs, curves, models, lineage.",
+        version="0.1.0",
+    )
 
     def runs_root() -> Path:
         return store().config.data_dir / "runs"
@@ -58,8 +61,11 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
             raise NotFoundError(f"no UI asset {asset[:80]!r}")
         return FileResponse(STATIC / asset, media_type=ASSETS[asset], headers={"Cache-Control": "max-age=300"})
 
-    @app.get("/api/catalog", summary="Entities, views (features, types, windows), services and sources; q filters by name, "
-             "description, owner, tag or feature")
+    @app.get(
+        "/api/catalog",
+        summary="Entities, views (features, types, windows), services and sources; q filters by name, "
+        "description, owner, tag or feature",
+    )
     def catalog(q: str = "") -> Response:
         found = catalogue(store().registry)
         if q:
@@ -68,7 +74,9 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
                 found[kind] = [o for o in found[kind] if needle in _searchable(o)]
         return json_response(found)
 
-    @app.get("/api/views/{name}", summary="One view: its definition, freshness, volume, and consistency checks covering it")
+    @app.get(
+        "/api/views/{name}", summary="One view: its definition, freshness, volume, and consistency checks covering it"
+    )
     async def view(name: str) -> Response:
         current = store()
         found = next((v for v in catalogue(current.registry)["views"] if v["name"] == _name(name, "view")), None)
@@ -77,11 +85,15 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         status = None
         if found["kind"] == "feature_view":
             online = current.online_store if found["online"] else None
-            status = await asyncio.to_thread(view_status, current.registry, current.offline_store, online,
-                                             current.config.project, name)
+            status = await asyncio.to_thread(
+                view_status, current.registry, current.offline_store, online, current.config.project, name
+            )
         features = {f["name"] for f in found["features"]}
-        checks = [{**c, "feature_match": {k: v for k, v in c["feature_match"].items() if k in features}}
-                  for c in read_checks(current.config.data_dir) if features & set(c["feature_match"])]
+        checks = [
+            {**c, "feature_match": {k: v for k, v in c["feature_match"].items() if k in features}}
+            for c in read_checks(current.config.data_dir)
+            if features & set(c["feature_match"])
+        ]
         return json_response({"view": found, "status": status, "consistency": checks})
 
     @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
@@ -93,8 +105,13 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
     def run(run_id: str) -> Response:
         return json_response(read_run(runs_root() / _name(run_id, "run")))
 
-    @app.get("/api/runs/{run_id}/curve", summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)")
-    def run_curve(run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: Optional[str] = None) -> Response:
+    @app.get(
+        "/api/runs/{run_id}/curve",
+        summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)",
+    )
+    def run_curve(
+        run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: Optional[str] = None
+    ) -> Response:
         path = runs_root() / _name(run_id, "run")
         if not path.is_dir():
             raise NotFoundError(f"no run {run_id!r}")
@@ -112,30 +129,51 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         out = []
         for name in registry.names():
             aliases = registry.aliases(name)
-            out.append({"name": name, "stages": aliases, "versions": [
-                {"version": v, "stages": [s for s, n in aliases.items() if n == v], **_card_summary(registry.card(name, v))}
-                for v in reversed(registry.versions(name))]})
+            out.append(
+                {
+                    "name": name,
+                    "stages": aliases,
+                    "versions": [
+                        {
+                            "version": v,
+                            "stages": [s for s, n in aliases.items() if n == v],
+                            **_card_summary(registry.card(name, v)),
+                        }
+                        for v in reversed(registry.versions(name))
+                    ],
+                }
+            )
         return json_response({"models": out})
 
-    @app.get("/api/models/{name}/{version}/lineage",
-             summary="Model version → run → dataset manifest → definitions → Delta table versions, each hop checked")
+    @app.get(
+        "/api/models/{name}/{version}/lineage",
+        summary="Model version → run → dataset manifest → definitions → Delta table versions, each hop checked",
+    )
     def lineage(name: str, version: int) -> Response:
         current = store()
         registry = current.model_registry()
         if version not in registry.versions(_name(name, "model")):
             raise NotFoundError(f"model {name!r} has no version {version}")
-        return json_response(model_lineage(registry, name, version, runs_root(), current.registry, current.offline_store))
+        return json_response(
+            model_lineage(registry, name, version, runs_root(), current.registry, current.offline_store)
+        )
 
     @app.get("/api/artifacts/{sha256}", summary="An artifact's bytes, by its SHA-256 (verify with any sha256 tool)")
     def artifact(sha256: str) -> FileResponse:
-        return FileResponse(store().artifacts().path(sha256), media_type="application/octet-stream",
-                            filename=sha256, headers={"X-Content-SHA256": sha256})
+        return FileResponse(
+            store().artifacts().path(sha256),
+            media_type="application/octet-stream",
+            filename=sha256,
+            headers={"X-Content-SHA256": sha256},
+        )
 
     @app.get("/api/artifacts/{sha256}/verify", summary="Recompute an artifact's hash")
     def verify(sha256: str) -> Response:
         return json_response({"sha256": sha256, "ok": store().artifacts().verify(sha256)})
 
-    @app.get("/api/consistency", summary="Every recorded consistency check, oldest first, with match rate over served time")
+    @app.get(
+        "/api/consistency", summary="Every recorded consistency check, oldest first, with match rate over served time"
+    )
     def consistency() -> Response:
         return json_response({"checks": read_checks(store().config.data_dir)})
 
@@ -147,9 +185,13 @@ def _card_summary(card: dict[str, Any]) -> dict[str, Any]:
 
 
 def _searchable(obj: dict[str, Any]) -> str:
-    parts = [obj.get("name", ""), obj.get("description", ""), obj.get("owner", ""),
-             *(f"{k}={v}" for k, v in (obj.get("tags") or {}).items()),
-             *(f["name"] if isinstance(f, dict) else str(f) for f in obj.get("features", []))]
+    parts = [
+        obj.get("name", ""),
+        obj.get("description", ""),
+        obj.get("owner", ""),
+        *(f"{k}={v}" for k, v in (obj.get("tags") or {}).items()),
+        *(f["name"] if isinstance(f, dict) else str(f) for f in obj.get("features", [])),
+    ]
     return " ".join(str(p) for p in parts).lower()
 
 

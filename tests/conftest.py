@@ -69,8 +69,12 @@ def free_port() -> int:
 
 
 def write_repo(
-    root: Path, features_py: str, tables: dict[str, pa.Table] | None = None, url: str | None = None,
-    project: str | None = None, online_options: str = "",
+    root: Path,
+    features_py: str,
+    tables: dict[str, pa.Table] | None = None,
+    url: str | None = None,
+    project: str | None = None,
+    online_options: str = "",
 ) -> Path:
     """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``."""
     project = project or f"p{os.getpid()}_{next(_projects)}"
@@ -89,8 +93,13 @@ def make_store(tmp_path, redis_url, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     stores = []
 
-    def make(features_py: str, tables: dict[str, pa.Table] | None = None, name: str = "repo", online_options: str = "",
-             apply: bool = True) -> FeatureStore:
+    def make(
+        features_py: str,
+        tables: dict[str, pa.Table] | None = None,
+        name: str = "repo",
+        online_options: str = "",
+        apply: bool = True,
+    ) -> FeatureStore:
         root = write_repo(tmp_path / name, features_py, tables, url=redis_url, online_options=online_options)
         store = FeatureStore(root)
         if apply:  # stores run on applied definitions only

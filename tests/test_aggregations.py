@@ -113,7 +113,11 @@ AGGS = {
     "amount_last_2_3h": {"function": "last_n", "window": 3 * H, "column": "amount"},
     "kind_count_distinct_3h": {"function": "count_distinct", "window": 3 * H, "column": "kind"},
     "online_sum_3h": {"function": "sum", "window": 3 * H, "column": "amount", "where": lambda e: e["kind"] == "web"},
-    "not_card_count_30h": {"function": "count", "window": 30 * H, "where": lambda e: e["kind"] is not None and e["kind"] != "card"},
+    "not_card_count_30h": {
+        "function": "count",
+        "window": 30 * H,
+        "where": lambda e: e["kind"] is not None and e["kind"] != "card",
+    },
 }
 
 
@@ -132,16 +136,19 @@ def same(got: object, want: object, inexact: bool) -> bool:
 
 
 amounts = st.one_of(
-    st.none(), st.floats(-1000, 1000, allow_nan=False).map(lambda x: round(x, 2)),
+    st.none(),
+    st.floats(-1000, 1000, allow_nan=False).map(lambda x: round(x, 2)),
     st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1e15]),
 )
-event = st.fixed_dictionaries({
-    "card_id": st.integers(0, 2),
-    "slot": st.integers(0, 16),
-    "nudge_us": st.sampled_from([0, 0, 1, -1]),
-    "amount": amounts,
-    "kind": st.sampled_from([None, "web", "card", "atm"]),
-})
+event = st.fixed_dictionaries(
+    {
+        "card_id": st.integers(0, 2),
+        "slot": st.integers(0, 16),
+        "nudge_us": st.sampled_from([0, 0, 1, -1]),
+        "amount": amounts,
+        "kind": st.sampled_from([None, "web", "card", "atm"]),
+    }
+)
 _cards = itertools.count()
 
 
@@ -150,7 +157,9 @@ def activity_store(tmp_path_factory, redis_url):
     from featurestore import FeatureStore
     from tests.conftest import write_repo
 
-    root = write_repo(tmp_path_factory.mktemp("agg"), FEATURES, url=redis_url, online_options=", event_retention: 100000d")
+    root = write_repo(
+        tmp_path_factory.mktemp("agg"), FEATURES, url=redis_url, online_options=", event_retention: 100000d"
+    )
     store = FeatureStore(root)
     store.apply()
     yield store
@@ -159,26 +168,45 @@ def activity_store(tmp_path_factory, redis_url):
 
 def _frame(events: list[dict]) -> pd.DataFrame:
     columns = ["payment_id", "card_id", "amount", "kind", "event_timestamp"]
-    return pa.Table.from_pylist([{c: e[c] for c in columns} for e in events], pa.schema([
-        ("payment_id", pa.int64()), ("card_id", pa.int64()), ("amount", pa.float64()), ("kind", pa.string()), ("event_timestamp", TS),
-    ]))
+    return pa.Table.from_pylist(
+        [{c: e[c] for c in columns} for e in events],
+        pa.schema(
+            [
+                ("payment_id", pa.int64()),
+                ("card_id", pa.int64()),
+                ("amount", pa.float64()),
+                ("kind", pa.string()),
+                ("event_timestamp", TS),
+            ]
+        ),
+    )
 
 
-@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=max(10, settings.default.max_examples // 4),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(
     raw=st.lists(event, min_size=0, max_size=25),
     batches=st.integers(1, 3),
     retries=st.lists(st.integers(0, 24), max_size=4),
     changed=st.lists(st.tuples(st.integers(0, 24), amounts), max_size=2),
-    queries=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.sampled_from([0, 0, 1, -1])), min_size=1, max_size=8),
+    queries=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 40), st.sampled_from([0, 0, 1, -1])), min_size=1, max_size=8
+    ),
 )
 def test_offline_and_online_match_the_reference(activity_store, raw, batches, retries, changed, queries):
     store = activity_store
-    offset = next(_cards) * 10          # fresh cards (and payment ids) per example
+    offset = next(_cards) * 10  # fresh cards (and payment ids) per example
     events = [
-        {"payment_id": offset * 100 + i, "card_id": offset + e["card_id"], "amount": e["amount"], "kind": e["kind"],
-         "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"])}
+        {
+            "payment_id": offset * 100 + i,
+            "card_id": offset + e["card_id"],
+            "amount": e["amount"],
+            "kind": e["kind"],
+            "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"]),
+        }
         for i, e in enumerate(raw)
     ]
     # pushes in several batches, out of time order; then retried copies and same-id changes (first push wins)
@@ -195,19 +223,33 @@ def test_offline_and_online_match_the_reference(activity_store, raw, batches, re
     names = list(AGGS)
     offline = store.get_historical_features(entity_df, features=[f"activity:{n}" for n in names]).to_arrow().to_pylist()
     for (card, t), off in zip(rows, offline):
-        online = store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in names], at=t).to_dict()
+        online = store.get_online_features(
+            [{"card_id": card}], features=[f"activity:{n}" for n in names], at=t
+        ).to_dict()
         for name in names:
             want = reference(pushed, card, t, AGGS[name])
             assert same(off[name], want, name in INEXACT), (name, "offline", card, t, off[name], want)
             assert same(online[name][0], want, name in INEXACT), (name, "online", card, t, online[name][0], want)
 
 
-TILED = ["count_1h", "amount_count_3h", "amount_sum_3h", "amount_mean_3h", "amount_min_1h", "amount_max_3h", "kind_last_3h",
-         "online_sum_3h", "not_card_count_30h"]
+TILED = [
+    "count_1h",
+    "amount_count_3h",
+    "amount_sum_3h",
+    "amount_mean_3h",
+    "amount_min_1h",
+    "amount_max_3h",
+    "kind_last_3h",
+    "online_sum_3h",
+    "not_card_count_30h",
+]
 
 
-@settings(max_examples=max(10, settings.default.max_examples // 4), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=max(10, settings.default.max_examples // 4),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 @given(
     raw=st.lists(event, min_size=1, max_size=30),
     late=st.lists(event, max_size=8),
@@ -225,8 +267,16 @@ def test_lookups_from_tile_summaries_equal_lookups_from_events(activity_store, m
     card = offset
 
     def events_of(drawn, first_id):
-        return [{"payment_id": offset * 100 + first_id + i, "card_id": card, "amount": e["amount"], "kind": e["kind"],
-                 "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"])} for i, e in enumerate(drawn)]
+        return [
+            {
+                "payment_id": offset * 100 + first_id + i,
+                "card_id": card,
+                "amount": e["amount"],
+                "kind": e["kind"],
+                "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"]),
+            }
+            for i, e in enumerate(drawn)
+        ]
 
     def lookup(t, tiled: bool):
         monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0 if tiled else 10**9)
@@ -245,14 +295,27 @@ def test_lookups_from_tile_summaries_equal_lookups_from_events(activity_store, m
             tiled, plain = lookup(t, tiled=True), lookup(t, tiled=False)
             for name in TILED:
                 want = reference(pushed, card, t, AGGS[name])
-                assert same(tiled[name][0], plain[name][0], inexact=False), (round_, name, t, tiled[name][0], plain[name][0])
+                assert same(tiled[name][0], plain[name][0], inexact=False), (
+                    round_,
+                    name,
+                    t,
+                    tiled[name][0],
+                    plain[name][0],
+                )
                 assert same(tiled[name][0], want, name in INEXACT), (round_, name, t, tiled[name][0], want)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    values=st.lists(st.tuples(st.integers(0, 40), st.one_of(st.none(), st.floats(-1e16, 1e16), st.floats(-1, 1)),
-                              st.sampled_from([None, "web", "card"])), min_size=1, max_size=60),
+    values=st.lists(
+        st.tuples(
+            st.integers(0, 40),
+            st.one_of(st.none(), st.floats(-1e16, 1e16), st.floats(-1, 1)),
+            st.sampled_from([None, "web", "card"]),
+        ),
+        min_size=1,
+        max_size=60,
+    ),
     sealed_every=st.integers(1, 5),
     now_slot=st.integers(0, 45),
 )
@@ -301,22 +364,42 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
     card = next(_cards) * 10 + 4_000_000
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
     monkeypatch.setattr(tiles, "SEAL_FROM", 1)
-    events = [{"payment_id": card * 100 + i, "card_id": card, "amount": float(i), "kind": "web",
-               "event_timestamp": BASE + i * STEP} for i in range(12)]  # one per 30 min: tiles of 15 min
+    events = [
+        {
+            "payment_id": card * 100 + i,
+            "card_id": card,
+            "amount": float(i),
+            "kind": "web",
+            "event_timestamp": BASE + i * STEP,
+        }
+        for i in range(12)
+    ]  # one per 30 min: tiles of 15 min
     store.push("payments", _frame(events), to="online")
-    key = b"fs:" + store.config.project.encode() + b":{card_id=%d}:ev:" % card + store.get_feature_view("activity").online_field.encode()
+    key = (
+        b"fs:"
+        + store.config.project.encode()
+        + b":{card_id=%d}:ev:" % card
+        + store.get_feature_view("activity").online_field.encode()
+    )
     tiles_key = key + b"|tiles"
     at = BASE + 11 * STEP + timedelta(minutes=5)  # in the tile of the last event
 
     def count_30h():
-        return store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h", "activity:amount_sum_3h"],
-                                         at=at).to_dict()
+        return store.get_online_features(
+            [{"card_id": card}], features=["activity:not_card_count_30h", "activity:amount_sum_3h"], at=at
+        ).to_dict()
 
-    assert count_30h() == {"card_id": [card], "not_card_count_30h": [12], "amount_sum_3h": [float(6 + 7 + 8 + 9 + 10 + 11)]}
+    assert count_30h() == {
+        "card_id": [card],
+        "not_card_count_30h": [12],
+        "amount_sum_3h": [float(6 + 7 + 8 + 9 + 10 + 11)],
+    }
     client = store.online_store.client
     sealed = {int(t) for t in client.hkeys(tiles_key)}
     size = 15 * 60 * 10**6
-    first_tile = (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) // size
+    first_tile = (
+        (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) // size
+    )
     # every tile with an event, but those holding the lookup time (22) and the 3 h window's start (10)
     assert sealed == {first_tile + 2 * i for i in range(12)} - {first_tile + 10, first_tile + 22}
     assert count_30h()["not_card_count_30h"] == [12]  # from the summaries
@@ -345,13 +428,29 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
     monkeypatch.setattr(tiles, "SEAL_FROM", 1)
     monkeypatch.setattr(tiles, "SEALS_PER_LOOKUP", 8)  # fewer than the whole tiles: two lookups summarize them
-    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
-                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    store.push(
+        "payments",
+        _frame(
+            [
+                {
+                    "payment_id": card * 100 + i,
+                    "card_id": card,
+                    "amount": i / 3,
+                    "kind": "web",
+                    "event_timestamp": BASE + i * STEP / 3,
+                }
+                for i in range(30)
+            ]
+        ),
+        to="online",
+    )
     refs = [f"activity:{n}" for n in TILED]
     at = BASE + 10 * STEP + timedelta(minutes=7)
 
     def query():
-        return OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at)
+        return OnlineQuery.prepare(
+            store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at
+        )
 
     async def served():
         responses, sealed = [], []
@@ -380,13 +479,29 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
 
     store = activity_store
     card = next(_cards) * 10 + 7_000_000
-    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
-                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    store.push(
+        "payments",
+        _frame(
+            [
+                {
+                    "payment_id": card * 100 + i,
+                    "card_id": card,
+                    "amount": i / 3,
+                    "kind": "web",
+                    "event_timestamp": BASE + i * STEP / 3,
+                }
+                for i in range(30)
+            ]
+        ),
+        to="online",
+    )
     refs = [f"activity:{n}" for n in TILED]
     client = store.online_store.client
 
     def lookup():
-        query = OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP)
+        query = OnlineQuery.prepare(
+            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP
+        )
         before = client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
         response = read_online(store.online_store, query).to_dict()
         return query, response, client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0) - before
@@ -420,35 +535,63 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
 
     store = activity_store
     card = next(_cards) * 10 + 6_000_000
-    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": i / 3, "kind": "web",
-                                    "event_timestamp": BASE + i * STEP / 3} for i in range(30)]), to="online")
+    store.push(
+        "payments",
+        _frame(
+            [
+                {
+                    "payment_id": card * 100 + i,
+                    "card_id": card,
+                    "amount": i / 3,
+                    "kind": "web",
+                    "event_timestamp": BASE + i * STEP / 3,
+                }
+                for i in range(30)
+            ]
+        ),
+        to="online",
+    )
     refs = [f"activity:{n}" for n in TILED]
     at = BASE + 10 * STEP
 
     def query():
-        return OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at)
+        return OnlineQuery.prepare(
+            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
+        )
 
     threads = []
     assemble = OnlineQuery.assemble
-    monkeypatch.setattr(OnlineQuery, "assemble", lambda self, raw: threads.append(threading.current_thread()) or assemble(self, raw))
+    monkeypatch.setattr(
+        OnlineQuery, "assemble", lambda self, raw: threads.append(threading.current_thread()) or assemble(self, raw)
+    )
 
     async def served(limit: int):
         monkeypatch.setattr(online, "OFF_LOOP_EVENTS", limit)
         return (await online.read_online_async(store.online_store, query())).to_dict()
 
     expected = read_online(store.online_store, query()).to_dict()
-    assert asyncio.run(served(limit=100)) == expected and threads[-1] is threading.main_thread()  # 30 events: on the loop
+    assert (
+        asyncio.run(served(limit=100)) == expected and threads[-1] is threading.main_thread()
+    )  # 30 events: on the loop
     assert asyncio.run(served(limit=10)) == expected and threads[-1] is not threading.main_thread()
 
 
 def test_statuses_say_whether_the_window_had_events(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 1_000_000
-    store.push("payments", _frame([
-        {"payment_id": card * 100, "card_id": card, "amount": None, "kind": "web", "event_timestamp": BASE},
-    ]))
+    store.push(
+        "payments",
+        _frame(
+            [
+                {"payment_id": card * 100, "card_id": card, "amount": None, "kind": "web", "event_timestamp": BASE},
+            ]
+        ),
+    )
     response = store.get_online_features(
-        [{"card_id": card}], features=["activity:count_1h", "activity:amount_mean_3h", "activity:amount_sum_3h"], at=BASE)
+        [{"card_id": card}],
+        features=["activity:count_1h", "activity:amount_mean_3h", "activity:amount_sum_3h"],
+        at=BASE,
+    )
     assert response.to_dict() == {"card_id": [card], "count_1h": [1], "amount_mean_3h": [None], "amount_sum_3h": [0.0]}
     assert [s[0] for s in response.statuses[1:]] == ["PRESENT", "NULL_VALUE", "PRESENT"]
     later = store.get_online_features([{"card_id": card}], features=["activity:count_1h"], at=BASE + H)
@@ -459,12 +602,29 @@ def test_created_mode_counts_only_events_known_at_t(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 2_000_000
     now = datetime.now(timezone.utc)
-    store.push("payments", _frame([
-        {"payment_id": card * 100, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(minutes=5)},
-    ]))
-    entity_df = pd.DataFrame({"card_id": [card, card], "event_timestamp": [now - timedelta(minutes=1), datetime.now(timezone.utc)]})
+    store.push(
+        "payments",
+        _frame(
+            [
+                {
+                    "payment_id": card * 100,
+                    "card_id": card,
+                    "amount": 1.0,
+                    "kind": "web",
+                    "event_timestamp": now - timedelta(minutes=5),
+                },
+            ]
+        ),
+    )
+    entity_df = pd.DataFrame(
+        {"card_id": [card, card], "event_timestamp": [now - timedelta(minutes=1), datetime.now(timezone.utc)]}
+    )
     by_event = store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist()
-    by_created = store.get_historical_features(entity_df, features=["activity:count_1h"], as_of="created").to_df()["count_1h"].tolist()
+    by_created = (
+        store.get_historical_features(entity_df, features=["activity:count_1h"], as_of="created")
+        .to_df()["count_1h"]
+        .tolist()
+    )
     assert by_event == [1, 1]
     assert by_created == [0, 1]  # pushed after the first row's time
 
@@ -473,8 +633,15 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     store = make_store(FEATURES)
     store.apply()
     old = datetime.now(timezone.utc) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
-    store.push("payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}]))
-    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.get_feature_view("activity").online_field.encode()
+    store.push(
+        "payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}])
+    )
+    key = (
+        b"fs:"
+        + store.config.project.encode()
+        + b":{card_id=1}:ev:"
+        + store.get_feature_view("activity").online_field.encode()
+    )
     assert store.online_store.client.zcard(key) == 0
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
@@ -487,8 +654,10 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     longest window) longer, so a later write of the id is judged as offline judges it."""
     store = make_store(FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    events = [{"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
-              for i, h in ((1, 25), (2, 5), (3, 0))]
+    events = [
+        {"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
+        for i, h in ((1, 25), (2, 5), (3, 0))
+    ]
     store.push("payments", _frame(events[:2]), to="online_and_offline")
     store.push("payments", _frame(events[2:]), to="offline")  # history only: written online below, hours "later"
     store.flush()
@@ -511,22 +680,26 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     at = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now).to_dict()
     assert at["not_card_count_30h"] == [2]
     fourth = third.set_column(third.schema.get_field_index("payment_id"), "payment_id", pa.array([4], pa.int64()))
-    fourth = fourth.set_column(fourth.schema.get_field_index("event_timestamp"), "event_timestamp",
-                               pa.array([now + timedelta(hours=38)], TS))
+    fourth = fourth.set_column(
+        fourth.schema.get_field_index("event_timestamp"), "event_timestamp", pa.array([now + timedelta(hours=38)], TS)
+    )
     store.materializer().write_online(view, fourth, now + timedelta(hours=39))  # cutoff 9 h ahead: ids before -21 h go
     ids = {int.from_bytes(k, "big") ^ (1 << 63) for k in client.hkeys(key + b"|ids")}
     assert ids == {2, 3, 4} and client.zcard(key) == 1
 
 
-@pytest.mark.parametrize("change, message", [
-    ('Aggregation("median", H, "amount")', "function 'median' is not one of"),
-    ('Aggregation("sum", H, "kind")', "sum needs a numeric column"),
-    ('Aggregation("max", H, "fee")', "column 'fee' is not in the view's schema"),
-    ('Aggregation("last_n", H, "amount")', "last_n needs n="),
-    ('Aggregation("count", timedelta(0))', "window must be a positive timedelta"),
-    ('Aggregation("count", H, where=("kind", "~", "x"))', "where-operator '~'"),
-    ('Aggregation("count", H), Aggregation("count", H)', "two aggregations are named 'count_1h'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ('Aggregation("median", H, "amount")', "function 'median' is not one of"),
+        ('Aggregation("sum", H, "kind")', "sum needs a numeric column"),
+        ('Aggregation("max", H, "fee")', "column 'fee' is not in the view's schema"),
+        ('Aggregation("last_n", H, "amount")', "last_n needs n="),
+        ('Aggregation("count", timedelta(0))', "window must be a positive timedelta"),
+        ('Aggregation("count", H, where=("kind", "~", "x"))', "where-operator '~'"),
+        ('Aggregation("count", H), Aggregation("count", H)', "two aggregations are named 'count_1h'"),
+    ],
+)
 def test_bad_aggregations_are_reported(make_store, change, message):
     features = FEATURES.replace('Aggregation("count", H),\n', change + ",\n", 1)
     store = make_store(features, apply=False)
@@ -535,11 +708,23 @@ def test_bad_aggregations_are_reported(make_store, change, message):
 
 
 @settings(max_examples=150, deadline=None)
-@given(events=st.lists(st.tuples(
-    st.integers(-3, 3), st.integers(-2**62, 2**62), st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)),
-    st.one_of(st.none(), st.floats(width=32)), st.one_of(st.none(), st.floats()), st.one_of(st.none(), st.booleans()),
-    st.one_of(st.none(), st.integers(-10**15, 10**15))), max_size=40),
-    low=st.integers(-4, 2), high=st.integers(-2, 4), with_text=st.booleans())
+@given(
+    events=st.lists(
+        st.tuples(
+            st.integers(-3, 3),
+            st.integers(-(2**62), 2**62),
+            st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1)),
+            st.one_of(st.none(), st.floats(width=32)),
+            st.one_of(st.none(), st.floats()),
+            st.one_of(st.none(), st.booleans()),
+            st.one_of(st.none(), st.integers(-(10**15), 10**15)),
+        ),
+        max_size=40,
+    ),
+    low=st.integers(-4, 2),
+    high=st.integers(-2, 4),
+    with_text=st.booleans(),
+)
 def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, high, with_text):
     """Online aggregations decode an entity's events at once (their heads as one numpy record
     array): the same events, order ((time, id), equal times included), values, nulls, NaN,
@@ -549,25 +734,46 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
     from featurestore.online.codec import encode_events, events_between, make_decoder, make_events_decoder
     from featurestore.types import from_name
 
-    names = ["Int32", "Float32", "Float64", "Bool", "UnixTimestamp", *(["String", "Bytes", "Array(Float64)"] if with_text else [])]
+    names = [
+        "Int32",
+        "Float32",
+        "Float64",
+        "Bool",
+        "UnixTimestamp",
+        *(["String", "Bytes", "Array(Float64)"] if with_text else []),
+    ]
     features = [(f"c{k}", from_name(n)) for k, n in enumerate(names)]
     us = pa.timestamp("us", tz="UTC")
-    table = pa.table({
-        "event_timestamp": pa.array([e[0] for e in events], pa.int64()).cast(us),
-        "created_timestamp": pa.array([0] * len(events), pa.int64()).cast(us),
-        "_run_id": pa.array([1] * len(events), pa.int64()), "_row_id": pa.array(range(len(events)), pa.int64()),
-        "c0": pa.array([e[2] for e in events], pa.int32()), "c1": pa.array([e[3] for e in events], pa.float32()),
-        "c2": pa.array([e[4] for e in events], pa.float64()), "c3": pa.array([e[5] for e in events], pa.bool_()),
-        "c4": pa.array([e[6] for e in events], pa.int64()).cast(us),
-        **({"c5": pa.array([None if e[2] is None else str(e[2]) for e in events], pa.string()),
-            "c6": pa.array([None if e[5] is None else bytes([e[0] % 256]) * ((e[2] or 0) % 5) for e in events], pa.binary()),
-            "c7": pa.array([None if e[3] is None else [e[4], e[3]] for e in events], pa.list_(pa.float64()))} if with_text else {}),
-    })
+    table = pa.table(
+        {
+            "event_timestamp": pa.array([e[0] for e in events], pa.int64()).cast(us),
+            "created_timestamp": pa.array([0] * len(events), pa.int64()).cast(us),
+            "_run_id": pa.array([1] * len(events), pa.int64()),
+            "_row_id": pa.array(range(len(events)), pa.int64()),
+            "c0": pa.array([e[2] for e in events], pa.int32()),
+            "c1": pa.array([e[3] for e in events], pa.float32()),
+            "c2": pa.array([e[4] for e in events], pa.float64()),
+            "c3": pa.array([e[5] for e in events], pa.bool_()),
+            "c4": pa.array([e[6] for e in events], pa.int64()).cast(us),
+            **(
+                {
+                    "c5": pa.array([None if e[2] is None else str(e[2]) for e in events], pa.string()),
+                    "c6": pa.array(
+                        [None if e[5] is None else bytes([e[0] % 256]) * ((e[2] or 0) % 5) for e in events], pa.binary()
+                    ),
+                    "c7": pa.array([None if e[3] is None else [e[4], e[3]] for e in events], pa.list_(pa.float64())),
+                }
+                if with_text
+                else {}
+            ),
+        }
+    )
     members = encode_events(table, features, np.array([e[1] for e in events], dtype=np.int64)).to_pylist()
     wanted = list(range(len(features)))
     times, columns = make_events_decoder(features, wanted, at_once_from=0)(members, low, high)
     one = make_decoder(features, wanted)
     expected = [one(m[8:]) for m in events_between(members, low, high)]
+
     def same(a, b) -> bool:  # NaN equals NaN, in arrays too
         if isinstance(a, list) and isinstance(b, list):
             return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
@@ -576,7 +782,11 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
     assert times == [t for t, _ in expected]
     for k in wanted:
         got, want = columns[k], [row[k] for _, row in expected]
-        assert len(got) == len(want) and all(same(a, b) and type(a) is type(b) for a, b in zip(got, want)), (names[k], got, want)
+        assert len(got) == len(want) and all(same(a, b) and type(a) is type(b) for a, b in zip(got, want)), (
+            names[k],
+            got,
+            want,
+        )
 
 
 # ---------------------------------------------------------------- edge cases both paths must agree on
@@ -612,20 +822,48 @@ edges = FeatureView(
     ],
 )
 """
-EDGE_NAMES = ["count_1h", "amount_sum_1h", "amount_variance_1h", "amount_stddev_1h", "big", "not_big", "not_600", "in_600",
-              "not_in_600", "f_is", "f_above", "f_not"]
+EDGE_NAMES = [
+    "count_1h",
+    "amount_sum_1h",
+    "amount_variance_1h",
+    "amount_stddev_1h",
+    "big",
+    "not_big",
+    "not_600",
+    "in_600",
+    "not_in_600",
+    "f_is",
+    "f_above",
+    "f_not",
+]
 
 
 def _edge_rows(events: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist([{"n": 0, "f": None, **e} for e in events], pa.schema([
-        ("payment_id", pa.int64()), ("card_id", pa.int64()), ("amount", pa.float64()), ("f", pa.float32()), ("n", pa.int64()),
-        ("event_timestamp", TS)]))
+    return pa.Table.from_pylist(
+        [{"n": 0, "f": None, **e} for e in events],
+        pa.schema(
+            [
+                ("payment_id", pa.int64()),
+                ("card_id", pa.int64()),
+                ("amount", pa.float64()),
+                ("f", pa.float32()),
+                ("n", pa.int64()),
+                ("event_timestamp", TS),
+            ]
+        ),
+    )
 
 
 def _both(store, card: int, at: datetime, names: list[str], view: str = "edges") -> tuple[dict, dict]:
     refs = [f"{view}:{n}" for n in names]
-    offline = store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [at]}), features=refs).to_arrow().to_pylist()[0]
-    online = {k: v[0] for k, v in store.get_online_features([{"card_id": card}], features=refs, at=at).to_dict().items()}
+    offline = (
+        store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [at]}), features=refs)
+        .to_arrow()
+        .to_pylist()[0]
+    )
+    online = {
+        k: v[0] for k, v in store.get_online_features([{"card_id": card}], features=refs, at=at).to_dict().items()
+    }
     return {n: offline[n] for n in names}, {n: online[n] for n in names}
 
 
@@ -636,17 +874,39 @@ def test_where_filters_compare_as_ieee_with_values_typed_like_the_column(make_st
     store = make_store(EDGE_FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     amounts, fs = [math.nan, 600.0, -1.0], [0.1, 0.5, None]
-    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 1, "amount": a, "f": f, "event_timestamp": now - timedelta(minutes=i + 1)}
-                                        for i, (a, f) in enumerate(zip(amounts, fs))]))
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {"payment_id": i, "card_id": 1, "amount": a, "f": f, "event_timestamp": now - timedelta(minutes=i + 1)}
+                for i, (a, f) in enumerate(zip(amounts, fs))
+            ]
+        ),
+    )
     import numpy as np
 
     f32 = [None if f is None else float(np.float32(f)) for f in fs]
     tenth = float(np.float32(0.1))
-    want = {"big": sum(a > 500 for a in amounts), "not_big": sum(a <= 500 for a in amounts), "not_600": sum(a != 600 for a in amounts),
-            "in_600": sum(a == 600 for a in amounts), "not_in_600": sum(a != 600 for a in amounts),
-            "f_is": sum(f == tenth for f in f32 if f is not None), "f_above": sum(f > tenth for f in f32 if f is not None),
-            "f_not": sum(f != tenth for f in f32 if f is not None)}
-    assert want == {"big": 1, "not_big": 1, "not_600": 2, "in_600": 1, "not_in_600": 2, "f_is": 1, "f_above": 1, "f_not": 1}
+    want = {
+        "big": sum(a > 500 for a in amounts),
+        "not_big": sum(a <= 500 for a in amounts),
+        "not_600": sum(a != 600 for a in amounts),
+        "in_600": sum(a == 600 for a in amounts),
+        "not_in_600": sum(a != 600 for a in amounts),
+        "f_is": sum(f == tenth for f in f32 if f is not None),
+        "f_above": sum(f > tenth for f in f32 if f is not None),
+        "f_not": sum(f != tenth for f in f32 if f is not None),
+    }
+    assert want == {
+        "big": 1,
+        "not_big": 1,
+        "not_600": 2,
+        "in_600": 1,
+        "not_in_600": 2,
+        "f_is": 1,
+        "f_above": 1,
+        "f_not": 1,
+    }
     offline, online = _both(store, 1, now, list(want))
     assert offline == want and online == want
 
@@ -663,12 +923,28 @@ def test_an_event_id_reused_past_the_longest_window_is_a_new_event_on_both_paths
     are one event (the first wins), further apart two, on both paths."""
     store = make_store(EDGE_FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    store.push("payments", _edge_rows([{"payment_id": 1, "card_id": 2, "amount": 1.0, "event_timestamp": now - timedelta(hours=3)},
-                                        {"payment_id": 2, "card_id": 2, "amount": 2.0, "event_timestamp": now - timedelta(minutes=50)}]))
-    store.push("payments", _edge_rows([{"payment_id": 1, "card_id": 2, "amount": 5.0, "event_timestamp": now - timedelta(minutes=10)},
-                                        {"payment_id": 2, "card_id": 2, "amount": 7.0, "event_timestamp": now - timedelta(minutes=5)}]))
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {"payment_id": 1, "card_id": 2, "amount": 1.0, "event_timestamp": now - timedelta(hours=3)},
+                {"payment_id": 2, "card_id": 2, "amount": 2.0, "event_timestamp": now - timedelta(minutes=50)},
+            ]
+        ),
+    )
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {"payment_id": 1, "card_id": 2, "amount": 5.0, "event_timestamp": now - timedelta(minutes=10)},
+                {"payment_id": 2, "card_id": 2, "amount": 7.0, "event_timestamp": now - timedelta(minutes=5)},
+            ]
+        ),
+    )
     offline, online = _both(store, 2, now, ["count_1h", "amount_sum_1h"])
-    assert offline == online == {"count_1h": 2, "amount_sum_1h": 7.0}  # id 1 again (3 h apart: new), id 2 once (45 min: the first)
+    assert (
+        offline == online == {"count_1h": 2, "amount_sum_1h": 7.0}
+    )  # id 1 again (3 h apart: new), id 2 once (45 min: the first)
 
 
 def test_a_backfill_keeps_the_first_write_of_each_event_id_first(tmp_path, redis_url, monkeypatch):
@@ -679,20 +955,36 @@ def test_a_backfill_keeps_the_first_write_of_each_event_id_first(tmp_path, redis
     from tests.conftest import write_repo
 
     monkeypatch.delenv("REDIS_URL", raising=False)
-    without_f = EDGE_FEATURES.replace('schema=[Field("payment_id", Int64), Field("amount", Float64), Field("f", Float32), Field("n", Int64)],',
-                                      'schema=[Field("payment_id", Int64), Field("amount", Float64), Field("n", Int64)],')
-    without_f = without_f[:without_f.index('        Aggregation("count", H, name="f_is"')] + "    ],\n)\n"
+    without_f = EDGE_FEATURES.replace(
+        'schema=[Field("payment_id", Int64), Field("amount", Float64), Field("f", Float32), Field("n", Int64)],',
+        'schema=[Field("payment_id", Int64), Field("amount", Float64), Field("n", Int64)],',
+    )
+    without_f = without_f[: without_f.index('        Aggregation("count", H, name="f_is"')] + "    ],\n)\n"
     root = write_repo(tmp_path / "repo", without_f, url=redis_url)
     store = FeatureStore(root)
     store.apply()
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 3, "amount": 1.0, "event_timestamp": now - timedelta(minutes=i)}
-                                        for i in range(1, 9)]))
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {"payment_id": i, "card_id": 3, "amount": 1.0, "event_timestamp": now - timedelta(minutes=i)}
+                for i in range(1, 9)
+            ]
+        ),
+    )
     for i in range(1, 9):
-        store.push("payments", _edge_rows([{"payment_id": i, "card_id": 3, "amount": 100.0, "event_timestamp": now - timedelta(minutes=i)}]))
+        store.push(
+            "payments",
+            _edge_rows(
+                [{"payment_id": i, "card_id": 3, "amount": 100.0, "event_timestamp": now - timedelta(minutes=i)}]
+            ),
+        )
     assert _both(store, 3, now, ["amount_sum_1h"]) == ({"amount_sum_1h": 8.0}, {"amount_sum_1h": 8.0})
     store.close()
-    (root / "features.py").write_text(EDGE_FEATURES)  # a column added to the event view: a new version, backfilled from the push log
+    (root / "features.py").write_text(
+        EDGE_FEATURES
+    )  # a column added to the event view: a new version, backfilled from the push log
     store = FeatureStore(root)
     try:
         plan = store.apply()
@@ -728,11 +1020,26 @@ def test_integer_sums_past_int64_are_the_same_error_on_both_paths(make_store):
 
     store = make_store(EDGE_FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 5, "amount": 1.0, "n": 2**62, "event_timestamp": now - timedelta(minutes=i)}
-                                        for i in range(1, 3)]))
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {
+                    "payment_id": i,
+                    "card_id": 5,
+                    "amount": 1.0,
+                    "n": 2**62,
+                    "event_timestamp": now - timedelta(minutes=i),
+                }
+                for i in range(1, 3)
+            ]
+        ),
+    )
     entity_df = pd.DataFrame({"card_id": [5], "event_timestamp": [now]})
-    for lookup in (lambda: store.get_historical_features(entity_df, features=["edges:n_sum_1h"]).to_arrow(),
-                   lambda: store.get_online_features([{"card_id": 5}], features=["edges:n_sum_1h"], at=now)):
+    for lookup in (
+        lambda: store.get_historical_features(entity_df, features=["edges:n_sum_1h"]).to_arrow(),
+        lambda: store.get_online_features([{"card_id": 5}], features=["edges:n_sum_1h"], at=now),
+    ):
         with pytest.raises(AggregationOverflow, match="aggregation 'n_sum_1h' of view 'edges'.*leaves Int64's range"):
             lookup()
     # the mean of the same integers is exact on both paths
@@ -745,8 +1052,15 @@ def test_variance_at_a_large_offset_is_accurate_and_the_same_on_both_paths(make_
     store = make_store(EDGE_FEATURES)
     now = datetime.now(timezone.utc).replace(microsecond=0)
     values = [1e15 + d for d in (0.125, 0.25, 0.5, 0.625)]
-    store.push("payments", _edge_rows([{"payment_id": i, "card_id": 6, "amount": v, "event_timestamp": now - timedelta(minutes=i + 1)}
-                                        for i, v in enumerate(values)]))
+    store.push(
+        "payments",
+        _edge_rows(
+            [
+                {"payment_id": i, "card_id": 6, "amount": v, "event_timestamp": now - timedelta(minutes=i + 1)}
+                for i, v in enumerate(values)
+            ]
+        ),
+    )
     exact = 0.15625 / 3
     for _ in range(3):  # deterministic
         offline, online = _both(store, 6, now, ["amount_variance_1h", "amount_stddev_1h"])
@@ -755,11 +1069,22 @@ def test_variance_at_a_large_offset_is_accurate_and_the_same_on_both_paths(make_
         assert math.isclose(offline["amount_stddev_1h"], math.sqrt(exact), rel_tol=1e-12)
 
 
-@settings(max_examples=max(10, settings.default.max_examples // 5), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(amounts=st.lists(st.one_of(st.floats(-1e6, 1e6).filter(lambda x: x == 0 or abs(x) >= 1e-3),
-                                  st.sampled_from([0.1, -0.1, 1e-3, 3.0, -0.0]),
-                                  st.floats(-1, 1).map(lambda x: x * 1e4 + 1e12)), min_size=1, max_size=60))
+@settings(
+    max_examples=max(10, settings.default.max_examples // 5),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    amounts=st.lists(
+        st.one_of(
+            st.floats(-1e6, 1e6).filter(lambda x: x == 0 or abs(x) >= 1e-3),
+            st.sampled_from([0.1, -0.1, 1e-3, 3.0, -0.0]),
+            st.floats(-1, 1).map(lambda x: x * 1e4 + 1e12),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
 def test_float_sums_and_means_are_the_exact_sum_rounded_once_on_both_paths(activity_store, amounts):
     """Offline sums were DuckDB's compensated ``fsum``, which can miss the correctly rounded sum
     (41 of ~100k values in an independent check). Offline now sums exactly (128-bit integers of
@@ -769,10 +1094,27 @@ def test_float_sums_and_means_are_the_exact_sum_rounded_once_on_both_paths(activ
     store = activity_store
     card = next(_cards) * 10 + 8_000_000
     now = BASE + timedelta(days=400)
-    store.push("payments", _frame([{"payment_id": card * 100 + i, "card_id": card, "amount": a, "kind": "web",
-                                    "event_timestamp": now - timedelta(minutes=1 + i % 100)} for i, a in enumerate(amounts)]))
+    store.push(
+        "payments",
+        _frame(
+            [
+                {
+                    "payment_id": card * 100 + i,
+                    "card_id": card,
+                    "amount": a,
+                    "kind": "web",
+                    "event_timestamp": now - timedelta(minutes=1 + i % 100),
+                }
+                for i, a in enumerate(amounts)
+            ]
+        ),
+    )
     refs = ["activity:amount_sum_3h", "activity:amount_mean_3h"]
-    offline = store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [now]}), features=refs).to_arrow().to_pylist()[0]
+    offline = (
+        store.get_historical_features(pd.DataFrame({"card_id": [card], "event_timestamp": [now]}), features=refs)
+        .to_arrow()
+        .to_pylist()[0]
+    )
     online = store.get_online_features([{"card_id": card}], features=refs, at=now).to_dict()
     exact = math.fsum(amounts) + 0.0
     assert offline["amount_sum_3h"] == online["amount_sum_3h"][0] == exact
@@ -782,7 +1124,7 @@ def test_float_sums_and_means_are_the_exact_sum_rounded_once_on_both_paths(activ
 def test_negative_zero_keeps_its_sign_as_a_value_and_is_zero_as_a_key(make_store):
     """``latest_per_entity`` sent -0.0 online as 0.0 (so ``amount / x`` gave +inf online, -inf
     offline), and a Float64 key of -0.0 was NOT_FOUND online while offline joined it with 0.0."""
-    features = '''
+    features = """
 from datetime import timedelta
 from featurestore import Entity, FeatureView, Field, PushSource, RequestSource, on_demand_feature_view
 from featurestore.types import Float64, UnixTimestamp
@@ -796,15 +1138,22 @@ req = RequestSource(name="req", schema=[Field("amount", Float64)])
 @on_demand_feature_view(sources=[readings[["x"]], req], schema=[Field("ratio", Float64)])
 def ratio(inputs):
     return {"ratio": pc.divide(inputs["amount"], inputs["x"])}
-'''
+"""
     store = make_store(features)
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    store.push("readings", pa.table({"lat": [-0.0, 1.5], "x": [-0.0, -0.0], "event_timestamp": pa.array([now - timedelta(minutes=1)] * 2, TS)}),
-               to="online_and_offline")
+    store.push(
+        "readings",
+        pa.table(
+            {"lat": [-0.0, 1.5], "x": [-0.0, -0.0], "event_timestamp": pa.array([now - timedelta(minutes=1)] * 2, TS)}
+        ),
+        to="online_and_offline",
+    )
     store.materialize_incremental()
     entity_df = pd.DataFrame({"lat": [0.0, 1.5], "amount": [1.0, 1.0], "event_timestamp": [now, now]})
     offline = store.get_historical_features(entity_df, features=["readings:x", "ratio:ratio"]).to_arrow().to_pylist()
-    online = store.get_online_features({"lat": [0.0, 1.5], "amount": [1.0, 1.0]}, features=["readings:x", "ratio:ratio"]).to_dict()
+    online = store.get_online_features(
+        {"lat": [0.0, 1.5], "amount": [1.0, 1.0]}, features=["readings:x", "ratio:ratio"]
+    ).to_dict()
     for i in range(2):
         assert math.copysign(1, offline[i]["x"]) == -1 and math.copysign(1, online["x"][i]) == -1
         assert offline[i]["ratio"] == online["ratio"][i] == -math.inf
@@ -817,7 +1166,9 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
     store = make_store(FEATURES)
     layout = store.get_feature_view("activity").online_field
     root = store.config.repo_path
-    (root / "features.py").write_text((root / "features.py").read_text().replace("Aggregation(\"count\", 30 * H,", "Aggregation(\"count\", 40 * H,"))
+    (root / "features.py").write_text(
+        (root / "features.py").read_text().replace('Aggregation("count", 30 * H,', 'Aggregation("count", 40 * H,')
+    )
     from featurestore import FeatureStore
 
     with FeatureStore(root) as changed:

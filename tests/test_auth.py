@@ -39,8 +39,15 @@ def secured(tmp_path, redis_url, monkeypatch):
 
 ROUTES = [
     ("post", "/get-online-features", {"features": ["spend:amount"], "entities": {"card_id": [1]}}, "read"),
-    ("post", "/push", {"push_source_name": "events", "df": {"card_id": [1], "amount": [1.0], "country": ["FR"],
-                                                            "event_timestamp": [NOW.isoformat()]}}, "push"),
+    (
+        "post",
+        "/push",
+        {
+            "push_source_name": "events",
+            "df": {"card_id": [1], "amount": [1.0], "country": ["FR"], "event_timestamp": [NOW.isoformat()]},
+        },
+        "push",
+    ),
     ("post", "/materialize-incremental", {}, "materialize"),
     ("get", "/jobs", None, "materialize"),
     ("get", "/health", None, "read"),
@@ -53,7 +60,9 @@ ROUTES = [
 @pytest.mark.parametrize("method, path, body, scope", ROUTES)
 def test_every_route_needs_a_key_with_its_scope(secured, method, path, body, scope):
     client, _ = secured
-    call = lambda headers: getattr(client, method)(path, headers=headers, **({"json": body} if body is not None else {}))  # noqa: E731
+    call = lambda headers: getattr(client, method)(
+        path, headers=headers, **({"json": body} if body is not None else {})
+    )  # noqa: E731
     assert call({}).status_code == 401
     assert call({"Authorization": "Bearer wrong"}).status_code == 401
     allowed = {"read": "reader", "push": "pusher", "materialize": "operator"}[scope]
@@ -77,14 +86,22 @@ def test_serving_beyond_loopback_needs_keys_or_an_explicit_off(tmp_path, redis_u
     monkeypatch.delenv("REDIS_URL", raising=False)
     root = write_repo(tmp_path / "open", DEFS, url=redis_url)
     FeatureStore(root).apply()
-    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--host", "0.0.0.0"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and "server.auth" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_api_key_command_prints_a_key_and_its_config(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "api-key", "--name", "svc", "--scope", "read"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "api-key", "--name", "svc", "--scope", "read"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0
     key = next(line.split()[-1] for line in result.stdout.splitlines() if line.startswith("key:"))
     assert hash_key(key) in result.stdout
@@ -95,16 +112,31 @@ def test_write_to_online_store_honours_the_push_scopes_source(secured):
     ``/write-to-online-store`` (and a lookup then served the injected row)."""
     client, _ = secured
     rows = {"card_id": [7], "total": [1e9], "event_timestamp": [NOW.isoformat()]}
-    response = client.post("/write-to-online-store", json={"feature_view_name": "stats", "df": rows}, headers={"X-API-Key": "key-pusher"})
+    response = client.post(
+        "/write-to-online-store", json={"feature_view_name": "stats", "df": rows}, headers={"X-API-Key": "key-pusher"}
+    )
     assert response.status_code == 403 and "push:ledger" in response.json()["detail"]
-    lookup = client.post("/get-online-features", json={"features": ["stats:total"], "entities": {"card_id": [7]}},
-                         headers={"X-API-Key": "key-reader"})
+    lookup = client.post(
+        "/get-online-features",
+        json={"features": ["stats:total"], "entities": {"card_id": [7]}},
+        headers={"X-API-Key": "key-reader"},
+    )
     assert lookup.json()["results"][1]["statuses"] == ["NOT_FOUND"]
     own = {"card_id": [7], "amount": [2.0], "country": ["FR"], "event_timestamp": [NOW.isoformat()]}
-    assert client.post("/write-to-online-store", json={"feature_view_name": "spend", "df": own},
-                       headers={"X-API-Key": "key-pusher"}).status_code == 200
-    assert client.post("/write-to-online-store", json={"feature_view_name": "stats", "df": rows},
-                       headers={"X-API-Key": "key-root"}).status_code == 200
+    assert (
+        client.post(
+            "/write-to-online-store",
+            json={"feature_view_name": "spend", "df": own},
+            headers={"X-API-Key": "key-pusher"},
+        ).status_code
+        == 200
+    )
+    assert (
+        client.post(
+            "/write-to-online-store", json={"feature_view_name": "stats", "df": rows}, headers={"X-API-Key": "key-root"}
+        ).status_code
+        == 200
+    )
 
 
 def test_a_projects_keys_are_never_another_projects(tmp_path, redis_url, monkeypatch):
@@ -116,7 +148,9 @@ def test_a_projects_keys_are_never_another_projects(tmp_path, redis_url, monkeyp
         root = write_repo(tmp_path / project.replace(":", "_").replace("*", "x"), DEFS, url=redis_url, project=project)
         store = stores[project] = FeatureStore(root)
         store.apply()
-        store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online")
+        store.push(
+            "events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online"
+        )
     try:
         shop = stores["shop"]
         (shop.config.repo_path / "features.py").write_text(DEFS.split("spend = FeatureView")[0] + "ledger = None\n")
@@ -144,7 +178,9 @@ def test_stored_data_is_private_to_its_user(tmp_path, redis_url, monkeypatch):
         f.write(f"offline_store: {{path: '{tmp_path / 'elsewhere' / 'history'}'}}\n")
     with FeatureStore(root) as store:
         store.apply()
-        store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="offline")
+        store.push(
+            "events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="offline"
+        )
         store.flush()
         for folder in (store.config.data_dir, store.config.offline_path, store.config.registry_path):
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder

@@ -26,8 +26,20 @@ class Engine:
         self.repo = write_repo(root, "", url=redis_url)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo", str(self.repo),
-                     "--port", str(self.port), *(["--source", source] if source else []), *(["--upstream", upstream] if upstream else [])]
+        self.args = [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "checkpoint-engine",
+            "--model",
+            "m",
+            "--repo",
+            str(self.repo),
+            "--port",
+            str(self.port),
+            *(["--source", source] if source else []),
+            *(["--upstream", upstream] if upstream else []),
+        ]
         self.start()
 
     def start(self) -> None:
@@ -105,8 +117,11 @@ def test_versions_reach_every_replica_through_a_tree_and_catch_up(tmp_path, redi
         fourth.registry.verify("m", v2)
 
         # rollback is one command, and reaches the replicas like a promotion
-        subprocess.run([sys.executable, "-m", "featurestore.cli", "models", "rollback", "m", "--repo", str(source.repo)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", "models", "rollback", "m", "--repo", str(source.repo)],
+            check=True,
+            capture_output=True,
+        )
         _until(lambda: all(e.serves(v1) for e in (second, third, fourth)), engines)
     finally:
         for e in engines:
@@ -143,25 +158,53 @@ def test_engines_take_the_servers_api_keys_and_replicas_present_theirs(tmp_path,
 
     from featurestore.auth import hash_key
 
-    entries = [{"name": "replicas", "sha256": hash_key("key-replicas"), "scopes": ["read"]},
-               {"name": "pusher", "sha256": hash_key("key-pusher"), "scopes": ["push"]}]
+    entries = [
+        {"name": "replicas", "sha256": hash_key("key-replicas"), "scopes": ["read"]},
+        {"name": "pusher", "sha256": hash_key("key-pusher"), "scopes": ["push"]},
+    ]
     source = Engine.__new__(Engine)
     source.repo = write_repo(tmp_path / "source", "", url=redis_url)
     with open(source.repo / "featurestore.yaml", "a") as f:
         f.write("server:\n  auth:\n    keys: " + json.dumps(entries) + "\n")
-    refused = subprocess.run([sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo",
-                              str(write_repo(tmp_path / "open", "", url=redis_url)), "--host", "0.0.0.0"],
-                             capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "checkpoint-engine",
+            "--model",
+            "m",
+            "--repo",
+            str(write_repo(tmp_path / "open", "", url=redis_url)),
+            "--host",
+            "0.0.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 1 and "server.auth" in refused.stderr and "Traceback" not in refused.stderr
     source.port = free_port()
     source.url = f"http://127.0.0.1:{source.port}"
-    source.args = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo", str(source.repo),
-                   "--port", str(source.port)]
+    source.args = [
+        sys.executable,
+        "-m",
+        "featurestore.cli",
+        "checkpoint-engine",
+        "--model",
+        "m",
+        "--repo",
+        str(source.repo),
+        "--port",
+        str(source.port),
+    ]
     source.process = subprocess.Popen(source.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     monkeypatch.setenv("FEATURESTORE_API_KEY", "key-replicas")  # what the replica presents
     replica = None
     try:
-        _until(lambda: httpx.get(source.url + "/stats", headers={"X-API-Key": "key-replicas"}).status_code == 200, [source])
+        _until(
+            lambda: httpx.get(source.url + "/stats", headers={"X-API-Key": "key-replicas"}).status_code == 200, [source]
+        )
         v1 = source.registry.register("m", run)
         source.registry.promote("m", v1, "production")
         assert httpx.get(f"{source.url}/models/m/{v1}/model.pt").status_code == 401
@@ -188,8 +231,16 @@ def test_a_replica_refuses_names_and_versions_that_would_leave_its_registry(tmp_
 
     digest = hashlib.sha256(b"x").hexdigest()
     answers = [
-        {"aliases": {"production": "../../../t9-escaped"}, "versions": {"../../../t9-escaped": {f: digest for f in MODEL_FILES}}, "revision": "a"},
-        {"aliases": {"production": 1}, "versions": {"1": {f: digest for f in MODEL_FILES}, "../../x": {}}, "revision": "b"},
+        {
+            "aliases": {"production": "../../../t9-escaped"},
+            "versions": {"../../../t9-escaped": {f: digest for f in MODEL_FILES}},
+            "revision": "a",
+        },
+        {
+            "aliases": {"production": 1},
+            "versions": {"1": {f: digest for f in MODEL_FILES}, "../../x": {}},
+            "revision": "b",
+        },
         {"aliases": {"../stage": 1}, "versions": {"1": {f: digest for f in MODEL_FILES}}, "revision": "c"},
         {"aliases": {"production": 1}, "versions": {"1": {f: "../../etc" for f in MODEL_FILES}}, "revision": "d"},
     ]

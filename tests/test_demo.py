@@ -11,8 +11,25 @@ REPO = Path(__file__).resolve().parents[1]
 def test_demo_runs_end_to_end_and_proves_consistency(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "FEATURESTORE_DATA_DIR")}
     result = subprocess.run(
-        [sys.executable, "-m", "featurestore.cli", "demo", "--data-dir", str(tmp_path), "--cards", "300", "--days", "10", "--replay-days", "0.5"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "demo",
+            "--data-dir",
+            str(tmp_path),
+            "--cards",
+            "300",
+            "--days",
+            "10",
+            "--replay-days",
+            "0.5",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout

@@ -29,17 +29,31 @@ def make_dataset(folder: Path, rows: int = 4000, row_group: int = 1000, seed: in
     risk = rng.normal(0, 1, rows)
     label = ((amount > 80) & (country == "US")) | (risk > 1.2)
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
-    table = pa.table({
-        "card_id": pa.array(np.arange(rows) % 97, pa.int64()),
-        "event_timestamp": pa.array([start + timedelta(minutes=i) for i in range(rows)], pa.timestamp("us", tz="UTC")),
-        "amount": amount, "country": country, "risk": risk, "label": label.astype(np.int64),
-    })
+    table = pa.table(
+        {
+            "card_id": pa.array(np.arange(rows) % 97, pa.int64()),
+            "event_timestamp": pa.array(
+                [start + timedelta(minutes=i) for i in range(rows)], pa.timestamp("us", tz="UTC")
+            ),
+            "amount": amount,
+            "country": country,
+            "risk": risk,
+            "label": label.astype(np.int64),
+        }
+    )
     folder.mkdir(parents=True)
     pq.write_table(table, folder / "data-00000.parquet", row_group_size=row_group)
-    (folder / "manifest.json").write_text(json.dumps({
-        "feature_service": "svc", "features": ["v:amount", "v:country", "v:risk"], "definition_hashes": {"v": "0"},
-        "manifest_hash": "test", "files": [{"path": "data-00000.parquet", "rows": rows}],
-    }))
+    (folder / "manifest.json").write_text(
+        json.dumps(
+            {
+                "feature_service": "svc",
+                "features": ["v:amount", "v:country", "v:risk"],
+                "definition_hashes": {"v": "0"},
+                "manifest_hash": "test",
+                "files": [{"path": "data-00000.parquet", "rows": rows}],
+            }
+        )
+    )
     return folder
 
 
@@ -60,25 +74,63 @@ def _train(repo: Path, dataset: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     args = ("--batch-size", "128", *args) if "--batch-size" not in args else args
-    out = subprocess.run([sys.executable, "-m", "featurestore.cli", "train", "--repo", str(repo), "--dataset", str(dataset),
-                          "--device", "cpu", *args], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "train",
+            "--repo",
+            str(repo),
+            "--dataset",
+            str(dataset),
+            "--device",
+            "cpu",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_id = out.stdout.split("run ", 1)[1].split(":", 1)[0]
     return {"run": repo / "data" / "runs" / run_id, "stdout": out.stdout}
 
 
-@pytest.mark.parametrize("world, group, resumed_world, resumed_group", [
-    (2, 2, 1, 1),  # FSDP on 2 ranks, resumed on 1
-    pytest.param(4, 2, 2, 2, marks=pytest.mark.slow),  # HSDP: 2 sync groups of 2 shards, resumed on one group
-])
-def test_sharded_run_checkpoints_and_resumes_on_another_world_size(tmp_path, world, group, resumed_world, resumed_group):
+@pytest.mark.parametrize(
+    "world, group, resumed_world, resumed_group",
+    [
+        (2, 2, 1, 1),  # FSDP on 2 ranks, resumed on 1
+        pytest.param(4, 2, 2, 2, marks=pytest.mark.slow),  # HSDP: 2 sync groups of 2 shards, resumed on one group
+    ],
+)
+def test_sharded_run_checkpoints_and_resumes_on_another_world_size(
+    tmp_path, world, group, resumed_world, resumed_group
+):
     repo = write_repo(tmp_path / "repo", "")
     dataset = make_dataset(tmp_path / "ds")
-    first = _train(repo, dataset, "--epochs", "1", "--nproc-per-node", str(world), "--shard-group-size", str(group),
-                   "--entity-key", "card_id", "--entity-buckets", "20000")  # a table worth sharding
+    first = _train(
+        repo,
+        dataset,
+        "--epochs",
+        "1",
+        "--nproc-per-node",
+        str(world),
+        "--shard-group-size",
+        str(group),
+        "--entity-key",
+        "card_id",
+        "--entity-buckets",
+        "20000",
+    )  # a table worth sharding
     run = first["run"]
     params = json.loads((run / "params.json").read_text())
-    assert params["layout"]["world_size"] == world and params["layout"]["shard_group_size"] == group and params["layout"]["backend"] == "gloo"
+    assert (
+        params["layout"]["world_size"] == world
+        and params["layout"]["shard_group_size"] == group
+        and params["layout"]["backend"] == "gloo"
+    )
     shards = [p.name for p in (run / "dcp").iterdir() if p.name.startswith("step-")]
     assert len(shards) == 1 and not any(p.suffix == ".tmp" for p in (run / "dcp").iterdir())
     assert len(list((run / "dcp" / shards[0]).glob("*.distcp"))) == world  # one shard file per rank
@@ -87,8 +139,22 @@ def test_sharded_run_checkpoints_and_resumes_on_another_world_size(tmp_path, wor
     steps_first = read_metrics(run, writer="rank0")["step"].to_pylist()
 
     # resumed on another world size: the loss curve continues where it stopped
-    _train(repo, dataset, "--epochs", "2", "--nproc-per-node", str(resumed_world), "--shard-group-size", str(resumed_group),
-           "--resume", run.name, "--entity-key", "card_id", "--entity-buckets", "20000")
+    _train(
+        repo,
+        dataset,
+        "--epochs",
+        "2",
+        "--nproc-per-node",
+        str(resumed_world),
+        "--shard-group-size",
+        str(resumed_group),
+        "--resume",
+        run.name,
+        "--entity-key",
+        "card_id",
+        "--entity-buckets",
+        "20000",
+    )
     epochs = read_metrics(run, "epoch", writer="rank0")
     resumed = [step for step, epoch in zip(epochs["step"].to_pylist(), epochs["value"].to_pylist()) if epoch == 1]
     assert resumed and resumed[0] == max(steps_first) + 1

@@ -107,8 +107,11 @@ def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
     root = write_repo(tmp_path / "repo", FEATURES)  # embedded Redis: no url
     FeatureStore(root).apply()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    stream = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root)], env=env,
-                              stdout=subprocess.DEVNULL)  # runs until told to stop
+    stream = subprocess.Popen(
+        [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )  # runs until told to stop
     socket = EmbeddedRedis(root / "data").socket
     deadline = time.time() + 60
     while not _server_pids(str(socket)) and time.time() < deadline and stream.poll() is None:
@@ -133,8 +136,10 @@ def _hold(data_dir, *extra: str) -> subprocess.Popen:
     """Another process using the embedded Redis of ``data_dir`` until killed; prints its URL."""
     import sys
 
-    code = ("import sys, time; from featurestore.online.embedded import EmbeddedRedis; "
-            f"print(EmbeddedRedis({str(data_dir)!r}).ensure_running(), flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from featurestore.online.embedded import EmbeddedRedis; "
+        f"print(EmbeddedRedis({str(data_dir)!r}).ensure_running(), flush=True); time.sleep(600)"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert process.stdout.readline().startswith("unix://")
     return process
@@ -160,8 +165,11 @@ def test_one_server_per_directory_shared_until_the_last_user_leaves(tmp_path):
     assert _wait_gone(socket)
     # and a killed supervisor takes its redis-server with it (parent-death signal), never an orphan
     third = _hold(tmp_path)
-    supervisor = int(subprocess.run(["pgrep", "-f", "featurestore.online.embedded " + str(tmp_path)], capture_output=True,
-                                    text=True).stdout.split()[0])
+    supervisor = int(
+        subprocess.run(
+            ["pgrep", "-f", "featurestore.online.embedded " + str(tmp_path)], capture_output=True, text=True
+        ).stdout.split()[0]
+    )
     os.kill(supervisor, signal.SIGKILL)
     assert _wait_gone(socket)
     third.kill()

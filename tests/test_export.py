@@ -27,30 +27,56 @@ svc = FeatureService(name="svc", features=[spend])
 
 
 def push(store, start: int, n: int):
-    store.push("events", pd.DataFrame({
-        "card_id": [i % 7 for i in range(start, start + n)],
-        "amount": [float(i) for i in range(start, start + n)],
-        "event_timestamp": [NOW + timedelta(minutes=i) for i in range(start, start + n)],
-    }), to="offline")
+    store.push(
+        "events",
+        pd.DataFrame(
+            {
+                "card_id": [i % 7 for i in range(start, start + n)],
+                "amount": [float(i) for i in range(start, start + n)],
+                "event_timestamp": [NOW + timedelta(minutes=i) for i in range(start, start + n)],
+            }
+        ),
+        to="offline",
+    )
 
 
 def test_export_manifest_and_byte_identical_reproduction(make_store, tmp_path):
     store = make_store(DEFS)
     push(store, 0, 300)
-    labels = pd.DataFrame({"card_id": [i % 9 for i in range(500)], "event_timestamp": [NOW + timedelta(minutes=i, seconds=30) for i in range(500)], "label": [i % 2 for i in range(500)]})
+    labels = pd.DataFrame(
+        {
+            "card_id": [i % 9 for i in range(500)],
+            "event_timestamp": [NOW + timedelta(minutes=i, seconds=30) for i in range(500)],
+            "label": [i % 2 for i in range(500)],
+        }
+    )
     manifest = store.export_training_dataset(labels, "svc", tmp_path / "v1")
     assert manifest["row_count"] == 500 and manifest["table_versions"] == {"spend": 0}
-    assert set(manifest) >= {"feature_service", "definition_hashes", "entities", "schema", "files", "created_at", "package_version"}
+    assert set(manifest) >= {
+        "feature_service",
+        "definition_hashes",
+        "entities",
+        "schema",
+        "files",
+        "created_at",
+        "package_version",
+    }
     data = pq.read_table(tmp_path / "v1" / manifest["files"][0]["path"])
     assert data["label"].to_pylist() == labels["label"].tolist()
     assert data["amount"][1].as_py() == 1.0  # card 1 at minute 1:30 sees its own minute-1 row
 
     push(store, 300, 300)  # more data arrives after the export
     cli = [sys.executable, "-m", "featurestore.cli", "export", "--repo", str(store.config.repo_path)]
-    result = subprocess.run([*cli, "--from-manifest", str(tmp_path / "v1" / "manifest.json"), "--out", str(tmp_path / "v2")],
-                            capture_output=True, text=True, env={**__import__("os").environ, "REDIS_URL": store.config.online_url})
+    result = subprocess.run(
+        [*cli, "--from-manifest", str(tmp_path / "v1" / "manifest.json"), "--out", str(tmp_path / "v2")],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "REDIS_URL": store.config.online_url},
+    )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "v2" / "data-00000.parquet").read_bytes() == (tmp_path / "v1" / "data-00000.parquet").read_bytes()
+    assert (tmp_path / "v2" / "data-00000.parquet").read_bytes() == (
+        tmp_path / "v1" / "data-00000.parquet"
+    ).read_bytes()
     # a fresh export does see the new rows
     fresh = store.export_training_dataset(labels, "svc", tmp_path / "v3")
     assert fresh["files"][0]["sha256"] != manifest["files"][0]["sha256"]
@@ -59,7 +85,9 @@ def test_export_manifest_and_byte_identical_reproduction(make_store, tmp_path):
 def test_reproduction_refuses_changed_definitions(make_store, tmp_path):
     store = make_store(DEFS)
     push(store, 0, 10)
-    store.export_training_dataset(pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(hours=1)]}), "svc", tmp_path / "v1")
+    store.export_training_dataset(
+        pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(hours=1)]}), "svc", tmp_path / "v1"
+    )
     manifest = json.loads((tmp_path / "v1" / "manifest.json").read_text())
     manifest["definition_hashes"]["spend"] = "0" * 16
     (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))

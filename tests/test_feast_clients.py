@@ -42,16 +42,23 @@ def test_feasts_own_sdk_works_against_our_server(tmp_path, redis_url, monkeypatc
     monkeypatch.delenv("REDIS_URL", raising=False)
     ours = write_repo(tmp_path / "ours", DEFS, url=redis_url)
     (ours / "featurestore.yaml").write_text((ours / "featurestore.yaml").read_text() + "server: {errors: feast}\n")
-    subprocess.run([sys.executable, "-m", "featurestore", "apply", "--repo", str(ours)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "featurestore", "apply", "--repo", str(ours)], check=True, capture_output=True
+    )
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "featurestore", "serve", "--repo", str(ours), "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "featurestore", "serve", "--repo", str(ours), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     shutil.copy(HERE / "feast_client" / "features.py", theirs / "features.py")
     (theirs / "feature_store.yaml").write_text(
         f"project: compat\nregistry: registry.db\nprovider: local\nentity_key_serialization_version: 3\n"
-        f"online_store: {{type: remote, path: 'http://127.0.0.1:{port}'}}\noffline_store: {{type: file}}\n")
+        f"online_store: {{type: remote, path: 'http://127.0.0.1:{port}'}}\noffline_store: {{type: file}}\n"
+    )
     try:
         subprocess.run([str(Path(python).parent / "feast"), "apply"], cwd=theirs, check=True, capture_output=True)
         deadline = time.monotonic() + 60
@@ -61,7 +68,9 @@ def test_feasts_own_sdk_works_against_our_server(tmp_path, redis_url, monkeypatc
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        out = subprocess.run([python, str(HERE / "feast_client" / "client.py"), str(theirs)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [python, str(HERE / "feast_client" / "client.py"), str(theirs)], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         seen = json.loads(out.stdout.strip().splitlines()[-1])
     finally:

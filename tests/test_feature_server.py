@@ -44,20 +44,37 @@ def client(tmp_path, redis_url, monkeypatch):
 
 
 def push(client, card_ids, amounts, when, to=None):
-    return client.post("/push", json={"push_source_name": "events", **({"to": to} if to else {}), "df": {
-        "card_id": card_ids, "amount": amounts, "country": ["FR"] * len(card_ids),
-        "event_timestamp": [w.isoformat() for w in when]}})
+    return client.post(
+        "/push",
+        json={
+            "push_source_name": "events",
+            **({"to": to} if to else {}),
+            "df": {
+                "card_id": card_ids,
+                "amount": amounts,
+                "country": ["FR"] * len(card_ids),
+                "event_timestamp": [w.isoformat() for w in when],
+            },
+        },
+    )
 
 
 def test_lookup_in_feasts_shape(client):
-    assert push(client, [1, 2], [10.5, 20.0], [NOW - timedelta(minutes=1), NOW - timedelta(hours=2)]).json() == {"pushed_rows": 2}
-    body = client.post("/get-online-features", json={"features": ["spend:amount", "spend:country"], "entities": {"card_id": [1, 2, 3]}}).json()
+    assert push(client, [1, 2], [10.5, 20.0], [NOW - timedelta(minutes=1), NOW - timedelta(hours=2)]).json() == {
+        "pushed_rows": 2
+    }
+    body = client.post(
+        "/get-online-features", json={"features": ["spend:amount", "spend:country"], "entities": {"card_id": [1, 2, 3]}}
+    ).json()
     assert body["metadata"]["feature_names"] == ["card_id", "amount", "country"]
     assert body["results"][0]["values"] == [1, 2, 3]
     assert body["results"][1]["values"] == [10.5, None, None]
     assert body["results"][1]["statuses"] == ["PRESENT", "OUTSIDE_MAX_AGE", "NOT_FOUND"]
     assert body["results"][1]["event_timestamps"][0].endswith("Z")
-    by_service = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1]}, "full_feature_names": True}).json()
+    by_service = client.post(
+        "/get-online-features",
+        json={"feature_service": "svc", "entities": {"card_id": [1]}, "full_feature_names": True},
+    ).json()
     assert by_service["metadata"]["feature_names"] == ["card_id", "spend__amount"]
 
 
@@ -85,11 +102,26 @@ def test_bad_lookups_get_4xx_with_a_message(client, body, status, message):
 
 def test_bad_push_and_invalid_json_are_4xx(client):
     assert client.post("/get-online-features", content=b"{not json").status_code == 422
-    assert client.post("/push", json={"push_source_name": "events", "df": {"card_id": [1]}, "to": "moon"}).status_code == 422
+    assert (
+        client.post("/push", json={"push_source_name": "events", "df": {"card_id": [1]}, "to": "moon"}).status_code
+        == 422
+    )
     assert client.post("/push", json={"push_source_name": "nope", "df": {"card_id": [1]}}).status_code == 404
-    r = client.post("/push", json={"push_source_name": "events", "df": {"card_id": [1], "amount": [1.0], "country": ["x"], "event_timestamp": ["not a time"]}})
+    r = client.post(
+        "/push",
+        json={
+            "push_source_name": "events",
+            "df": {"card_id": [1], "amount": [1.0], "country": ["x"], "event_timestamp": ["not a time"]},
+        },
+    )
     assert r.status_code == 422 and "timestamp" in r.json()["detail"]
-    r = client.post("/push", json={"push_source_name": "events", "df": {"card_id": ["abc"], "amount": [1.0], "country": ["x"], "event_timestamp": [NOW.isoformat()]}})
+    r = client.post(
+        "/push",
+        json={
+            "push_source_name": "events",
+            "df": {"card_id": ["abc"], "amount": [1.0], "country": ["x"], "event_timestamp": [NOW.isoformat()]},
+        },
+    )
     assert r.status_code == 422
 
 
@@ -106,7 +138,9 @@ def test_health_metrics_and_openapi(client):
     assert 'featurestore_feature_server_requests_total{endpoint="other",status="404"}' in text
     assert "featurestore_feature_server_request_seconds_bucket" in text
     spec = client.get("/openapi.json").json()
-    assert {"/get-online-features", "/push", "/materialize", "/materialize-incremental", "/health", "/metrics"} <= set(spec["paths"])
+    assert {"/get-online-features", "/push", "/materialize", "/materialize-incremental", "/health", "/metrics"} <= set(
+        spec["paths"]
+    )
     assert "examples" in str(spec["paths"]["/get-online-features"]) or "example" in str(spec)
 
 
@@ -124,7 +158,10 @@ def test_materialize_runs_as_a_background_job(client):
     if again.status_code == 409:  # the first still covers the view
         assert job["id"] in again.json()["detail"]
     deadline = time.monotonic() + 60
-    while (job := client.get(f"/jobs/{job['id']}").json())["status"] in ("queued", "running") and time.monotonic() < deadline:
+    while (job := client.get(f"/jobs/{job['id']}").json())["status"] in (
+        "queued",
+        "running",
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert job["status"] == "succeeded" and job["result"]["views"][0]["view"] == "spend"
     assert job["id"] in [j["id"] for j in client.get("/jobs").json()["jobs"]]
@@ -141,15 +178,26 @@ def test_feasts_materialize_call_returns_once_the_data_is_online(client):
     push(client, [6], [2.5], [NOW - timedelta(minutes=5)], to="offline")
     window = {"start_ts": (NOW - timedelta(days=1)).isoformat(), "end_ts": (NOW + timedelta(minutes=1)).isoformat()}
     with ThreadPoolExecutor(3) as pool:
-        calls = [pool.submit(client.post, "/materialize", json={**window, "feature_views": ["spend"]}) for _ in range(3)]
+        calls = [
+            pool.submit(client.post, "/materialize", json={**window, "feature_views": ["spend"]}) for _ in range(3)
+        ]
         answers = [c.result() for c in calls]
     assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
     assert all(a.json()["status"] == "succeeded" for a in answers)
-    lookup = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [6]}}).json()
+    lookup = client.post(
+        "/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [6]}}
+    ).json()
     assert lookup["results"][1]["values"] == [2.5]
-    assert client.post("/materialize", json={"disable_event_timestamp": True, "feature_views": ["spend"]}).status_code == 200
-    empty = client.post("/materialize", json={"start_ts": NOW.isoformat(), "end_ts": (NOW - timedelta(days=1)).isoformat()})
-    assert empty.status_code == 200 and empty.json()["result"] == {"views": []}  # nothing in the window (as Feast answers)
+    assert (
+        client.post("/materialize", json={"disable_event_timestamp": True, "feature_views": ["spend"]}).status_code
+        == 200
+    )
+    empty = client.post(
+        "/materialize", json={"start_ts": NOW.isoformat(), "end_ts": (NOW - timedelta(days=1)).isoformat()}
+    )
+    assert empty.status_code == 200 and empty.json()["result"] == {
+        "views": []
+    }  # nothing in the window (as Feast answers)
 
 
 def test_a_failed_job_answers_its_error_not_success(tmp_path):
@@ -192,7 +240,9 @@ def test_redis_stopped_and_restarted_under_a_running_server(own_redis):
     down = client.post("/get-online-features", json=LOOKUP)
     assert down.status_code == 503 and "unreachable" in down.json()["detail"]
     assert client.get("/health").status_code == 503
-    assert "featurestore_feature_server_redis_errors_total 3.0" in client.get("/metrics").text  # lookup, health, this scrape
+    assert (
+        "featurestore_feature_server_redis_errors_total 3.0" in client.get("/metrics").text
+    )  # lookup, health, this scrape
     server.ensure_running()  # same socket, persisted data
     up = client.post("/get-online-features", json=LOOKUP)
     assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
@@ -213,7 +263,9 @@ def test_every_write_during_a_redis_outage_is_a_503_and_the_sdk_raises_the_store
     assert client.post("/write-to-online-store", json={"feature_view_name": "spend", "df": rows}).status_code == 503
     with FeatureStore(tmp_path / "repo") as store:
         with pytest.raises(OnlineStoreUnavailable):
-            store.push("events", {"card_id": [2], "amount": [4.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online")
+            store.push(
+                "events", {"card_id": [2], "amount": [4.0], "country": ["FR"], "event_timestamp": [NOW]}, to="online"
+            )
         with pytest.raises(OnlineStoreUnavailable):
             store.online_store.newest()
 
@@ -255,7 +307,9 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
         with FeatureStore(root) as store:
             store.apply()
             store.push("events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]})
-            query = OnlineQuery.prepare(store.definitions, store.config.project, {"card_id": [1]}, ["spend:amount"], None, False)
+            query = OnlineQuery.prepare(
+                store.definitions, store.config.project, {"card_id": [1]}, ["spend:amount"], None, False
+            )
             online, timeout = store.online_store, store.config.read_timeout_ms / 1000
 
             async def connect() -> None:
@@ -266,8 +320,9 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
                 os.kill(server.redis_pid(), signal.SIGSTOP)
                 try:
                     started = time.monotonic()
-                    results = await asyncio.gather(*(online.read_async(query.lookups, query.ranges) for _ in range(5)),
-                                                   return_exceptions=True)
+                    results = await asyncio.gather(
+                        *(online.read_async(query.lookups, query.ranges) for _ in range(5)), return_exceptions=True
+                    )
                     took = time.monotonic() - started
                     assert all(isinstance(r, OnlineStoreUnavailable) for r in results), results
                     assert timeout <= took <= 1.25 * timeout + 0.3, took
@@ -294,26 +349,58 @@ def test_registry_refresh_without_restart(tmp_path, redis_url, monkeypatch):
     FeatureStore(root).apply()
     app = create_app(root)
     with TestClient(app) as client:
-        assert client.post("/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}).status_code == 404
-        (root / "features.py").write_text(DEFS + "\nspend2 = FeatureView(name='spend2', entities=[card], source=events, schema=[Field('amount', Float64)])\n")
+        assert (
+            client.post(
+                "/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}
+            ).status_code
+            == 404
+        )
+        (root / "features.py").write_text(
+            DEFS
+            + "\nspend2 = FeatureView(name='spend2', entities=[card], source=events, schema=[Field('amount', Float64)])\n"
+        )
         FeatureStore(root).apply()
         deadline = time.time() + 10
         while time.time() < deadline:
-            if client.post("/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}).status_code == 200:
+            if (
+                client.post(
+                    "/get-online-features", json={"features": ["spend2:amount"], "entities": {"card_id": [1]}}
+                ).status_code
+                == 200
+            ):
                 break
             time.sleep(0.2)
         else:
             pytest.fail("the server did not pick up the applied registry")
 
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=8)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
 near_valid = st.fixed_dictionaries(
     {
-        "features": st.one_of(st.lists(st.sampled_from(["spend:amount", "spend:country", "spend", "x:y", ":", "spend:"]), max_size=3), json_values),
-        "entities": st.one_of(st.dictionaries(st.sampled_from(["card_id", "other"]), st.lists(json_scalars, max_size=3), max_size=2), json_values),
+        "features": st.one_of(
+            st.lists(st.sampled_from(["spend:amount", "spend:country", "spend", "x:y", ":", "spend:"]), max_size=3),
+            json_values,
+        ),
+        "entities": st.one_of(
+            st.dictionaries(st.sampled_from(["card_id", "other"]), st.lists(json_scalars, max_size=3), max_size=2),
+            json_values,
+        ),
     },
-    optional={"full_feature_names": json_values, "feature_service": st.one_of(st.sampled_from(["svc", "nope"]), json_values)},
+    optional={
+        "full_feature_names": json_values,
+        "feature_service": st.one_of(st.sampled_from(["svc", "nope"]), json_values),
+    },
 )
 
 
@@ -327,12 +414,22 @@ def test_no_request_body_gets_a_500(client, body):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.one_of(
-    st.fixed_dictionaries({"push_source_name": st.sampled_from(["events", "nope"]), "df": st.dictionaries(
-        st.sampled_from(["card_id", "amount", "country", "event_timestamp"]), st.lists(json_scalars, min_size=1, max_size=2), max_size=4),
-        "to": st.sampled_from(["online", "offline", "online_and_offline", "moon"])}),
-    json_values,
-))
+@given(
+    body=st.one_of(
+        st.fixed_dictionaries(
+            {
+                "push_source_name": st.sampled_from(["events", "nope"]),
+                "df": st.dictionaries(
+                    st.sampled_from(["card_id", "amount", "country", "event_timestamp"]),
+                    st.lists(json_scalars, min_size=1, max_size=2),
+                    max_size=4,
+                ),
+                "to": st.sampled_from(["online", "offline", "online_and_offline", "moon"]),
+            }
+        ),
+        json_values,
+    )
+)
 def test_no_push_body_gets_a_500(client, body):
     response = client.post("/push", json=body)
     assert response.status_code in (200, 404, 422), (body, response.text)
@@ -347,7 +444,12 @@ def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, mon
     with TestClient(create_app(root, log_features=True)) as client:
         push(client, [1, 2], [4.0, 5.0], [NOW - timedelta(minutes=2)] * 2, to="online_and_offline")
         for ids in ([1], [1, 2, 3]):
-            assert client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": ids}}).status_code == 200
+            assert (
+                client.post(
+                    "/get-online-features", json={"feature_service": "svc", "entities": {"card_id": ids}}
+                ).status_code
+                == 200
+            )
         import time
 
         deadline = time.monotonic() + 10
@@ -375,7 +477,12 @@ def test_oversized_bodies_get_413_on_every_route(tmp_path, redis_url, monkeypatc
         for path in ("/get-online-features", "/push", "/materialize"):
             response = client.post(path, json=big)
             assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], path
-        assert client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}}).status_code == 200
+        assert (
+            client.post(
+                "/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}}
+            ).status_code
+            == 200
+        )
 
         def chunks():  # a valid JSON object, padded past the bound
             yield b'{"feature_views": null, "padding": "'
@@ -385,7 +492,10 @@ def test_oversized_bodies_get_413_on_every_route(tmp_path, redis_url, monkeypatc
 
         for path in ("/materialize", "/write-to-online-store", "/get-online-features", "/push"):
             response = client.post(path, content=chunks(), headers={"Content-Type": "application/json"})
-            assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], (path, response.text)
+            assert response.status_code == 413 and "max_request_bytes" in response.json()["detail"], (
+                path,
+                response.text,
+            )
         assert client.get("/jobs").json()["jobs"] == []  # no job was started
 
 
@@ -401,8 +511,12 @@ def test_a_damaged_registry_is_a_clear_error_and_never_stops_serving(client, tmp
     assert health.status_code == 503 and "damaged" in health.json()["detail"]
     lookup = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1]}})
     assert lookup.status_code == 200 and lookup.json()["results"][1]["values"] == [2.5]
-    listed = subprocess.run([sys.executable, "-m", "featurestore.cli", "list", "--repo", str(tmp_path / "repo")],
-                            capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "list", "--repo", str(tmp_path / "repo")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.returncode == 1 and "registry.json is damaged" in listed.stderr and "Traceback" not in listed.stderr
 
 
@@ -412,20 +526,44 @@ def test_nan_and_infinity_are_told_apart_from_missing(tmp_path, redis_url, monke
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     with FeatureStore(root) as store:
         store.apply()
-        store.push("events", {"card_id": [1, 2, 3, 4], "amount": [float("nan"), float("inf"), float("-inf"), None],
-                              "country": ["FR"] * 4, "event_timestamp": [NOW - timedelta(seconds=1)] * 4})
+        store.push(
+            "events",
+            {
+                "card_id": [1, 2, 3, 4],
+                "amount": [float("nan"), float("inf"), float("-inf"), None],
+                "country": ["FR"] * 4,
+                "event_timestamp": [NOW - timedelta(seconds=1)] * 4,
+            },
+        )
     with TestClient(create_app(root)) as client:
-        body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1, 2, 3, 4, 5]}}).json()
+        body = client.post(
+            "/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [1, 2, 3, 4, 5]}}
+        ).json()
     assert body["results"][1]["values"] == ["NaN", "Infinity", "-Infinity", None, None]
     assert body["results"][1]["statuses"] == ["PRESENT"] * 3 + ["NULL_VALUE", "NOT_FOUND"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(columns=st.lists(st.lists(st.one_of(
-    st.none(), st.floats(), st.integers(-2**63, 2**63 - 1), st.booleans(), st.binary(max_size=3),
-    st.text(alphabet=st.sampled_from([",", "[", "n", "u", "l", "\"", "a"]), max_size=6),
-    st.lists(st.one_of(st.none(), st.floats()), max_size=3)), min_size=2, max_size=2), min_size=1, max_size=4),
-    missing_times=st.lists(st.booleans(), min_size=2, max_size=2))
+@given(
+    columns=st.lists(
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.floats(),
+                st.integers(-(2**63), 2**63 - 1),
+                st.booleans(),
+                st.binary(max_size=3),
+                st.text(alphabet=st.sampled_from([",", "[", "n", "u", "l", '"', "a"]), max_size=6),
+                st.lists(st.one_of(st.none(), st.floats()), max_size=3),
+            ),
+            min_size=2,
+            max_size=2,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    missing_times=st.lists(st.booleans(), min_size=2, max_size=2),
+)
 def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
     """The server writes a lookup once and trusts orjson's nulls; the result must equal writing
     ``to_rest()`` (every value looked at): NaN and infinities inside values and arrays, strings
@@ -434,14 +572,25 @@ def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
     from serving.common import dumps
 
     times = [None if gone else NOW for gone in missing_times]
-    response = OnlineResponse([f"f{i}" for i in range(len(columns))], columns, [["PRESENT"] * 2 for _ in columns],
-                              [list(times) for _ in columns])
+    response = OnlineResponse(
+        [f"f{i}" for i in range(len(columns))],
+        columns,
+        [["PRESENT"] * 2 for _ in columns],
+        [list(times) for _ in columns],
+    )
     assert response.to_rest_json(dumps) == dumps(response.to_rest())
 
 
 @settings(max_examples=100, deadline=None)
-@given(durations=st.lists(st.one_of(st.sampled_from([0.0, 0.0005, 0.001, 0.0050000001, 1.0, 5.0, 9.0]),
-                                    st.floats(0, 10, allow_nan=False)), min_size=1, max_size=50))
+@given(
+    durations=st.lists(
+        st.one_of(
+            st.sampled_from([0.0, 0.0005, 0.001, 0.0050000001, 1.0, 5.0, 9.0]), st.floats(0, 10, allow_nan=False)
+        ),
+        min_size=1,
+        max_size=50,
+    )
+)
 def test_request_metrics_counted_in_bulk_equal_one_update_per_request(durations):
     """The servers hand request durations to Prometheus in bulk (a bucket count each): the
     exposition must equal a Counter and a Histogram updated per request, bucket edges included."""
@@ -464,9 +613,17 @@ def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     n = 500
-    body = {"push_source_name": "events", "to": "online_and_offline", "idempotency_key": "batch-7", "df": {
-        "card_id": list(range(n)), "amount": [float(i) for i in range(n)], "country": ["FR"] * n,
-        "event_timestamp": [(NOW - timedelta(minutes=1)).isoformat()] * n}}
+    body = {
+        "push_source_name": "events",
+        "to": "online_and_offline",
+        "idempotency_key": "batch-7",
+        "df": {
+            "card_id": list(range(n)),
+            "amount": [float(i) for i in range(n)],
+            "country": ["FR"] * n,
+            "event_timestamp": [(NOW - timedelta(minutes=1)).isoformat()] * n,
+        },
+    }
     with ThreadPoolExecutor(3) as pool:
         answers = list(pool.map(lambda _: client.post("/push", json=body), range(3)))
     assert [a.status_code for a in answers] == [200] * 3
@@ -477,7 +634,9 @@ def test_a_retried_push_with_an_idempotency_key_is_kept_once(client, tmp_path):
     with FeatureStore(tmp_path / "repo") as store:
         store.flush()
         con = duckdb.connect()
-        store.offline_store.register(con, "spend", "history", store.definitions.history_schema(store.get_feature_view("spend")))
+        store.offline_store.register(
+            con, "spend", "history", store.definitions.history_schema(store.get_feature_view("spend"))
+        )
         assert con.execute("SELECT count(*), count(DISTINCT card_id) FROM history").fetchone() == (n, n)
     # without a key, a re-push is a new fact (a reverted correction must win again): kept
     assert client.post("/push", json={**body, "idempotency_key": None}).status_code == 200
@@ -503,8 +662,26 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
         store.push("events", {"card_id": [1], "amount": [1.0], "country": ["FR"], "event_timestamp": [pushed_at]})
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
-                               "--workers", "2", "--log-format", "json"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--log-format",
+            "json",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -515,11 +692,17 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
             except httpx.HTTPError:
                 time.sleep(0.2)
         for _ in range(20):  # fresh connections spread over both workers
-            assert httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code == 200
+            assert (
+                httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code
+                == 200
+            )
         time.sleep(FLUSH_SECONDS + 0.5)  # each worker hands its counts to Prometheus within a second
         for _ in range(4):  # whichever worker answers the scrape reports the sum
             text = httpx.get(url + "/metrics", headers={"Connection": "close"}).text
-            found = re.search(r'featurestore_feature_server_requests_total\{endpoint="/get-online-features",status="200"\} (\S+)', text)
+            found = re.search(
+                r'featurestore_feature_server_requests_total\{endpoint="/get-online-features",status="200"\} (\S+)',
+                text,
+            )
             assert found and float(found.group(1)) == 20
         age = re.search(r'featurestore_feature_server_view_freshness_seconds\{view="spend"\} (\S+)', text)
         assert age and 30 <= float(age.group(1)) <= (datetime.now(timezone.utc) - pushed_at).total_seconds()
@@ -554,13 +737,27 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
     url = f"http://127.0.0.1:{port}"
     # (kept-alive connections stay open while they are counted, however slow a loaded host is; at uvicorn's
     # default of 5 s the server had closed 9 of 16 before the count, on a busy machine)
-    serve = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port), "--log-level", "warning",
-             "--keep-alive", "600"]
+    serve = [
+        sys.executable,
+        "-m",
+        "featurestore.cli",
+        "serve",
+        "--repo",
+        str(root),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--keep-alive",
+        "600",
+    ]
     server = subprocess.Popen(serve + ["--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def listening(process: psutil.Process) -> bool:
         try:
-            return process.status() != psutil.STATUS_ZOMBIE and any(c.status == "LISTEN" for c in process.net_connections("tcp"))
+            return process.status() != psutil.STATUS_ZOMBIE and any(
+                c.status == "LISTEN" for c in process.net_connections("tcp")
+            )
         except psutil.NoSuchProcess:  # exited since the listing (a replaced or killed worker)
             return False
 
@@ -585,18 +782,28 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
         connections = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", port) for _ in range(16)))
         body = b'{"features": ["spend:amount"], "entities": {"card_id": [1]}}'
         for _, writer in connections:
-            writer.write(b"POST /get-online-features HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"POST /get-online-features HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
         for reader, _ in connections:
             assert (await reader.readline()).startswith(b"HTTP/1.1 200")
-        counts = {p.pid: sum(c.status == "ESTABLISHED" and c.laddr.port == port for c in p.net_connections("tcp")) for p in workers()}
+        counts = {
+            p.pid: sum(c.status == "ESTABLISHED" and c.laddr.port == port for c in p.net_connections("tcp"))
+            for p in workers()
+        }
         for _, writer in connections:
             writer.close()
         return counts
 
     try:
         first, _ = wait_for_workers(2)
-        sockets = {os.stat(f"/proc/{p.pid}/fd/{c.fd}").st_ino for p in workers() for c in p.net_connections("tcp") if c.status == "LISTEN"}
+        sockets = {
+            os.stat(f"/proc/{p.pid}/fd/{c.fd}").st_ino
+            for p in workers()
+            for c in p.net_connections("tcp")
+            if c.status == "LISTEN"
+        }
         assert len(sockets) == 2  # a socket each, not one shared
         # one worker took 14+ of 16 in ~65 % of bursts before; now in 0.4 % (a fair coin per connection)
         bursts = [asyncio.run(burst()) for _ in range(5)]
@@ -622,7 +829,9 @@ def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, mo
         deadline, statuses = time.monotonic() + 60, []
         while before & {p.pid for p in workers()} and time.monotonic() < deadline:
             try:
-                statuses.append(httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code)
+                statuses.append(
+                    httpx.post(url + "/get-online-features", json=LOOKUP, headers={"Connection": "close"}).status_code
+                )
             except httpx.HTTPError as exc:
                 statuses.append(repr(exc))
         assert len(wait_for_workers(2)) == 2 and not before & {p.pid for p in workers()}
@@ -668,12 +877,22 @@ def test_job_table_is_shared_by_processes_and_outlives_them(tmp_path):
     here = JobRunner(folder)
     release = threading.Event()
     job = here.submit("materialize", ["spend"], lambda: release.wait(30) and {"rows": 3})
-    other = subprocess.run([sys.executable, "-c", (
-        "import sys, json; from pathlib import Path; from serving.jobs import JobRunner\n"
-        f"r = JobRunner(Path({str(folder)!r})); j = r.get({job.id!r})\n"
-        "try:\n    r.submit('materialize', [], lambda: None); conflict = None\n"
-        "except Exception as exc:\n    conflict = type(exc).__name__\n"
-        "print(json.dumps([j.status, conflict]))")], capture_output=True, text=True, timeout=60)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, json; from pathlib import Path; from serving.jobs import JobRunner\n"
+                f"r = JobRunner(Path({str(folder)!r})); j = r.get({job.id!r})\n"
+                "try:\n    r.submit('materialize', [], lambda: None); conflict = None\n"
+                "except Exception as exc:\n    conflict = type(exc).__name__\n"
+                "print(json.dumps([j.status, conflict]))"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert other.returncode == 0, other.stderr
     assert json.loads(other.stdout) == [here.get(job.id).status, "ConflictError"]
     release.set()
@@ -683,10 +902,19 @@ def test_job_table_is_shared_by_processes_and_outlives_them(tmp_path):
     assert here.get(job.id).status == "succeeded" and here.get(job.id).result == {"rows": 3}
 
     # a process that dies with a job running: the others read it as failed, and may start another
-    killed = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path; from serving.jobs import JobRunner\n"
-        f"r = JobRunner(Path({str(folder)!r})); j = r.submit('materialize', ['spend'], lambda: time.sleep(60))\n"
-        "print(j.id, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time; from pathlib import Path; from serving.jobs import JobRunner\n"
+                f"r = JobRunner(Path({str(folder)!r})); j = r.submit('materialize', ['spend'], lambda: time.sleep(60))\n"
+                "print(j.id, flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     orphan = killed.stdout.readline().strip()
     assert here.get(orphan).active
     killed.kill()
@@ -744,8 +972,23 @@ def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
     with FeatureStore(root) as store:
         store.apply()
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -787,9 +1030,16 @@ def test_check_consistency_reads_each_vector_as_it_was_served(tmp_path, redis_ur
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     FeatureStore(root).apply()
     with TestClient(create_app(root, log_features=True)) as client:
-        push(client, [1], [4.0], [NOW - timedelta(minutes=90)], to="online_and_offline")  # written now, stamped 90 min ago
+        push(
+            client, [1], [4.0], [NOW - timedelta(minutes=90)], to="online_and_offline"
+        )  # written now, stamped 90 min ago
         lookup = {"feature_service": "svc", "entities": {"card_id": [1]}}
-        assert client.post("/get-online-features", json={**lookup, "at": (NOW - timedelta(minutes=60)).isoformat()}).status_code == 200
+        assert (
+            client.post(
+                "/get-online-features", json={**lookup, "at": (NOW - timedelta(minutes=60)).isoformat()}
+            ).status_code
+            == 200
+        )
         assert client.post("/get-online-features", json=lookup).status_code == 200
     with FeatureStore(root) as store:
         assert check_service_log(store, "svc").ok
@@ -797,7 +1047,10 @@ def test_check_consistency_reads_each_vector_as_it_was_served(tmp_path, redis_ur
     cli = [sys.executable, "-m", "featurestore.cli", "check-consistency", "--service", "svc", "--repo", str(root)]
     default = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert default.returncode == 0, default.stdout
-    assert "as each vector was served: as of event time for 1 replayed vectors, as of created time for 1 live vectors" in default.stdout
+    assert (
+        "as each vector was served: as of event time for 1 replayed vectors, as of created time for 1 live vectors"
+        in default.stdout
+    )
     forced = subprocess.run([*cli, "--as-of", "created"], capture_output=True, text=True, timeout=120)
     assert forced.returncode == 1 and "(history as of created time)" in forced.stdout
     assert [c["mode"] for c in read_checks(FeatureStore(root).config.data_dir)] == ["auto", "created"]

@@ -33,19 +33,24 @@ by_text = view("by_text", ["s"], [String])
 
 def _table(**columns) -> pa.Table:
     n = len(next(iter(columns.values())))
-    return pa.table({**columns, "ts": pa.array([NOW - timedelta(hours=1)] * n, TS), "x": pa.array(range(1, n + 1), pa.int64())})
+    return pa.table(
+        {**columns, "ts": pa.array([NOW - timedelta(hours=1)] * n, TS), "x": pa.array(range(1, n + 1), pa.int64())}
+    )
 
 
 @pytest.fixture
 def store(make_store):
-    return make_store(DEFS, {
-        "by_bytes": _table(b=pa.array([b"k1", b"\xff\x00"], pa.binary())),
-        "by_float": _table(f=pa.array([1.0, 0.1], pa.float64())),
-        "by_time": _table(t=pa.array([WHEN], TS)),
-        # the old encoding joined these two into the same Redis key
-        "by_pair": _table(s1=pa.array(["a\x1fs2=b", "a"]), s2=pa.array(["c", "b\x1fs2=c"])),
-        "by_text": _table(s=pa.array(["1", "01", "}{%"])),
-    })
+    return make_store(
+        DEFS,
+        {
+            "by_bytes": _table(b=pa.array([b"k1", b"\xff\x00"], pa.binary())),
+            "by_float": _table(f=pa.array([1.0, 0.1], pa.float64())),
+            "by_time": _table(t=pa.array([WHEN], TS)),
+            # the old encoding joined these two into the same Redis key
+            "by_pair": _table(s1=pa.array(["a\x1fs2=b", "a"]), s2=pa.array(["c", "b\x1fs2=c"])),
+            "by_text": _table(s=pa.array(["1", "01", "}{%"])),
+        },
+    )
 
 
 def test_every_key_type_is_found_online_as_offline(store):
@@ -66,8 +71,12 @@ def test_a_key_of_the_wrong_type_is_an_error_online_and_offline(store):
     with pytest.raises(RequestError, match="join key 's' takes String"):
         store.get_online_features({"s": [1.5]}, features=["by_text:x"])
     with pytest.raises(RequestError, match="join key 's' is String but the entity rows give int64"):
-        store.get_historical_features(pd.DataFrame({"s": [1], "event_timestamp": [NOW]}), features=["by_text:x"]).to_df()
-    with pytest.raises(RequestError, match="join key 't' takes UnixTimestamp"):  # (ISO 8601 text is taken: REST sends no datetimes)
+        store.get_historical_features(
+            pd.DataFrame({"s": [1], "event_timestamp": [NOW]}), features=["by_text:x"]
+        ).to_df()
+    with pytest.raises(
+        RequestError, match="join key 't' takes UnixTimestamp"
+    ):  # (ISO 8601 text is taken: REST sends no datetimes)
         store.get_online_features({"t": ["the first of May"]}, features=["by_time:x"])
 
 
@@ -113,13 +122,26 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
 
     floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.none())
     text = st.text(alphabet=st.sampled_from(["a", "\x1f", "=", "{", "}", "%", "ü", "1"]), max_size=4)
-    push = st.fixed_dictionaries({"key": st.integers(0, 2), "minute": st.integers(0, 2), "v": floats,
-                                  "arr": st.one_of(st.none(), st.lists(floats, max_size=3))})
+    push = st.fixed_dictionaries(
+        {
+            "key": st.integers(0, 2),
+            "minute": st.integers(0, 2),
+            "v": floats,
+            "arr": st.one_of(st.none(), st.lists(floats, max_size=3)),
+        }
+    )
 
-    @settings(max_examples=max(10, settings.default.max_examples // 6), deadline=None,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(keys=st.lists(st.tuples(text, st.binary(max_size=3), st.floats(-1e6, 1e6)), min_size=3, max_size=3, unique=True),
-           pushes=st.lists(push, min_size=1, max_size=6))
+    @settings(
+        max_examples=max(10, settings.default.max_examples // 6),
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(
+        keys=st.lists(
+            st.tuples(text, st.binary(max_size=3), st.floats(-1e6, 1e6)), min_size=3, max_size=3, unique=True
+        ),
+        pushes=st.lists(push, min_size=1, max_size=6),
+    )
     def check(keys, pushes):
         tag = next(_examples)
         keys = [(f"{tag}|{s}", bytes([tag % 256]) + b, float(tag) * 1e7 + f) for s, b, f in keys]
@@ -131,20 +153,35 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
         for p in pushes:  # one push per row: later pushes are later writes
             s, b, f = keys[p["key"]]
             ts = base + timedelta(minutes=p["minute"])
-            pushed_store.push("rows", {"s": [s], "b": [b], "f": [f], "v": [p["v"]], "arr": [p["arr"]], "event_timestamp": [ts]})
+            pushed_store.push(
+                "rows", {"s": [s], "b": [b], "f": [f], "v": [p["v"]], "arr": [p["arr"]], "event_timestamp": [ts]}
+            )
             for expected, entity in ((by_pair, (s, b)), (by_real, f)):
                 if entity not in expected or ts >= expected[entity][0]:
                     expected[entity] = (ts, p["v"], p["arr"])
         pairs, reals = list(by_pair), list(by_real)
         online = pushed_store.get_online_features(
-            {"s": [k[0] for k in pairs], "b": [k[1] for k in pairs]}, features=["by_pair:v", "by_pair:arr"]).to_dict()
-        offline = pushed_store.get_historical_features(pd.DataFrame({
-            "s": [k[0] for k in pairs], "b": [k[1] for k in pairs], "event_timestamp": [NOW] * len(pairs)}),
-            features=["by_pair:v", "by_pair:arr"]).to_arrow().to_pylist()
+            {"s": [k[0] for k in pairs], "b": [k[1] for k in pairs]}, features=["by_pair:v", "by_pair:arr"]
+        ).to_dict()
+        offline = (
+            pushed_store.get_historical_features(
+                pd.DataFrame(
+                    {"s": [k[0] for k in pairs], "b": [k[1] for k in pairs], "event_timestamp": [NOW] * len(pairs)}
+                ),
+                features=["by_pair:v", "by_pair:arr"],
+            )
+            .to_arrow()
+            .to_pylist()
+        )
         for j, pair in enumerate(pairs):
             _, v, arr = by_pair[pair]
             assert _same(online["v"][j], v) and _same(offline[j]["v"], v), (pair, online["v"][j], offline[j]["v"], v)
-            assert _same(online["arr"][j], arr) and _same(offline[j]["arr"], arr), (pair, online["arr"][j], offline[j]["arr"], arr)
+            assert _same(online["arr"][j], arr) and _same(offline[j]["arr"], arr), (
+                pair,
+                online["arr"][j],
+                offline[j]["arr"],
+                arr,
+            )
         real = pushed_store.get_online_features({"f": reals}, features=["by_real:v"]).to_dict()["v"]
         for j, f in enumerate(reals):
             assert _same(real[j], by_real[f][1]), (f, real[j], by_real[f][1])

@@ -60,9 +60,22 @@ def random_users(n_users: int, n_rows: int, seed: int) -> pa.Table:
             }
         )
     schema = pa.schema(
-        [("user_id", pa.int64()), ("ts", TS), ("created", TS), ("i32", pa.int32()), ("i64", pa.int64()),
-         ("f32", pa.float32()), ("f64", pa.float64()), ("s", pa.string()), ("b", pa.bool_()), ("raw", pa.binary()),
-         ("when", TS), ("ai", pa.list_(pa.int64())), ("as_", pa.list_(pa.string())), ("af", pa.list_(pa.float32()))]
+        [
+            ("user_id", pa.int64()),
+            ("ts", TS),
+            ("created", TS),
+            ("i32", pa.int32()),
+            ("i64", pa.int64()),
+            ("f32", pa.float32()),
+            ("f64", pa.float64()),
+            ("s", pa.string()),
+            ("b", pa.bool_()),
+            ("raw", pa.binary()),
+            ("when", TS),
+            ("ai", pa.list_(pa.int64())),
+            ("as_", pa.list_(pa.string())),
+            ("af", pa.list_(pa.float32())),
+        ]
     )
     return pa.Table.from_pylist(rows, schema)
 
@@ -103,19 +116,28 @@ def test_online_equals_offline_for_every_type(users_store):
 
 
 def test_each_status_and_ttl_enforced_online(users_store):
-    t = pa.table({"user_id": [1, 2, 3], "ts": pa.array([NOW - timedelta(hours=1), NOW - timedelta(days=3), NOW - timedelta(hours=1)], TS)})
+    t = pa.table(
+        {
+            "user_id": [1, 2, 3],
+            "ts": pa.array([NOW - timedelta(hours=1), NOW - timedelta(days=3), NOW - timedelta(hours=1)], TS),
+        }
+    )
     base = random_users(3, 3, seed=2).drop_columns(["user_id", "ts"])
     table = pa.table({**{c: t[c] for c in t.column_names}, **{c: base[c] for c in base.column_names}})
     table = table.set_column(table.schema.get_field_index("i64"), "i64", pa.array([5, 6, None], pa.int64()))
     store = users_store(table, ttl_days=2)
     store.materialize(None, NOW)
-    response = store.get_online_features([{"user_id": 1}, {"user_id": 2}, {"user_id": 3}, {"user_id": 4}], features=["users:i64"])
+    response = store.get_online_features(
+        [{"user_id": 1}, {"user_id": 2}, {"user_id": 3}, {"user_id": 4}], features=["users:i64"]
+    )
     column = response.to_rest()["results"][1]
     assert column["statuses"] == ["PRESENT", "OUTSIDE_MAX_AGE", "NULL_VALUE", "NOT_FOUND"]
     assert column["values"] == [5, None, None, None]
     assert column["event_timestamps"][1].year > 1970 and column["event_timestamps"][3].year == 1970  # Feast's "no time"
     # offline agrees: the 3-day-old row is outside the 2-day ttl at NOW
-    offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=["users:i64"]).to_arrow()
+    offline = store.get_historical_features(
+        pd.DataFrame({"user_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=["users:i64"]
+    ).to_arrow()
     assert offline["i64"].to_pylist() == [5, None, None]
 
 
@@ -125,8 +147,12 @@ def test_same_event_time_correction_wins_online_and_offline(users_store, tmp_pat
     store = users_store(first)
     store.materialize(None, NOW)
     # a correction: same event time, later created time, new value
-    corrected = first.set_column(first.schema.get_field_index("created"), "created", pa.array([event + timedelta(hours=1)], TS))
-    corrected = corrected.set_column(corrected.schema.get_field_index("ts"), "ts", pa.array([first["ts"][0].as_py()], TS))
+    corrected = first.set_column(
+        first.schema.get_field_index("created"), "created", pa.array([event + timedelta(hours=1)], TS)
+    )
+    corrected = corrected.set_column(
+        corrected.schema.get_field_index("ts"), "ts", pa.array([first["ts"][0].as_py()], TS)
+    )
     corrected = corrected.set_column(corrected.schema.get_field_index("i64"), "i64", pa.array([424242], pa.int64()))
     pq.write_table(pa.concat_tables([first, corrected]), store.config.repo_path / "data" / "users.parquet")
     store.materialize(None, NOW)
@@ -145,7 +171,10 @@ def test_older_push_never_overwrites_newer(users_store):
     store.push("user_push", pd.DataFrame(new))
     store.push("user_push", pd.DataFrame(old))
     assert store.get_online_features([{"user_id": 7}], features=["scores:score"]).to_dict()["score"] == [2.0]
-    history = store.get_historical_features(pd.DataFrame({"user_id": [7, 7], "event_timestamp": [NOW - timedelta(minutes=30), NOW]}), features=["scores:score"]).to_df()
+    history = store.get_historical_features(
+        pd.DataFrame({"user_id": [7, 7], "event_timestamp": [NOW - timedelta(minutes=30), NOW]}),
+        features=["scores:score"],
+    ).to_df()
     assert history["score"].tolist() == [1.0, 2.0]
 
 
@@ -156,8 +185,19 @@ def test_push_rejects_bad_input_and_loses_nothing(users_store):
     with pytest.raises(RequestError, match="to"):
         store.push("user_push", {"user_id": [1], "score": [1.0], "event_timestamp": [NOW]}, to="everywhere")
     with pytest.raises(RequestError, match="null join key"):
-        store.push("user_push", pa.table({"user_id": pa.array([None, 3], pa.int64()), "score": [1.0, 2.0], "event_timestamp": pa.array([NOW, NOW], TS)}))
-    assert store.get_online_features([{"user_id": 3}], features=["scores:score"]).to_rest()["results"][1]["statuses"] == ["NOT_FOUND"]
+        store.push(
+            "user_push",
+            pa.table(
+                {
+                    "user_id": pa.array([None, 3], pa.int64()),
+                    "score": [1.0, 2.0],
+                    "event_timestamp": pa.array([NOW, NOW], TS),
+                }
+            ),
+        )
+    assert store.get_online_features([{"user_id": 3}], features=["scores:score"]).to_rest()["results"][1][
+        "statuses"
+    ] == ["NOT_FOUND"]
     with pytest.raises(Exception, match="not found"):
         store.push("no_such_source", {"x": [1]})
 
@@ -222,22 +262,30 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
     """Issue #10: history holding rows Redis lacks must reach Redis at the next online write,
     whatever runs in between: a push used to clear the mark, a windowed run never looked back."""
     store = users_store(random_users(3, 20, seed=11))
-    row = lambda user, score: pd.DataFrame({"user_id": [user], "score": [score], "event_timestamp": [NOW - timedelta(hours=2)]})  # noqa: E731
-    store.push("user_push", row(1, 1.0), to="offline")          # e.g. the Redis write failed after history
-    store.push("user_push", row(2, 2.0))                         # another client's push, both stores
-    store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])   # a windowed run: user 1 is outside its window
-    assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_dict()["score"] == [1.0, 2.0]
+    row = lambda user, score: pd.DataFrame(
+        {"user_id": [user], "score": [score], "event_timestamp": [NOW - timedelta(hours=2)]}
+    )  # noqa: E731
+    store.push("user_push", row(1, 1.0), to="offline")  # e.g. the Redis write failed after history
+    store.push("user_push", row(2, 2.0))  # another client's push, both stores
+    store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])  # a windowed run: user 1 is outside its window
+    assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_dict()[
+        "score"
+    ] == [1.0, 2.0]
     assert store.registry.watermarks()["scores"]["online_synced"] is True
     from featurestore.catalog import view_status
 
-    status = lambda: view_status(store.registry, store.offline_store, None, store.config.project, "scores")["online_synced"]  # noqa: E731
+    status = lambda: view_status(store.registry, store.offline_store, None, store.config.project, "scores")[
+        "online_synced"
+    ]  # noqa: E731
     assert status() is True
-    store.registry.set_watermark("scores", online_layout="an older layout")  # as after an upgrade changing how values are stored
+    store.registry.set_watermark(
+        "scores", online_layout="an older layout"
+    )  # as after an upgrade changing how values are stored
     assert status() is False  # the UI says so; the next materialize re-sends the whole history
     store.materialize(NOW - timedelta(hours=1), NOW, ["scores"])
     assert status() is True
 
-    early = users_store(random_users(30, 300, seed=16))          # history written before T only, then a run over [T, T2)
+    early = users_store(random_users(30, 300, seed=16))  # history written before T only, then a run over [T, T2)
     cut = NOW - timedelta(days=10)
     early.materialize_offline(None, cut)
     early.materialize(cut, NOW)
@@ -252,7 +300,9 @@ def test_crash_inside_delta_write_leaves_previous_version(users_store, monkeypat
     store = users_store(random_users(5, 20, seed=10))
     store.materialize(None, NOW)
     more = random_users(5, 20, seed=11)
-    pq.write_table(pa.concat_tables([random_users(5, 20, seed=10), more]), store.config.repo_path / "data" / "users.parquet")
+    pq.write_table(
+        pa.concat_tables([random_users(5, 20, seed=10), more]), store.config.repo_path / "data" / "users.parquet"
+    )
 
     def crash(*args, **kwargs):  # the data files are written; the commit that would list them fails
         raise OSError("disk full")
@@ -296,11 +346,23 @@ user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
 v = FeatureView(name="v", entities=[user], source=FileSource(path="data/t.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
 """
     event = NOW - timedelta(minutes=10)
-    rows = pa.table({"user_id": pa.array([1] * 6 + [2] * 2, pa.int64()), "ts": pa.array([event] * 8, TS), "x": pa.array([5, 9, 1, 7, 3, 8, 4, 6], pa.int64())})
+    rows = pa.table(
+        {
+            "user_id": pa.array([1] * 6 + [2] * 2, pa.int64()),
+            "ts": pa.array([event] * 8, TS),
+            "x": pa.array([5, 9, 1, 7, 3, 8, 4, 6], pa.int64()),
+        }
+    )
     store = make_store(defs, {"t": rows})
     store.materialize(None, NOW)
     online = store.get_online_features({"user_id": [1, 2]}, features=["v:x"]).to_dict()["x"]
-    offline = store.get_historical_features(pd.DataFrame({"user_id": [1, 2], "event_timestamp": [NOW, NOW]}), features=["v:x"]).to_df()["x"].tolist()
+    offline = (
+        store.get_historical_features(
+            pd.DataFrame({"user_id": [1, 2], "event_timestamp": [NOW, NOW]}), features=["v:x"]
+        )
+        .to_df()["x"]
+        .tolist()
+    )
     assert online == offline and None not in online
 
 
@@ -323,9 +385,19 @@ short = FeatureView(name="short", entities=[user], ttl=timedelta(seconds=2),
 forever = FeatureView(name="forever", entities=[item], source=FileSource(path="data/i.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
 """
     now = datetime.now(timezone.utc)
-    table = lambda key: pa.table({key: pa.array([1], pa.int64()), "ts": pa.array([now - timedelta(seconds=1)], TS), "x": pa.array([7], pa.int64())})  # noqa: E731
+    table = lambda key: pa.table(
+        {
+            key: pa.array([1], pa.int64()),
+            "ts": pa.array([now - timedelta(seconds=1)], TS),
+            "x": pa.array([7], pa.int64()),
+        }
+    )  # noqa: E731
     root = write_repo(tmp_path, defs, {"u": table("user_id"), "i": table("item_id")}, url=redis_url)
-    config = (root / "featurestore.yaml").read_text().replace("online_store: {url:", "online_store: {expire_after_ttl: true, url:")
+    config = (
+        (root / "featurestore.yaml")
+        .read_text()
+        .replace("online_store: {url:", "online_store: {expire_after_ttl: true, url:")
+    )
     (root / "featurestore.yaml").write_text(config)
     store = FeatureStore(root)
     store.apply()
@@ -336,7 +408,9 @@ forever = FeatureView(name="forever", entities=[item], source=FileSource(path="d
     assert client.pttl(f"fs:{store.config.project}:{{item_id=1}}") == -1  # no ttl: kept
     time.sleep(1.2)
     assert not client.exists(user_key)
-    assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_rest()["results"][1]["statuses"] == ["NOT_FOUND"]
+    assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_rest()["results"][1]["statuses"] == [
+        "NOT_FOUND"
+    ]
     store.close()
 
 
@@ -347,7 +421,13 @@ def test_features_come_back_in_request_order(users_store):
     refs = ["users:s", "scores:score", "users:i32"]
     assert store.get_online_features([{"user_id": 1}], features=refs).feature_names == ["user_id", "s", "score", "i32"]
     entity_df = pd.DataFrame({"user_id": [1], "event_timestamp": [NOW]})
-    assert store.get_historical_features(entity_df, features=refs).to_df().columns.tolist() == ["user_id", "event_timestamp", "s", "score", "i32"]
+    assert store.get_historical_features(entity_df, features=refs).to_df().columns.tolist() == [
+        "user_id",
+        "event_timestamp",
+        "s",
+        "score",
+        "i32",
+    ]
 
 
 ARRAYS = """
@@ -364,21 +444,28 @@ things = FeatureView(name="things", entities=[thing], source=FileSource(path="da
 def test_arrays_with_nan_infinity_bytes_and_times_read_the_same_online_and_offline(make_store):
     """Issue #10: arrays were JSON text online: NaN broke the whole request, bytes and times came back as text."""
     when = NOW - timedelta(days=3, microseconds=7)
-    table = pa.table({
-        "thing_id": pa.array([1, 2, 3], pa.int64()), "ts": pa.array([NOW - timedelta(hours=1)] * 3, TS),
-        "floats": pa.array([[math.nan, math.inf, -math.inf, None, 1.5], [], None], pa.list_(pa.float64())),
-        "blobs": pa.array([[b"\x00a", b"", None, bytes(range(256))], [b"\xff"], None], pa.list_(pa.binary())),
-        "times": pa.array([[when, None], [], None], pa.list_(TS)),
-        "flags": pa.array([[True, None, False], [], None], pa.list_(pa.bool_())),
-        "words": pa.array([["ü", None, "", "a\\x1fb"], [], None], pa.list_(pa.string())),
-    })
+    table = pa.table(
+        {
+            "thing_id": pa.array([1, 2, 3], pa.int64()),
+            "ts": pa.array([NOW - timedelta(hours=1)] * 3, TS),
+            "floats": pa.array([[math.nan, math.inf, -math.inf, None, 1.5], [], None], pa.list_(pa.float64())),
+            "blobs": pa.array([[b"\x00a", b"", None, bytes(range(256))], [b"\xff"], None], pa.list_(pa.binary())),
+            "times": pa.array([[when, None], [], None], pa.list_(TS)),
+            "flags": pa.array([[True, None, False], [], None], pa.list_(pa.bool_())),
+            "words": pa.array([["ü", None, "", "a\\x1fb"], [], None], pa.list_(pa.string())),
+        }
+    )
     store = make_store(ARRAYS, {"things": table})
     store.apply()
     store.materialize(None, NOW)
     refs = [f"things:{c}" for c in ("floats", "blobs", "times", "flags", "words")]
     online = store.get_online_features({"thing_id": [1, 2, 3]}, features=refs).to_dict()
-    offline = store.get_historical_features(pd.DataFrame({"thing_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=refs).to_arrow()
-    nan_safe = lambda rows: [None if r is None else ["NaN" if isinstance(v, float) and math.isnan(v) else v for v in r] for r in rows]  # noqa: E731
+    offline = store.get_historical_features(
+        pd.DataFrame({"thing_id": [1, 2, 3], "event_timestamp": [NOW] * 3}), features=refs
+    ).to_arrow()
+    nan_safe = lambda rows: [
+        None if r is None else ["NaN" if isinstance(v, float) and math.isnan(v) else v for v in r] for r in rows
+    ]  # noqa: E731
     for column in ("floats", "blobs", "times", "flags", "words"):
         assert nan_safe(online[column]) == nan_safe(offline[column].to_pylist()), column
     assert math.isnan(online["floats"][0][0]) and online["floats"][0][1:3] == [math.inf, -math.inf]
@@ -406,7 +493,10 @@ def test_rows_from_the_future_are_refused_until_due(users_store):
     with pytest.raises(RequestError, match="event time is in the future"):
         store.push("user_push", pd.DataFrame(ahead))
     assert store.get_online_features([{"user_id": 9}], features=["scores:score"]).statuses[1] == ["NOT_FOUND"]
-    soon = {**ahead, "event_timestamp": [datetime.now(timezone.utc) + timedelta(seconds=1)]}  # clock skew: within tolerance
+    soon = {
+        **ahead,
+        "event_timestamp": [datetime.now(timezone.utc) + timedelta(seconds=1)],
+    }  # clock skew: within tolerance
     assert store.push("user_push", pd.DataFrame(soon)) == 1
 
 
@@ -418,7 +508,9 @@ def test_a_correction_that_reverts_is_the_latest_write(users_store):
     for score in (1.0, 2.0, 1.0):
         store.push("user_push", pd.DataFrame({"user_id": [42], "score": [score], "event_timestamp": [at]}))
     assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_dict()["score"] == [1.0]
-    offline = store.get_historical_features(pd.DataFrame({"user_id": [42], "event_timestamp": [NOW]}), features=["scores:score"])
+    offline = store.get_historical_features(
+        pd.DataFrame({"user_id": [42], "event_timestamp": [NOW]}), features=["scores:score"]
+    )
     assert offline.to_df()["score"].tolist() == [1.0]
     store.materialize_incremental(NOW, ["scores"])  # recomputed from the push log: the same rows, nothing new
     assert store.get_online_features([{"user_id": 42}], features=["scores:score"]).to_dict()["score"] == [1.0]
@@ -434,8 +526,22 @@ def test_concurrent_materializations_never_duplicate_history(users_store):
 
     store = users_store(random_users(500, 30_000, seed=17))
     env = {k: v for k, v in __import__("os").environ.items() if k != "REDIS_URL"}
-    runs = [subprocess.Popen([sys.executable, "-m", "featurestore.cli", "materialize-incremental", "--repo", str(store.config.repo_path)],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(3)]
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "featurestore.cli",
+                "materialize-incremental",
+                "--repo",
+                str(store.config.repo_path),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
     for run in runs:
         assert run.wait(timeout=300) == 0, run.stderr.read().decode()[-2000:]
     con = duckdb.connect()
@@ -485,7 +591,9 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
     monkeypatch.setattr(redis_store.BatchedReads, "_exchange", counted)
 
     def query(ids):
-        return OnlineQuery.prepare(store.definitions, store.config.project, {"user_id": ids}, refs, None, False, now=NOW)
+        return OnlineQuery.prepare(
+            store.definitions, store.config.project, {"user_id": ids}, refs, None, False, now=NOW
+        )
 
     async def lookup(ids):
         q = query(ids)

@@ -76,8 +76,13 @@ def test_the_feature_log_loses_only_past_its_bound_says_so_and_recovers_promptly
     blocked = tmp_path / "log"
     blocked.write_text("a file where the Delta table should be")
     counts: dict[str, int] = {}
-    logger = FeatureLogger(blocked, pa.schema([("x", pa.int64())]), flush_interval=0.05, max_buffered_rows=1000,
-                           count=lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n))
+    logger = FeatureLogger(
+        blocked,
+        pa.schema([("x", pa.int64())]),
+        flush_interval=0.05,
+        max_buffered_rows=1000,
+        count=lambda outcome, n: counts.__setitem__(outcome, counts.get(outcome, 0) + n),
+    )
     served = 0
     with caplog.at_level(logging.WARNING, logger="featurestore.feature_logging"):
         deadline = time.monotonic() + 1.0  # an outage of a second, under load
@@ -98,5 +103,7 @@ def test_the_feature_log_loses_only_past_its_bound_says_so_and_recovers_promptly
     assert logger.logged_rows + logger.dropped_rows == served
     assert logger.dropped_rows == served - 1000 - 20 * 50 and counts["dropped"] == logger.dropped_rows
     assert read_log(blocked).num_rows == logger.logged_rows == counts["logged"]
-    assert any("dropped" in r.message for r in caplog.records) and any("flush failed" in r.message for r in caplog.records)
+    assert any("dropped" in r.message for r in caplog.records) and any(
+        "flush failed" in r.message for r in caplog.records
+    )
     assert any("written again" in r.message for r in caplog.records)

@@ -20,25 +20,46 @@ def test_init_to_served_lookup_to_export_and_training(tmp_path, redis_url):
     repo = tmp_path / "my_repo"
 
     def cli(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "featurestore", *args], cwd=repo if repo.exists() else tmp_path,
-                             capture_output=True, text=True, env=env, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", "featurestore", *args],
+            cwd=repo if repo.exists() else tmp_path,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
     cli("init", str(repo), "--project", f"newcomer{os.getpid()}")
-    assert {p.name for p in repo.iterdir()} >= {"featurestore.yaml", "features.py", "README.md", ".gitignore", "train.py", "sources"}
+    assert {p.name for p in repo.iterdir()} >= {
+        "featurestore.yaml",
+        "features.py",
+        "README.md",
+        ".gitignore",
+        "train.py",
+        "sources",
+    }
     assert "+ feature view driver_stats" in cli("plan")
     cli("apply")
     assert "driver_stats: 20 rows computed" in cli("materialize-incremental")
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "featurestore", "serve", "--port", str(port)], cwd=repo, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "featurestore", "serve", "--port", str(port)],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                body = httpx.post(f"http://127.0.0.1:{port}/get-online-features",  # the README's curl
-                                  json={"features": ["driver_stats:conv_rate"], "entities": {"driver_id": [1001, 1002]}}).json()
+                body = httpx.post(
+                    f"http://127.0.0.1:{port}/get-online-features",  # the README's curl
+                    json={"features": ["driver_stats:conv_rate"], "entities": {"driver_id": [1001, 1002]}},
+                ).json()
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
@@ -53,7 +74,7 @@ def test_init_to_served_lookup_to_export_and_training(tmp_path, redis_url):
     assert out.returncode == 0 and "registered as drivers v1" in out.stdout, out.stderr
 
 
-USER_CODE = '''
+USER_CODE = """
 from datetime import datetime, timezone
 
 from featurestore import FeatureStore
@@ -68,7 +89,7 @@ def main() -> None:
     rows = {"driver_id": [1001], "event_timestamp": [datetime.now(timezone.utc)]}
     table = store.get_historical_features(rows, features=["driver_stats:conv_rate"]).to_arrow()
     print(values, table.num_rows, store.plan().describe())
-'''
+"""
 
 
 @pytest.mark.slow
@@ -81,14 +102,53 @@ def test_a_users_repo_passes_mypy_strict(tmp_path):
     scaffold(tmp_path / "repo", "typed")
     (tmp_path / "repo" / "use.py").write_text(USER_CODE)
     # installed as a user installs it (not editable), so mypy treats it as PEP 561 says: typed only with py.typed
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"),
-                    str(Path(__file__).resolve().parents[1])], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheel"),
+            str(Path(__file__).resolve().parents[1]),
+        ],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "env")], check=True)
-    subprocess.run([str(tmp_path / "env" / "bin" / "pip"), "install", "-q", "--no-deps", *map(str, (tmp_path / "wheel").glob("*.whl"))],
-                   check=True, capture_output=True)
-    out = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"),
-                          "--python-executable", str(tmp_path / "env" / "bin" / "python"), "features.py", "train.py", "use.py"],
-                         cwd=tmp_path / "repo", capture_output=True, text=True)
+    subprocess.run(
+        [
+            str(tmp_path / "env" / "bin" / "pip"),
+            "install",
+            "-q",
+            "--no-deps",
+            *map(str, (tmp_path / "wheel").glob("*.whl")),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--follow-imports=silent",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--python-executable",
+            str(tmp_path / "env" / "bin" / "python"),
+            "features.py",
+            "train.py",
+            "use.py",
+        ],
+        cwd=tmp_path / "repo",
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout
 
 
@@ -104,8 +164,19 @@ def test_the_cli_reads_well(tmp_path, redis_url):
     repo = write_repo(tmp_path / "repo", DEFS)
 
     def cli(*args: str, code: int = 0) -> str:
-        out = subprocess.run([sys.executable, "-m", "featurestore", *args, *(["-r", str(repo)] if args[0] not in ("--help",) and "--help" not in args else [])],
-                             capture_output=True, text=True, env=env, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "featurestore",
+                *args,
+                *(["-r", str(repo)] if args[0] not in ("--help",) and "--help" not in args else []),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert out.returncode == code, out.stdout + out.stderr
         return out.stdout + out.stderr
 
@@ -119,7 +190,11 @@ def test_the_cli_reads_well(tmp_path, redis_url):
     for command in (("serve-model",), ("checkpoint-engine",)):
         assert "Missing option '--model'" in cli(*command, code=2)
     assert "--model NAME" in cli("check-consistency", code=1)
-    (repo / "features.py").write_text((repo / "features.py").read_text().replace('Field("country", String),\n', 'Field("country", String), Field("x", Int64),\n', 1))
+    (repo / "features.py").write_text(
+        (repo / "features.py")
+        .read_text()
+        .replace('Field("country", String),\n', 'Field("country", String), Field("x", Int64),\n', 1)
+    )
     unapplied = cli("materialize-incremental", code=1)
     assert unapplied.count("push source 'events'") == 1, unapplied
 
@@ -131,8 +206,13 @@ def test_runs_list_shows_whole_run_ids(tmp_path):
     run.log_params({"config": {"epochs": 1}, "code_version": "x"})
     run.finish({"val_auc": 0.5})
     (tmp_path / "featurestore.yaml").write_text("project: runs_only\nmodules: []\n")
-    out = subprocess.run([sys.executable, "-m", "featurestore", "runs", "list", "-r", str(tmp_path)], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "80"}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "featurestore", "runs", "list", "-r", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "80"},
+        timeout=120,
+    )
     assert out.returncode == 0 and run.id in out.stdout, out.stdout + out.stderr
 
 
@@ -157,9 +237,14 @@ def test_nanosecond_entity_times_come_back_utc(make_store):
     from .test_feature_server import DEFS
 
     store = make_store(DEFS)
-    for times in (pd.to_datetime(["2024-01-01 10:00:00.000000700"]),
-                  pd.to_datetime(["2024-01-01 10:00:00.000000700"]).tz_localize("Europe/Paris")):
-        out = store.get_historical_features(pd.DataFrame({"card_id": [1], "event_timestamp": times}), features=["spend:amount"]).to_arrow()
+    for times in (
+        pd.to_datetime(["2024-01-01 10:00:00.000000700"]),
+        pd.to_datetime(["2024-01-01 10:00:00.000000700"]).tz_localize("Europe/Paris"),
+    ):
+        out = store.get_historical_features(
+            pd.DataFrame({"card_id": [1], "event_timestamp": times}), features=["spend:amount"]
+        ).to_arrow()
         assert out.schema.field("event_timestamp").type == pa.timestamp("ns", tz="UTC")
-        assert out["event_timestamp"].cast(pa.int64()).to_pylist() == [times.tz_localize(None).asi8[0] if times.tz is None
-                                                                          else times.tz_convert("UTC").asi8[0]]
+        assert out["event_timestamp"].cast(pa.int64()).to_pylist() == [
+            times.tz_localize(None).asi8[0] if times.tz is None else times.tz_convert("UTC").asi8[0]
+        ]

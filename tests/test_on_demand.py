@@ -40,19 +40,36 @@ svc = FeatureService(name="svc", features=[stats[["country"]], payment_vs_usual]
 @pytest.fixture
 def store(make_store):
     s = make_store(DEFS)
-    s.push("events", {"card_id": [1, 2, 3], "avg_amount": [10.0, 4.0, None], "country": ["FR", "DE", "US"],
-                      "event_timestamp": [NOW] * 3}, to="online_and_offline")
+    s.push(
+        "events",
+        {
+            "card_id": [1, 2, 3],
+            "avg_amount": [10.0, 4.0, None],
+            "country": ["FR", "DE", "US"],
+            "event_timestamp": [NOW] * 3,
+        },
+        to="online_and_offline",
+    )
     return s
 
 
 def test_online_and_offline_compute_the_same_values(store):
     amounts = [50.0, 2.0, 7.0, 1.0]
-    online = store.get_online_features({"card_id": [1, 2, 3, 4], "amount": amounts},
-                                       features=["stats:country", "payment_vs_usual:amount_ratio", "payment_vs_usual:large"])
+    online = store.get_online_features(
+        {"card_id": [1, 2, 3, 4], "amount": amounts},
+        features=["stats:country", "payment_vs_usual:amount_ratio", "payment_vs_usual:large"],
+    )
     assert online.feature_names == ["card_id", "country", "amount_ratio", "large"]
-    assert online.to_dict()["amount_ratio"] == [5.0, 0.5, None, None] and online.to_dict()["large"] == [True, False, None, None]
+    assert online.to_dict()["amount_ratio"] == [5.0, 0.5, None, None] and online.to_dict()["large"] == [
+        True,
+        False,
+        None,
+        None,
+    ]
     assert online.statuses[2] == ["PRESENT", "PRESENT", "NULL_VALUE", "NULL_VALUE"]
-    rows = pd.DataFrame({"card_id": [1, 2, 3, 4], "event_timestamp": [NOW + timedelta(seconds=1)] * 4, "amount": amounts})
+    rows = pd.DataFrame(
+        {"card_id": [1, 2, 3, 4], "event_timestamp": [NOW + timedelta(seconds=1)] * 4, "amount": amounts}
+    )
     offline = store.get_historical_features(rows, feature_service="svc").to_arrow()
     assert offline.column_names == ["card_id", "event_timestamp", "amount", "country", "amount_ratio", "large"]
     assert offline["amount_ratio"].to_pylist() == online.to_dict()["amount_ratio"]
@@ -63,9 +80,16 @@ def test_random_requests_agree_bit_for_bit(store):
     rng = random.Random(7)
     cards = [rng.choice([1, 2, 3, 9]) for _ in range(200)]
     amounts = [rng.choice([None, 0.0, -1.5, rng.uniform(0, 1e6), float("inf")]) for _ in cards]
-    online = store.get_online_features({"card_id": cards, "amount": amounts}, features=["payment_vs_usual:amount_ratio"]).to_dict()
-    rows = pd.DataFrame({"card_id": cards, "event_timestamp": [NOW + timedelta(seconds=1)] * len(cards),
-                         "amount": pd.array(amounts, dtype="Float64")})
+    online = store.get_online_features(
+        {"card_id": cards, "amount": amounts}, features=["payment_vs_usual:amount_ratio"]
+    ).to_dict()
+    rows = pd.DataFrame(
+        {
+            "card_id": cards,
+            "event_timestamp": [NOW + timedelta(seconds=1)] * len(cards),
+            "amount": pd.array(amounts, dtype="Float64"),
+        }
+    )
     offline = store.get_historical_features(rows, features=["payment_vs_usual:amount_ratio"]).to_arrow()
     assert offline["amount_ratio"].to_pylist() == online["amount_ratio"]
 
@@ -77,7 +101,10 @@ def test_request_fields_are_required_and_the_server_serves_them(store):
     with pytest.raises(RequestError, match=r"request field\(s\) \['amount'\]"):
         store.get_historical_features(rows, features=["payment_vs_usual:amount_ratio"]).to_arrow()
     with TestClient(create_app(store.config.repo_path)) as client:
-        body = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1, 2], "amount": [30.0, 4.0]}}).json()
+        body = client.post(
+            "/get-online-features",
+            json={"feature_service": "svc", "entities": {"card_id": [1, 2], "amount": [30.0, 4.0]}},
+        ).json()
         assert body["metadata"]["feature_names"] == ["card_id", "country", "amount_ratio", "large"]
         assert body["results"][2]["values"] == [3.0, 1.0] and body["results"][3]["values"] == [False, False]
         missing = client.post("/get-online-features", json={"feature_service": "svc", "entities": {"card_id": [1]}})
@@ -85,8 +112,13 @@ def test_request_fields_are_required_and_the_server_serves_them(store):
 
 
 def test_exports_carry_on_demand_features(store, tmp_path):
-    rows = pa.table({"card_id": [1, 2], "event_timestamp": pa.array([NOW + timedelta(seconds=1)] * 2, pa.timestamp("us", tz="UTC")),
-                     "amount": [20.0, 20.0]})
+    rows = pa.table(
+        {
+            "card_id": [1, 2],
+            "event_timestamp": pa.array([NOW + timedelta(seconds=1)] * 2, pa.timestamp("us", tz="UTC")),
+            "amount": [20.0, 20.0],
+        }
+    )
     manifest = store.export_training_dataset(rows, "svc", tmp_path / "ds")
     assert "payment_vs_usual" in manifest["definition_hashes"]
     assert pd.read_parquet(tmp_path / "ds" / "data-00000.parquet")["amount_ratio"].tolist() == [2.0, 5.0]
@@ -102,7 +134,9 @@ def test_the_consistency_check_covers_request_time_features(store):
             body = {"feature_service": "svc", "entities": {"card_id": [1, 2, 3], "amount": amounts}}
             assert client.post("/get-online-features", json=body).status_code == 200
     report = check_service_log(store, "svc")
-    assert report.rows == 6 and report.feature_match == {"country": 1.0, "amount_ratio": 1.0, "large": 1.0}, report.mismatches
+    assert report.rows == 6 and report.feature_match == {"country": 1.0, "amount_ratio": 1.0, "large": 1.0}, (
+        report.mismatches
+    )
 
 
 EDGE_DEFS = """
@@ -131,14 +165,24 @@ def test_on_demand_edge_cases_behave_alike_on_both_paths(make_store):
     from featurestore.errors import OnDemandError
 
     store = make_store(EDGE_DEFS)  # applies: the whole-view source is accepted
-    store.push("events", {"card_id": [1], "limit": [100], "avg_amount": [2.0], "event_timestamp": [NOW]}, to="online_and_offline")
+    store.push(
+        "events",
+        {"card_id": [1], "limit": [100], "avg_amount": [2.0], "event_timestamp": [NOW]},
+        to="online_and_offline",
+    )
     refs = ["over_the_whole_view:per_count", "over_the_whole_view:plus"]
-    rows = pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(seconds=1)], "count": [4], "amount": [math.nan]})
+    rows = pd.DataFrame(
+        {"card_id": [1], "event_timestamp": [NOW + timedelta(seconds=1)], "count": [4], "amount": [math.nan]}
+    )
     offline = store.get_historical_features(rows, features=refs).to_arrow().to_pylist()[0]
     online = store.get_online_features({"card_id": [1], "count": [4], "amount": [math.nan]}, features=refs).to_dict()
     assert offline["per_count"] == online["per_count"][0] == 25
     assert math.isnan(offline["plus"]) and math.isnan(online["plus"][0])
-    for lookup in (lambda: store.get_historical_features(rows.assign(count=[0]), features=refs).to_arrow(),
-                   lambda: store.get_online_features({"card_id": [1], "count": [0], "amount": [1.0]}, features=refs)):
-        with pytest.raises(OnDemandError, match=r"on-demand view 'over_the_whole_view' .*raised ArrowInvalid: .*divide by zero"):
+    for lookup in (
+        lambda: store.get_historical_features(rows.assign(count=[0]), features=refs).to_arrow(),
+        lambda: store.get_online_features({"card_id": [1], "count": [0], "amount": [1.0]}, features=refs),
+    ):
+        with pytest.raises(
+            OnDemandError, match=r"on-demand view 'over_the_whole_view' .*raised ArrowInvalid: .*divide by zero"
+        ):
             lookup()

@@ -22,8 +22,21 @@ EXAMPLES = os.environ.get("FEATURESTORE_SCHEMATHESIS_EXAMPLES", "25")  # more in
 
 def schemathesis(url: str, timeout: float = 300) -> None:
     """``st run`` over the server's document; its report on failure."""
-    st = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "all", "-n", EXAMPLES,
-          "--seed", "1", "--request-timeout", "30"]
+    st = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{url}/openapi.json",
+        "--checks",
+        "all",
+        "-n",
+        EXAMPLES,
+        "--seed",
+        "1",
+        "--request-timeout",
+        "30",
+    ]
     out = subprocess.run(st, capture_output=True, text=True, timeout=timeout, env={**os.environ, "NO_COLOR": "1"})
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "generated" in out.stdout, out.stdout[-2000:]
@@ -49,8 +62,22 @@ def test_the_feature_servers_document_matches_it(tmp_path, redis_url, monkeypatc
     with FeatureStore(root) as store:
         store.apply()
     port = free_port()
-    server = serving([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port),
-                      "--log-level", "warning", "--no-access-log"], port)
+    server = serving(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        port,
+    )
     try:
         schemathesis(f"http://127.0.0.1:{port}")
     finally:
@@ -61,8 +88,21 @@ def test_the_feature_servers_document_matches_it(tmp_path, redis_url, monkeypatc
 def test_the_checkpoint_engines_document_matches_it(tmp_path, redis_url):
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     port = free_port()
-    engine = serving([sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m", "--repo", str(root),
-                      "--port", str(port)], port)
+    engine = serving(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "checkpoint-engine",
+            "--model",
+            "m",
+            "--repo",
+            str(root),
+            "--port",
+            str(port),
+        ],
+        port,
+    )
     try:
         schemathesis(f"http://127.0.0.1:{port}")
     finally:

@@ -104,20 +104,30 @@ def reference(history, key, t, ttl, as_of):
     hist_a=history_rows([1, 2, 3]),
     hist_b=history_rows(["k1", "k2"]),
     entities=st.lists(
-        st.tuples(st.sampled_from([1, 2, 3, 4]), st.sampled_from(["k1", "k2", "zz"]), st.integers(-2, 18), st.sampled_from([0, 0, 500_000])),
-        min_size=1, max_size=20,
+        st.tuples(
+            st.sampled_from([1, 2, 3, 4]),
+            st.sampled_from(["k1", "k2", "zz"]),
+            st.integers(-2, 18),
+            st.sampled_from([0, 0, 500_000]),
+        ),
+        min_size=1,
+        max_size=20,
     ),
     tz=st.sampled_from([None, "UTC", "America/New_York", "Asia/Kolkata"]),
     as_of=st.sampled_from(["event", "created"]),
     full_names=st.booleans(),
     views=st.sampled_from([("with_ttl",), ("no_ttl",), ("with_ttl", "other"), ("other", "no_ttl")]),
 )
-def test_point_in_time_join_matches_reference(store, tmp_path_factory, hist_a, hist_b, entities, tz, as_of, full_names, views):
+def test_point_in_time_join_matches_reference(
+    store, tmp_path_factory, hist_a, hist_b, entities, tz, as_of, full_names, views
+):
     for r in hist_a + hist_b:
         r["row_id"] = next(_ids)
     store._offline = DeltaOfflineStore(tmp_path_factory.mktemp("offline"))
     for name in ("with_ttl", "no_ttl"):
-        store.offline_store.append(name, to_history(hist_a, "a_id", pa.int64(), [("x", pa.int64()), ("y", pa.float64())]))
+        store.offline_store.append(
+            name, to_history(hist_a, "a_id", pa.int64(), [("x", pa.int64()), ("y", pa.float64())])
+        )
     for r in hist_b:
         r["x"] = None if r["x"] is None else f"s{r['x']}"
     store.offline_store.append("other", to_history(hist_b, "b_id", pa.string(), [("x", pa.string())]))
@@ -125,7 +135,14 @@ def test_point_in_time_join_matches_reference(store, tmp_path_factory, hist_a, h
     times = [BASE + timedelta(seconds=s, microseconds=us) for _, _, s, us in entities]
     ts = pd.Series(pd.to_datetime(times, utc=True))
     ts = ts.dt.tz_localize(None) if tz is None else ts.dt.tz_convert(tz)
-    entity_df = pd.DataFrame({"a_id": [e[0] for e in entities], "b_id": [e[1] for e in entities], "event_timestamp": ts, "label": range(len(entities))})
+    entity_df = pd.DataFrame(
+        {
+            "a_id": [e[0] for e in entities],
+            "b_id": [e[1] for e in entities],
+            "event_timestamp": ts,
+            "label": range(len(entities)),
+        }
+    )
 
     # the same view can't be asked twice with short names (x, y clash), so ask distinct views
     refs = [f"{v}:{f}" for v in views for f in (["x"] if v == "other" else ["x", "y"])]
@@ -133,7 +150,9 @@ def test_point_in_time_join_matches_reference(store, tmp_path_factory, hist_a, h
         with pytest.raises(RequestError, match="full_feature_names"):
             store.get_historical_features(entity_df, features=refs, full_feature_names=False)
         return
-    result = store.get_historical_features(entity_df, features=refs, full_feature_names=full_names, as_of=as_of).to_arrow()
+    result = store.get_historical_features(
+        entity_df, features=refs, full_feature_names=full_names, as_of=as_of
+    ).to_arrow()
 
     assert result.num_rows == len(entities)
     assert result["label"].to_pylist() == list(range(len(entities)))
@@ -143,7 +162,7 @@ def test_point_in_time_join_matches_reference(store, tmp_path_factory, hist_a, h
         history = hist_b if view == "other" else hist_a
         for i, (a_id, b_id, _, _) in enumerate(entities):
             match = reference(history, b_id if view == "other" else a_id, times[i], TTLS[view], as_of)
-            for f in (["x"] if view == "other" else ["x", "y"]):
+            for f in ["x"] if view == "other" else ["x", "y"]:
                 column = f"{view}__{f}" if full_names else f
                 expected = match[f] if match else None
                 assert result[column][i].as_py() == expected, (view, f, i)
@@ -168,7 +187,12 @@ def test_entity_input_forms(store, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(table, tmp_path / "e.parquet")
-    for form in (table, table.to_pandas(), str(tmp_path / "e.parquet"), f"SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')"):
+    for form in (
+        table,
+        table.to_pandas(),
+        str(tmp_path / "e.parquet"),
+        f"SELECT * FROM read_parquet('{tmp_path / 'e.parquet'}')",
+    ):
         out = store.get_historical_features(form, features=["no_ttl:x"]).to_arrow()
         assert out["x"].to_pylist() == [3, None]
         assert out.column_names == ["a_id", "ts", "x"]
@@ -182,15 +206,22 @@ def test_bad_entity_inputs_are_clear(store):
     with pytest.raises(Exception, match="not found"):
         store.get_historical_features(pd.DataFrame({"a_id": [1], "event_timestamp": [BASE]}), features=["nope:x"])
     with pytest.raises(RequestError, match="join key"):
-        store.get_historical_features(pd.DataFrame({"a_id": ["abc"], "event_timestamp": [BASE]}), features=["no_ttl:x"]).to_arrow()
+        store.get_historical_features(
+            pd.DataFrame({"a_id": ["abc"], "event_timestamp": [BASE]}), features=["no_ttl:x"]
+        ).to_arrow()
 
 
 def test_nanosecond_entity_times_truncate_and_come_back_untouched(store):
     """Issue #10: an entity at T+700 ns joined a row stamped T+1 µs (DuckDB rounded it: a row from its future)."""
     key = next(_ids) * 1000
     t = pd.Timestamp("2024-05-01T00:00:00Z")
-    store.push("src_a", pd.DataFrame({"a_id": [key], "x": [7], "y": [1.0], "event_timestamp": [t + pd.Timedelta(microseconds=1)]}))
-    entity_df = pd.DataFrame({"a_id": [key, key], "event_timestamp": [t + pd.Timedelta(nanoseconds=700), t + pd.Timedelta(nanoseconds=1700)]})
+    store.push(
+        "src_a",
+        pd.DataFrame({"a_id": [key], "x": [7], "y": [1.0], "event_timestamp": [t + pd.Timedelta(microseconds=1)]}),
+    )
+    entity_df = pd.DataFrame(
+        {"a_id": [key, key], "event_timestamp": [t + pd.Timedelta(nanoseconds=700), t + pd.Timedelta(nanoseconds=1700)]}
+    )
     out = store.get_historical_features(entity_df, features=["no_ttl:x"]).to_df()
     assert out["x"].tolist()[0] is None or pd.isna(out["x"].tolist()[0])
     assert out["x"].tolist()[1] == 7

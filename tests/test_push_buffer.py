@@ -19,13 +19,21 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 
 
 def _payment(i: int, card: int = 1) -> dict:
-    return {"payment_id": i, "card_id": card, "amount": float(i), "kind": "web", "event_timestamp": NOW - timedelta(minutes=i)}
+    return {
+        "payment_id": i,
+        "card_id": card,
+        "amount": float(i),
+        "kind": "web",
+        "event_timestamp": NOW - timedelta(minutes=i),
+    }
 
 
 def _counts(store, cards=(1,)):
     entity_df = pd.DataFrame({"card_id": list(cards), "event_timestamp": [NOW] * len(cards)})
     offline = store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist()
-    online = store.get_online_features({"card_id": list(cards)}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"]
+    online = store.get_online_features({"card_id": list(cards)}, features=["activity:count_1h"], at=NOW).to_dict()[
+        "count_1h"
+    ]
     return offline, online
 
 
@@ -115,7 +123,9 @@ def test_compaction_merges_small_files_and_keeps_history(make_store, tmp_path):
     before = _counts(store)[0]
     assert store.offline_store.file_count("activity") >= 6
     report = store.compact(["activity"])
-    dates = {(NOW - timedelta(minutes=i)).date() for i in range(10, 16)}  # one file per event-date partition (2 just after midnight)
+    dates = {
+        (NOW - timedelta(minutes=i)).date() for i in range(10, 16)
+    }  # one file per event-date partition (2 just after midnight)
     assert report["activity"]["files_after"] == len(dates) < report["activity"]["files_before"]
     assert _counts(store)[0] == before
 
@@ -127,7 +137,10 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
     import subprocess
     import sys
 
-    store = make_store(FEATURES + 'from featurestore import FeatureService\nsvc = FeatureService(name="svc", features=[activity[["count_1h"]]])\n')
+    store = make_store(
+        FEATURES
+        + 'from featurestore import FeatureService\nsvc = FeatureService(name="svc", features=[activity[["count_1h"]]])\n'
+    )
     store.config.compact_after_files, store.config.vacuum_after_hours = 3, 0
     store.push_buffer.max_rows = 1  # every push commits a file
     for i in range(20, 24):
@@ -138,13 +151,33 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
         store.push("payments", _frame([_payment(i)]), to="offline")
         store.push_buffer.wait_background()
     table_dir = store.offline_store.table_path("activity")
-    assert len(list(table_dir.rglob("*.parquet"))) <= store.offline_store.file_count("activity") + 3  # no pile of old files
+    assert (
+        len(list(table_dir.rglob("*.parquet"))) <= store.offline_store.file_count("activity") + 3
+    )  # no pile of old files
     assert _counts(store)[0] == [12]  # every pushed row still in the history
-    result = subprocess.run([sys.executable, "-m", "featurestore.cli", "export", "--repo", str(store.config.repo_path),
-                             "--from-manifest", str(tmp_path / "v1" / "manifest.json"), "--out", str(tmp_path / "v2")],
-                            capture_output=True, text=True, env={**os.environ, "REDIS_URL": store.config.online_url})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "export",
+            "--repo",
+            str(store.config.repo_path),
+            "--from-manifest",
+            str(tmp_path / "v1" / "manifest.json"),
+            "--out",
+            str(tmp_path / "v2"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "REDIS_URL": store.config.online_url},
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "lost" in result.stderr and "to a vacuum" in result.stderr and "export again from the current version" in result.stderr
+    assert (
+        "lost" in result.stderr
+        and "to a vacuum" in result.stderr
+        and "export again from the current version" in result.stderr
+    )
 
 
 def test_a_push_writes_redis_while_its_record_is_synced_and_returns_once_both_are_done(make_store, monkeypatch):
@@ -189,10 +222,10 @@ def test_a_record_torn_by_a_killed_writer_is_set_aside_and_the_rest_commits(make
     from featurestore.offline.buffer import MAGIC, RECORD
 
     data, end, sizes = journal.read_bytes(), 0, []
-    while data[end:end + 4] == MAGIC:  # past the two records
+    while data[end : end + 4] == MAGIC:  # past the two records
         sizes.append(RECORD.size + RECORD.unpack_from(data, end)[1])
         end += sizes[-1]
-    first_record = data[:sizes[0]]
+    first_record = data[: sizes[0]]
     with open(journal, "r+b") as f:  # a third record, cut short where its writer died
         f.seek(end)
         f.write(first_record[: len(first_record) // 2])
@@ -242,7 +275,9 @@ def test_concurrent_pushes_to_both_stores_each_land_once(make_store):
     assert _counts(store) == ([50], [50])  # event ids 1..50 within the hour, each once (10 pushed twice)
 
 
-def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_reused_descriptor(make_store, monkeypatch):
+def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_reused_descriptor(
+    make_store, monkeypatch
+):
     """A push in flight still writes to its journal after its Redis write (clearing its pending
     flag). If a drain deletes that journal meanwhile and another push starts a new one, the
     old file must stay open until then: its descriptor number, closed and reused by the new
@@ -258,7 +293,9 @@ def test_a_journal_replaced_while_a_push_is_in_flight_is_not_written_through_a_r
     assert started.wait(10)
     monkeypatch.delattr(store.online_store, "write_events")  # the drain's re-send writes at once
     assert store.flush() == 4  # the journal is drained and deleted (the pending record re-sent online)
-    for _ in range(2):  # a new journal: a first attempt, then its retry (a record flagged as one), as large as the first two
+    for _ in range(
+        2
+    ):  # a new journal: a first attempt, then its retry (a record flagged as one), as large as the first two
         store.push("payments", _frame([_payment(3)]), to="offline", idempotency_key="retried")
     assert [r.retry for r in store.push_buffer.records("log:payments")] == [False, True]
     resume.set()
@@ -320,8 +357,15 @@ def test_due_counts_rows_across_journals_and_looks(tmp_path):
     assert not buffer.due("view:a") and buffer._buffered["view:a"] == 3
     buffer.append("view:a", rows(4))
     assert not buffer.due("view:a") and buffer._buffered["view:a"] == 7
-    subprocess.run([sys.executable, "-c", "import pyarrow as pa; from featurestore.offline.buffer import PushBuffer; "
-                    f"PushBuffer({str(tmp_path)!r}).append('view:a', pa.table({{'x': [1, 2]}}))"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pyarrow as pa; from featurestore.offline.buffer import PushBuffer; "
+            f"PushBuffer({str(tmp_path)!r}).append('view:a', pa.table({{'x': [1, 2]}}))",
+        ],
+        check=True,
+    )
     assert not buffer.due("view:a") and buffer._buffered["view:a"] == 9  # another process's journal
     buffer.append("view:a", rows(1))
     assert buffer.due("view:a")

@@ -30,9 +30,16 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 
 def _payments(n: int, seed: int, first_id: int = 0, cards: int = 5, now: datetime = NOW) -> list[dict]:
     rnd = random.Random(seed)
-    return [{"payment_id": first_id + i, "card_id": rnd.randint(1, cards), "amount": float(rnd.randint(1, 500)) / 4,
-             "kind": rnd.choice(["web", "pos"]), "event_timestamp": now - timedelta(minutes=rnd.randint(0, 170))}
-            for i in range(n)]
+    return [
+        {
+            "payment_id": first_id + i,
+            "card_id": rnd.randint(1, cards),
+            "amount": float(rnd.randint(1, 500)) / 4,
+            "kind": rnd.choice(["web", "pos"]),
+            "event_timestamp": now - timedelta(minutes=rnd.randint(0, 170)),
+        }
+        for i in range(n)
+    ]
 
 
 def test_arrow_typing_of_pushed_rows_equals_the_sql_one(make_store):
@@ -46,11 +53,17 @@ def test_arrow_typing_of_pushed_rows_equals_the_sql_one(make_store):
             rows[-1]["kind"] = None
         table = _frame(rows)
         n = table.num_rows
-        table = table.append_column(INGESTED_AT, pa.array([NOW] * n, TS)).append_column(PUSH_ID, pa.array(range(seed, seed + n), pa.int64()))
-        fast = pushed_rows(table, view, defs.key_types["activity"], schema, NOW, timedelta(seconds=5))  # a push's run: its ingest time
+        table = table.append_column(INGESTED_AT, pa.array([NOW] * n, TS)).append_column(
+            PUSH_ID, pa.array(range(seed, seed + n), pa.int64())
+        )
+        fast = pushed_rows(
+            table, view, defs.key_types["activity"], schema, NOW, timedelta(seconds=5)
+        )  # a push's run: its ingest time
         con = connection()
         con.register("view_rows", table)
-        slow = compute(con, view, defs.key_types["activity"], schema, 77, NOW, future_tolerance=timedelta(seconds=5)).rows
+        slow = compute(
+            con, view, defs.key_types["activity"], schema, 77, NOW, future_tolerance=timedelta(seconds=5)
+        ).rows
         assert fast is not None and fast.equals(slow), seed
 
 
@@ -92,7 +105,9 @@ def test_writes_go_on_after_redis_lost_its_scripts(make_store):
     store.online_store.client.script_flush()  # as after a restart of Redis
     store.push("payments", _frame(_payments(3, seed=2, first_id=10)), to="online")
     counts = store.get_online_features({"card_id": [1, 2, 3, 4, 5]}, features=["activity:count_1h"], at=NOW).to_dict()
-    assert sum(counts["count_1h"]) == sum(1 for p in _payments(3, 1) + _payments(3, 2, 10) if p["event_timestamp"] > NOW - timedelta(hours=1))
+    assert sum(counts["count_1h"]) == sum(
+        1 for p in _payments(3, 1) + _payments(3, 2, 10) if p["event_timestamp"] > NOW - timedelta(hours=1)
+    )
 
 
 PUSHER = textwrap.dedent("""
@@ -129,8 +144,11 @@ def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_noth
     rnd = random.Random(11)
     killed = 0
     for attempt in range(kills + 20):
-        child = subprocess.Popen([sys.executable, "-c", PUSHER, str(root), str(done), str(batches), NOW.isoformat()], env=env,
-                                 stderr=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", PUSHER, str(root), str(done), str(batches), NOW.isoformat()],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
         if killed < kills:
             before = len(done.read_text().splitlines()) if done.exists() else 0
             deadline = time.time() + 60
@@ -150,9 +168,13 @@ def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_noth
     store.flush()
     events = [e for i in range(batches) for e in _batch(i)]
     cards = sorted({e["card_id"] for e in events})
-    expected = {c: (sum(1 for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)),
-                    sum(e["amount"] for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)))
-                for c in cards}
+    expected = {
+        c: (
+            sum(1 for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)),
+            sum(e["amount"] for e in events if e["card_id"] == c and e["event_timestamp"] > NOW - timedelta(hours=3)),
+        )
+        for c in cards
+    }
     refs = ["activity:amount_count_3h", "activity:amount_sum_3h"]
     online = store.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
     assert list(zip(online["amount_count_3h"], online["amount_sum_3h"])) == [expected[c] for c in cards]

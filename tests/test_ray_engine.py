@@ -44,11 +44,26 @@ def cluster(tmp_path_factory):
     env = dict(os.environ)
     ray_bin = str(Path(sys.executable).with_name("ray"))
     temp = str(tmp_path_factory.mktemp("ray"))
-    head = subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                           f"--temp-dir={temp}", "--disable-usage-stats"], capture_output=True, text=True, env=env)
+    head = subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert head.returncode == 0, head.stderr[-2000:]
     try:
-        worker = subprocess.run([ray_bin, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"], capture_output=True, text=True, env=env)
+        worker = subprocess.run(
+            [ray_bin, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1"], capture_output=True, text=True, env=env
+        )
         assert worker.returncode == 0, worker.stderr[-2000:]
         address = f"127.0.0.1:{port}"
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
@@ -90,16 +105,21 @@ def _entity_rows(data, n: int, seed: int) -> pa.Table:
     cards = pc.take(events["card_id"], pa.array(picks)).to_pylist()
     merchants = pc.take(events["merchant_id"], pa.array(picks)).to_pylist()
     for i in range(0, n, 7):
-        cards[i] = 10_000 + i           # unknown card
+        cards[i] = 10_000 + i  # unknown card
     for i in range(3, n, 11):
-        merchants[i] = None             # null key
+        merchants[i] = None  # null key
     for i in range(5, n, 13):
         times[i] = times[i].replace(year=2000)  # before any history
     for i in range(1, n, 17):
         cards[i], merchants[i], times[i] = cards[i - 1], merchants[i - 1], times[i - 1]  # a repeated row
-    return pa.table({"card_id": pa.array(cards, pa.int64()), "merchant_id": pa.array(merchants, pa.int64()),
-                     "event_timestamp": pa.array(times, pa.timestamp("us", tz="UTC")),
-                     "amount": pa.array(rng.uniform(1, 500, n))})
+    return pa.table(
+        {
+            "card_id": pa.array(cards, pa.int64()),
+            "merchant_id": pa.array(merchants, pa.int64()),
+            "event_timestamp": pa.array(times, pa.timestamp("us", tz="UTC")),
+            "amount": pa.array(rng.uniform(1, 500, n)),
+        }
+    )
 
 
 @pytest.mark.parametrize("as_of", ["event", pytest.param("created", marks=pytest.mark.slow)])
@@ -112,8 +132,12 @@ def test_point_in_time_join_equals_the_local_engine(stores, as_of):
     assert pc.sum(pc.is_valid(local["txn_count_24h"])).as_py() > 0  # the join found history, not only nulls
     # a projection across views in mixed order keeps the request's column order
     features = ["merchant_risk:merchant_txn_count_24h", "card_profile:credit_limit", "card_activity:amount_sum_24h"]
-    assert (stores["ray"].get_historical_features(rows, features=features).to_arrow()
-            .equals(stores["local"].get_historical_features(rows, features=features).to_arrow()))
+    assert (
+        stores["ray"]
+        .get_historical_features(rows, features=features)
+        .to_arrow()
+        .equals(stores["local"].get_historical_features(rows, features=features).to_arrow())
+    )
 
 
 def test_export_on_ray_is_byte_identical_and_reproduces(stores):
@@ -128,9 +152,29 @@ def test_export_on_ray_is_byte_identical_and_reproduces(stores):
     # the command line picks the engine by flag (a new driver process joining the cluster)
     labels_file = root / "labels.parquet"
     pq.write_table(labels, labels_file)
-    out = subprocess.run([sys.executable, "-m", "featurestore", "export", "--service", "fraud_model_v1", "--entities", str(labels_file),
-                          "--out", str(root / "export-cli"), "--engine", "ray", "--ray-address", stores["address"],
-                          "--repo", str(stores["repo"])], capture_output=True, text=True, env={**os.environ, "FEATURESTORE_OFFLINE_ENGINE": "local"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featurestore",
+            "export",
+            "--service",
+            "fraud_model_v1",
+            "--entities",
+            str(labels_file),
+            "--out",
+            str(root / "export-cli"),
+            "--engine",
+            "ray",
+            "--ray-address",
+            stores["address"],
+            "--repo",
+            str(stores["repo"]),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FEATURESTORE_OFFLINE_ENGINE": "local"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((root / "export-cli" / "manifest.json").read_text())["files"] == local["files"]
 
@@ -138,7 +182,9 @@ def test_export_on_ray_is_byte_identical_and_reproduces(stores):
 def test_bad_input_gets_the_local_engines_errors(stores):
     from featurestore.errors import RequestError
 
-    bad = pa.table({"card_id": ["a"], "merchant_id": [1], "event_timestamp": pa.array([0], pa.timestamp("us", tz="UTC"))})
+    bad = pa.table(
+        {"card_id": ["a"], "merchant_id": [1], "event_timestamp": pa.array([0], pa.timestamp("us", tz="UTC"))}
+    )
     with pytest.raises(RequestError, match="card_id"):
         stores["ray"].get_historical_features(bad, feature_service="fraud_model_v1")
 
@@ -146,7 +192,9 @@ def test_bad_input_gets_the_local_engines_errors(stores):
 def _history(store: FeatureStore, view: str) -> pa.Table:
     from deltalake import DeltaTable
 
-    table = DeltaTable(str(store.offline_store.table_path(store.definitions.view(view).history_table))).to_pyarrow_table()
+    table = DeltaTable(
+        str(store.offline_store.table_path(store.definitions.view(view).history_table))
+    ).to_pyarrow_table()
     return table.sort_by("_row_id")
 
 
@@ -159,7 +207,9 @@ def same_push_log(tmp_path, stores, monkeypatch):
     for name in ("local", "ray"):
         repo = tmp_path / name
         shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data"))
-        (repo / "featurestore.yaml").write_text((repo / "featurestore.yaml").read_text().replace("project: fraud", f"project: fraud_{name}"))
+        (repo / "featurestore.yaml").write_text(
+            (repo / "featurestore.yaml").read_text().replace("project: fraud", f"project: fraud_{name}")
+        )
         repos[name] = repo
     monkeypatch.setenv("FEATURESTORE_DATA_DIR", str(tmp_path / "data-local"))
     monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", "local")
@@ -177,8 +227,11 @@ def same_push_log(tmp_path, stores, monkeypatch):
 
     def state(store: FeatureStore) -> tuple[dict, dict]:
         cards = sorted(set(data.transactions["card_id"].to_pylist()))[:100] + [10**9]
-        online = store.get_online_features({"card_id": cards, "merchant_id": [c % 50 for c in cards]},
-                                           feature_service="fraud_model_v1", at=data.transactions["event_timestamp"][-1].as_py())
+        online = store.get_online_features(
+            {"card_id": cards, "merchant_id": [c % 50 for c in cards]},
+            feature_service="fraud_model_v1",
+            at=data.transactions["event_timestamp"][-1].as_py(),
+        )
         return {v: _history(store, v) for v in store.definitions.feature_views}, online.to_dict()
 
     return {"use": use, "state": state, "repos": repos, "data_dirs": {n: tmp_path / f"data-{n}" for n in repos}}
@@ -196,9 +249,13 @@ def test_materialize_on_ray_equals_the_local_engine(same_push_log):
             if name == "ray":
                 assert sum(v.new_offline_rows for v in store.materialize_incremental().views) == 0  # converged
                 assert all(_history(store, v).equals(t) for v, t in results["ray"][1].items())
-    (local_report, local_history, local_online), (ray_report, ray_history, ray_online) = results["local"], results["ray"]
-    assert [(v.view, v.computed_rows, v.new_offline_rows) for v in ray_report.views] == \
-           [(v.view, v.computed_rows, v.new_offline_rows) for v in local_report.views]
+    (local_report, local_history, local_online), (ray_report, ray_history, ray_online) = (
+        results["local"],
+        results["ray"],
+    )
+    assert [(v.view, v.computed_rows, v.new_offline_rows) for v in ray_report.views] == [
+        (v.view, v.computed_rows, v.new_offline_rows) for v in local_report.views
+    ]
     for view, table in local_history.items():
         assert ray_history[view].equals(table), view
     assert ray_online == local_online
@@ -212,8 +269,18 @@ def test_a_ray_driver_killed_mid_run_leaves_consistent_stores_and_a_rerun_conver
     with same_push_log["use"]("local", "local") as store:
         store.materialize_incremental()
         expected_history, expected_online = same_push_log["state"](store)
-    command = [sys.executable, "-m", "featurestore", "materialize-incremental", "--engine", "ray", "--ray-address", stores["address"],
-               "--repo", str(same_push_log["repos"]["ray"])]
+    command = [
+        sys.executable,
+        "-m",
+        "featurestore",
+        "materialize-incremental",
+        "--engine",
+        "ray",
+        "--ray-address",
+        stores["address"],
+        "--repo",
+        str(same_push_log["repos"]["ray"]),
+    ]
     env = {**os.environ, "FEATURESTORE_DATA_DIR": str(same_push_log["data_dirs"]["ray"])}
     rng = np.random.default_rng(kills)
     for _ in range(kills):
@@ -241,19 +308,37 @@ def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, 
     from .test_schema_changes import DEFS, STATS, _change
 
     now = datetime.now(timezone.utc).replace(microsecond=0)
-    monkeypatch.delenv("FEATURESTORE_DATA_DIR", raising=False)  # the module's demo repo sets it: this repo keeps its own
+    monkeypatch.delenv(
+        "FEATURESTORE_DATA_DIR", raising=False
+    )  # the module's demo repo sets it: this repo keeps its own
     store = make_store(DEFS, {"stats": STATS})
     store.materialize(None, None)
-    changed = _change(store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]')
-    newer = STATS.set_column(1, "event_timestamp", pa.array([now - timedelta(minutes=30)] * 2, pa.timestamp("us", tz="UTC")))
-    pq.write_table(newer.set_column(3, "trips", pa.array([7, 8], pa.int64())), changed.config.repo_path / "data" / "stats.parquet")
+    changed = _change(
+        store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]'
+    )
+    newer = STATS.set_column(
+        1, "event_timestamp", pa.array([now - timedelta(minutes=30)] * 2, pa.timestamp("us", tz="UTC"))
+    )
+    pq.write_table(
+        newer.set_column(3, "trips", pa.array([7, 8], pa.int64())), changed.config.repo_path / "data" / "stats.parquet"
+    )
     changed.materialize(None, None)
-    rows = pa.table({"driver_id": pa.array([1, 2, 1, 3], pa.int64()),
-                     "event_timestamp": pa.array([now - timedelta(minutes=45), now - timedelta(minutes=45), now, now], pa.timestamp("us", tz="UTC"))})
+    rows = pa.table(
+        {
+            "driver_id": pa.array([1, 2, 1, 3], pa.int64()),
+            "event_timestamp": pa.array(
+                [now - timedelta(minutes=45), now - timedelta(minutes=45), now, now], pa.timestamp("us", tz="UTC")
+            ),
+        }
+    )
     local = changed.get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
     monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", "ray")
     monkeypatch.setenv("FEATURESTORE_RAY_ADDRESS", cluster)
-    distributed = FeatureStore(changed.config.repo_path).get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
+    distributed = (
+        FeatureStore(changed.config.repo_path)
+        .get_historical_features(rows, features=["stats:rating", "stats:trips"])
+        .to_arrow()
+    )
     assert local["trips"].to_pylist() == [None, None, 7, None]  # older rows null, the newer one as written
     assert distributed.equals(local)
 
@@ -271,8 +356,11 @@ def test_splitting_files_and_tables_agrees_with_a_row_by_row_reference(tmp_path,
     files, tables = [], []
     for i in range(3):
         n = 500
-        columns = {"k": pa.array([None if v == 0 else f"e{v}" for v in rng.integers(0, 40, n)]),
-                   "j": pa.array(rng.integers(-3, 3, n), pa.int32()), "seq": pa.array(np.arange(i * n, (i + 1) * n))}
+        columns = {
+            "k": pa.array([None if v == 0 else f"e{v}" for v in rng.integers(0, 40, n)]),
+            "j": pa.array(rng.integers(-3, 3, n), pa.int32()),
+            "seq": pa.array(np.arange(i * n, (i + 1) * n)),
+        }
         if i != 1:  # a file written before the column existed
             columns["late"] = pa.array(rng.random(n))
         tables.append(pa.table(columns))
@@ -282,7 +370,12 @@ def test_splitting_files_and_tables_agrees_with_a_row_by_row_reference(tmp_path,
     key_types = {"k": "VARCHAR", "j": "BIGINT"}
     con = duckdb.connect()
     con.register("rows", everything)
-    part_of = [p for (p,) in con.sql(f"SELECT hash(TRY_CAST(k AS VARCHAR), TRY_CAST(j AS BIGINT)) % {parts} FROM rows").fetchall()]
+    part_of = [
+        p
+        for (p,) in con.sql(
+            f"SELECT hash(TRY_CAST(k AS VARCHAR), TRY_CAST(j AS BIGINT)) % {parts} FROM rows"
+        ).fetchall()
+    ]
     expected = [[row for row, p in zip(everything.to_pylist(), part_of) if p == q] for q in range(parts)]
     from_files = read_split(files, key_types, parts)
     from_table = hash_split(everything, key_types, parts)

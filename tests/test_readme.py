@@ -78,8 +78,14 @@ def test_every_readme_block_runs_as_pasted(tmp_path, redis_url):
                 line = line.split(" #")[0].strip()
                 if line.startswith("featurestore serve"):
                     args = shlex.split(line.rstrip("&").strip())[1:]
-                    server = subprocess.Popen([sys.executable, "-m", "featurestore", *args, "--port", str(port)], cwd=repo, env=env,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    server = subprocess.Popen(
+                        [sys.executable, "-m", "featurestore", *args, "--port", str(port)],
+                        cwd=repo,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
                     _wait_for(port, server)
                 elif line.startswith("featurestore "):
                     run([sys.executable, "-m", "featurestore", *shlex.split(line)[1:]])

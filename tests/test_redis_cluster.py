@@ -51,8 +51,14 @@ def cluster(tmp_path_factory):
 
 def _stats(n: int) -> pa.Table:
     rng = np.random.default_rng(3)
-    return pa.table({"card_id": np.arange(n, dtype=np.int64), "event_timestamp": pa.array([NOW - timedelta(hours=2)] * n, pa.timestamp("us", tz="UTC")),
-                     "score": rng.normal(size=n), "segment": pa.array([f"s{i % 7}" for i in range(n)])})
+    return pa.table(
+        {
+            "card_id": np.arange(n, dtype=np.int64),
+            "event_timestamp": pa.array([NOW - timedelta(hours=2)] * n, pa.timestamp("us", tz="UTC")),
+            "score": rng.normal(size=n),
+            "segment": pa.array([f"s{i % 7}" for i in range(n)]),
+        }
+    )
 
 
 def _stores(tmp_path, redis_url, ports, n=500):
@@ -70,9 +76,16 @@ def _stores(tmp_path, redis_url, ports, n=500):
 
 def _payments(n: int, seed: int) -> pa.Table:
     rng = np.random.default_rng(seed)
-    return pa.table({"payment_id": np.arange(n, dtype=np.int64) + seed * 10_000, "card_id": rng.integers(0, 600, n),
-                     "amount": rng.integers(1, 100, n).astype(float),
-                     "event_timestamp": pa.array([NOW - timedelta(minutes=int(m)) for m in rng.integers(0, 600, n)], pa.timestamp("us", tz="UTC"))})
+    return pa.table(
+        {
+            "payment_id": np.arange(n, dtype=np.int64) + seed * 10_000,
+            "card_id": rng.integers(0, 600, n),
+            "amount": rng.integers(1, 100, n).astype(float),
+            "event_timestamp": pa.array(
+                [NOW - timedelta(minutes=int(m)) for m in rng.integers(0, 600, n)], pa.timestamp("us", tz="UTC")
+            ),
+        }
+    )
 
 
 def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch):
@@ -100,9 +113,20 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
             for _ in range(2):
                 assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == plain
         assert any(clustered.online_store.client.scan_iter(match=b"*|tiles"))
-        offline = clustered.get_historical_features(pd.DataFrame({"card_id": list(range(600)), "event_timestamp": [NOW] * 600}),
-                                                    features=["activity:count_1h"]).to_df()["count_1h"].tolist()
-        assert clustered.get_online_features({"card_id": list(range(600))}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"] == offline
+        offline = (
+            clustered.get_historical_features(
+                pd.DataFrame({"card_id": list(range(600)), "event_timestamp": [NOW] * 600}),
+                features=["activity:count_1h"],
+            )
+            .to_df()["count_1h"]
+            .tolist()
+        )
+        assert (
+            clustered.get_online_features(
+                {"card_id": list(range(600))}, features=["activity:count_1h"], at=NOW
+            ).to_dict()["count_1h"]
+            == offline
+        )
         keys = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", ports[0])]).cluster_nodes()
         assert sum(1 for n in keys.values() if "master" in n["flags"]) == 3
     finally:
@@ -134,7 +158,9 @@ def test_heavy_entities_read_through_the_servers_path_on_a_cluster(tmp_path, red
         async def served():
             answers = []
             for _ in range(2):  # summaries stored after the first lookup, read by the second
-                query = OnlineQuery.prepare(clustered.definitions, clustered.config.project, {"card_id": cards}, refs, None, False, now=NOW)
+                query = OnlineQuery.prepare(
+                    clustered.definitions, clustered.config.project, {"card_id": cards}, refs, None, False, now=NOW
+                )
                 answers.append((await read_online_async(clustered.online_store, query)).to_dict())
                 await clustered.online_store.seal_async(query.seals)
             return answers
@@ -153,8 +179,12 @@ def test_a_master_killed_mid_load_ends_in_recovery_with_no_wrong_value(tmp_path,
     try:
         cards = list(range(300))
         expected = single.get_online_features({"card_id": cards}, features=["stats:score"]).to_dict()["score"]
-        victim = next(p for p in ports if "master" in redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0].decode()
-                      and redis.Redis(host="127.0.0.1", port=p).dbsize() > 0)
+        victim = next(
+            p
+            for p in ports
+            if "master" in redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0].decode()
+            and redis.Redis(host="127.0.0.1", port=p).dbsize() > 0
+        )
         answers = {"ok": 0, "unavailable": 0}
         killed_at = None
         deadline = time.time() + 60
@@ -173,15 +203,24 @@ def test_a_master_killed_mid_load_ends_in_recovery_with_no_wrong_value(tmp_path,
             if killed_at is not None and answers["unavailable"] and answers["ok"] >= 40:
                 break
         assert killed_at is not None and answers["unavailable"] > 0, answers  # the failover was seen...
-        assert answers["ok"] >= 40, answers                                   # ...and recovered from, no restart
+        assert answers["ok"] >= 40, answers  # ...and recovered from, no restart
         clustered.push("payments", _payments(200, seed=4))  # writes work again too
-        assert sum(clustered.get_online_features({"card_id": cards}, features=["activity:count_1h"], at=NOW).to_dict()["count_1h"]) > 0
+        assert (
+            sum(
+                clustered.get_online_features({"card_id": cards}, features=["activity:count_1h"], at=NOW).to_dict()[
+                    "count_1h"
+                ]
+            )
+            > 0
+        )
     finally:
         single.close()
         clustered.close()
 
 
-def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(tmp_path, redis_url, cluster, monkeypatch):
+def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(
+    tmp_path, redis_url, cluster, monkeypatch
+):
     import sys
 
     from .conftest import free_port
@@ -193,15 +232,31 @@ def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(t
     single.close()
     clustered.close()
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(tmp_path / "cluster"), "--port", str(port),
-                               "--log-level", "warning", "--no-access-log"], stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve",
+            "--repo",
+            str(tmp_path / "cluster"),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, 60, (httpx.TransportError,))
         body = {"features": ["stats:score"], "entities": {"card_id": list(range(200))}}
         alive = [p for p in ports if procs[p].poll() is None]
         masters = [p for p in alive if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[0] == b"master"]
-        victim = next(p for p in masters if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[2])  # has a replica
+        victim = next(
+            p for p in masters if redis.Redis(host="127.0.0.1", port=p).execute_command("ROLE")[2]
+        )  # has a replica
         statuses: dict[int, int] = {}
         killed = False
         with httpx.Client(base_url=url, timeout=10) as client:
@@ -209,17 +264,32 @@ def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(t
                 if i == 20:
                     procs[victim].send_signal(signal.SIGKILL)
                     killed = True
-                pushed = client.post("/push", json={"push_source_name": "payments", "to": "online", "df": {
-                    "payment_id": [i], "card_id": [i % 200], "amount": [1.0], "event_timestamp": [NOW.isoformat()]}})
+                pushed = client.post(
+                    "/push",
+                    json={
+                        "push_source_name": "payments",
+                        "to": "online",
+                        "df": {
+                            "payment_id": [i],
+                            "card_id": [i % 200],
+                            "amount": [1.0],
+                            "event_timestamp": [NOW.isoformat()],
+                        },
+                    },
+                )
                 if pushed.status_code not in (200, 503):  # (a slot map lookup outside the try gave 500s)
                     server.terminate()
-                    pytest.fail(f"push answered {pushed.status_code}: {server.communicate(timeout=30)[1].decode()[-3000:]}")
+                    pytest.fail(
+                        f"push answered {pushed.status_code}: {server.communicate(timeout=30)[1].decode()[-3000:]}"
+                    )
                 response = client.post("/get-online-features", json=body)
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
                 if response.status_code == 200:
                     assert response.json()["results"][1]["values"] == expected
                 else:
-                    assert response.status_code == 503 and "redis+cluster://" in response.json()["detail"], response.text
+                    assert response.status_code == 503 and "redis+cluster://" in response.json()["detail"], (
+                        response.text
+                    )
                     time.sleep(0.05)
                 if killed and statuses.get(503) and statuses.get(200, 0) >= 60:
                     break

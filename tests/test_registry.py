@@ -103,8 +103,10 @@ def test_every_validation_error_is_reported_with_location_and_fix(tmp_path):
 
 
 def test_reserved_and_duplicate_feature_names(tmp_path):
-    code = GOOD.replace('schema=[Field("conv_rate", Float64), Field("trips", Int64)]',
-                        'schema=[Field("conv_rate", Float64), Field("conv_rate", Float64), Field("event_timestamp", Float64)]')
+    code = GOOD.replace(
+        'schema=[Field("conv_rate", Float64), Field("trips", Int64)]',
+        'schema=[Field("conv_rate", Float64), Field("conv_rate", Float64), Field("event_timestamp", Float64)]',
+    )
     with pytest.raises(DefinitionError) as info:
         FeatureStore(write_repo(tmp_path, code, {"stats": STATS})).definitions
     assert "appears twice" in str(info.value) and "reserved" in str(info.value)
@@ -121,7 +123,10 @@ def test_plan_apply_diff_add_change_remove(tmp_path, redis_url, monkeypatch):
     store = FeatureStore(root)
     plan = store.plan()
     assert {(c.kind, c.name, c.action) for c in plan.changes} == {
-        ("entity", "driver", "add"), ("feature_view", "driver_stats", "add"), ("feature_service", "svc", "add")}
+        ("entity", "driver", "add"),
+        ("feature_view", "driver_stats", "add"),
+        ("feature_service", "svc", "add"),
+    }
     store.apply()
     assert FeatureStore(root).plan().empty
 
@@ -131,7 +136,11 @@ def test_plan_apply_diff_add_change_remove(tmp_path, redis_url, monkeypatch):
     assert (change.action, change.attributes, change.needs_backfill) == ("change", ["ttl_seconds"], False)
     (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("city", String)'))
     change = FeatureStore(root).plan().changes[0]
-    assert change.attributes == ["schema"] and change.needs_backfill and "featurestore backfill driver_stats" in change.describe()
+    assert (
+        change.attributes == ["schema"]
+        and change.needs_backfill
+        and "featurestore backfill driver_stats" in change.describe()
+    )
 
     # removing a view needs force
     (root / "features.py").write_text(GOOD.split("stats = FeatureView")[0])
@@ -208,13 +217,17 @@ def test_init_scaffold_plans_and_applies(tmp_path, redis_url, monkeypatch):
 def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
     """Issue #9: after Int64 -> Float64 a stored 4 used to decode as 2e-323, PRESENT. Values are
     written under the view's storage layout, so until re-materialized the lookup says NOT_FOUND."""
-    recent = STATS.set_column(1, "event_timestamp", pa.array([datetime.now(timezone.utc)] * 2, pa.timestamp("us", tz="UTC")))
+    recent = STATS.set_column(
+        1, "event_timestamp", pa.array([datetime.now(timezone.utc)] * 2, pa.timestamp("us", tz="UTC"))
+    )
     store = make_store(GOOD, {"stats": recent})
     store.apply()
     store.materialize(None, None)
     ask = dict(features=["driver_stats:trips"])
     assert store.get_online_features([{"driver_id": 2}], **ask).to_dict()["trips"] == [4]
-    (store.config.repo_path / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
+    (store.config.repo_path / "features.py").write_text(
+        GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)')
+    )
     changed = FeatureStore(store.config.repo_path)
     changed.apply()
     response = changed.get_online_features([{"driver_id": 2}], **ask)
@@ -227,12 +240,24 @@ def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
 def test_plan_warnings_reach_the_terminal(tmp_path):
     """Issue #9: rich read "[... needs --force]" as markup and printed nothing of it."""
     root = write_repo(tmp_path, GOOD, {"stats": STATS})
-    assert subprocess.run([sys.executable, "-m", "featurestore.cli", "apply", "--repo", str(root)], capture_output=True).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", "apply", "--repo", str(root)], capture_output=True
+        ).returncode
+        == 0
+    )
     (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
-    out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
-    assert "[new version v2: its history starts empty and its online values read NOT_FOUND until `featurestore backfill driver_stats`" in out
+    out = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True
+    ).stdout
+    assert (
+        "[new version v2: its history starts empty and its online values read NOT_FOUND until `featurestore backfill driver_stats`"
+        in out
+    )
     (root / "features.py").write_text("from featurestore import Entity\n")
-    out = subprocess.run([sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True
+    ).stdout
     assert "[its stored data will be deleted: needs --force]" in out
 
 
@@ -240,7 +265,9 @@ def test_metadata_edits_do_not_change_definition_hashes(tmp_path):
     """Models and manifests record these hashes: a description edit must not make them stale (issue #9)."""
     root = write_repo(tmp_path, GOOD, {"stats": STATS})
     before = FeatureStore(root).definition_hashes(["driver_stats"])
-    (root / "features.py").write_text(GOOD.replace("ttl=timedelta(days=1),", "ttl=timedelta(days=1), description='now documented', owner='me',"))
+    (root / "features.py").write_text(
+        GOOD.replace("ttl=timedelta(days=1),", "ttl=timedelta(days=1), description='now documented', owner='me',")
+    )
     assert FeatureStore(root).definition_hashes(["driver_stats"]) == before
     (root / "features.py").write_text(GOOD.replace("ttl=timedelta(days=1)", "ttl=timedelta(days=2)"))
     assert FeatureStore(root).definition_hashes(["driver_stats"]) != before
@@ -252,13 +279,21 @@ def test_unapplied_code_is_never_used(make_store):
     root = store.config.repo_path
     (root / "features.py").write_text(GOOD.replace('Field("trips", Int64)', 'Field("trips", Float64)'))
     edited = FeatureStore(root)
-    for attempt in (lambda: edited.materialize(None, None),
-                    lambda: edited.get_online_features([{"driver_id": 1}], features=["driver_stats:trips"]),
-                    lambda: edited.get_historical_features(pa.table({"driver_id": [1], "event_timestamp": STATS["event_timestamp"][:1]}),
-                                                           feature_service="svc")):
-        with pytest.raises(FeatureStoreError, match=r"differ from the applied registry: feature view 'driver_stats' \(changed: schema\).*featurestore apply"):
+    for attempt in (
+        lambda: edited.materialize(None, None),
+        lambda: edited.get_online_features([{"driver_id": 1}], features=["driver_stats:trips"]),
+        lambda: edited.get_historical_features(
+            pa.table({"driver_id": [1], "event_timestamp": STATS["event_timestamp"][:1]}), feature_service="svc"
+        ),
+    ):
+        with pytest.raises(
+            FeatureStoreError,
+            match=r"differ from the applied registry: feature view 'driver_stats' \(changed: schema\).*featurestore apply",
+        ):
             attempt()
-    listed = subprocess.run([sys.executable, "-m", "featurestore.cli", "list", "--repo", str(root)], capture_output=True, text=True).stdout
+    listed = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "list", "--repo", str(root)], capture_output=True, text=True
+    ).stdout
     assert "Not applied" in listed and "feature view 'driver_stats' (changed: schema)" in listed
     edited.apply()
     assert edited.materialize(None, None).views

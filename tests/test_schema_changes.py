@@ -19,12 +19,14 @@ from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError
 
 NOW = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=10)
-STATS = pa.table({
-    "driver_id": pa.array([1, 2], pa.int64()),
-    "event_timestamp": pa.array([NOW - timedelta(hours=1)] * 2, pa.timestamp("us", tz="UTC")),
-    "rating": pa.array([110, 42], pa.int64()),
-    "trips": pa.array([3, 4], pa.int64()),
-})
+STATS = pa.table(
+    {
+        "driver_id": pa.array([1, 2], pa.int64()),
+        "event_timestamp": pa.array([NOW - timedelta(hours=1)] * 2, pa.timestamp("us", tz="UTC")),
+        "rating": pa.array([110, 42], pa.int64()),
+        "trips": pa.array([3, 4], pa.int64()),
+    }
+)
 FLOAT_STATS = STATS.set_column(2, "rating", pa.array([110.8647, 42.0]))
 DEFS = """
 from datetime import timedelta
@@ -57,7 +59,12 @@ def _online(store: FeatureStore, features: list[str]) -> dict:
 
 
 def _offline(store: FeatureStore, features: list[str]) -> dict:
-    return store.get_historical_features(ENTITIES, features=features).to_arrow().drop_columns(["event_timestamp"]).to_pydict()
+    return (
+        store.get_historical_features(ENTITIES, features=features)
+        .to_arrow()
+        .drop_columns(["event_timestamp"])
+        .to_pydict()
+    )
 
 
 def test_a_type_change_is_a_new_version_that_never_truncates(make_store, tmp_path):
@@ -90,16 +97,30 @@ def test_an_added_feature_evolves_history_and_reads_null_until_backfilled(make_s
     SchemaMismatchError on backfill)."""
     store = make_store(DEFS, {"stats": STATS})
     store.materialize(None, None)
-    changed = _change(store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]')
+    changed = _change(
+        store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]'
+    )
     assert changed.get_feature_view("stats").history_version == 1  # evolved, not a new version
-    assert _offline(changed, ["stats:rating", "stats:trips"]) == {"driver_id": [1, 2, 3], "rating": [110, 42, None], "trips": [None, None, None]}
+    assert _offline(changed, ["stats:rating", "stats:trips"]) == {
+        "driver_id": [1, 2, 3],
+        "rating": [110, 42, None],
+        "trips": [None, None, None],
+    }
     online = _online(changed, ["stats:rating", "stats:trips"])
     assert online["statuses"][1:] == [["NOT_FOUND"] * 2, ["NOT_FOUND"] * 2]
 
     report = changed.backfill(["stats"])
     assert report.views[0].new_offline_rows == 2
-    assert _offline(changed, ["stats:rating", "stats:trips"]) == {"driver_id": [1, 2, 3], "rating": [110, 42, None], "trips": [3, 4, None]}
-    assert _online(changed, ["stats:rating", "stats:trips"])["values"] == {"driver_id": [1, 2], "rating": [110, 42], "trips": [3, 4]}
+    assert _offline(changed, ["stats:rating", "stats:trips"]) == {
+        "driver_id": [1, 2, 3],
+        "rating": [110, 42, None],
+        "trips": [3, 4, None],
+    }
+    assert _online(changed, ["stats:rating", "stats:trips"])["values"] == {
+        "driver_id": [1, 2],
+        "rating": [110, 42],
+        "trips": [3, 4],
+    }
     from deltalake import DeltaTable  # the table's own schema gained the column (other Delta readers see it)
 
     assert "trips" in [f.name for f in DeltaTable(str(changed.offline_store.table_path("stats"))).schema().fields]
@@ -109,7 +130,7 @@ def test_a_removed_feature_fails_at_request_time_and_its_data_stays(make_store):
     two = DEFS.replace('schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]')
     store = make_store(two, {"stats": STATS})
     store.materialize(None, None)
-    changed = _change(store, ', Field("trips", Int64)]', ']')
+    changed = _change(store, ', Field("trips", Int64)]', "]")
     for read in (_online, _offline):
         with pytest.raises(FeatureStoreError, match="trips"):
             read(changed, ["stats:trips"])
@@ -117,41 +138,61 @@ def test_a_removed_feature_fails_at_request_time_and_its_data_stays(make_store):
     assert _offline(changed, ["stats:rating"])["rating"] == [110, 42, None]
 
 
-@pytest.mark.parametrize("old,new", [
-    ('value_type=Int64)', 'value_type=String)'),  # the key type (and the source's keys with it)
-    ('timestamp_field="event_timestamp")', 'timestamp_field="event_timestamp"), transformation="SELECT driver_id, event_timestamp, rating * 2 AS rating FROM source"'),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("value_type=Int64)", "value_type=String)"),  # the key type (and the source's keys with it)
+        (
+            'timestamp_field="event_timestamp")',
+            'timestamp_field="event_timestamp"), transformation="SELECT driver_id, event_timestamp, rating * 2 AS rating FROM source"',
+        ),
+    ],
+)
 def test_key_and_transformation_changes_are_new_versions(make_store, old, new):
     store = make_store(DEFS, {"stats": STATS})
     store.materialize(None, None)
     if "String" in new:
-        pq.write_table(STATS.set_column(0, "driver_id", pa.array(["1", "2"])), store.config.repo_path / "data" / "stats.parquet")
+        pq.write_table(
+            STATS.set_column(0, "driver_id", pa.array(["1", "2"])), store.config.repo_path / "data" / "stats.parquet"
+        )
     changed = _change(store, old, new)
     assert changed.get_feature_view("stats").history_version == 2
     keys = [{"driver_id": "1"}] if "String" in new else [{"driver_id": 1}]
     assert changed.get_online_features(keys, features=["stats:rating"]).statuses[1] == ["NOT_FOUND"]
     changed.backfill(["stats"])
-    assert changed.get_online_features(keys, features=["stats:rating"]).to_dict()["rating"] == [220 if "*" in new else 110]
+    assert changed.get_online_features(keys, features=["stats:rating"]).to_dict()["rating"] == [
+        220 if "*" in new else 110
+    ]
 
 
 def test_a_ttl_change_is_read_time_and_keeps_serving(make_store):
     store = make_store(DEFS, {"stats": STATS})
     store.materialize(None, None)
     plan = FeatureStore(store.config.repo_path)
-    (store.config.repo_path / "features.py").write_text(DEFS.replace("ttl=timedelta(days=1)", "ttl=timedelta(minutes=30)"))
+    (store.config.repo_path / "features.py").write_text(
+        DEFS.replace("ttl=timedelta(days=1)", "ttl=timedelta(minutes=30)")
+    )
     change = FeatureStore(store.config.repo_path).plan().changes[0]
     assert not change.needs_backfill and "backfill" not in change.describe()
     changed = FeatureStore(store.config.repo_path)
     changed.apply()
     assert changed.get_feature_view("stats").history_version == 1
-    assert _online(changed, ["stats:rating"])["statuses"][1] == ["OUTSIDE_MAX_AGE"] * 2  # the hour-old rows, now too old
+    assert (
+        _online(changed, ["stats:rating"])["statuses"][1] == ["OUTSIDE_MAX_AGE"] * 2
+    )  # the hour-old rows, now too old
     assert plan.get_feature_view("stats").history_table == "stats"
 
 
 def test_pushes_buffered_before_a_new_version_stay_in_the_old_one(make_store):
-    pushed = DEFS.replace('source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp")', "source=src").replace(
-        "driver = Entity", 'src = PushSource(name="src", schema=[Field("driver_id", Int64), Field("event_timestamp", UnixTimestamp), Field("rating", Int64)])\ndriver = Entity'
-    ).replace("import Float64, Int64, String", "import Float64, Int64, String, UnixTimestamp").replace("import Entity,", "import Entity, PushSource,")
+    pushed = (
+        DEFS.replace('source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp")', "source=src")
+        .replace(
+            "driver = Entity",
+            'src = PushSource(name="src", schema=[Field("driver_id", Int64), Field("event_timestamp", UnixTimestamp), Field("rating", Int64)])\ndriver = Entity',
+        )
+        .replace("import Float64, Int64, String", "import Float64, Int64, String, UnixTimestamp")
+        .replace("import Entity,", "import Entity, PushSource,")
+    )
     store = make_store(pushed)
     store.push("src", {"driver_id": [1], "event_timestamp": [NOW], "rating": [7]})  # buffered, not yet in Delta
     changed = _change(store, 'Field("rating", Int64)', 'Field("rating", Float64)')  # the source's and the view's
@@ -175,7 +216,9 @@ stats = FeatureView(
 )
 """
     store = make_store(agg, {"stats": STATS})
-    changed = _change(store, 'schema=[Field("rating", Float64)]', 'schema=[Field("rating", Float64), Field("trips", Int64)]')
+    changed = _change(
+        store, 'schema=[Field("rating", Float64)]', 'schema=[Field("rating", Float64), Field("trips", Int64)]'
+    )
     assert changed.get_feature_view("stats").history_version == 2
     changed.backfill(["stats"])
     assert _online(changed, ["stats:rating_sum_24h"])["values"]["rating_sum_24h"] == [110.0, 42.0]
@@ -184,11 +227,15 @@ stats = FeatureView(
 def test_cli_plan_and_backfill(make_store):
     store = make_store(DEFS, {"stats": STATS})
     root = str(store.config.repo_path)
-    (store.config.repo_path / "features.py").write_text(DEFS.replace('Field("rating", Int64)', 'Field("rating", Float64)'))
+    (store.config.repo_path / "features.py").write_text(
+        DEFS.replace('Field("rating", Int64)', 'Field("rating", Float64)')
+    )
     pq.write_table(FLOAT_STATS, store.config.repo_path / "data" / "stats.parquet")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "featurestore.cli", *args, "--repo", root], capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", *args, "--repo", root], capture_output=True, text=True
+        )
 
     assert "[new version v2:" in cli("plan").stdout
     assert cli("apply").returncode == 0

@@ -33,12 +33,17 @@ sql_view = FeatureView(name="sql_view", entities=[user],
 
 
 def data() -> pa.Table:
-    return pa.table({
-        "user_id": pa.array([1, 1, 2], pa.int64()),
-        "ts": pa.array([NOW - timedelta(hours=3), NOW - timedelta(hours=1), NOW - timedelta(hours=2)], pa.timestamp("us", tz="UTC")),
-        "spend": [10.0, 5.0, 7.5],
-        "city": ["a", "b", "c"],
-    })
+    return pa.table(
+        {
+            "user_id": pa.array([1, 1, 2], pa.int64()),
+            "ts": pa.array(
+                [NOW - timedelta(hours=3), NOW - timedelta(hours=1), NOW - timedelta(hours=2)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "spend": [10.0, 5.0, 7.5],
+            "city": ["a", "b", "c"],
+        }
+    )
 
 
 def test_python_sql_and_csv_sources_materialize_and_serve(make_store, monkeypatch):
@@ -48,10 +53,14 @@ def test_python_sql_and_csv_sources_materialize_and_serve(make_store, monkeypatc
     monkeypatch.chdir("/")  # the SQL source's relative path resolves against the repo, not the cwd
     report = store.materialize(None, NOW + timedelta(seconds=1))
     assert [v.computed_rows for v in report.views] == [3, 3, 3]
-    online = store.get_online_features({"user_id": [1, 2]}, features=["py_view:spend_x2", "csv_view:city", "sql_view:total"]).to_dict()
+    online = store.get_online_features(
+        {"user_id": [1, 2]}, features=["py_view:spend_x2", "csv_view:city", "sql_view:total"]
+    ).to_dict()
     assert online == {"user_id": [1, 2], "spend_x2": [10.0, 15.0], "city": ["b", "c"], "total": [15.0, 7.5]}
-    offline = store.get_historical_features(pd.DataFrame({"user_id": [1], "event_timestamp": [NOW - timedelta(hours=2)]}),
-                                            features=["py_view:spend_x2", "sql_view:total"]).to_df()
+    offline = store.get_historical_features(
+        pd.DataFrame({"user_id": [1], "event_timestamp": [NOW - timedelta(hours=2)]}),
+        features=["py_view:spend_x2", "sql_view:total"],
+    ).to_df()
     assert offline[["spend_x2", "total"]].values.tolist() == [[20.0, 10.0]]
 
 

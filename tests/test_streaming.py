@@ -37,8 +37,15 @@ NOW = datetime.now(timezone.utc).replace(microsecond=0)
 
 def _events(n: int, seed: int) -> list[dict]:
     rnd = random.Random(seed)
-    return [{"payment_id": i, "card_id": rnd.randint(1, 20), "amount": float(rnd.randint(1, 500)),
-             "event_timestamp": NOW - timedelta(minutes=rnd.randint(0, 600))} for i in range(n)]
+    return [
+        {
+            "payment_id": i,
+            "card_id": rnd.randint(1, 20),
+            "amount": float(rnd.randint(1, 500)),
+            "event_timestamp": NOW - timedelta(minutes=rnd.randint(0, 600)),
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -62,10 +69,14 @@ def _expected(events: list[dict]) -> dict[int, tuple[int, float]]:
 def _assert_stores_match(store: FeatureStore, events: list[dict]) -> None:
     expected = _expected(events)
     cards = sorted(expected)
-    online = store.get_online_features({"card_id": cards}, features=["activity:count_30h", "activity:amount_sum_30h"], at=NOW)
+    online = store.get_online_features(
+        {"card_id": cards}, features=["activity:count_30h", "activity:amount_sum_30h"], at=NOW
+    )
     assert list(zip(online.values[1], online.values[2])) == [expected[c] for c in cards]
     entity_df = pd.DataFrame({"card_id": cards, "event_timestamp": [NOW] * len(cards)})
-    offline = store.get_historical_features(entity_df, features=["activity:count_30h", "activity:amount_sum_30h"]).to_df()
+    offline = store.get_historical_features(
+        entity_df, features=["activity:count_30h", "activity:amount_sum_30h"]
+    ).to_df()
     assert list(zip(offline["count_30h"], offline["amount_sum_30h"])) == [expected[c] for c in cards]
 
 
@@ -75,11 +86,26 @@ def test_consumer_killed_mid_stream_resumes_without_loss_or_double_counting(stre
     stream = stream_key(store.config.project, store.definitions.push_source("payments"))
     retried = events + random.Random(2).sample(events, 200)  # producers retry: duplicate entries
     publish(store.online_store.client, stream, retried[:1500])
-    bad = publish(store.online_store.client, stream, [{"payment_id": 99999, "card_id": 1, "amount": "lots",
-                                                        "event_timestamp": NOW.isoformat()}])
+    bad = publish(
+        store.online_store.client,
+        stream,
+        [{"payment_id": 99999, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()}],
+    )
     publish(store.online_store.client, stream, retried[1500:])
 
-    command = [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root), "--batch", "40", "--consumer", "c1"]
+    command = [
+        sys.executable,
+        "-m",
+        "featurestore.cli",
+        "stream",
+        "payments",
+        "--repo",
+        str(root),
+        "--batch",
+        "40",
+        "--consumer",
+        "c1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     first = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     client = store.online_store.client
@@ -120,9 +146,23 @@ def test_consumers_killed_under_their_default_names_lose_nothing_and_log_each_en
     stream = stream_key(store.config.project, store.definitions.push_source("payments"))
     client = store.online_store.client
     publish(client, stream, events[:700])
-    bad = publish(client, stream, [{"payment_id": 88888, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()}])
+    bad = publish(
+        client, stream, [{"payment_id": 88888, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()}]
+    )
     publish(client, stream, events[700:])
-    command = [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root), "--batch", "25", "--claim-idle", "0.3"]
+    command = [
+        sys.executable,
+        "-m",
+        "featurestore.cli",
+        "stream",
+        "payments",
+        "--repo",
+        str(root),
+        "--batch",
+        "25",
+        "--claim-idle",
+        "0.3",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     rnd = random.Random(7)
     for _ in range(3):  # killed at random moments, each time under a new default name
@@ -150,7 +190,9 @@ def test_a_push_source_is_not_a_stream(stream_repo, tmp_path):
     from featurestore.errors import NotFoundError
 
     with pytest.raises(NotFoundError, match="not a StreamSource"):
-        StreamConsumer(FeatureStore(write_repo(tmp_path / "plain", FEATURES.replace("StreamSource", "PushSource"))), "payments")
+        StreamConsumer(
+            FeatureStore(write_repo(tmp_path / "plain", FEATURES.replace("StreamSource", "PushSource"))), "payments"
+        )
 
 
 def test_view_status_shows_the_consumer_groups_lag(stream_repo):

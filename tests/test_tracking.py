@@ -28,7 +28,9 @@ def reference_lttb(data: list[tuple[float, float]], threshold: int) -> list[tupl
         lo, hi = int(i * every) + 1, int((i + 1) * every) + 1
         best, best_area = lo, -1.0
         for j in range(lo, hi):
-            area = abs((data[a][0] - avg_x) * (data[j][1] - data[a][1]) - (data[a][0] - data[j][0]) * (avg_y - data[a][1]))
+            area = abs(
+                (data[a][0] - avg_x) * (data[j][1] - data[a][1]) - (data[a][0] - data[j][0]) * (avg_y - data[a][1])
+            )
             if area > best_area:
                 best, best_area = j, area
         sampled.append(data[best])
@@ -70,17 +72,35 @@ def test_runs_compare_side_by_side(tmp_path):
     table = compare(runs)
     assert table["differs"] == ["config.learning_rate"] and table["final"]["val_auc"] == [0.91, 0.93]
     (tmp_path / "featurestore.yaml").write_text("project: p\nmodules: []\n")
-    out = subprocess.run([sys.executable, "-m", "featurestore", "runs", "compare", "a", "b", "--repo", str(tmp_path),
-                          "--plot", str(tmp_path / "cmp.png")], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featurestore",
+            "runs",
+            "compare",
+            "a",
+            "b",
+            "--repo",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "cmp.png"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
-    assert "config.learning_rate" in out.stdout and "0.93" in out.stdout and (tmp_path / "cmp.png").stat().st_size > 1000
+    assert (
+        "config.learning_rate" in out.stdout and "0.93" in out.stdout and (tmp_path / "cmp.png").stat().st_size > 1000
+    )
 
 
 def test_runs_tracked_before_the_metric_store_still_read(tmp_path):
     run = tmp_path / "old"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "epoch": 0, "train_loss": 1 / s}) for s in range(1, 50))
-                                       + '\n{"step": 50')  # a live run's last, partial line
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "epoch": 0, "train_loss": 1 / s}) for s in range(1, 50)) + '\n{"step": 50'
+    )  # a live run's last, partial line
     line = curve(run, "train_loss", 10)
     assert line["points"] == 49 and line["steps"][0] == 1 and line["steps"][-1] == 49 and len(line["steps"]) == 10
 
@@ -99,8 +119,10 @@ def test_concurrent_writers_and_a_reader_see_each_record_once_in_order(tmp_path)
     """Three ranks write at once (flushing and merging segments) while a reader keeps reading:
     every read holds, per writer, a gap-free prefix of its steps, and the end holds them all."""
     steps = 6000
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), f"rank{r}", str(steps), str(50 + 37 * r)])
-             for r in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), f"rank{r}", str(steps), str(50 + 37 * r)])
+        for r in range(3)
+    ]
     reads = 0
     while any(p.poll() is None for p in procs) or reads == 0:
         table = read_metrics(tmp_path, "loss")
@@ -120,8 +142,12 @@ def test_a_million_steps_are_compact_on_disk_and_curve_fast(tmp_path):
     values = np.cumsum(rng.normal(0, 1, 1_000_000))
     with MetricWriter(tmp_path, flush_rows=200_000) as writer:
         for start in range(0, len(values), 200_000):  # logged in blocks, as a fast loop would flush
-            writer._columns = {"step": list(range(start, start + 200_000)), "wall_time": [1.7e9 + i * 0.01 for i in range(start, start + 200_000)],
-                               "metric": ["loss"] * 200_000, "value": values[start:start + 200_000].tolist()}
+            writer._columns = {
+                "step": list(range(start, start + 200_000)),
+                "wall_time": [1.7e9 + i * 0.01 for i in range(start, start + 200_000)],
+                "metric": ["loss"] * 200_000,
+                "value": values[start : start + 200_000].tolist(),
+            }
             writer.flush()
     size = sum(p.stat().st_size for p in (tmp_path / "metrics").rglob("*.parquet"))
     assert size < 12 * 1_000_000  # random-walk floats barely compress; steps and times nearly vanish

@@ -57,7 +57,15 @@ def trained(tmp_path_factory):
     run = train(config, data_dir / "runs", progress=False)
     registry = model_registry(store)
     registry.promote("fraud", registry.register("fraud", run), "production")
-    yield {"store": store, "data": data, "dataset": dataset, "run": run, "config": config, "env": env, "data_dir": data_dir}
+    yield {
+        "store": store,
+        "data": data,
+        "dataset": dataset,
+        "run": run,
+        "config": config,
+        "env": env,
+        "data_dir": data_dir,
+    }
     store.close()
     redis_server.stop()
     for k, v in old.items():
@@ -80,7 +88,9 @@ def test_run_is_tracked_with_hashes_metrics_and_plot(trained):
     artifacts = json.loads((run / "artifacts.json").read_text())  # named by their hashes, verifiable by anyone
     store = ArtifactStore(run.parent.parent / "artifacts")
     assert {"loss.png", "weights.pt", "dataset_manifest.json"} <= set(artifacts)
-    assert all(store.verify(a["sha256"]) and store.path(a["sha256"]).stat().st_size == a["bytes"] for a in artifacts.values())
+    assert all(
+        store.verify(a["sha256"]) and store.path(a["sha256"]).stat().st_size == a["bytes"] for a in artifacts.values()
+    )
 
 
 def test_training_resumes_from_checkpoint(trained, tmp_path):
@@ -123,9 +133,17 @@ def test_entity_key_buckets_agree_between_training_and_serving():
     bulk = pre.transform({"card": pa.array(cards, pa.int64()), "merchant": pa.array(merchants)})[1]
     rows = pre.transform({"card": cards, "merchant": merchants})[1]
     assert bulk.tolist() == rows.tolist() and bulk[3].tolist() == [0, 0] and bulk[0][1] == bulk[4][1]
-    elsewhere = sp.run([sys.executable, "-c", "from featurestore.training.preprocessing import Preprocessor; "
-                        "print(Preprocessor([], [], hashed={'m': 50}).transform({'m': ['m1', 'é']})[1].tolist())"],
-                       capture_output=True, text=True, check=True).stdout
+    elsewhere = sp.run(
+        [
+            sys.executable,
+            "-c",
+            "from featurestore.training.preprocessing import Preprocessor; "
+            "print(Preprocessor([], [], hashed={'m': 50}).transform({'m': ['m1', 'é']})[1].tolist())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert elsewhere.strip() == str([[bulk[0][1].item()], [bulk[2][1].item()]])
 
 
@@ -163,13 +181,23 @@ def test_inference_server_scores_reports_statuses_and_logs(trained):
         prediction = one.json()["predictions"][0]
         assert 0.0 <= prediction["score"] <= 1.0
         assert prediction["features"]["credit_limit"]["status"] == "PRESENT"
-        batch = client.post("/predict", json={"instances": [
-            {"card_id": 2, "merchant_id": 3, "amount": 5.0}, {"card_id": 999_999, "merchant_id": 3, "amount": 900.0}]})
+        batch = client.post(
+            "/predict",
+            json={
+                "instances": [
+                    {"card_id": 2, "merchant_id": 3, "amount": 5.0},
+                    {"card_id": 999_999, "merchant_id": 3, "amount": 900.0},
+                ]
+            },
+        )
         unknown = batch.json()["predictions"][1]
         assert unknown["features"]["credit_limit"]["status"] == "NOT_FOUND"
         assert "credit_limit" in unknown["missing_features"]
         assert client.post("/predict", json={"instances": [{"card_id": 1, "merchant_id": 2}]}).status_code == 422
-        assert client.post("/predict", json={"instances": [{"card_id": "x", "merchant_id": 2, "amount": 1.0}]}).status_code == 422
+        assert (
+            client.post("/predict", json={"instances": [{"card_id": "x", "merchant_id": 2, "amount": 1.0}]}).status_code
+            == 422
+        )
         assert client.post("/predict", content=b"nope").status_code == 422
         assert client.get("/health").json()["status"] == "ok"
         assert "/predict" in client.get("/openapi.json").json()["paths"]
@@ -183,26 +211,45 @@ def test_consistency_catches_planted_skew(trained):
     app = create_app(DEFINITIONS, "fraud", "production")
     # plant skew: a writer bypassing the materialization puts a value in Redis the history store never saw
     view = store.get_feature_view("card_profile")
-    forged = pa.table({
-        "card_id": pa.array([7], pa.int64()),
-        "event_timestamp": pa.array([trained["data"].transactions["event_timestamp"][-1].as_py() + timedelta(days=1)], pa.timestamp("us", tz="UTC")),
-        "created_timestamp": pa.array([trained["data"].transactions["event_timestamp"][-1].as_py()], pa.timestamp("us", tz="UTC")),
-        "_run_id": pa.array([10**9], pa.int64()), "_row_id": pa.array([1], pa.int64()),
-        "credit_limit": [123456.0], "account_age_days": pa.array([1], pa.int32()), "home_country": ["ZZ"],
-    })
+    forged = pa.table(
+        {
+            "card_id": pa.array([7], pa.int64()),
+            "event_timestamp": pa.array(
+                [trained["data"].transactions["event_timestamp"][-1].as_py() + timedelta(days=1)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "created_timestamp": pa.array(
+                [trained["data"].transactions["event_timestamp"][-1].as_py()], pa.timestamp("us", tz="UTC")
+            ),
+            "_run_id": pa.array([10**9], pa.int64()),
+            "_row_id": pa.array([1], pa.int64()),
+            "credit_limit": [123456.0],
+            "account_age_days": pa.array([1], pa.int32()),
+            "home_country": ["ZZ"],
+        }
+    )
     store.online_store.write_latest(view.online_field, forged, ["card_id"], [(f.name, f.dtype) for f in view.schema])
     with TestClient(app) as client:
         assert client.post("/predict", json={"card_id": 7, "merchant_id": 1, "amount": 50.0}).status_code == 200
     report = check_consistency(store, "fraud")
     assert not report.ok
     assert report.feature_match["credit_limit"] < 1.0
-    assert any(m["feature"] == "credit_limit" and m["card_id"] == 7 and m["online"] == 123456.0 for m in report.mismatches)
+    assert any(
+        m["feature"] == "credit_limit" and m["card_id"] == 7 and m["online"] == 123456.0 for m in report.mismatches
+    )
 
 
 def test_stale_model_is_refused_naming_the_changed_view(trained, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(DEFINITIONS, repo, ignore=shutil.ignore_patterns("data", "__pycache__"))
-    text = (repo / "features.py").read_text().replace("Aggregation(\"count\", timedelta(hours=1), name=\"txn_count_1h\")", "Aggregation(\"count\", timedelta(hours=2), name=\"txn_count_1h\")")
+    text = (
+        (repo / "features.py")
+        .read_text()
+        .replace(
+            'Aggregation("count", timedelta(hours=1), name="txn_count_1h")',
+            'Aggregation("count", timedelta(hours=2), name="txn_count_1h")',
+        )
+    )
     (repo / "features.py").write_text(text)
     store = FeatureStore(repo)  # same data dir (env), so same model registry
     with pytest.raises(FeatureStoreError, match=r"older definitions of \['card_activity'\]"):
@@ -213,9 +260,24 @@ def test_promotion_is_broadcast_to_every_replica(trained):
     env = {**os.environ, **trained["env"]}
     ports = [free_port(), free_port()]
     servers = [
-        subprocess.Popen([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--model", "fraud", "--port", str(p),
-                          "--no-access-log"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "featurestore.cli",
+                "serve-model",
+                "--repo",
+                str(DEFINITIONS),
+                "--model",
+                "fraud",
+                "--port",
+                str(p),
+                "--no-access-log",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         for p in ports
     ]
     try:
@@ -230,7 +292,10 @@ def test_promotion_is_broadcast_to_every_replica(trained):
         def requests() -> None:
             with httpx.Client() as client:
                 while not stop.is_set():
-                    r = client.post(f"http://127.0.0.1:{ports[0]}/predict", json={"instances": [{"card_id": 1, "merchant_id": 1, "amount": 1.0}]})
+                    r = client.post(
+                        f"http://127.0.0.1:{ports[0]}/predict",
+                        json={"instances": [{"card_id": 1, "merchant_id": 1, "amount": 1.0}]},
+                    )
                     seen.append((r.status_code, r.json()["model"]["version"] if r.status_code == 200 else -1))
 
         loop = threading.Thread(target=requests)
@@ -239,7 +304,9 @@ def test_promotion_is_broadcast_to_every_replica(trained):
         registry.promote("fraud", new, "production")
         for port in ports:
             _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == new, servers)
-            body = httpx.post(f"http://127.0.0.1:{port}/predict", json={"card_id": 1, "merchant_id": 1, "amount": 1.0}).json()
+            body = httpx.post(
+                f"http://127.0.0.1:{port}/predict", json={"card_id": 1, "merchant_id": 1, "amount": 1.0}
+            ).json()
             assert body["model"]["version"] == new
         time.sleep(0.3)
         stop.set()
@@ -273,11 +340,23 @@ def test_no_predict_body_gets_a_500(trained):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=5),
+    )
     instance = st.dictionaries(st.sampled_from(["card_id", "merchant_id", "amount", "x"]), scalars, max_size=4)
-    bodies = st.one_of(st.fixed_dictionaries({"instances": st.lists(instance, max_size=3)}), instance, st.lists(scalars, max_size=2), scalars)
+    bodies = st.one_of(
+        st.fixed_dictionaries({"instances": st.lists(instance, max_size=3)}),
+        instance,
+        st.lists(scalars, max_size=2),
+        scalars,
+    )
 
     with TestClient(create_app(DEFINITIONS, "fraud", "production", log_features=False)) as client:
+
         @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
         @given(body=bodies)
         def check(body):
@@ -288,7 +367,9 @@ def test_no_predict_body_gets_a_500(trained):
 
 
 def test_regression_task_reports_rmse(trained, tmp_path):
-    config = TrainConfig(**{**trained["config"].__dict__, "task": "regression", "label": "amount", "request_inputs": [], "epochs": 1})
+    config = TrainConfig(
+        **{**trained["config"].__dict__, "task": "regression", "label": "amount", "request_inputs": [], "epochs": 1}
+    )
     run = train(config, tmp_path, progress=False)
     final = json.loads((run / "final.json").read_text())
     assert final["val_rmse"] > 0 and "val_auc" not in final
@@ -300,8 +381,25 @@ def test_the_inference_servers_document_matches_it(trained):
     from .test_openapi import schemathesis, serving
 
     port = free_port()
-    server = serving([sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS), "--model", "fraud",
-                      "--port", str(port), "--log-level", "warning", "--no-access-log"], port, env={**os.environ, **trained["env"]})
+    server = serving(
+        [
+            sys.executable,
+            "-m",
+            "featurestore.cli",
+            "serve-model",
+            "--repo",
+            str(DEFINITIONS),
+            "--model",
+            "fraud",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        port,
+        env={**os.environ, **trained["env"]},
+    )
     try:
         schemathesis(f"http://127.0.0.1:{port}")
     finally:

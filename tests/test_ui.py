@@ -49,14 +49,26 @@ def pipeline(tmp_path_factory):
         store.materialize_incremental()
         dataset = root / "data" / "datasets" / "v1"
         store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", dataset)
-        runs = [train(TrainConfig(dataset=str(dataset), request_inputs=["amount"], epochs=1, batch_size=64, learning_rate=lr),
-                      root / "data" / "runs", progress=False) for lr in (2e-3, 5e-3)]
+        runs = [
+            train(
+                TrainConfig(dataset=str(dataset), request_inputs=["amount"], epochs=1, batch_size=64, learning_rate=lr),
+                root / "data" / "runs",
+                progress=False,
+            )
+            for lr in (2e-3, 5e-3)
+        ]
         registry = store.model_registry()
         version = registry.register("fraud", runs[1])
         registry.promote("fraud", version, "production")
         with TestClient(create_app(repo, log_features=True)) as client:  # logged lookups, then a real check
             for card in range(1, 40):
-                client.post("/get-online-features", json={"feature_service": "fraud_model_v1", "entities": {"card_id": [card], "merchant_id": [card % 7]}})
+                client.post(
+                    "/get-online-features",
+                    json={
+                        "feature_service": "fraud_model_v1",
+                        "entities": {"card_id": [card], "merchant_id": [card % 7]},
+                    },
+                )
         record_check(check_service_log(store, "fraud_model_v1"), store.config.data_dir, "service:fraud_model_v1")
         env = {k: os.environ[k] for k in ("FEATURESTORE_DATA_DIR", "REDIS_URL")}
         yield {"repo": repo, "env": env, "runs": runs, "store": store, "dataset": dataset}
@@ -65,8 +77,13 @@ def pipeline(tmp_path_factory):
 def _serve(pipeline, extra_env: dict[str, str] | None = None):
     port = free_port()
     env = {**os.environ, **pipeline["env"], **(extra_env or {})}
-    process = subprocess.Popen([sys.executable, "-m", "featurestore", "ui", "--repo", str(pipeline["repo"]), "--port", str(port)],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "featurestore", "ui", "--repo", str(pipeline["repo"]), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -96,14 +113,18 @@ def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
     assert set(views) >= {"card_activity", "card_profile", "merchant_risk"}
     windows = {f["name"]: f.get("window_seconds") for f in views["card_activity"]["features"]}
     assert windows["txn_count_1h"] == 3600 and windows["amount_avg_7d"] == 7 * 86400
-    assert [v["name"] for v in httpx.get(api + "/catalog", params={"q": "merchant_amount"}).json()["views"]] == ["merchant_risk"]
+    assert [v["name"] for v in httpx.get(api + "/catalog", params={"q": "merchant_amount"}).json()["views"]] == [
+        "merchant_risk"
+    ]
 
     view = httpx.get(api + "/views/card_activity").json()
     assert view["status"]["history_rows"] > 0 and view["status"]["online_age_seconds"] is not None
     assert view["consistency"] and view["consistency"][-1]["over_time"]
 
     runs = httpx.get(api + "/runs").json()["runs"]
-    assert {r["id"] for r in runs} == {p.name for p in pipeline["runs"]} and all(r["status"] == "finished" for r in runs)
+    assert {r["id"] for r in runs} == {p.name for p in pipeline["runs"]} and all(
+        r["status"] == "finished" for r in runs
+    )
     a, b = (p.name for p in pipeline["runs"])
     compared = httpx.get(api + "/compare", params=[("runs", a), ("runs", b)]).json()
     assert "config.learning_rate" in compared["differs"]
@@ -133,9 +154,18 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
+        chromium = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+            ],
+        )
         yield chromium
         chromium.close()
 
@@ -188,7 +218,9 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     assert "production" in page.inner_text("tr[data-model='fraud:1']")
     page.click("tr[data-model='fraud:1'] a.lineage")
     page.wait_for_selector("main[data-page=lineage]")
-    assert "✓" in page.inner_text("[data-hop=dataset]") and "unchanged" in page.inner_text("[data-hop='feature definitions']")
+    assert "✓" in page.inner_text("[data-hop=dataset]") and "unchanged" in page.inner_text(
+        "[data-hop='feature definitions']"
+    )
     page.screenshot(path=str(shots / "lineage.png"), full_page=True)
     page.click("#run-link")
     page.wait_for_selector("main[data-page=run]")
@@ -208,7 +240,14 @@ def test_with_auth_on_every_route_needs_a_key_and_the_browser_signs_in(pipeline,
     keys = json.dumps([{"name": "ui", "sha256": hash_key(KEY), "scopes": ["read"]}])
     process, url = _serve(pipeline, {"FEATURESTORE_API_KEYS": keys})
     try:
-        for path in ("/ui/", "/ui/static/app.js", "/ui/api/catalog", "/ui/api/runs", "/ui/api/models/fraud/1/lineage", "/docs"):
+        for path in (
+            "/ui/",
+            "/ui/static/app.js",
+            "/ui/api/catalog",
+            "/ui/api/runs",
+            "/ui/api/models/fraud/1/lineage",
+            "/docs",
+        ):
             assert httpx.get(url + path).status_code == 401, path
         assert httpx.get(url + "/ui/api/catalog", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         # a cookie is taken on GET only: a page elsewhere cannot make a signed-in browser write
@@ -233,8 +272,10 @@ def test_a_definition_changed_since_training_shows_in_lineage(pipeline, server):
     """Last in the module (it changes the repo): apply a changed window; the model's lineage names the view."""
     repo = pipeline["repo"]
     source = (repo / "features.py").read_text()
-    changed = source.replace('Aggregation("count", timedelta(hours=24), name="merchant_txn_count_24h")',
-                             'Aggregation("count", timedelta(hours=12), name="merchant_txn_count_24h")')
+    changed = source.replace(
+        'Aggregation("count", timedelta(hours=24), name="merchant_txn_count_24h")',
+        'Aggregation("count", timedelta(hours=12), name="merchant_txn_count_24h")',
+    )
     assert changed != source
     (repo / "features.py").write_text(changed)
     with FeatureStore(repo) as store:
@@ -252,7 +293,9 @@ def test_the_feature_server_serves_the_ui_under_its_keys(pipeline, monkeypatch):
     with TestClient(create_app(pipeline["repo"], ui=True)) as client:
         assert client.get("/ui/").status_code == 200 and "app.js" in client.get("/ui/").text
         assert {v["name"] for v in client.get("/ui/api/catalog").json()["views"]} >= {"card_activity"}
-    monkeypatch.setenv("FEATURESTORE_API_KEYS", json.dumps([{"name": "ui", "sha256": hash_key(KEY), "scopes": ["read"]}]))
+    monkeypatch.setenv(
+        "FEATURESTORE_API_KEYS", json.dumps([{"name": "ui", "sha256": hash_key(KEY), "scopes": ["read"]}])
+    )
     with TestClient(create_app(pipeline["repo"], ui=True)) as client:
         assert client.get("/ui/api/catalog").status_code == 401
         assert client.get("/ui/api/catalog", headers={"X-API-Key": KEY}).status_code == 200

@@ -29,16 +29,27 @@ def repo(tmp_path, redis_url, monkeypatch):
 
 
 def _cli(root, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "featurestore.cli", *args, "--repo", str(root)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", *args, "--repo", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["materialize", "yesterday", "today"], "'yesterday' is not an ISO 8601 time"),
-    (["materialize", "2024-03-02", "2024-03-01"], "the window is empty"),
-    (["materialize-incremental", "soon"], "'soon' is not an ISO 8601 time"),
-    (["export", "--service", "svc", "--entities", "missing.parquet", "--out", "out"], "entity file missing.parquet does not exist"),
-    (["export", "--from-manifest", "missing.json", "--out", "out"], "no manifest at missing.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["materialize", "yesterday", "today"], "'yesterday' is not an ISO 8601 time"),
+        (["materialize", "2024-03-02", "2024-03-01"], "the window is empty"),
+        (["materialize-incremental", "soon"], "'soon' is not an ISO 8601 time"),
+        (
+            ["export", "--service", "svc", "--entities", "missing.parquet", "--out", "out"],
+            "entity file missing.parquet does not exist",
+        ),
+        (["export", "--from-manifest", "missing.json", "--out", "out"], "no manifest at missing.json"),
+    ],
+)
 def test_cli_mistakes_print_one_error_line(repo, args, message):
     result = _cli(repo, *args)
     assert result.returncode == 1
@@ -62,12 +73,24 @@ def test_api_entity_inputs_that_are_not_data_are_request_errors(repo):
     store.close()
 
 
-@pytest.mark.parametrize("yaml, message", [
-    ("project: p\nonline_stor: {url: 'redis://x'}\n", "unknown setting `online_stor`; did you mean `online_store`?"),
-    ("project: p\nonline_store: {max_request_entities: lots}\n", "max_request_entities: 'lots' is not a whole number"),
-    ("project: p\nonline_store: {urll: x}\n", "unknown setting `online_store.urll`; did you mean `online_store.url`?"),
-    ("project: p\nmodules: 3\n", "`modules` must list Python files"),
-])
+@pytest.mark.parametrize(
+    "yaml, message",
+    [
+        (
+            "project: p\nonline_stor: {url: 'redis://x'}\n",
+            "unknown setting `online_stor`; did you mean `online_store`?",
+        ),
+        (
+            "project: p\nonline_store: {max_request_entities: lots}\n",
+            "max_request_entities: 'lots' is not a whole number",
+        ),
+        (
+            "project: p\nonline_store: {urll: x}\n",
+            "unknown setting `online_store.urll`; did you mean `online_store.url`?",
+        ),
+        ("project: p\nmodules: 3\n", "`modules` must list Python files"),
+    ],
+)
 def test_config_mistakes_name_the_key(tmp_path, yaml, message):
     (tmp_path / "featurestore.yaml").write_text(yaml)
     with pytest.raises(FeatureStoreError, match=message.replace("(", r"\(").replace("?", r"\?").replace("`", "`")):
@@ -86,7 +109,9 @@ def test_fractional_ttl_keeps_a_row_exactly_ttl_old(make_store):
     store.apply()
     store.materialize(None, None)
     at = base + pd.Timedelta(milliseconds=1001)  # exactly ttl old: kept (bounds are inclusive)
-    rows = store.get_historical_features(pd.DataFrame({"driver_id": [1], "event_timestamp": [at]}), features=["driver_stats:conv_rate"])
+    rows = store.get_historical_features(
+        pd.DataFrame({"driver_id": [1], "event_timestamp": [at]}), features=["driver_stats:conv_rate"]
+    )
     assert rows.to_df()["conv_rate"].tolist() == [0.5]
 
 
@@ -96,12 +121,33 @@ def test_serving_features_needs_no_torch_and_training_says_which_extra(tmp_path)
     import sys
 
     blocked = "import sys; sys.modules['torch'] = None; sys.modules['matplotlib'] = None; "
-    serve = subprocess.run([sys.executable, "-c", blocked + "import featurestore.cli, serving.feature_server; "
-                            "from featurestore import FeatureStore; print('ok')"], capture_output=True, text=True)
+    serve = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked + "import featurestore.cli, serving.feature_server; "
+            "from featurestore import FeatureStore; print('ok')",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert serve.stdout.strip() == "ok", serve.stderr
-    train = subprocess.run([sys.executable, "-c", blocked + "import sys; from featurestore.cli import main; "
-                            "sys.argv = ['featurestore', 'train', '--dataset', '.']; main()"], capture_output=True, text=True, cwd=tmp_path)
-    assert train.returncode == 1 and "pip install 'featurestore[train]'" in train.stderr and "Traceback" not in train.stderr
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked + "import sys; from featurestore.cli import main; "
+            "sys.argv = ['featurestore', 'train', '--dataset', '.']; main()",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert (
+        train.returncode == 1
+        and "pip install 'featurestore[train]'" in train.stderr
+        and "Traceback" not in train.stderr
+    )
 
 
 MISSHAPEN = """
@@ -112,22 +158,39 @@ user = Entity(name="user", join_keys=["user"], value_type=Int64)
 """
 
 
-@pytest.mark.parametrize("line, message", [
-    ('v = FeatureView(name="v", entities=["user"], source=src, schema=[Field("x", Float64)])',
-     "entities lists 'user' (str); pass the Entity object itself"),
-    ('v = FeatureView(name="v", entities=[Entity(name=123, join_keys=["user"])], source=src, schema=[Field("x", Float64)])',
-     "name must be a non-empty string, got 123 (int)"),
-    ('v = FeatureView(name="v", entities=[user], source=src, schema=[("x", Float64)])',
-     "schema lists ('x', Float64) (tuple); write Field(name, dtype)"),
-    ('f = FileSource(path="x.parquet")', "features.py:6: TypeError: FileSource.__init__() missing 1 required positional argument: 'timestamp_field'"),
-    ('v = FeatureView(name="v", entities=[user], source="src", schema=[Field("x", Float64)])', "source must be a FileSource"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            'v = FeatureView(name="v", entities=["user"], source=src, schema=[Field("x", Float64)])',
+            "entities lists 'user' (str); pass the Entity object itself",
+        ),
+        (
+            'v = FeatureView(name="v", entities=[Entity(name=123, join_keys=["user"])], source=src, schema=[Field("x", Float64)])',
+            "name must be a non-empty string, got 123 (int)",
+        ),
+        (
+            'v = FeatureView(name="v", entities=[user], source=src, schema=[("x", Float64)])',
+            "schema lists ('x', Float64) (tuple); write Field(name, dtype)",
+        ),
+        (
+            'f = FileSource(path="x.parquet")',
+            "features.py:6: TypeError: FileSource.__init__() missing 1 required positional argument: 'timestamp_field'",
+        ),
+        (
+            'v = FeatureView(name="v", entities=[user], source="src", schema=[Field("x", Float64)])',
+            "source must be a FileSource",
+        ),
+    ],
+)
 def test_definition_mistakes_are_one_line_without_a_traceback(tmp_path, line, message):
     root = write_repo(tmp_path / "repo", MISSHAPEN + line + "\n")
     result = _cli(root, "plan")
     assert result.returncode == 1, result.stdout
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert len([l for l in result.stderr.splitlines() if l.strip()]) == 2, result.stderr  # "error: 1 problem", then the problem
+    assert len([l for l in result.stderr.splitlines() if l.strip()]) == 2, (
+        result.stderr
+    )  # "error: 1 problem", then the problem
 
 
 def test_a_source_column_retyped_after_apply_is_named(tmp_path):

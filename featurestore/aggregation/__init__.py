@@ -46,8 +46,10 @@ class AggregationOverflow(FeatureStoreError):
 
 
 def overflow_message(view: str, agg: Aggregation) -> str:
-    return (f"aggregation {agg.output_name!r} of view {view!r}: the sum of {agg.column!r} leaves Int64's range; "
-            "sum a Float64 column instead (cast it in the source or a transformation)")
+    return (
+        f"aggregation {agg.output_name!r} of view {view!r}: the sum of {agg.column!r} leaves Int64's range; "
+        "sum a Float64 column instead (cast it in the source or a transformation)"
+    )
 
 
 def dedup_us(view: FeatureView) -> int:

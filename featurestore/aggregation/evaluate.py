@@ -122,8 +122,14 @@ class WindowEvaluator:
         # per aggregation: index of its column (None: the event itself), and its filter (column index, test, value)
         self.columns = [columns.index(a.column) if a.column else None for a in self.aggregations]
         self.filters: list[Filter | None] = [
-            None if a.where is None else (columns.index(a.where[0]), predicate(a.where[1], typed_value(a.where[1], a.where[2], stored[a.where[0]])))
-            for a in self.aggregations]
+            None
+            if a.where is None
+            else (
+                columns.index(a.where[0]),
+                predicate(a.where[1], typed_value(a.where[1], a.where[2], stored[a.where[0]])),
+            )
+            for a in self.aggregations
+        ]
         self.needed = sorted({c for c in self.columns if c is not None} | {f[0] for f in self.filters if f is not None})
         self.empty = [_empty(a, view.field(a.output_name).dtype.name) for a in self.aggregations]
 
@@ -134,7 +140,9 @@ class WindowEvaluator:
         empty value), NULL_VALUE when it has some but the result is null."""
         values, statuses = [], []
         end = bisect.bisect_right(times, now_us)
-        for agg, window, column, where, empty in zip(self.aggregations, self.windows_us, self.columns, self.filters, self.empty):
+        for agg, window, column, where, empty in zip(
+            self.aggregations, self.windows_us, self.columns, self.filters, self.empty
+        ):
             start = bisect.bisect_right(times, now_us - window, 0, end)  # the window is (now - window, now]
             count, picked = pick(columns, column, where, start, end)
             if not count:
@@ -151,7 +159,9 @@ class WindowEvaluator:
         return values, statuses
 
 
-def pick(columns: dict[int, list[Any]], column: int | None, where: Filter | None, start: int, end: int) -> tuple[int, list[Any] | None]:
+def pick(
+    columns: dict[int, list[Any]], column: int | None, where: Filter | None, start: int, end: int
+) -> tuple[int, list[Any] | None]:
     """Of events ``start:end``: how many pass ``where``, and their non-null values of ``column``
     (None without a column)."""
     picked = columns[column][start:end] if column is not None else None
@@ -172,4 +182,3 @@ def _empty(agg: Aggregation, output_type: str) -> Any:
     if agg.function in ("count", "count_distinct", "sum"):
         return 0.0 if output_type == "Float64" else 0
     return [] if agg.function == "last_n" else None
-

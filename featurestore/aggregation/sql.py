@@ -55,8 +55,10 @@ def scale_scan_sql(column: str, relation: str) -> str:
     """One row: (rows, smallest and largest binary exponent of the nonzero finite values, non-finite count)."""
     c = f"CAST({ident(column)} AS DOUBLE)"
     finite = f"{c} <> 0 AND isfinite({c})"
-    return (f"SELECT count(*), min(floor(log2(abs({c})))) FILTER (WHERE {finite}), "
-            f"max(floor(log2(abs({c})))) FILTER (WHERE {finite}), count(*) FILTER (WHERE NOT isfinite({c})) FROM {relation}")
+    return (
+        f"SELECT count(*), min(floor(log2(abs({c})))) FILTER (WHERE {finite}), "
+        f"max(floor(log2(abs({c})))) FILTER (WHERE {finite}), count(*) FILTER (WHERE NOT isfinite({c})) FROM {relation}"
+    )
 
 
 def sum_scale(rows: int, low: float | None, high: float | None, non_finite: int) -> SumScale | None:
@@ -89,8 +91,9 @@ def _is_float(agg: Aggregation, stored: dict[str, DType]) -> bool:
     return agg.column is not None and stored[agg.column].name in ("Float32", "Float64")
 
 
-def parts(agg: Aggregation, stored: dict[str, DType], scales: dict[str, SumScale | None], prefix: str, ev: str,
-          over: str) -> list[tuple[str, str]]:
+def parts(
+    agg: Aggregation, stored: dict[str, DType], scales: dict[str, SumScale | None], prefix: str, ev: str, over: str
+) -> list[tuple[str, str]]:
     """``(part, SQL aggregate)`` of one ``Aggregation`` (not a variance), ``over`` (an OVER or FILTER clause) applied."""
     v = _value(agg, prefix, stored)
     f = agg.function
@@ -101,7 +104,9 @@ def parts(agg: Aggregation, stored: dict[str, DType], scales: dict[str, SumScale
     if f in ("min", "max"):  # + 0.0: a zero is +0.0, as online (DuckDB returns the last of equal zeros)
         return [("v", f"({f}({v}) {over}) + 0.0" if _is_float(agg, stored) else f"{f}({v}) {over}")]
     if f == "last":
-        return [("v", f"arg_max({v}, CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END) {over}")]
+        return [
+            ("v", f"arg_max({v}, CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END) {over}")
+        ]
     if f == "last_n":
         order = f"CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
         return [("v", f"max_by({v}, {order}, {int(agg.n or 1)}) {over}")]
@@ -118,13 +123,20 @@ def float_sum(double: str, scale: SumScale | None, over: str) -> str:
     both infinities, give NaN; one infinity gives itself."""
     if scale is None:  # magnitudes too far apart for 128 bits: compensated, not exact
         return f"fsum({double}) {over}"
-    scaled = f"CAST({double} * {_double(2.0 ** -scale.exponent)} AS HUGEINT)"
+    scaled = f"CAST({double} * {_double(2.0**-scale.exponent)} AS HUGEINT)"
     if not scale.non_finite:
-        return f"CAST(sum({scaled}) {over} AS DOUBLE) * {_double(2.0 ** scale.exponent)}"
-    total = f"CAST(sum(CASE WHEN isfinite({double}) THEN {scaled} END) {over} AS DOUBLE) * {_double(2.0 ** scale.exponent)}"
-    nan, pinf, ninf = (f"count_if({test}) {over}" for test in (f"isnan({double})", f"{double} = 'inf'::DOUBLE", f"{double} = '-inf'::DOUBLE"))
-    return (f"CASE WHEN {nan} > 0 OR ({pinf} > 0 AND {ninf} > 0) THEN 'NaN'::DOUBLE WHEN {pinf} > 0 THEN 'inf'::DOUBLE "
-            f"WHEN {ninf} > 0 THEN '-inf'::DOUBLE ELSE {total} END")
+        return f"CAST(sum({scaled}) {over} AS DOUBLE) * {_double(2.0**scale.exponent)}"
+    total = (
+        f"CAST(sum(CASE WHEN isfinite({double}) THEN {scaled} END) {over} AS DOUBLE) * {_double(2.0**scale.exponent)}"
+    )
+    nan, pinf, ninf = (
+        f"count_if({test}) {over}"
+        for test in (f"isnan({double})", f"{double} = 'inf'::DOUBLE", f"{double} = '-inf'::DOUBLE")
+    )
+    return (
+        f"CASE WHEN {nan} > 0 OR ({pinf} > 0 AND {ninf} > 0) THEN 'NaN'::DOUBLE WHEN {pinf} > 0 THEN 'inf'::DOUBLE "
+        f"WHEN {ninf} > 0 THEN '-inf'::DOUBLE ELSE {total} END"
+    )
 
 
 def _part(alias: str, agg: Aggregation, part: str) -> str:
@@ -181,14 +193,23 @@ def events_cte(view: FeatureView, hist: str, name: str) -> str:
         {eid} AS __eid, {columns} FROM {hist} h ANTI JOIN {name}_dropped d ON h._row_id = d.__rid)"""
 
 
-def _variance_ctes(view: FeatureView, aggs: list[Aggregation], events: str, alias: str, as_of: str,
-                   stored: dict[str, DType], scales: dict[str, SumScale | None]) -> list[str]:
+def _variance_ctes(
+    view: FeatureView,
+    aggs: list[Aggregation],
+    events: str,
+    alias: str,
+    as_of: str,
+    stored: dict[str, DType],
+    scales: dict[str, SumScale | None],
+) -> list[str]:
     """``alias(__fs_row, <output>__v ...)``: each variance (or its root) in two passes over the
     events of the entity row's window (a range join), as ``aggregation.evaluate`` computes it."""
     longest = max(_micros(a) for a in aggs)
-    on = " AND ".join([f"e.{ident(k)} = h.{ident(k)}" for k in view.join_keys]
-                      + [f"h.__ev <= e.{TS}", f"h.__ev > e.{TS} - INTERVAL ({longest}) MICROSECONDS"]
-                      + ([f"h.__created <= e.{TS}"] if as_of == "created" else []))
+    on = " AND ".join(
+        [f"e.{ident(k)} = h.{ident(k)}" for k in view.join_keys]
+        + [f"h.__ev <= e.{TS}", f"h.__ev > e.{TS} - INTERVAL ({longest}) MICROSECONDS"]
+        + ([f"h.__created <= e.{TS}"] if as_of == "created" else [])
+    )
     means, finals = [], []
     for k, agg in enumerate(aggs):
         v = f"CAST({_value(agg, 'h.', stored)} AS DOUBLE)"
@@ -196,22 +217,31 @@ def _variance_ctes(view: FeatureView, aggs: list[Aggregation], events: str, alia
         over = f"{in_window} OVER (PARTITION BY e.{ROW})"  # the mean as online: the window's exact sum over its count
         means.append(f"{float_sum(v, scales.get(agg.column or ''), over)} / count({v}) {over} AS __m{k}")
         finals.append((agg, f"power(__v{k} - __m{k}, 2)", f"FILTER (WHERE __in{k})"))
-    flags = ", ".join(f"{_value(agg, 'h.', stored)} AS __v{k}, h.__ev > e.{TS} - INTERVAL ({_micros(agg)}) MICROSECONDS AS __in{k}"
-                      for k, agg in enumerate(aggs))
+    flags = ", ".join(
+        f"{_value(agg, 'h.', stored)} AS __v{k}, h.__ev > e.{TS} - INTERVAL ({_micros(agg)}) MICROSECONDS AS __in{k}"
+        for k, agg in enumerate(aggs)
+    )
     selects = []
     for k, (agg, square, where) in enumerate(finals):
         n = f"count(__v{k}) {where}"
         variance = f"CASE WHEN {n} >= 2 THEN fsum({square} ORDER BY __ev, __eid) {where} / ({n} - 1) END"
-        selects.append(f"{'sqrt(' + variance + ')' if agg.function == 'stddev' else variance} AS {ident(agg.output_name + '__v')}")
+        selects.append(
+            f"{'sqrt(' + variance + ')' if agg.function == 'stddev' else variance} AS {ident(agg.output_name + '__v')}"
+        )
     return [
-        f"""{alias}_vj AS (SELECT e.{ROW}, h.__ev, h.__eid, {flags}, {', '.join(means)}
+        f"""{alias}_vj AS (SELECT e.{ROW}, h.__ev, h.__eid, {flags}, {", ".join(means)}
             FROM __entities e JOIN {events} h ON {on})""",
         f"{alias} AS (SELECT {ROW}, {', '.join(selects)} FROM {alias}_vj GROUP BY {ROW})",
     ]
 
 
 def view_ctes(
-    view: FeatureView, aggs: list[Aggregation], hist: str, alias: str, key_types: dict[str, DType], as_of: str,
+    view: FeatureView,
+    aggs: list[Aggregation],
+    hist: str,
+    alias: str,
+    key_types: dict[str, DType],
+    as_of: str,
     scales: dict[str, SumScale | None] | None = None,
 ) -> list[str]:
     """CTEs ending in ``alias(__fs_row, <parts of each aggregate>)``."""
@@ -239,7 +269,9 @@ def view_ctes(
             for w in windows
         )
         computed, named = _shared([(a, parts(a, stored, scales, "", "__ev", f"OVER w{_micros(a)}")) for a in others])
-        ctes.append(f"""{alias}_parts AS (SELECT {ROW}, {computed} FROM {alias}_u WINDOW {frames} QUALIFY {ROW} IS NOT NULL)""")
+        ctes.append(
+            f"""{alias}_parts AS (SELECT {ROW}, {computed} FROM {alias}_u WINDOW {frames} QUALIFY {ROW} IS NOT NULL)"""
+        )
         ctes.append(f"{alias}_win AS (SELECT {ROW}, {named} FROM {alias}_parts)")
         built.append(f"{alias}_win")
     elif others:
@@ -248,9 +280,25 @@ def view_ctes(
             [f"e.{ident(k)} = h.{ident(k)}" for k in keys]
             + [f"h.__ev <= e.{TS}", f"h.__ev > e.{TS} - INTERVAL ({longest}) MICROSECONDS", f"h.__created <= e.{TS}"]
         )
-        computed, named = _shared([(a, parts(a, stored, scales, "h.", "__ev", f"FILTER (WHERE h.__ev > e.{TS} - INTERVAL ({_micros(a)}) MICROSECONDS)"))
-                                   for a in others])
-        ctes.append(f"{alias}_parts AS (SELECT e.{ROW}, {computed} FROM __entities e JOIN {events} h ON {on} GROUP BY e.{ROW})")
+        computed, named = _shared(
+            [
+                (
+                    a,
+                    parts(
+                        a,
+                        stored,
+                        scales,
+                        "h.",
+                        "__ev",
+                        f"FILTER (WHERE h.__ev > e.{TS} - INTERVAL ({_micros(a)}) MICROSECONDS)",
+                    ),
+                )
+                for a in others
+            ]
+        )
+        ctes.append(
+            f"{alias}_parts AS (SELECT e.{ROW}, {computed} FROM __entities e JOIN {events} h ON {on} GROUP BY e.{ROW})"
+        )
         ctes.append(f"{alias}_win AS (SELECT {ROW}, {named} FROM {alias}_parts)")
         built.append(f"{alias}_win")
     if len(built) == 1:
@@ -275,5 +323,10 @@ def _shared(by_aggregation: list[tuple[Aggregation, list[tuple[str, str]]]]) -> 
 def needs_scale(view: FeatureView, aggs: list[Aggregation]) -> list[str]:
     """The float columns whose exact sums (sums, means, the means of variances) need a ``SumScale``."""
     stored = {f.name: f.dtype for f in view.schema}
-    return sorted({a.column for a in aggs if a.function in ("sum", "mean", *VARIANCE_FUNCTIONS) and a.column
-                   and _is_float(a, stored)})
+    return sorted(
+        {
+            a.column
+            for a in aggs
+            if a.function in ("sum", "mean", *VARIANCE_FUNCTIONS) and a.column and _is_float(a, stored)
+        }
+    )

@@ -30,13 +30,23 @@ from typing import Any, Sequence
 import numpy as np
 import orjson
 
-from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, _fsum, _max, _min, checked_sum, pick
+from featurestore.aggregation.evaluate import (
+    NOT_FOUND,
+    NULL_VALUE,
+    PRESENT,
+    WindowEvaluator,
+    _fsum,
+    _max,
+    _min,
+    checked_sum,
+    pick,
+)
 from featurestore.definitions import Aggregation, FeatureView, content_hash
 
 TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
-SEAL_FROM = 8         # events a tile needs before a summary pays for itself
-HEAVY_PER_TILE = 24   # events per tile of the longest window before a lookup reads summaries (its break-even)
+SEAL_FROM = 8  # events a tile needs before a summary pays for itself
+HEAVY_PER_TILE = 24  # events per tile of the longest window before a lookup reads summaries (its break-even)
 SEALS_PER_LOOKUP = 64  # tiles one lookup summarizes (~1 µs per event each): the rest, the next lookups
 TILES_PER_WINDOW = 64  # about how many tiles the longest window spans, at least
 _TILE_SIZES_US = [s * 1_000_000 for s in (1, 10, 60, 300, 900, 3600, 6 * 3600, 86400)]
@@ -62,12 +72,17 @@ class TileSpec:
     @classmethod
     def of(cls, view: FeatureView) -> "TileSpec | None":
         stored = {f.name: f.dtype.name for f in view.schema}
-        tiled = tuple(a for a in view.aggregations if a.function in TILED_FUNCTIONS
-                      and (a.column is None or stored[a.column] in TILED_TYPES))
+        tiled = tuple(
+            a
+            for a in view.aggregations
+            if a.function in TILED_FUNCTIONS and (a.column is None or stored[a.column] in TILED_TYPES)
+        )
         if not tiled:
             return None
         size = tile_us(view)
-        layout = content_hash({"storage": view.storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]})
+        layout = content_hash(
+            {"storage": view.storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]}
+        )
         return cls(size, tiled, b"T" + layout[:12].encode() + b":")
 
     def covers(self, aggregations: Sequence[Aggregation]) -> bool:
@@ -108,8 +123,9 @@ class TiledEvaluator:
         self.floats = [a.column is not None and stored[a.column] in ("Float32", "Float64") for a in spec.aggregations]
         self.needed = self.events.needed
 
-    def states(self, columns: dict[int, list[Any]], start: int, end: int, compact: bool,
-               indexes: Sequence[int] | None = None) -> list[State] | None:
+    def states(
+        self, columns: dict[int, list[Any]], start: int, end: int, compact: bool, indexes: Sequence[int] | None = None
+    ) -> list[State] | None:
         """The state of each aggregation (or those at ``indexes``) over events ``start:end`` of
         ``columns``. ``compact``: float sums as partials (a summary; None if it cannot be exact),
         else as the values. Aggregations over one column and filter (a sum and a mean, several
@@ -176,12 +192,19 @@ class TiledEvaluator:
             return None
 
     def decode(self, summary: bytes) -> tuple[int, list[State]]:
-        newest_us, states = orjson.loads(memoryview(summary)[len(self.spec.tag):])
+        newest_us, states = orjson.loads(memoryview(summary)[len(self.spec.tag) :])
         return newest_us, states
 
 
-def evaluate_tiled(tiled: TiledEvaluator, wanted: Sequence[int], windows_us: Sequence[int], summaries: dict[int, list[State]],
-                   times: list[int], columns: dict[int, list[Any]], now_us: int) -> tuple[list[Any], list[str]]:
+def evaluate_tiled(
+    tiled: TiledEvaluator,
+    wanted: Sequence[int],
+    windows_us: Sequence[int],
+    summaries: dict[int, list[State]],
+    times: list[int],
+    columns: dict[int, list[Any]],
+    now_us: int,
+) -> tuple[list[Any], list[str]]:
     """Values and statuses at ``now_us`` of the aggregations ``wanted`` (indexes into the spec),
     from sealed ``summaries`` ({tile: states}) and the events of the other tiles (``times``
     ascending, ``columns`` as ``WindowEvaluator.evaluate`` takes them)."""
@@ -211,7 +234,9 @@ def evaluate_tiled(tiled: TiledEvaluator, wanted: Sequence[int], windows_us: Seq
     return values, statuses
 
 
-def seals(tiled: TiledEvaluator, times: list[int], columns: dict[int, list[Any]], cut: set[int], now_us: int) -> list[tuple[int, int, bytes]]:
+def seals(
+    tiled: TiledEvaluator, times: list[int], columns: dict[int, list[Any]], cut: set[int], now_us: int
+) -> list[tuple[int, int, bytes]]:
     """Summaries worth storing, ``(tile, events, summary)``: of the ended tiles read event by
     event in full (holding no cut), those with ``SEAL_FROM`` events or more, at most ``SEALS_PER_LOOKUP``."""
     size, start = tiled.spec.tile_us, 0

@@ -28,8 +28,11 @@ def _one(value: Any, dtype: DType) -> Any:
     """``value`` as a value of ``dtype`` (ValueError saying why it is not one)."""
     name = dtype.name
     if name in ("Int32", "Int64"):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or (isinstance(value, float) and not value.is_integer()):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float, np.integer, np.floating))
+            or (isinstance(value, float) and not value.is_integer())
+        ):
             raise ValueError(f"{value!r} is not a whole number, as the {name} column is")
         return int(value)
     if name in _FLOATS:
@@ -66,8 +69,12 @@ def predicate(op: str, value: Any) -> Callable[[Any], bool]:
             return lambda x: any(x == v for v in items)
         return lambda x: not any(x == v for v in items)
     compare: Callable[[Any, Any], bool] = {
-        "==": lambda x, y: x == y, "!=": lambda x, y: x != y, "<": lambda x, y: x < y,
-        "<=": lambda x, y: x <= y, ">": lambda x, y: x > y, ">=": lambda x, y: x >= y,
+        "==": lambda x, y: x == y,
+        "!=": lambda x, y: x != y,
+        "<": lambda x, y: x < y,
+        "<=": lambda x, y: x <= y,
+        ">": lambda x, y: x > y,
+        ">=": lambda x, y: x >= y,
     }[op]
     return lambda x: bool(compare(x, value))  # Python floats compare as IEEE 754 does
 
@@ -95,8 +102,11 @@ def where_sql(where: tuple[str, str, Any] | None, dtype: DType | None, prefix: s
     passes_nan = op in ("!=", "not in")  # what IEEE 754 says of NaN for this operator
     if op in ("in", "not in"):
         items = [v for v in value if not _is_nan(v)]
-        test = (f"{col} {op.upper()} ({', '.join(_literal(v, dtype) for v in items)})" if items
-                else ("TRUE" if op == "not in" else "FALSE"))
+        test = (
+            f"{col} {op.upper()} ({', '.join(_literal(v, dtype) for v in items)})"
+            if items
+            else ("TRUE" if op == "not in" else "FALSE")
+        )
     elif _is_nan(value):  # nothing equals or orders with NaN
         test = "TRUE" if op == "!=" else "FALSE"
     else:

@@ -20,11 +20,13 @@ COUNTRIES = ["US", "FR", "DE", "GB", "BR", "IN"]
 
 @dataclass
 class DemoData:
-    profiles: pa.Table      # card_id, credit_limit, account_age_days, home_country, event_timestamp
+    profiles: pa.Table  # card_id, credit_limit, account_age_days, home_country, event_timestamp
     transactions: pa.Table  # transaction_id, card_id, merchant_id, amount, event_timestamp, label
 
 
-def generate(n_cards: int = 2000, n_merchants: int = 200, days: int = 30, seed: int = 7, end: datetime | None = None) -> DemoData:
+def generate(
+    n_cards: int = 2000, n_merchants: int = 200, days: int = 30, seed: int = 7, end: datetime | None = None
+) -> DemoData:
     rng = np.random.default_rng(seed)
     end = (end or datetime.now(timezone.utc)).replace(microsecond=0)
     start = end - timedelta(days=days)
@@ -37,14 +39,18 @@ def generate(n_cards: int = 2000, n_merchants: int = 200, days: int = 30, seed: 
     ages = rng.integers(30, 3000, n_cards).astype(np.int32)
     countries = rng.choice(COUNTRIES, n_cards)
     changed = rng.random(n_cards) < 0.1
-    profile_ts = np.concatenate([np.full(n_cards, start_us - 86_400 * 10**6), start_us + rng.integers(0, span_us, changed.sum())])
-    profiles = pa.table({
-        "card_id": np.concatenate([card_ids, card_ids[changed]]),
-        "credit_limit": np.concatenate([limits, limits[changed] * 1.5]),
-        "account_age_days": np.concatenate([ages, ages[changed] + 10]),
-        "home_country": np.concatenate([countries, countries[changed]]),
-        "event_timestamp": pa.array(profile_ts, pa.int64()).cast(TS),
-    })
+    profile_ts = np.concatenate(
+        [np.full(n_cards, start_us - 86_400 * 10**6), start_us + rng.integers(0, span_us, changed.sum())]
+    )
+    profiles = pa.table(
+        {
+            "card_id": np.concatenate([card_ids, card_ids[changed]]),
+            "credit_limit": np.concatenate([limits, limits[changed] * 1.5]),
+            "account_age_days": np.concatenate([ages, ages[changed] + 10]),
+            "home_country": np.concatenate([countries, countries[changed]]),
+            "event_timestamp": pa.array(profile_ts, pa.int64()).cast(TS),
+        }
+    )
 
     # normal spending: a bit more than one payment per card per day
     n_normal = int(n_cards * days * 1.2)
@@ -60,19 +66,23 @@ def generate(n_cards: int = 2000, n_merchants: int = 200, days: int = 30, seed: 
     f_card = np.repeat(victims, bursts)
     f_start = np.repeat(start_us + rng.integers(0, span_us - 3 * 3_600 * 10**6, len(victims)), bursts)
     f_ts = f_start + rng.integers(0, 2 * 3_600 * 10**6, len(f_card))
-    f_merchant = np.where(rng.random(len(f_card)) < 0.7, rng.choice(risky, len(f_card)), rng.integers(1, n_merchants + 1, len(f_card)))
+    f_merchant = np.where(
+        rng.random(len(f_card)) < 0.7, rng.choice(risky, len(f_card)), rng.integers(1, n_merchants + 1, len(f_card))
+    )
     f_amount = np.round(limits[f_card - 1] * rng.uniform(0.01, 0.25, len(f_card)), 2)
 
     order = np.argsort(np.concatenate([normal_ts, f_ts]), kind="stable")
     n = len(order)
-    transactions = pa.table({
-        "transaction_id": np.arange(1, n + 1, dtype=np.int64),
-        "card_id": np.concatenate([normal_card, f_card])[order],
-        "merchant_id": np.concatenate([normal_merchant, f_merchant]).astype(np.int64)[order],
-        "amount": np.concatenate([normal_amount, f_amount])[order],
-        "event_timestamp": pa.array(np.concatenate([normal_ts, f_ts])[order], pa.int64()).cast(TS),
-        "label": np.concatenate([np.zeros(n_normal, np.int32), np.ones(len(f_card), np.int32)])[order],
-    })
+    transactions = pa.table(
+        {
+            "transaction_id": np.arange(1, n + 1, dtype=np.int64),
+            "card_id": np.concatenate([normal_card, f_card])[order],
+            "merchant_id": np.concatenate([normal_merchant, f_merchant]).astype(np.int64)[order],
+            "amount": np.concatenate([normal_amount, f_amount])[order],
+            "event_timestamp": pa.array(np.concatenate([normal_ts, f_ts])[order], pa.int64()).cast(TS),
+            "label": np.concatenate([np.zeros(n_normal, np.int32), np.ones(len(f_card), np.int32)])[order],
+        }
+    )
     return DemoData(profiles, transactions)
 
 
@@ -81,11 +91,13 @@ def label_rows(transactions: pa.Table) -> pa.Table:
     import pyarrow.compute as pc
 
     before = pc.subtract(transactions["event_timestamp"].cast(pa.int64()), 1).cast(TS)
-    return pa.table({
-        "transaction_id": transactions["transaction_id"],
-        "card_id": transactions["card_id"],
-        "merchant_id": transactions["merchant_id"],
-        "amount": transactions["amount"],
-        "event_timestamp": before,
-        "label": transactions["label"],
-    })
+    return pa.table(
+        {
+            "transaction_id": transactions["transaction_id"],
+            "card_id": transactions["card_id"],
+            "merchant_id": transactions["merchant_id"],
+            "amount": transactions["amount"],
+            "event_timestamp": before,
+            "label": transactions["label"],
+        }
+    )

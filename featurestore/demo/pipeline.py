@@ -44,9 +44,9 @@ SERVICE = "fraud_model_v1"
 
 @dataclass
 class DemoResult:
-    offline_auc: float           # validation split
-    online_auc: float            # replayed payments, features as served
-    replay_offline_auc: float    # the same payments, features from a point-in-time join
+    offline_auc: float  # validation split
+    online_auc: float  # replayed payments, features as served
+    replay_offline_auc: float  # the same payments, features from a point-in-time join
     latency_ms: dict[str, float]
     consistency: ConsistencyReport
     data_dir: Path
@@ -63,7 +63,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: int = 30, replay_days: float = 2, batch_hours: float = 2, seed: int = 7) -> DemoResult:
+def run_demo(
+    repo: Path,
+    data_dir: Path | None = None,
+    cards: int = 2000,
+    days: int = 30,
+    replay_days: float = 2,
+    batch_hours: float = 2,
+    seed: int = 7,
+) -> DemoResult:
     data_dir = Path(data_dir or tempfile.mkdtemp(prefix="featurestore-demo-")).resolve()
     os.environ["FEATURESTORE_DATA_DIR"] = str(data_dir)
     console.rule("[bold]featurestore demo: card-payment fraud")
@@ -75,8 +83,10 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
     first = data.profiles["event_timestamp"][0].as_py()
     history = _between(data.transactions, first, replay_start)
     heldout = _between(data.transactions, replay_start, end)
-    console.print(f"generated {data.transactions.num_rows} payments ({pc.sum(data.transactions['label']).as_py()} fraudulent) "
-                  f"for {cards} cards; replaying the last {replay_days} days ({heldout.num_rows} payments)")
+    console.print(
+        f"generated {data.transactions.num_rows} payments ({pc.sum(data.transactions['label']).as_py()} fraudulent) "
+        f"for {cards} cards; replaying the last {replay_days} days ({heldout.num_rows} payments)"
+    )
 
     with FeatureStore(repo) as store:
         console.print(store.apply().describe())
@@ -86,18 +96,35 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
 
         dataset = data_dir / "datasets" / "fraud-train"
         manifest = store.export_training_dataset(label_rows(history), SERVICE, dataset, progress=True)
-        console.print(f"exported {manifest['row_count']} training rows → {dataset} (manifest {manifest['manifest_hash'][:12]})")
+        console.print(
+            f"exported {manifest['row_count']} training rows → {dataset} (manifest {manifest['manifest_hash'][:12]})"
+        )
         run = train(TrainConfig(dataset=str(dataset), request_inputs=["amount"], seed=seed), data_dir / "runs")
         registry = store.model_registry()
         version = registry.register(MODEL, run)
         registry.promote(MODEL, version, "production")
         offline_auc = registry.card(MODEL, version)["metrics"]["val_auc"]
-        console.print(f"trained run {run.name}: validation AUC {offline_auc:.3f}; registered {MODEL} v{version} → production")
+        console.print(
+            f"trained run {run.name}: validation AUC {offline_auc:.3f}; registered {MODEL} v{version} → production"
+        )
 
         port = _free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(repo), "--model", MODEL, "--port", str(port),
-             "--log-level", "warning", "--no-access-log"],
+            [
+                sys.executable,
+                "-m",
+                "featurestore.cli",
+                "serve-model",
+                "--repo",
+                str(repo),
+                "--model",
+                MODEL,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
             env={**os.environ, "FEATURESTORE_DATA_DIR": str(data_dir)},
         )
         try:
@@ -105,7 +132,9 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
         finally:
             server.send_signal(signal.SIGTERM)  # graceful: flushes the feature log
             server.wait(timeout=60)
-        report = check_consistency(store, MODEL)  # each vector as served: the replay's as of event time (see the module doc)
+        report = check_consistency(
+            store, MODEL
+        )  # each vector as served: the replay's as of event time (see the module doc)
         record_check(report, store.config.data_dir, MODEL)
 
     online_auc = roc_auc(np.array(labels), np.array(scores))
@@ -114,14 +143,24 @@ def run_demo(repo: Path, data_dir: Path | None = None, cards: int = 2000, days: 
     lat = np.array(latencies) * 1000
     latency = {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)), "max": float(lat.max())}
     console.rule("[bold]results")
-    console.print(f"AUC on the {len(labels):,} replayed payments: offline {replay_offline_auc:.3f} (features from a point-in-time "
-                  f"join, as in training)   online {online_auc:.3f} (features as served)   difference {online_auc - replay_offline_auc:+.3f}")
-    console.print("  (each payment is scored with the windows as they stood just before it: every earlier payment pushed, "
-                  f"history appended every {batch_hours:g} h of replayed time)")
+    console.print(
+        f"AUC on the {len(labels):,} replayed payments: offline {replay_offline_auc:.3f} (features from a point-in-time "
+        f"join, as in training)   online {online_auc:.3f} (features as served)   difference {online_auc - replay_offline_auc:+.3f}"
+    )
+    console.print(
+        "  (each payment is scored with the windows as they stood just before it: every earlier payment pushed, "
+        f"history appended every {batch_hours:g} h of replayed time)"
+    )
     console.print(f"AUC offline on the validation split (earlier days, other payments): {offline_auc:.3f}")
-    console.print(f"/predict latency over {len(lat)} requests: p50 {latency['p50']:.2f} ms, p99 {latency['p99']:.2f} ms")
+    console.print(
+        f"/predict latency over {len(lat)} requests: p50 {latency['p50']:.2f} ms, p99 {latency['p99']:.2f} ms"
+    )
     console.print(report.describe())
-    console.print("[bold green]training and serving saw the same values[/]" if report.ok else "[bold red]skew found: see mismatches above[/]")
+    console.print(
+        "[bold green]training and serving saw the same values[/]"
+        if report.ok
+        else "[bold red]skew found: see mismatches above[/]"
+    )
     return DemoResult(offline_auc, online_auc, replay_offline_auc, latency, report, data_dir)
 
 
@@ -157,7 +196,7 @@ def _replay(store, server, port, data, heldout, start, end, batch_hours):
         step = timedelta(hours=batch_hours)
         profiles = sorted(_between(data.profiles, start, end).to_pylist(), key=lambda row: row["event_timestamp"])
         payments = heldout.to_pylist()
-        pending: list[dict] = []            # pushed online, not yet appended to history
+        pending: list[dict] = []  # pushed online, not yet appended to history
         flush_at = start + step
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("replaying", total=len(payments))

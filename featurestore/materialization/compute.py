@@ -23,8 +23,8 @@ from featurestore.types import DType, duckdb_type
 
 @dataclass
 class Computed:
-    rows: pa.Table      # history schema, every row valid
-    rejects: pa.Table   # reason, raw row as JSON, event time if known
+    rows: pa.Table  # history schema, every row valid
+    rejects: pa.Table  # reason, raw row as JSON, event time if known
 
 
 def utc_sql(ts: datetime) -> str:
@@ -67,13 +67,23 @@ def compute(
     for key, dtype in key_types.items():
         k = ident(key)
         typed.append(f"TRY_CAST({k} AS {duckdb_type(dtype)}) AS __k_{key}")
-        reasons += [f"WHEN {k} IS NULL THEN 'null join key {key}'", f"WHEN __k_{key} IS NULL THEN 'join key {key} is not {dtype.name}'"]
-    reasons += [f"WHEN {ts_col} IS NULL THEN 'null event timestamp'", "WHEN __event IS NULL THEN 'unparseable event timestamp'"]
+        reasons += [
+            f"WHEN {k} IS NULL THEN 'null join key {key}'",
+            f"WHEN __k_{key} IS NULL THEN 'join key {key} is not {dtype.name}'",
+        ]
+    reasons += [
+        f"WHEN {ts_col} IS NULL THEN 'null event timestamp'",
+        "WHEN __event IS NULL THEN 'unparseable event timestamp'",
+    ]
     if created_col:
-        reasons.append(f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'")
+        reasons.append(
+            f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'"
+        )
     latest = (ingest_time + future_tolerance).astimezone(timezone.utc)
-    reasons.append(f"WHEN __event > {utc_sql(latest)} THEN "
-                   f"'event time is in the future (after {latest.isoformat()}); push it when it is due'")
+    reasons.append(
+        f"WHEN __event > {utc_sql(latest)} THEN "
+        f"'event time is in the future (after {latest.isoformat()}); push it when it is due'"
+    )
     if view.event_id:
         reasons.append(f"WHEN {ident(view.event_id)} IS NULL THEN 'null event id {view.event_id}'")
     for f in view.schema:
@@ -99,26 +109,34 @@ def compute(
     raw_row = "to_json({" + ", ".join(f"{quote(c)}: {ident(c)}" for c in source_columns) + "})::VARCHAR"
     # one query (a push pays DuckDB's per-query cost once): valid rows and rejects, split below
     table = con.sql(
-        f"""SELECT {', '.join(f'__k_{k} AS {ident(k)}' for k in key_types)},
+        f"""SELECT {", ".join(f"__k_{k} AS {ident(k)}" for k in key_types)},
             __event AS event_timestamp,
             COALESCE(__created, {ingest}) AS created_timestamp,
             ({run})::BIGINT AS _run_id,
             {identity} AS _row_id,
-            {', '.join(f'__f_{f.name} AS {ident(f.name)}' for f in view.schema)},
+            {", ".join(f"__f_{f.name} AS {ident(f.name)}" for f in view.schema)},
             __reason, CASE WHEN __reason IS NOT NULL THEN {raw_row} END AS __raw
-        FROM (SELECT *, CASE {' '.join(reasons)} END AS __reason
-              FROM (SELECT *, {', '.join(typed)} FROM view_rows)
+        FROM (SELECT *, CASE {" ".join(reasons)} END AS __reason
+              FROM (SELECT *, {", ".join(typed)} FROM view_rows)
               WHERE __event IS NULL OR ({in_window}))"""
     ).to_arrow_table()
     if table["__reason"].null_count == table.num_rows:  # every row valid (the usual case): no copy
-        return Computed(table.drop_columns(["__reason", "__raw"]).cast(history_schema), _rejects(table.slice(0, 0), run_id))
+        return Computed(
+            table.drop_columns(["__reason", "__raw"]).cast(history_schema), _rejects(table.slice(0, 0), run_id)
+        )
     valid = pc.is_null(table["__reason"])
     rows = table.filter(valid).drop_columns(["__reason", "__raw"]).cast(history_schema)
     return Computed(rows, _rejects(table.filter(pc.invert(valid)), run_id))
 
 
-def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType], history_schema: pa.Schema,
-                ingest_time: datetime, future_tolerance: timedelta) -> pa.Table | None:
+def pushed_rows(
+    table: pa.Table,
+    view: FeatureView,
+    key_types: dict[str, DType],
+    history_schema: pa.Schema,
+    ingest_time: datetime,
+    future_tolerance: timedelta,
+) -> pa.Table | None:
     """``compute``'s result for pushed rows (typed to the push source, with ``INGESTED_AT`` and
     ``PUSH_ID``), in Arrow alone: a push then pays no query. None when a row needs ``compute``'s
     checks to be explained (a null key, time or event id; a future event) or a column needs a cast."""
@@ -137,17 +155,28 @@ def pushed_rows(table: pa.Table, view: FeatureView, key_types: dict[str, DType],
         return None
     # a pushed row's run is its ingest time (``push_run_id``), as ``compute`` reads it from the log
     runs = numpy_values(table[INGESTED_AT]).view(np.int64)
-    columns = {"event_timestamp": table[time_column], "created_timestamp": table[INGESTED_AT], "_row_id": table[PUSH_ID],
-               "_run_id": pa.array(runs, pa.int64())}
-    return pa.Table.from_arrays([columns[name] if name in columns else table[name] for name in history_schema.names],
-                                schema=history_schema)
+    columns = {
+        "event_timestamp": table[time_column],
+        "created_timestamp": table[INGESTED_AT],
+        "_row_id": table[PUSH_ID],
+        "_run_id": pa.array(runs, pa.int64()),
+    }
+    return pa.Table.from_arrays(
+        [columns[name] if name in columns else table[name] for name in history_schema.names], schema=history_schema
+    )
 
 
 def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
     """Reason, run, the raw row as JSON, and an id (hash of reason and row) that dedupes re-runs."""
     if bad.num_rows == 0:
-        return pa.table({"reason": pa.array([], pa.string()), "run_id": pa.array([], pa.int64()),
-                         "row": pa.array([], pa.string()), "reject_id": pa.array([], pa.int64())})
+        return pa.table(
+            {
+                "reason": pa.array([], pa.string()),
+                "run_id": pa.array([], pa.int64()),
+                "row": pa.array([], pa.string()),
+                "reject_id": pa.array([], pa.int64()),
+            }
+        )
     con = connection()
     con.register("bad", bad.select(["__reason", "__raw"]))
     return con.sql(
@@ -163,10 +192,16 @@ def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
     if rows.num_rows == 0:
         return rows
     con = connection()
-    con.register("r", rows.select([*join_keys, "event_timestamp", "created_timestamp", "_run_id", "_row_id"])
-                 .append_column("__i", pa.array(np.arange(rows.num_rows, dtype=np.int64))))
+    con.register(
+        "r",
+        rows.select([*join_keys, "event_timestamp", "created_timestamp", "_run_id", "_row_id"]).append_column(
+            "__i", pa.array(np.arange(rows.num_rows, dtype=np.int64))
+        ),
+    )
     keys = ", ".join(ident(k) for k in join_keys)
-    positions = con.sql(f"SELECT arg_max(__i, (event_timestamp, created_timestamp, _run_id, _row_id)) FROM r GROUP BY {keys}")
+    positions = con.sql(
+        f"SELECT arg_max(__i, (event_timestamp, created_timestamp, _run_id, _row_id)) FROM r GROUP BY {keys}"
+    )
     return rows.take(positions.to_arrow_table().column(0))
 
 
@@ -176,7 +211,9 @@ def latest_sql(relation: str, join_keys: list[str], columns: list[str]) -> str:
     -0.0 came back as 0.0)."""
     keys = ", ".join(ident(k) for k in join_keys)
     order = "(event_timestamp, created_timestamp, _run_id, _row_id)"
-    picked = ", ".join(ident(c) if c in join_keys else f"arg_max_null({ident(c)}, {order}) AS {ident(c)}" for c in columns)
+    picked = ", ".join(
+        ident(c) if c in join_keys else f"arg_max_null({ident(c)}, {order}) AS {ident(c)}" for c in columns
+    )
     return f"SELECT {picked} FROM {relation} GROUP BY {keys}"
 
 
@@ -192,7 +229,7 @@ class EventWrites:
     (their ids' write times decide whether a later write of the id is a duplicate)."""
 
     rows: pa.Table
-    ids: np.ndarray                   # each write's event id
+    ids: np.ndarray  # each write's event id
     accepted: np.ndarray | None = None  # per write, the offline rule's verdict (whole-history resends)
 
 
@@ -220,8 +257,11 @@ def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int, verdicts: b
         SELECT *{keep} FROM w a WHERE epoch_us(event_timestamp) > {int(low)} ORDER BY _run_id, _row_id"""
     ).to_arrow_table()
     accepted = out["__keep"].to_numpy(zero_copy_only=False) if verdicts else None
-    return EventWrites(out.drop_columns([c for c in ("__eid", "__keep") if c in out.column_names]).cast(rows.schema),
-                       out["__eid"].to_numpy(), accepted)
+    return EventWrites(
+        out.drop_columns([c for c in ("__eid", "__keep") if c in out.column_names]).cast(rows.schema),
+        out["__eid"].to_numpy(),
+        accepted,
+    )
 
 
 def _plain_event_ids(rows: pa.Table, view: FeatureView) -> np.ndarray | None:

@@ -71,13 +71,27 @@ class MaterializationReport:
 class Materializer:
     """Writes views' rows to the stores, under the applied definitions ``defs``."""
 
-    def __init__(self, defs: Definitions, registry: RegistryStore, offline: OfflineStore, online: RedisOnlineStore,
-                 config: RepoConfig, progress: bool = False):
+    def __init__(
+        self,
+        defs: Definitions,
+        registry: RegistryStore,
+        offline: OfflineStore,
+        online: RedisOnlineStore,
+        config: RepoConfig,
+        progress: bool = False,
+    ):
         self.defs, self.registry, self.offline, self.online, self.config = defs, registry, offline, online, config
         self.progress = progress
 
     def run(
-        self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True, offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject",
+        self,
+        views: Sequence[str] | None,
+        *,
+        start: datetime | None,
+        end: datetime | None,
+        online: bool = True,
+        offline: bool = True,
+        on_bad_rows: Literal["reject", "fail"] = "reject",
     ) -> MaterializationReport:
         defs = self.defs
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
@@ -92,7 +106,9 @@ class Materializer:
                 register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
                 with query_progress(con, bar, task):
                     report.views.append(
-                        self.write_view(con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+                        self.write_view(
+                            con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
+                        )
                     )
                 report.views[-1].seconds = time.perf_counter() - began
                 bar.update(task, completed=100, description=f"[{i}/{len(selected)}] {view.name}: done")
@@ -106,14 +122,25 @@ class Materializer:
         """
         if not self.config.expire_after_ttl:
             return None
-        sharing = [v for v in self.defs.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)]
+        sharing = [
+            v for v in self.defs.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)
+        ]
         if any(v.ttl is None for v in sharing):
             return None
         return max(v.ttl for v in sharing)
 
     def write_view(
-        self, con: duckdb.DuckDBPyConnection, view: FeatureView, *, start: datetime | None, end: datetime | None,
-        online: bool, offline: bool, on_bad_rows: str = "reject", buffer: PushBuffer | None = None, run_id: int | None = None,
+        self,
+        con: duckdb.DuckDBPyConnection,
+        view: FeatureView,
+        *,
+        start: datetime | None,
+        end: datetime | None,
+        online: bool,
+        offline: bool,
+        on_bad_rows: str = "reject",
+        buffer: PushBuffer | None = None,
+        run_id: int | None = None,
     ) -> ViewReport:
         """Compute ``view_rows`` registered in ``con`` and write them to the selected stores.
 
@@ -122,8 +149,17 @@ class Materializer:
         defs, registry = self.defs, self.registry
         run_id = registry.next_run_id() if run_id is None else run_id
         now = datetime.now(timezone.utc)
-        computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), run_id, now, start, end,
-                           self.config.future_tolerance)
+        computed = compute(
+            con,
+            view,
+            defs.key_types[view.name],
+            defs.history_schema(view),
+            run_id,
+            now,
+            start,
+            end,
+            self.config.future_tolerance,
+        )
         report = ViewReport(view.name, computed_rows=computed.rows.num_rows)
         self.keep_rejects(view, computed.rejects, report, on_bad_rows)
         write_offline, write_online = offline and view.offline, online and view.online
@@ -139,10 +175,18 @@ class Materializer:
             if synced:
                 report.online_rows = self.write_online(view, fresh, now)
             else:  # the whole history, as authority: Redis is made to match it
-                report.online_rows = self.write_online(view, self._whole_history(view, computed.rows, written=write_offline), now,
-                                                       whole_history=True)
-        self.finish_run(view, run_id, now, end, write_online, write_offline,
-                        _max_iso(computed.rows) if computed.rows.num_rows else None)
+                report.online_rows = self.write_online(
+                    view, self._whole_history(view, computed.rows, written=write_offline), now, whole_history=True
+                )
+        self.finish_run(
+            view,
+            run_id,
+            now,
+            end,
+            write_online,
+            write_offline,
+            _max_iso(computed.rows) if computed.rows.num_rows else None,
+        )
         return report
 
     def keep_rejects(self, view: FeatureView, rejects: pa.Table, report: ViewReport, on_bad_rows: str) -> None:
@@ -164,14 +208,23 @@ class Materializer:
         mark = self.registry.watermarks().get(view.name, {})
         # a new storage layout starts with nothing online: everything is re-sent; with no history
         # yet, this run's rows are the whole of it
-        synced = (mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id) \
-            or self.offline.version(view.history_table) is None
+        synced = (
+            mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
+        ) or self.offline.version(view.history_table) is None
         if view.online and write_offline:
             self.registry.set_watermark(view.name, online_synced=False)
         return synced
 
-    def finish_run(self, view: FeatureView, run_id: int, now: datetime, end: datetime | None, wrote_online: bool,
-                   wrote_offline: bool, max_event: str | None) -> None:
+    def finish_run(
+        self,
+        view: FeatureView,
+        run_id: int,
+        now: datetime,
+        end: datetime | None,
+        wrote_online: bool,
+        wrote_offline: bool,
+        max_event: str | None,
+    ) -> None:
         """Record what the run wrote: Redis in sync, history up to ``end``."""
         marks: dict = {}
         if wrote_online:
@@ -185,7 +238,9 @@ class Materializer:
         if marks:
             self.registry.set_watermark(view.name, **marks)
 
-    def write_pushed(self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer) -> int:
+    def write_pushed(
+        self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer
+    ) -> int:
         """Pushed history rows: Redis synchronously, history through the durable buffer (no
         registry state); returns the rows written online."""
         written = 0
@@ -224,8 +279,19 @@ class Materializer:
             horizon = view.longest_window + self.config.event_retention
             cutoff_us = datetime_to_micros(now - horizon)
             writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
-            return self.online.write_events(view.online_field, writes.rows, view.join_keys, stored, writes.ids, cutoff_us, horizon,
-                                            tile_us(view), dedup_us(view), accepted=writes.accepted, newest=newest)
+            return self.online.write_events(
+                view.online_field,
+                writes.rows,
+                view.join_keys,
+                stored,
+                writes.ids,
+                cutoff_us,
+                horizon,
+                tile_us(view),
+                dedup_us(view),
+                accepted=writes.accepted,
+                newest=newest,
+            )
         latest = latest_per_entity(rows, view.join_keys)
         self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view), newest)
         return latest.num_rows

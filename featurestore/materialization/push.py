@@ -42,8 +42,15 @@ def _as_table(df: Any) -> pa.Table:
     return pa.Table.from_pandas(df, preserve_index=False)
 
 
-def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: Any, to: str = "online_and_offline",
-         idempotency_key: str | None = None, arrival: tuple[pa.Array, pa.Array] | None = None) -> int:
+def push(
+    materializer: Materializer,
+    buffer: PushBuffer,
+    source_name: str,
+    df: Any,
+    to: str = "online_and_offline",
+    idempotency_key: str | None = None,
+    arrival: tuple[pa.Array, pa.Array] | None = None,
+) -> int:
     """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``).
 
     A re-push of the same rows is a new fact (a correction reverted must win again), so a client
@@ -86,15 +93,26 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     for view in defs.feature_views.values():
         if getattr(view.source, "name", None) != source_name or view.transformation is not None:
             continue
-        rows = pushed_rows(table, view, defs.key_types[view.name], defs.history_schema(view), now, materializer.config.future_tolerance)
+        rows = pushed_rows(
+            table, view, defs.key_types[view.name], defs.history_schema(view), now, materializer.config.future_tolerance
+        )
         if rows is not None:
             typed.append((view, rows))
             continue
         con = connection()  # something only the full check (a query) can type or explain
         con.register("view_rows", table)
         try:
-            materializer.write_view(con, view, start=None, end=None, online="online" in to, offline="offline" in to,
-                                    on_bad_rows="fail", buffer=buffer, run_id=run_id)
+            materializer.write_view(
+                con,
+                view,
+                start=None,
+                end=None,
+                online="online" in to,
+                offline="offline" in to,
+                on_bad_rows="fail",
+                buffer=buffer,
+                run_id=run_id,
+            )
         except BadRowsError as exc:
             raise RequestError(str(exc)) from exc
     online = [(view, rows) for view, rows in typed if "online" in to and view.online]
@@ -108,8 +126,12 @@ def push(materializer: Materializer, buffer: PushBuffer, source_name: str, df: A
     if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
         # one record for the source's log and its views' history: one sync, not one per target
         parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
-        buffer.append_parts(f"log:{source_name}", {**parts, f"log:{source_name}": table}, retry=ingested != now or arrival is not None,
-                            meanwhile=write_online if online else None)
+        buffer.append_parts(
+            f"log:{source_name}",
+            {**parts, f"log:{source_name}": table},
+            retry=ingested != now or arrival is not None,
+            meanwhile=write_online if online else None,
+        )
     else:
         write_online()
     if buffer.worth_looking():  # lanes past the bounds commit on the committing thread, not in this call
@@ -227,8 +249,10 @@ def _not_logged(rows: pa.Table, log: DeltaTable | None) -> pa.Table:
         con.register("log", log.to_pyarrow_dataset())
         oldest = pc.min(rows[INGESTED_AT])
         con.register("oldest", pa.table({"since": pa.array([oldest.as_py()], rows.schema.field(INGESTED_AT).type)}))
-        new = (f"SELECT * FROM ({new}) WHERE {PUSH_ID} IS NULL OR {PUSH_ID} NOT IN "
-               f"(SELECT {PUSH_ID} FROM log WHERE {INGESTED_AT} >= (SELECT since FROM oldest) AND {PUSH_ID} IS NOT NULL)")
+        new = (
+            f"SELECT * FROM ({new}) WHERE {PUSH_ID} IS NULL OR {PUSH_ID} NOT IN "
+            f"(SELECT {PUSH_ID} FROM log WHERE {INGESTED_AT} >= (SELECT since FROM oldest) AND {PUSH_ID} IS NOT NULL)"
+        )
     return con.sql(new).to_arrow_table().cast(rows.schema)
 
 
@@ -236,7 +260,10 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     """Rows written before columns were added, with those columns null."""
     if rows.schema.names == schema.names:
         return rows
-    return pa.table([rows[f.name] if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema], schema=schema)
+    return pa.table(
+        [rows[f.name] if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type) for f in schema],
+        schema=schema,
+    )
 
 
 def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int, retried: bool) -> None:
@@ -248,5 +275,10 @@ def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int, retr
     exists = (path / "_delta_log").exists()
     if retried:
         rows = _not_logged(rows, DeltaTable(str(path)) if exists else None)
-    write_deltalake(str(path), rows, mode="append", schema_mode="merge",  # logs from before INGESTED_AT
-                    commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]))
+    write_deltalake(
+        str(path),
+        rows,
+        mode="append",
+        schema_mode="merge",  # logs from before INGESTED_AT
+        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]),
+    )

@@ -53,8 +53,16 @@ class RayMaterializer(Materializer):
         super().__init__(*args, **kwargs)
         self.address, self.partitions = address, partitions
 
-    def run(self, views: Sequence[str] | None, *, start: datetime | None, end: datetime | None, online: bool = True,
-            offline: bool = True, on_bad_rows: Literal["reject", "fail"] = "reject") -> MaterializationReport:
+    def run(
+        self,
+        views: Sequence[str] | None,
+        *,
+        start: datetime | None,
+        end: datetime | None,
+        online: bool = True,
+        offline: bool = True,
+        on_bad_rows: Literal["reject", "fail"] = "reject",
+    ) -> MaterializationReport:
         ray = connect(self.address)
         parts = partitions(ray, self.partitions)
         selected = [self.defs.view(v) for v in views] if views else list(self.defs.feature_views.values())
@@ -65,8 +73,11 @@ class RayMaterializer(Materializer):
             files, why_local = self._source_files(view)
             if why_local:
                 log.info("view %s: materialized locally (%s)", view.name, why_local)
-                report.views.append(super().run([view.name], start=start, end=end, online=online, offline=offline,
-                                                on_bad_rows=on_bad_rows).views[0])
+                report.views.append(
+                    super()
+                    .run([view.name], start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+                    .views[0]
+                )
             else:
                 report.views.append(self._run_view(ray, view, files, parts, start, end, online, offline, on_bad_rows))
             report.views[-1].seconds = time.perf_counter() - began
@@ -94,12 +105,25 @@ class RayMaterializer(Materializer):
             return [], f"join key(s) {missing} are made by its transformation, so rows cannot be split by entity first"
         return files, None
 
-    def _run_view(self, ray: Any, view: FeatureView, files: list[str], parts: int, start: datetime | None, end: datetime,
-                  online: bool, offline: bool, on_bad_rows: str) -> ViewReport:
+    def _run_view(
+        self,
+        ray: Any,
+        view: FeatureView,
+        files: list[str],
+        parts: int,
+        start: datetime | None,
+        end: datetime,
+        online: bool,
+        offline: bool,
+        on_bad_rows: str,
+    ) -> ViewReport:
         registry, store = self.registry, self.offline
         run_id, now = registry.next_run_id(), datetime.now(timezone.utc)
         current = registry.current()  # what a task rebuilds the views from (services are not needed)
-        state = {**current, "objects": {k: v for k, v in current["objects"].items() if k in ("entity", "push_source", "feature_view")}}
+        state = {
+            **current,
+            "objects": {k: v for k, v in current["objects"].items() if k in ("entity", "push_source", "feature_view")},
+        }
         key_types = {k: duckdb_type(t) for k, t in self.defs.key_types[view.name].items()}
         transformation = view.transformation
         if callable(transformation):  # user code travels by value: workers cannot import the repo's modules
@@ -113,26 +137,49 @@ class RayMaterializer(Materializer):
         groups = [units[g::parts] for g in range(min(parts, len(units)))]
         pieces = [split.remote(group, key_types, parts) for group in groups]
         config = dataclasses.replace(self.config, online_url=getattr(self.online, "url", self.config.online_url))
-        job = dict(state=state, view=view.name, transformation=transformation, run_id=run_id, now=now, start=start, end=end,
-                   config=config, offline_path=str(getattr(store, "path", "")), write_offline=write_offline)
+        job = dict(
+            state=state,
+            view=view.name,
+            transformation=transformation,
+            run_id=run_id,
+            now=now,
+            start=start,
+            end=end,
+            config=config,
+            offline_path=str(getattr(store, "path", "")),
+            write_offline=write_offline,
+        )
         compute_write = ray.remote(num_returns=2)(_compute_write)
         with store.writer(view.history_table):  # one writer per history table, across processes, until committed
             results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
-            summaries = gather(ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", self.progress)
+            summaries = gather(
+                ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", self.progress
+            )
             report = ViewReport(view.name, computed_rows=sum(s["computed"] for s in summaries))
-            self.keep_rejects(view, pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"), report, on_bad_rows)
+            self.keep_rejects(
+                view,
+                pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"),
+                report,
+                on_bad_rows,
+            )
             if write_offline:
-                store.commit(view.history_table, [a for s in summaries for a in s["actions"]], self.defs.history_schema(view))  # type: ignore[attr-defined]
+                store.commit(
+                    view.history_table, [a for s in summaries for a in s["actions"]], self.defs.history_schema(view)
+                )  # type: ignore[attr-defined]
                 report.new_offline_rows = sum(s["new"] for s in summaries)
         if write_online:
             if synced:  # each partition's rows, straight from the object store
                 write = ray.remote(_write_online)
-                report.online_rows = sum(gather(ray, [write.remote(job, r[1]) for r in results], f"{view.name}: writing online",
-                                                self.progress))
+                report.online_rows = sum(
+                    gather(
+                        ray, [write.remote(job, r[1]) for r in results], f"{view.name}: writing online", self.progress
+                    )
+                )
             else:  # history may hold rows Redis lacks: send the whole history (the local engine's recovery)
                 computed = pa.concat_tables(ray.get([r[1] for r in results]))
-                report.online_rows = self.write_online(view, self._whole_history(view, computed, written=write_offline), now,
-                                                       whole_history=True)
+                report.online_rows = self.write_online(
+                    view, self._whole_history(view, computed, written=write_offline), now, whole_history=True
+                )
         newest = [s["max_event"] for s in summaries if s["max_event"]]
         self.finish_run(view, run_id, now, end, write_online, write_offline, max(newest) if newest else None)
         return report
@@ -174,15 +221,29 @@ def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, An
     con = duckdb.connect()
     fit_to_task(con)
     _view_rows(con, pa.concat_tables(pieces, promote_options="default"), job["transformation"])
-    computed = compute(con, view, defs.key_types[view.name], defs.history_schema(view), job["run_id"], job["now"],
-                       job["start"], job["end"], config.future_tolerance)
+    computed = compute(
+        con,
+        view,
+        defs.key_types[view.name],
+        defs.history_schema(view),
+        job["run_id"],
+        job["now"],
+        job["start"],
+        job["end"],
+        config.future_tolerance,
+    )
     actions, new = [], 0
     if job["write_offline"] and computed.rows.num_rows:
         store = DeltaOfflineStore(Path(job["offline_path"]))
         fresh = store.new_rows(view.history_table, computed.rows)
         actions, new = store.write_files(view.history_table, fresh), fresh.num_rows
-    summary = {"computed": computed.rows.num_rows, "new": new, "actions": actions, "rejects": computed.rejects,
-               "max_event": _max_iso(computed.rows) if computed.rows.num_rows else None}
+    summary = {
+        "computed": computed.rows.num_rows,
+        "new": new,
+        "actions": actions,
+        "rejects": computed.rejects,
+        "max_event": _max_iso(computed.rows) if computed.rows.num_rows else None,
+    }
     return summary, computed.rows
 
 
@@ -194,6 +255,8 @@ def _write_online(job: dict[str, Any], rows: pa.Table) -> int:
     defs = applied_definitions(job["state"])
     online = open_online_store(job["config"])
     try:
-        return Materializer(defs, None, None, online, job["config"]).write_online(defs.view(job["view"]), rows, job["now"])  # type: ignore[arg-type]
+        return Materializer(defs, None, None, online, job["config"]).write_online(
+            defs.view(job["view"]), rows, job["now"]
+        )  # type: ignore[arg-type]
     finally:
         online.close()

@@ -32,7 +32,9 @@ class OfflineStore(Protocol):
     def append(self, view: str, rows: pa.Table) -> pa.Table:
         """Append rows not already stored (by ``_row_id``); return the rows that were new."""
 
-    def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
+    def register(
+        self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None
+    ) -> int | None:
         """Expose the view's history (at ``version``) in ``con`` as ``name``; return the version read."""
 
     def version(self, view: str) -> int | None:

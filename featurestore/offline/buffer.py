@@ -80,7 +80,10 @@ class Record:
     @property
     def parts(self) -> list[tuple[str, pa.Table]]:
         """``[(target, rows)]``."""
-        return [(target, s if isinstance(s, pa.Table) else ipc.open_stream(pa.py_buffer(s)).read_all()) for target, s in self.streams]
+        return [
+            (target, s if isinstance(s, pa.Table) else ipc.open_stream(pa.py_buffer(s)).read_all())
+            for target, s in self.streams
+        ]
 
 
 @dataclass
@@ -90,7 +93,7 @@ class _Journal:
     pid: int
     offset: int
     capacity: int
-    users: int = 0         # appends still to sync or flag through ``fd``
+    users: int = 0  # appends still to sync or flag through ``fd``
     retired: bool = False  # replaced: ``fd`` closes with its last user (a closed number is reused at once)
 
     def release(self) -> None:
@@ -113,7 +116,9 @@ class PushBuffer:
         self._buffered: dict[str, int] = {}  # rows per target: seen at the last scan + appended since
         self._counted: dict[Path, tuple[int, int, int]] = {}  # per file looked at: (inode, offset counted to, rows)
         self._journals: dict[str, _Journal] = {}  # this process's journal per lane
-        self._spares: dict[str, tuple[int, Future]] = {}  # per lane, the next journal being zero-filled: (pid, (fd, path))
+        self._spares: dict[
+            str, tuple[int, Future]
+        ] = {}  # per lane, the next journal being zero-filled: (pid, (fd, path))
         self._mutex = threading.Lock()  # this process's threads: one record written at a time
         self._committing: tuple[int, Future] | None = None  # (pid, the background commit in flight)
 
@@ -158,20 +163,25 @@ class PushBuffer:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def append(self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None) -> None:
+    def append(
+        self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None
+    ) -> None:
         """Write rows durably as a record of the target's lane (see ``append_parts``)."""
         self.append_parts(target, {target: rows}, retry, meanwhile)
 
-    def append_parts(self, lane: str, parts: dict[str, pa.Table], retry: bool = False,
-                     meanwhile: Callable[[], object] | None = None) -> None:
+    def append_parts(
+        self, lane: str, parts: dict[str, pa.Table], retry: bool = False, meanwhile: Callable[[], object] | None = None
+    ) -> None:
         """Write one record in ``lane`` holding rows for several targets (``{target: rows}``): a
         push to a source's log and its views pays one sync, not one per target. Returns once it
         is durable. ``meanwhile``: the online write of the same rows, run while the sync is in
         flight; the record is ``PENDING`` until it returns. ``retry``: the rows may have been
         written by an earlier attempt."""
         rows = max(t.num_rows for t in parts.values())
-        payload = b"".join(_PART.pack(len(name := target.encode()), len(stream := _ipc_bytes(table))) + name + stream
-                           for target, table in parts.items())
+        payload = b"".join(
+            _PART.pack(len(name := target.encode()), len(stream := _ipc_bytes(table))) + name + stream
+            for target, table in parts.items()
+        )
         flags = (PENDING if meanwhile is not None else 0) | (RETRY if retry else 0)
         with self._lock(lane, exclusive=False), self._mutex:
             seq = self._last_seq = max(time.time_ns(), self._last_seq + 1)
@@ -182,7 +192,10 @@ class PushBuffer:
             journal.offset += len(record)
             journal.users += 1
             if journal.capacity == JOURNAL_BYTES and lane not in self._spares:  # the next journal, ready when this one
-                self._spares[lane] = (os.getpid(), _helper().submit(_zero_filled, self._dir(lane)))  # fills or is drained
+                self._spares[lane] = (
+                    os.getpid(),
+                    _helper().submit(_zero_filled, self._dir(lane)),
+                )  # fills or is drained
         self._buffered[lane] = self._buffered.get(lane, 0) + rows
         try:
             # the online write goes to a thread and this one waits in the sync, which releases the GIL
@@ -210,7 +223,9 @@ class PushBuffer:
         preallocate = size <= JOURNAL_BYTES // 4
         path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"  # named now: ``due`` reads its age
         pid, spare = self._spares.pop(lane, (None, None)) if preallocate else (None, None)
-        fd = _take_spare(spare, path) if spare is not None and pid == os.getpid() else None  # (a parent's: never done here)
+        fd = (
+            _take_spare(spare, path) if spare is not None and pid == os.getpid() else None
+        )  # (a parent's: never done here)
         if fd is None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             if preallocate:
@@ -248,7 +263,9 @@ class PushBuffer:
     def targets(self) -> list[str]:
         if not self.root.exists():
             return []
-        return sorted(d.name.replace("__", ":", 1) for d in os.scandir(self.root) if d.is_dir() and _file_names(Path(d.path)))
+        return sorted(
+            d.name.replace("__", ":", 1) for d in os.scandir(self.root) if d.is_dir() and _file_names(Path(d.path))
+        )
 
     def due(self, target: str) -> bool:
         """Whether the target's buffered rows are many or old enough to commit. Age first (no
@@ -279,9 +296,13 @@ class PushBuffer:
         self._counted[path] = (inode, at, rows)
         return rows
 
-    def drain(self, lane: str, commit: Callable[[str, pa.Table, int, bool], None],
-              resend_online: Callable[[str, pa.Table], None] | None = None,
-              committed: Callable[[str], int] | None = None) -> int:
+    def drain(
+        self,
+        lane: str,
+        commit: Callable[[str, pa.Table, int, bool], None],
+        resend_online: Callable[[str, pa.Table], None] | None = None,
+        committed: Callable[[str], int] | None = None,
+    ) -> int:
         """Commit every record of ``lane``, per target (``commit(target, rows, newest_seq, any_retry)``),
         and delete its journals; returns rows. Rows of records Redis did not confirm go to
         ``resend_online(target, rows)`` first. ``committed(target)``: the newest sequence the target
@@ -291,8 +312,10 @@ class PushBuffer:
         journal), not during the commit."""
         with self._lock(lane, exclusive=True, name=".drain-lock"):
             with self._lock(lane, exclusive=True):
-                files = [path if not path.name.endswith(".journal") else _renamed(path, path.name + ".draining")
-                         for path in self.files(lane)]
+                files = [
+                    path if not path.name.endswith(".journal") else _renamed(path, path.name + ".draining")
+                    for path in self.files(lane)
+                ]
             records: list[Record] = []
             torn = []
             for path in files:
@@ -300,9 +323,14 @@ class PushBuffer:
                 records += complete
                 if problem:
                     torn.append(path)
-                    log.warning("buffer %s ends in a torn record (%s): its writer died writing it, so no push "
-                                "returned with it; the %d records before it commit, the file is kept as %s",
-                                path.name, problem, len(complete), _torn_name(path))
+                    log.warning(
+                        "buffer %s ends in a torn record (%s): its writer died writing it, so no push "
+                        "returned with it; the %d records before it commit, the file is kept as %s",
+                        path.name,
+                        problem,
+                        len(complete),
+                        _torn_name(path),
+                    )
             records.sort(key=lambda r: r.seq)
             by_target: dict[str, list] = {}
             newest: dict[str, int] = {}
@@ -372,7 +400,7 @@ def _decode(streams: list) -> pa.Table:
         view = memoryview(stream)
         # a stream: its schema message (continuation marker, metadata length, metadata), batch messages, the end
         length = struct.unpack_from("<i", view, 4)[0] if view[:4] == b"\xff\xff\xff\xff" else -1
-        schema = bytes(view[:8 + length]) if length >= 0 and view[-8:] == _EOS else b""
+        schema = bytes(view[: 8 + length]) if length >= 0 and view[-8:] == _EOS else b""
         if schema and schema not in joinable:
             joinable[schema] = not any(pa.types.is_dictionary(f.type) for f in ipc.read_schema(pa.py_buffer(schema)))
         if not schema or not joinable[schema]:  # read alone
@@ -382,7 +410,7 @@ def _decode(streams: list) -> pa.Table:
         if schema != schema_message:
             read_joined()
             schema_message = schema
-        batches.append(view[8 + length:-8])
+        batches.append(view[8 + length : -8])
     read_joined()
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
 
@@ -418,8 +446,8 @@ def _records(path: Path, lane: str) -> tuple[list[Record], str | None]:
         _yield_gil(len(records))
         magic, size, crc, seq, rows, flags = RECORD.unpack_from(data, at)
         if magic != MAGIC:
-            return records, None if not any(data[at:at + RECORD.size]) else f"no record header at byte {at}"
-        payload = memoryview(data)[at + RECORD.size:at + RECORD.size + size]  # (no copy)
+            return records, None if not any(data[at : at + RECORD.size]) else f"no record header at byte {at}"
+        payload = memoryview(data)[at + RECORD.size : at + RECORD.size + size]  # (no copy)
         if len(payload) < size or zlib.crc32(payload) != crc:
             return records, f"record at byte {at} is cut short or corrupt"
         records.append(Record(seq, rows, bool(flags & PENDING), bool(flags & RETRY), _streams(payload)))
@@ -450,7 +478,10 @@ def _streams(payload: memoryview) -> list[tuple[str, memoryview]]:
     while at < len(payload):
         name_length, stream_length = _PART.unpack_from(payload, at)
         at += _PART.size
-        name, stream = bytes(payload[at:at + name_length]).decode(), payload[at + name_length:at + name_length + stream_length]
+        name, stream = (
+            bytes(payload[at : at + name_length]).decode(),
+            payload[at + name_length : at + name_length + stream_length],
+        )
         parts.append((name, stream))
         at += name_length + stream_length
     return parts
@@ -461,8 +492,10 @@ def _segment_parts(payload: pa.Buffer, lane: str) -> list[tuple[str, pa.Table]]:
     table = ipc.open_file(payload).read_all()
     if (table.schema.metadata or {}).get(PARTS.encode()) != b"1":
         return [(lane, table)]
-    return [(target, ipc.open_stream(pa.py_buffer(rows)).read_all())
-            for target, rows in zip(table["target"].to_pylist(), table["rows"].to_pylist())]
+    return [
+        (target, ipc.open_stream(pa.py_buffer(rows)).read_all())
+        for target, rows in zip(table["target"].to_pylist(), table["rows"].to_pylist())
+    ]
 
 
 def _zero_filled(folder: Path) -> tuple[int, Path]:

@@ -35,7 +35,8 @@ def _require_files(view: str, version: int, uris: list[str]) -> None:
         raise FeatureStoreError(
             f"the history of {view!r} at version {version} lost {len(gone)} file(s) to a vacuum (offline_store.vacuum_after_hours, "
             f"`featurestore compact --vacuum-hours`), e.g. {gone[0]}; rows as of that version cannot be read back, so "
-            "this export cannot be reproduced: export again from the current version")
+            "this export cannot be reproduced: export again from the current version"
+        )
 
 
 class DeltaOfflineStore:
@@ -116,9 +117,17 @@ class DeltaOfflineStore:
                 FILENAME_PATTERN 'part-{{uuid}}', APPEND, RETURN_STATS)"""
         ).fetchall()
         now_ms = int(time.time() * 1000)
-        return [AddAction(Path(filename).relative_to(root).as_posix(), size, {PARTITION: partition[PARTITION]}, now_ms, True,
-                          json.dumps({"numRecords": count}))
-                for filename, count, size, _, _, partition, _ in written]
+        return [
+            AddAction(
+                Path(filename).relative_to(root).as_posix(),
+                size,
+                {PARTITION: partition[PARTITION]},
+                now_ms,
+                True,
+                json.dumps({"numRecords": count}),
+            )
+            for filename, count, size, _, _, partition, _ in written
+        ]
 
     def commit(self, view: str, actions: list[AddAction], schema: pa.Schema) -> int | None:
         """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the
@@ -128,17 +137,26 @@ class DeltaOfflineStore:
         table = self._table(view)
         full = schema.append(pa.field(PARTITION, pa.date32()))
         if table is None:
-            create_table_with_add_actions(str(self.table_path(view)), DeltaSchema.from_arrow(full), actions, mode="append",
-                                          partition_by=[PARTITION])
+            create_table_with_add_actions(
+                str(self.table_path(view)),
+                DeltaSchema.from_arrow(full),
+                actions,
+                mode="append",
+                partition_by=[PARTITION],
+            )
             return self.version(view)
         known = {f.name for f in table.schema().fields}
         added = [f for f in DeltaSchema.from_arrow(full).fields if f.name not in known]
         if added:
             table.alter.add_columns(added)
-        table.create_write_transaction(actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION])
+        table.create_write_transaction(
+            actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION]
+        )
         return self.version(view)
 
-    def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
+    def register(
+        self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None
+    ) -> int | None:
         table = self._table(view, version)
         files = table.file_uris() if table is not None else []
         if version is not None:

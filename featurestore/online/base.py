@@ -23,12 +23,28 @@ Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
 
 class OnlineStore(Protocol):
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None) -> int:
+    def write_latest(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        expire_after: timedelta | None = None,
+    ) -> int:
         """Store each entity's row unless a stored one is newer (event, created, run, row id);
         with ``expire_after``, drop the entity's key once its newest data is that old."""
 
-    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids, cutoff_us: int,
-                     horizon: timedelta, tile_us: int) -> int:
+    def write_events(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        event_ids,
+        cutoff_us: int,
+        horizon: timedelta,
+        tile_us: int,
+    ) -> int:
         """Add each event to its entity's window state once per event id (ignoring events before ``cutoff_us``)."""
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
@@ -65,5 +81,7 @@ def open_online_store(config: "RepoConfig") -> "RedisOnlineStore":
     from featurestore.online.redis_store import RedisOnlineStore
 
     if config.online_url.startswith(SCHEME):
-        return RedisClusterOnlineStore(config.online_url, config.project, config.read_timeout_ms, config.read_from_replicas)
+        return RedisClusterOnlineStore(
+            config.online_url, config.project, config.read_timeout_ms, config.read_from_replicas
+        )
     return RedisOnlineStore.from_config(config)

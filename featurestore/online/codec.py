@@ -206,8 +206,12 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: n
     """The fixed-width part of all rows is one numpy array (the columns side by side); the
     variable-width values are joined onto it by Arrow."""
     n = table.num_rows
-    order = [_micros(table["event_timestamp"]), _micros(table["created_timestamp"]),
-             numpy_values(table["_run_id"]).astype(np.int64), numpy_values(table["_row_id"]).astype(np.int64)]
+    order = [
+        _micros(table["event_timestamp"]),
+        _micros(table["created_timestamp"]),
+        numpy_values(table["_run_id"]).astype(np.int64),
+        numpy_values(table["_row_id"]).astype(np.int64),
+    ]
     if event_ids is not None:
         order.insert(0, np.asarray(event_ids, dtype=np.int64))
     blocks = [(np.stack(order, axis=1).view(np.uint64) ^ _SIGN).astype(">u8").view(np.uint8)]
@@ -216,9 +220,14 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: n
         if table[name].null_count:
             bits[:, i // 8] |= table[name].is_null().to_numpy(zero_copy_only=False).astype(np.uint8) << (i % 8)
     blocks.append(bits)
-    blocks += [_fixed_values(table[name], dtype).reshape(n, 1).view(np.uint8) for name, dtype in features if _is_fixed(dtype)]
-    variable = [_encode_arrays(table[name], dtype) if dtype.is_array else _as_binary(table[name])
-                for name, dtype in features if not _is_fixed(dtype)]
+    blocks += [
+        _fixed_values(table[name], dtype).reshape(n, 1).view(np.uint8) for name, dtype in features if _is_fixed(dtype)
+    ]
+    variable = [
+        _encode_arrays(table[name], dtype) if dtype.is_array else _as_binary(table[name])
+        for name, dtype in features
+        if not _is_fixed(dtype)
+    ]
     for data in variable:  # their lengths, then (joined below) their bytes
         offsets = np.frombuffer(data.buffers()[1], dtype=np.int32, count=n + 1, offset=data.offset * 4)
         blocks.append(np.diff(offsets).astype(">u4").reshape(n, 1).view(np.uint8))
@@ -258,8 +267,13 @@ def _encode_arrays(column: pa.ChunkedArray, dtype: DType) -> pa.Array:
         if inner.name == "UnixTimestamp":
             packed = _micros(elements.fill_null(0)).astype(np_type).tobytes()
         else:
-            packed = elements.fill_null(False if inner.name == "Bool" else 0).to_numpy(zero_copy_only=False).astype(np_type).tobytes()
-        body = lambda lo, hi: packed[lo * width:hi * width]  # noqa: E731
+            packed = (
+                elements.fill_null(False if inner.name == "Bool" else 0)
+                .to_numpy(zero_copy_only=False)
+                .astype(np_type)
+                .tobytes()
+            )
+        body = lambda lo, hi: packed[lo * width : hi * width]  # noqa: E731
     else:
         raw = [b"" if v is None else (v.encode() if isinstance(v, str) else v) for v in elements.to_pylist()]
         body = lambda lo, hi: struct.pack(f">{hi - lo}I", *map(len, raw[lo:hi])) + b"".join(raw[lo:hi])  # noqa: E731
@@ -290,7 +304,7 @@ def _array_decoder(dtype: DType) -> Callable[[bytes], list[Any]]:
             lengths = struct.unpack_from(f">{count}I", raw, start)
             pos, values = start + 4 * count, []
             for length in lengths:
-                chunk = raw[pos:pos + length]
+                chunk = raw[pos : pos + length]
                 values.append(chunk.decode() if kind == "String" else chunk)
                 pos += length
         return [None if bitmap[i >> 3] & (1 << (i & 7)) else v for i, v in enumerate(values)]
@@ -298,7 +312,9 @@ def _array_decoder(dtype: DType) -> Callable[[bytes], list[Any]]:
     return decode
 
 
-def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -> Callable[[bytes], tuple[int, list[Any]]]:
+def make_decoder(
+    features: Sequence[tuple[str, DType]], wanted: Sequence[int]
+) -> Callable[[bytes], tuple[int, list[Any]]]:
     """A decoder for one view's values: ``decode(value) -> (event µs, values of the wanted features)``.
 
     One ``struct.unpack_from`` reads the order key, bitmap, every fixed-width value and the
@@ -307,7 +323,9 @@ def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -
     nbytes = (len(features) + 7) // 8
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
     var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
-    layout = struct.Struct(">q24x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var))
+    layout = struct.Struct(
+        ">q24x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var)
+    )
     head, first_len = layout.size, 2 + len(fixed)
     plan = []  # per wanted feature: bitmap byte, bit mask, how to read it, where it is
     for i in wanted:
@@ -338,7 +356,7 @@ def make_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[int]) -
             elif kind == "time":
                 out.append(micros_to_datetime(parts[where]))
             else:
-                raw = value[offsets[where]:offsets[where + 1]]
+                raw = value[offsets[where] : offsets[where + 1]]
                 out.append(raw.decode() if kind == "str" else array_of[where](raw) if kind == "array" else raw)
         return parts[0] ^ -(1 << 63), out  # undo the order key's sign flip
 
@@ -362,12 +380,22 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
     nbytes = (len(features) + 7) // 8
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
     var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
-    head = np.dtype([("id", ">u8"), ("time", ">u8"), ("rest", "V24"), ("nulls", "u1", (nbytes,))]
-                    + [(f"f{i}", _FIXED[features[i][1].name][0]) for i in fixed] + [(f"len{i}", ">u4") for i in var])
+    head = np.dtype(
+        [("id", ">u8"), ("time", ">u8"), ("rest", "V24"), ("nulls", "u1", (nbytes,))]
+        + [(f"f{i}", _FIXED[features[i][1].name][0]) for i in fixed]
+        + [(f"len{i}", ">u4") for i in var]
+    )
     size = head.itemsize
     one_by_one = make_decoder(features, wanted)
-    var_decoders = {i: (lambda raw: raw.decode()) if features[i][1].name == "String" else
-                    _array_decoder(features[i][1]) if features[i][1].is_array else (lambda raw: raw) for i in wanted if i in var}
+    var_decoders = {
+        i: (lambda raw: raw.decode())
+        if features[i][1].name == "String"
+        else _array_decoder(features[i][1])
+        if features[i][1].is_array
+        else (lambda raw: raw)
+        for i in wanted
+        if i in var
+    }
 
     def decode(members: list[bytes], low_us: int, high_us: int) -> tuple[list[int], dict[int, list[Any]]]:
         if not members or len(members) < at_once_from:
@@ -384,11 +412,16 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
         for i in wanted:  # each field is gathered on its own: a whole record is 40+ bytes
             nulls = np.flatnonzero(table["nulls"][kept, i >> 3] & (1 << (i & 7))).tolist()
             if i in var_decoders:  # its bytes follow the head and the variable-width values before it
-                start = size + sum((table[f"len{j}"][kept].astype(np.int64) for j in var[:var.index(i)]), np.zeros(len(kept), np.int64))
+                start = size + sum(
+                    (table[f"len{j}"][kept].astype(np.int64) for j in var[: var.index(i)]),
+                    np.zeros(len(kept), np.int64),
+                )
                 stop = start + table[f"len{i}"][kept]
                 convert, skip = var_decoders[i], set(nulls)
-                values: list[Any] = [None if k in skip else convert(members[m][a:b])
-                                     for k, (m, a, b) in enumerate(zip(kept.tolist(), start.tolist(), stop.tolist()))]
+                values: list[Any] = [
+                    None if k in skip else convert(members[m][a:b])
+                    for k, (m, a, b) in enumerate(zip(kept.tolist(), start.tolist(), stop.tolist()))
+                ]
             else:
                 name, stored = features[i][1].name, table[f"f{i}"][kept]
                 values = (stored.astype(bool) if name == "Bool" else stored).tolist()

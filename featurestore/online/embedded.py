@@ -151,7 +151,10 @@ class EmbeddedRedis:
         os.chmod(log.name, 0o600)
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "featurestore.online.embedded", str(self.data_dir), str(self.socket)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,  # outlives this process
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # outlives this process
         )
         log.close()
         self.started = True
@@ -160,10 +163,14 @@ class EmbeddedRedis:
             if self.is_running():
                 return self.url
             if supervisor.poll() is not None:
-                tail = (self.data_dir / "supervisor.log").read_text()[-500:] or (self.data_dir / "redis.log").read_text()[-500:]
+                tail = (self.data_dir / "supervisor.log").read_text()[-500:] or (
+                    self.data_dir / "redis.log"
+                ).read_text()[-500:]
                 raise OnlineStoreUnavailable(f"embedded redis-server did not start: {tail}")
             time.sleep(0.02)
-        raise OnlineStoreUnavailable(f"embedded redis-server did not answer within {timeout}s (see {self.data_dir / 'redis.log'})")
+        raise OnlineStoreUnavailable(
+            f"embedded redis-server did not answer within {timeout}s (see {self.data_dir / 'redis.log'})"
+        )
 
     def stop(self) -> None:
         """Detach; if no other process uses the server, stop it now (and wait until it is gone)."""
@@ -216,10 +223,29 @@ def supervise(folder: Path, socket: Path) -> int:
     except BlockingIOError:
         return 0  # another supervisor runs this directory
     args = [
-        redis_server_binary(), "--port", "0", "--unixsocket", str(socket), "--unixsocketperm", "700",
-        "--dir", str(folder), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-        "--daemonize", "no", "--loglevel", "warning", "--logfile", str(folder / "redis.log"),
-        "--pidfile", str(folder / "redis.pid"),
+        redis_server_binary(),
+        "--port",
+        "0",
+        "--unixsocket",
+        str(socket),
+        "--unixsocketperm",
+        "700",
+        "--dir",
+        str(folder),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
+        "--logfile",
+        str(folder / "redis.log"),
+        "--pidfile",
+        str(folder / "redis.pid"),
     ]
     server = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 

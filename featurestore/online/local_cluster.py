@@ -16,7 +16,9 @@ import redis
 from featurestore.online.embedded import redis_server_binary
 
 
-def start_local_cluster(folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> dict[int, subprocess.Popen]:
+def start_local_cluster(
+    folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+) -> dict[int, subprocess.Popen]:
     """Start ``masters × (1 + replicas)`` nodes under ``folder`` and join them; returns {port: process}.
     No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``."""
     server = Path(redis_server_binary())
@@ -26,16 +28,50 @@ def start_local_cluster(folder: Path, masters: int = 3, replicas: int = 1, node_
     for port in ports:
         (folder / str(port)).mkdir(parents=True, exist_ok=True)
         procs[port] = subprocess.Popen(
-            [str(server), "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", str(node_timeout_ms), "--dir", str(folder / str(port)), "--save", "", "--appendonly", "no",
-             "--cluster-replica-validity-factor", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                str(server),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+                "--dir",
+                str(folder / str(port)),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--cluster-replica-validity-factor",
+                "0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         for port in ports:
             wait_until(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
-        subprocess.run([str(cli), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", str(replicas),
-                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        wait_until(lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports))
+        subprocess.run(
+            [
+                str(cli),
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        wait_until(
+            lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports)
+        )
     except BaseException:
         stop_local_cluster(procs)
         raise

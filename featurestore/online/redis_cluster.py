@@ -36,7 +36,12 @@ SCHEME = "redis+cluster://"
 # pipelines and slot map now and then a lookup on a node that has just gone (seen under failover)
 PIPELINE_FAILURES = (*UNAVAILABLE, AttributeError, KeyError, IndexError)
 # replies of a node whose slots are moving or failing over (redis-py parses some into these)
-MOVING = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError, redis.exceptions.MovedError, redis.exceptions.AskError)
+MOVING = (
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
+)
 
 
 def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
@@ -57,7 +62,7 @@ def cluster_url(nodes: list[str]) -> str:
 
 
 def parse_nodes(url: str) -> list[tuple[str, int]]:
-    hosts = url[len(SCHEME):].strip("/").split("/")[0]
+    hosts = url[len(SCHEME) :].strip("/").split("/")[0]
     nodes = []
     for item in filter(None, hosts.split(",")):
         host, _, port = item.rpartition(":")
@@ -78,13 +83,21 @@ class RedisClusterOnlineStore(RedisOnlineStore):
     # One attempt (Retry(NoBackoff(), 1)): during a failover a request answers 503 at once rather
     # than retrying past its timeout.
     def _connect(self) -> RedisCluster:  # type: ignore[override]
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], socket_timeout=30,
-                            retry=Retry(NoBackoff(), 1), load_balancing_strategy=self._balancing())
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
+            socket_timeout=30,
+            retry=Retry(NoBackoff(), 1),
+            load_balancing_strategy=self._balancing(),
+        )
 
     def _connect_async(self, timeout: float) -> aiocluster.RedisCluster:  # type: ignore[override]
-        return aiocluster.RedisCluster(startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes], socket_timeout=timeout,
-                                       socket_connect_timeout=timeout, retry=AsyncRetry(NoBackoff(), 1),
-                                       load_balancing_strategy=self._balancing())
+        return aiocluster.RedisCluster(
+            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes],
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=AsyncRetry(NoBackoff(), 1),
+            load_balancing_strategy=self._balancing(),
+        )
 
     def _balancing(self) -> LoadBalancingStrategy | None:
         return LoadBalancingStrategy.ROUND_ROBIN if self.read_from_replicas else None
@@ -92,11 +105,28 @@ class RedisClusterOnlineStore(RedisOnlineStore):
     def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], *args, **kwargs) -> int:  # type: ignore[override]
         return super().write_latest(view, rows.take(self._slot_order(rows, join_keys)), join_keys, *args, **kwargs)
 
-    def write_events(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
-                     *args, accepted: np.ndarray | None = None, **kwargs) -> int:  # type: ignore[override]
+    def write_events(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        event_ids: np.ndarray,
+        *args,
+        accepted: np.ndarray | None = None,
+        **kwargs,
+    ) -> int:  # type: ignore[override]
         order = self._slot_order(rows, join_keys)  # stable: each entity's writes keep their order
-        return super().write_events(view, rows.take(order), join_keys, features, event_ids[order], *args,
-                                    accepted=accepted[order] if accepted is not None else None, **kwargs)
+        return super().write_events(
+            view,
+            rows.take(order),
+            join_keys,
+            features,
+            event_ids[order],
+            *args,
+            accepted=accepted[order] if accepted is not None else None,
+            **kwargs,
+        )
 
     def _error(self, exc: BaseException) -> OnlineStoreUnavailable:
         return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
@@ -120,7 +150,10 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         for attempt in (1, 2):  # a node that lost its scripts (a restart, a promoted replica) gets them
             try:
                 pipe = self.client.pipeline(transaction=False)
-                for key, arguments in windows:  # (EVALSHA's method is blocked in cluster pipelines; the command routes by key)
+                for (
+                    key,
+                    arguments,
+                ) in windows:  # (EVALSHA's method is blocked in cluster pipelines; the command routes by key)
                     pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
                 return pipe.execute()
             except redis.exceptions.NoScriptError:
@@ -170,8 +203,11 @@ class RedisClusterOnlineStore(RedisOnlineStore):
     def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
         """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call
         per slot), not one call per row."""
-        slots = np.fromiter((key_slot(k) for k in entity_keys(self.project, rows, join_keys).to_pylist()), dtype=np.int64,
-                            count=rows.num_rows)
+        slots = np.fromiter(
+            (key_slot(k) for k in entity_keys(self.project, rows, join_keys).to_pylist()),
+            dtype=np.int64,
+            count=rows.num_rows,
+        )
         return np.argsort(slots, kind="stable")
 
     def _send(self, calls: Iterable[Call]) -> list:
@@ -192,9 +228,21 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                 starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
                 for start, end in zip(starts, starts[1:]):
                     node = manager.get_node_from_slot(int(slots[start]))
-                    queued[node.name].append((i, self._command(name, keys.slice(start, end - start), args,
-                                                               [c.slice(start, end - start) for c in per_key])))
-            pools = {name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool for name in queued}
+                    queued[node.name].append(
+                        (
+                            i,
+                            self._command(
+                                name,
+                                keys.slice(start, end - start),
+                                args,
+                                [c.slice(start, end - start) for c in per_key],
+                            ),
+                        )
+                    )
+            pools = {
+                name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool
+                for name in queued
+            }
             for name, commands in queued.items():
                 connections[name] = pools[name].get_connection()
                 connections[name].send_packed_command([command for _, command in commands])
@@ -216,11 +264,17 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         finally:
             for name, connection in connections.items():
                 pools[name].release(connection)
-        moved = [r for r in results if isinstance(r, MOVING) or (isinstance(r, redis.ResponseError)
-                                                                  and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")))]
+        moved = [
+            r
+            for r in results
+            if isinstance(r, MOVING)
+            or (isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")))
+        ]
         if moved:  # a slot moved or is failing over: the writes are idempotent, a retry sends them again
             self._refresh_slots()
-            raise OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is resharding or failing over ({moved[0]}); retry")
+            raise OnlineStoreUnavailable(
+                f"Redis Cluster at {self.safe_url} is resharding or failing over ({moved[0]}); retry"
+            )
         return results
 
     async def subscribe(self, channel: bytes) -> AsyncIterator[str]:

@@ -25,7 +25,15 @@ import redis.asyncio as aioredis
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range, Seal, TiledRange
-from featurestore.online.codec import encode_events, encode_values, entity_keys, events_key, glob_escaped, key_prefix, numpy_values
+from featurestore.online.codec import (
+    encode_events,
+    encode_values,
+    entity_keys,
+    events_key,
+    glob_escaped,
+    key_prefix,
+    numpy_values,
+)
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
@@ -272,8 +280,14 @@ def redact(text: str, url: str) -> str:
 
 
 # what a Redis that is down, hung, or failing over raises (a cluster: no master for a slot yet)
-UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-               redis.exceptions.RedisClusterException, OSError)
+UNAVAILABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
 Call = tuple[str, "pa.Array | list", list, "list[pa.Array]"]  # script, keys, arguments, per-key argument columns
@@ -321,14 +335,16 @@ class BatchedReads:
     the others their replies. At most ``MAX_ASYNC_READS`` batches are in flight (connections in
     use); a batch fails after ``timeout`` to 1.25x ``timeout`` seconds (TimeoutError: an OSError)."""
 
-    Batch = list[tuple[bytes, int, "asyncio.Future | None"]]  # (commands, reply count, joiner's future; None: the sender's)
+    Batch = list[
+        tuple[bytes, int, "asyncio.Future | None"]
+    ]  # (commands, reply count, joiner's future; None: the sender's)
 
     def __init__(self, readers: ReadConnections, timeout: float):
         self.readers, self.timeout = readers, timeout
         self._pending: BatchedReads.Batch | None = None
         self._slots = asyncio.Semaphore(MAX_ASYNC_READS)
         self._deadlines: dict[asyncio.Task, float] = {}  # sending tasks -> loop time they time out at
-        self._expired: set[asyncio.Task] = set()         # those the watchdog cancelled
+        self._expired: set[asyncio.Task] = set()  # those the watchdog cancelled
         self._watching = False
 
     async def read(self, packed: bytes, count: int) -> list:
@@ -391,7 +407,9 @@ class BatchedReads:
             raise timeout from None
         except BaseException as exc:
             del self._deadlines[task]
-            await self._abandon(batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was stopped"))
+            await self._abandon(
+                batch, exc if isinstance(exc, Exception) else redis.ConnectionError("the batch's sender was stopped")
+            )
             raise
         self._deadlines.pop(task)
         error = _first_error(own)
@@ -458,9 +476,16 @@ class RedisOnlineStore:
         self._readers: ReadConnections | None = None
         self._batched: BatchedReads | None = None
         self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves
-        self._scripts = {name: Script(code) for name, code in
-                         (("write", WRITE_IF_NEWER), ("add_events", ADD_EVENTS), ("keep_max", KEEP_MAX),
-                          ("read_window", READ_WINDOW), ("seal", SEAL_TILES))}
+        self._scripts = {
+            name: Script(code)
+            for name, code in (
+                ("write", WRITE_IF_NEWER),
+                ("add_events", ADD_EVENTS),
+                ("keep_max", KEEP_MAX),
+                ("read_window", READ_WINDOW),
+                ("seal", SEAL_TILES),
+            )
+        }
         self._recovering: asyncio.Future | None = None
 
     @classmethod
@@ -474,8 +499,15 @@ class RedisOnlineStore:
     def prefix(self) -> bytes:
         return key_prefix(self.project)
 
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, expire_after: timedelta | None = None,
-                     newest: tuple[str, int] | None = None) -> int:
+    def write_latest(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        expire_after: timedelta | None = None,
+        newest: tuple[str, int] | None = None,
+    ) -> int:
         """Compare-and-set each entity's row; with ``expire_after``, keys expire once their data is too old to serve.
         ``newest``: (view name, newest event time in µs) for per-view freshness, sent in the same round trip."""
         if rows.num_rows == 0:
@@ -485,13 +517,27 @@ class RedisOnlineStore:
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
-                yield "write", entity_keys(self.project, part, join_keys), [view, ttl_ms], [encode_values(part, features)]
+                yield (
+                    "write",
+                    entity_keys(self.project, part, join_keys),
+                    [view, ttl_ms],
+                    [encode_values(part, features)],
+                )
 
         return sum(self._run(calls, newest))
 
     def write_events(
-        self, view: str, rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray,
-        cutoff_us: int, horizon: timedelta, tile_us: int, dedup_us: int, accepted: np.ndarray | None = None,
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        event_ids: np.ndarray,
+        cutoff_us: int,
+        horizon: timedelta,
+        tile_us: int,
+        dedup_us: int,
+        accepted: np.ndarray | None = None,
         newest: tuple[str, int] | None = None,
     ) -> int:
         """Apply event writes (history rows, in write order) to their entities' events: each is kept
@@ -508,11 +554,15 @@ class RedisOnlineStore:
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
-                columns = [scores, encode_events(part, features, event_ids[i:i + CHUNK])]
+                columns = [scores, encode_events(part, features, event_ids[i : i + CHUNK])]
                 if verdicts:
-                    columns.append(pa.array([b"1" if a else b"0" for a in accepted[i:i + CHUNK]], pa.binary()))
-                yield ("add_events", suffixed(entity_keys(self.project, part, join_keys), suffix),
-                       [cutoff_us, horizon_ms, horizon_ms // 16, tile_us, dedup_us, int(verdicts)], columns)
+                    columns.append(pa.array([b"1" if a else b"0" for a in accepted[i : i + CHUNK]], pa.binary()))
+                yield (
+                    "add_events",
+                    suffixed(entity_keys(self.project, part, join_keys), suffix),
+                    [cutoff_us, horizon_ms, horizon_ms // 16, tile_us, dedup_us, int(verdicts)],
+                    columns,
+                )
 
         return sum(self._run(calls, newest))
 
@@ -546,7 +596,9 @@ class RedisOnlineStore:
         return redis.Redis.from_url(self.url, socket_timeout=30)
 
     def _connect_async(self, timeout: float) -> aioredis.Redis:
-        return aioredis.Redis.from_url(self.url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256)
+        return aioredis.Redis.from_url(
+            self.url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256
+        )
 
     @property
     def async_client(self) -> aioredis.Redis:
@@ -562,7 +614,9 @@ class RedisOnlineStore:
             pool = self.async_client.connection_pool
             # no per-call timeouts (redis-py makes a task or a timer for every send and reply): BatchedReads' watchdog
             untimed = {**pool.connection_kwargs, "socket_timeout": None}
-            self._batched = BatchedReads(ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000)
+            self._batched = BatchedReads(
+                ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000
+            )
             self._batched_loop = loop
         batched = self._batched
         packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
@@ -622,7 +676,7 @@ class RedisOnlineStore:
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
                 raise errors[0]
-            return results[:len(results) - len(noted)]
+            return results[: len(results) - len(noted)]
         raise AssertionError("unreachable")
 
     def _command(self, name: str, keys: pa.Array | list, args: list, per_key: list[pa.Array]) -> bytes:

@@ -55,10 +55,12 @@ def _frame(values: pa.Array) -> bytes:
     lengths = pc.cast(pc.binary_length(values), pa.string()).view(pa.binary())
     framed = pc.binary_join_element_wise(b"$", lengths, b"\r\n", values, b"\r\n", b"")
     offsets = np.frombuffer(framed.buffers()[1], dtype=np.int32, count=len(framed) + 1, offset=framed.offset * 4)
-    return framed.buffers()[2].to_pybytes()[offsets[0]:offsets[-1]]
+    return framed.buffers()[2].to_pybytes()[offsets[0] : offsets[-1]]
 
 
-def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()) -> bytes:
+def reads(
+    lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
+) -> bytes:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
     limit)`` (low exclusive), as one buffer.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument
@@ -69,12 +71,16 @@ def reads(lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[byt
         frame = framed.get(id(fields))
         if frame is None:
             encoded = [f.encode() for f in fields]
-            frame = framed[id(fields)] = (b"*%d\r\n$5\r\nHMGET\r\n" % (len(fields) + 2),
-                                          b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in encoded))
+            frame = framed[id(fields)] = (
+                b"*%d\r\n$5\r\nHMGET\r\n" % (len(fields) + 2),
+                b"".join(b"$%d\r\n%b\r\n" % (len(f), f) for f in encoded),
+            )
         chunks.append(b"%b$%d\r\n%b\r\n%b" % (frame[0], len(key), key, frame[1]))
     for key, low, high, limit in ranges:
         bounds = b"(%d" % low, b"%d" % high
         tail = (b"$5\r\nLIMIT\r\n$1\r\n0\r\n$%d\r\n%d\r\n" % (len(str(limit)), limit)) if limit is not None else b""
-        chunks.append(b"*%d\r\n$13\r\nZRANGEBYSCORE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b" % (
-            7 if limit is not None else 4, len(key), key, len(bounds[0]), bounds[0], len(bounds[1]), bounds[1], tail))
+        chunks.append(
+            b"*%d\r\n$13\r\nZRANGEBYSCORE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
+            % (7 if limit is not None else 4, len(key), key, len(bounds[0]), bounds[0], len(bounds[1]), bounds[1], tail)
+        )
     return b"".join(chunks)

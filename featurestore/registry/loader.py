@@ -12,7 +12,13 @@ from pathlib import Path
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
-    Entity, FeatureService, FeatureView, FeatureViewProjection, OnDemandFeatureView, PushSource, content_hash,
+    Entity,
+    FeatureService,
+    FeatureView,
+    FeatureViewProjection,
+    OnDemandFeatureView,
+    PushSource,
+    content_hash,
 )
 from featurestore.registry.shapes import shape_problems
 from featurestore.errors import NotFoundError
@@ -127,7 +133,9 @@ def load_definitions(config: RepoConfig) -> tuple[Definitions, list[str]]:
         for module_file in config.modules:
             path = config.repo_path / module_file
             if not path.exists():
-                problems.append(f"module {module_file!r} listed in featurestore.yaml does not exist in {config.repo_path}")
+                problems.append(
+                    f"module {module_file!r} listed in featurestore.yaml does not exist in {config.repo_path}"
+                )
                 continue
             try:
                 module = _import(path, f"{package}.{path.stem}")
@@ -181,8 +189,13 @@ def _with_dependencies(value: object) -> list[object]:
     return []
 
 
-_KINDS = {Entity: "entity", FeatureView: "feature_view", OnDemandFeatureView: "on_demand_feature_view",
-          FeatureService: "feature_service", PushSource: "push_source"}
+_KINDS = {
+    Entity: "entity",
+    FeatureView: "feature_view",
+    OnDemandFeatureView: "on_demand_feature_view",
+    FeatureService: "feature_service",
+    PushSource: "push_source",
+}
 
 
 def _collect(obj: object, defs: Definitions, seen: dict, problems: list[str]) -> None:

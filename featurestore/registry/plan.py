@@ -31,8 +31,8 @@ class Change:
     name: str
     action: Literal["add", "change", "remove"]
     attributes: list[str] = field(default_factory=list)
-    new_version: int | None = None        # a feature view's new history version, when it gets one
-    relayout: bool = False                # an aggregated view's longest window changed: online read NOT_FOUND until re-sent
+    new_version: int | None = None  # a feature view's new history version, when it gets one
+    relayout: bool = False  # an aggregated view's longest window changed: online read NOT_FOUND until re-sent
     added_columns: list[str] = field(default_factory=list)
     removed_columns: list[str] = field(default_factory=list)
 
@@ -51,16 +51,22 @@ class Change:
             text += f" (changed: {', '.join(self.attributes)})"
         backfill = f"`featurestore backfill {self.name}`"
         if self.new_version is not None:
-            text += (f"  [new version v{self.new_version}: its history starts empty and its online values read "
-                     f"NOT_FOUND until {backfill}; v{self.new_version - 1} stays readable for datasets exported under it]")
+            text += (
+                f"  [new version v{self.new_version}: its history starts empty and its online values read "
+                f"NOT_FOUND until {backfill}; v{self.new_version - 1} stays readable for datasets exported under it]"
+            )
         elif self.added_columns:
-            text += (f"  [history gains {', '.join(self.added_columns)} (older rows null) and online values read "
-                     f"NOT_FOUND until {backfill}]")
+            text += (
+                f"  [history gains {', '.join(self.added_columns)} (older rows null) and online values read "
+                f"NOT_FOUND until {backfill}]"
+            )
         if self.removed_columns:
             text += f"  [{', '.join(self.removed_columns)} no longer served; stored data stays]"
         if self.relayout and self.new_version is None:
-            text += ("  [its longest window changed what Redis keeps and which writes of an event id are duplicates: "
-                     "online values read NOT_FOUND until `featurestore materialize` re-sends its history]")
+            text += (
+                "  [its longest window changed what Redis keeps and which writes of an event id are duplicates: "
+                "online values read NOT_FOUND until `featurestore materialize` re-sends its history]"
+            )
         if self.deletes_data:
             text += "  [its stored data will be deleted: needs --force]"
         return text
@@ -70,7 +76,7 @@ class Change:
 class Plan:
     changes: list[Change]
     objects: dict[str, dict[str, dict]]
-    history_versions: dict[str, int] = field(default_factory=dict)   # per view, after applying
+    history_versions: dict[str, int] = field(default_factory=dict)  # per view, after applying
     key_types: dict[str, dict[str, str]] = field(default_factory=dict)  # per view, resolved type names
 
     @property
@@ -90,7 +96,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(applied: dict[str, Any], desired: dict[str, dict[str, dict]], key_types: dict[str, dict[str, str]]) -> Plan:
+def make_plan(
+    applied: dict[str, Any], desired: dict[str, dict[str, dict]], key_types: dict[str, dict[str, str]]
+) -> Plan:
     """``applied``: the registry's current state; ``desired``: the code's specs; ``key_types``: the
     code's join-key type names per view (declared or read from the source)."""
     before_objects = applied.get("objects", {})
@@ -112,14 +120,27 @@ def make_plan(applied: dict[str, Any], desired: dict[str, dict[str, dict]], key_
         if before is not None:
             change = by_name.get(("feature_view", name)) or Change("feature_view", name, "change")
             old_keys = applied.get("key_types", {}).get(name)
-            keys_changed = (old_keys != key_types.get(name) if old_keys is not None  # registries from before key types were kept:
-                            else _entity_keys(before_objects, before["spec"]) != _entity_keys(desired, entry["spec"]))
+            keys_changed = (
+                old_keys != key_types.get(name)
+                if old_keys is not None  # registries from before key types were kept:
+                else _entity_keys(before_objects, before["spec"]) != _entity_keys(desired, entry["spec"])
+            )
             if _starts_new_version(change, before["spec"], entry["spec"], keys_changed):
                 version = change.new_version = version + 1
             change.relayout = _longest_window(before["spec"]) != _longest_window(entry["spec"])
-            if keys_changed and old_keys is not None:  # (say which: the attributes show none when only a source's column type changed)
-                change.attributes = sorted({*change.attributes, *(f"type of join key {k!r} ({old_keys.get(k)} -> {t})"
-                                                                  for k, t in (key_types.get(name) or {}).items() if old_keys.get(k) != t)})
+            if (
+                keys_changed and old_keys is not None
+            ):  # (say which: the attributes show none when only a source's column type changed)
+                change.attributes = sorted(
+                    {
+                        *change.attributes,
+                        *(
+                            f"type of join key {k!r} ({old_keys.get(k)} -> {t})"
+                            for k, t in (key_types.get(name) or {}).items()
+                            if old_keys.get(k) != t
+                        ),
+                    }
+                )
             if change.needs_backfill and ("feature_view", name) not in by_name:  # only an entity's key type changed
                 changes.append(change)
         versions[name] = version

@@ -12,8 +12,17 @@ from datetime import timedelta
 from typing import Any
 
 from featurestore.definitions import (
-    Aggregation, Entity, FeatureService, FeatureView, FeatureViewProjection, Field, FileSource, PushSource, SqlSource,
-    StreamSource, content_hash,
+    Aggregation,
+    Entity,
+    FeatureService,
+    FeatureView,
+    FeatureViewProjection,
+    Field,
+    FileSource,
+    PushSource,
+    SqlSource,
+    StreamSource,
+    content_hash,
 )
 from featurestore.errors import FeatureStoreError
 from featurestore.registry.loader import Definitions
@@ -47,15 +56,20 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
         view = view_from_spec(entry["spec"], defs.entities, state.get("history_versions", {}).get(name, 1))
         defs.feature_views[name] = view
         recorded = state.get("key_types", {}).get(name)
-        defs.key_types[name] = ({k: from_name(t) for k, t in recorded.items()} if recorded
-                                else {k: t for e in view.entities for k, t in e.key_types().items() if t})
+        defs.key_types[name] = (
+            {k: from_name(t) for k, t in recorded.items()}
+            if recorded
+            else {k: t for e in view.entities for k, t in e.key_types().items() if t}
+        )
     for name, entry in objects.get("feature_service", {}).items():
         items: list[FeatureViewProjection] = []
         for ref in entry["spec"]["features"]:
             view_name, feature = ref.split(":", 1)
             if view_name not in defs.feature_views:  # an on-demand view: its function is code, not registry state
-                raise FeatureStoreError(f"feature service {name!r} of an older registry version uses on-demand view "
-                                        f"{view_name!r}, whose function cannot be read back; check out that version's code")
+                raise FeatureStoreError(
+                    f"feature service {name!r} of an older registry version uses on-demand view "
+                    f"{view_name!r}, whose function cannot be read back; check out that version's code"
+                )
             if items and items[-1].view.name == view_name:
                 items[-1].features.append(feature)
             else:
@@ -67,11 +81,18 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
 def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity], history_version: int = 1) -> FeatureView:
     """A feature view as applied (its transformation, code, is not part of the registry state)."""
     view = FeatureView(
-        spec["name"], [entities[e] for e in spec["entities"]], _source(spec["source"]), _fields(spec["schema"]),
+        spec["name"],
+        [entities[e] for e in spec["entities"]],
+        _source(spec["source"]),
+        _fields(spec["schema"]),
         ttl=timedelta(seconds=spec["ttl_seconds"]) if spec["ttl_seconds"] is not None else None,
-        online=spec["online"], offline=spec["offline"], description=spec.get("description", ""),
-        owner=spec.get("owner", ""), tags=spec.get("tags", {}),
-        aggregations=[_aggregation(a) for a in spec.get("aggregations", [])], event_id=spec.get("event_id"),
+        online=spec["online"],
+        offline=spec["offline"],
+        description=spec.get("description", ""),
+        owner=spec.get("owner", ""),
+        tags=spec.get("tags", {}),
+        aggregations=[_aggregation(a) for a in spec.get("aggregations", [])],
+        event_id=spec.get("event_id"),
     )
     view.history_version = history_version
     return view
@@ -93,5 +114,11 @@ def _source(spec: dict) -> Any:
 
 
 def _aggregation(spec: dict) -> Aggregation:
-    return Aggregation(spec["function"], timedelta(microseconds=spec["window_us"]), spec["column"], spec["name"],
-                       spec["n"], tuple(spec["where"]) if spec["where"] else None)  # type: ignore[arg-type]
+    return Aggregation(
+        spec["function"],
+        timedelta(microseconds=spec["window_us"]),
+        spec["column"],
+        spec["name"],
+        spec["n"],
+        tuple(spec["where"]) if spec["where"] else None,
+    )  # type: ignore[arg-type]

@@ -10,7 +10,11 @@ import duckdb
 from featurestore.aggregation.where import OPERATORS as WHERE_OPERATORS, typed_value
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
-    AGGREGATION_FUNCTIONS, FeatureView, FeatureViewProjection, OnDemandFeatureView, RequestSource,
+    AGGREGATION_FUNCTIONS,
+    FeatureView,
+    FeatureViewProjection,
+    OnDemandFeatureView,
+    RequestSource,
 )
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.registry.loader import Definitions
@@ -43,7 +47,9 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
                 problems.append(f"{where}: {item!r} is not a feature view; list views or view[[...]] projections")
                 continue
             if (defs.feature_views.get(view.name) or defs.on_demand_feature_views.get(view.name)) is not view:
-                problems.append(f"{where}: feature view {view.name!r} is not defined in the repo's modules; add its module to featurestore.yaml")
+                problems.append(
+                    f"{where}: feature view {view.name!r} is not defined in the repo's modules; add its module to featurestore.yaml"
+                )
                 continue
             if isinstance(item, FeatureViewProjection):
                 for f in item.features:
@@ -58,7 +64,9 @@ def _validate_on_demand(odfv: OnDemandFeatureView, defs: Definitions) -> list[st
     where = f"on-demand feature view {odfv.name!r} ({odfv.location})"
     problems = []
     if not callable(odfv.udf):
-        problems.append(f"{where}: udf must be a function taking {{name: pyarrow.Array}} and returning {{output: values}}")
+        problems.append(
+            f"{where}: udf must be a function taking {{name: pyarrow.Array}} and returning {{output: values}}"
+        )
     if not odfv.schema:
         problems.append(f"{where}: schema lists no outputs; declare each output Field")
     inputs: list[str] = []
@@ -67,21 +75,31 @@ def _validate_on_demand(odfv: OnDemandFeatureView, defs: Definitions) -> list[st
         if isinstance(source, RequestSource):
             inputs += [f.name for f in source.schema]
         elif not isinstance(view, FeatureView) or defs.feature_views.get(view.name) is not view:
-            problems.append(f"{where}: source {getattr(view, 'name', view)!r} is not a feature view defined in the repo's modules "
-                            "(on-demand views read stored features and RequestSource fields)")
+            problems.append(
+                f"{where}: source {getattr(view, 'name', view)!r} is not a feature view defined in the repo's modules "
+                "(on-demand views read stored features and RequestSource fields)"
+            )
         else:
-            projected = source.features if isinstance(source, FeatureViewProjection) else []  # a whole view: all its features
+            projected = (
+                source.features if isinstance(source, FeatureViewProjection) else []
+            )  # a whole view: all its features
             unknown = [f for f in projected if f not in view.feature_names]
             if unknown:
-                problems.append(f"{where}: {unknown} are not features of {view.name!r}; its features are {view.feature_names}")
+                problems.append(
+                    f"{where}: {unknown} are not features of {view.name!r}; its features are {view.feature_names}"
+                )
             inputs += [r.split(":")[1] for r in odfv.input_refs if r.startswith(view.name + ":")]
     twice = sorted({i for i in inputs if inputs.count(i) > 1})
     if twice:
-        problems.append(f"{where}: input name(s) {twice} come from two sources; the function sees inputs by name, so rename one")
+        problems.append(
+            f"{where}: input name(s) {twice} come from two sources; the function sees inputs by name, so rename one"
+        )
     return problems
 
 
-def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions, con: duckdb.DuckDBPyConnection) -> list[str]:
+def _validate_view(
+    view: FeatureView, config: RepoConfig, defs: Definitions, con: duckdb.DuckDBPyConnection
+) -> list[str]:
     where = f"feature view {view.name!r} ({view.location})"
     problems: list[str] = []
     if view.ttl is not None and (not isinstance(view.ttl, timedelta) or view.ttl < timedelta(0)):
@@ -102,7 +120,9 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions, con
         schema = view_output_schema(view, config.repo_path, config.data_dir, con)
     except Exception as exc:
         what = "its transformation" if view.transformation is not None else "its source"
-        problems.append(f"{where}: reading {what} failed: {str(exc).strip().splitlines()[0]}; fix the source path or query")
+        problems.append(
+            f"{where}: reading {what} failed: {str(exc).strip().splitlines()[0]}; fix the source path or query"
+        )
         return problems
     produced = "produced by the transformation" if view.transformation is not None else "in the source"
     key_types = defs.key_types.setdefault(view.name, {})
@@ -122,15 +142,21 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions, con
                 )
     ts = view.source.timestamp_field
     if ts not in schema.names:
-        problems.append(f"{where}: timestamp field {ts!r} is not {produced} (columns: {schema.names}); set timestamp_field")
+        problems.append(
+            f"{where}: timestamp field {ts!r} is not {produced} (columns: {schema.names}); set timestamp_field"
+        )
     elif not is_timestamp_like(schema.field(ts).type):
-        problems.append(f"{where}: timestamp field {ts!r} is {schema.field(ts).type}, not a timestamp; cast it in the source")
+        problems.append(
+            f"{where}: timestamp field {ts!r} is {schema.field(ts).type}, not a timestamp; cast it in the source"
+        )
     created = view.source.created_timestamp_field
     if created and created not in schema.names:
         problems.append(f"{where}: created_timestamp_field {created!r} is not {produced}; fix or remove it")
     for f in view.schema:
         if f.name not in schema.names:
-            problems.append(f"{where}: feature {f.name!r} is not {produced} (columns: {schema.names}); add it or remove the Field")
+            problems.append(
+                f"{where}: feature {f.name!r} is not {produced} (columns: {schema.names}); add it or remove the Field"
+            )
         elif not castable(schema.field(f.name).type, f.dtype):
             suggestion = from_arrow(schema.field(f.name).type)
             hint = f"declare it as {suggestion!r}" if suggestion else "cast it in a transformation"
@@ -138,8 +164,6 @@ def _validate_view(view: FeatureView, config: RepoConfig, defs: Definitions, con
                 f"{where}: feature {f.name!r} is declared {f.dtype!r} but is {schema.field(f.name).type} {produced}; {hint}"
             )
     return problems
-
-
 
 
 _NUMERIC = {"Int32", "Int64", "Float32", "Float64", "Bool"}
@@ -151,7 +175,9 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
     if view.ttl is not None:
         problems.append(f"{where}: an aggregated view takes no ttl (each window bounds its events); remove ttl")
     if view.event_id is not None and view.event_id not in stored:
-        problems.append(f"{where}: event_id {view.event_id!r} is not in its schema {list(stored)}; add Field({view.event_id!r}, ...)")
+        problems.append(
+            f"{where}: event_id {view.event_id!r} is not in its schema {list(stored)}; add Field({view.event_id!r}, ...)"
+        )
     names = [a.output_name for a in view.aggregations]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{where}: two aggregations are named {dup!r}; give one a name=")
@@ -160,13 +186,23 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
         if agg.function not in AGGREGATION_FUNCTIONS:
             problems.append(f"{what}: function {agg.function!r} is not one of {list(AGGREGATION_FUNCTIONS)}")
             continue
-        if not isinstance(agg.window, timedelta) or agg.window <= timedelta(0) or agg.window % timedelta(microseconds=1):
+        if (
+            not isinstance(agg.window, timedelta)
+            or agg.window <= timedelta(0)
+            or agg.window % timedelta(microseconds=1)
+        ):
             problems.append(f"{what}: window must be a positive timedelta of whole microseconds, got {agg.window!r}")
         if agg.column is None and agg.function != "count":
             problems.append(f"{what}: {agg.function} needs a column=")
         elif agg.column is not None and agg.column not in stored:
-            problems.append(f"{what}: column {agg.column!r} is not in the view's schema {list(stored)}; add it as a Field")
-        elif agg.column is not None and agg.function in ("sum", "mean", "stddev", "variance") and stored[agg.column].name not in _NUMERIC:
+            problems.append(
+                f"{what}: column {agg.column!r} is not in the view's schema {list(stored)}; add it as a Field"
+            )
+        elif (
+            agg.column is not None
+            and agg.function in ("sum", "mean", "stddev", "variance")
+            and stored[agg.column].name not in _NUMERIC
+        ):
             problems.append(f"{what}: {agg.function} needs a numeric column; {agg.column!r} is {stored[agg.column]!r}")
         elif agg.column is not None and stored[agg.column].is_array:
             problems.append(f"{what}: column {agg.column!r} is an array; aggregate scalar columns")
@@ -174,7 +210,9 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
             problems.append(f"{what}: last_n needs n= (a whole number >= 1), got {agg.n!r}")
         if agg.where is not None:
             if not (isinstance(agg.where, (tuple, list)) and len(agg.where) == 3):
-                problems.append(f"{what}: where= takes (column, op, value), e.g. ('amount', '>', 100); got {agg.where!r}")
+                problems.append(
+                    f"{what}: where= takes (column, op, value), e.g. ('amount', '>', 100); got {agg.where!r}"
+                )
             elif agg.where[0] not in stored:
                 problems.append(f"{what}: where-column {agg.where[0]!r} is not in the view's schema {list(stored)}")
             elif agg.where[1] not in WHERE_OPERATORS:

@@ -42,8 +42,15 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
 
 
 def export_training_dataset(
-    defs: Definitions, offline: OfflineStore, entity_df: Any, feature_service: str, out: Path, *,
-    registry_version: int, progress: bool = False, versions: dict[str, int | None] | None = None,
+    defs: Definitions,
+    offline: OfflineStore,
+    entity_df: Any,
+    feature_service: str,
+    out: Path,
+    *,
+    registry_version: int,
+    progress: bool = False,
+    versions: dict[str, int | None] | None = None,
     join: JoinBuilder = RetrievalJob.build,
 ) -> dict[str, Any]:
     """Join ``defs``' service over ``offline`` (at table ``versions``, default latest) into ``out``
@@ -82,8 +89,15 @@ def export_training_dataset(
     return manifest
 
 
-def reproduce(current: Definitions, registry: RegistryStore, offline: OfflineStore, manifest_path: Path, out: Path,
-              progress: bool = False, join: JoinBuilder = RetrievalJob.build) -> dict[str, Any]:
+def reproduce(
+    current: Definitions,
+    registry: RegistryStore,
+    offline: OfflineStore,
+    manifest_path: Path,
+    out: Path,
+    progress: bool = False,
+    join: JoinBuilder = RetrievalJob.build,
+) -> dict[str, Any]:
     """Re-run an export from its manifest into ``out``; raise if any data file differs.
 
     Under the ``current`` definitions when the manifest's views are unchanged, else under the
@@ -101,8 +115,15 @@ def reproduce(current: Definitions, registry: RegistryStore, offline: OfflineSto
     (out / ENTITIES_FILE).write_bytes(source_entities.read_bytes())
     defs, registry_version = _definitions_of(manifest, current, registry)
     new = export_training_dataset(
-        defs, offline, None, manifest["feature_service"], out, registry_version=registry_version, progress=progress,
-        versions=manifest["table_versions"], join=join,
+        defs,
+        offline,
+        None,
+        manifest["feature_service"],
+        out,
+        registry_version=registry_version,
+        progress=progress,
+        versions=manifest["table_versions"],
+        join=join,
     )
     mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
     if mismatched:

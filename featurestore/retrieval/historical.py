@@ -42,7 +42,9 @@ TS = "__fs_ts"
 BATCH_ROWS = 256 * 1024
 
 
-JoinBuilder = Callable[..., Any]  # RetrievalJob.build's signature: (defs, offline, entity_df, features, service, full_names, as_of, versions)
+JoinBuilder = Callable[
+    ..., Any
+]  # RetrievalJob.build's signature: (defs, offline, entity_df, features, service, full_names, as_of, versions)
 
 
 @dataclass
@@ -51,17 +53,23 @@ class RetrievalJob:
 
     con: duckdb.DuckDBPyConnection
     sql: str
-    table_versions: dict[str, int | None]   # table version read per view (for manifests)
-    history_tables: dict[str, str]          # history table (view version) read per view
-    feature_types: dict[str, pa.DataType]   # output feature column -> declared Arrow type
-    on_demand: OnDemandPlan | None = None   # request-time features computed on each joined batch
+    table_versions: dict[str, int | None]  # table version read per view (for manifests)
+    history_tables: dict[str, str]  # history table (view version) read per view
+    feature_types: dict[str, pa.DataType]  # output feature column -> declared Arrow type
+    on_demand: OnDemandPlan | None = None  # request-time features computed on each joined batch
     entity_columns: list[str] | None = None
 
     @classmethod
     def build(
-        cls, defs: Definitions, offline: OfflineStore, entity_df: Any, features: Sequence[str] | None,
-        feature_service: str | FeatureService | None, full_feature_names: bool,
-        as_of: Literal["event", "created"] = "event", versions: dict[str, int | None] | None = None,
+        cls,
+        defs: Definitions,
+        offline: OfflineStore,
+        entity_df: Any,
+        features: Sequence[str] | None,
+        feature_service: str | FeatureService | None,
+        full_feature_names: bool,
+        as_of: Literal["event", "created"] = "event",
+        versions: dict[str, int | None] | None = None,
     ) -> "RetrievalJob":
         """Prepare the join of ``defs``' views' histories in ``offline`` (at ``versions``, default latest)."""
         if as_of not in ("event", "created"):
@@ -90,26 +98,36 @@ class RetrievalJob:
                     )
             clash = [n for n in req.output_names if n in entity_columns]
             if clash:
-                raise RequestError(f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True")
+                raise RequestError(
+                    f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True"
+                )
             schema = defs.history_schema(req.view)
             if versions is not None and versions.get(req.view.name) is None:
                 con.register(f"__hist{i}", schema.empty_table())  # pinned to "nothing written yet"
                 table_versions[req.view.name] = None
             else:
                 wanted = versions.get(req.view.name) if versions is not None else None
-                table_versions[req.view.name] = offline.register(con, req.view.history_table, f"__hist{i}", schema, version=wanted)
+                table_versions[req.view.name] = offline.register(
+                    con, req.view.history_table, f"__hist{i}", schema, version=wanted
+                )
         sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types, _sum_scales(con, requests))
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
-        if not ts_column:  # the entity rows' time in nanoseconds: returned UTC (naive input is UTC), its nanoseconds kept
+        if (
+            not ts_column
+        ):  # the entity rows' time in nanoseconds: returned UTC (naive input is UTC), its nanoseconds kept
             types[_time_column(entity_columns, con)] = pa.timestamp("ns", tz="UTC")
         job = cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
         if on_demand is not None:
             missing = [f for f in on_demand.request_fields if f not in entity_columns]
             if missing:
-                raise RequestError(f"the on-demand features need request field(s) {missing} as entity_df columns; got {entity_columns}")
+                raise RequestError(
+                    f"the on-demand features need request field(s) {missing} as entity_df columns; got {entity_columns}"
+                )
             clash = [n for n in on_demand.output_names() if n in entity_columns]
             if clash:
-                raise RequestError(f"output column(s) {clash} clash with entity columns; rename those or use full_feature_names=True")
+                raise RequestError(
+                    f"output column(s) {clash} clash with entity columns; rename those or use full_feature_names=True"
+                )
             job.on_demand, job.entity_columns = on_demand, entity_columns
         return job
 
@@ -177,8 +195,10 @@ def _entity_type_errors() -> Iterator[None]:
             raise AggregationOverflow(text.split(": ", 1)[-1]) from None
         raise
     except (duckdb.ConversionException, duckdb.BinderException) as exc:
-        raise RequestError(f"entity rows do not fit the views' join keys ({str(exc).splitlines()[0]}); "
-                           "give each join key the entity's type") from exc
+        raise RequestError(
+            f"entity rows do not fit the views' join keys ({str(exc).splitlines()[0]}); "
+            "give each join key the entity's type"
+        ) from exc
 
 
 ENTITY_FILES = {".parquet": None, ".csv": "read_csv_auto", ".json": "read_json_auto", ".jsonl": "read_json_auto"}
@@ -226,15 +246,26 @@ def frame_to_arrow(frame: "pd.DataFrame") -> pa.Table:
     table = pa.Table.from_pandas(frame, preserve_index=False)
     for i, name in enumerate(table.column_names):
         column = frame[name] if name in frame.columns else None
-        if column is not None and column.dtype.kind == "f" and isinstance(column.dtype, np.dtype) and column.isna().any():
-            table = table.set_column(i, name, pa.array(column.to_numpy(), type=table.schema.field(i).type, from_pandas=False))
+        if (
+            column is not None
+            and column.dtype.kind == "f"
+            and isinstance(column.dtype, np.dtype)
+            and column.isna().any()
+        ):
+            table = table.set_column(
+                i, name, pa.array(column.to_numpy(), type=table.schema.field(i).type, from_pandas=False)
+            )
     return table
 
 
 def _time_column(columns: list[str], con: duckdb.DuckDBPyConnection) -> str:
     """The entity rows' nanosecond time column (the one ``_register_entities`` joins at)."""
     schema = con.sql("SELECT * FROM __raw LIMIT 0").to_arrow_table().schema
-    return "event_timestamp" if "event_timestamp" in columns else next(c for c in columns if is_nanoseconds(schema.field(c).type))
+    return (
+        "event_timestamp"
+        if "event_timestamp" in columns
+        else next(c for c in columns if is_nanoseconds(schema.field(c).type))
+    )
 
 
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
@@ -242,7 +273,9 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
     if isinstance(entity_df, (str, Path)):
         entity_df = entity_input(entity_df)
     if isinstance(entity_df, Path):  # Parquet: read in place, in file order
-        con.execute(f"CREATE TEMP VIEW __raw AS SELECT * FROM read_parquet({quote(str(entity_df))}, file_row_number=true)")
+        con.execute(
+            f"CREATE TEMP VIEW __raw AS SELECT * FROM read_parquet({quote(str(entity_df))}, file_row_number=true)"
+        )
         row_expr = "file_row_number"
     else:
         if isinstance(entity_df, pa.Table):
@@ -260,7 +293,9 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
         row_expr = ROW
     schema = con.sql("SELECT * FROM __raw LIMIT 0").to_arrow_table().schema
     columns = [n for n in schema.names if n not in (ROW, "file_row_number")]
-    timestamps = [f.name for f in schema if f.name in columns and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))]
+    timestamps = [
+        f.name for f in schema if f.name in columns and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))
+    ]
     if "event_timestamp" in columns:
         ts = "event_timestamp"
     elif len(timestamps) == 1:
@@ -280,7 +315,9 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
         f"""CREATE TEMP VIEW __entities AS SELECT {select},
             {utc_micros_sql(ident(ts), is_nanoseconds(ts_type))} AS {TS}, {row_expr} AS {ROW} FROM __raw"""
     )
-    return columns, ts if not is_nanoseconds(ts_type) else ""  # "": the caller's column, its nanoseconds kept (see build)
+    return columns, ts if not is_nanoseconds(
+        ts_type
+    ) else ""  # "": the caller's column, its nanoseconds kept (see build)
 
 
 def _wanted(req: ViewRequest) -> list:
@@ -294,13 +331,23 @@ def _sum_scales(con: duckdb.DuckDBPyConnection, requests: list[ViewRequest]) -> 
     scales: dict[int, dict] = {}
     for i, req in enumerate(requests):
         if req.view.is_aggregated:
-            scales[i] = {column: aggregation_sql.sum_scale(*con.sql(aggregation_sql.scale_scan_sql(column, f"__hist{i}")).fetchall()[0])
-                         for column in aggregation_sql.needs_scale(req.view, _wanted(req))}
+            scales[i] = {
+                column: aggregation_sql.sum_scale(
+                    *con.sql(aggregation_sql.scale_scan_sql(column, f"__hist{i}")).fetchall()[0]
+                )
+                for column in aggregation_sql.needs_scale(req.view, _wanted(req))
+            }
     return scales
 
 
-def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column: str, as_of: str, key_types: dict,
-              scales: dict[int, dict]) -> str:
+def _join_sql(
+    requests: list[ViewRequest],
+    entity_columns: list[str],
+    ts_column: str,
+    as_of: str,
+    key_types: dict,
+    scales: dict[int, dict],
+) -> str:
     ctes, joins, outputs = [], [], []
     for i, req in enumerate(requests):
         view, alias = req.view, f"v{i}"
@@ -308,8 +355,10 @@ def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column:
             wanted = _wanted(req)
             ctes += aggregation_sql.view_ctes(view, wanted, f"__hist{i}", alias, key_types[view.name], as_of, scales[i])
             joins.append(f"LEFT JOIN {alias} ON e.{ROW} = {alias}.{ROW}")
-            outputs += [(pos, f"{aggregation_sql.output_sql(view, a, alias)} AS {ident(name)}")
-                        for a, name, pos in zip(wanted, req.output_names, req.positions)]
+            outputs += [
+                (pos, f"{aggregation_sql.output_sql(view, a, alias)} AS {ident(name)}")
+                for a, name, pos in zip(wanted, req.output_names, req.positions)
+            ]
             continue
         keys = ", ".join(ident(k) for k in view.join_keys)
         feats = ", ".join(ident(f) for f in req.features)
@@ -319,15 +368,20 @@ def _join_sql(requests: list[ViewRequest], entity_columns: list[str], ts_column:
                 f"""{alias} AS (SELECT {keys}, CAST(event_timestamp AS TIMESTAMP) AS __ev, {feats} FROM __hist{i}
                 QUALIFY row_number() OVER (PARTITION BY {keys}, event_timestamp {ranked}) = 1)"""
             )
-            on = " AND ".join([f"e.{ident(k)} = {alias}.{ident(k)}" for k in view.join_keys] + [f"e.{TS} >= {alias}.__ev"])
+            on = " AND ".join(
+                [f"e.{ident(k)} = {alias}.{ident(k)}" for k in view.join_keys] + [f"e.{TS} >= {alias}.__ev"]
+            )
             joins.append(f"ASOF LEFT JOIN {alias} ON {on}")
         else:
             on = " AND ".join(
                 [f"e.{ident(k)} = h.{ident(k)}" for k in view.join_keys]
-                + [f"CAST(h.event_timestamp AS TIMESTAMP) <= e.{TS}", f"CAST(h.created_timestamp AS TIMESTAMP) <= e.{TS}"]
+                + [
+                    f"CAST(h.event_timestamp AS TIMESTAMP) <= e.{TS}",
+                    f"CAST(h.created_timestamp AS TIMESTAMP) <= e.{TS}",
+                ]
             )
             ctes.append(
-                f"""{alias} AS (SELECT e.{ROW}, CAST(h.event_timestamp AS TIMESTAMP) AS __ev, {', '.join('h.' + ident(f) for f in req.features)}
+                f"""{alias} AS (SELECT e.{ROW}, CAST(h.event_timestamp AS TIMESTAMP) AS __ev, {", ".join("h." + ident(f) for f in req.features)}
                 FROM __entities e JOIN __hist{i} h ON {on}
                 QUALIFY row_number() OVER (PARTITION BY e.{ROW} ORDER BY h.event_timestamp DESC, h.created_timestamp DESC,
                     h._run_id DESC, h._row_id DESC) = 1)"""

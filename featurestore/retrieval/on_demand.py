@@ -20,12 +20,16 @@ from featurestore.errors import NotFoundError, OnDemandError, RequestError
 from featurestore.registry.loader import Definitions
 
 
-def requested_refs(defs: Definitions, features: Sequence[str] | None, feature_service: str | FeatureService | None) -> list[str] | None:
+def requested_refs(
+    defs: Definitions, features: Sequence[str] | None, feature_service: str | FeatureService | None
+) -> list[str] | None:
     """The refs a request names (None if malformed: the ordinary resolution reports it)."""
     if isinstance(features, FeatureService):
         features, feature_service = None, features
     if feature_service is not None and not features:
-        return defs.service(feature_service if isinstance(feature_service, str) else feature_service.name).feature_refs()
+        return defs.service(
+            feature_service if isinstance(feature_service, str) else feature_service.name
+        ).feature_refs()
     if isinstance(features, (list, tuple)) and all(isinstance(f, str) for f in features):
         return list(features)
     return None
@@ -33,15 +37,20 @@ def requested_refs(defs: Definitions, features: Sequence[str] | None, feature_se
 
 @dataclass
 class OnDemandPlan:
-    refs: list[str]                        # as requested
-    base_refs: list[str]                   # stored features to look up or join, under full names
-    on_demand: list[OnDemandFeatureView]   # in first-use order
+    refs: list[str]  # as requested
+    base_refs: list[str]  # stored features to look up or join, under full names
+    on_demand: list[OnDemandFeatureView]  # in first-use order
     full_feature_names: bool
-    input_types: dict[str, pa.DataType]    # full input name -> declared type (nulls stay typed)
+    input_types: dict[str, pa.DataType]  # full input name -> declared type (nulls stay typed)
 
     @classmethod
-    def build(cls, defs: Definitions, features: Sequence[str] | None, feature_service: str | FeatureService | None,
-              full_feature_names: bool) -> "OnDemandPlan | None":
+    def build(
+        cls,
+        defs: Definitions,
+        features: Sequence[str] | None,
+        feature_service: str | FeatureService | None,
+        full_feature_names: bool,
+    ) -> "OnDemandPlan | None":
         """A plan when the request names on-demand features; None otherwise (nothing to do)."""
         if not defs.on_demand_feature_views:
             return None
@@ -57,7 +66,9 @@ class OnDemandPlan:
                 base.append(ref)
                 continue
             if feature not in odfv.feature_names:
-                raise NotFoundError(f"feature {feature!r} not found in on-demand view {name!r}; its features: {odfv.feature_names}")
+                raise NotFoundError(
+                    f"feature {feature!r} not found in on-demand view {name!r}; its features: {odfv.feature_names}"
+                )
             if odfv not in views:
                 views.append(odfv)
         for odfv in views:
@@ -75,7 +86,9 @@ class OnDemandPlan:
         names = [r.replace(":", "__") if self.full_feature_names else r.split(":")[1] for r in self.refs]
         clash = sorted({n for n in names if names.count(n) > 1})
         if clash:
-            raise RequestError(f"feature name(s) {clash} appear twice; pass full_feature_names=True to name columns 'view__feature'")
+            raise RequestError(
+                f"feature name(s) {clash} appear twice; pass full_feature_names=True to name columns 'view__feature'"
+            )
         return names
 
     def compute(self, columns: Mapping[str, Any], n: int) -> dict[str, pa.Array]:
@@ -89,8 +102,10 @@ class OnDemandPlan:
                 inputs[ref.split(":")[1]] = _array(columns[full], self.input_types[full])
             for f in odfv.request_fields:
                 if f.name not in columns:
-                    raise RequestError(f"on-demand view {odfv.name!r} needs the request field {f.name!r}; "
-                                       "send it with the entities (online) or as an entity_df column (offline)")
+                    raise RequestError(
+                        f"on-demand view {odfv.name!r} needs the request field {f.name!r}; "
+                        "send it with the entities (online) or as an entity_df column (offline)"
+                    )
                 try:
                     inputs[f.name] = _array(columns[f.name], f.dtype.arrow)
                 except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -103,16 +118,24 @@ class OnDemandPlan:
                     "every row a value or null (e.g. pc.if_else(pc.equal(b, 0), None, pc.divide(a, b)) for a division by zero)"
                 ) from exc
             if not isinstance(result, Mapping):
-                raise OnDemandError(f"on-demand view {odfv.name!r} returned {type(result).__name__}; return {{output name: values}}")
+                raise OnDemandError(
+                    f"on-demand view {odfv.name!r} returned {type(result).__name__}; return {{output name: values}}"
+                )
             for f in odfv.schema:
                 if f.name not in result:
-                    raise OnDemandError(f"on-demand view {odfv.name!r} returned no {f.name!r}; its function must return every field of its schema")
+                    raise OnDemandError(
+                        f"on-demand view {odfv.name!r} returned no {f.name!r}; its function must return every field of its schema"
+                    )
                 try:
                     values = _array(result[f.name], f.dtype.arrow)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-                    raise OnDemandError(f"on-demand view {odfv.name!r} returned {f.name!r} values that are not {f.dtype.name}: {exc}") from exc
+                    raise OnDemandError(
+                        f"on-demand view {odfv.name!r} returned {f.name!r} values that are not {f.dtype.name}: {exc}"
+                    ) from exc
                 if len(values) != n:
-                    raise OnDemandError(f"on-demand view {odfv.name!r} returned {len(values)} values of {f.name!r} for {n} rows")
+                    raise OnDemandError(
+                        f"on-demand view {odfv.name!r} returned {len(values)} values of {f.name!r} for {n} rows"
+                    )
                 out[f"{odfv.name}__{f.name}"] = values
         return out
 
@@ -125,7 +148,9 @@ def _array(values: Any, arrow_type: pa.DataType | None) -> pa.Array:
     return pa.array(list(values), type=arrow_type)
 
 
-def finish_columns(plan: OnDemandPlan, get: Callable[[str], Any], computed: Mapping[str, pa.Array]) -> list[tuple[str, Any]]:
+def finish_columns(
+    plan: OnDemandPlan, get: Callable[[str], Any], computed: Mapping[str, pa.Array]
+) -> list[tuple[str, Any]]:
     """(output name, column) for each requested ref, in request order: stored ones via ``get(full_name)``."""
     columns = []
     for ref, name in zip(plan.refs, plan.output_names()):

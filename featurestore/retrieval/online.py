@@ -27,7 +27,15 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.online.codec import (
-    EPOCH, datetime_to_micros, entity_key, events_key, key_prefix, key_text, make_decoder, make_events_decoder, micros_to_datetime,
+    EPOCH,
+    datetime_to_micros,
+    entity_key,
+    events_key,
+    key_prefix,
+    key_text,
+    make_decoder,
+    make_events_decoder,
+    micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
@@ -66,8 +74,13 @@ class OnlineResponse:
         mapping, as Feast's server writes them): JSON has no such numbers, and ``null`` means missing."""
         results = []
         for v, s, ts in zip(self.values, self.statuses, self.event_timestamps):
-            results.append({"values": json_numbers(v) if replace_non_finite else v, "statuses": s,
-                            "event_timestamps": [t or EPOCH for t in ts] if None in ts else ts})
+            results.append(
+                {
+                    "values": json_numbers(v) if replace_non_finite else v,
+                    "statuses": s,
+                    "event_timestamps": [t or EPOCH for t in ts] if None in ts else ts,
+                }
+            )
         metadata: dict[str, Any] = {"feature_names": self.feature_names}
         if self.feature_view_metadata is not None:
             metadata["feature_view_metadata"] = self.feature_view_metadata
@@ -157,7 +170,7 @@ class _Group:
     """Views sharing one entity key: one HMGET per entity fetches all of them."""
 
     keyset: tuple[str, ...]
-    fields: list[str]                 # view names = hash fields
+    fields: list[str]  # view names = hash fields
     key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> Redis key
 
 
@@ -165,9 +178,9 @@ class _Group:
 class _ViewPlan:
     request: ViewRequest
     group: int
-    position: int                     # index of this view's field in its group's HMGET
+    position: int  # index of this view's field in its group's HMGET
     decode: Callable[[bytes], tuple[int, list[Any]]]
-    width: int                        # number of features asked from this view
+    width: int  # number of features asked from this view
     ttl_us: int | None
 
     def __post_init__(self) -> None:  # shared per-row fillers (read-only: zip copies them into columns)
@@ -183,10 +196,12 @@ class _WindowPlan:
     request: ViewRequest
     keyset: tuple[str, ...]
     key_of: Callable[[tuple], bytes]  # key values (in keyset order) -> events key
-    decode: Callable[[list[bytes], int, int], tuple[list[int], dict[int, list[Any]]]]  # (members, low, high) -> (times, columns)
+    decode: Callable[
+        [list[bytes], int, int], tuple[list[int], dict[int, list[Any]]]
+    ]  # (members, low, high) -> (times, columns)
     evaluator: WindowEvaluator
     tiled: tiles.TiledEvaluator | None  # None: some aggregation asked for is not tiled
-    wanted: list[int]                   # the aggregations asked for, as indexes into the tile spec's
+    wanted: list[int]  # the aggregations asked for, as indexes into the tile spec's
 
     def heavy_from(self) -> int | None:
         """Events in the window from which an entity reads tile summaries (None: never)."""
@@ -214,8 +229,8 @@ class QueryTemplate:
     groups: list[_Group]
     views: list[_ViewPlan]
     windows: list[_WindowPlan]
-    names: list[str] = field(init=False)              # the response's columns, keys first
-    order: list[int] | None = field(init=False)       # views' then windows' columns -> request order (None: already)
+    names: list[str] = field(init=False)  # the response's columns, keys first
+    order: list[int] | None = field(init=False)  # views' then windows' columns -> request order (None: already)
 
     def __post_init__(self) -> None:
         plans: list[_ViewPlan | _WindowPlan] = [*self.views, *self.windows]
@@ -226,7 +241,9 @@ class QueryTemplate:
         self.names = self.key_names + (names if self.order is None else [names[i] for i in self.order])
 
     @classmethod
-    def build(cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool) -> "QueryTemplate":
+    def build(
+        cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool
+    ) -> "QueryTemplate":
         requests = resolve(defs, features, feature_service, full_feature_names)
         needed: list[str] = []
         for req in requests:
@@ -244,16 +261,30 @@ class QueryTemplate:
                 by_name = {a.output_name: a for a in req.view.aggregations}
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
-                events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(entity_of(values), view)  # noqa: E731
+                events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(
+                    entity_of(values), view
+                )  # noqa: E731
                 evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
                 spec = tiles.TileSpec.of(req.view)
-                tiled = tiles.TiledEvaluator(req.view, spec) if spec is not None and spec.covers(evaluator.aggregations) else None
-                wanted = [spec.aggregations.index(a) for a in evaluator.aggregations] if tiled is not None and spec else []
+                tiled = (
+                    tiles.TiledEvaluator(req.view, spec)
+                    if spec is not None and spec.covers(evaluator.aggregations)
+                    else None
+                )
+                wanted = (
+                    [spec.aggregations.index(a) for a in evaluator.aggregations] if tiled is not None and spec else []
+                )
                 decoded = sorted(set(evaluator.needed) | set(tiled.needed if tiled is not None else []))
-                windows.append(_WindowPlan(req, keyset, events_of, make_events_decoder(stored, decoded), evaluator, tiled, wanted))
+                windows.append(
+                    _WindowPlan(req, keyset, events_of, make_events_decoder(stored, decoded), evaluator, tiled, wanted)
+                )
                 continue
             if keyset not in groups:
-                groups[keyset] = _Group(keyset, [], _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}))
+                groups[keyset] = _Group(
+                    keyset,
+                    [],
+                    _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}),
+                )
             group = groups[keyset]
             group.fields.append(req.view.online_field)
             wanted = [req.view.feature_names.index(f) for f in req.features]
@@ -314,16 +345,18 @@ class OnlineQuery:
     template: QueryTemplate
     key_columns: list[list[Any]]
     lookups: list[tuple[bytes, list[str]]]
-    slots: list[list[int]]            # per group, per entity row: index into lookups
+    slots: list[list[int]]  # per group, per entity row: index into lookups
     ranges: list[tuple[bytes, int, int, int | None]]
-    range_slots: list[list[int]]      # per window plan, per entity row: index into ranges
-    range_plans: list[int]            # per range: index into the template's window plans
-    now_us: int                       # the lookup time: ttl and windows are evaluated at it
-    on_demand: OnDemandPlan | None = None         # request-time features to compute after the read
+    range_slots: list[list[int]]  # per window plan, per entity row: index into ranges
+    range_plans: list[int]  # per range: index into the template's window plans
+    now_us: int  # the lookup time: ttl and windows are evaluated at it
+    on_demand: OnDemandPlan | None = None  # request-time features to compute after the read
     request_columns: dict[str, list[Any]] | None = None  # their request fields, from the entities
-    seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(default_factory=list)  # tile summaries to store
+    seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(
+        default_factory=list
+    )  # tile summaries to store
     known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HEAVY_KEYS``)
-    replayed: bool = False            # evaluated at a time the caller gave (``at``), not at the lookup's own
+    replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
 
     @property
     def key_names(self) -> list[str]:
@@ -331,13 +364,22 @@ class OnlineQuery:
 
     @classmethod
     def prepare(
-        cls, defs: Definitions, project: str, entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]],
-        features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool,
-        max_entities: int = 10_000, cache: dict | None = None, now: datetime | None = None,
+        cls,
+        defs: Definitions,
+        project: str,
+        entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]],
+        features: Sequence[str] | None,
+        feature_service: str | FeatureService | None,
+        full_feature_names: bool,
+        max_entities: int = 10_000,
+        cache: dict | None = None,
+        now: datetime | None = None,
     ) -> "OnlineQuery":
-        signature = (tuple(features) if isinstance(features, (list, tuple)) else features,
-                     feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
-                     full_feature_names)
+        signature = (
+            tuple(features) if isinstance(features, (list, tuple)) else features,
+            feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
+            full_feature_names,
+        )
         cache = cache if cache is not None else defs.query_cache
         template, on_demand = cache.get(signature, (None, None))
         if template is None:
@@ -360,7 +402,9 @@ class OnlineQuery:
             bad = list(map(is_, converted, repeat(_BAD)))  # identity, in C: a value's own == may misbehave
             if any(bad):
                 value = columns[name][bad.index(True)]
-                raise RequestError(f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})")
+                raise RequestError(
+                    f"join key {name!r} takes {type_name} values; got {value!r} ({type(value).__name__})"
+                )
             columns[name] = converted
         lookups: list[tuple[bytes, list[str]]] = []
         slots = []
@@ -395,13 +439,28 @@ class OnlineQuery:
                 rows.append(pos)
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
-        return cls(template, [columns[k] for k in template.key_names], lookups, slots, ranges, range_slots, range_plans, now_us,
-                   on_demand, request_columns, known_heavy=known_heavy, replayed=now is not None)
+        return cls(
+            template,
+            [columns[k] for k in template.key_names],
+            lookups,
+            slots,
+            ranges,
+            range_slots,
+            range_plans,
+            now_us,
+            on_demand,
+            request_columns,
+            known_heavy=known_heavy,
+            replayed=now is not None,
+        )
 
     def view_versions(self) -> list[dict[str, Any]]:
         """The feature views the query reads, each once, with the history version read (Feast's
         ``feature_view_metadata``; our versions count from 1, as ``plan`` names them)."""
-        views = {plan.request.view.name: plan.request.view.history_version for plan in [*self.template.views, *self.template.windows]}
+        views = {
+            plan.request.view.name: plan.request.view.history_version
+            for plan in [*self.template.views, *self.template.windows]
+        }
         return [{"name": name, "version": version} for name, version in views.items()]
 
     def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
@@ -448,7 +507,7 @@ class OnlineQuery:
             statuses += st
             times += t
         if template.windows:
-            events = raw[len(self.lookups):]  # per range: its events, or [summaries, events]
+            events = raw[len(self.lookups) :]  # per range: its events, or [summaries, events]
             for window, slots in zip(template.windows, self.range_slots):
                 v, st, t = self._window_columns(window, slots, events, now_us)
                 values += v
@@ -456,11 +515,21 @@ class OnlineQuery:
                 times += t
         order = template.order
         if order is not None:
-            values, statuses, times = [values[i] for i in order], [statuses[i] for i in order], [times[i] for i in order]
+            values, statuses, times = (
+                [values[i] for i in order],
+                [statuses[i] for i in order],
+                [times[i] for i in order],
+            )
         keys = len(self.key_columns)
-        no_times: list[list[datetime | None]] = list(map(list, repeat([None] * n, keys)))  # join keys have no event time
-        response = OnlineResponse(list(template.names), list(map(list, self.key_columns)) + values,
-                                  list(map(list, repeat([PRESENT] * n, keys))) + statuses, no_times + times)
+        no_times: list[list[datetime | None]] = list(
+            map(list, repeat([None] * n, keys))
+        )  # join keys have no event time
+        response = OnlineResponse(
+            list(template.names),
+            list(map(list, self.key_columns)) + values,
+            list(map(list, repeat([PRESENT] * n, keys))) + statuses,
+            no_times + times,
+        )
         return self._with_on_demand(response) if self.on_demand is not None else response
 
     def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
@@ -469,8 +538,12 @@ class OnlineQuery:
         assert plan is not None
         n = len(self.key_columns[0])
         by_name = {name: i for i, name in enumerate(base.feature_names)}
-        computed = plan.compute({**(self.request_columns or {}), **{name: base.values[i] for name, i in by_name.items()}}, n)
-        response = OnlineResponse(base.feature_names[:keys], base.values[:keys], base.statuses[:keys], base.event_timestamps[:keys])
+        computed = plan.compute(
+            {**(self.request_columns or {}), **{name: base.values[i] for name, i in by_name.items()}}, n
+        )
+        response = OnlineResponse(
+            base.feature_names[:keys], base.values[:keys], base.statuses[:keys], base.event_timestamps[:keys]
+        )
         for name, column in finish_columns(plan, lambda full: by_name[full], computed):
             if isinstance(column, int):  # a stored feature: its values, statuses and times as read
                 response.feature_names.append(name)
@@ -499,7 +572,9 @@ class OnlineQuery:
                 else:
                     limit = self.ranges[pos][3]
                     if limit is not None and len(reply) >= limit:  # (a partial read: never evaluate it)
-                        raise RuntimeError("a heavy entity's window reads tile summaries: answer queries with read_online")
+                        raise RuntimeError(
+                            "a heavy entity's window reads tile summaries: answer queries with read_online"
+                        )
                     times, columns = decode(reply, low, now_us)
                     vals, stats = evaluate(times, columns, now_us)
                     result = results[pos] = (vals, stats, micros_to_datetime(times[-1]) if times else None)
@@ -507,7 +582,11 @@ class OnlineQuery:
             row_statuses.append(result[1])
             row_times.append(result[2])
         width = len(plan.evaluator.aggregations)
-        return list(map(list, zip(*row_values))), list(map(list, zip(*row_statuses))), list(map(list, repeat(row_times, width)))
+        return (
+            list(map(list, zip(*row_values))),
+            list(map(list, zip(*row_statuses))),
+            list(map(list, repeat(row_times, width))),
+        )
 
     def _tiled(self, plan: _WindowPlan, key: bytes, reply: list, low: int, now_us: int):
         """One heavy entity's aggregates from its tile summaries and edge events; the tiles it read
@@ -518,8 +597,15 @@ class OnlineQuery:
         members = list(itertools.chain.from_iterable(runs))
         summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
         times, columns = plan.decode(members, low, now_us)
-        vals, stats = tiles.evaluate_tiled(tiled, plan.wanted, plan.evaluator.windows_us,
-                                           {t: s[1] for t, s in summaries.items()}, times, columns, now_us)
+        vals, stats = tiles.evaluate_tiled(
+            tiled,
+            plan.wanted,
+            plan.evaluator.windows_us,
+            {t: s[1] for t, s in summaries.items()},
+            times,
+            columns,
+            now_us,
+        )
         newest = max(([times[-1]] if times else []) + [s[0] for s in summaries.values()], default=None)
         size = tiled.spec.tile_us
         cut = {c // size for c in plan.cuts(now_us)}
@@ -547,9 +633,15 @@ class OnlineQuery:
                 row_statuses.append(outside)
             else:
                 row_values.append(decoded)
-                row_statuses.append(present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded])
+                row_statuses.append(
+                    present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded]
+                )
         # rows -> columns in C (zip, map), not value by value in Python
-        return list(map(list, zip(*row_values))), list(map(list, zip(*row_statuses))), list(map(list, repeat(row_times, width)))
+        return (
+            list(map(list, zip(*row_values))),
+            list(map(list, zip(*row_statuses))),
+            list(map(list, repeat(row_times, width))),
+        )
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -560,7 +652,9 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
         columns = dict(zip(entities, map(list, entities.values())))
         lengths = set(map(len, columns.values()))
         if len(lengths) > 1:
-            raise RequestError(f"entity columns have different lengths {sorted(lengths)}; give one value per row in each")
+            raise RequestError(
+                f"entity columns have different lengths {sorted(lengths)}; give one value per row in each"
+            )
         return columns
     if not isinstance(entities, (list, tuple)) or not all(isinstance(r, dict) for r in entities):
         raise RequestError("entity_rows must be a list of {join_key: value} dicts")
@@ -595,7 +689,7 @@ async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> On
     if heavy:
         for (pos, _), reply in zip(heavy, await store.read_tiles_async([r for _, r in heavy])):
             raw[len(query.lookups) + pos] = reply
-    if query.ranges and _events_in(raw[len(query.lookups):]) > OFF_LOOP_EVENTS:
+    if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
         return await asyncio.to_thread(query.assemble, raw)
     return query.assemble(raw)
 

@@ -52,16 +52,29 @@ class RayJoinJob:
 
     @classmethod
     def build(
-        cls, defs: Definitions, offline: "DeltaOfflineStore", entity_df: Any, features: Sequence[str] | None,
-        feature_service: Any, full_feature_names: bool, as_of: Literal["event", "created"] = "event",
-        versions: dict[str, int | None] | None = None, *, address: str | None = None, partitions: int = 0,
+        cls,
+        defs: Definitions,
+        offline: "DeltaOfflineStore",
+        entity_df: Any,
+        features: Sequence[str] | None,
+        feature_service: Any,
+        full_feature_names: bool,
+        as_of: Literal["event", "created"] = "event",
+        versions: dict[str, int | None] | None = None,
+        *,
+        address: str | None = None,
+        partitions: int = 0,
     ) -> "RayJoinJob":
         if OnDemandPlan.build(defs, features, feature_service, full_feature_names) is not None:
-            raise RequestError("on-demand features are computed by the local engine; request stored features "
-                               "from the Ray engine, or set offline_store.engine: local")
+            raise RequestError(
+                "on-demand features are computed by the local engine; request stored features "
+                "from the Ray engine, or set offline_store.engine: local"
+            )
         entities = entity_table(entity_df)
         # every check the local engine makes (key types, clashes, as_of), on no rows, before a task runs
-        RetrievalJob.build(defs, offline, entities.slice(0, 0), features, feature_service, full_feature_names, as_of, versions)
+        RetrievalJob.build(
+            defs, offline, entities.slice(0, 0), features, feature_service, full_feature_names, as_of, versions
+        )
         ray = connect(address)
         parts = partitions_of(ray, partitions)
         requests = resolve(defs, features, feature_service, full_feature_names)
@@ -72,12 +85,24 @@ class RayJoinJob:
         pending = []
         for i, req in enumerate(requests):
             pinned = versions.get(req.view.name) if versions is not None else None
-            version, files = (None, []) if versions is not None and pinned is None else offline.files(req.view.history_table, pinned)
+            version, files = (
+                (None, []) if versions is not None and pinned is None else offline.files(req.view.history_table, pinned)
+            )
             table_versions[req.view.name] = version
             keys = req.view.join_keys
             keep = list(entities.column_names) if i == 0 else [*keys, *([ts_column] if ts_column else [])]
-            pending.append(_submit(ray, defs, req, numbered.select([*dict.fromkeys([*keep, ROW])]), files, parts,
-                                   full_feature_names, as_of))
+            pending.append(
+                _submit(
+                    ray,
+                    defs,
+                    req,
+                    numbered.select([*dict.fromkeys([*keep, ROW])]),
+                    files,
+                    parts,
+                    full_feature_names,
+                    as_of,
+                )
+            )
         features_out: list[tuple[int, str, pa.ChunkedArray]] = []
         for i, (req, refs) in enumerate(zip(requests, pending)):
             joined = pa.concat_tables(ray.get(refs))
@@ -109,15 +134,25 @@ def _view_state(defs: Definitions, view_name: str) -> dict[str, Any]:
     """The registry state of one view and its entities: what a task rebuilds the view from."""
     view = defs.view(view_name)
     return {
-        "objects": {"entity": {e.name: {"spec": e.to_spec()} for e in view.entities},
-                    "feature_view": {view.name: {"spec": view.to_spec()}}},
+        "objects": {
+            "entity": {e.name: {"spec": e.to_spec()} for e in view.entities},
+            "feature_view": {view.name: {"spec": view.to_spec()}},
+        },
         "history_versions": {view.name: view.history_version},
         "key_types": {view.name: {k: t.name for k, t in defs.key_types[view.name].items()}},
     }
 
 
-def _submit(ray: Any, defs: Definitions, req: ViewRequest, entities: pa.Table, files: list[str], parts: int,
-            full_feature_names: bool, as_of: str) -> list[Any]:
+def _submit(
+    ray: Any,
+    defs: Definitions,
+    req: ViewRequest,
+    entities: pa.Table,
+    files: list[str],
+    parts: int,
+    full_feature_names: bool,
+    as_of: str,
+) -> list[Any]:
     """Tasks joining one view: a split per history file, then a join per partition."""
     state = _view_state(defs, req.view.name)
     key_types = state["key_types"][req.view.name]
@@ -129,8 +164,10 @@ def _submit(ray: Any, defs: Definitions, req: ViewRequest, entities: pa.Table, f
     entity_parts = hash_split(entities, _duckdb_types(key_types), parts)
     join = ray.remote(_join_partition)
     refs = [f"{req.view.name}:{f}" for f in req.features]
-    return [join.remote(state, refs, full_feature_names, as_of, entity_parts[p], *[h[p] for h in history_parts])
-            for p in range(parts)]
+    return [
+        join.remote(state, refs, full_feature_names, as_of, entity_parts[p], *[h[p] for h in history_parts])
+        for p in range(parts)
+    ]
 
 
 def _duckdb_types(key_types: dict[str, str]) -> dict[str, str]:
@@ -145,9 +182,15 @@ def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
     schema = defs.history_schema(view)
-    split = [pa.table({f.name: part[f.name].cast(f.type) if f.name in part.column_names else pa.nulls(part.num_rows, f.type)
-                       for f in schema})
-             for part in read_split(uris, _duckdb_types(state["key_types"][view.name]), parts)]
+    split = [
+        pa.table(
+            {
+                f.name: part[f.name].cast(f.type) if f.name in part.column_names else pa.nulls(part.num_rows, f.type)
+                for f in schema
+            }
+        )
+        for part in read_split(uris, _duckdb_types(state["key_types"][view.name]), parts)
+    ]
     return split if parts > 1 else split[0]
 
 
@@ -157,17 +200,27 @@ class _InMemory:
     def __init__(self, tables: dict[str, pa.Table]):
         self.tables = tables
 
-    def register(self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None) -> int | None:
+    def register(
+        self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None
+    ) -> int | None:
         con.register(name, self.tables[view].select(schema.names))
         return version
 
 
-def _join_partition(state: dict[str, Any], refs: list[str], full_feature_names: bool, as_of: str,
-                    entities: pa.Table, *history: pa.Table) -> pa.Table:
+def _join_partition(
+    state: dict[str, Any], refs: list[str], full_feature_names: bool, as_of: str, entities: pa.Table, *history: pa.Table
+) -> pa.Table:
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
     rows = pa.concat_tables(history) if history else defs.history_schema(view).empty_table()
-    job = RetrievalJob.build(defs, _InMemory({view.history_table: rows}), entities, refs, None,  # type: ignore[arg-type]
-                             full_feature_names, as_of)  # type: ignore[arg-type]
+    job = RetrievalJob.build(
+        defs,
+        _InMemory({view.history_table: rows}),
+        entities,
+        refs,
+        None,  # type: ignore[arg-type]
+        full_feature_names,
+        as_of,
+    )  # type: ignore[arg-type]
     fit_to_task(job.con)
     return job.to_arrow()

@@ -13,13 +13,16 @@ from featurestore.registry.loader import Definitions
 @dataclass
 class ViewRequest:
     view: FeatureView
-    features: list[str]         # in request order
-    output_names: list[str]     # column names in the result
-    positions: list[int]        # where each feature stands in the whole request (results follow it)
+    features: list[str]  # in request order
+    output_names: list[str]  # column names in the result
+    positions: list[int]  # where each feature stands in the whole request (results follow it)
 
 
 def resolve(
-    defs: Definitions, features: Sequence[str] | None, feature_service: str | FeatureService | None, full_feature_names: bool
+    defs: Definitions,
+    features: Sequence[str] | None,
+    feature_service: str | FeatureService | None,
+    full_feature_names: bool,
 ) -> list[ViewRequest]:
     """Group requested features by view, in first-appearance order; check names exist and don't clash.
 
@@ -45,9 +48,13 @@ def resolve(
         view_name, feature = ref.split(":")
         view = defs.feature_views.get(view_name)
         if view is None:
-            raise NotFoundError(f"feature view {view_name!r} (in {ref!r}) not found; known views: {sorted(defs.feature_views)}")
+            raise NotFoundError(
+                f"feature view {view_name!r} (in {ref!r}) not found; known views: {sorted(defs.feature_views)}"
+            )
         if feature not in view.feature_names:
-            raise NotFoundError(f"feature {feature!r} not found in view {view_name!r}; its features: {view.feature_names}")
+            raise NotFoundError(
+                f"feature {feature!r} not found in view {view_name!r}; its features: {view.feature_names}"
+            )
         request = grouped.setdefault(view_name, ViewRequest(view, [], [], []))
         if feature in request.features:
             raise RequestError(f"feature {ref!r} is requested twice; list each feature once")

@@ -11,5 +11,17 @@ from featurestore.tracking.lttb import lttb
 from featurestore.tracking.metric_store import MetricWriter, read_metrics
 from featurestore.tracking.runs import Run, compare, curve, flat_params, list_runs, plot_compare, read_run, set_tags
 
-__all__ = ["ArtifactStore", "MetricWriter", "Run", "compare", "curve", "flat_params", "list_runs", "lttb", "plot_compare",
-           "read_metrics", "read_run", "set_tags"]
+__all__ = [
+    "ArtifactStore",
+    "MetricWriter",
+    "Run",
+    "compare",
+    "curve",
+    "flat_params",
+    "list_runs",
+    "lttb",
+    "plot_compare",
+    "read_metrics",
+    "read_run",
+    "set_tags",
+]

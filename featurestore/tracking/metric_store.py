@@ -24,14 +24,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-SCHEMA = pa.schema([("step", pa.int64()), ("wall_time", pa.float64()), ("metric", pa.string()), ("value", pa.float64())])
+SCHEMA = pa.schema(
+    [("step", pa.int64()), ("wall_time", pa.float64()), ("metric", pa.string()), ("value", pa.float64())]
+)
 _SEGMENT = re.compile(r"^(\d{8})-(\d{8})\.parquet$")
 
 
 def _write(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd", use_dictionary=["metric"],
-                   column_encoding={"step": "DELTA_BINARY_PACKED", "wall_time": "BYTE_STREAM_SPLIT", "value": "BYTE_STREAM_SPLIT"})
+    pq.write_table(
+        table,
+        tmp,
+        compression="zstd",
+        use_dictionary=["metric"],
+        column_encoding={"step": "DELTA_BINARY_PACKED", "wall_time": "BYTE_STREAM_SPLIT", "value": "BYTE_STREAM_SPLIT"},
+    )
     os.replace(tmp, path)
 
 
@@ -40,8 +47,14 @@ class MetricWriter:
     ``flush_seconds`` (checked at each call), and on ``flush``/``close``. The buffer is bounded
     by ``flush_rows``."""
 
-    def __init__(self, run_dir: Path, writer: str = "main", flush_rows: int = 10_000, flush_seconds: float = 2.0,
-                 max_segments: int = 32):
+    def __init__(
+        self,
+        run_dir: Path,
+        writer: str = "main",
+        flush_rows: int = 10_000,
+        flush_seconds: float = 2.0,
+        max_segments: int = 32,
+    ):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", writer):
             raise ValueError(f"writer names are letters, digits, '_', '.', '-': {writer!r}")
         self.folder = Path(run_dir) / "metrics" / writer
@@ -96,8 +109,9 @@ class MetricWriter:
 def _segments(folder: Path) -> list[tuple[int, int, Path]]:
     """(first, last, path) of the segments to read, in order; a segment inside another's range is
     skipped (the parts of a merge not yet deleted)."""
-    found = sorted((int(m.group(1)), -int(m.group(2)), folder / m.group(0))
-                   for m in map(_SEGMENT.match, os.listdir(folder)) if m)
+    found = sorted(
+        (int(m.group(1)), -int(m.group(2)), folder / m.group(0)) for m in map(_SEGMENT.match, os.listdir(folder)) if m
+    )
     kept: list[tuple[int, int, Path]] = []
     for first, neg_last, path in found:  # widest first at each start
         if kept and -neg_last <= kept[-1][1]:
@@ -122,8 +136,9 @@ def _read(path: Path, metric: str | None, columns: list[str]) -> pa.Table:
     return table
 
 
-def read_metrics(run_dir: Path, metric: str | None = None, writer: str | None = None,
-                 columns: list[str] | None = None) -> pa.Table:
+def read_metrics(
+    run_dir: Path, metric: str | None = None, writer: str | None = None, columns: list[str] | None = None
+) -> pa.Table:
     """Records of a run (optionally one metric, one writer, some columns) as a table: writer,
     step, wall_time, metric, value (names dictionary-encoded); each writer's records in the order logged."""
     columns = columns or SCHEMA.names
@@ -142,8 +157,13 @@ def read_metrics(run_dir: Path, metric: str | None = None, writer: str | None = 
                     raise
                 time.sleep(0.002 * attempt)
         table = pa.concat_tables(parts) if parts else empty
-        tables.append(table.add_column(0, "writer", pa.DictionaryArray.from_arrays(
-            pa.array(np.zeros(table.num_rows, np.int32)), pa.array([name]))))
+        tables.append(
+            table.add_column(
+                0,
+                "writer",
+                pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)), pa.array([name])),
+            )
+        )
     if not tables:
         return empty.add_column(0, "writer", pa.array([], NAMES))
     return pa.concat_tables(tables)

@@ -35,7 +35,9 @@ def _json(path: Path) -> Any:
 class Run:
     """The writing side of one run in one process (``writer``: ``main``, or ``rank<r>``)."""
 
-    def __init__(self, run_dir: Path, artifacts: ArtifactStore | None = None, writer: str = "main", **writer_options: Any):
+    def __init__(
+        self, run_dir: Path, artifacts: ArtifactStore | None = None, writer: str = "main", **writer_options: Any
+    ):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.artifacts = artifacts or ArtifactStore(self.dir.parent.parent / "artifacts")
@@ -91,10 +93,13 @@ def summary(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     params, final = _json(run_dir / "params.json"), _json(run_dir / "final.json")
     return {
-        "id": run_dir.name, "status": "finished" if final else "unfinished",
+        "id": run_dir.name,
+        "status": "finished" if final else "unfinished",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(run_dir))),
-        "tags": _json(run_dir / "tags.json"), "final": final,
-        "feature_service": params.get("feature_service"), "dataset": params.get("config", {}).get("dataset"),
+        "tags": _json(run_dir / "tags.json"),
+        "final": final,
+        "feature_service": params.get("feature_service"),
+        "dataset": params.get("config", {}).get("dataset"),
     }
 
 
@@ -103,9 +108,12 @@ def list_runs(root: Path, search: str = "", tags: Mapping[str, str] | None = Non
     root = Path(root)
     found = [summary(p) for p in root.iterdir() if p.is_dir()] if root.exists() else []
     needle = search.lower()
-    found = [r for r in found
-             if (not needle or needle in json.dumps([r["id"], r["tags"], r["feature_service"]]).lower())
-             and all(r["tags"].get(k) == v for k, v in (tags or {}).items())]
+    found = [
+        r
+        for r in found
+        if (not needle or needle in json.dumps([r["id"], r["tags"], r["feature_service"]]).lower())
+        and all(r["tags"].get(k) == v for k, v in (tags or {}).items())
+    ]
     return sorted(found, key=lambda r: (r["started_at"], r["id"]), reverse=True)
 
 
@@ -117,13 +125,17 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         raise NotFoundError(f"no run {run_dir.name!r}; see `featurestore runs list`")
     records = _records(run_dir, columns=["metric"])
     return {
-        **summary(run_dir), "params": _json(run_dir / "params.json"), "artifacts": _json(run_dir / "artifacts.json"),
+        **summary(run_dir),
+        "params": _json(run_dir / "params.json"),
+        "artifacts": _json(run_dir / "artifacts.json"),
         "metrics": sorted(pc.unique(records["metric"]).to_pylist()),
         "writers": writers(run_dir) or (["main"] if records.num_rows else []),
     }
 
 
-def _records(run_dir: Path, metric: str | None = None, writer: str | None = None, columns: list[str] | None = None) -> pa.Table:
+def _records(
+    run_dir: Path, metric: str | None = None, writer: str | None = None, columns: list[str] | None = None
+) -> pa.Table:
     if (run_dir / "metrics").exists():
         return read_metrics(run_dir, metric, writer, columns)
     return _legacy_records(run_dir, metric)
@@ -138,12 +150,22 @@ def _legacy_records(run_dir: Path, metric: str | None) -> pa.Table:
             record = json.loads(line)
         except json.JSONDecodeError:  # the line a live run was writing
             break
-        rows += [(record["step"], k, float(v)) for k, v in record.items()
-                 if k not in ("step", "epoch") and (metric is None or k == metric) and isinstance(v, (int, float))]
+        rows += [
+            (record["step"], k, float(v))
+            for k, v in record.items()
+            if k not in ("step", "epoch") and (metric is None or k == metric) and isinstance(v, (int, float))
+        ]
     steps, names, values = zip(*rows) if rows else ((), (), ())
-    return pa.table({"writer": pa.array(["main"] * len(rows), pa.string()), "step": pa.array(steps, pa.int64()),
-                     "wall_time": pa.array([math.nan] * len(rows), pa.float64()), "metric": pa.array(names, pa.string()),
-                     "value": pa.array(values, pa.float64())}, schema=SCHEMA.insert(0, pa.field("writer", pa.string())))
+    return pa.table(
+        {
+            "writer": pa.array(["main"] * len(rows), pa.string()),
+            "step": pa.array(steps, pa.int64()),
+            "wall_time": pa.array([math.nan] * len(rows), pa.float64()),
+            "metric": pa.array(names, pa.string()),
+            "value": pa.array(values, pa.float64()),
+        },
+        schema=SCHEMA.insert(0, pa.field("writer", pa.string())),
+    )
 
 
 def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = None) -> dict[str, Any]:
@@ -159,8 +181,14 @@ def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = No
     values = records["value"].to_numpy()
     keep = ~np.isnan(values)
     xs, ys = lttb(steps[keep], values[keep], points)
-    return {"run": run_dir.name, "metric": metric, "writer": writer, "points": int(keep.sum()),
-            "steps": xs.tolist(), "values": ys.tolist()}
+    return {
+        "run": run_dir.name,
+        "metric": metric,
+        "writer": writer,
+        "points": int(keep.sum()),
+        "steps": xs.tolist(),
+        "values": ys.tolist(),
+    }
 
 
 def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -180,9 +208,12 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = sorted(set().union(*params))
     table = {k: [p.get(k) for p in params] for k in keys}
     finals = sorted(set().union(*(r["final"] for r in runs)))
-    return {"runs": [r["id"] for r in runs], "params": table,
-            "differs": [k for k, v in table.items() if len({json.dumps(x, sort_keys=True, default=str) for x in v}) > 1],
-            "final": {k: [r["final"].get(k) for r in runs] for k in finals}}
+    return {
+        "runs": [r["id"] for r in runs],
+        "params": table,
+        "differs": [k for k, v in table.items() if len({json.dumps(x, sort_keys=True, default=str) for x in v}) > 1],
+        "final": {k: [r["final"].get(k) for r in runs] for k in finals},
+    }
 
 
 def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, points: int = 500) -> Path:
@@ -197,7 +228,13 @@ def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, po
         for run_dir in run_dirs:
             line = curve(run_dir, metric, points)
             if line["steps"]:
-                ax.plot(line["steps"], line["values"], "o-" if len(line["steps"]) < 30 else "-", label=line["run"], alpha=0.8)
+                ax.plot(
+                    line["steps"],
+                    line["values"],
+                    "o-" if len(line["steps"]) < 30 else "-",
+                    label=line["run"],
+                    alpha=0.8,
+                )
         ax.set_title(metric)
         ax.set_xlabel("step")
         ax.legend(fontsize="small")

@@ -21,7 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
 )
 
 from featurestore.registry.store import atomic_write
@@ -40,8 +43,16 @@ def _one_process_is_fine() -> Iterator[None]:
         yield
 
 
-def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pre: Preprocessor,
-         layout: distributed.Layout, *, epoch: int, step: int) -> TabularMLP | None:
+def save(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pre: Preprocessor,
+    layout: distributed.Layout,
+    *,
+    epoch: int,
+    step: int,
+) -> TabularMLP | None:
     """Write this epoch's checkpoints (a collective: every rank calls it); rank 0 gets the full model back."""
     folder = Path(run_dir) / "dcp"
     name = f"step-{step:09d}"
@@ -54,11 +65,15 @@ def save(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, pre:
         return None
     (folder / f"{name}.tmp").rename(folder / name)
     atomic_write(folder / "latest", f"{name}\n{epoch}\n{step}\n".encode())
-    for old in sorted(p for p in folder.iterdir() if p.name.startswith("step-") and p.name != name)[:-(KEEP - 1) or None]:
+    for old in sorted(p for p in folder.iterdir() if p.name.startswith("step-") and p.name != name)[
+        : -(KEEP - 1) or None
+    ]:
         shutil.rmtree(old, ignore_errors=True)
     config = model.config  # type: ignore[attr-defined]  (fully_shard keeps the module's attributes)
     tmp = Path(run_dir) / "checkpoint.pt.tmp"
-    torch.save({"model": full, "model_config": config, "preprocessor": pre.to_dict(), "epoch": epoch, "step": step}, tmp)
+    torch.save(
+        {"model": full, "model_config": config, "preprocessor": pre.to_dict(), "epoch": epoch, "step": step}, tmp
+    )
     tmp.replace(Path(run_dir) / "checkpoint.pt")
     return from_saved(config, full)
 

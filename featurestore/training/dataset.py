@@ -55,9 +55,17 @@ class ExportedDataset(IterableDataset):
     in this rank's share of the data (see the module docstring)."""
 
     def __init__(
-        self, dataset_dir: Path, preprocessor: Preprocessor, label: str, batch_size: int = 512,
-        time_range: tuple[int | None, int | None] = (None, None), shuffle_buffer_batches: int = 8, seed: int = 0,
-        rank: int = 0, world: int = 1, unit_rows: int = 16_384,
+        self,
+        dataset_dir: Path,
+        preprocessor: Preprocessor,
+        label: str,
+        batch_size: int = 512,
+        time_range: tuple[int | None, int | None] = (None, None),
+        shuffle_buffer_batches: int = 8,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        unit_rows: int = 16_384,
     ):
         self.dir = Path(dataset_dir)
         self.files = [self.dir / f["path"] for f in load_manifest(self.dir)["files"]]
@@ -70,12 +78,14 @@ class ExportedDataset(IterableDataset):
     def _mine(self, rank: int | None = None) -> list[Unit]:
         mine = deal(self.units, self.seed, self.epoch, self.rank if rank is None else rank, self.world)
         info = get_worker_info()
-        return mine[info.id::info.num_workers] if info else mine
+        return mine[info.id :: info.num_workers] if info else mine
 
     def _in_range(self, table: pa.Table) -> pa.Table:
         lo, hi = self.time_range
         ts = pc.cast(table["event_timestamp"], pa.int64())
-        mask = pc.and_(pc.greater_equal(ts, lo if lo is not None else -(2**63)), pc.less(ts, hi if hi is not None else 2**63 - 1))
+        mask = pc.and_(
+            pc.greater_equal(ts, lo if lo is not None else -(2**63)), pc.less(ts, hi if hi is not None else 2**63 - 1)
+        )
         return table.filter(mask)
 
     def _tables(self, columns: list[str] | None = None, rank: int | None = None) -> Iterator[pa.Table]:
@@ -101,7 +111,10 @@ class ExportedDataset(IterableDataset):
 
     def batches_per_rank(self) -> list[int]:
         """How many batches each rank yields this epoch (reads only the timestamps)."""
-        return [sum(-(-t.num_rows // self.batch_size) for t in self._flushes(["event_timestamp"], rank)) for rank in range(self.world)]
+        return [
+            sum(-(-t.num_rows // self.batch_size) for t in self._flushes(["event_timestamp"], rank))
+            for rank in range(self.world)
+        ]
 
     def __iter__(self) -> Iterator[Batch]:
         rng = np.random.default_rng([self.seed, self.epoch, self.rank])

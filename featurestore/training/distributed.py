@@ -43,10 +43,10 @@ class Layout:
 
     rank: int = 0
     world: int = 1
-    shard: int = 1           # ranks per shard group
-    sync_every: int = 0      # 0: HSDP (every step); H: average parameters every H steps
+    shard: int = 1  # ranks per shard group
+    sync_every: int = 0  # 0: HSDP (every step); H: average parameters every H steps
     device: torch.device = torch.device("cpu")
-    mesh: Any = None         # DeviceMesh ("sync", "shard") when distributed
+    mesh: Any = None  # DeviceMesh ("sync", "shard") when distributed
 
     @property
     def distributed(self) -> bool:
@@ -57,9 +57,14 @@ class Layout:
         return self.rank == 0
 
     def describe(self) -> dict[str, Any]:
-        return {"world_size": self.world, "shard_group_size": self.shard, "sync_groups": self.world // self.shard,
-                "sync": "every step (HSDP)" if self.sync_every == 0 else f"parameter average every {self.sync_every} steps",
-                "device": self.device.type, "backend": dist.get_backend() if self.distributed else None}
+        return {
+            "world_size": self.world,
+            "shard_group_size": self.shard,
+            "sync_groups": self.world // self.shard,
+            "sync": "every step (HSDP)" if self.sync_every == 0 else f"parameter average every {self.sync_every} steps",
+            "device": self.device.type,
+            "backend": dist.get_backend() if self.distributed else None,
+        }
 
 
 def setup(device: str, shard: int, sync_every: int) -> Layout:

@@ -7,7 +7,14 @@ from torch import nn
 
 
 class TabularMLP(nn.Module):
-    def __init__(self, numeric_width: int, vocab_sizes: list[int], hidden: list[int] = (64, 32), embedding_dim: int = 8, outputs: int = 1):
+    def __init__(
+        self,
+        numeric_width: int,
+        vocab_sizes: list[int],
+        hidden: list[int] = (64, 32),
+        embedding_dim: int = 8,
+        outputs: int = 1,
+    ):
         super().__init__()
         self.embeddings = nn.ModuleList(nn.Embedding(size, embedding_dim) for size in vocab_sizes)
         layers: list[nn.Module] = []
@@ -17,7 +24,13 @@ class TabularMLP(nn.Module):
             width = size
         layers.append(nn.Linear(width, outputs))
         self.mlp = nn.Sequential(*layers)
-        self.config = {"numeric_width": numeric_width, "vocab_sizes": list(vocab_sizes), "hidden": list(hidden), "embedding_dim": embedding_dim, "outputs": outputs}
+        self.config = {
+            "numeric_width": numeric_width,
+            "vocab_sizes": list(vocab_sizes),
+            "hidden": list(hidden),
+            "embedding_dim": embedding_dim,
+            "outputs": outputs,
+        }
 
     def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
         parts = [x_num] + [emb(x_cat[:, i]) for i, emb in enumerate(self.embeddings)]
@@ -29,7 +42,9 @@ def from_saved(config: dict, state_dict: dict) -> TabularMLP:
     given the saved tensors as they are: no random initialisation of tables that are overwritten
     anyway (seconds for a 100 MB embedding)."""
     with torch.device("meta"):
-        model = TabularMLP(config["numeric_width"], config["vocab_sizes"], config["hidden"], config["embedding_dim"], config["outputs"])
+        model = TabularMLP(
+            config["numeric_width"], config["vocab_sizes"], config["hidden"], config["embedding_dim"], config["outputs"]
+        )
     model.load_state_dict(state_dict, assign=True)
     return model.eval()
 

@@ -70,7 +70,9 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"  # a model's name is a fold
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not re.match(NAME_PATTERN, name) or ".." in name:
-        raise FeatureStoreError(f"{name!r} is not a model name: letters, digits, '_', '.' and '-', starting with a letter or digit")
+        raise FeatureStoreError(
+            f"{name!r} is not a model name: letters, digits, '_', '.' and '-', starting with a letter or digit"
+        )
     return name
 
 
@@ -79,8 +81,13 @@ def _sha256(path: Path) -> str:
 
 
 class ModelRegistry:
-    def __init__(self, root: Path, ledger: Path, announce: Callable[[str, int, str], None] | None = None,
-                 artifacts: "ArtifactStore | None" = None):
+    def __init__(
+        self,
+        root: Path,
+        ledger: Path,
+        announce: Callable[[str, int, str], None] | None = None,
+        artifacts: "ArtifactStore | None" = None,
+    ):
         self.root = Path(root)
         self.ledger = Path(ledger)
         self.announce = announce
@@ -100,13 +107,17 @@ class ModelRegistry:
         """Raise unless every file of the version is byte for byte what was registered."""
         recorded = self._ledger().get(name, {}).get(str(version))
         if recorded is None:
-            raise FeatureStoreError(f"model {name} v{version} is not in the registry's ledger ({self.ledger}): "
-                                    "it was not registered here; register it with `featurestore train --register`")
+            raise FeatureStoreError(
+                f"model {name} v{version} is not in the registry's ledger ({self.ledger}): "
+                "it was not registered here; register it with `featurestore train --register`"
+            )
         folder = self.root / name / str(version)
         changed = [f for f in MODEL_FILES if not (folder / f).exists() or _sha256(folder / f) != recorded[f]]
         if changed:
-            raise FeatureStoreError(f"model {name} v{version}: {changed} differ from the hashes recorded at registration "
-                                    "(modified after registering?); register the model again")
+            raise FeatureStoreError(
+                f"model {name} v{version}: {changed} differ from the hashes recorded at registration "
+                "(modified after registering?); register the model again"
+            )
 
     def register(self, name: str, run_dir: Path) -> int:
         import torch
@@ -124,11 +135,18 @@ class ModelRegistry:
         torch.save({"state_dict": state["model"], "config": state["model_config"]}, staging / "model.pt")
         (staging / "preprocessing.json").write_text(json.dumps(state["preprocessor"], indent=2))
         card = {
-            "name": name, "version": version, "task": params["config"]["task"],
-            "feature_service": params["feature_service"], "features": params["features"],
-            "request_inputs": params["config"]["request_inputs"], "definition_hashes": params["definition_hashes"],
-            "dataset_manifest_hash": params["dataset_manifest_hash"], "metrics": final, "run": run_dir.name,
-            "code_version": params["code_version"], "registered_at": datetime.now(timezone.utc).isoformat(),
+            "name": name,
+            "version": version,
+            "task": params["config"]["task"],
+            "feature_service": params["feature_service"],
+            "features": params["features"],
+            "request_inputs": params["config"]["request_inputs"],
+            "definition_hashes": params["definition_hashes"],
+            "dataset_manifest_hash": params["dataset_manifest_hash"],
+            "metrics": final,
+            "run": run_dir.name,
+            "code_version": params["code_version"],
+            "registered_at": datetime.now(timezone.utc).isoformat(),
             "training_layout": params.get("layout"),  # world size, shard and sync groups, device
             "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
         }
@@ -168,7 +186,9 @@ class ModelRegistry:
             return
         wrong = [f for f in MODEL_FILES if hashlib.sha256(files.get(f, b"")).hexdigest() != hashes.get(f)]
         if wrong:
-            raise FeatureStoreError(f"model {name} v{version}: {wrong} do not match their hashes (corrupt or partial transfer)")
+            raise FeatureStoreError(
+                f"model {name} v{version}: {wrong} do not match their hashes (corrupt or partial transfer)"
+            )
         staging = self.root / name / f".v{version}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -203,7 +223,9 @@ class ModelRegistry:
             raise FeatureStoreError(f"model {name} v{version} does not load, so it is not promoted: {exc}") from exc
         before = self.aliases(name)
         if stage in before and before[stage] != version:  # what `rollback` returns to
-            atomic_write(self.root / name / "previous.json", json.dumps({**self._previous(name), stage: before[stage]}).encode())
+            atomic_write(
+                self.root / name / "previous.json", json.dumps({**self._previous(name), stage: before[stage]}).encode()
+            )
         atomic_write(self.root / name / "aliases.json", json.dumps({**before, stage: version}, indent=2).encode())
         if self.announce:
             self.announce(name, version, stage)
@@ -214,7 +236,9 @@ class ModelRegistry:
         else:
             version = self.aliases(name).get(str(ref))  # type: ignore[assignment]
             if version is None:
-                raise NotFoundError(f"model {name!r} has no {ref!r} version; promote one with `featurestore models promote`")
+                raise NotFoundError(
+                    f"model {name!r} has no {ref!r} version; promote one with `featurestore models promote`"
+                )
         if version not in self.versions(name):
             raise NotFoundError(f"model {name!r} has no version {version}")
         return version

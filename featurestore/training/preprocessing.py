@@ -32,8 +32,14 @@ class Preprocessor:
     _lookups: dict[str, dict[str, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def fit(cls, table: pa.Table, numeric: Sequence[str], categorical: Sequence[str], max_vocab: int = 1000,
-            hashed: Mapping[str, int] | None = None) -> "Preprocessor":
+    def fit(
+        cls,
+        table: pa.Table,
+        numeric: Sequence[str],
+        categorical: Sequence[str],
+        max_vocab: int = 1000,
+        hashed: Mapping[str, int] | None = None,
+    ) -> "Preprocessor":
         means, stds = [], []
         for name in numeric:
             values = pc.cast(table[name], pa.float64())
@@ -104,8 +110,15 @@ def _buckets(values: Any, size: int) -> np.ndarray:
             raw = pc.cast(values, pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
             return np.where(present, raw % size + 1, 0).astype(np.int64)
         values = values.to_pylist()
-    return np.array([0 if v is None else (v % size if isinstance(v, int) and not isinstance(v, bool) else _text_hash(v) % size) + 1
-                     for v in values], dtype=np.int64)
+    return np.array(
+        [
+            0
+            if v is None
+            else (v % size if isinstance(v, int) and not isinstance(v, bool) else _text_hash(v) % size) + 1
+            for v in values
+        ],
+        dtype=np.int64,
+    )
 
 
 def _text_hash(value: Any) -> int:

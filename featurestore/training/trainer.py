@@ -39,9 +39,9 @@ class TrainConfig:
     dataset: str
     label: str = "label"
     task: Literal["classification", "regression"] = "classification"
-    request_inputs: list[str] = field(default_factory=list)   # columns sent with each request (e.g. amount)
-    entity_keys: list[str] = field(default_factory=list)      # keys learned as hashed embedding tables (e.g. card_id)
-    entity_buckets: int = 65_536                                # rows per entity-key table
+    request_inputs: list[str] = field(default_factory=list)  # columns sent with each request (e.g. amount)
+    entity_keys: list[str] = field(default_factory=list)  # keys learned as hashed embedding tables (e.g. card_id)
+    entity_buckets: int = 65_536  # rows per entity-key table
     epochs: int = 4
     batch_size: int = 512
     learning_rate: float = 2e-3
@@ -50,17 +50,23 @@ class TrainConfig:
     validation_fraction: float = 0.2
     seed: int = 0
     num_workers: int = 0
-    device: str = "auto"             # auto (CUDA when present), cpu, cuda
-    bf16: bool = False               # bfloat16 autocast on CUDA
-    shard_group_size: int = 1        # ranks sharing one sharded replica (FSDP); world = sync groups x this
-    sync_every: int = 0              # 0: replicas in step every step (HSDP); H: average parameters every H steps
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda
+    bf16: bool = False  # bfloat16 autocast on CUDA
+    shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
+    sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
 
 
 def code_version() -> str:
     from featurestore import __version__
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        )
         if sha.returncode == 0:
             return f"{__version__}+{sha.stdout.strip()}"
     except (OSError, subprocess.SubprocessError):
@@ -80,11 +86,18 @@ def input_columns(config: TrainConfig) -> tuple[list[str], list[str]]:
 
 def split_time(dataset_dir: Path, validation_fraction: float) -> int:
     """Event time (µs) splitting training from validation: validation is the latest rows."""
-    ts = pc.cast(pq.read_table(dataset_dir / load_manifest(dataset_dir)["files"][0]["path"], columns=["event_timestamp"])["event_timestamp"], pa.int64())
+    ts = pc.cast(
+        pq.read_table(dataset_dir / load_manifest(dataset_dir)["files"][0]["path"], columns=["event_timestamp"])[
+            "event_timestamp"
+        ],
+        pa.int64(),
+    )
     return int(np.quantile(ts.to_numpy(), 1 - validation_fraction))
 
 
-def train(config: TrainConfig, runs_dir: Path, resume: str | None = None, progress: bool = True, run_id: str | None = None) -> Path:
+def train(
+    config: TrainConfig, runs_dir: Path, resume: str | None = None, progress: bool = True, run_id: str | None = None
+) -> Path:
     """Run (or resume) training; return the run folder. Under torchrun every rank calls this with the same ``run_id``."""
     layout = distributed.setup(config.device, config.shard_group_size, config.sync_every)
     try:
@@ -106,35 +119,62 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     manifest = load_manifest(dataset_dir)
     split = split_time(dataset_dir, config.validation_fraction)
     numeric, categorical = input_columns(config)
-    missing = [k for k in config.entity_keys if k not in pq.read_schema(dataset_dir / manifest["files"][0]["path"]).names]
+    missing = [
+        k for k in config.entity_keys if k not in pq.read_schema(dataset_dir / manifest["files"][0]["path"]).names
+    ]
     if missing:
         raise FeatureStoreError(f"entity key(s) {missing} are not columns of the dataset {dataset_dir}")
-    train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"])
+    train_rows = pq.read_table(
+        dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"]
+    )
     train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
-    pre = Preprocessor.fit(train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys})
+    pre = Preprocessor.fit(
+        train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys}
+    )
     # every rank records its own training loss (writer rank<r>; one process is rank 0, so a run
     # resumed on another world size continues the same curves); rank 0 the rest
     run = Run(run_dir, writer=f"rank{layout.rank}")
     if layout.is_main:
-        run.log_params({
-            "config": asdict(config), "dataset_path": str(dataset_dir.resolve()), "dataset_manifest_hash": manifest["manifest_hash"],
-            "definition_hashes": manifest["definition_hashes"], "feature_service": manifest["feature_service"],
-            "features": manifest["features"], "code_version": code_version(), "validation_split_us": split,
-            "layout": layout.describe(),
-        })
+        run.log_params(
+            {
+                "config": asdict(config),
+                "dataset_path": str(dataset_dir.resolve()),
+                "dataset_manifest_hash": manifest["manifest_hash"],
+                "definition_hashes": manifest["definition_hashes"],
+                "feature_service": manifest["feature_service"],
+                "features": manifest["features"],
+                "code_version": code_version(),
+                "validation_split_us": split,
+                "layout": layout.describe(),
+            }
+        )
         run.log_artifact(dataset_dir / "manifest.json", "dataset_manifest.json")
 
-    model = distributed.shard_model(TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim), layout)
+    model = distributed.shard_model(
+        TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim), layout
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
-    loss_fn = torch.nn.BCEWithLogitsLoss(reduction="none") if config.task == "classification" else torch.nn.MSELoss(reduction="none")
+    loss_fn = (
+        torch.nn.BCEWithLogitsLoss(reduction="none")
+        if config.task == "classification"
+        else torch.nn.MSELoss(reduction="none")
+    )
     start_epoch, step = 0, 0
     if resume:
         saved = checkpoints.load(run_dir, model, optimizer)
         if saved is not None:
             start_epoch, step = saved["epoch"] + 1, saved["step"]
 
-    train_data = ExportedDataset(dataset_dir, pre, config.label, config.batch_size, (None, split), seed=config.seed,
-                                 rank=layout.rank, world=layout.world)
+    train_data = ExportedDataset(
+        dataset_dir,
+        pre,
+        config.label,
+        config.batch_size,
+        (None, split),
+        seed=config.seed,
+        rank=layout.rank,
+        world=layout.world,
+    )
     val_data = ExportedDataset(dataset_dir, pre, config.label, 8192, (split, None), shuffle_buffer_batches=1)
     loader = DataLoader(train_data, batch_size=None, num_workers=config.num_workers)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
@@ -170,13 +210,21 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
             if layout.is_main:
                 metrics = evaluate(full, val_data, config.task)
                 run.log(step, **{f"val_{k}": v for k, v in metrics.items()})
-                bar.update(task, advance=1, description=f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                bar.update(
+                    task,
+                    advance=1,
+                    description=f"epoch {epoch + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+                )
             run.metrics.flush()  # readable while the run goes on
 
     rate = distributed.sum_across_ranks(rows, layout) / max(time.perf_counter() - started, 1e-9)
     if layout.is_main:
-        final = {"step": step, "epochs": config.epochs, "train_samples_per_s": round(rate, 1),
-                 **{f"val_{k}": v for k, v in evaluate(checkpoints.full_model(run_dir), val_data, config.task).items()}}
+        final = {
+            "step": step,
+            "epochs": config.epochs,
+            "train_samples_per_s": round(rate, 1),
+            **{f"val_{k}": v for k, v in evaluate(checkpoints.full_model(run_dir), val_data, config.task).items()},
+        }
         run.finish(final)
         plot_losses(run_dir)
         run.log_artifact(run_dir / "loss.png")

@@ -7,6 +7,11 @@ from feast.types import Float64, String
 
 card = Entity(name="card", join_keys=["card_id"], value_type=ValueType.INT64)
 events = PushSource(name="events", batch_source=FileSource(path="events.parquet", timestamp_field="event_timestamp"))
-spend = FeatureView(name="spend", entities=[card], ttl=timedelta(hours=1), source=events,
-                    schema=[Field(name="amount", dtype=Float64), Field(name="country", dtype=String)])
+spend = FeatureView(
+    name="spend",
+    entities=[card],
+    ttl=timedelta(hours=1),
+    source=events,
+    schema=[Field(name="amount", dtype=Float64), Field(name="country", dtype=String)],
+)
 svc = FeatureService(name="svc", features=[spend[["amount"]]])
