@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import peak_rss_mb, percentiles, run_child  # noqa: E402
 
 HERE = Path(__file__).resolve()
-START = datetime(2024, 1, 1, tzinfo=timezone.utc)
+START = datetime(2024, 1, 1, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")
 WINDOWS = {"1h": 3600, "24h": 86400, "7d": 7 * 86400}
 FUNCTIONS = ("count", "sum", "mean", "max")
@@ -170,7 +170,8 @@ def offline(args: argparse.Namespace) -> None:
     print(f"  {'hand-written DuckDB SQL':26}{ref['seconds']:>10.2f}{ref['peak_rss_mb']:>14.0f}")
     print(f"  {'get_historical_features':26}{ours['seconds']:>10.2f}{ours['peak_rss_mb']:>14.0f}")
     print(
-        f"  ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x"
+        f"  ratio (ours / reference): time {ours['seconds'] / ref['seconds']:.2f}x, "
+        f"peak RSS {ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x"
     )
     print(f"  results agree: {ours['checksum'] == ref['checksum']} ({ours['checksum']})")
 
@@ -184,7 +185,7 @@ def online(args: argparse.Namespace) -> None:
     write_repo(root)
     rng = np.random.default_rng(args.seed)
     n_cards = args.online_cards
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     per_card = 10
     events = n_cards * per_card
     with FeatureStore(root) as store:
@@ -239,7 +240,7 @@ def online(args: argparse.Namespace) -> None:
                     "tx_id": np.arange(events, events + n_cards, dtype=np.int64),
                     "card_id": np.arange(1, n_cards + 1),
                     "amount": np.full(n_cards, 1.0),
-                    "event_timestamp": pa.array([datetime.now(timezone.utc)] * n_cards, TS),
+                    "event_timestamp": pa.array([datetime.now(UTC)] * n_cards, TS),
                 }
             ),
             to="online",
@@ -252,7 +253,7 @@ def online(args: argparse.Namespace) -> None:
                     "tx_id": [events + i],
                     "card_id": [int(rng.integers(1, n_cards + 1))],
                     "amount": [12.5],
-                    "event_timestamp": pa.array([datetime.now(timezone.utc)], TS),
+                    "event_timestamp": pa.array([datetime.now(UTC)], TS),
                 }
             )
             t0 = time.perf_counter()
@@ -268,7 +269,7 @@ def online(args: argparse.Namespace) -> None:
                     "tx_id": [first + len(stream)],
                     "card_id": [int(rng.integers(1, n_cards + 1))],
                     "amount": [12.5],
-                    "event_timestamp": pa.array([datetime.now(timezone.utc)], TS),
+                    "event_timestamp": pa.array([datetime.now(UTC)], TS),
                 }
             )
             t0 = time.perf_counter()
@@ -288,7 +289,7 @@ def online(args: argparse.Namespace) -> None:
                             "tx_id": np.arange(first, first + batch, dtype=np.int64),
                             "card_id": rng.integers(1, n_cards + 1, batch),
                             "amount": np.round(rng.lognormal(3.5, 1.1, batch), 2),
-                            "event_timestamp": pa.array([datetime.now(timezone.utc)] * batch, TS),
+                            "event_timestamp": pa.array([datetime.now(UTC)] * batch, TS),
                         }
                     )
                 )
@@ -353,7 +354,8 @@ def online(args: argparse.Namespace) -> None:
     )
     for label, (lookups, stall) in stalls.items():
         print(
-            f"    {label}: lookups {' / '.join(f'{ms:.0f}' for ms in lookups)} ms, longest stall {' / '.join(f'{ms:.1f}' for ms in stall)} ms"
+            f"    {label}: lookups {' / '.join(f'{ms:.0f}' for ms in lookups)} ms, "
+            f"longest stall {' / '.join(f'{ms:.1f}' for ms in stall)} ms"
         )
     for to, times in push_times.items():
         push = percentiles(times)
@@ -369,7 +371,8 @@ def online(args: argparse.Namespace) -> None:
     for to, times in http.items():
         push = percentiles(times)
         print(
-            f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  (n={push['n']}, one keep-alive client)"
+            f"  POST /push 1 event to {to:<18}     p50 {push['p50']:.2f} ms  p99 {push['p99']:.2f} ms  "
+            f"(n={push['n']}, one keep-alive client)"
         )
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
@@ -478,7 +481,7 @@ def http_push(root: Path, first_id: int, n_cards: int, n: int) -> dict[str, list
                         "tx_id": [first_id + i],
                         "card_id": [1 + i % n_cards],
                         "amount": [12.5],
-                        "event_timestamp": [datetime.now(timezone.utc).isoformat()],
+                        "event_timestamp": [datetime.now(UTC).isoformat()],
                     },
                 }
             ).encode()

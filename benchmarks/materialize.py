@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -53,7 +53,7 @@ def setup(root: Path, rows: int, entities: int) -> None:
     source = root / "data" / "source.parquet"
     if source.exists():
         return
-    start = int(datetime(2024, 1, 1, tzinfo=timezone.utc).timestamp() * 1e6)
+    start = int(datetime(2024, 1, 1, tzinfo=UTC).timestamp() * 1e6)
     pq.write_table(
         pa.table(
             {
@@ -111,7 +111,7 @@ def main() -> None:
         from featurestore import FeatureStore
 
         t0 = time.perf_counter()
-        report = FeatureStore(root).materialize(None, datetime(2025, 1, 1, tzinfo=timezone.utc))
+        report = FeatureStore(root).materialize(None, datetime(2025, 1, 1, tzinfo=UTC))
         print(
             json.dumps(
                 {
@@ -134,7 +134,7 @@ def main() -> None:
     client = store.online_store.client
     view = store.get_feature_view("stats")
     features = [(f.name, f.dtype) for f in view.schema]
-    end = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    end = datetime(2025, 1, 1, tzinfo=UTC)
 
     def fresh() -> None:
         client.flushdb()
@@ -169,7 +169,8 @@ def main() -> None:
     con.register("src", pq.read_table(root / "data" / "source.parquet"))
     latest = latest_per_entity(
         con.sql(
-            f"SELECT user_id, event_timestamp, event_timestamp AS created_timestamp, 1::BIGINT AS _run_id, (hash(user_id) >> 1)::BIGINT AS _row_id, "
+            f"SELECT user_id, event_timestamp, event_timestamp AS created_timestamp, 1::BIGINT AS _run_id, "
+            f"(hash(user_id) >> 1)::BIGINT AS _row_id, "
             f"{', '.join(FEATURES)} FROM src"
         )
         .to_arrow_table()
@@ -234,14 +235,15 @@ def main() -> None:
         on_ray = FeatureStore(root)
         on_ray._online = store.online_store  # the same embedded Redis
         fresh()
-        on_ray.materialize(datetime(2024, 3, 30, tzinfo=timezone.utc), end)  # warm: workers started and importing
+        on_ray.materialize(datetime(2024, 3, 30, tzinfo=UTC), end)  # warm: workers started and importing
         fresh()
         t0 = time.perf_counter()
         report = on_ray.materialize(None, end)
         seconds = time.perf_counter() - t0
         print("4. both stores on Ray (a local cluster on this machine's cores, workers warm)")
         print(
-            f"   materialize: {seconds:6.2f}s  {args.rows / seconds:,.0f} source rows/s; {report.views[0].new_offline_rows:,} history rows, "
+            f"   materialize: {seconds:6.2f}s  {args.rows / seconds:,.0f} source rows/s; "
+            f"{report.views[0].new_offline_rows:,} history rows, "
             f"{report.views[0].online_rows:,} entities online; Ray / local: {seconds / both:.2f}x"
         )
     store.close()

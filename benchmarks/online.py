@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +56,7 @@ def setup(root: Path, n: int) -> None:
     (root / "data").mkdir(parents=True, exist_ok=True)
     (root / "featurestore.yaml").write_text(f"project: {PROJECT}\nmodules: [features.py]\n")
     (root / "features.py").write_text(DEFS)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     pq.write_table(
         pa.table(
             {
@@ -295,7 +295,8 @@ def main() -> None:
         rows.append(("sdk", size, ours, ref))
         print(
             f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
-            f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
+            f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | "
+            f"ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
         )
 
     env = {
@@ -376,7 +377,8 @@ def main() -> None:
             )
             print(
                 f"  {size:>3} entities: ours p50 {ours['p50']:.3f} p99 {ours['p99']:.3f} p99.9 {ours['p99.9']:.3f} | "
-                f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
+                f"raw p50 {ref['p50']:.3f} p99 {ref['p99']:.3f} p99.9 {ref['p99.9']:.3f} | "
+                f"ratio p50 {ours['p50'] / ref['p50']:.2f}x p99 {ours['p99'] / ref['p99']:.2f}x"
             )
         ours_http.sock.close()
         raw_http.sock.close()

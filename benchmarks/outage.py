@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -58,9 +58,7 @@ def main() -> None:
     (root / "features.py").write_text(DEFS)
     with FeatureStore(root) as store:
         store.apply()
-        store.push(
-            "events", {"card_id": [1], "amount": [1.0], "event_timestamp": [datetime.now(timezone.utc)]}, to="online"
-        )
+        store.push("events", {"card_id": [1], "amount": [1.0], "event_timestamp": [datetime.now(UTC)]}, to="online")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     server = subprocess.Popen(

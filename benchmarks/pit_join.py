@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import peak_rss_mb, run_child  # noqa: E402
 
 HERE = Path(__file__).resolve()
-START = datetime(2024, 1, 1, tzinfo=timezone.utc)
+START = datetime(2024, 1, 1, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")
 MIXED = [
     ("f_f64_a", "Float64"),

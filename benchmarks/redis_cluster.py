@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -52,20 +52,18 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=200)
     args = parser.parse_args()
 
+    import redis
+
     from featurestore import FeatureStore
     from featurestore.online.embedded import redis_server_binary
     from featurestore.online.local_cluster import free_ports, start_local_cluster, stop_local_cluster, wait_until
-
-    import redis
 
     rng = np.random.default_rng(0)
     n = args.entities
     table = pa.table(
         {
             "user_id": np.arange(n, dtype=np.int64),
-            "event_timestamp": pa.array(
-                [datetime.now(timezone.utc) - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")
-            ),
+            "event_timestamp": pa.array([datetime.now(UTC) - timedelta(hours=1)] * n, pa.timestamp("us", tz="UTC")),
             **{f: rng.normal(size=n) for f in FEATURES},
         }
     )
@@ -89,7 +87,7 @@ def main() -> None:
         for name, store in stores.items():
             store.apply()
             t0 = time.perf_counter()
-            store.materialize(None, datetime.now(timezone.utc))
+            store.materialize(None, datetime.now(UTC))
             writes[name] = time.perf_counter() - t0
         refs = [f"stats:{f}" for f in FEATURES]
         timings = {(name, size): [] for name in stores for size in (1, 100)}

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ def make_dataset(folder: Path, rows: int) -> Path:
     amount, risk = rng.exponential(50, rows), rng.normal(0, 1, rows)
     country = rng.choice(["FR", "DE", "US", "GB"], rows)
     label = ((amount > 80) & (country == "US")) | (risk > 1.2)
-    start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    start = datetime(2024, 1, 1, tzinfo=UTC)
     table = pa.table(
         {
             "event_timestamp": pa.array(

@@ -16,8 +16,9 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from featurestore.errors import FeatureStoreError
 

@@ -159,8 +159,8 @@ def _window(aggregation: Any) -> dict[str, Any]:
 
 def view_status(
     registry: RegistryStore,
-    offline: "DeltaOfflineStore",
-    online: "RedisOnlineStore | None",
+    offline: DeltaOfflineStore,
+    online: RedisOnlineStore | None,
     project: str,
     name: str,
     now: float | None = None,

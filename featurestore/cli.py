@@ -7,7 +7,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 import typer.core
@@ -59,7 +59,7 @@ def _store(repo: Path):
     return FeatureStore(repo)
 
 
-def _parse_time(value: Optional[str]) -> Optional[datetime]:
+def _parse_time(value: str | None) -> datetime | None:
     from featurestore.config import parse_time
 
     return parse_time(value) if value is not None else None
@@ -158,8 +158,8 @@ def materialize(
     end: str = typer.Argument(..., help="End of the window, exclusive."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     fail_on_bad_rows: bool = typer.Option(False, help="Fail instead of sending bad source rows to the rejects table."),
-    engine: Optional[str] = EngineOption,
-    ray_address: Optional[str] = RayAddressOption,
+    engine: str | None = EngineOption,
+    ray_address: str | None = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Compute views over [START, END) and write the history store and Redis."""
@@ -177,13 +177,13 @@ def materialize(
 
 @app.command("materialize-incremental", rich_help_panel="Data")
 def materialize_incremental(
-    end: Optional[str] = typer.Argument(None, help="Up to this time (default: now)."),
+    end: str | None = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     rebuild_online: bool = typer.Option(
         False, help="Also refill Redis from the history store (after Redis lost data)."
     ),
-    engine: Optional[str] = EngineOption,
-    ray_address: Optional[str] = RayAddressOption,
+    engine: str | None = EngineOption,
+    ray_address: str | None = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Write every row not yet materialized, late arrivals included."""
@@ -200,8 +200,8 @@ def backfill(
     views: list[str] = typer.Argument(
         ..., help="Views to rebuild (what `plan` names after a new version or an added column)."
     ),
-    engine: Optional[str] = EngineOption,
-    ray_address: Optional[str] = RayAddressOption,
+    engine: str | None = EngineOption,
+    ray_address: str | None = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Recompute views' whole history from their sources into their current version, and refill Redis."""
@@ -222,7 +222,7 @@ def stream(
     source: str = typer.Argument(..., help="A StreamSource's name."),
     to: str = typer.Option("online_and_offline", help="online, offline or online_and_offline."),
     batch: int = typer.Option(1000, help="Entries read (and pushed) per round trip."),
-    consumer: Optional[str] = typer.Option(None, help="Consumer name in the group (default: host-pid)."),
+    consumer: str | None = typer.Option(None, help="Consumer name in the group (default: host-pid)."),
     claim_idle: float = typer.Option(
         30.0,
         min=0.1,
@@ -267,7 +267,7 @@ def stream(
 @app.command(rich_help_panel="Data")
 def compact(
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
-    vacuum_hours: Optional[int] = typer.Option(
+    vacuum_hours: int | None = typer.Option(
         None,
         help="Also delete files only versions older than this many hours use "
         "(exports from those versions can then no longer be reproduced).",
@@ -288,15 +288,15 @@ def compact(
 @app.command(rich_help_panel="Data")
 def export(
     out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
-    service: Optional[str] = typer.Option(None, "--service", "-s", help="Feature service to export."),
-    entities: Optional[Path] = typer.Option(
+    service: str | None = typer.Option(None, "--service", "-s", help="Feature service to export."),
+    entities: Path | None = typer.Option(
         None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."
     ),
-    from_manifest: Optional[Path] = typer.Option(
+    from_manifest: Path | None = typer.Option(
         None, "--from-manifest", help="Reproduce an earlier export byte for byte."
     ),
-    engine: Optional[str] = EngineOption,
-    ray_address: Optional[str] = RayAddressOption,
+    engine: str | None = EngineOption,
+    ray_address: str | None = RayAddressOption,
     repo: Path = RepoOption,
 ) -> None:
     """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""
@@ -312,7 +312,7 @@ def export(
     console.print(f"Exported {manifest['row_count']} rows to {out} (manifest {manifest['manifest_hash'][:12]}).")
 
 
-def _engine_from_flags(engine: Optional[str], ray_address: Optional[str]) -> None:
+def _engine_from_flags(engine: str | None, ray_address: str | None) -> None:
     """Flags win over featurestore.yaml (through the environment the config reads)."""
     import os
 
@@ -412,7 +412,7 @@ def _run_server(
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
     store.require_applied()  # fail here, readably, rather than in every worker
-    store.online_store  # start the embedded Redis once, before the workers attach to it
+    _ = store.online_store  # start the embedded Redis once, before the workers attach to it
     os.environ[REPO_ENV] = str(repo.resolve())
     if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # /metrics sums every worker's samples
         import atexit
@@ -535,10 +535,10 @@ def train_command(
         0,
         help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD).",
     ),
-    resume: Optional[str] = typer.Option(
+    resume: str | None = typer.Option(
         None, help="Resume this run id from its last checkpoint (on any number of processes)."
     ),
-    register: Optional[str] = typer.Option(None, help="Register the trained model under this name."),
+    register: str | None = typer.Option(None, help="Register the trained model under this name."),
     repo: Path = RepoOption,
 ) -> None:
     """Train an MLP on an exported dataset, on one process or many; the run is tracked under <data_dir>/runs."""
@@ -615,10 +615,8 @@ def train_command(
 @app.command("checkpoint-engine", rich_help_panel="Serving")
 def checkpoint_engine(
     model: str = typer.Option(..., help="Model name to distribute."),
-    source: Optional[str] = typer.Option(
-        None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."
-    ),
-    upstream: Optional[str] = typer.Option(
+    source: str | None = typer.Option(None, help="The trainer-side engine's URL; omit to BE the trainer-side engine."),
+    upstream: str | None = typer.Option(
         None, help="Another replica's engine to fetch versions from first (a broadcast tree)."
     ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
@@ -716,7 +714,7 @@ def runs_tag(
 def runs_compare(
     run_ids: list[str] = typer.Argument(..., help="Two or more run ids."),
     metric: list[str] = typer.Option(["train_loss", "val_auc"], "--metric", help="Curves to overlay (repeatable)."),
-    plot: Optional[Path] = typer.Option(None, help="Write the overlaid curves to this PNG."),
+    plot: Path | None = typer.Option(None, help="Write the overlaid curves to this PNG."),
     repo: Path = RepoOption,
 ) -> None:
     """Runs side by side: the parameters that differ first, final metrics, overlaid curves."""
@@ -781,8 +779,8 @@ def models_rollback(
 
 @app.command("check-consistency", rich_help_panel="Training and models")
 def check_consistency_command(
-    model: Optional[str] = typer.Option(None, help="Model whose feature log (inference server) to check."),
-    service: Optional[str] = typer.Option(None, help="Check the feature server's log of this service instead."),
+    model: str | None = typer.Option(None, help="Model whose feature log (inference server) to check."),
+    service: str | None = typer.Option(None, help="Check the feature server's log of this service instead."),
     as_of: str = typer.Option(
         "auto",
         help="History as of: auto (each vector as it was served: replays with `at` as of event "
@@ -812,7 +810,7 @@ def check_consistency_command(
 @app.command(rich_help_panel="Try it")
 def demo(
     repo: Path = typer.Option(Path("definitions"), "--repo", "-r", help="The example repo (definitions/)."),
-    data_dir: Optional[Path] = typer.Option(None, help="Where to put data (default: a new temp folder)."),
+    data_dir: Path | None = typer.Option(None, help="Where to put data (default: a new temp folder)."),
     cards: int = typer.Option(2000, help="Number of cards to simulate."),
     days: int = typer.Option(30, help="Days of history."),
     replay_days: float = typer.Option(2, help="Held-out days replayed through the inference server."),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,8 @@ class RepoConfig:
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
-    read_timeout_ms: int = 500  # servers' Redis reads: past it (checked every quarter of it) a request gets a 503 (an outage never hangs them)
+    # servers' Redis reads: past it (checked every quarter of it) a request gets a 503 (an outage never hangs them)
+    read_timeout_ms: int = 500
     read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master by a moment)
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     # rows whose event time is further ahead of the ingest time are rejected until due
@@ -47,7 +48,7 @@ class RepoConfig:
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
     max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
-    api_keys: "list[ApiKey] | None" = None  # None: authentication not configured (see featurestore.auth)
+    api_keys: list[ApiKey] | None = None  # None: authentication not configured (see featurestore.auth)
     auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
     error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
@@ -63,7 +64,7 @@ class RepoConfig:
         return self.online_url == EMBEDDED
 
     @classmethod
-    def load(cls, repo_path: str | Path) -> "RepoConfig":
+    def load(cls, repo_path: str | Path) -> RepoConfig:
         repo = Path(repo_path).resolve()
         file = repo / CONFIG_FILE
         if not file.exists():
@@ -151,7 +152,7 @@ def _online_url(online: dict, file: Path) -> str:
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def parse_time(value: "str | datetime") -> datetime:
+def parse_time(value: str | datetime) -> datetime:
     """An ISO 8601 time (``2024-05-01``, ``2024-05-01T10:00:00Z``) or datetime; naive means UTC."""
     if isinstance(value, datetime):
         ts = value
@@ -162,7 +163,7 @@ def parse_time(value: "str | datetime") -> datetime:
             raise FeatureStoreError(
                 f"{value!r} is not an ISO 8601 time; write e.g. 2024-05-01 or 2024-05-01T10:00:00Z"
             ) from None
-    return ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
 def parse_duration(value: object, where: str) -> timedelta:
@@ -223,7 +224,7 @@ def _check_keys(file: Path, raw: dict) -> None:
                 raise FeatureStoreError(f"{file}: unknown setting `{where}{key}`{hint}")
 
 
-def _api_keys(auth: object, file: Path) -> "list[ApiKey] | None":
+def _api_keys(auth: object, file: Path) -> list[ApiKey] | None:
     from featurestore.auth import keys_from_env, parse_keys
 
     if auth in (None, False, "off"):

@@ -94,7 +94,7 @@ def _mode_name(as_of: str, groups: list[tuple[str, pa.Table]]) -> str:
 
 
 def check_consistency(
-    store: "FeatureStore", model_name: str, max_mismatches: int = 20, as_of: str = "auto"
+    store: FeatureStore, model_name: str, max_mismatches: int = 20, as_of: str = "auto"
 ) -> ConsistencyReport:
     """Check an inference server's log: features, and the model's scores rescored offline."""
 
@@ -142,7 +142,7 @@ def check_consistency(
 
 
 def check_service_log(
-    store: "FeatureStore", service: str, max_mismatches: int = 20, as_of: str = "auto"
+    store: FeatureStore, service: str, max_mismatches: int = 20, as_of: str = "auto"
 ) -> ConsistencyReport:
     """Check the feature server's log of lookups by ``service`` (``featurestore serve --log-features``)."""
     logs = read_log(log_path(store.config.data_dir, f"service:{service}"))
@@ -217,7 +217,7 @@ def read_checks(data_dir: Path) -> list[dict[str, Any]]:
 
 
 def _compare_features(
-    store: "FeatureStore",
+    store: FeatureStore,
     part: pa.Table,
     service: str,
     request_inputs: list[str],
@@ -270,7 +270,7 @@ def _compare_features(
     return offline, names
 
 
-def _inexact(store: "FeatureStore", ref: str) -> bool:
+def _inexact(store: FeatureStore, ref: str) -> bool:
     view_name, feature = ref.split(":")
     odfv = store.definitions.on_demand_feature_views.get(view_name)
     if odfv is not None:  # the same function on inputs that may differ by rounding

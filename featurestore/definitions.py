@@ -11,10 +11,11 @@ import inspect
 import json
 import sys
 import textwrap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, Union
+from typing import Any, Literal
 
 from featurestore.types import DType
 
@@ -170,8 +171,8 @@ class StreamSource(PushSource):
         return {**super().to_spec(), "kind": "stream", "stream": self.stream}
 
 
-Source = Union[FileSource, SqlSource, PushSource]
-Transformation = Union[str, Callable[..., Any], None]
+Source = FileSource | SqlSource | PushSource
+Transformation = str | Callable[..., Any] | None
 
 
 # ---------------------------------------------------------------- aggregations
@@ -368,7 +369,7 @@ class FeatureView:
                 return f
         raise KeyError(name)
 
-    def __getitem__(self, features: Sequence[str]) -> "FeatureViewProjection":
+    def __getitem__(self, features: Sequence[str]) -> FeatureViewProjection:
         if isinstance(features, str):
             features = [features]
         return FeatureViewProjection(self, list(features))
@@ -431,7 +432,7 @@ class OnDemandFeatureView:
     """
 
     name: str
-    sources: list["FeatureView | FeatureViewProjection | RequestSource"]
+    sources: list[FeatureView | FeatureViewProjection | RequestSource]
     schema: list[Field]
     udf: OnDemandFunction
     description: str = ""
@@ -468,7 +469,7 @@ class OnDemandFeatureView:
     def request_fields(self) -> list[Field]:
         return [f for s in self.sources if isinstance(s, RequestSource) for f in s.schema]
 
-    def __getitem__(self, features: Sequence[str]) -> "FeatureViewProjection":
+    def __getitem__(self, features: Sequence[str]) -> FeatureViewProjection:
         return FeatureViewProjection(self, [features] if isinstance(features, str) else list(features))  # type: ignore[arg-type]
 
     def to_spec(self) -> dict[str, Any]:
@@ -491,7 +492,7 @@ class OnDemandFeatureView:
 
 def on_demand_feature_view(
     *,
-    sources: list["FeatureView | FeatureViewProjection | RequestSource"],
+    sources: list[FeatureView | FeatureViewProjection | RequestSource],
     schema: list[Field],
     name: str = "",
     description: str = "",
@@ -517,7 +518,7 @@ class FeatureService:
     """A named set of features a model consumes, in a fixed order."""
 
     name: str
-    features: list["FeatureView | OnDemandFeatureView | FeatureViewProjection"]
+    features: list[FeatureView | OnDemandFeatureView | FeatureViewProjection]
     description: str = ""
     owner: str = ""
     tags: dict[str, str] = field(default_factory=dict)
@@ -544,4 +545,4 @@ class FeatureService:
         }
 
 
-Definition = Union[Entity, FeatureView, OnDemandFeatureView, FeatureService, PushSource]
+Definition = Entity | FeatureView | OnDemandFeatureView | FeatureService | PushSource

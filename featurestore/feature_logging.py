@@ -16,8 +16,9 @@ import os
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
@@ -40,7 +41,7 @@ def log_path(data_dir: Path, name: str) -> Path:
 
 
 def vector_schema(
-    store: "FeatureStore", service_name: str, request_inputs: Sequence[str] = (), with_model: bool = False
+    store: FeatureStore, service_name: str, request_inputs: Sequence[str] = (), with_model: bool = False
 ) -> pa.Schema:
     """Columns of a served-vector log: time, request, keys, inputs, each feature and its status (and the score)."""
     defs = store.definitions
@@ -72,7 +73,7 @@ def vector_schema(
     return pa.schema(fields)
 
 
-def vector_entry(query: "OnlineQuery", response: "OnlineResponse", **extra: list[Any]) -> dict[str, list[Any]]:
+def vector_entry(query: OnlineQuery, response: OnlineResponse, **extra: list[Any]) -> dict[str, list[Any]]:
     """One request's served vectors as log columns (``extra``: inputs, model fields, scores), at the
     time the lookup was evaluated at."""
     n = len(query.key_columns[0])

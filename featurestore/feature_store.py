@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
@@ -22,10 +23,10 @@ if TYPE_CHECKING:
     from featurestore.materialization.engine import MaterializationReport, Materializer
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
-    from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.online.redis_store import RedisOnlineStore
     from featurestore.retrieval.historical import JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineResponse
+    from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.training.model_registry import ModelRegistry
 
 
@@ -93,7 +94,7 @@ class FeatureStore:
         self,
         views: Iterable[str] = (),
         features: Sequence[str] | None = None,
-        feature_service: "str | FeatureService | None" = None,
+        feature_service: str | FeatureService | None = None,
     ) -> list[str]:
         """Every definition a request depends on: its service, views, their entities and sources."""
         names = list(views)
@@ -160,7 +161,7 @@ class FeatureStore:
         manifests and model cards record it, so metadata edits never make a model or dataset stale."""
         return {v: value_hash(self.definitions.spec_of(v)) for v in views}
 
-    def model_registry(self) -> "ModelRegistry":
+    def model_registry(self) -> ModelRegistry:
         """The model registry; promotions are announced to every inference server over Redis."""
         from featurestore.training.model_registry import MODELS_CHANNEL, ModelRegistry
 
@@ -171,7 +172,7 @@ class FeatureStore:
             self.config.data_dir / "models", self.config.registry_path / "models.json", announce, self.artifacts()
         )
 
-    def artifacts(self) -> "ArtifactStore":
+    def artifacts(self) -> ArtifactStore:
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
         from featurestore.tracking.artifacts import ArtifactStore
 
@@ -180,7 +181,7 @@ class FeatureStore:
     # ------------------------------------------------------------ stores
 
     @property
-    def offline_store(self) -> "DeltaOfflineStore":
+    def offline_store(self) -> DeltaOfflineStore:
         if self._offline is None:
             from featurestore.offline.delta import DeltaOfflineStore
 
@@ -188,7 +189,7 @@ class FeatureStore:
         return self._offline
 
     @property
-    def online_store(self) -> "RedisOnlineStore":
+    def online_store(self) -> RedisOnlineStore:
         if self._online is None:
             from featurestore.online.base import open_online_store
 
@@ -196,7 +197,7 @@ class FeatureStore:
         return self._online
 
     @property
-    def push_buffer(self) -> "PushBuffer":
+    def push_buffer(self) -> PushBuffer:
         """Durable buffer of pushed history rows, committed to Delta in batches (see ``flush``)."""
         if self._buffer is None:
             from featurestore.offline.buffer import PushBuffer
@@ -206,7 +207,7 @@ class FeatureStore:
             )
         return self._buffer
 
-    def materializer(self, progress: bool = False) -> "Materializer":
+    def materializer(self, progress: bool = False) -> Materializer:
         """The write engine over this repo's applied definitions and stores."""
         from featurestore.materialization.engine import Materializer
 
@@ -269,7 +270,7 @@ class FeatureStore:
             self._online.close()
             self._online = None
 
-    def __enter__(self) -> "FeatureStore":
+    def __enter__(self) -> FeatureStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -288,7 +289,7 @@ class FeatureStore:
         on_bad_rows: Literal["reject", "fail"] = "reject",
         progress: bool = False,
         rebuild_online: bool = False,
-    ) -> "MaterializationReport":
+    ) -> MaterializationReport:
         """Compute the views' rows with event time in [start, end) once and write both stores.
 
         ``rebuild_online``: also send the latest of the whole history online (refills an emptied Redis)."""
@@ -309,19 +310,19 @@ class FeatureStore:
             views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
         )
 
-    def backfill(self, views: Sequence[str], progress: bool = False) -> "MaterializationReport":
+    def backfill(self, views: Sequence[str], progress: bool = False) -> MaterializationReport:
         """Recompute the views' whole history from their sources into their current version and
         re-send it online: what a new version or an added column needs (``plan`` says when)."""
         return self.materialize(None, None, views, progress=progress, rebuild_online=True)
 
     def materialize_offline(
         self, start: datetime | None, end: datetime | None, views: Sequence[str] | None = None, **kw: Any
-    ) -> "MaterializationReport":
+    ) -> MaterializationReport:
         return self.materialize(start, end, views, online=False, **kw)
 
     def materialize_incremental(
         self, end: datetime | None = None, views: Sequence[str] | None = None, **kw: Any
-    ) -> "MaterializationReport":
+    ) -> MaterializationReport:
         """Write every row not yet materialized (late arrivals included) up to ``end``.
 
         No start: the whole source is computed and only rows the history lacks (by identity)
@@ -331,10 +332,10 @@ class FeatureStore:
     def push(
         self,
         push_source_name: str,
-        df: "pd.DataFrame | pa.Table | dict",
+        df: pd.DataFrame | pa.Table | dict,
         to: Literal["online", "offline", "online_and_offline"] = "online_and_offline",
         idempotency_key: str | None = None,
-        arrival: "tuple[pa.Array, pa.Array] | None" = None,
+        arrival: tuple[pa.Array, pa.Array] | None = None,
     ) -> int:
         """Validate rows against the push source and write them; returns the row count.
 
@@ -367,7 +368,7 @@ class FeatureStore:
             raise self.online_store.unavailable(exc) from exc
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
-    def write_to_online_store(self, feature_view_name: str, df: "pd.DataFrame | pa.Table | dict") -> int:
+    def write_to_online_store(self, feature_view_name: str, df: pd.DataFrame | pa.Table | dict) -> int:
         """Write a view's rows (join keys, event time, features) to the online store only, as Feast's
         ``write_to_online_store``: validated and ordered like every other write; history is not touched."""
         from featurestore.materialization.push import write_online_only
@@ -384,7 +385,7 @@ class FeatureStore:
         feature_service: str | FeatureService | None = None,
         full_feature_names: bool = False,
         as_of: Literal["event", "created"] = "event",
-    ) -> "RetrievalJob":
+    ) -> RetrievalJob:
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
         self.require_applied(self._used_by(features=features, feature_service=feature_service))
         self._commit_buffered()
@@ -392,7 +393,7 @@ class FeatureStore:
             self.definitions, self.offline_store, entity_df, features, feature_service, full_feature_names, as_of
         )
 
-    def join_engine(self) -> "JoinBuilder":
+    def join_engine(self) -> JoinBuilder:
         """What builds point-in-time joins: the local DuckDB engine, or the Ray one (``offline_store.engine``)."""
         if self.config.offline_engine == "ray":
             import functools
@@ -414,7 +415,7 @@ class FeatureStore:
         full_feature_names: bool = False,
         at: datetime | None = None,
         include_feature_view_version_metadata: bool = False,
-    ) -> "OnlineResponse":
+    ) -> OnlineResponse:
         """Latest values per entity from the online store, with per-value statuses.
 
         Windowed aggregates and ttls are evaluated at ``at`` (default: now); a past ``at`` suits

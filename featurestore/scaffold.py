@@ -6,7 +6,7 @@ embedded Redis, runs) and is ignored by git.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -95,7 +95,7 @@ def scaffold(path: Path, project: str) -> None:
     (path / "README.md").write_text(README.format(project=project))
     (path / ".gitignore").write_text(GITIGNORE)
     (path / "train.py").write_text(TRAIN)
-    start = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(hours=10)
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=10)
     rows = [(d, start + timedelta(hours=h), 0.1 * h, h) for d in (1001, 1002) for h in range(10)]
     table = pa.table(
         {

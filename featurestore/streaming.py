@@ -19,8 +19,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import pyarrow as pa
@@ -79,7 +80,7 @@ class StreamConsumer:
 
     def __init__(
         self,
-        store: "FeatureStore",
+        store: FeatureStore,
         source_name: str,
         *,
         consumer: str | None = None,

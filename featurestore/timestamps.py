@@ -8,9 +8,9 @@ size says (as Feast's clients and pandas users send seconds, milliseconds or nan
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _UNITS = ((1e11, 1_000_000), (1e14, 1_000), (1e17, 1))  # (below, µs per unit)
 
 
@@ -25,12 +25,12 @@ def from_epoch(number: float) -> datetime:
 def parse_timestamp(value: object) -> datetime:
     """A UTC datetime from ISO 8601 text, an epoch number or a datetime; ValueError otherwise."""
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a timestamp")
     if isinstance(value, (int, float)):
         return from_epoch(value)
     if isinstance(value, str):
         parsed = datetime.fromisoformat(value.strip())
-        return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+        return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     raise ValueError(f"{value!r} is not a timestamp")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import bisect
-import logging
 import contextlib
+import logging
 import os
 import time
-from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -98,7 +99,7 @@ def request_time(body: Any) -> datetime | None:
         parsed = None
     if parsed is None:
         raise RequestError(f"'at' must be an ISO 8601 time such as '2024-05-01T10:00:00Z', not {at!r}")
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 class Metrics:
@@ -435,7 +436,7 @@ class FastLane:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), BODY_CHUNK_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return 408
             if message.get("type") == "http.disconnect":
                 return 400

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+from collections.abc import Callable
 from datetime import datetime
 from itertools import repeat
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import orjson
 import pyarrow as pa
@@ -22,29 +23,29 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StringConstraints
 
-from featurestore.definitions import PushSource
-from featurestore.materialization.engine import MaterializationReport
-from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
-from featurestore.timestamps import parse_timestamp
-from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
-from featurestore.retrieval.online import OnlineQuery, read_online_async
 from featurestore.auth import Authenticator
-from serving.jobs import JobRunner
+from featurestore.definitions import PushSource
+from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
+from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
+from featurestore.materialization.engine import MaterializationReport
+from featurestore.retrieval.online import OnlineQuery, read_online_async
+from featurestore.timestamps import parse_timestamp
 from serving.common import (
-    seal_in_background,
-    caller,
-    dumps,
     FastLane,
-    header,
-    request_time,
     Metrics,
     RegistryWatcher,
+    caller,
+    dumps,
+    header,
     install_error_handlers,
     json_handler,
     json_response,
     repo_from_env,
+    request_time,
     respond,
+    seal_in_background,
 )
+from serving.jobs import JobRunner
 
 
 def _iso_time(value: Any) -> Any:
@@ -80,10 +81,8 @@ _ONE_OF_FEATURES_OR_SERVICE = [
 class GetOnlineFeaturesRequest(BaseModel):
     """Feast's request body."""
 
-    features: Optional[list[FeatureRef]] = Field(
-        None, description="'view:feature' references (or use feature_service)."
-    )
-    feature_service: Optional[str] = Field(None, description="A feature service name (or use features).")
+    features: list[FeatureRef] | None = Field(None, description="'view:feature' references (or use feature_service).")
+    feature_service: str | None = Field(None, description="A feature service name (or use features).")
     entities: dict[str, list[Any]] = Field(
         ..., description="Join key -> list of values; request-time inputs also go here."
     )
@@ -91,7 +90,7 @@ class GetOnlineFeaturesRequest(BaseModel):
     include_feature_view_version_metadata: StrictBool = Field(
         False, description="Feast's flag: add metadata.feature_view_metadata, each view read with its history version."
     )
-    at: Optional[IsoTime] = Field(
+    at: IsoTime | None = Field(
         None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays."
     )
 
@@ -127,7 +126,7 @@ class PushRequest(BaseModel):
     to: Literal["online", "offline", "online_and_offline"] = Field(
         "online", description="Feast's default: online only."
     )
-    idempotency_key: Optional[str] = Field(
+    idempotency_key: str | None = Field(
         None,
         description="Same key on every retry of one push: its rows are kept once "
         "(the `Idempotency-Key` header works too). 409 if reused for other rows.",
@@ -148,13 +147,13 @@ class WriteToOnlineStoreRequest(BaseModel):
 
 
 class MaterializeRequest(BaseModel):
-    start_ts: Optional[IsoTime] = Field(None, description="Window start (inclusive); omit for all history.")
-    end_ts: Optional[IsoTime] = Field(
+    start_ts: IsoTime | None = Field(None, description="Window start (inclusive); omit for all history.")
+    end_ts: IsoTime | None = Field(
         None,
         description="Window end (exclusive); default now. A window that ends before it "
         "starts holds nothing: the job writes nothing.",
     )
-    feature_views: Optional[list[str]] = None
+    feature_views: list[str] | None = None
     disable_event_timestamp: StrictBool = Field(
         False, description="Feast's flag: every row, whatever its event time (the window is ignored)."
     )
@@ -162,8 +161,8 @@ class MaterializeRequest(BaseModel):
 
 
 class MaterializeIncrementalRequest(BaseModel):
-    end_ts: Optional[IsoTime] = None
-    feature_views: Optional[list[str]] = None
+    end_ts: IsoTime | None = None
+    feature_views: list[str] | None = None
 
 
 JOB_RESPONSES = {

@@ -14,7 +14,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import orjson
 import torch
@@ -23,22 +23,22 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, Field
 
 from featurestore import FeatureStore
+from featurestore.auth import Authenticator
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number, read_online_async
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
-from featurestore.auth import Authenticator
 from serving.common import (
-    seal_in_background,
     FastLane,
     Metrics,
-    request_time,
     RegistryWatcher,
     install_error_handlers,
     json_handler,
     json_response,
     repo_from_env,
+    request_time,
     respond,
+    seal_in_background,
 )
 
 
@@ -46,7 +46,7 @@ class PredictRequest(BaseModel):
     instances: list[dict[str, Any]] = Field(
         ..., description="Entity keys and request-time inputs, one object per prediction."
     )
-    at: Optional[datetime] = Field(
+    at: datetime | None = Field(
         None, description="Evaluate windows and ttls at this time (ISO 8601; default now): for replays."
     )
     model_config = {

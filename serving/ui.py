@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import FileResponse, RedirectResponse, Response
@@ -97,7 +98,7 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         return json_response({"view": found, "status": status, "consistency": checks})
 
     @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
-    def runs(q: str = "", tag: Optional[list[str]] = Query(None)) -> Response:
+    def runs(q: str = "", tag: list[str] | None = Query(None)) -> Response:
         tags = dict(t.split("=", 1) for t in tag or [] if "=" in t)
         return json_response({"runs": list_runs(runs_root(), q, tags)})
 
@@ -110,7 +111,7 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)",
     )
     def run_curve(
-        run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: Optional[str] = None
+        run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: str | None = None
     ) -> Response:
         path = runs_root() / _name(run_id, "run")
         if not path.is_dir():

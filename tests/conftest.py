@@ -8,8 +8,8 @@ import os
 import shutil
 import socket
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from featurestore.errors import DefinitionError
 
-BASE = datetime(2024, 3, 10, tzinfo=timezone.utc)
+BASE = datetime(2024, 3, 10, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")
 STEP = timedelta(minutes=30)  # event and query times sit on this grid (± 1 µs), so edges coincide
 
@@ -397,9 +397,7 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
     client = store.online_store.client
     sealed = {int(t) for t in client.hkeys(tiles_key)}
     size = 15 * 60 * 10**6
-    first_tile = (
-        (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) // size
-    )
+    first_tile = (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) // size
     # every tile with an event, but those holding the lookup time (22) and the 3 h window's start (10)
     assert sealed == {first_tile + 2 * i for i in range(12)} - {first_tile + 10, first_tile + 22}
     assert count_30h()["not_card_count_30h"] == [12]  # from the summaries
@@ -601,7 +599,7 @@ def test_statuses_say_whether_the_window_had_events(activity_store):
 def test_created_mode_counts_only_events_known_at_t(activity_store):
     store = activity_store
     card = next(_cards) * 10 + 2_000_000
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     store.push(
         "payments",
         _frame(
@@ -617,7 +615,7 @@ def test_created_mode_counts_only_events_known_at_t(activity_store):
         ),
     )
     entity_df = pd.DataFrame(
-        {"card_id": [card, card], "event_timestamp": [now - timedelta(minutes=1), datetime.now(timezone.utc)]}
+        {"card_id": [card, card], "event_timestamp": [now - timedelta(minutes=1), datetime.now(UTC)]}
     )
     by_event = store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist()
     by_created = (
@@ -632,7 +630,7 @@ def test_created_mode_counts_only_events_known_at_t(activity_store):
 def test_events_older_than_the_retention_are_not_kept_online(make_store):
     store = make_store(FEATURES)
     store.apply()
-    old = datetime.now(timezone.utc) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
+    old = datetime.now(UTC) - timedelta(hours=40)  # beyond the longest window (30 h), no extra retention
     store.push(
         "payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}])
     )
@@ -653,7 +651,7 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     their summaries (the write script's trim). An id's write times stay one dedup window (the
     longest window) longer, so a later write of the id is judged as offline judges it."""
     store = make_store(FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     events = [
         {"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
         for i, h in ((1, 25), (2, 5), (3, 0))
@@ -872,7 +870,7 @@ def test_where_filters_compare_as_ieee_with_values_typed_like_the_column(make_st
     equal to itself); a Float32 column compares with the value rounded to Float32 (offline cast
     it, online compared the widened value). Both paths give what the Python reference gives."""
     store = make_store(EDGE_FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     amounts, fs = [math.nan, 600.0, -1.0], [0.1, 0.5, None]
     store.push(
         "payments",
@@ -922,7 +920,7 @@ def test_an_event_id_reused_past_the_longest_window_is_a_new_event_on_both_paths
     later in a 1 h window counted online only. Writes of one id less than the longest window apart
     are one event (the first wins), further apart two, on both paths."""
     store = make_store(EDGE_FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     store.push(
         "payments",
         _edge_rows(
@@ -963,7 +961,7 @@ def test_a_backfill_keeps_the_first_write_of_each_event_id_first(tmp_path, redis
     root = write_repo(tmp_path / "repo", without_f, url=redis_url)
     store = FeatureStore(root)
     store.apply()
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     store.push(
         "payments",
         _edge_rows(
@@ -1001,7 +999,7 @@ def test_a_rebuild_makes_online_events_equal_history(make_store):
     (the resent first write was refused as a duplicate). A whole-history resend now carries the
     history's verdicts, and an offline-only push marks the view for one."""
     store = make_store(EDGE_FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     first = {"payment_id": 7, "card_id": 4, "amount": 1.0, "event_timestamp": now - timedelta(minutes=5)}
     store.push("payments", _edge_rows([first]), to="offline")
     store.push("payments", _edge_rows([{**first, "amount": 100.0}]), to="online_and_offline")
@@ -1019,7 +1017,7 @@ def test_integer_sums_past_int64_are_the_same_error_on_both_paths(make_store):
     from featurestore.aggregation import AggregationOverflow
 
     store = make_store(EDGE_FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     store.push(
         "payments",
         _edge_rows(
@@ -1050,7 +1048,7 @@ def test_variance_at_a_large_offset_is_accurate_and_the_same_on_both_paths(make_
     """Offline var_samp lost 30 % of the variance of 1e15 + {0.125, 0.25, 0.5, 0.625} (and
     depended on the evaluation order); both paths now take two passes."""
     store = make_store(EDGE_FEATURES)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     values = [1e15 + d for d in (0.125, 0.25, 0.5, 0.625)]
     store.push(
         "payments",
@@ -1140,7 +1138,7 @@ def ratio(inputs):
     return {"ratio": pc.divide(inputs["amount"], inputs["x"])}
 """
     store = make_store(features)
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     store.push(
         "readings",
         pa.table(

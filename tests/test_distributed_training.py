@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ def make_dataset(folder: Path, rows: int = 4000, row_group: int = 1000, seed: in
     country = rng.choice(["FR", "DE", "US", "GB"], rows)
     risk = rng.normal(0, 1, rows)
     label = ((amount > 80) & (country == "US")) | (risk > 1.2)
-    start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    start = datetime(2024, 1, 1, tzinfo=UTC)
     table = pa.table(
         {
             "card_id": pa.array(np.arange(rows) % 97, pa.int64()),

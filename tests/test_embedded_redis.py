@@ -98,10 +98,9 @@ def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
     import sys
     import time
 
-    from .conftest import write_repo
-
     from featurestore import FeatureStore
 
+    from .conftest import write_repo
     from .test_streaming import FEATURES
 
     root = write_repo(tmp_path / "repo", FEATURES)  # embedded Redis: no url

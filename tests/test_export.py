@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -13,7 +13,7 @@ import pytest
 
 from featurestore.errors import FeatureStoreError
 
-NOW = datetime(2024, 6, 1, tzinfo=timezone.utc)
+NOW = datetime(2024, 6, 1, tzinfo=UTC)
 
 DEFS = """
 from featurestore import Entity, FeatureService, FeatureView, Field, PushSource

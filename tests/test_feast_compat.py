@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 import pandas as pd
 import pytest
@@ -63,7 +63,7 @@ def test_sdk_takes_feasts_signatures(client, tmp_path):  # noqa: F811
 
 def test_keys_are_coerced_by_declared_type_where_unambiguous(make_store):
     """Issue #12: Feast clients send "17" for an Int64 key (and 17 for a String key); those were 422."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from featurestore.errors import RequestError
 
@@ -76,7 +76,7 @@ src = PushSource(name="src", schema=[Field("card_id", Int64), Field("v", Float64
 view = FeatureView(name="view", entities=[card], source=src, schema=[Field("v", Float64)])
 """
     store = make_store(defs)
-    store.push("src", {"card_id": [17], "v": [1.5], "event_timestamp": [datetime.now(timezone.utc)]})
+    store.push("src", {"card_id": [17], "v": [1.5], "event_timestamp": [datetime.now(UTC)]})
     got = store.get_online_features({"card_id": [17, "17", 17.0, "-3"]}, features=["view:v"])
     assert got.to_dict() == {"card_id": [17, 17, 17, -3], "v": [1.5, 1.5, 1.5, None]}
     assert store.get_online_features({"card_id": [2**64]}, features=["view:v"]).statuses[1] == [
@@ -198,7 +198,7 @@ def test_pushed_epoch_milliseconds_and_version_metadata_as_feast(client, tmp_pat
 def test_timestamp_join_keys_over_rest(make_store):
     """Timestamp join keys could not be looked up over REST: ISO with an offset, ``Z``, a space
     separator and epoch µs all got 422 (only a Python datetime was taken)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from fastapi.testclient import TestClient
 
@@ -212,7 +212,7 @@ src = PushSource(name="days", schema=[Field("day", UnixTimestamp), Field("total"
 daily = FeatureView(name="daily", entities=[day], source=src, schema=[Field("total", Float64)])
 """
     store = make_store(defs)
-    day = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+    day = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
     store.push("days", {"day": [day], "total": [42.0], "event_timestamp": [NOW - timedelta(minutes=1)]}, to="online")
     micros = int(day.timestamp()) * 1_000_000
     with TestClient(create_app(store.config.repo_path)) as c:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import duckdb
 import pytest
@@ -17,7 +17,7 @@ from serving.feature_server import create_app
 
 from .conftest import free_port, write_repo
 
-NOW = datetime.now(timezone.utc)
+NOW = datetime.now(UTC)
 
 DEFS = """
 from datetime import timedelta
@@ -658,7 +658,7 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     with FeatureStore(root) as store:
         store.apply()
-        pushed_at = datetime.now(timezone.utc) - timedelta(seconds=30)
+        pushed_at = datetime.now(UTC) - timedelta(seconds=30)
         store.push("events", {"card_id": [1], "amount": [1.0], "country": ["FR"], "event_timestamp": [pushed_at]})
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
@@ -705,7 +705,7 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
             )
             assert found and float(found.group(1)) == 20
         age = re.search(r'featurestore_feature_server_view_freshness_seconds\{view="spend"\} (\S+)', text)
-        assert age and 30 <= float(age.group(1)) <= (datetime.now(timezone.utc) - pushed_at).total_seconds()
+        assert age and 30 <= float(age.group(1)) <= (datetime.now(UTC) - pushed_at).total_seconds()
     finally:
         server.terminate()
         logs = server.communicate(timeout=30)[1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -10,9 +10,9 @@ import pytest
 
 from featurestore.errors import RequestError
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 TS = pa.timestamp("us", tz="UTC")
-WHEN = datetime(2024, 5, 1, 12, 30, 0, 123456, tzinfo=timezone.utc)
+WHEN = datetime(2024, 5, 1, 12, 30, 0, 123456, tzinfo=UTC)
 
 DEFS = """
 from featurestore import Entity, FeatureView, Field, FileSource

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -13,7 +13,7 @@ import pytest
 
 from featurestore.errors import BadRowsError, RequestError
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 TS = pa.timestamp("us", tz="UTC")
 
 ALL_TYPES = """
@@ -382,9 +382,10 @@ user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
 item = Entity(name="item", join_keys=["item_id"], value_type=Int64)
 short = FeatureView(name="short", entities=[user], ttl=timedelta(seconds=2),
                     source=FileSource(path="data/u.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
-forever = FeatureView(name="forever", entities=[item], source=FileSource(path="data/i.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
+forever = FeatureView(name="forever", entities=[item], source=FileSource(path="data/i.parquet", timestamp_field="ts"),
+                      schema=[Field("x", Int64)])
 """
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     table = lambda key: pa.table(
         {
             key: pa.array([1], pa.int64()),
@@ -489,13 +490,13 @@ def test_rows_from_the_future_are_refused_until_due(users_store):
     """Issue #10: a pushed row stamped an hour ahead was served online at once, while a
     historical query at now could not see it. Beyond `future_tolerance` it is rejected."""
     store = users_store(random_users(3, 20, seed=14))
-    ahead = {"user_id": [9], "score": [1.0], "event_timestamp": [datetime.now(timezone.utc) + timedelta(hours=1)]}
+    ahead = {"user_id": [9], "score": [1.0], "event_timestamp": [datetime.now(UTC) + timedelta(hours=1)]}
     with pytest.raises(RequestError, match="event time is in the future"):
         store.push("user_push", pd.DataFrame(ahead))
     assert store.get_online_features([{"user_id": 9}], features=["scores:score"]).statuses[1] == ["NOT_FOUND"]
     soon = {
         **ahead,
-        "event_timestamp": [datetime.now(timezone.utc) + timedelta(seconds=1)],
+        "event_timestamp": [datetime.now(UTC) + timedelta(seconds=1)],
     }  # clock skew: within tolerance
     assert store.push("user_push", pd.DataFrame(soon)) == 1
 

@@ -157,8 +157,8 @@ def test_the_cli_reads_well(tmp_path, redis_url):
     every flag (``--help`` too) and one flat list of commands with no examples; ``list`` left out
     on-demand views; ``runs list`` cut run ids at 80 columns; servers defaulted to the demo's
     ``--model fraud``; the "not applied" error named a push source twice."""
-    from .test_on_demand import DEFS
     from .conftest import write_repo
+    from .test_on_demand import DEFS
 
     env = {**os.environ, "REDIS_URL": redis_url, "COLUMNS": "80"}
     repo = write_repo(tmp_path / "repo", DEFS)

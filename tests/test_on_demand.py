@@ -4,7 +4,7 @@ features, applied identically to training rows (historical, export) and to looku
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from featurestore.errors import RequestError
 from serving.feature_server import create_app
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=5)
+NOW = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=5)
 
 DEFS = """
 import pyarrow.compute as pc

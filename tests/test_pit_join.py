@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from featurestore.errors import RequestError
 from featurestore.offline.delta import DeltaOfflineStore
 
-BASE = datetime(2024, 3, 10, 12, 0, 0, tzinfo=timezone.utc)
+BASE = datetime(2024, 3, 10, 12, 0, 0, tzinfo=UTC)
 TTL = timedelta(seconds=5)
 
 VIEWS = """

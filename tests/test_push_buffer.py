@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pytest
@@ -15,7 +15,7 @@ from featurestore.sources import push_log_path
 
 from .test_aggregations import FEATURES, _frame
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 
 
 def _payment(i: int, card: int = 1) -> dict:

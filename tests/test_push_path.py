@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -25,7 +25,7 @@ from featurestore.sources import INGESTED_AT, PUSH_ID, connection
 
 from .test_aggregations import FEATURES, TS, _frame
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 
 
 def _payments(n: int, seed: int, first_id: int = 0, cards: int = 5, now: datetime = NOW) -> list[dict]:

@@ -14,6 +14,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+from datetime import UTC
 from pathlib import Path
 
 import numpy as np
@@ -303,11 +304,11 @@ def test_a_ray_driver_killed_mid_run_leaves_consistent_stores_and_a_rerun_conver
 
 def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, monkeypatch):
     """History files written before a view gained a column lack it: the Ray split reads them as null."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from .test_schema_changes import DEFS, STATS, _change
 
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    now = datetime.now(UTC).replace(microsecond=0)
     monkeypatch.delenv(
         "FEATURESTORE_DATA_DIR", raising=False
     )  # the module's demo repo sets it: this repo keeps its own

@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import numpy as np
@@ -23,7 +23,7 @@ from featurestore.online.local_cluster import start_local_cluster, stop_local_cl
 
 from .conftest import write_repo
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 
 FEATURES = """
 from datetime import timedelta

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STATS = pa.table(
     {
         "driver_id": pa.array([1, 2], pa.int64()),
-        "event_timestamp": pa.array([datetime(2024, 1, 1, tzinfo=timezone.utc)] * 2, pa.timestamp("us", tz="UTC")),
+        "event_timestamp": pa.array([datetime(2024, 1, 1, tzinfo=UTC)] * 2, pa.timestamp("us", tz="UTC")),
         "conv_rate": [0.5, 0.7],
         "trips": pa.array([3, 4], pa.int64()),
         "city": ["a", "b"],
@@ -217,9 +217,7 @@ def test_init_scaffold_plans_and_applies(tmp_path, redis_url, monkeypatch):
 def test_a_type_change_never_serves_old_bytes(make_store, tmp_path):
     """Issue #9: after Int64 -> Float64 a stored 4 used to decode as 2e-323, PRESENT. Values are
     written under the view's storage layout, so until re-materialized the lookup says NOT_FOUND."""
-    recent = STATS.set_column(
-        1, "event_timestamp", pa.array([datetime.now(timezone.utc)] * 2, pa.timestamp("us", tz="UTC"))
-    )
+    recent = STATS.set_column(1, "event_timestamp", pa.array([datetime.now(UTC)] * 2, pa.timestamp("us", tz="UTC")))
     store = make_store(GOOD, {"stats": recent})
     store.apply()
     store.materialize(None, None)

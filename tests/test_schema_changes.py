@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
@@ -18,7 +18,7 @@ import pytest
 from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError
 
-NOW = datetime.now(timezone.utc).replace(microsecond=0) - timedelta(minutes=10)
+NOW = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=10)
 STATS = pa.table(
     {
         "driver_id": pa.array([1, 2], pa.int64()),
@@ -188,7 +188,8 @@ def test_pushes_buffered_before_a_new_version_stay_in_the_old_one(make_store):
         DEFS.replace('source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp")', "source=src")
         .replace(
             "driver = Entity",
-            'src = PushSource(name="src", schema=[Field("driver_id", Int64), Field("event_timestamp", UnixTimestamp), Field("rating", Int64)])\ndriver = Entity',
+            'src = PushSource(name="src", schema=[Field("driver_id", Int64), Field("event_timestamp", UnixTimestamp),\n'
+            '    Field("rating", Int64)])\ndriver = Entity',
         )
         .replace("import Float64, Int64, String", "import Float64, Int64, String, UnixTimestamp")
         .replace("import Entity,", "import Entity, PushSource,")

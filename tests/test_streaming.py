@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pytest
@@ -32,7 +32,7 @@ activity = FeatureView(
     aggregations=[Aggregation("count", timedelta(hours=30)), Aggregation("sum", timedelta(hours=30), "amount")],
 )
 """
-NOW = datetime.now(timezone.utc).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)
 
 
 def _events(n: int, seed: int) -> list[dict]:

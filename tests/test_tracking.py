@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.compute as pc
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pyarrow.compute as pc
 
 from featurestore.tracking import MetricWriter, Run, compare, curve, lttb, read_metrics, read_run
 

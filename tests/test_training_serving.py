@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader
 from featurestore import FeatureStore
 from featurestore.consistency import check_consistency
 from featurestore.demo.generate import generate, label_rows
-from featurestore.tracking.artifacts import ArtifactStore
-from featurestore.tracking.metric_store import read_metrics
 from featurestore.errors import FeatureStoreError
 from featurestore.online.embedded import EmbeddedRedis
+from featurestore.tracking.artifacts import ArtifactStore
+from featurestore.tracking.metric_store import read_metrics
 from featurestore.training.dataset import ExportedDataset
 from featurestore.training.preprocessing import Preprocessor
 from featurestore.training.trainer import TrainConfig, split_time, train

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pandas as pd
 import pyarrow as pa
@@ -103,7 +103,7 @@ def test_modules_as_a_string_is_one_module(tmp_path):
 
 
 def test_fractional_ttl_keeps_a_row_exactly_ttl_old(make_store):
-    base = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    base = datetime(2024, 1, 1, tzinfo=UTC)
     table = STATS.set_column(1, "event_timestamp", pa.array([base, base], pa.timestamp("us", tz="UTC")))
     store = make_store(GOOD.replace("ttl=timedelta(days=1)", "ttl=timedelta(milliseconds=1001)"), {"stats": table})
     store.apply()
@@ -188,7 +188,7 @@ def test_definition_mistakes_are_one_line_without_a_traceback(tmp_path, line, me
     result = _cli(root, "plan")
     assert result.returncode == 1, result.stdout
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert len([l for l in result.stderr.splitlines() if l.strip()]) == 2, (
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 2, (
         result.stderr
     )  # "error: 1 problem", then the problem
 
@@ -202,7 +202,7 @@ from featurestore.types import Float64
 user = Entity(name="user", join_keys=["user"])
 v = FeatureView(name="v", entities=[user], source=FileSource(path="data/src.parquet", timestamp_field="ts"), schema=[Field("x", Float64)])
 """
-    ts = [datetime(2024, 1, 1, tzinfo=timezone.utc)] * 2
+    ts = [datetime(2024, 1, 1, tzinfo=UTC)] * 2
     root = write_repo(tmp_path / "repo", features, {"src": pa.table({"user": [1, 2], "x": [1.0, 2.0], "ts": ts})})
     assert _cli(root, "apply").returncode == 0
     pq.write_table(pa.table({"user": ["1", "2"], "x": [1.0, 2.0], "ts": ts}), root / "data" / "src.parquet")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from featurestore.aggregation import AggregationOverflow, overflow_message
 from featurestore.aggregation.where import predicate, typed_value

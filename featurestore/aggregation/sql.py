@@ -160,7 +160,10 @@ def output_sql(view: FeatureView, agg: Aggregation, alias: str) -> str:
         if f == "mean":
             return f"CAST({s} AS DOUBLE) / NULLIF({_part(alias, agg, 'n')}, 0)"
         message = quote(overflow_message(view.name, agg))
-        return f"CASE WHEN {s} IS NULL THEN 0 WHEN {s} BETWEEN {INT64_MIN} AND {INT64_MAX} THEN CAST({s} AS BIGINT) ELSE error({message}) END"
+        return (
+            f"CASE WHEN {s} IS NULL THEN 0 WHEN {s} BETWEEN {INT64_MIN} AND {INT64_MAX} THEN CAST({s} AS BIGINT) "
+            f"ELSE error({message}) END"
+        )
     total = _part(alias, agg, "f")
     if f == "mean":
         return f"{total} / NULLIF({_part(alias, agg, 'n')}, 0)"

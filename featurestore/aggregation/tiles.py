@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import orjson
@@ -70,7 +71,7 @@ class TileSpec:
     tag: bytes  # starts every summary: one written for other aggregations or another layout is not read
 
     @classmethod
-    def of(cls, view: FeatureView) -> "TileSpec | None":
+    def of(cls, view: FeatureView) -> TileSpec | None:
         stored = {f.name: f.dtype.name for f in view.schema}
         tiled = tuple(
             a

@@ -9,7 +9,7 @@ the size in the amount and its ratio to the limit, the merchants in merchant tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +28,7 @@ def generate(
     n_cards: int = 2000, n_merchants: int = 200, days: int = 30, seed: int = 7, end: datetime | None = None
 ) -> DemoData:
     rng = np.random.default_rng(seed)
-    end = (end or datetime.now(timezone.utc)).replace(microsecond=0)
+    end = (end or datetime.now(UTC)).replace(microsecond=0)
     start = end - timedelta(days=days)
     start_us = int(start.timestamp() * 1e6)
     span_us = days * 86_400 * 10**6

@@ -7,7 +7,7 @@ that does not cast to the declared type) are split off with a reason, never drop
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import duckdb
 import numpy as np
@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from featurestore.aggregation import dedup_us, event_id_sql
 from featurestore.definitions import FeatureView
-from featurestore.online.codec import numpy_values, datetime_to_micros
+from featurestore.online.codec import datetime_to_micros, numpy_values
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection, ident, quote, utc_micros_sql
 from featurestore.types import DType, duckdb_type
 
@@ -30,7 +30,7 @@ class Computed:
 def utc_sql(ts: datetime) -> str:
     """A SQL literal of ``ts`` as naive UTC (naive input is taken as UTC)."""
     if ts.tzinfo is not None:
-        ts = ts.astimezone(timezone.utc).replace(tzinfo=None)
+        ts = ts.astimezone(UTC).replace(tzinfo=None)
     return f"TIMESTAMP {quote(ts.isoformat(sep=' '))}"
 
 
@@ -79,7 +79,7 @@ def compute(
         reasons.append(
             f"WHEN {ident(created_col)} IS NOT NULL AND __created IS NULL THEN 'unparseable created timestamp'"
         )
-    latest = (ingest_time + future_tolerance).astimezone(timezone.utc)
+    latest = (ingest_time + future_tolerance).astimezone(UTC)
     reasons.append(
         f"WHEN __event > {utc_sql(latest)} THEN "
         f"'event time is in the future (after {latest.isoformat()}); push it when it is due'"

@@ -12,9 +12,10 @@ registry state."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Literal, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 import duckdb
 import pyarrow as pa
@@ -95,7 +96,7 @@ class Materializer:
     ) -> MaterializationReport:
         defs = self.defs
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
-        end = end or datetime.now(timezone.utc)
+        end = end or datetime.now(UTC)
         report = MaterializationReport()
         with progress_bar("rows", self.progress, percent=True) as bar:
             for i, view in enumerate(selected, 1):
@@ -148,7 +149,7 @@ class Materializer:
         history store. ``run_id``: the push's (``push_run_id``); by default the registry's next."""
         defs, registry = self.defs, self.registry
         run_id = registry.next_run_id() if run_id is None else run_id
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         computed = compute(
             con,
             view,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def push(
             columns.append(column if column.type == f.dtype.arrow else column.cast(f.dtype.arrow))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise RequestError(f"push column {f.name!r} does not convert to {f.dtype!r}: {exc}") from exc
-    now = ingested = datetime.now(timezone.utc)
+    now = ingested = datetime.now(UTC)
     if idempotency_key is not None:
         ingested = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
     n, run_id = table.num_rows, push_run_id(ingested)
@@ -226,7 +226,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     def resend(target: str, rows: pa.Table) -> None:
         view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None
         if view is not None and view.online:  # (None: an older version's rows, whose online layout is gone)
-            materializer.write_online(view, conform(rows, defs.history_schema(view)), datetime.now(timezone.utc))
+            materializer.write_online(view, conform(rows, defs.history_schema(view)), datetime.now(UTC))
 
     committed = 0
     for lane in buffer.targets():

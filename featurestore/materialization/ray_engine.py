@@ -27,9 +27,10 @@ import dataclasses
 import logging
 import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import duckdb
 import pyarrow as pa
@@ -66,7 +67,7 @@ class RayMaterializer(Materializer):
         ray = connect(self.address)
         parts = partitions(ray, self.partitions)
         selected = [self.defs.view(v) for v in views] if views else list(self.defs.feature_views.values())
-        end = end or datetime.now(timezone.utc)
+        end = end or datetime.now(UTC)
         report = MaterializationReport()
         for view in selected:
             began = time.perf_counter()
@@ -118,7 +119,7 @@ class RayMaterializer(Materializer):
         on_bad_rows: str,
     ) -> ViewReport:
         registry, store = self.registry, self.offline
-        run_id, now = registry.next_run_id(), datetime.now(timezone.utc)
+        run_id, now = registry.next_run_id(), datetime.now(UTC)
         current = registry.current()  # what a task rebuilds the views from (services are not needed)
         state = {
             **current,

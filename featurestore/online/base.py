@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, AsyncIterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
 
@@ -75,7 +76,7 @@ class OnlineStore(Protocol):
     def close(self) -> None: ...
 
 
-def open_online_store(config: "RepoConfig") -> "RedisOnlineStore":
+def open_online_store(config: RepoConfig) -> RedisOnlineStore:
     """The online store a repo's config names: Redis (embedded or a URL), or Redis Cluster."""
     from featurestore.online.redis_cluster import SCHEME, RedisClusterOnlineStore
     from featurestore.online.redis_store import RedisOnlineStore

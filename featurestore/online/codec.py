@@ -34,8 +34,9 @@ lookup reads only its window, already sorted, and a tile's events are one range.
 from __future__ import annotations
 
 import struct
-from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -45,7 +46,7 @@ from featurestore.types import DType
 
 ORDER_KEY_BYTES = 32
 _SIGN = np.uint64(1 << 63)
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # numpy type, width, struct code: big-endian like the order key, so one struct reads a row
 _FIXED: dict[str, tuple[str, int, str]] = {
@@ -437,7 +438,7 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
 
 def datetime_to_micros(ts: datetime) -> int:
     """Exact µs since the epoch (naive means UTC); the inverse of ``micros_to_datetime``."""
-    ts = ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+    ts = ts if ts.tzinfo else ts.replace(tzinfo=UTC)
     return (ts - EPOCH) // timedelta(microseconds=1)
 
 

@@ -13,7 +13,7 @@ master is failing over, its slots answer errors: the store raises ``OnlineStoreU
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa

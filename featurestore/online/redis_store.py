@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +25,7 @@ import redis.asyncio as aioredis
 
 from featurestore.config import RepoConfig
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online import resp
 from featurestore.online.base import Lookup, Range, Seal, TiledRange
 from featurestore.online.codec import (
     encode_events,
@@ -34,9 +36,8 @@ from featurestore.online.codec import (
     key_prefix,
     numpy_values,
 )
-from featurestore.online.resp import decimal, suffixed
-from featurestore.online import resp
 from featurestore.online.embedded import EmbeddedRedis
+from featurestore.online.resp import decimal, suffixed
 
 # KEYS: entity keys; ARGV[1]: view field; ARGV[2]: expiry ttl in ms (0: none); ARGV[i+2]: value for KEYS[i].
 # A value replaces the stored one only if its 32-byte order key is larger: compared as
@@ -364,7 +365,7 @@ class BatchedReads:
             self._pending = None
         return await self._exchange(batch)
 
-    async def _exchange(self, batch: "BatchedReads.Batch") -> list:
+    async def _exchange(self, batch: BatchedReads.Batch) -> list:
         """Send ``batch``; resolve every joiner's future, whatever happens; return the sender's replies."""
         own: list = []
         task = asyncio.current_task()
@@ -417,7 +418,7 @@ class BatchedReads:
             raise error
         return own
 
-    async def _abandon(self, batch: "BatchedReads.Batch", error: Exception) -> None:
+    async def _abandon(self, batch: BatchedReads.Batch, error: Exception) -> None:
         for idle in self.readers.drain():  # connected to the same server: as stale
             await idle.disconnect()
         _fail(batch, error)
@@ -437,7 +438,7 @@ class BatchedReads:
             self._watching = False
 
 
-def _fail(batch: "BatchedReads.Batch", error: Exception) -> None:
+def _fail(batch: BatchedReads.Batch, error: Exception) -> None:
     for _, _, future in batch:
         if future is not None and not future.done():
             future.set_exception(error)
@@ -489,7 +490,7 @@ class RedisOnlineStore:
         self._recovering: asyncio.Future | None = None
 
     @classmethod
-    def from_config(cls, config: RepoConfig) -> "RedisOnlineStore":
+    def from_config(cls, config: RepoConfig) -> RedisOnlineStore:
         if config.embedded_redis:
             embedded = EmbeddedRedis(config.data_dir)
             return cls(embedded.ensure_running(), config.project, embedded, config.read_timeout_ms)

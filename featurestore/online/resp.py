@@ -8,7 +8,7 @@ costs ~30 µs however short its input, which a one-event push would feel.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa

@@ -20,8 +20,8 @@ from featurestore.definitions import (
     PushSource,
     content_hash,
 )
-from featurestore.registry.shapes import shape_problems
 from featurestore.errors import NotFoundError
+from featurestore.registry.shapes import shape_problems
 from featurestore.types import DType
 
 
@@ -60,7 +60,7 @@ class Definitions:
     key_types: dict[str, dict[str, DType]] = field(default_factory=dict)
     # compiled online lookups by request signature (definitions are immutable once loaded);
     # bounded: a client cycling through distinct feature lists cannot grow it without limit
-    query_cache: "LRUCache" = field(default_factory=lambda: LRUCache(1024), repr=False)
+    query_cache: LRUCache = field(default_factory=lambda: LRUCache(1024), repr=False)
 
     def all(self) -> dict[str, dict]:
         return {

@@ -4,8 +4,9 @@ one line naming the object, its location and the fix, never a traceback from dee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from featurestore.definitions import (
     Aggregation,

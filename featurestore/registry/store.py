@@ -16,9 +16,10 @@ import fcntl
 import json
 import os
 import tempfile
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from featurestore.errors import FeatureStoreError
 
@@ -88,7 +89,7 @@ class RegistryStore:
         with self._lock():
             state = {
                 "version": self.current()["version"] + 1,
-                "applied_at": datetime.now(timezone.utc).isoformat(),
+                "applied_at": datetime.now(UTC).isoformat(),
                 "objects": objects,
                 **derived,
             }

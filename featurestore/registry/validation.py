@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import duckdb
 
-from featurestore.aggregation.where import OPERATORS as WHERE_OPERATORS, typed_value
+from featurestore.aggregation.where import OPERATORS as WHERE_OPERATORS
+from featurestore.aggregation.where import typed_value
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
     AGGREGATION_FUNCTIONS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ def export_training_dataset(
         "row_count": rows,
         "schema": [{"name": f.name, "type": str(f.type)} for f in schema],
         "files": [{"path": DATA_FILE, "sha256": sha256_file(out / DATA_FILE), "rows": rows}],
-        "created_at": datetime.now(timezone.utc).isoformat(),
+        "created_at": datetime.now(UTC).isoformat(),
         "package_version": __version__,
     }
     manifest["manifest_hash"] = manifest_hash(manifest)

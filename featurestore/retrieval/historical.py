@@ -15,16 +15,18 @@ entity row is used instead.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featurestore.aggregation import AggregationOverflow, sql as aggregation_sql
+from featurestore.aggregation import AggregationOverflow
+from featurestore.aggregation import sql as aggregation_sql
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.offline.base import OfflineStore
@@ -70,7 +72,7 @@ class RetrievalJob:
         full_feature_names: bool,
         as_of: Literal["event", "created"] = "event",
         versions: dict[str, int | None] | None = None,
-    ) -> "RetrievalJob":
+    ) -> RetrievalJob:
         """Prepare the join of ``defs``' views' histories in ``offline`` (at ``versions``, default latest)."""
         if as_of not in ("event", "created"):
             raise RequestError(f"as_of must be 'event' or 'created', not {as_of!r}")
@@ -99,7 +101,8 @@ class RetrievalJob:
             clash = [n for n in req.output_names if n in entity_columns]
             if clash:
                 raise RequestError(
-                    f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; rename those or use full_feature_names=True"
+                    f"output column(s) {clash} of view {req.view.name!r} clash with entity columns; "
+                    "rename those or use full_feature_names=True"
                 )
             schema = defs.history_schema(req.view)
             if versions is not None and versions.get(req.view.name) is None:
@@ -157,7 +160,7 @@ class RetrievalJob:
         with _entity_type_errors():
             return self._fix_types(self.con.sql(self.sql).to_arrow_table())
 
-    def to_df(self) -> "pd.DataFrame":
+    def to_df(self) -> pd.DataFrame:
         return self.to_arrow().to_pandas()
 
     def to_parquet(self, path: str | Path, on_batch: Any = None) -> int:
@@ -204,7 +207,7 @@ def _entity_type_errors() -> Iterator[None]:
 ENTITY_FILES = {".parquet": None, ".csv": "read_csv_auto", ".json": "read_json_auto", ".jsonl": "read_json_auto"}
 
 
-def entity_input(value: str | Path) -> "pa.Table | Path":
+def entity_input(value: str | Path) -> pa.Table | Path:
     """Entity rows named by a string or path: a Parquet file (returned as a Path, read in place),
     a CSV or JSON file, or a DuckDB SELECT. Every mistake is a RequestError naming the fix."""
     text = str(value).strip()
@@ -238,7 +241,7 @@ def entity_table(entity_df: Any) -> pa.Table:
     return frame_to_arrow(entity_df)
 
 
-def frame_to_arrow(frame: "pd.DataFrame") -> pa.Table:
+def frame_to_arrow(frame: pd.DataFrame) -> pa.Table:
     """A pandas frame as Arrow, NaN kept as NaN in float columns (pandas' conversion makes it null,
     which online lookups, given the same NaN, would not): None and ``pd.NA`` stay null."""
     import numpy as np
@@ -381,7 +384,8 @@ def _join_sql(
                 ]
             )
             ctes.append(
-                f"""{alias} AS (SELECT e.{ROW}, CAST(h.event_timestamp AS TIMESTAMP) AS __ev, {", ".join("h." + ident(f) for f in req.features)}
+                f"""{alias} AS (SELECT e.{ROW}, CAST(h.event_timestamp AS TIMESTAMP) AS __ev,
+                {", ".join("h." + ident(f) for f in req.features)}
                 FROM __entities e JOIN __hist{i} h ON {on}
                 QUALIFY row_number() OVER (PARTITION BY e.{ROW} ORDER BY h.event_timestamp DESC, h.created_timestamp DESC,
                     h._run_id DESC, h._row_id DESC) = 1)"""

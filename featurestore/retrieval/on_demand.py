@@ -10,8 +10,9 @@ of the declared types, so they get the same values for the same inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -50,7 +51,7 @@ class OnDemandPlan:
         features: Sequence[str] | None,
         feature_service: str | FeatureService | None,
         full_feature_names: bool,
-    ) -> "OnDemandPlan | None":
+    ) -> OnDemandPlan | None:
         """A plan when the request names on-demand features; None otherwise (nothing to do)."""
         if not defs.on_demand_feature_views:
             return None

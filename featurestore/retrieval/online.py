@@ -15,12 +15,14 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from itertools import repeat
 from numbers import Integral, Real
 from operator import is_
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from featurestore.aggregation import tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
@@ -96,7 +98,7 @@ class OnlineResponse:
             payload = dumps(self.to_rest())
         return payload
 
-    def to_df(self, include_statuses: bool = False) -> "pd.DataFrame":
+    def to_df(self, include_statuses: bool = False) -> pd.DataFrame:
         import pandas as pd
 
         data: dict[str, list] = dict(zip(self.feature_names, self.values))
@@ -243,7 +245,7 @@ class QueryTemplate:
     @classmethod
     def build(
         cls, defs: Definitions, project: str, features, feature_service, full_feature_names: bool
-    ) -> "QueryTemplate":
+    ) -> QueryTemplate:
         requests = resolve(defs, features, feature_service, full_feature_names)
         needed: list[str] = []
         for req in requests:
@@ -261,9 +263,7 @@ class QueryTemplate:
                 by_name = {a.output_name: a for a in req.view.aggregations}
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
-                events_of = lambda values, entity_of=entity_of, view=req.view.online_field: events_key(
-                    entity_of(values), view
-                )  # noqa: E731
+                events_of = partial(_events_key_of, entity_of, req.view.online_field)
                 evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
                 spec = tiles.TileSpec.of(req.view)
                 tiled = (
@@ -292,6 +292,10 @@ class QueryTemplate:
             ttl = req.view.ttl // timedelta(microseconds=1) if req.view.ttl is not None else None
             views.append(_ViewPlan(req, list(groups).index(keyset), len(group.fields) - 1, decode, len(wanted), ttl))
         return cls(needed, checks, list(groups.values()), views, windows)
+
+
+def _events_key_of(entity_of: Callable[[tuple], bytes], view: str, values: tuple) -> bytes:
+    return events_key(entity_of(values), view)
 
 
 def _key_builder(project: str, keyset: tuple[str, ...], types: dict[str, str]) -> Callable[[tuple], bytes]:
@@ -374,7 +378,7 @@ class OnlineQuery:
         max_entities: int = 10_000,
         cache: dict | None = None,
         now: datetime | None = None,
-    ) -> "OnlineQuery":
+    ) -> OnlineQuery:
         signature = (
             tuple(features) if isinstance(features, (list, tuple)) else features,
             feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
@@ -614,7 +618,7 @@ class OnlineQuery:
             self.seals.append((key, size, sealed))
         return vals, stats, micros_to_datetime(newest) if newest is not None else None
 
-    def _view_columns(self, plan: "_ViewPlan", raw: list, now_us: int):
+    def _view_columns(self, plan: _ViewPlan, raw: list, now_us: int):
         width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
         cutoff = now_us - ttl_us if ttl_us is not None else None
         blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
@@ -665,7 +669,7 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
     return {k: [r[k] for r in entities] for k in keys}
 
 
-def read_online(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
+def read_online(store: RedisOnlineStore, query: OnlineQuery) -> OnlineResponse:
     """``query`` answered from ``store``: one round trip, a second for heavy entities' tile summaries."""
     first = query.first_reads()
     raw = query.placed(store.read(query.lookups, first) if query.lookups or first else [])
@@ -681,7 +685,7 @@ def read_online(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse
 OFF_LOOP_EVENTS = 2_000
 
 
-async def read_online_async(store: "RedisOnlineStore", query: OnlineQuery) -> OnlineResponse:
+async def read_online_async(store: RedisOnlineStore, query: OnlineQuery) -> OnlineResponse:
     """``read_online`` on the event loop."""
     first = query.first_reads()
     raw = query.placed(await store.read_async(query.lookups, first) if query.lookups or first else [])

@@ -17,9 +17,10 @@ Workers import ``featurestore``: install the same version on every node.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import duckdb
 import numpy as np
@@ -54,7 +55,7 @@ class RayJoinJob:
     def build(
         cls,
         defs: Definitions,
-        offline: "DeltaOfflineStore",
+        offline: DeltaOfflineStore,
         entity_df: Any,
         features: Sequence[str] | None,
         feature_service: Any,
@@ -64,7 +65,7 @@ class RayJoinJob:
         *,
         address: str | None = None,
         partitions: int = 0,
-    ) -> "RayJoinJob":
+    ) -> RayJoinJob:
         if OnDemandPlan.build(defs, features, feature_service, full_feature_names) is not None:
             raise RequestError(
                 "on-demand features are computed by the local engine; request stored features "
@@ -119,7 +120,7 @@ class RayJoinJob:
     def to_arrow(self) -> pa.Table:
         return self.table
 
-    def to_df(self) -> "pd.DataFrame":
+    def to_df(self) -> pd.DataFrame:
         return self.table.to_pandas()
 
     def batches(self, rows_per_batch: int = BATCH_ROWS) -> Iterator[pa.RecordBatch]:

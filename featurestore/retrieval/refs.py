@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from featurestore.definitions import FeatureService, FeatureView
 from featurestore.errors import NotFoundError, RequestError

@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 
 
 def model_lineage(
-    models: "ModelRegistry",
+    models: ModelRegistry,
     name: str,
     version: int,
     runs_root: Path,
     registry: RegistryStore,
-    offline: "DeltaOfflineStore",
+    offline: DeltaOfflineStore,
 ) -> dict[str, Any]:
     card = models.card(name, version)
     stages = [stage for stage, v in models.aliases(name).items() if v == version]
@@ -100,7 +100,7 @@ def definitions_lineage(registry: RegistryStore, hashes: dict[str, str]) -> list
     ]
 
 
-def _tables(dataset: Path | None, offline: "DeltaOfflineStore") -> list[dict[str, Any]]:
+def _tables(dataset: Path | None, offline: DeltaOfflineStore) -> list[dict[str, Any]]:
     """Per view: the history table and Delta version the dataset read, beside the table's version now."""
     manifest = _manifest(dataset)
     if manifest is None:

@@ -3,7 +3,7 @@ that keep its shape (first and last points, spikes and dips)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

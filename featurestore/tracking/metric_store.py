@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -99,7 +99,7 @@ class MetricWriter:
         self.flush()
         self.merge()
 
-    def __enter__(self) -> "MetricWriter":
+    def __enter__(self) -> MetricWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

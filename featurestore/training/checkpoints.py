@@ -11,11 +11,12 @@ registry registers and the validation pass scores.
 
 from __future__ import annotations
 
-import shutil
 import contextlib
+import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp

@@ -11,8 +11,8 @@ units again). ``batches_per_rank`` tells every rank how many steps the busiest o
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa

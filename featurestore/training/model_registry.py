@@ -22,10 +22,11 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -86,7 +87,7 @@ class ModelRegistry:
         root: Path,
         ledger: Path,
         announce: Callable[[str, int, str], None] | None = None,
-        artifacts: "ArtifactStore | None" = None,
+        artifacts: ArtifactStore | None = None,
     ):
         self.root = Path(root)
         self.ledger = Path(ledger)
@@ -146,7 +147,7 @@ class ModelRegistry:
             "metrics": final,
             "run": run_dir.name,
             "code_version": params["code_version"],
-            "registered_at": datetime.now(timezone.utc).isoformat(),
+            "registered_at": datetime.now(UTC).isoformat(),
             "training_layout": params.get("layout"),  # world size, shard and sync groups, device
             "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
         }

@@ -12,8 +12,9 @@ Arrow arrays; one row at serving goes through the very same code as a batch in t
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,7 @@ class Preprocessor:
         categorical: Sequence[str],
         max_vocab: int = 1000,
         hashed: Mapping[str, int] | None = None,
-    ) -> "Preprocessor":
+    ) -> Preprocessor:
         means, stds = [], []
         for name in numeric:
             values = pc.cast(table[name], pa.float64())
@@ -97,7 +98,7 @@ class Preprocessor:
         return state
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Preprocessor":
+    def from_dict(cls, data: dict[str, Any]) -> Preprocessor:
         return cls(**data)
 
 

@@ -3,14 +3,14 @@ store pointed at our feature server. Prints one JSON line of what it saw."""
 
 import json
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 from feast import FeatureStore
 from feast.data_source import PushMode
 
 store = FeatureStore(repo_path=sys.argv[1])
-now = datetime.now(timezone.utc) - timedelta(seconds=30)
+now = datetime.now(UTC) - timedelta(seconds=30)
 seen = {}
 
 store.write_to_online_store(
