@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from featurestore.aggregation.functions import FUNCTIONS
 from featurestore.types import DType
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
@@ -177,19 +178,6 @@ Transformation = str | Callable[..., Any] | None
 
 # ---------------------------------------------------------------- aggregations
 
-AGGREGATION_FUNCTIONS = (
-    "count",
-    "sum",
-    "mean",
-    "min",
-    "max",
-    "stddev",
-    "variance",
-    "last",
-    "last_n",
-    "count_distinct",
-)
-
 
 def window_label(window: timedelta) -> str:
     """``timedelta(hours=24)`` -> ``"24h"``, ``timedelta(days=7)`` -> ``"7d"``: the suffix of derived names."""
@@ -228,24 +216,14 @@ class Aggregation:
         if self.name:
             return self.name
         what = f"{self.column}_{self.function}" if self.column else self.function
-        if self.function == "last_n":
-            what = f"{self.column}_last_{self.n}"
+        function = FUNCTIONS.get(self.function)
+        if self.column and function and function.takes_n:  # last_n -> amount_last_5
+            what = f"{self.column}_{self.function.removesuffix('_n')}_{self.n}"
         return f"{what}_{window_label(self.window)}"
 
     def output_type(self, input_type: DType | None) -> DType:
         """The feature's type, given the aggregated column's (None for a column-less count)."""
-        from featurestore import types as t
-
-        if self.function in ("count", "count_distinct"):
-            return t.Int64
-        assert input_type is not None
-        if self.function == "sum":
-            return t.Int64 if input_type.name in ("Int32", "Int64", "Bool") else t.Float64
-        if self.function in ("mean", "stddev", "variance"):
-            return t.Float64
-        if self.function == "last_n":
-            return t.Array(input_type)
-        return input_type  # min, max, last
+        return FUNCTIONS[self.function].output_type(input_type)
 
     def to_spec(self) -> dict[str, Any]:
         return {

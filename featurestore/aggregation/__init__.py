@@ -33,12 +33,15 @@ mean, then the compensated sum of squared deviations in (time, id) order) and ag
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-from featurestore.definitions import Aggregation, FeatureView
+from featurestore.aggregation.functions import FUNCTIONS
 from featurestore.errors import FeatureStoreError
 
+if TYPE_CHECKING:  # definitions import this package's functions
+    from featurestore.definitions import Aggregation, FeatureView
+
 FLOAT_TOLERANCE = 1e-9
-INEXACT_FUNCTIONS = frozenset({"sum", "mean", "stddev", "variance"})
 
 
 class AggregationOverflow(FeatureStoreError):
@@ -71,4 +74,4 @@ def event_id_sql(view: FeatureView, prefix: str = "") -> str:
 
 def is_inexact(agg: Aggregation, view: FeatureView) -> bool:
     """Whether the two paths may differ by rounding (float sums, means, variances)."""
-    return agg.function in INEXACT_FUNCTIONS and view.field(agg.output_name).dtype.name == "Float64"
+    return FUNCTIONS[agg.function].sums and view.field(agg.output_name).dtype.name == "Float64"

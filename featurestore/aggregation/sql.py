@@ -19,40 +19,28 @@ Variances and standard deviations are computed in two passes over a range join i
 online: one pass over sums of squares loses the variance at a large offset, and its result
 depended on the evaluation order.
 
-Float sums and means are exact: each value is scaled by a power of two that makes every value of
-the column an integer (``SumScale``, from a scan of the column), summed as a 128-bit integer and
-rounded once, as ``math.fsum`` online rounds the exact sum: the same bits. A column whose nonzero
-magnitudes span too much for 128 bits falls back to DuckDB's compensated ``fsum``.
+Each function's SQL is its class's (``aggregation.functions``); float sums and means are exact,
+from a scan of the column (``scale_scan_sql``, then ``exact_sum``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 from featurestore.aggregation import dedup_us, event_id_sql, overflow_message
+from featurestore.aggregation.exact_sum import SumScale, float_sum
+from featurestore.aggregation.functions import FUNCTIONS, OnePass, SqlInput, SqlOutput, TwoPass
 from featurestore.aggregation.where import where_sql
 from featurestore.definitions import Aggregation, FeatureView
 from featurestore.sources import ident, quote
 from featurestore.types import DType, duckdb_type
 
 ROW, TS = "__fs_row", "__fs_ts"
-_HUGE_BITS = 126  # a sum stays below 2^126: HUGEINT holds 2^127 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-VARIANCE_FUNCTIONS = ("variance", "stddev")
-
-
-@dataclass(frozen=True)
-class SumScale:
-    """How a float column is summed exactly: every value times ``2**-exponent`` is an integer and
-    the sum of ``rows`` of them fits 126 bits; ``non_finite``: some value is NaN or infinite."""
-
-    exponent: int
-    non_finite: bool
 
 
 def scale_scan_sql(column: str, relation: str) -> str:
-    """One row: (rows, smallest and largest binary exponent of the nonzero finite values, non-finite count)."""
+    """One row: (rows, smallest and largest binary exponent of the nonzero finite values, non-finite
+    count), what ``exact_sum.sum_scale`` takes."""
     c = f"CAST({ident(column)} AS DOUBLE)"
     finite = f"{c} <> 0 AND isfinite({c})"
     return (
@@ -61,27 +49,10 @@ def scale_scan_sql(column: str, relation: str) -> str:
     )
 
 
-def sum_scale(rows: int, low: float | None, high: float | None, non_finite: int) -> SumScale | None:
-    """The scale for a scanned column, or None when no power of two keeps its sums within 128 bits.
-
-    ``floor(log2|x|)`` may be one too high just below a power of two: a value's last bit is worth
-    at least ``2**(low - 53)``, and its magnitude is below ``2**(high + 1)``."""
-    if low is None or high is None:  # only zeros, nulls or non-finite values
-        return SumScale(0, bool(non_finite))
-    exponent = max(int(low) - 53, -1074)
-    if exponent < -1022 or int(high) + 1 - exponent + max(rows, 1).bit_length() > _HUGE_BITS:
-        return None
-    return SumScale(exponent, bool(non_finite))
-
-
-def _double(value: float) -> str:
-    return f"CAST('{value!r}' AS DOUBLE)"
-
-
 def _value(agg: Aggregation, prefix: str, stored: dict[str, DType]) -> str:
     """The aggregated expression: the column (or the event id, for a column-less count), filtered."""
     target = prefix + (ident(agg.column) if agg.column else "__eid")
-    if agg.column and stored[agg.column].name == "Bool" and agg.function in ("sum", "mean"):
+    if agg.column and stored[agg.column].name == "Bool" and FUNCTIONS[agg.function].numeric:
         target = f"CAST({target} AS INTEGER)"
     cond = where_sql(agg.where, stored[agg.where[0]] if agg.where else None, prefix)
     return f"CASE WHEN {cond} THEN {target} END" if cond else target
@@ -94,80 +65,28 @@ def _is_float(agg: Aggregation, stored: dict[str, DType]) -> bool:
 def parts(
     agg: Aggregation, stored: dict[str, DType], scales: dict[str, SumScale | None], prefix: str, ev: str, over: str
 ) -> list[tuple[str, str]]:
-    """``(part, SQL aggregate)`` of one ``Aggregation`` (not a variance), ``over`` (an OVER or FILTER clause) applied."""
-    v = _value(agg, prefix, stored)
-    f = agg.function
-    if f == "count":
-        return [("n", f"count({v}) {over}")]
-    if f == "count_distinct":
-        return [("n", f"count(DISTINCT {v}) {over}")]
-    if f in ("min", "max"):  # + 0.0: a zero is +0.0, as online (DuckDB returns the last of equal zeros)
-        return [("v", f"({f}({v}) {over}) + 0.0" if _is_float(agg, stored) else f"{f}({v}) {over}")]
-    if f == "last":
-        return [
-            ("v", f"arg_max({v}, CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END) {over}")
-        ]
-    if f == "last_n":
-        order = f"CASE WHEN {v} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
-        return [("v", f"max_by({v}, {order}, {int(agg.n or 1)}) {over}")]
-    assert f in ("sum", "mean"), f
-    out = [("n", f"count({v}) {over}")] if f == "mean" else []
-    if not _is_float(agg, stored):
-        return [("s", f"sum({v}) {over}"), *out]  # exact: HUGEINT
-    return [("f", float_sum(f"CAST({v} AS DOUBLE)", scales.get(agg.column or ""), over)), *out]
-
-
-def float_sum(double: str, scale: SumScale | None, over: str) -> str:
-    """The sum of a DOUBLE expression over ``over``: exact (a HUGEINT of scaled values, rounded
-    once) with ``scale``, else DuckDB's compensated ``fsum``. Non-finite values as IEEE 754: NaN, or
-    both infinities, give NaN; one infinity gives itself."""
-    if scale is None:  # magnitudes too far apart for 128 bits: compensated, not exact
-        return f"fsum({double}) {over}"
-    scaled = f"CAST({double} * {_double(2.0**-scale.exponent)} AS HUGEINT)"
-    if not scale.non_finite:
-        return f"CAST(sum({scaled}) {over} AS DOUBLE) * {_double(2.0**scale.exponent)}"
-    total = (
-        f"CAST(sum(CASE WHEN isfinite({double}) THEN {scaled} END) {over} AS DOUBLE) * {_double(2.0**scale.exponent)}"
+    """``(part, SQL aggregate)`` of a one-pass ``Aggregation``, ``over`` (an OVER or FILTER clause) applied."""
+    function = FUNCTIONS[agg.function]
+    assert isinstance(function, OnePass), agg.function
+    value = _value(agg, prefix, stored)
+    order = f"CASE WHEN {value} IS NOT NULL THEN {{'t': {prefix}{ev}, 'i': {prefix}__eid}} END"
+    return function.sql_parts(
+        SqlInput(value, order, over, _is_float(agg, stored), scales.get(agg.column or ""), int(agg.n or 1))
     )
-    nan, pinf, ninf = (
-        f"count_if({test}) {over}"
-        for test in (f"isnan({double})", f"{double} = 'inf'::DOUBLE", f"{double} = '-inf'::DOUBLE")
-    )
-    return (
-        f"CASE WHEN {nan} > 0 OR ({pinf} > 0 AND {ninf} > 0) THEN 'NaN'::DOUBLE WHEN {pinf} > 0 THEN 'inf'::DOUBLE "
-        f"WHEN {ninf} > 0 THEN '-inf'::DOUBLE ELSE {total} END"
-    )
-
-
-def _part(alias: str, agg: Aggregation, part: str) -> str:
-    return f"{alias}.{ident(f'{agg.output_name}__{part}')}"
 
 
 def output_sql(view: FeatureView, agg: Aggregation, alias: str) -> str:
     """The feature column of one aggregate from its parts in ``alias``, with the empty value
     where the row had no events."""
-    output = view.field(agg.output_name).dtype
     stored = {f.name: f.dtype for f in view.schema}
-    f = agg.function
-    if f in ("count", "count_distinct"):
-        return f"COALESCE({_part(alias, agg, 'n')}, 0)"
-    if f == "last_n":
-        return f"COALESCE({_part(alias, agg, 'v')}, CAST([] AS {duckdb_type(output)}))"
-    if f in ("min", "max", "last", *VARIANCE_FUNCTIONS):
-        return _part(alias, agg, "v")
-    if not _is_float(agg, stored):  # an exact integer sum: Int64, or an error naming the aggregation
-        s = _part(alias, agg, "s")
-        if f == "mean":
-            return f"CAST({s} AS DOUBLE) / NULLIF({_part(alias, agg, 'n')}, 0)"
-        message = quote(overflow_message(view.name, agg))
-        return (
-            f"CASE WHEN {s} IS NULL THEN 0 WHEN {s} BETWEEN {INT64_MIN} AND {INT64_MAX} THEN CAST({s} AS BIGINT) "
-            f"ELSE error({message}) END"
+    return FUNCTIONS[agg.function].sql_output(
+        SqlOutput(
+            part=lambda part: f"{alias}.{ident(f'{agg.output_name}__{part}')}",
+            is_float=_is_float(agg, stored),
+            output_type=duckdb_type(view.field(agg.output_name).dtype),
+            overflow=quote(overflow_message(view.name, agg)),
         )
-    total = _part(alias, agg, "f")
-    if f == "mean":
-        return f"{total} / NULLIF({_part(alias, agg, 'n')}, 0)"
-    return f"COALESCE({total} + 0.0, 0.0)"
+    )
 
 
 def _micros(agg: Aggregation) -> int:
@@ -228,9 +147,9 @@ def _variance_ctes(
     for k, (agg, square, where) in enumerate(finals):
         n = f"count(__v{k}) {where}"
         variance = f"CASE WHEN {n} >= 2 THEN fsum({square} ORDER BY __ev, __eid) {where} / ({n} - 1) END"
-        selects.append(
-            f"{'sqrt(' + variance + ')' if agg.function == 'stddev' else variance} AS {ident(agg.output_name + '__v')}"
-        )
+        function = FUNCTIONS[agg.function]
+        assert isinstance(function, TwoPass), agg.function
+        selects.append(f"{function.from_variance_sql(variance)} AS {ident(agg.output_name + '__v')}")
     return [
         f"""{alias}_vj AS (SELECT e.{ROW}, h.__ev, h.__eid, {flags}, {", ".join(means)}
             FROM __entities e JOIN {events} h ON {on})""",
@@ -253,8 +172,8 @@ def view_ctes(
     events = f"{alias}_ev"
     ctes = [events_cte(view, hist, events)]
     keys = view.join_keys
-    variances = [a for a in aggs if a.function in VARIANCE_FUNCTIONS]
-    others = [a for a in aggs if a.function not in VARIANCE_FUNCTIONS]
+    variances = [a for a in aggs if isinstance(FUNCTIONS[a.function], TwoPass)]
+    others = [a for a in aggs if not isinstance(FUNCTIONS[a.function], TwoPass)]
     built = []
     if variances:
         ctes += _variance_ctes(view, variances, events, f"{alias}_var", as_of, stored, scales)
@@ -326,10 +245,4 @@ def _shared(by_aggregation: list[tuple[Aggregation, list[tuple[str, str]]]]) -> 
 def needs_scale(view: FeatureView, aggs: list[Aggregation]) -> list[str]:
     """The float columns whose exact sums (sums, means, the means of variances) need a ``SumScale``."""
     stored = {f.name: f.dtype for f in view.schema}
-    return sorted(
-        {
-            a.column
-            for a in aggs
-            if a.function in ("sum", "mean", *VARIANCE_FUNCTIONS) and a.column and _is_float(a, stored)
-        }
-    )
+    return sorted({a.column for a in aggs if FUNCTIONS[a.function].sums and a.column and _is_float(a, stored)})

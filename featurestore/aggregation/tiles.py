@@ -31,20 +31,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from featurestore.aggregation.evaluate import (
-    NOT_FOUND,
-    NULL_VALUE,
-    PRESENT,
-    WindowEvaluator,
-    _fsum,
-    _max,
-    _min,
-    checked_sum,
-    pick,
-)
+from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, checked, pick
+from featurestore.aggregation.functions import FUNCTIONS, Mergeable, Unsealable
 from featurestore.definitions import Aggregation, FeatureView, content_hash
 
-TILED_FUNCTIONS = frozenset({"count", "sum", "mean", "min", "max", "last"})
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
 SEAL_FROM = 8  # events a tile needs before a summary pays for itself
 HEAVY_PER_TILE = 24  # events per tile of the longest window before a lookup reads summaries (its break-even)
@@ -76,7 +66,7 @@ class TileSpec:
         tiled = tuple(
             a
             for a in view.aggregations
-            if a.function in TILED_FUNCTIONS and (a.column is None or stored[a.column] in TILED_TYPES)
+            if isinstance(FUNCTIONS[a.function], Mergeable) and (a.column is None or stored[a.column] in TILED_TYPES)
         )
         if not tiled:
             return None
@@ -90,29 +80,6 @@ class TileSpec:
         return all(a in self.aggregations for a in aggregations)
 
 
-def _partials(values: list[float]) -> list[float] | None:
-    """Shewchuk's non-overlapping partials of ``values`` (their sum, exactly); None if a value is
-    not finite or the sum overflows."""
-    partials: list[float] = []
-    for x in values:
-        if not math.isfinite(x):
-            return None
-        i = 0
-        for y in partials:
-            if abs(x) < abs(y):
-                x, y = y, x
-            hi = x + y
-            lo = y - (hi - x)
-            if lo:
-                partials[i] = lo
-                i += 1
-            x = hi
-        if not math.isfinite(x):
-            return None
-        partials[i:] = [x]
-    return partials
-
-
 class TiledEvaluator:
     """States of a view's tiled aggregations over events, their merge in time order, and the
     values they give (each equal to ``WindowEvaluator``'s over the same events)."""
@@ -121,6 +88,7 @@ class TiledEvaluator:
         self.spec = spec
         self.events = WindowEvaluator(view, spec.aggregations)  # columns, filters, empty values
         stored = {f.name: f.dtype.name for f in view.schema}
+        self.functions: list[Mergeable] = [FUNCTIONS[a.function] for a in spec.aggregations]  # type: ignore[misc]
         self.floats = [a.column is not None and stored[a.column] in ("Float32", "Float64") for a in spec.aggregations]
         self.needed = self.events.needed
 
@@ -128,32 +96,28 @@ class TiledEvaluator:
         self, columns: dict[int, list[Any]], start: int, end: int, compact: bool, indexes: Sequence[int] | None = None
     ) -> list[State] | None:
         """The state of each aggregation (or those at ``indexes``) over events ``start:end`` of
-        ``columns``. ``compact``: float sums as partials (a summary; None if it cannot be exact),
-        else as the values. Aggregations over one column and filter (a sum and a mean, several
-        windows) share the picking and the partials."""
+        ``columns``. ``compact``: as a summary stores it (None if one cannot be exact), else as
+        cheap to build as may be. Aggregations of one state kind over one column and filter (a sum
+        and a mean, several windows) share the picking and the state."""
         ev = self.events
         out: list[State] = []
         picks: dict[tuple, tuple[int, list[Any] | None]] = {}
-        sums: dict[tuple, Any] = {}
+        payloads: dict[tuple, Any] = {}
         for k in range(len(self.spec.aggregations)) if indexes is None else indexes:
-            agg, column, where, is_float = self.spec.aggregations[k], ev.columns[k], ev.filters[k], self.floats[k]
-            source = (column, repr(agg.where))
+            agg, function = self.spec.aggregations[k], self.functions[k]
+            source = (ev.columns[k], repr(agg.where))
             if source not in picks:
-                picks[source] = pick(columns, column, where, start, end)
+                picks[source] = pick(columns, ev.columns[k], ev.filters[k], start, end)
             count, picked = picks[source]
             if picked is None:
                 out.append([count, count, None])
                 continue
-            function, payload = agg.function, None
-            if function in ("sum", "mean"):  # floats as partials (or the values), integers as their exact sum
-                if source not in sums:
-                    sums[source] = (_partials(picked) if compact else picked) if is_float else sum(picked)
-                payload = sums[source]
-                if payload is None:
+            if picked and (source, function.state_kind) not in payloads:
+                try:
+                    payloads[(source, function.state_kind)] = function.state(picked, self.floats[k], compact)
+                except Unsealable:
                     return None
-            elif picked:
-                payload = _min(picked) if function == "min" else _max(picked) if function == "max" else picked[-1]
-            out.append([count, len(picked), payload])
+            out.append([count, len(picked), payloads[(source, function.state_kind)] if picked else None])
         return out
 
     def finish(self, index: int, states: list[State]) -> tuple[Any, str]:
@@ -162,23 +126,10 @@ class TiledEvaluator:
         events, values = sum(s[0] for s in states), sum(s[1] for s in states)
         if not events:
             return empty, NOT_FOUND
-        payloads = [s[2] for s in states if s[1]]
         if not values:
-            value = empty
-        elif agg.function == "count":
-            value = values
-        elif agg.function in ("sum", "mean"):  # as ``WindowEvaluator``: one rounding of the exact sum
-            if self.floats[index]:
-                total = _fsum([x for p in payloads for x in p])
-            else:
-                total = sum(payloads) if agg.function == "mean" else checked_sum(sum(payloads), self.events.view, agg)
-            value = (total if self.floats[index] else float(total)) / values if agg.function == "mean" else total
-        elif agg.function == "min":
-            value = _min(payloads)
-        elif agg.function == "max":
-            value = _max(payloads)
-        else:  # last
-            value = payloads[-1]
+            return empty, NULL_VALUE if empty is None else PRESENT
+        payloads = [s[2] for s in states if s[1]]
+        value = checked(self.functions[index].merge(payloads, values, self.floats[index]), self.events.view, agg)
         return value, NULL_VALUE if value is None else PRESENT
 
     def encode(self, newest_us: int, states: list[State]) -> bytes | None:

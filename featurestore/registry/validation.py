@@ -7,11 +7,11 @@ from datetime import timedelta
 
 import duckdb
 
+from featurestore.aggregation.functions import FUNCTIONS
 from featurestore.aggregation.where import OPERATORS as WHERE_OPERATORS
 from featurestore.aggregation.where import typed_value
 from featurestore.config import RepoConfig
 from featurestore.definitions import (
-    AGGREGATION_FUNCTIONS,
     FeatureView,
     FeatureViewProjection,
     OnDemandFeatureView,
@@ -184,8 +184,8 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
         problems.append(f"{where}: two aggregations are named {dup!r}; give one a name=")
     for agg in view.aggregations:
         what = f"{where}: aggregation {agg.output_name!r}"
-        if agg.function not in AGGREGATION_FUNCTIONS:
-            problems.append(f"{what}: function {agg.function!r} is not one of {list(AGGREGATION_FUNCTIONS)}")
+        if agg.function not in FUNCTIONS:
+            problems.append(f"{what}: function {agg.function!r} is not one of {list(FUNCTIONS)}")
             continue
         if (
             not isinstance(agg.window, timedelta)
@@ -193,22 +193,19 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
             or agg.window % timedelta(microseconds=1)
         ):
             problems.append(f"{what}: window must be a positive timedelta of whole microseconds, got {agg.window!r}")
-        if agg.column is None and agg.function != "count":
+        function = FUNCTIONS[agg.function]
+        if agg.column is None and function.needs_column:
             problems.append(f"{what}: {agg.function} needs a column=")
         elif agg.column is not None and agg.column not in stored:
             problems.append(
                 f"{what}: column {agg.column!r} is not in the view's schema {list(stored)}; add it as a Field"
             )
-        elif (
-            agg.column is not None
-            and agg.function in ("sum", "mean", "stddev", "variance")
-            and stored[agg.column].name not in _NUMERIC
-        ):
+        elif agg.column is not None and function.numeric and stored[agg.column].name not in _NUMERIC:
             problems.append(f"{what}: {agg.function} needs a numeric column; {agg.column!r} is {stored[agg.column]!r}")
         elif agg.column is not None and stored[agg.column].is_array:
             problems.append(f"{what}: column {agg.column!r} is an array; aggregate scalar columns")
-        if agg.function == "last_n" and not (isinstance(agg.n, int) and agg.n >= 1):
-            problems.append(f"{what}: last_n needs n= (a whole number >= 1), got {agg.n!r}")
+        if function.takes_n and not (isinstance(agg.n, int) and agg.n >= 1):
+            problems.append(f"{what}: {agg.function} needs n= (a whole number >= 1), got {agg.n!r}")
         if agg.where is not None:
             if not (isinstance(agg.where, (tuple, list)) and len(agg.where) == 3):
                 problems.append(

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from featurestore.aggregation import AggregationOverflow
 from featurestore.aggregation import sql as aggregation_sql
+from featurestore.aggregation.exact_sum import sum_scale
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.offline.base import OfflineStore
@@ -329,15 +330,13 @@ def _wanted(req: ViewRequest) -> list:
 
 
 def _sum_scales(con: duckdb.DuckDBPyConnection, requests: list[ViewRequest]) -> dict[int, dict]:
-    """Per request (by index), how each float column it sums is summed exactly (``aggregation.sql.SumScale``):
+    """Per request (by index), how each float column it sums is summed exactly (``aggregation.exact_sum.SumScale``):
     a scan of the column's magnitudes in the history it joins."""
     scales: dict[int, dict] = {}
     for i, req in enumerate(requests):
         if req.view.is_aggregated:
             scales[i] = {
-                column: aggregation_sql.sum_scale(
-                    *con.sql(aggregation_sql.scale_scan_sql(column, f"__hist{i}")).fetchall()[0]
-                )
+                column: sum_scale(*con.sql(aggregation_sql.scale_scan_sql(column, f"__hist{i}")).fetchall()[0])
                 for column in aggregation_sql.needs_scale(req.view, _wanted(req))
             }
     return scales
