@@ -48,6 +48,7 @@ activity = FeatureView(
         Aggregation("stddev", 3 * H, "amount"),
         Aggregation("variance", H, "amount"),
         Aggregation("last", 3 * H, "kind"),
+        Aggregation("first", 3 * H, "amount"),
         Aggregation("last_n", 3 * H, "amount", n=2),
         Aggregation("count_distinct", 3 * H, "kind"),
         Aggregation("sum", 3 * H, "amount", name="online_sum_3h", where=("kind", "==", "web")),
@@ -90,6 +91,8 @@ def reference(events: list[dict], card: int, t: datetime, agg: dict) -> object:
         return math.nan if any(math.isnan(v) for v in values) else max(values)
     if f == "last":
         return values[-1]
+    if f == "first":
+        return values[0]
     if f in ("variance", "stddev"):
         if len(values) < 2:
             return None
@@ -110,6 +113,7 @@ AGGS = {
     "amount_stddev_3h": {"function": "stddev", "window": 3 * H, "column": "amount"},
     "amount_variance_1h": {"function": "variance", "window": H, "column": "amount"},
     "kind_last_3h": {"function": "last", "window": 3 * H, "column": "kind"},
+    "amount_first_3h": {"function": "first", "window": 3 * H, "column": "amount"},
     "amount_last_2_3h": {"function": "last_n", "window": 3 * H, "column": "amount"},
     "kind_count_distinct_3h": {"function": "count_distinct", "window": 3 * H, "column": "kind"},
     "online_sum_3h": {"function": "sum", "window": 3 * H, "column": "amount", "where": lambda e: e["kind"] == "web"},
@@ -240,6 +244,7 @@ TILED = [
     "amount_min_1h",
     "amount_max_3h",
     "kind_last_3h",
+    "amount_first_3h",
     "online_sum_3h",
     "not_card_count_30h",
 ]

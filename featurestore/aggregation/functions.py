@@ -356,6 +356,35 @@ class Last:
         return states[-1]
 
 
+class First:
+    """The oldest non-null value in the window."""
+
+    name, needs_column, numeric, sums, takes_n = "first", True, False, False, False
+    state_kind = "first"
+
+    def output_type(self, input_type: DType | None) -> DType:
+        assert input_type is not None
+        return input_type
+
+    def empty(self, output: DType) -> Any:
+        return None
+
+    def reduce(self, values: list[Any], n: int | None) -> Any:
+        return values[0]
+
+    def sql_parts(self, e: SqlInput) -> list[tuple[str, str]]:
+        return [("v", f"arg_min({e.value}, {e.order}) {e.over}")]
+
+    def sql_output(self, out: SqlOutput) -> str:
+        return out.part("v")
+
+    def state(self, values: list[Any], is_float: bool, compact: bool) -> Any:
+        return values[0]
+
+    def merge(self, states: list[Any], values: int, is_float: bool) -> Any:
+        return states[0]
+
+
 class LastN:
     """The ``n`` newest non-null values, newest first."""
 
@@ -390,6 +419,7 @@ FUNCTIONS: dict[str, AggregationFunction] = {
         _Spread("stddev", root=True),
         _Spread("variance", root=False),
         Last(),
+        First(),
         LastN(),
         CountDistinct(),
     )
