@@ -383,7 +383,8 @@ def main() -> None:
         ours_http.sock.close()
         raw_http.sock.close()
         bodies = [orjson.dumps({"features": FEATURES, "entities": {"user_id": b}}) for b in ids[1]]
-        redis_pid = store.online_store.embedded.redis_pid() if store.online_store.embedded else None
+        embedded = getattr(store.online_store.transport, "embedded", None)  # (the embedded default: one node)
+        redis_pid = embedded.redis_pid() if embedded else None
         print(
             f"\nthroughput, {args.clients} concurrent keep-alive clients (one client process), 1 entity × 10 features; "
             f"client, servers and Redis share this machine's {os.cpu_count()} cores (figures in cores: CPU-seconds per second)"

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from featurestore.definitions import Entity, StreamSource
-from featurestore.errors import NotFoundError
+from featurestore.errors import NotFoundError, OnlineStoreUnavailable
 from featurestore.registry.snapshot import from_name, view_from_spec
 from featurestore.registry.store import RegistryStore
 from featurestore.streaming import stream_key
 
 if TYPE_CHECKING:
     from featurestore.offline.delta import DeltaOfflineStore
-    from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.online.base import OnlineStore
 
 _versions_cache: dict[tuple[str, int], dict[str, list[int]]] = {}
 
@@ -160,7 +160,7 @@ def _window(aggregation: Any) -> dict[str, Any]:
 def view_status(
     registry: RegistryStore,
     offline: DeltaOfflineStore,
-    online: RedisOnlineStore | None,
+    online: OnlineStore | None,
     project: str,
     name: str,
     now: float | None = None,
@@ -197,7 +197,7 @@ def view_status(
                 status["online_age_seconds"] = round(now - newest / 1e6, 3)
             if isinstance(view.source, StreamSource):
                 status["stream"] = stream_lag(online.client, stream_key(project, view.source))
-        except (redis.RedisError, OSError) as exc:
+        except (OnlineStoreUnavailable, redis.RedisError, OSError) as exc:
             status["online_error"] = f"online store unreachable: {exc}"
     return status
 

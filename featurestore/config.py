@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import yaml
 
 from featurestore.errors import FeatureStoreError
+from featurestore.online.base import EMBEDDED, OnlineStoreSettings
 
 if TYPE_CHECKING:
     from featurestore.auth import ApiKey
 
 CONFIG_FILE = "featurestore.yaml"
 REPO_ENV = "FEATURESTORE_REPO"  # the repo a server process serves (set by `featurestore serve`)
-EMBEDDED = "embedded"
 
 
 @dataclass
@@ -62,6 +62,12 @@ class RepoConfig:
     @property
     def embedded_redis(self) -> bool:
         return self.online_url == EMBEDDED
+
+    @property
+    def online_store_settings(self) -> OnlineStoreSettings:
+        return OnlineStoreSettings(
+            self.project, self.online_url, self.data_dir, self.read_timeout_ms, self.read_from_replicas
+        )
 
     @classmethod
     def load(cls, repo_path: str | Path) -> RepoConfig:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from featurestore.materialization.engine import MaterializationReport, Materializer
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
-    from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.online.base import OnlineStore
     from featurestore.retrieval.historical import JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineResponse
     from featurestore.tracking.artifacts import ArtifactStore
@@ -40,7 +40,7 @@ class FeatureStore:
         self.registry = RegistryStore(self.config.registry_path)
         self._definitions: Definitions | None = None
         self._offline: DeltaOfflineStore | None = None
-        self._online: RedisOnlineStore | None = None
+        self._online: OnlineStore | None = None
         self._buffer: PushBuffer | None = None
         self._unapplied: dict[str, str] | None = None
 
@@ -189,11 +189,11 @@ class FeatureStore:
         return self._offline
 
     @property
-    def online_store(self) -> RedisOnlineStore:
+    def online_store(self) -> OnlineStore:
         if self._online is None:
             from featurestore.online.base import open_online_store
 
-            self._online = open_online_store(self.config)
+            self._online = open_online_store(self.config.online_store_settings)
         return self._online
 
     @property
@@ -356,7 +356,7 @@ class FeatureStore:
         consumes them); the way in when Redis is embedded and has no address to give a producer.
         Returns the entry ids."""
         from featurestore.definitions import StreamSource
-        from featurestore.online.redis_store import UNAVAILABLE
+        from featurestore.online.transport import UNAVAILABLE
         from featurestore.streaming import publish, stream_key
 
         source = self.definitions.push_source(source_name)

@@ -387,7 +387,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     async def prometheus() -> Response:
         try:
             newest = await watcher.current.online_store.newest_async()
-        except (redis.RedisError, OSError):
+        except (OnlineStoreUnavailable, redis.RedisError, OSError):
             metrics.redis_errors.inc()
             newest = None  # the request metrics still answer during an outage
         return metrics.response(newest)

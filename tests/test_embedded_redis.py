@@ -60,9 +60,9 @@ def test_unreachable_redis_errors_never_show_the_password():
     import pytest
 
     from featurestore.errors import OnlineStoreUnavailable
-    from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.online.base import OnlineStoreSettings, open_online_store
 
-    store = RedisOnlineStore("redis://:s3cret-pw@127.0.0.1:1/0", "p")
+    store = open_online_store(OnlineStoreSettings("p", "redis://:s3cret-pw@127.0.0.1:1/0"))
     with pytest.raises(OnlineStoreUnavailable) as raised:
         store.read([(b"k", ["v"])])
     assert "s3cret-pw" not in str(raised.value) and "***" in str(raised.value)

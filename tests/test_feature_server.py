@@ -332,7 +332,7 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
                     os.kill(server.redis_pid(), signal.SIGCONT)
                 await asyncio.sleep(0)
                 assert (await online.read_async(query.lookups, query.ranges))[0] is not None  # no restart needed
-                batched = online._batched
+                batched = online.transport._batched
                 assert not batched._deadlines and not batched._expired
 
             asyncio.run(connect())  # an earlier event loop, closed with the watchdog's timer pending

@@ -572,7 +572,7 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
 
     import redis
 
-    from featurestore.online import redis_store
+    from featurestore.online import batched_reads
     from featurestore.retrieval.online import OnlineQuery, read_online_async
 
     store = users_store(random_users(n_users=40, n_rows=600, seed=21))
@@ -583,13 +583,13 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
     expected = [store.get_online_features({"user_id": ids}, features=refs, at=NOW).to_rest() for ids in batches]
     beside = [store.get_online_features({"user_id": ids}, features=refs, at=NOW).to_rest() for ids in ([8], [9, 10])]
     sent = []
-    exchange = redis_store.BatchedReads._exchange
+    exchange = batched_reads.BatchedReads._exchange
 
     async def counted(self, batch):
         sent.append(len(batch))
         return await exchange(self, batch)
 
-    monkeypatch.setattr(redis_store.BatchedReads, "_exchange", counted)
+    monkeypatch.setattr(batched_reads.BatchedReads, "_exchange", counted)
 
     def query(ids):
         return OnlineQuery.prepare(

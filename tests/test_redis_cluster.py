@@ -134,44 +134,6 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
         clustered.close()
 
 
-def test_heavy_entities_read_through_the_servers_path_on_a_cluster(tmp_path, redis_url, cluster, monkeypatch):
-    """``read_online_async`` reading two or more heavy windows failed on Redis Cluster: the store
-    inherited the single Redis's ``read_tiles_async``, whose ``evalsha`` redis-py blocks in cluster
-    pipelines, outside the ``try`` that maps store errors to 503."""
-    import asyncio
-
-    from featurestore.aggregation import tiles
-    from featurestore.retrieval.online import OnlineQuery, read_online_async
-
-    monkeypatch.delenv("REDIS_URL", raising=False)
-    ports, _ = cluster
-    single, clustered = _stores(tmp_path, redis_url, ports, n=50)
-    try:
-        for store in (single, clustered):
-            store.push("payments", _payments(2000, seed=4))
-        refs = ["activity:count_1h", "activity:amount_sum_24h"]
-        cards = list(range(0, 40))
-        plain = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
-        monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
-        monkeypatch.setattr(tiles, "SEAL_FROM", 1)
-
-        async def served():
-            answers = []
-            for _ in range(2):  # summaries stored after the first lookup, read by the second
-                query = OnlineQuery.prepare(
-                    clustered.definitions, clustered.config.project, {"card_id": cards}, refs, None, False, now=NOW
-                )
-                answers.append((await read_online_async(clustered.online_store, query)).to_dict())
-                await clustered.online_store.seal_async(query.seals)
-            return answers
-
-        for answer in asyncio.run(served()):
-            assert answer == plain
-    finally:
-        single.close()
-        clustered.close()
-
-
 def test_a_master_killed_mid_load_ends_in_recovery_with_no_wrong_value(tmp_path, redis_url, cluster, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     ports, procs = cluster

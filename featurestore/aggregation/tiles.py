@@ -8,7 +8,7 @@ filter, the non-null values among them and a mergeable state. An entity with
 the tiles wholly inside the window, the events of the others (those holding a window's start
 or the lookup time, and tiles not sealed yet), and merges both in time order
 (``evaluate_tiled``): its reads no longer grow with its events. An event added to an ended
-tile drops the tile's summary (Redis scripts in ``online.redis_store``).
+tile drops the tile's summary (``online/scripts/add_events.lua``).
 
 Exact, not approximate: merged states give what the events give (``WindowEvaluator``). Counts,
 min, max and last merge exactly, integer sums too. A float sum or mean keeps each tile's

@@ -29,8 +29,8 @@ from featurestore.errors import BadRowsError
 from featurestore.materialization.compute import compute, events_to_add, latest_per_entity, latest_sql, max_micros
 from featurestore.offline.base import OfflineStore
 from featurestore.offline.buffer import PushBuffer
+from featurestore.online.base import OnlineWrites
 from featurestore.online.codec import datetime_to_micros
-from featurestore.online.redis_store import RedisOnlineStore
 from featurestore.progress import progress_bar, query_progress
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection, register_view_rows
@@ -77,7 +77,7 @@ class Materializer:
         defs: Definitions,
         registry: RegistryStore,
         offline: OfflineStore,
-        online: RedisOnlineStore,
+        online: OnlineWrites,
         config: RepoConfig,
         progress: bool = False,
     ):

@@ -254,7 +254,7 @@ def _write_online(job: dict[str, Any], rows: pa.Table) -> int:
 
     fit_to_task()
     defs = applied_definitions(job["state"])
-    online = open_online_store(job["config"])
+    online = open_online_store(job["config"].online_store_settings)
     try:
         return Materializer(defs, None, None, online, job["config"]).write_online(
             defs.view(job["view"]), rows, job["now"]

@@ -1,29 +1,52 @@
-"""The interface an online store implements. A second backend is a new file beside redis_store.py."""
+"""What callers need of an online store, as small protocols, and how one is opened.
+
+Each caller is typed against the capability it uses: materialization writes latest values and
+events (``OnlineWrites``), retrieval reads them (``OnlineReads``), the servers also watch
+freshness and health and hear model promotions (``OnlineStore``, all of them). A second backend
+is a new module implementing these, not an ``if`` in its callers; the parametrized store suite
+(``tests/test_online_store.py``) runs every contract test on each.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
-if TYPE_CHECKING:
-    from featurestore.config import RepoConfig
-    from featurestore.online.redis_store import RedisOnlineStore
+from featurestore.errors import OnlineStoreUnavailable
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
 # One entity's window: its events key, the event-time bounds in µs (low exclusive, high inclusive)
 # and the most events to read (None: all).
 Range = tuple[bytes, int, int, "int | None"]
-# A heavy entity's window, read from tile summaries: its events key and ``READ_WINDOW``'s arguments.
+# A heavy entity's window, read from tile summaries: its events key and ``read_window.lua``'s arguments.
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
+EMBEDDED = "embedded"
+CLUSTER_SCHEME = "redis+cluster://"
 
-class OnlineStore(Protocol):
+
+@dataclass(frozen=True)
+class OnlineStoreSettings:
+    """Where the online store is and how it is read: ``url`` is ``embedded`` (a redis-server under
+    ``data_dir``), ``redis://`` / ``rediss://``, or ``redis+cluster://h:p,h:p``."""
+
+    project: str
+    url: str = EMBEDDED
+    data_dir: Path = Path("data")
+    read_timeout_ms: int = 500  # past it a server's lookup answers 503: an outage never hangs it
+    read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master)
+
+
+class OnlineWrites(Protocol):
     def write_latest(
         self,
         view: str,
@@ -31,9 +54,12 @@ class OnlineStore(Protocol):
         join_keys: Sequence[str],
         features: Sequence,
         expire_after: timedelta | None = None,
+        newest: tuple[str, int] | None = None,
     ) -> int:
-        """Store each entity's row unless a stored one is newer (event, created, run, row id);
-        with ``expire_after``, drop the entity's key once its newest data is that old."""
+        """Store each entity's row unless a stored one is newer (event, created, run, row id); with
+        ``expire_after``, drop the entity's key once its newest data is that old; ``newest``: the
+        view's newest event time (µs) for freshness. Returns the rows written."""
+        ...
 
     def write_events(
         self,
@@ -41,48 +67,102 @@ class OnlineStore(Protocol):
         rows: pa.Table,
         join_keys: Sequence[str],
         features: Sequence,
-        event_ids,
+        event_ids: np.ndarray,
         cutoff_us: int,
         horizon: timedelta,
         tile_us: int,
+        dedup_us: int,
+        accepted: np.ndarray | None = None,
+        newest: tuple[str, int] | None = None,
     ) -> int:
-        """Add each event to its entity's window state once per event id (ignoring events before ``cutoff_us``)."""
+        """Add each event to its entity's window state once per event id (the rule of
+        ``featurestore.aggregation``, or the history's verdicts in ``accepted``). Returns the events added."""
+        ...
 
+    def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:
+        """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is recorded."""
+        ...
+
+
+class OnlineReads(Protocol):
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
         then for each range, the encoded events in it, in (time, id) order."""
+        ...
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list: ...
 
     def read_tiles(self, windows: Sequence[TiledRange]) -> list:
         """For each heavy entity's window, ``[tile summaries, events of the other tiles]``."""
+        ...
 
     async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list: ...
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed."""
+        ...
 
     async def seal_async(self, seals: Sequence[Seal]) -> None: ...
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
-        """``read`` for async servers."""
+
+class OnlineStore(OnlineWrites, OnlineReads, Protocol):
+    """Everything the façade and the servers use: writes, reads, freshness, health, broadcast."""
+
+    project: str
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def client(self) -> Any:
+        """redis-py's client, for plain commands (streams, inspection)."""
+        ...
+
+    def newest(self) -> dict[str, int]:
+        """``{view: newest event time written online, µs since the epoch}``."""
+        ...
+
+    async def newest_async(self) -> dict[str, int]: ...
+
+    def ping(self) -> bool: ...
+
+    async def ping_async(self) -> bool: ...
 
     def publish(self, channel: bytes, message: str) -> None:
-        """Broadcast a message to subscribed servers."""
+        """Broadcast to every subscribed server."""
+        ...
 
     def subscribe(self, channel: bytes) -> AsyncIterator[str]:
-        """Async stream of messages on a channel."""
+        """Messages published on ``channel``, as they come; raises when the store goes away."""
+        ...
 
-    def drop_view(self, view: str) -> None: ...
+    def drop_view(self, view: str) -> None:
+        """Delete every stored layout of the view."""
+        ...
+
+    def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
+        """The store's error for a failed call of its client (a 503 on the servers)."""
+        ...
 
     def close(self) -> None: ...
 
 
-def open_online_store(config: RepoConfig) -> RedisOnlineStore:
-    """The online store a repo's config names: Redis (embedded or a URL), or Redis Cluster."""
-    from featurestore.online.redis_cluster import SCHEME, RedisClusterOnlineStore
+def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
+    """The online store the settings name: Redis over one node (embedded or a URL), or over a cluster."""
     from featurestore.online.redis_store import RedisOnlineStore
 
-    if config.online_url.startswith(SCHEME):
-        return RedisClusterOnlineStore(
-            config.online_url, config.project, config.read_timeout_ms, config.read_from_replicas
+    if settings.url.startswith(CLUSTER_SCHEME):
+        from featurestore.online.redis_cluster import ClusterRedis
+
+        return RedisOnlineStore(
+            ClusterRedis(settings.url, settings.read_timeout_ms, settings.read_from_replicas), settings.project
         )
-    return RedisOnlineStore.from_config(config)
+    from featurestore.online.embedded import EmbeddedRedis
+    from featurestore.online.redis_single import SingleRedis
+
+    if settings.url == EMBEDDED:
+        embedded = EmbeddedRedis(settings.data_dir)
+        return RedisOnlineStore(
+            SingleRedis(embedded.ensure_running(), settings.read_timeout_ms, embedded), settings.project
+        )
+    return RedisOnlineStore(SingleRedis(settings.url, settings.read_timeout_ms), settings.project)

@@ -1,4 +1,4 @@
-"""Online store on Redis Cluster: the same keys, values and scripts as ``redis_store``.
+"""Redis Cluster as a transport: the same keys, values and scripts as one node.
 
 ``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``.
 Keys carry a hash tag per entity (``{card_id=42}``), so all of an entity's views and events
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,11 +28,10 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range, Seal, TiledRange
-from featurestore.online.codec import entity_keys
-from featurestore.online.redis_store import UNAVAILABLE, Call, RedisOnlineStore, _array, _flat, listen, redact
+from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range
+from featurestore.online.transport import UNAVAILABLE, Call, as_binary, evalsha, listen, redact
 
-SCHEME = "redis+cluster://"
+SCHEME = CLUSTER_SCHEME
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
 # pipelines and slot map now and then a lookup on a node that has just gone (seen under failover)
 PIPELINE_FAILURES = (*UNAVAILABLE, AttributeError, KeyError, IndexError)
@@ -74,196 +74,105 @@ def parse_nodes(url: str) -> list[tuple[str, int]]:
     return nodes
 
 
-class RedisClusterOnlineStore(RedisOnlineStore):
-    def __init__(self, url: str, project: str, read_timeout_ms: int = 500, read_from_replicas: bool = False):
-        self.nodes = parse_nodes(url)
-        self.read_from_replicas = read_from_replicas
-        super().__init__(url, project, None, read_timeout_ms)
+class ClusterRedis:
+    """A ``Transport`` to a Redis Cluster: calls split by hash slot, each part to its slot's master."""
 
-    # One attempt (Retry(NoBackoff(), 1)): during a failover a request answers 503 at once rather
-    # than retrying past its timeout.
-    def _connect(self) -> RedisCluster:  # type: ignore[override]
-        return RedisCluster(
+    failures: tuple[type[BaseException], ...] = PIPELINE_FAILURES
+
+    def __init__(self, url: str, read_timeout_ms: int = 500, read_from_replicas: bool = False):
+        self.url = url
+        self.safe_url = redact(url, url)
+        self.nodes = parse_nodes(url)
+        self.read_timeout_ms = read_timeout_ms
+        balancing = LoadBalancingStrategy.ROUND_ROBIN if read_from_replicas else None
+        self._balancing = balancing
+        # One attempt (Retry(NoBackoff(), 1)): during a failover a request answers 503 at once
+        # rather than retrying past its timeout.
+        self.client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
             socket_timeout=30,
             retry=Retry(NoBackoff(), 1),
-            load_balancing_strategy=self._balancing(),
+            load_balancing_strategy=balancing,
         )
+        self._async: aiocluster.RedisCluster | None = None
 
-    def _connect_async(self, timeout: float) -> aiocluster.RedisCluster:  # type: ignore[override]
-        return aiocluster.RedisCluster(
-            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes],
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=AsyncRetry(NoBackoff(), 1),
-            load_balancing_strategy=self._balancing(),
-        )
+    @property
+    def async_client(self) -> aiocluster.RedisCluster:
+        if self._async is None:
+            timeout = self.read_timeout_ms / 1000
+            self._async = aiocluster.RedisCluster(
+                startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes],
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=AsyncRetry(NoBackoff(), 1),
+                load_balancing_strategy=self._balancing,
+            )
+        return self._async
 
-    def _balancing(self) -> LoadBalancingStrategy | None:
-        return LoadBalancingStrategy.ROUND_ROBIN if self.read_from_replicas else None
+    def order(self, keys: pa.Array) -> np.ndarray | None:
+        """By hash slot: each chunk of a write then spans few slots (one script call per slot), not
+        one call per row; stable, so each entity's writes keep their order."""
+        return np.argsort(_slots(keys), kind="stable")
 
-    def write_latest(self, view: str, rows: pa.Table, join_keys: Sequence[str], *args, **kwargs) -> int:  # type: ignore[override]
-        return super().write_latest(view, rows.take(self._slot_order(rows, join_keys)), join_keys, *args, **kwargs)
-
-    def write_events(
-        self,
-        view: str,
-        rows: pa.Table,
-        join_keys: Sequence[str],
-        features: Sequence,
-        event_ids: np.ndarray,
-        *args,
-        accepted: np.ndarray | None = None,
-        **kwargs,
-    ) -> int:  # type: ignore[override]
-        order = self._slot_order(rows, join_keys)  # stable: each entity's writes keep their order
-        return super().write_events(
-            view,
-            rows.take(order),
-            join_keys,
-            features,
-            event_ids[order],
-            *args,
-            accepted=accepted[order] if accepted is not None else None,
-            **kwargs,
-        )
-
-    def _error(self, exc: BaseException) -> OnlineStoreUnavailable:
-        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
-
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
         try:
             return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
         except PIPELINE_FAILURES as exc:
-            raise self._error(exc) from exc
+            raise self.error(exc) from exc
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
         try:
             return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
         except PIPELINE_FAILURES as exc:
-            raise self._error(exc) from exc
+            raise self.error(exc) from exc
 
-    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
-        """One EVALSHA per window, each to its key's node (the scripts sum no lists, unlike ``_send``)."""
-        sha = self._scripts["read_window"].sha
-        for attempt in (1, 2):  # a node that lost its scripts (a restart, a promoted replica) gets them
-            try:
-                pipe = self.client.pipeline(transaction=False)
-                for (
-                    key,
-                    arguments,
-                ) in windows:  # (EVALSHA's method is blocked in cluster pipelines; the command routes by key)
-                    pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
-                return pipe.execute()
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                with self._calling():
-                    for script in self._scripts.values():
-                        self.client.script_load(script.code)
-            except PIPELINE_FAILURES as exc:
-                raise self._error(exc) from exc
-        raise AssertionError("unreachable")
-
-    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list:
-        """``read_tiles`` on the event loop: the async cluster pipeline, by command (its EVALSHA method is blocked too)."""
-        sha = self._scripts["read_window"].sha
-        for attempt in (1, 2):
-            try:
-                pipe = self.async_client.pipeline(transaction=False)
-                for key, arguments in windows:
-                    pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
-                return await pipe.execute()
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                try:
-                    for script in self._scripts.values():
-                        await self.async_client.script_load(script.code)
-                except PIPELINE_FAILURES as exc:
-                    raise self._error(exc) from exc
-            except PIPELINE_FAILURES as exc:
-                raise self._error(exc) from exc
-        raise AssertionError("unreachable")
-
-    async def seal_async(self, seals: Sequence[Seal]) -> None:
-        """``seal`` on the event loop, one script call per key (each on its key's node)."""
-        sha = self._scripts["seal"].sha
-        try:
-            for key, tile_us, tiles in seals:
-                try:
-                    await self.async_client.execute_command("EVALSHA", sha, 1, key, tile_us, *_flat(tiles))
-                except redis.exceptions.NoScriptError:
-                    await self.async_client.script_load(self._scripts["seal"].code)
-                    await self.async_client.execute_command("EVALSHA", sha, 1, key, tile_us, *_flat(tiles))
-        except PIPELINE_FAILURES as exc:
-            raise self._error(exc) from exc
-
-    def _slot_order(self, rows: pa.Table, join_keys: Sequence[str]) -> np.ndarray:
-        """Rows ordered by hash slot: each chunk of a write then spans few slots (one script call
-        per slot), not one call per row."""
-        slots = np.fromiter(
-            (key_slot(k) for k in entity_keys(self.project, rows, join_keys).to_pylist()),
-            dtype=np.int64,
-            count=rows.num_rows,
-        )
-        return np.argsort(slots, kind="stable")
-
-    def _send(self, calls: Iterable[Call]) -> list:
-        """Each call split by hash slot, each part sent to its slot's master; a call's result is
-        the sum of its parts' (the scripts return counts)."""
+    def send(self, calls: Iterable[Call]) -> list:
+        """Each call split by hash slot, each part sent to its slot's master; a call in parts
+        replies the sum of its parts' replies (the write scripts return counts)."""
         calls = list(calls)
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
-        results: list = [0] * len(calls)
-        connections = {}
+        parts = [0] * len(calls)
+        connections: dict[str, Any] = {}
+        pools: dict[str, Any] = {}
         try:  # (the slot map and the connections fail during a failover too: all of it is the store's error)
             for i, (name, keys, args, per_key) in enumerate(calls):
-                keys = _array(keys)
-                slots = np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
+                keys = as_binary(keys)
+                slots = _slots(keys)
                 if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
                     order = pa.array(np.argsort(slots, kind="stable"))
                     keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
                 starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
                 for start, end in zip(starts, starts[1:]):
                     node = manager.get_node_from_slot(int(slots[start]))
-                    queued[node.name].append(
-                        (
-                            i,
-                            self._command(
-                                name,
-                                keys.slice(start, end - start),
-                                args,
-                                [c.slice(start, end - start) for c in per_key],
-                            ),
-                        )
-                    )
-            pools = {
-                name: self.client.get_redis_connection(manager.get_node(node_name=name)).connection_pool
-                for name in queued
-            }
+                    piece = (name, keys.slice(start, end - start), args, [c.slice(start, end - start) for c in per_key])
+                    queued[node.name].append((i, evalsha(piece)))
+                    parts[i] += 1
+            for name in queued:
+                owner = manager.get_node(node_name=name)
+                if owner is None:  # gone from the slot map since it was routed to (a failover)
+                    raise redis.ConnectionError(f"node {name} left the cluster")
+                pools[name] = self.client.get_redis_connection(owner).connection_pool
             for name, commands in queued.items():
                 connections[name] = pools[name].get_connection()
                 connections[name].send_packed_command([command for _, command in commands])
+            replies: list[list] = [[] for _ in calls]
             for name, commands in queued.items():
                 for i, _ in commands:
                     try:
-                        reply = connections[name].read_response()
+                        replies[i].append(connections[name].read_response())
                     except redis.ResponseError as exc:
-                        reply = exc
-                    if isinstance(reply, Exception):
-                        results[i] = reply
-                    elif not isinstance(results[i], Exception):
-                        results[i] += reply or 0
+                        replies[i].append(exc)
         except PIPELINE_FAILURES as exc:
             for connection in connections.values():  # replies may be left unread on them
                 connection.disconnect()
             self._refresh_slots()
-            raise self._error(exc) from exc
+            raise self.error(exc) from exc
         finally:
             for name, connection in connections.items():
                 pools[name].release(connection)
+        results = [_combined(r) for r in replies]
         moved = [
             r
             for r in results
@@ -278,8 +187,8 @@ class RedisClusterOnlineStore(RedisOnlineStore):
         return results
 
     async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
-        """Messages published on ``channel``: a cluster passes every message to every node, so one
-        reachable node is enough (when it goes away, the caller subscribes again)."""
+        """A cluster passes every message to every node, so one reachable node is enough (when it
+        goes away, the caller subscribes again)."""
         for host, port in self.nodes:
             node = aioredis.Redis(host=host, port=port, socket_connect_timeout=self.read_timeout_ms / 1000)
             try:
@@ -288,14 +197,38 @@ class RedisClusterOnlineStore(RedisOnlineStore):
                 await node.aclose()
                 continue
             try:
-                async for message in listen(node, self.prefix + channel):
+                async for message in listen(node, channel):
                     yield message
             finally:
                 await node.aclose()
         raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
+
+    def error(self, exc: BaseException) -> OnlineStoreUnavailable:
+        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+
+    def recover(self) -> None:
+        """(Nothing to restart: a replica takes over a failed master.)"""
+
+    def recover_in_background(self) -> None:
+        """(As ``recover``.)"""
+
+    def close(self) -> None:
+        self.client.close()
 
     def _refresh_slots(self) -> None:
         try:
             self.client.nodes_manager.initialize()
         except UNAVAILABLE:
             pass  # still failing over: the next call tries again
+
+
+def _slots(keys: pa.Array) -> np.ndarray:
+    return np.fromiter((key_slot(k) for k in keys.to_pylist()), dtype=np.int64, count=len(keys))
+
+
+def _combined(replies: list) -> Any:
+    """A call's reply from its parts': the one reply, the first error, or the sum of the counts."""
+    if len(replies) == 1:
+        return replies[0]
+    error = next((r for r in replies if isinstance(r, Exception)), None)
+    return error if error is not None else sum(r or 0 for r in replies)

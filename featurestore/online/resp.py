@@ -59,7 +59,7 @@ def _frame(values: pa.Array) -> bytes:
 
 
 def reads(
-    lookups: Sequence[tuple[bytes, list[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
+    lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
 ) -> bytes:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
     limit)`` (low exclusive), as one buffer.

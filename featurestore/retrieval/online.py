@@ -47,7 +47,7 @@ from featurestore.timestamps import parse_timestamp
 if TYPE_CHECKING:
     import pandas as pd
 
-    from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.online.base import OnlineReads
 
 PRESENT, NOT_FOUND, NULL_VALUE, OUTSIDE_MAX_AGE = "PRESENT", "NOT_FOUND", "NULL_VALUE", "OUTSIDE_MAX_AGE"
 
@@ -669,7 +669,7 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
     return {k: [r[k] for r in entities] for k in keys}
 
 
-def read_online(store: RedisOnlineStore, query: OnlineQuery) -> OnlineResponse:
+def read_online(store: OnlineReads, query: OnlineQuery) -> OnlineResponse:
     """``query`` answered from ``store``: one round trip, a second for heavy entities' tile summaries."""
     first = query.first_reads()
     raw = query.placed(store.read(query.lookups, first) if query.lookups or first else [])
@@ -685,7 +685,7 @@ def read_online(store: RedisOnlineStore, query: OnlineQuery) -> OnlineResponse:
 OFF_LOOP_EVENTS = 2_000
 
 
-async def read_online_async(store: RedisOnlineStore, query: OnlineQuery) -> OnlineResponse:
+async def read_online_async(store: OnlineReads, query: OnlineQuery) -> OnlineResponse:
     """``read_online`` on the event loop."""
     first = query.first_reads()
     raw = query.placed(await store.read_async(query.lookups, first) if query.lookups or first else [])

@@ -1,0 +1,160 @@
+"""One Redis node (the embedded redis-server, or any ``redis://`` / ``rediss://`` URL) as a transport.
+
+Script calls go down one connection, each sent as soon as it is packed, so Redis runs one while
+the next is encoded; then the replies are read. Lookups are one round trip of HMGETs and
+ZRANGEBYSCOREs on a connection of their own; on the servers the lookups of one event-loop turn
+share it (``batched_reads``). A connection Redis dropped (a restart) fails once: reads are safe
+to resend, so they are. An embedded server that died is restarted by whoever notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import redis
+import redis.asyncio as aioredis
+
+from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online import resp
+from featurestore.online.base import Lookup, Range
+from featurestore.online.batched_reads import BatchedReads, ReadConnections
+from featurestore.online.embedded import EmbeddedRedis
+from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact
+
+
+class SingleRedis:
+    """A ``Transport`` to one Redis node."""
+
+    failures: tuple[type[BaseException], ...] = UNAVAILABLE
+
+    def __init__(self, url: str, read_timeout_ms: int = 500, embedded: EmbeddedRedis | None = None):
+        self.url = url
+        self.safe_url = redact(url, url)
+        self.read_timeout_ms = read_timeout_ms
+        self.embedded = embedded
+        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        self._async: aioredis.Redis | None = None
+        self._readers: ReadConnections | None = None
+        self._batched: BatchedReads | None = None
+        self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves
+        self._recovering: asyncio.Future | None = None
+
+    @property
+    def async_client(self) -> aioredis.Redis:
+        if self._async is None:
+            # short: during an outage a request answers 503 in about this long, never hangs the server
+            timeout = self.read_timeout_ms / 1000
+            self._async = aioredis.Redis.from_url(
+                self.url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256
+            )
+        return self._async
+
+    def order(self, keys: pa.Array) -> np.ndarray | None:
+        return None
+
+    def send(self, calls: Iterable[Call]) -> list:
+        pool = self.client.connection_pool
+        try:
+            connection = pool.get_connection()  # (connects: a Redis that is down fails here)
+        except UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
+        try:
+            sent = 0
+            for call in calls:
+                connection.send_packed_command([evalsha(call)])
+                sent += 1
+            results: list = []
+            for _ in range(sent):
+                try:
+                    results.append(connection.read_response())
+                except redis.ResponseError as exc:
+                    results.append(exc)
+            return results
+        except UNAVAILABLE as exc:
+            connection.disconnect()
+            raise self._unavailable(exc) from exc
+        finally:
+            pool.release(connection)
+
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        if self._readers is None:
+            pool = self.client.connection_pool
+            self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
+        readers = self._readers
+        for attempt in (1, 2):  # a connection Redis dropped (a restart) fails once; reads are safe to resend
+            connection = readers.take()
+            try:
+                connection.send_packed_command([packed], check_health=False)
+                replies = [connection.read_response() for _ in range(count)]
+            except BaseException as exc:
+                connection.disconnect()  # replies may be left unread: never reuse it
+                if not isinstance(exc, UNAVAILABLE):
+                    raise
+                for idle in readers.drain():  # connected to the same server: as stale
+                    idle.disconnect()
+                if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                    continue
+                raise self._unavailable(exc) from exc
+            if not readers.give_back(connection):
+                connection.disconnect()
+            return replies
+        raise AssertionError("unreachable")
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+        """``read``, batched with the other lookups of the same loop turn."""
+        loop = asyncio.get_running_loop()
+        if self._batched is None or self._batched_loop is not loop:  # connections and timers belong to one loop
+            pool = self.async_client.connection_pool
+            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): BatchedReads' watchdog
+            untimed = {**pool.connection_kwargs, "socket_timeout": None}
+            self._batched = BatchedReads(
+                ReadConnections(lambda: pool.connection_class(**untimed)), self.read_timeout_ms / 1000
+            )
+            self._batched_loop = loop
+        batched = self._batched
+        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
+            try:
+                return await batched.read(packed, count)
+            except UNAVAILABLE as exc:
+                if attempt == 1 and isinstance(exc, redis.ConnectionError):
+                    continue
+                self.recover_in_background()
+                raise self.error(exc) from exc
+        raise AssertionError("unreachable")
+
+    async def subscribe(self, channel: bytes) -> AsyncIterator[str]:
+        async for message in listen(self.async_client, channel):
+            yield message
+
+    def error(self, exc: BaseException) -> OnlineStoreUnavailable:
+        return OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+
+    def _unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
+        self.recover()
+        return self.error(exc)
+
+    def recover(self) -> None:
+        if self.embedded is not None:
+            try:
+                self.embedded.ensure_running()
+            except OnlineStoreUnavailable:
+                pass
+
+    def recover_in_background(self) -> None:
+        """The failing request answers 503 at once and the others keep being served (a blocking
+        restart froze the whole server for seconds)."""
+        if self.embedded is None or self._recovering is not None and not self._recovering.done():
+            return
+        self._recovering = asyncio.get_running_loop().run_in_executor(None, self.recover)
+
+    def close(self) -> None:
+        for connection in self._readers.drain() if self._readers else []:
+            connection.disconnect()
+        self.client.close()
+        if self.embedded is not None:
+            self.embedded.stop()

@@ -1,0 +1,101 @@
+-- KEYS: the events key of each write; ARGV[1]: cutoff µs (events before it are trimmed, and a
+-- write before it only records its time); ARGV[2]: horizon ms (keys expire that long after their
+-- newest event); ARGV[3]: slack ms; ARGV[4]: tile µs; ARGV[5]: dedup µs; ARGV[6]: '1' when the
+-- writes carry the history's verdicts (a whole-history resend); then the n writes' µs as decimal
+-- text, the n events (8-byte id, then the value), and with verdicts n of '1' (kept) or '0'.
+--
+-- The duplicate rule (``featurestore.aggregation``): a write of an id is a duplicate when an earlier
+-- write of the id lies less than the dedup window away in event time. The ids hash maps each id to
+-- the times of its writes (8 bytes each, sign-flipped big-endian: bytes 9-16 of the event), kept a
+-- dedup window beyond the events, so the rule is decided here as writes arrive (retries and
+-- replays never count twice; an id reused further apart is a new event). A kept event goes into
+-- the events sorted set (score: its µs; members of one µs sort by id, so a range comes in (time,
+-- id) order); one in an ended tile drops that tile's sealed summary. With verdicts, the history
+-- decides instead: a kept write replaces any other event of its id less than the dedup window
+-- away, a duplicate is removed. Expiry is pushed out to newest + horizon (+ the dedup window for
+-- the ids) + slack whenever newest + horizon passes it, so a stream of events refreshes it (and
+-- trims old events, write times and summaries) once per slack, not per event. Every redis.call
+-- costs ~3 µs here.
+local cutoff = tonumber(ARGV[1])
+local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local verdicts = ARGV[6] == '1'
+local n = #KEYS
+local added = 0
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function micros(stamp, at)
+  local hi, lo = struct.unpack('>I4I4', stamp, at)
+  return (hi - 2147483648) * 4294967296 + lo
+end
+local function touched(events, us)  -- an event changed in an ended tile: its summary is stale
+  local tile_no = math.floor(us / tile)
+  if (tile_no + 1) * tile <= now_ms * 1000 then redis.call('HDEL', events .. '|tiles', tile_no) end
+end
+local function extend(key, expire_at)  -- keys live until expire_at (ms) at least; true if moved
+  local pttl = redis.call('PTTL', key)
+  if pttl >= 0 and now_ms + pttl >= expire_at then return false end
+  redis.call('PEXPIREAT', key, string.format('%.0f', expire_at + slack_ms))
+  return true
+end
+for k = 1, n do
+  local events, us, event = KEYS[k], tonumber(ARGV[6 + k]), ARGV[6 + n + k]
+  local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
+  local kept = redis.call('HSETNX', ids, id, stamp) == 1
+  local times = not kept and redis.call('HGET', ids, id) or stamp
+  if not kept then
+    local seen = false
+    kept = true
+    for at = 1, #times, 8 do
+      local other = micros(times, at)
+      if math.abs(other - us) < within then kept = false end
+      if other == us then seen = true end
+    end
+    if not seen then times = times .. stamp; redis.call('HSET', ids, id, times) end
+  end
+  if verdicts then kept = ARGV[6 + 2 * n + k] == '1' end
+  if us >= cutoff then
+    if kept and redis.call('ZADD', events, us, event) == 1 then
+      added = added + 1
+      touched(events, us)
+    elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
+      touched(events, us)
+    end
+    if verdicts and kept then  -- the history's write is the id's event: drop others near it
+      for at = 1, #times, 8 do
+        local other = micros(times, at)
+        if math.abs(other - us) < within then
+          local at_us = string.format('%.0f', other)
+          for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, at_us, at_us)) do
+            if member ~= event and string.sub(member, 1, 8) == id then
+              redis.call('ZREM', events, member)
+              touched(events, other)
+            end
+          end
+        end
+      end
+    end
+  end
+  local expire_ms = math.floor(us / 1000) + horizon_ms
+  local ids_expire_ms = expire_ms + math.floor(within / 1000)
+  if us < cutoff then
+    extend(ids, ids_expire_ms)
+  elseif extend(events, expire_ms) then  -- (the ids' and summaries' expiry move with the events')
+    redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
+    redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
+    redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. ARGV[1])
+    local first_tile = math.floor(cutoff / tile)
+    for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
+      if tonumber(name) < first_tile then redis.call('HDEL', events .. '|tiles', name) end
+    end
+    local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
+    for i = 1, #stored, 2 do
+      local kept_times = ''
+      for at = 1, #stored[i + 1], 8 do
+        if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
+      end
+      if kept_times == '' then redis.call('HDEL', ids, stored[i])
+      elseif kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
+    end
+  end
+end
+return added

@@ -1,0 +1,117 @@
+"""How the Redis online store reaches Redis: one node, or a cluster's slots (``Transport``).
+
+The store (``online.redis_store``) decides what to send: keys, values, which script; a transport
+decides where it goes and how. ``redis_single`` sends everything on one connection (lookups of
+one event-loop turn batched together); ``redis_cluster`` splits each call by hash slot and sends
+each part to its slot's master, the masters working concurrently. A failure is the store's
+error (``OnlineStoreUnavailable``, a 503 on the servers), never redis-py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+import redis
+import redis.asyncio as aioredis
+
+from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online import resp
+from featurestore.online.base import Lookup, Range
+from featurestore.online.lua import scripts
+
+# A script call: the script's name, its keys, its arguments, then its per-key argument columns.
+Call = tuple[str, "pa.Array | list", list, "list[pa.Array]"]
+
+# what a Redis that is down, hung, or failing over raises (a cluster: no master for a slot yet)
+UNAVAILABLE = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
+
+
+class Transport(Protocol):
+    url: str
+    safe_url: str  # for messages and logs: never the password
+    client: Any  # redis-py's client (``Redis`` or ``RedisCluster``), for plain commands
+    failures: tuple[type[BaseException], ...]  # what its pipelines raise when Redis is unreachable
+
+    @property
+    def async_client(self) -> Any:
+        """redis-py's asyncio client, with the read timeout."""
+        ...
+
+    def order(self, keys: pa.Array) -> np.ndarray | None:
+        """The order to write rows with these keys in (a cluster: by hash slot, stable); None: as given."""
+        ...
+
+    def send(self, calls: Iterable[Call]) -> list:
+        """EVALSHA every call in one round trip (per node), each sent as it comes; the replies,
+        errors as values. A call split across nodes replies the sum of its parts' (the write
+        scripts return counts)."""
+        ...
+
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+        """One round trip: an HMGET per lookup, then the events of each range."""
+        ...
+
+    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+        """``read`` on the event loop."""
+        ...
+
+    def subscribe(self, channel: bytes) -> AsyncIterator[str]:
+        """Messages published on ``channel``, as text; raises when Redis goes away."""
+        ...
+
+    def error(self, exc: BaseException) -> OnlineStoreUnavailable:
+        """What a failed call raises."""
+        ...
+
+    def recover(self) -> None:
+        """Restart an embedded server that died (whoever notices does it)."""
+        ...
+
+    def recover_in_background(self) -> None:
+        """``recover`` off the event loop, one at a time."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def as_binary(values: pa.Array | list) -> pa.Array:
+    return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
+
+
+def evalsha(call: Call) -> bytes:
+    """A script call packed as one EVALSHA command (``resp``)."""
+    name, keys, args, per_key = call
+    return resp.command("EVALSHA", scripts()[name].sha, len(keys), as_binary(keys), *args, *per_key)
+
+
+async def listen(client: aioredis.Redis, channel: bytes) -> AsyncIterator[str]:
+    """The messages published on ``channel``, through ``client``, as text."""
+    pubsub = client.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+        async for message in pubsub.listen():
+            if message["type"] == "message":
+                yield message["data"].decode()
+    finally:
+        await pubsub.aclose()
+
+
+def redact(text: str, url: str) -> str:
+    """``text`` with the password of ``url`` (``redis://user:secret@host``) replaced by ``***``."""
+    from urllib.parse import urlsplit
+
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        return text
+    return text.replace(password, "***") if password else text

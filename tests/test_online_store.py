@@ -1,0 +1,228 @@
+"""The online-store contract, run on every back end: a single Redis and a real local Redis Cluster
+(3 masters). Each test states one thing a caller relies on (``featurestore.online.base``) and
+must hold on both transports, the async paths and heavy entities' tile reads included."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from featurestore import FeatureStore
+from featurestore.aggregation import tiles
+from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster
+from featurestore.retrieval.online import OnlineQuery, read_online, read_online_async
+
+from .conftest import write_repo
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, FileSource, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+stats = FeatureView(name="stats", entities=[card], ttl=timedelta(days=30),
+    source=FileSource(path="data/stats.parquet", timestamp_field="event_timestamp"),
+    schema=[Field("score", Float64), Field("segment", String)])
+payments = PushSource(name="payments", schema=[Field("payment_id", Int64), Field("card_id", Int64),
+    Field("amount", Float64), Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(name="activity", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation("count", timedelta(hours=1)), Aggregation("sum", timedelta(hours=24), "amount"),
+                  Aggregation("max", timedelta(hours=6), "amount")])
+"""
+TS = pa.timestamp("us", tz="UTC")
+
+
+@pytest.fixture(scope="module")
+def cluster_nodes(tmp_path_factory):
+    procs = start_local_cluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0)
+    yield list(procs)
+    stop_local_cluster(procs)
+
+
+@pytest.fixture(params=["single", "cluster"])
+def backend(request, tmp_path, redis_url, monkeypatch):
+    """A fresh repo (its own project: its own keys) on the back end, applied."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    stats = pa.table(
+        {
+            "card_id": np.arange(50, dtype=np.int64),
+            "event_timestamp": pa.array([NOW - timedelta(hours=2)] * 50, TS),
+            "score": np.arange(50, dtype=np.float64) / 4,
+            "segment": pa.array([f"s{i % 7}" for i in range(50)]),
+        }
+    )
+    if request.param == "single":
+        root = write_repo(tmp_path, FEATURES, {"stats": stats}, url=redis_url)
+    else:
+        ports = request.getfixturevalue("cluster_nodes")
+        root = write_repo(tmp_path, FEATURES, {"stats": stats})
+        config = root / "featurestore.yaml"
+        nodes = ", ".join(f"'127.0.0.1:{p}'" for p in ports[:2])  # a few are enough: the rest are discovered
+        config.write_text(config.read_text() + f"online_store: {{type: redis_cluster, nodes: [{nodes}]}}\n")
+    store = FeatureStore(root)
+    store.apply()
+    yield store
+    store.close()
+
+
+def _payments(ids: range, cards: int = 40) -> pa.Table:
+    n = len(ids)
+    rng = np.random.default_rng(ids.start)
+    return pa.table(
+        {
+            "payment_id": np.array(ids, dtype=np.int64),
+            "card_id": rng.integers(0, cards, n),
+            "amount": rng.integers(1, 100, n).astype(float),
+            "event_timestamp": pa.array([NOW - timedelta(minutes=int(m)) for m in rng.integers(0, 600, n)], TS),
+        }
+    )
+
+
+def _reference(events: pa.Table, cards: list[int]) -> dict[str, list]:
+    """The aggregates by a loop over the distinct events."""
+    rows = {r["payment_id"]: r for r in events.to_pylist()}.values()
+    out: dict[str, list] = {"count_1h": [], "amount_sum_24h": [], "amount_max_6h": []}
+    for card in cards:
+        mine = [r for r in rows if r["card_id"] == card]
+        within = lambda hours: [r["amount"] for r in mine if r["event_timestamp"] > NOW - timedelta(hours=hours)]
+        out["count_1h"].append(len(within(1)))
+        out["amount_sum_24h"].append(float(sum(within(24))))
+        out["amount_max_6h"].append(max(within(6), default=None))
+    return out
+
+
+REFS = ["activity:count_1h", "activity:amount_sum_24h", "activity:amount_max_6h"]
+
+
+def test_latest_values_are_written_once_and_never_regress(backend):
+    backend.materialize(None, NOW)
+    cards = [-1, *range(50), 10_000]
+    got = backend.get_online_features({"card_id": cards}, features=["stats:score", "stats:segment"]).to_dict()
+    assert got["score"] == [None, *(i / 4 for i in range(50)), None]
+    older = pa.table(
+        {
+            "card_id": pa.array([3], pa.int64()),
+            "event_timestamp": pa.array([NOW - timedelta(hours=5)], TS),
+            "score": [99.0],
+            "segment": ["old"],
+        }
+    )
+    backend.write_to_online_store("stats", older)  # older than what is stored: must not replace it
+    assert backend.get_online_features({"card_id": [3]}, features=["stats:score"]).to_dict()["score"] == [0.75]
+    newer = older.set_column(1, "event_timestamp", pa.array([NOW - timedelta(minutes=1)], TS))
+    backend.write_to_online_store("stats", newer)
+    assert backend.get_online_features({"card_id": [3]}, features=["stats:score"]).to_dict()["score"] == [99.0]
+
+
+def test_events_count_once_per_id_on_the_sync_and_async_paths(backend):
+    first = _payments(range(0, 800))
+    backend.push("payments", first, to="online")
+    backend.push("payments", first.slice(100, 300), to="online")  # retried: counted once
+    cards = list(range(-2, 42))
+    want = _reference(first, cards)
+    assert backend.get_online_features({"card_id": cards}, features=REFS, at=NOW).to_dict() == {
+        "card_id": cards,
+        **want,
+    }
+
+    async def served():
+        query = OnlineQuery.prepare(
+            backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
+        )
+        return (await read_online_async(backend.online_store, query)).to_dict()
+
+    assert asyncio.run(served()) == {"card_id": cards, **want}
+
+
+def test_heavy_entities_read_tile_summaries_sync_and_async_with_the_events_values(backend, monkeypatch):
+    """A lookup reading two or more heavy windows failed on Redis Cluster's async path: the store
+    used the single Redis's ``read_tiles_async``, whose ``evalsha`` redis-py blocks in cluster
+    pipelines, outside the ``try`` that maps store errors to 503."""
+    events = _payments(range(0, 2000))
+    backend.push("payments", events, to="online")
+    cards = list(range(0, 40))
+    want = {"card_id": cards, **_reference(events, cards)}
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card through tile summaries
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+
+    def query():
+        return OnlineQuery.prepare(
+            backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
+        )
+
+    for _ in range(2):  # summaries stored after the first lookup, read by the second
+        q = query()
+        assert read_online(backend.online_store, q).to_dict() == want
+        backend.online_store.seal(q.seals)
+    assert any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*|tiles"))
+
+    async def served():
+        answers = []
+        for _ in range(2):
+            q = query()
+            answers.append((await read_online_async(backend.online_store, q)).to_dict())
+            await backend.online_store.seal_async(q.seals)
+        return answers
+
+    assert asyncio.run(served()) == [want, want]
+
+
+def test_a_redis_that_lost_its_scripts_gets_them_again_sync_and_async(backend, monkeypatch):
+    events = _payments(range(5000, 5600))
+    backend.push("payments", events, to="online")
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
+    cards = list(range(0, 40))
+    want = {"card_id": cards, **_reference(events, cards)}
+    backend.online_store.client.script_flush()  # as after a restart
+    backend.push("payments", events.slice(0, 10), to="online")  # writes: reloaded, retried, still once
+    assert backend.get_online_features({"card_id": cards}, features=REFS, at=NOW).to_dict() == want
+    backend.online_store.client.script_flush()
+
+    async def served():
+        query = OnlineQuery.prepare(
+            backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
+        )
+        return (await read_online_async(backend.online_store, query)).to_dict()
+
+    assert asyncio.run(served()) == want
+
+
+def test_freshness_health_broadcast_and_idempotency(backend):
+    store = backend.online_store
+    backend.materialize(None, NOW)
+    assert store.newest()["stats"] == int((NOW - timedelta(hours=2)).timestamp() * 1_000_000)
+    assert store.ping()
+    assert store.first_use("retry-1", "a", 10, 60) == (10, "a")
+    assert store.first_use("retry-1", "b", 20, 60) == (10, "a")  # a retry gets the first attempt's
+
+    async def served():  # (one event loop, as a server's: the async clients belong to it)
+        newest, healthy = await store.newest_async(), await store.ping_async()
+        messages = store.subscribe(b"models")
+        listening = asyncio.ensure_future(messages.__anext__())
+        for _ in range(100):  # until the subscription is in place
+            await asyncio.sleep(0.02)
+            store.publish(b"models", "m:1:production")
+            if listening.done():
+                break
+        message = await asyncio.wait_for(listening, 5)
+        await messages.aclose()
+        return newest, healthy, message
+
+    assert asyncio.run(served()) == (store.newest(), True, "m:1:production")
+
+
+def test_dropping_a_view_removes_its_values_and_events_only(backend):
+    backend.materialize(None, NOW)
+    backend.push("payments", _payments(range(0, 200)), to="online")
+    backend.online_store.drop_view("activity")
+    got = backend.get_online_features({"card_id": [1, 2]}, features=["stats:score", *REFS], at=NOW).to_dict()
+    assert got["score"] == [0.25, 0.5]
+    assert got["count_1h"] == [0, 0] and got["amount_max_6h"] == [None, None]
+    assert not any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*activity#*"))
