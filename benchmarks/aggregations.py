@@ -301,7 +301,6 @@ def online(args: argparse.Namespace) -> None:
         # heavy cards, last (their big pushes would disturb the timings above): tile summaries (the
         # first lookups summarize the tiles they read whole) against reading every event of the window
         from featurestore.aggregation import tiles
-        from featurestore.retrieval.online import HEAVY_KEYS
 
         heavy: dict[int, dict] = {}
         heavy_per_tile = tiles.HEAVY_PER_TILE
@@ -327,7 +326,7 @@ def online(args: argparse.Namespace) -> None:
                 store.get_online_features([{"card_id": card}], features=agg_refs)
             for label, per_tile in (("tiles", heavy_per_tile), ("events", 10**9)):
                 tiles.HEAVY_PER_TILE = per_tile
-                HEAVY_KEYS.clear()  # (else the card, known heavy, would read its summaries at once)
+                store.online_reader.heavy.clear()  # (else the card, known heavy, would read its summaries at once)
                 times = []
                 for _ in range(max(10, 20_000 // n)):
                     t0 = time.perf_counter()
@@ -350,7 +349,7 @@ def online(args: argparse.Namespace) -> None:
             f"first lookup {p['first']:.1f} ms"
         )
     print(
-        "  a cold card of 50,000 events, its first 3 lookups on the servers' path (read_online_async): longest event-loop stall"
+        "  a cold card of 50,000 events, its first 3 lookups on the servers' path (OnlineReader.read_async): longest event-loop stall"
     )
     for label, (lookups, stall) in stalls.items():
         print(
@@ -381,13 +380,13 @@ def online(args: argparse.Namespace) -> None:
 def loop_stalls(
     store, refs: list[str], first_card: int, rng, now: datetime
 ) -> dict[str, tuple[list[float], list[float]]]:
-    """A cold heavy card's first lookups through ``read_online_async`` while a ticker task runs on
+    """A cold heavy card's first lookups through ``OnlineReader.read_async`` while a ticker task runs on
     the same event loop: the longest gap between its ticks is how long the loop could not answer
     anything else. Assembling on the loop (as before) and off it (past ``OFF_LOOP_EVENTS``)."""
     import asyncio
 
-    from featurestore.retrieval import online
-    from featurestore.retrieval.online import OnlineQuery
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+    from featurestore.retrieval.online import reader as online
 
     n = 50_000
     for card in (first_card, first_card + 1):
@@ -405,6 +404,7 @@ def loop_stalls(
             to="online",
         )
     threshold, out = online.OFF_LOOP_EVENTS, {}
+    reader = OnlineReader(store.online_store)
 
     async def measure() -> None:
         gaps: list[float] = []
@@ -429,8 +429,8 @@ def loop_stalls(
                 gaps.clear()
                 t0 = time.perf_counter()
                 q = OnlineQuery.prepare(store.definitions, store.config.project, [{"card_id": card}], refs, None, False)
-                await online.read_online_async(store.online_store, q)
-                await store.online_store.seal_async(q.seals)
+                await reader.read_async(q)
+                await reader.drain()
                 lookups.append((time.perf_counter() - t0) * 1000)
                 stalls.append(max(gaps) * 1000)
             out[label] = (lookups, stalls)

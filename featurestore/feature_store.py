@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from featurestore.offline.delta import DeltaOfflineStore
     from featurestore.online.base import OnlineStore
     from featurestore.retrieval.historical import JoinBuilder, RetrievalJob
-    from featurestore.retrieval.online import OnlineResponse
+    from featurestore.retrieval.online import OnlineReader, OnlineResponse
     from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.training.model_registry import ModelRegistry
 
@@ -41,6 +41,7 @@ class FeatureStore:
         self._definitions: Definitions | None = None
         self._offline: DeltaOfflineStore | None = None
         self._online: OnlineStore | None = None
+        self._reader: OnlineReader | None = None
         self._buffer: PushBuffer | None = None
         self._unapplied: dict[str, str] | None = None
 
@@ -197,6 +198,15 @@ class FeatureStore:
         return self._online
 
     @property
+    def online_reader(self) -> OnlineReader:
+        """Reads lookups from the online store (what the servers call too); it remembers heavy entities."""
+        if self._reader is None:
+            from featurestore.retrieval.online import OnlineReader
+
+            self._reader = OnlineReader(self.online_store)
+        return self._reader
+
+    @property
     def push_buffer(self) -> PushBuffer:
         """Durable buffer of pushed history rows, committed to Delta in batches (see ``flush``)."""
         if self._buffer is None:
@@ -268,7 +278,7 @@ class FeatureStore:
             self._buffer.close()
         if self._online is not None:
             self._online.close()
-            self._online = None
+            self._online = self._reader = None
 
     def __enter__(self) -> FeatureStore:
         return self
@@ -420,7 +430,7 @@ class FeatureStore:
 
         Windowed aggregates and ttls are evaluated at ``at`` (default: now); a past ``at`` suits
         replays and backtests while the events are retained online (``online_store.event_retention``)."""
-        from featurestore.retrieval.online import OnlineQuery, read_online
+        from featurestore.retrieval.online import OnlineQuery
 
         if _feast_order(entity_rows, features):  # Feast's positional order: (features, entity_rows)
             entity_rows, features = features, entity_rows  # type: ignore[assignment]
@@ -438,16 +448,9 @@ class FeatureStore:
             self.config.max_request_entities,
             now=at,
         )
-        response = read_online(self.online_store, query)
+        response = self.online_reader.read(query)
         if include_feature_view_version_metadata:  # (Feast's flag)
             response.feature_view_metadata = query.view_versions()
-        if query.seals:  # heavy entities' tiles, summarized for the next lookups; a failure costs only speed
-            import redis
-
-            try:
-                self.online_store.seal(query.seals)
-            except (FeatureStoreError, redis.RedisError) as exc:
-                logging.getLogger(__name__).debug("storing tile summaries failed: %s", exc)
         return response
 
     def export_training_dataset(

@@ -35,25 +35,6 @@ from featurestore.errors import (
 
 log = logging.getLogger("featurestore.server")
 
-MAX_SEALING = 4  # tile summaries being stored at once: past it, a later lookup stores them
-_sealing: set[asyncio.Task] = set()
-
-
-def seal_in_background(store: FeatureStore, seals: list) -> None:
-    """Store the tile summaries a lookup computed (``OnlineQuery.seals``) without holding its
-    response: the next lookups of those heavy entities read summaries, not events."""
-    if not seals or len(_sealing) >= MAX_SEALING:
-        return
-    task = asyncio.get_running_loop().create_task(store.online_store.seal_async(seals))
-    _sealing.add(task)
-    task.add_done_callback(_sealed)
-
-
-def _sealed(task: asyncio.Task) -> None:
-    _sealing.discard(task)
-    if not task.cancelled() and task.exception() is not None:  # summaries are an optimization: say so, go on
-        log.debug("storing tile summaries failed: %s", task.exception())
-
 
 def _default(value: Any) -> Any:
     if isinstance(value, bytes):

@@ -28,7 +28,7 @@ from featurestore.definitions import PushSource
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.materialization.engine import MaterializationReport
-from featurestore.retrieval.online import OnlineQuery, read_online_async
+from featurestore.retrieval.online import OnlineQuery
 from featurestore.timestamps import parse_timestamp
 from serving.common import (
     FastLane,
@@ -43,7 +43,6 @@ from serving.common import (
     repo_from_env,
     request_time,
     respond,
-    seal_in_background,
 )
 from serving.jobs import JobRunner
 
@@ -235,10 +234,9 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             store.config.max_request_entities,
             now=request_time(body),
         )
-        response = await read_online_async(store.online_store, query)
+        response = await store.online_reader.read_async(query)
         if body.get("include_feature_view_version_metadata"):
             response.feature_view_metadata = query.view_versions()
-        seal_in_background(store, query.seals)
         service = body.get("feature_service")
         if log_features and service and not body.get("full_feature_names"):
             logger_for(service).log(vector_entry(query, response))

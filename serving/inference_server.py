@@ -26,7 +26,7 @@ from featurestore import FeatureStore
 from featurestore.auth import Authenticator
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
-from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number, read_online_async
+from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from serving.common import (
     FastLane,
@@ -38,7 +38,6 @@ from serving.common import (
     repo_from_env,
     request_time,
     respond,
-    seal_in_background,
 )
 
 
@@ -270,8 +269,7 @@ def create_app(
             current.config.max_request_entities,
             now=request_time(body),
         )
-        response = await read_online_async(current.online_store, query)
-        seal_in_background(current, query.seals)
+        response = await current.online_reader.read_async(query)
         n = len(instances)
         keys = len(query.key_names)
         model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))

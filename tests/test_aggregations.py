@@ -418,13 +418,12 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
 
 
 def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypatch):
-    """The servers' path: ``read_online_async`` reads heavy entities' summaries (a second round
-    trip), and ``seal_in_background`` stores the tiles a lookup summarized without holding it."""
+    """The servers' path: ``OnlineReader.read_async`` reads heavy entities' summaries (a second round
+    trip), and stores the tiles a lookup summarized in the background, without holding it."""
     import asyncio
 
     from featurestore.aggregation import tiles
-    from featurestore.retrieval.online import OnlineQuery, read_online, read_online_async
-    from serving.common import _sealing, seal_in_background
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
     store = activity_store
     card = next(_cards) * 10 + 5_000_000
@@ -455,20 +454,21 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
             store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at
         )
 
+    reader = OnlineReader(store.online_store)
+
     async def served():
         responses, sealed = [], []
         for _ in range(6):  # each lookup summarizes at most 8 tiles, in the background
             q = query()
-            responses.append((await read_online_async(store.online_store, q)).to_dict())
+            responses.append((await reader.read_async(q)).to_dict())
             sealed.append(sum(len(tiles_) for _, _, tiles_ in q.seals))
-            seal_in_background(store, q.seals)
-            await asyncio.gather(*_sealing)
+            await reader.drain()
         return responses, sealed
 
     store.online_store.client.script_flush()  # a Redis that lost its scripts: the heavy cards' reads load them again
     responses, sealed = asyncio.run(served())
     first = responses[0]
-    assert all(r == first for r in responses) and first == read_online(store.online_store, query()).to_dict()
+    assert all(r == first for r in responses) and first == OnlineReader(store.online_store).read(query()).to_dict()
     assert sealed[:2] == [8, 8] and sealed[-1] == 0  # the whole tiles summarized over lookups, then read
     assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
 
@@ -478,7 +478,7 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
     ~1 ms of Redis), dropped that and read its tile summaries. Once found heavy, its next lookups
     skip the plain read; the answer is the same. The hints are bounded and expire."""
     from featurestore.aggregation import tiles
-    from featurestore.retrieval.online import HEAVY_KEYS, OnlineQuery, _HeavyKeys, read_online
+    from featurestore.retrieval.online import HeavyKeys, OnlineQuery, OnlineReader
 
     store = activity_store
     card = next(_cards) * 10 + 7_000_000
@@ -500,13 +500,14 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
     )
     refs = [f"activity:{n}" for n in TILED]
     client = store.online_store.client
+    reader = OnlineReader(store.online_store, max_sealing=0)  # (no summaries stored: the same reads each time)
 
     def lookup():
         query = OnlineQuery.prepare(
             store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP
         )
         before = client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
-        response = read_online(store.online_store, query).to_dict()
+        response = reader.read(query).to_dict()
         return query, response, client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0) - before
 
     expected = lookup()[1]  # every event (the default threshold: 30 events are light)
@@ -516,14 +517,13 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
     again, found, fewer_range_reads = lookup()
     assert again.known_heavy == {0} and fewer_range_reads == range_reads - 1 and found == expected
 
-    hints = _HeavyKeys(size=3, seconds=60)
+    hints = HeavyKeys(size=3, seconds=60)
     for key in (b"a", b"b", b"c", b"d"):
         hints.add(key)
     assert len(hints) == 3 and b"a" not in hints and b"d" in hints
     hints.seconds = -1.0
     hints.add(b"e")
     assert b"e" not in hints
-    HEAVY_KEYS.clear()
 
 
 def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeypatch):
@@ -533,8 +533,7 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
     import asyncio
     import threading
 
-    from featurestore.retrieval import online
-    from featurestore.retrieval.online import OnlineQuery, read_online
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader, reader
 
     store = activity_store
     card = next(_cards) * 10 + 6_000_000
@@ -563,16 +562,16 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
         )
 
     threads = []
-    assemble = OnlineQuery.assemble
+    assemble = reader.assemble
     monkeypatch.setattr(
-        OnlineQuery, "assemble", lambda self, raw: threads.append(threading.current_thread()) or assemble(self, raw)
+        reader, "assemble", lambda query, raw: threads.append(threading.current_thread()) or assemble(query, raw)
     )
 
     async def served(limit: int):
-        monkeypatch.setattr(online, "OFF_LOOP_EVENTS", limit)
-        return (await online.read_online_async(store.online_store, query())).to_dict()
+        monkeypatch.setattr(reader, "OFF_LOOP_EVENTS", limit)
+        return (await OnlineReader(store.online_store).read_async(query())).to_dict()
 
-    expected = read_online(store.online_store, query()).to_dict()
+    expected = OnlineReader(store.online_store).read(query()).to_dict()
     assert (
         asyncio.run(served(limit=100)) == expected and threads[-1] is threading.main_thread()
     )  # 30 events: on the loop

@@ -573,10 +573,11 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
     import redis
 
     from featurestore.online import batched_reads
-    from featurestore.retrieval.online import OnlineQuery, read_online_async
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
     store = users_store(random_users(n_users=40, n_rows=600, seed=21))
     store.materialize(None, NOW)
+    reader = OnlineReader(store.online_store)
     refs = [f"users:{f}" for f in FEATURES]
     rnd = random.Random(5)
     batches = [[rnd.randint(1, 45) for _ in range(rnd.randint(1, 6))] for _ in range(120)]  # 41..45 unknown
@@ -598,7 +599,7 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
 
     async def lookup(ids):
         q = query(ids)
-        return (await read_online_async(store.online_store, q)).to_rest()
+        return (await reader.read_async(q)).to_rest()
 
     async def run():
         got = await asyncio.gather(*(lookup(ids) for ids in batches))

@@ -14,7 +14,7 @@ import pytest
 from featurestore import FeatureStore
 from featurestore.aggregation import tiles
 from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster
-from featurestore.retrieval.online import OnlineQuery, read_online, read_online_async
+from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
 from .conftest import write_repo
 
@@ -136,7 +136,7 @@ def test_events_count_once_per_id_on_the_sync_and_async_paths(backend):
         query = OnlineQuery.prepare(
             backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
         )
-        return (await read_online_async(backend.online_store, query)).to_dict()
+        return (await OnlineReader(backend.online_store).read_async(query)).to_dict()
 
     assert asyncio.run(served()) == {"card_id": cards, **want}
 
@@ -152,26 +152,24 @@ def test_heavy_entities_read_tile_summaries_sync_and_async_with_the_events_value
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card through tile summaries
     monkeypatch.setattr(tiles, "SEAL_FROM", 1)
 
+    reader = OnlineReader(backend.online_store)
+
     def query():
         return OnlineQuery.prepare(
             backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
         )
 
-    for _ in range(2):  # summaries stored after the first lookup, read by the second
-        q = query()
-        assert read_online(backend.online_store, q).to_dict() == want
-        backend.online_store.seal(q.seals)
-    assert any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*|tiles"))
-
-    async def served():
+    async def served():  # the servers' path first: tiles read, then their summaries stored, on the event loop
         answers = []
-        for _ in range(2):
-            q = query()
-            answers.append((await read_online_async(backend.online_store, q)).to_dict())
-            await backend.online_store.seal_async(q.seals)
+        for _ in range(2):  # summaries stored after the first lookup, read by the second
+            answers.append((await reader.read_async(query())).to_dict())
+            await reader.drain()
         return answers
 
     assert asyncio.run(served()) == [want, want]
+    assert any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*|tiles"))
+    for _ in range(2):  # the SDK's path, on those summaries
+        assert reader.read(query()).to_dict() == want
 
 
 def test_a_redis_that_lost_its_scripts_gets_them_again_sync_and_async(backend, monkeypatch):
@@ -189,7 +187,7 @@ def test_a_redis_that_lost_its_scripts_gets_them_again_sync_and_async(backend, m
         query = OnlineQuery.prepare(
             backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
         )
-        return (await read_online_async(backend.online_store, query)).to_dict()
+        return (await OnlineReader(backend.online_store).read_async(query)).to_dict()
 
     assert asyncio.run(served()) == want
 

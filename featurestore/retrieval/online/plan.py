@@ -1,20 +1,13 @@
-"""Online lookups: entity rows → one pipelined Redis round trip → values with true statuses.
+"""The plan of an online lookup: what to read for whom, compiled once per request shape.
 
-Split in three steps so the SDK (sync) and the servers (async) share everything but the I/O:
-``OnlineQuery.prepare`` (validate, build keys), the store's ``read``/``read_async``, and
-``OnlineQuery.assemble`` (decode, apply ttl, statuses). ``read_online``/``read_online_async``
-run them, with a second round trip for heavy entities' tile summaries (an entity known heavy
-skips its plain range read, and the first round trip when nothing else is read).
+``QueryTemplate`` holds what depends only on what is asked (views, fields, decoders, evaluators;
+cached per definitions), ``OnlineQuery.prepare`` what depends on the entities: join keys checked
+and coerced as Feast's clients send them, Redis keys built, repeated entities read once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import math
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -22,14 +15,13 @@ from functools import partial
 from itertools import repeat
 from numbers import Integral, Real
 from operator import is_
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from featurestore.aggregation import tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.online.codec import (
-    EPOCH,
     datetime_to_micros,
     entity_key,
     events_key,
@@ -37,94 +29,12 @@ from featurestore.online.codec import (
     key_text,
     make_decoder,
     make_events_decoder,
-    micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
-from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
+from featurestore.retrieval.on_demand import OnDemandPlan
+from featurestore.retrieval.online.response import NOT_FOUND, OUTSIDE_MAX_AGE, PRESENT
 from featurestore.retrieval.refs import ViewRequest, resolve
 from featurestore.timestamps import parse_timestamp
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from featurestore.online.base import OnlineReads
-
-PRESENT, NOT_FOUND, NULL_VALUE, OUTSIDE_MAX_AGE = "PRESENT", "NOT_FOUND", "NULL_VALUE", "OUTSIDE_MAX_AGE"
-
-
-@dataclass
-class OnlineResponse:
-    """Column-major lookup result: join keys first, then features in request order."""
-
-    feature_names: list[str]
-    values: list[list[Any]]
-    statuses: list[list[str]]
-    event_timestamps: list[list[datetime | None]]
-    # Feast's ``include_feature_view_version_metadata``: [{"name": view, "version": history version}]
-    feature_view_metadata: list[dict[str, Any]] | None = None
-
-    def to_dict(self) -> dict[str, list[Any]]:
-        """``{name: values}``, join keys first, as Feast's ``OnlineResponse.to_dict()``."""
-        return dict(zip(self.feature_names, self.values))
-
-    def to_rest(self, replace_non_finite: bool = True) -> dict[str, Any]:
-        """Feast's REST response shape: ``metadata.feature_names`` and per-column ``results``.
-
-        Event timestamps stay ``datetime`` (UTC); the servers render them as ISO 8601 with ``Z``,
-        and, as Feast does, the epoch (1970) where there is no event time (keys, missing values).
-        NaN and infinities become ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (protobuf's JSON
-        mapping, as Feast's server writes them): JSON has no such numbers, and ``null`` means missing."""
-        results = []
-        for v, s, ts in zip(self.values, self.statuses, self.event_timestamps):
-            results.append(
-                {
-                    "values": json_numbers(v) if replace_non_finite else v,
-                    "statuses": s,
-                    "event_timestamps": [t or EPOCH for t in ts] if None in ts else ts,
-                }
-            )
-        metadata: dict[str, Any] = {"feature_names": self.feature_names}
-        if self.feature_view_metadata is not None:
-            metadata["feature_view_metadata"] = self.feature_view_metadata
-        return {"metadata": metadata, "results": results}
-
-    def to_rest_json(self, dumps: Callable[[Any], bytes]) -> bytes:
-        """``dumps(self.to_rest())``, without looking at every value in Python: ``dumps`` (orjson)
-        writes a non-finite float as ``null``, so the response is written once and, only when it
-        holds more ``null`` than the values have Nones (a NaN, or a name or string containing
-        "null"), written again with the replacements."""
-        payload = dumps(self.to_rest(replace_non_finite=False))
-        if payload.count(b"null") != sum(map(list.count, self.values, repeat(None))):
-            payload = dumps(self.to_rest())
-        return payload
-
-    def to_df(self, include_statuses: bool = False) -> pd.DataFrame:
-        import pandas as pd
-
-        data: dict[str, list] = dict(zip(self.feature_names, self.values))
-        if include_statuses:
-            data.update({f"{n}__status": s for n, s in zip(self.feature_names, self.statuses)})
-        return pd.DataFrame(data)
-
-
-_NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def json_number(v: Any) -> Any:
-    """A float JSON can carry: non-finite floats as protobuf's JSON strings (see ``to_rest``)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return _NON_FINITE[repr(v)]
-    if isinstance(v, list):
-        return [json_number(x) for x in v]
-    return v
-
-
-def json_numbers(values: list[Any]) -> list[Any]:
-    """``values`` with non-finite floats replaced; the list itself when it has none (the usual case)."""
-    for v in values:
-        if (isinstance(v, float) and not math.isfinite(v)) or isinstance(v, list):
-            return [json_number(x) for x in values]
-    return values
 
 
 def _integer(v: Any) -> bool:
@@ -305,45 +215,6 @@ def _key_builder(project: str, keyset: tuple[str, ...], types: dict[str, str]) -
     return lambda values: entity_key(project, dict(zip(keyset, values)), types)
 
 
-class _HeavyKeys:
-    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once,
-    skipping the plain range read: up to the heavy threshold's events (~1,500), read only to be
-    dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint only saves time (summaries
-    answer exactly for any entity), and it is bounded and expires, so an entity gone light
-    returns to the plain read."""
-
-    def __init__(self, size: int = 10_000, seconds: float = 60.0):
-        self.size, self.seconds = size, seconds
-        self._until: OrderedDict[bytes, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __contains__(self, key: bytes) -> bool:
-        until = self._until.get(key)
-        if until is None:
-            return False
-        if until < time.monotonic():
-            self._until.pop(key, None)
-            return False
-        return True
-
-    def add(self, key: bytes) -> None:
-        with self._lock:
-            self._until[key] = time.monotonic() + self.seconds
-            self._until.move_to_end(key)
-            while len(self._until) > self.size:
-                self._until.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._until.clear()
-
-
-HEAVY_KEYS = _HeavyKeys()
-
-
 @dataclass
 class OnlineQuery:
     template: QueryTemplate
@@ -359,7 +230,7 @@ class OnlineQuery:
     seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(
         default_factory=list
     )  # tile summaries to store
-    known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HEAVY_KEYS``)
+    known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HeavyKeys``)
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
 
     @property
@@ -426,7 +297,6 @@ class OnlineQuery:
         now_us = datetime_to_micros(now) if now is not None else time.time_ns() // 1000
         ranges: list[tuple[bytes, int, int, int | None]] = []
         range_slots, range_plans = [], []
-        known_heavy: set[int] = set()
         for number, window in enumerate(template.windows):
             index = {}
             rows = []
@@ -438,8 +308,6 @@ class OnlineQuery:
                     pos = index[key] = len(ranges)
                     ranges.append((key, low, now_us, limit))
                     range_plans.append(number)
-                    if limit is not None and key in HEAVY_KEYS:
-                        known_heavy.add(pos)
                 rows.append(pos)
             range_slots.append(rows)
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
@@ -454,7 +322,6 @@ class OnlineQuery:
             now_us,
             on_demand,
             request_columns,
-            known_heavy=known_heavy,
             replayed=now is not None,
         )
 
@@ -487,165 +354,13 @@ class OnlineQuery:
         return raw
 
     def heavy(self, raw: list) -> list[tuple[int, tuple[bytes, list[bytes | int]]]]:
-        """The ranges known heavy, and those whose plain read stopped at its limit (noted in
-        ``HEAVY_KEYS``), with what ``read_tiles`` needs to read their tile summaries instead:
-        ``(range index, (key, arguments))``."""
+        """The ranges known heavy, and those whose plain read stopped at its limit, with what
+        ``read_tiles`` needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
         out = []
         for pos, (key, _, _, limit) in enumerate(self.ranges):
             if pos in self.known_heavy or (limit is not None and len(raw[len(self.lookups) + pos]) >= limit):
-                if pos not in self.known_heavy:
-                    HEAVY_KEYS.add(key)
                 out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
         return out
-
-    def assemble(self, raw: list) -> OnlineResponse:
-        """Decode what ``read(self.lookups, self.ranges)`` returned into the response."""
-        now_us, template = self.now_us, self.template
-        n = len(self.key_columns[0])
-        values: list[list[Any]] = []
-        statuses: list[list[str]] = []
-        times: list[list[datetime | None]] = []
-        for plan in template.views:
-            v, st, t = self._view_columns(plan, raw, now_us)
-            values += v
-            statuses += st
-            times += t
-        if template.windows:
-            events = raw[len(self.lookups) :]  # per range: its events, or [summaries, events]
-            for window, slots in zip(template.windows, self.range_slots):
-                v, st, t = self._window_columns(window, slots, events, now_us)
-                values += v
-                statuses += st
-                times += t
-        order = template.order
-        if order is not None:
-            values, statuses, times = (
-                [values[i] for i in order],
-                [statuses[i] for i in order],
-                [times[i] for i in order],
-            )
-        keys = len(self.key_columns)
-        no_times: list[list[datetime | None]] = list(
-            map(list, repeat([None] * n, keys))
-        )  # join keys have no event time
-        response = OnlineResponse(
-            list(template.names),
-            list(map(list, self.key_columns)) + values,
-            list(map(list, repeat([PRESENT] * n, keys))) + statuses,
-            no_times + times,
-        )
-        return self._with_on_demand(response) if self.on_demand is not None else response
-
-    def _with_on_demand(self, base: OnlineResponse) -> OnlineResponse:
-        """The requested columns: stored ones from ``base``, request-time ones computed from it."""
-        plan, keys = self.on_demand, len(self.key_names)
-        assert plan is not None
-        n = len(self.key_columns[0])
-        by_name = {name: i for i, name in enumerate(base.feature_names)}
-        computed = plan.compute(
-            {**(self.request_columns or {}), **{name: base.values[i] for name, i in by_name.items()}}, n
-        )
-        response = OnlineResponse(
-            base.feature_names[:keys], base.values[:keys], base.statuses[:keys], base.event_timestamps[:keys]
-        )
-        for name, column in finish_columns(plan, lambda full: by_name[full], computed):
-            if isinstance(column, int):  # a stored feature: its values, statuses and times as read
-                response.feature_names.append(name)
-                response.values.append(base.values[column])
-                response.statuses.append(base.statuses[column])
-                response.event_timestamps.append(base.event_timestamps[column])
-            else:
-                values = column.to_pylist()
-                response.feature_names.append(name)
-                response.values.append(values)
-                response.statuses.append([PRESENT if v is not None else NULL_VALUE for v in values])
-                response.event_timestamps.append([None] * n)
-        return response
-
-    def _window_columns(self, plan: _WindowPlan, slots: list[int], events: list, now_us: int):
-        decode, evaluate = plan.decode, plan.evaluator.evaluate
-        results: dict[int, tuple[list[Any], list[str], datetime | None]] = {}
-        row_values, row_statuses, row_times = [], [], []
-        low = now_us - plan.evaluator.longest_us
-        for pos in slots:
-            result = results.get(pos)
-            if result is None:
-                reply = events[pos]
-                if reply and isinstance(reply[0], list):  # a heavy entity: [summaries, events]
-                    result = results[pos] = self._tiled(plan, self.ranges[pos][0], reply, low, now_us)
-                else:
-                    limit = self.ranges[pos][3]
-                    if limit is not None and len(reply) >= limit:  # (a partial read: never evaluate it)
-                        raise RuntimeError(
-                            "a heavy entity's window reads tile summaries: answer queries with read_online"
-                        )
-                    times, columns = decode(reply, low, now_us)
-                    vals, stats = evaluate(times, columns, now_us)
-                    result = results[pos] = (vals, stats, micros_to_datetime(times[-1]) if times else None)
-            row_values.append(result[0])
-            row_statuses.append(result[1])
-            row_times.append(result[2])
-        width = len(plan.evaluator.aggregations)
-        return (
-            list(map(list, zip(*row_values))),
-            list(map(list, zip(*row_statuses))),
-            list(map(list, repeat(row_times, width))),
-        )
-
-    def _tiled(self, plan: _WindowPlan, key: bytes, reply: list, low: int, now_us: int):
-        """One heavy entity's aggregates from its tile summaries and edge events; the tiles it read
-        whole are summarized for the next lookups (``seals``)."""
-        tiled = plan.tiled
-        assert tiled is not None
-        flat, runs = reply
-        members = list(itertools.chain.from_iterable(runs))
-        summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
-        times, columns = plan.decode(members, low, now_us)
-        vals, stats = tiles.evaluate_tiled(
-            tiled,
-            plan.wanted,
-            plan.evaluator.windows_us,
-            {t: s[1] for t, s in summaries.items()},
-            times,
-            columns,
-            now_us,
-        )
-        newest = max(([times[-1]] if times else []) + [s[0] for s in summaries.values()], default=None)
-        size = tiled.spec.tile_us
-        cut = {c // size for c in plan.cuts(now_us)}
-        sealed = tiles.seals(tiled, times, columns, cut, time.time_ns() // 1000)
-        if sealed:
-            self.seals.append((key, size, sealed))
-        return vals, stats, micros_to_datetime(newest) if newest is not None else None
-
-    def _view_columns(self, plan: _ViewPlan, raw: list, now_us: int):
-        width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
-        cutoff = now_us - ttl_us if ttl_us is not None else None
-        blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
-        row_values, row_statuses, row_times = [], [], []
-        for pos in self.slots[plan.group]:
-            blob = raw[pos][position]
-            if blob is None:
-                row_values.append(blank)
-                row_statuses.append(not_found)
-                row_times.append(None)
-                continue
-            event_us, decoded = decode(blob)
-            row_times.append(micros_to_datetime(event_us))
-            if cutoff is not None and event_us < cutoff:
-                row_values.append(blank)
-                row_statuses.append(outside)
-            else:
-                row_values.append(decoded)
-                row_statuses.append(
-                    present if None not in decoded else [NULL_VALUE if v is None else PRESENT for v in decoded]
-                )
-        # rows -> columns in C (zip, map), not value by value in Python
-        return (
-            list(map(list, zip(*row_values))),
-            list(map(list, zip(*row_statuses))),
-            list(map(list, repeat(row_times, width))),
-        )
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -667,37 +382,3 @@ def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -
         if list(r) != keys and set(r) != set(keys):
             raise RequestError(f"every entity row needs the same keys; {sorted(r)} differs from {sorted(keys)}")
     return {k: [r[k] for r in entities] for k in keys}
-
-
-def read_online(store: OnlineReads, query: OnlineQuery) -> OnlineResponse:
-    """``query`` answered from ``store``: one round trip, a second for heavy entities' tile summaries."""
-    first = query.first_reads()
-    raw = query.placed(store.read(query.lookups, first) if query.lookups or first else [])
-    heavy = query.heavy(raw)
-    if heavy:
-        for (pos, _), reply in zip(heavy, store.read_tiles([r for _, r in heavy])):
-            raw[len(query.lookups) + pos] = reply
-    return query.assemble(raw)
-
-
-# Events a response may decode and aggregate on the event loop; past it (a cold heavy card: 50,000
-# events, ~25 ms) assembling runs on a thread, and the loop answers other requests meanwhile.
-OFF_LOOP_EVENTS = 2_000
-
-
-async def read_online_async(store: OnlineReads, query: OnlineQuery) -> OnlineResponse:
-    """``read_online`` on the event loop."""
-    first = query.first_reads()
-    raw = query.placed(await store.read_async(query.lookups, first) if query.lookups or first else [])
-    heavy = query.heavy(raw)
-    if heavy:
-        for (pos, _), reply in zip(heavy, await store.read_tiles_async([r for _, r in heavy])):
-            raw[len(query.lookups) + pos] = reply
-    if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
-        return await asyncio.to_thread(query.assemble, raw)
-    return query.assemble(raw)
-
-
-def _events_in(replies: list) -> int:
-    """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``."""
-    return sum(sum(map(len, r[1])) if r and isinstance(r[0], list) else len(r) for r in replies)

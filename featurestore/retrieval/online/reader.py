@@ -1,0 +1,139 @@
+"""Online lookups end to end: the façade and both servers read through an ``OnlineReader``.
+
+A lookup is one round trip (``OnlineQuery.lookups`` and the plain ``ranges``), a second for
+heavy entities' tile summaries (an entity known heavy skips its plain range read, and the first
+round trip when nothing else is read), then the assembly, then storing the tile summaries the
+lookup computed, so the next lookups of those entities read summaries, not events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+from featurestore.online.base import OnlineReads
+from featurestore.retrieval.online.assembly import assemble
+from featurestore.retrieval.online.plan import OnlineQuery
+from featurestore.retrieval.online.response import OnlineResponse
+
+log = logging.getLogger(__name__)
+
+# Events a response may decode and aggregate on the event loop; past it (a cold heavy card: 50,000
+# events, ~25 ms) assembling runs on a thread, and the loop answers other requests meanwhile.
+OFF_LOOP_EVENTS = 2_000
+
+
+class HeavyKeys:
+    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once,
+    skipping the plain range read: up to the heavy threshold's events (~1,500), read only to be
+    dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint only saves time (summaries
+    answer exactly for any entity), and it is bounded and expires, so an entity gone light
+    returns to the plain read."""
+
+    def __init__(self, size: int = 10_000, seconds: float = 60.0):
+        self.size, self.seconds = size, seconds
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: bytes) -> bool:
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            self._until.pop(key, None)
+            return False
+        return True
+
+    def add(self, key: bytes) -> None:
+        with self._lock:
+            self._until[key] = time.monotonic() + self.seconds
+            self._until.move_to_end(key)
+            while len(self._until) > self.size:
+                self._until.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._until.clear()
+
+
+class OnlineReader:
+    """Reads lookups from an online store, remembering which entities are heavy. ``max_sealing``
+    bounds the tile summaries being stored in the background at once (past it, a later lookup
+    stores them; 0: never store any, a read-only reader)."""
+
+    def __init__(self, store: OnlineReads, heavy: HeavyKeys | None = None, max_sealing: int = 4):
+        self.store = store
+        self.heavy = heavy if heavy is not None else HeavyKeys()
+        self.max_sealing = max_sealing
+        self._sealing: set[asyncio.Task] = set()
+
+    def read(self, query: OnlineQuery) -> OnlineResponse:
+        """``query`` answered, its tile summaries stored before returning."""
+        first = self._first_reads(query)
+        raw = query.placed(self.store.read(query.lookups, first) if query.lookups or first else [])
+        heavy = self._heavy(query, raw)
+        if heavy:
+            for (pos, _), reply in zip(heavy, self.store.read_tiles([r for _, r in heavy])):
+                raw[len(query.lookups) + pos] = reply
+        response = assemble(query, raw)
+        if query.seals and self.max_sealing:
+            try:
+                self.store.seal(query.seals)
+            except Exception as exc:  # summaries only save time: a lookup without them is as exact
+                log.debug("storing tile summaries failed: %s", exc)
+        return response
+
+    async def read_async(self, query: OnlineQuery) -> OnlineResponse:
+        """``read`` on the event loop; the tile summaries are stored in the background."""
+        first = self._first_reads(query)
+        raw = query.placed(await self.store.read_async(query.lookups, first) if query.lookups or first else [])
+        heavy = self._heavy(query, raw)
+        if heavy:
+            for (pos, _), reply in zip(heavy, await self.store.read_tiles_async([r for _, r in heavy])):
+                raw[len(query.lookups) + pos] = reply
+        if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
+            response = await asyncio.to_thread(assemble, query, raw)
+        else:
+            response = assemble(query, raw)
+        self._seal_in_background(query.seals)
+        return response
+
+    async def drain(self) -> None:
+        """Wait for the tile summaries being stored in the background."""
+        await asyncio.gather(*self._sealing, return_exceptions=True)
+
+    def _first_reads(self, query: OnlineQuery) -> list:
+        query.known_heavy = {
+            pos for pos, (key, _, _, limit) in enumerate(query.ranges) if limit is not None and key in self.heavy
+        }
+        return query.first_reads()
+
+    def _heavy(self, query: OnlineQuery, raw: list) -> list:
+        heavy = query.heavy(raw)
+        for pos, (key, _) in heavy:
+            if pos not in query.known_heavy:
+                self.heavy.add(key)
+        return heavy
+
+    def _seal_in_background(self, seals: list) -> None:
+        if not seals or len(self._sealing) >= self.max_sealing:
+            return
+        task = asyncio.get_running_loop().create_task(self.store.seal_async(seals))
+        self._sealing.add(task)
+        task.add_done_callback(self._sealed)
+
+    def _sealed(self, task: asyncio.Task) -> None:
+        self._sealing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # summaries only save time: say so, go on
+            log.debug("storing tile summaries failed: %s", task.exception())
+
+
+def _events_in(replies: list) -> int:
+    """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``."""
+    return sum(sum(map(len, r[1])) if r and isinstance(r[0], list) else len(r) for r in replies)
