@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -221,21 +222,28 @@ class FeatureStore:
         """The write engine over this repo's applied definitions and stores."""
         from featurestore.materialization.engine import Materializer
 
+        distributed = None
         if self.config.offline_engine == "ray":  # materialize and backfill fan out to the cluster; pushes stay local
-            from featurestore.materialization.ray_engine import RayMaterializer
+            from featurestore.materialization.ray_engine import RayEngine
 
-            return RayMaterializer(
+            config = self.config
+            distributed = RayEngine(
                 self.definitions,
                 self.registry,
-                self.offline_store,
-                self.online_store,
-                self.config,
-                progress,
-                address=self.config.ray_address,
-                partitions=self.config.ray_partitions,
+                config.offline_path,
+                # the running server's address (an embedded one too: tasks connect to it)
+                dataclasses.replace(config.online_store_settings, url=self.online_store.url),
+                config.repo_path,
+                config.data_dir,
+                config.future_tolerance,
+                config.event_retention,
+                config.expire_after_ttl,
+                address=config.ray_address,
+                partitions=config.ray_partitions,
+                progress=progress,
             )
         return Materializer(
-            self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress
+            self.definitions, self.registry, self.offline_store, self.online_store, self.config, progress, distributed
         )
 
     def flush(self) -> int:

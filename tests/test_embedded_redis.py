@@ -189,3 +189,22 @@ def test_the_embedded_redis_files_are_private(tmp_path):
                 assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, f
     finally:
         server.stop()
+
+
+def test_a_copied_data_dir_neither_blocks_nor_kills_the_original_server(tmp_path):
+    """A data dir copied while its server ran holds that server's pid file: the copy's handle must
+    start its own server, and stopping it must leave the original running (it used to kill it)."""
+    import shutil
+
+    original = EmbeddedRedis(tmp_path / "a")
+    client = redis.Redis.from_url(original.ensure_running())
+    client.set("k", "v")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copy = EmbeddedRedis(tmp_path / "b")
+    assert copy.redis_pid() is None  # the pid names a server of another directory
+    copy.ensure_running()
+    assert copy.started and copy.socket != original.socket
+    copy.stop()
+    assert client.get("k") == b"v"
+    original.stop()
+    assert not _server_pids(str(original.socket))

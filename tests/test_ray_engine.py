@@ -244,7 +244,7 @@ def test_materialize_on_ray_equals_the_local_engine(same_push_log):
     results = {}
     for name in ("local", "ray"):
         with same_push_log["use"](name, name) as store:
-            assert type(store.materializer()).__name__ == ("RayMaterializer" if name == "ray" else "Materializer")
+            assert type(store.materializer().distributed).__name__ == ("RayEngine" if name == "ray" else "NoneType")
             report = store.materialize_incremental()
             results[name] = (report, *same_push_log["state"](store))
             if name == "ray":

@@ -1,33 +1,29 @@
 """Run materialization: compute each view once, write history then the online store.
 
-Crash safety: before history is written a view is marked ``online_synced: false`` (history
-may now hold rows Redis lacks). The next write that goes online while the mark is false
-sends the latest rows of the view's *whole history* (plus what it computed), whatever its
-window, and only then marks it true: so a re-run converges whatever ran in between (a
-crash, offline-only pushes, windowed runs). Both writes are idempotent (history dedupes by
-``_row_id``, Redis keeps the larger order key or the first event id), so re-sending is
-safe. Pushes go through the durable buffer instead (``offline/buffer.py``) and touch no
-registry state."""
+The order of the writes, and why a crash anywhere leaves the stores consistent, is
+``materialization.protocol``'s; this module runs it per view, on this process (``LocalExecutor``:
+DuckDB over the view's source) or on a cluster (``distributed``: ``ray_engine``). Pushes go
+through the durable buffer instead (``offline/buffer.py``) and touch no registry state."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Literal, Protocol
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from featurestore.aggregation import dedup_us
-from featurestore.aggregation.tiles import tile_us
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
-from featurestore.errors import BadRowsError
-from featurestore.materialization.compute import compute, events_to_add, latest_per_entity, latest_sql, max_micros
-from featurestore.offline.base import OfflineStore
+from featurestore.materialization import protocol
+from featurestore.materialization.compute import compute
+from featurestore.materialization.online_write import key_expiry, write_online
+from featurestore.materialization.protocol import ComputedRun, Stores, ViewExecutor, ViewReport, max_event_iso
+from featurestore.offline.base import PARTITION_COLUMN, OfflineStore
 from featurestore.offline.buffer import PushBuffer
 from featurestore.online.base import OnlineWrites
 from featurestore.online.codec import datetime_to_micros
@@ -35,22 +31,13 @@ from featurestore.progress import progress_bar, query_progress
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection, register_view_rows
 
+log = logging.getLogger("featurestore.materialize")
+
 
 def push_run_id(ingested: datetime) -> int:
     """A push's run id: its ingest time in µs. Later than every counted run and ordered by
     arrival (the event-id rule keeps the first), with no registry write on the push path."""
     return datetime_to_micros(ingested)
-
-
-@dataclass
-class ViewReport:
-    view: str
-    computed_rows: int = 0
-    new_offline_rows: int = 0
-    online_rows: int = 0
-    rejected_rows: int = 0
-    reject_sample: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 @dataclass
@@ -69,8 +56,57 @@ class MaterializationReport:
         return "\n".join(lines)
 
 
+class DistributedEngine(Protocol):
+    def executor_for(self, view: FeatureView) -> ViewExecutor | None:
+        """The executor that computes ``view`` on the cluster, or None (said in the log) when it runs here."""
+        ...
+
+
+class LocalExecutor:
+    """Computes a view in this process: DuckDB over ``view_rows`` registered in ``con``."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, materializer: Materializer):
+        self.con, self.materializer = con, materializer
+
+    def compute(
+        self,
+        view: FeatureView,
+        run_id: int,
+        now: datetime,
+        start: datetime | None,
+        end: datetime | None,
+        to_history: bool,
+    ) -> ComputedRun:
+        m = self.materializer
+        computed = compute(
+            self.con,
+            view,
+            m.defs.key_types[view.name],
+            m.defs.history_schema(view),
+            run_id,
+            now,
+            start,
+            end,
+            m.config.future_tolerance,
+        )
+        rows, files, fresh = computed.rows, [], computed.rows
+        if to_history and rows.num_rows:
+            fresh = m.offline.new_rows(view.history_table, rows)
+            files = m.offline.write_files(view.history_table, fresh) if fresh.num_rows else []
+            fresh = fresh.drop_columns([PARTITION_COLUMN])
+        new = fresh.num_rows if to_history else 0
+        return ComputedRun(rows.num_rows, computed.rejects, max_event_iso(rows), new, files, (rows, fresh))
+
+    def write_online(self, view: FeatureView, run: ComputedRun, now: datetime) -> int:
+        return self.materializer.write_online(view, run.partitions[1], now)  # the rows history lacked
+
+    def rows(self, run: ComputedRun) -> pa.Table:
+        return run.partitions[0]
+
+
 class Materializer:
-    """Writes views' rows to the stores, under the applied definitions ``defs``."""
+    """Writes views' rows to the stores, under the applied definitions ``defs``; with
+    ``distributed``, the views it accepts are computed on its cluster (pushes stay here)."""
 
     def __init__(
         self,
@@ -80,9 +116,11 @@ class Materializer:
         online: OnlineWrites,
         config: RepoConfig,
         progress: bool = False,
+        distributed: DistributedEngine | None = None,
     ):
         self.defs, self.registry, self.offline, self.online, self.config = defs, registry, offline, online, config
-        self.progress = progress
+        self.progress, self.distributed = progress, distributed
+        self.stores = Stores(defs, registry, offline, self.write_online)
 
     def run(
         self,
@@ -98,37 +136,22 @@ class Materializer:
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
         end = end or datetime.now(UTC)
         report = MaterializationReport()
+        options = dict(start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
         with progress_bar("rows", self.progress, percent=True) as bar:
             for i, view in enumerate(selected, 1):
-                # the compute query's own progress (DuckDB), then the writes
-                task = bar.add_task(f"[{i}/{len(selected)}] {view.name}: computing", total=100)
                 began = time.perf_counter()
-                con = connection()
-                register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
-                with query_progress(con, bar, task):
-                    report.views.append(
-                        self.write_view(
-                            con, view, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
-                        )
-                    )
+                executor = self.distributed.executor_for(view) if self.distributed is not None else None
+                if executor is not None:
+                    report.views.append(protocol.write_view(self.stores, executor, view, **options))
+                else:  # the compute query's own progress (DuckDB), then the writes
+                    task = bar.add_task(f"[{i}/{len(selected)}] {view.name}: computing", total=100)
+                    con = connection()
+                    register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
+                    with query_progress(con, bar, task):
+                        report.views.append(self.write_view(con, view, **options))
+                    bar.update(task, completed=100, description=f"[{i}/{len(selected)}] {view.name}: done")
                 report.views[-1].seconds = time.perf_counter() - began
-                bar.update(task, completed=100, description=f"[{i}/{len(selected)}] {view.name}: done")
         return report
-
-    def _expiry(self, view: FeatureView) -> timedelta | None:
-        """Key expiry for this view's writes, when asked for and safe.
-
-        All views keyed by the same join keys share one Redis hash, so the key may expire only
-        if every one of them has a ttl; it then lives until the longest of them runs out.
-        """
-        if not self.config.expire_after_ttl:
-            return None
-        sharing = [
-            v for v in self.defs.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)
-        ]
-        if any(v.ttl is None for v in sharing):
-            return None
-        return max(v.ttl for v in sharing)
 
     def write_view(
         self,
@@ -147,14 +170,25 @@ class Materializer:
 
         ``buffer``: history rows go to this durable buffer (pushes) instead of straight to the
         history store. ``run_id``: the push's (``push_run_id``); by default the registry's next."""
-        defs, registry = self.defs, self.registry
-        run_id = registry.next_run_id() if run_id is None else run_id
+        if buffer is None:
+            return protocol.write_view(
+                self.stores,
+                LocalExecutor(con, self),
+                view,
+                start=start,
+                end=end,
+                online=online,
+                offline=offline,
+                on_bad_rows=on_bad_rows,
+                run_id=run_id,
+            )
         now = datetime.now(UTC)
+        run_id = self.registry.next_run_id() if run_id is None else run_id
         computed = compute(
             con,
             view,
-            defs.key_types[view.name],
-            defs.history_schema(view),
+            self.defs.key_types[view.name],
+            self.defs.history_schema(view),
             run_id,
             now,
             start,
@@ -162,141 +196,40 @@ class Materializer:
             self.config.future_tolerance,
         )
         report = ViewReport(view.name, computed_rows=computed.rows.num_rows)
-        self.keep_rejects(view, computed.rejects, report, on_bad_rows)
-        write_offline, write_online = offline and view.offline, online and view.online
-        if buffer is not None:
-            report.online_rows = self.write_pushed(view, computed.rows, now, write_online, write_offline, buffer)
-            return report
-        synced = self.begin_history_write(view, write_offline)
-        fresh = computed.rows
-        if write_offline:
-            fresh = self.offline.append(view.history_table, computed.rows)
-            report.new_offline_rows = fresh.num_rows
-        if write_online:
-            if synced:
-                report.online_rows = self.write_online(view, fresh, now)
-            else:  # the whole history, as authority: Redis is made to match it
-                report.online_rows = self.write_online(
-                    view, self._whole_history(view, computed.rows, written=write_offline), now, whole_history=True
-                )
-        self.finish_run(
-            view,
-            run_id,
-            now,
-            end,
-            write_online,
-            write_offline,
-            _max_iso(computed.rows) if computed.rows.num_rows else None,
+        protocol.keep_rejects(self.stores, view, computed.rejects, report, on_bad_rows)
+        report.online_rows = self.write_pushed(
+            view, computed.rows, now, online and view.online, offline and view.offline, buffer
         )
         return report
-
-    def keep_rejects(self, view: FeatureView, rejects: pa.Table, report: ViewReport, on_bad_rows: str) -> None:
-        """Count and sample rejected rows into ``report``, then keep them (or fail, if asked to)."""
-        report.rejected_rows = rejects.num_rows
-        if not rejects.num_rows:
-            return
-        report.reject_sample = rejects.slice(0, 5).to_pylist()
-        if on_bad_rows == "fail":
-            raise BadRowsError(
-                f"view {view.name!r}: {rejects.num_rows} source rows break the schema, e.g. "
-                f"{report.reject_sample[:3]}; fix the source or materialize with on_bad_rows='reject'"
-            )
-        self.offline.write_rejects(view.name, rejects)
-
-    def begin_history_write(self, view: FeatureView, write_offline: bool) -> bool:
-        """Whether Redis holds the view's whole history now (else the next online write sends it
-        all); marks it not so before history changes."""
-        mark = self.registry.watermarks().get(view.name, {})
-        # a new storage layout starts with nothing online: everything is re-sent; with no history
-        # yet, this run's rows are the whole of it
-        synced = (
-            mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
-        ) or self.offline.version(view.history_table) is None
-        if view.online and write_offline:
-            self.registry.set_watermark(view.name, online_synced=False)
-        return synced
-
-    def finish_run(
-        self,
-        view: FeatureView,
-        run_id: int,
-        now: datetime,
-        end: datetime | None,
-        wrote_online: bool,
-        wrote_offline: bool,
-        max_event: str | None,
-    ) -> None:
-        """Record what the run wrote: Redis in sync, history up to ``end``."""
-        marks: dict = {}
-        if wrote_online:
-            marks.update(online_synced=True, online_layout=view.storage_id)
-        if wrote_offline:
-            marks.update(last_run_id=run_id, materialized_at=now.isoformat())
-            if end is not None:
-                marks["end"] = end.isoformat()
-            if max_event:
-                marks["max_event_timestamp"] = max_event
-        if marks:
-            self.registry.set_watermark(view.name, **marks)
 
     def write_pushed(
         self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer
     ) -> int:
-        """Pushed history rows: Redis synchronously, history through the durable buffer (no
+        """Pushed history rows: online synchronously, history through the durable buffer (no
         registry state); returns the rows written online."""
         written = 0
 
-        def write_online() -> None:
+        def send() -> None:
             nonlocal written
             written = self.write_online(view, rows, now)
 
         if offline:
-            buffer.append(f"view:{view.history_table}", rows, meanwhile=write_online if online else None)
+            buffer.append(f"view:{view.history_table}", rows, meanwhile=send if online else None)
         elif online:
-            write_online()
+            send()
         return written
 
-    def _whole_history(self, view: FeatureView, computed: pa.Table, written: bool) -> pa.Table:
-        """What Redis must hold from every stored row of the view (and the computed ones, if not
-        stored): each entity's latest row, or for an aggregated view every event."""
-        con = connection()
-        self.offline.register(con, view.history_table, "history", computed.schema)
-        rows = "SELECT * FROM history"
-        if not written:
-            con.register("computed", computed)
-            rows += " UNION ALL SELECT * FROM computed"
-        query = rows if view.is_aggregated else latest_sql(f"({rows})", view.join_keys, computed.schema.names)
-        return con.sql(query).to_arrow_table().cast(computed.schema)
-
     def write_online(self, view: FeatureView, rows: pa.Table, now: datetime, whole_history: bool = False) -> int:
-        """Send history rows online: each entity's latest row, or for aggregated views the events
-        (``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
-        event ids Redis then takes over its own)."""
-        if rows.num_rows == 0:
-            return 0
-        stored = [(f.name, f.dtype) for f in view.schema]
-        newest = (view.name, max_micros(rows["event_timestamp"]))  # per-view freshness
-        if view.is_aggregated:
-            horizon = view.longest_window + self.config.event_retention
-            cutoff_us = datetime_to_micros(now - horizon)
-            writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
-            return self.online.write_events(
-                view.online_field,
-                writes.rows,
-                view.join_keys,
-                stored,
-                writes.ids,
-                cutoff_us,
-                horizon,
-                tile_us(view),
-                dedup_us(view),
-                accepted=writes.accepted,
-                newest=newest,
-            )
-        latest = latest_per_entity(rows, view.join_keys)
-        self.online.write_latest(view.online_field, latest, view.join_keys, stored, self._expiry(view), newest)
-        return latest.num_rows
+        """Send history rows online (``online_write.write_online``, with this repo's retention and expiry)."""
+        return write_online(
+            self.online,
+            view,
+            rows,
+            now,
+            event_retention=self.config.event_retention,
+            expire_after=self._expiry(view),
+            whole_history=whole_history,
+        )
 
-
-def _max_iso(rows: pa.Table) -> str:
-    return pc.max(rows["event_timestamp"]).as_py().isoformat()
+    def _expiry(self, view: FeatureView) -> timedelta | None:
+        return key_expiry(self.defs, view) if self.config.expire_after_ttl else None

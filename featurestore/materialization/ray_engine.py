@@ -23,23 +23,22 @@ CSV, is materialized by the local engine, as the run's log says.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
-import time
-from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import duckdb
 import pyarrow as pa
 
-from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView, FileSource, PushSource
 from featurestore.materialization.compute import compute
-from featurestore.materialization.engine import MaterializationReport, Materializer, ViewReport, _max_iso
+from featurestore.materialization.online_write import key_expiry, write_online
+from featurestore.materialization.protocol import ComputedRun, max_event_iso
+from featurestore.online.base import OnlineStoreSettings
 from featurestore.ray_cluster import connect, fit_to_task, gather, hash_split, local_path, partitions
+from featurestore.registry import Definitions, RegistryStore
 from featurestore.registry.snapshot import applied_definitions
 from featurestore.sources import push_log_path, run_python_transformation
 from featurestore.types import duckdb_type
@@ -47,42 +46,39 @@ from featurestore.types import duckdb_type
 log = logging.getLogger("featurestore.materialize")
 
 
-class RayMaterializer(Materializer):
-    """``Materializer`` whose ``run`` fans views out to a Ray cluster (pushes stay local)."""
+class RayEngine:
+    """Materialization's ``DistributedEngine`` on a Ray cluster (``address``; None: a local one):
+    each view it can split by entity is computed in ``partitions`` hash partitions (0: one per
+    cluster CPU, at least 2)."""
 
-    def __init__(self, *args: Any, address: str | None = None, partitions: int = 0, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.address, self.partitions = address, partitions
-
-    def run(
+    def __init__(
         self,
-        views: Sequence[str] | None,
-        *,
-        start: datetime | None,
-        end: datetime | None,
-        online: bool = True,
-        offline: bool = True,
-        on_bad_rows: Literal["reject", "fail"] = "reject",
-    ) -> MaterializationReport:
+        defs: Definitions,
+        registry: RegistryStore,
+        offline_path: Path,
+        online: OnlineStoreSettings,
+        repo_path: Path,
+        data_dir: Path,
+        future_tolerance: timedelta,
+        event_retention: timedelta,
+        expire_after_ttl: bool = False,
+        address: str | None = None,
+        partitions: int = 0,
+        progress: bool = False,
+    ):
+        self.defs, self.registry, self.offline_path, self.online = defs, registry, offline_path, online
+        self.repo_path, self.data_dir = repo_path, data_dir
+        self.future_tolerance, self.event_retention = future_tolerance, event_retention
+        self.expire_after_ttl = expire_after_ttl
+        self.address, self.partitions, self.progress = address, partitions, progress
+
+    def executor_for(self, view: FeatureView) -> RayExecutor | None:
+        files, why_local = self._source_files(view)
+        if why_local:
+            log.info("view %s: materialized locally (%s)", view.name, why_local)
+            return None
         ray = connect(self.address)
-        parts = partitions(ray, self.partitions)
-        selected = [self.defs.view(v) for v in views] if views else list(self.defs.feature_views.values())
-        end = end or datetime.now(UTC)
-        report = MaterializationReport()
-        for view in selected:
-            began = time.perf_counter()
-            files, why_local = self._source_files(view)
-            if why_local:
-                log.info("view %s: materialized locally (%s)", view.name, why_local)
-                report.views.append(
-                    super()
-                    .run([view.name], start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
-                    .views[0]
-                )
-            else:
-                report.views.append(self._run_view(ray, view, files, parts, start, end, online, offline, on_bad_rows))
-            report.views[-1].seconds = time.perf_counter() - began
-        return report
+        return RayExecutor(self, ray, files, partitions(ray, self.partitions))
 
     def _source_files(self, view: FeatureView) -> tuple[list[str], str | None]:
         """The files a view's rows come from, or why the view runs locally."""
@@ -90,11 +86,11 @@ class RayMaterializer(Materializer):
         if isinstance(source, PushSource):
             from deltalake import DeltaTable
 
-            log_path = push_log_path(self.config.data_dir, source.name)
+            log_path = push_log_path(self.data_dir, source.name)
             files = DeltaTable(str(log_path)).file_uris() if (log_path / "_delta_log").exists() else []
             columns = [f.name for f in source.schema]
         elif isinstance(source, FileSource) and source.format == "parquet":
-            path = Path(source.path) if Path(source.path).is_absolute() else self.config.repo_path / source.path
+            path = Path(source.path) if Path(source.path).is_absolute() else self.repo_path / source.path
             files = [str(p) for p in sorted(path.rglob("*.parquet"))] if path.is_dir() else [str(path)]
             import pyarrow.parquet as pq
 
@@ -106,39 +102,41 @@ class RayMaterializer(Materializer):
             return [], f"join key(s) {missing} are made by its transformation, so rows cannot be split by entity first"
         return files, None
 
-    def _run_view(
+
+class RayExecutor:
+    """One view on the cluster: read and split by entity, then per partition compute and write
+    history files (uncommitted), then per partition write online."""
+
+    def __init__(self, engine: RayEngine, ray: Any, files: list[str], parts: int):
+        self.engine, self.ray, self.files, self.parts = engine, ray, files, parts
+        self._job: dict[str, Any] = {}
+
+    def compute(
         self,
-        ray: Any,
         view: FeatureView,
-        files: list[str],
-        parts: int,
+        run_id: int,
+        now: datetime,
         start: datetime | None,
-        end: datetime,
-        online: bool,
-        offline: bool,
-        on_bad_rows: str,
-    ) -> ViewReport:
-        registry, store = self.registry, self.offline
-        run_id, now = registry.next_run_id(), datetime.now(UTC)
-        current = registry.current()  # what a task rebuilds the views from (services are not needed)
+        end: datetime | None,
+        to_history: bool,
+    ) -> ComputedRun:
+        engine, ray, parts = self.engine, self.ray, self.parts
+        current = engine.registry.current()  # what a task rebuilds the views from (services are not needed)
         state = {
             **current,
             "objects": {k: v for k, v in current["objects"].items() if k in ("entity", "push_source", "feature_view")},
         }
-        key_types = {k: duckdb_type(t) for k, t in self.defs.key_types[view.name].items()}
+        key_types = {k: duckdb_type(t) for k, t in engine.defs.key_types[view.name].items()}
         transformation = view.transformation
         if callable(transformation):  # user code travels by value: workers cannot import the repo's modules
             import ray.cloudpickle as cloudpickle
 
             cloudpickle.register_pickle_by_value(sys.modules[transformation.__module__])
-        write_offline, write_online = offline and view.offline, online and view.online
-        synced = self.begin_history_write(view, write_offline)
         split = ray.remote(num_returns=parts)(_read_split)
-        units = _row_groups(files)  # a large file is read by several tasks, a row group each
+        units = _row_groups(self.files)  # a large file is read by several tasks, a row group each
         groups = [units[g::parts] for g in range(min(parts, len(units)))]
         pieces = [split.remote(group, key_types, parts) for group in groups]
-        config = dataclasses.replace(self.config, online_url=getattr(self.online, "url", self.config.online_url))
-        job = dict(
+        self._job = job = dict(
             state=state,
             view=view.name,
             transformation=transformation,
@@ -146,44 +144,36 @@ class RayMaterializer(Materializer):
             now=now,
             start=start,
             end=end,
-            config=config,
-            offline_path=str(getattr(store, "path", "")),
-            write_offline=write_offline,
+            future_tolerance=engine.future_tolerance,
+            event_retention=engine.event_retention,
+            expire_after_ttl=engine.expire_after_ttl,
+            online=engine.online,
+            offline_path=str(engine.offline_path),
+            write_offline=to_history,
         )
         compute_write = ray.remote(num_returns=2)(_compute_write)
-        with store.writer(view.history_table):  # one writer per history table, across processes, until committed
-            results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
-            summaries = gather(
-                ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", self.progress
-            )
-            report = ViewReport(view.name, computed_rows=sum(s["computed"] for s in summaries))
-            self.keep_rejects(
-                view,
-                pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"),
-                report,
-                on_bad_rows,
-            )
-            if write_offline:
-                store.commit(
-                    view.history_table, [a for s in summaries for a in s["actions"]], self.defs.history_schema(view)
-                )  # type: ignore[attr-defined]
-                report.new_offline_rows = sum(s["new"] for s in summaries)
-        if write_online:
-            if synced:  # each partition's rows, straight from the object store
-                write = ray.remote(_write_online)
-                report.online_rows = sum(
-                    gather(
-                        ray, [write.remote(job, r[1]) for r in results], f"{view.name}: writing online", self.progress
-                    )
-                )
-            else:  # history may hold rows Redis lacks: send the whole history (the local engine's recovery)
-                computed = pa.concat_tables(ray.get([r[1] for r in results]))
-                report.online_rows = self.write_online(
-                    view, self._whole_history(view, computed, written=write_offline), now, whole_history=True
-                )
+        results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
+        summaries = gather(
+            ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", engine.progress
+        )
         newest = [s["max_event"] for s in summaries if s["max_event"]]
-        self.finish_run(view, run_id, now, end, write_online, write_offline, max(newest) if newest else None)
-        return report
+        return ComputedRun(
+            computed_rows=sum(s["computed"] for s in summaries),
+            rejects=pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"),
+            max_event=max(newest) if newest else None,
+            new_rows=sum(s["new"] for s in summaries),
+            files=[a for s in summaries for a in s["actions"]],
+            partitions=[r[1] for r in results],
+        )
+
+    def write_online(self, view: FeatureView, run: ComputedRun, now: datetime) -> int:
+        """Each partition's rows, straight from the object store, by a task."""
+        write = self.ray.remote(_write_online)
+        refs = [write.remote(self._job, rows) for rows in run.partitions]
+        return sum(gather(self.ray, refs, f"{view.name}: writing online", self.engine.progress))
+
+    def rows(self, run: ComputedRun) -> pa.Table:
+        return pa.concat_tables(self.ray.get(run.partitions))
 
 
 def _row_groups(files: list[str]) -> list[tuple[str, int]]:
@@ -218,7 +208,6 @@ def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, An
 
     defs = applied_definitions(job["state"])
     view = defs.view(job["view"])
-    config: RepoConfig = job["config"]
     con = duckdb.connect()
     fit_to_task(con)
     _view_rows(con, pa.concat_tables(pieces, promote_options="default"), job["transformation"])
@@ -231,7 +220,7 @@ def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, An
         job["now"],
         job["start"],
         job["end"],
-        config.future_tolerance,
+        job["future_tolerance"],
     )
     actions, new = [], 0
     if job["write_offline"] and computed.rows.num_rows:
@@ -243,21 +232,23 @@ def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, An
         "new": new,
         "actions": actions,
         "rejects": computed.rejects,
-        "max_event": _max_iso(computed.rows) if computed.rows.num_rows else None,
+        "max_event": max_event_iso(computed.rows),
     }
     return summary, computed.rows
 
 
 def _write_online(job: dict[str, Any], rows: pa.Table) -> int:
-    """One partition's rows to Redis, as the local engine writes them."""
+    """One partition's rows online, as the local engine writes them."""
     from featurestore.online.base import open_online_store
 
     fit_to_task()
     defs = applied_definitions(job["state"])
-    online = open_online_store(job["config"].online_store_settings)
+    online = open_online_store(job["online"])
+    view = defs.view(job["view"])
+    expire_after = key_expiry(defs, view) if job["expire_after_ttl"] else None
     try:
-        return Materializer(defs, None, None, online, job["config"]).write_online(
-            defs.view(job["view"]), rows, job["now"]
-        )  # type: ignore[arg-type]
+        return write_online(
+            online, view, rows, job["now"], event_retention=job["event_retention"], expire_after=expire_after
+        )
     finally:
         online.close()

@@ -5,7 +5,8 @@ view's name and deletes all its versions."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import duckdb
 import pyarrow as pa
@@ -28,32 +29,82 @@ HISTORY_COLUMNS: dict[str, pa.DataType] = {
 PARTITION_COLUMN = "event_date"
 
 
-class OfflineStore(Protocol):
-    def append(self, view: str, rows: pa.Table) -> pa.Table:
-        """Append rows not already stored (by ``_row_id``); return the rows that were new."""
+class HistoryReads(Protocol):
+    """What retrieval and the catalogue read: a table's version, its rows in DuckDB, its files."""
+
+    def version(self, view: str) -> int | None:
+        """Current table version, None when nothing was ever written."""
+        ...
 
     def register(
         self, con: duckdb.DuckDBPyConnection, view: str, name: str, schema: pa.Schema, version: int | None = None
     ) -> int | None:
         """Expose the view's history (at ``version``) in ``con`` as ``name``; return the version read."""
+        ...
 
-    def version(self, view: str) -> int | None:
-        """Current table version, None when nothing was ever written."""
+    def files(self, view: str, version: int | None = None) -> tuple[int | None, list[str]]:
+        """(version, data file URIs) of the table at ``version`` (default latest), for scans elsewhere."""
+        ...
+
+    def stats(self, view: str) -> dict[str, int | None]:
+        """Rows, files and version of the table, from its log (no data read)."""
+        ...
+
+    def rejected_rows(self, view: str) -> int:
+        """How many rejected source rows are kept for the view."""
+        ...
+
+
+class HistoryWriter(Protocol):
+    """The two-phase write the materialization protocol drives (``materialization/protocol.py``):
+    under ``writer``, the rows history lacks are written as files nobody reads yet, then committed
+    in one transaction. Files are plain values, so an executor may write them on another machine."""
+
+    def writer(self, view: str) -> AbstractContextManager[None]:
+        """Hold the table's single-writer right from the dedupe to the commit."""
+        ...
+
+    def new_rows(self, view: str, rows: pa.Table) -> pa.Table:
+        """The rows (with the partition column) whose ``_row_id`` the table does not hold yet."""
+        ...
+
+    def write_files(self, view: str, rows: pa.Table) -> list[Any]:
+        """Write rows as data files, uncommitted; returns what ``commit`` takes."""
+        ...
+
+    def commit(self, view: str, files: list[Any], schema: pa.Schema) -> int | None:
+        """Make the files one new version of the table (adding columns the schema gained)."""
+        ...
+
+    def append(self, view: str, rows: pa.Table) -> pa.Table:
+        """``new_rows`` + ``write_files`` + ``commit`` under ``writer``; returns the rows that were new."""
+        ...
 
     def write_rejects(self, view: str, rejects: pa.Table) -> None:
         """Keep source rows that broke the schema, with the reason."""
+        ...
 
+
+class HistoryMaintenance(Protocol):
     def drop(self, view: str) -> None:
         """Delete every version of the view's history (after the user confirmed removal)."""
+        ...
 
     def file_count(self, view: str) -> int:
         """How many data files the current version reads."""
+        ...
 
     def compact(self, view: str) -> dict:
         """Merge small files (keeps older versions readable)."""
+        ...
 
     def vacuum(self, view: str, retention_hours: int) -> int:
         """Delete files older versions of more than ``retention_hours`` used."""
+        ...
+
+
+class OfflineStore(HistoryReads, HistoryWriter, HistoryMaintenance, Protocol):
+    """A history store: every capability above (``offline/delta.py`` is the one in the box)."""
 
 
 def history_schema(view_keys: dict[str, pa.DataType], features: list[tuple[str, pa.DataType]]) -> pa.Schema:

@@ -77,7 +77,9 @@ def _flock(path: Path, mode: int) -> Iterator[IO]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _alive(pid: int | None) -> bool:
+def _alive(pid: int | None, socket: Path) -> bool:
+    """Whether ``pid`` is the redis-server listening on ``socket``: a pid file can outlive its server
+    (the pid recycled) or be copied with its data dir (naming another directory's live server)."""
     if pid is None:
         return False
     try:
@@ -86,10 +88,11 @@ def _alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a recycled pid of another program does not count
-        return "redis-server" in Path(f"/proc/{pid}/cmdline").read_text()
+    try:  # redis-server's process title names its unix socket
+        title = Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
-        return True
+        return True  # no /proc to ask: trust the pid file
+    return "redis-server" in title and str(socket) in title
 
 
 class EmbeddedRedis:
@@ -122,7 +125,7 @@ class EmbeddedRedis:
             pid = int((self.data_dir / "redis.pid").read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if _alive(pid, self.socket) else None
 
     def ensure_running(self, timeout: float = 10.0) -> str:
         """Attach to the live server of this data dir, or start one; return its URL."""
@@ -188,9 +191,9 @@ class EmbeddedRedis:
             except redis.RedisError:
                 pass  # shutdown closes the connection by design
             deadline = time.monotonic() + 15
-            while _alive(pid) and time.monotonic() < deadline:
+            while _alive(pid, self.socket) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _alive(pid):
+            if _alive(pid, self.socket):
                 os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
             self.socket.unlink(missing_ok=True)
 

@@ -38,7 +38,7 @@ from featurestore.retrieval.refs import ViewRequest, resolve
 if TYPE_CHECKING:
     import pandas as pd
 
-    from featurestore.offline.delta import DeltaOfflineStore
+    from featurestore.offline.base import HistoryReads
 
 ROW = "__ray_row"  # the entity row's number: input order, restored at the end
 
@@ -55,7 +55,7 @@ class RayJoinJob:
     def build(
         cls,
         defs: Definitions,
-        offline: DeltaOfflineStore,
+        offline: HistoryReads,
         entity_df: Any,
         features: Sequence[str] | None,
         feature_service: Any,

@@ -1,0 +1,69 @@
+"""History rows sent online: each entity's latest row, or for an aggregated view its events."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import pyarrow as pa
+
+from featurestore.aggregation import dedup_us
+from featurestore.aggregation.tiles import tile_us
+from featurestore.definitions import FeatureView
+from featurestore.materialization.compute import events_to_add, latest_per_entity, max_micros
+from featurestore.online.base import OnlineWrites
+from featurestore.online.codec import datetime_to_micros
+from featurestore.registry import Definitions
+
+
+def key_expiry(defs: Definitions, view: FeatureView) -> timedelta | None:
+    """How long a write of ``view`` may let its entity keys live (with ``online_store.expire_after_ttl``).
+
+    All views keyed by the same join keys share one Redis hash, so the key may expire only if
+    every one of them has a ttl; it then lives until the longest of them runs out."""
+    sharing = [v for v in defs.feature_views.values() if v.online and sorted(v.join_keys) == sorted(view.join_keys)]
+    ttls = [v.ttl for v in sharing]
+    if any(t is None for t in ttls):
+        return None
+    return max(t for t in ttls if t is not None)
+
+
+def write_online(
+    online: OnlineWrites,
+    view: FeatureView,
+    rows: pa.Table,
+    now: datetime,
+    *,
+    event_retention: timedelta = timedelta(0),
+    expire_after: timedelta | None = None,
+    whole_history: bool = False,
+) -> int:
+    """Send history rows to ``online``; returns the rows (or events) written.
+
+    An aggregated view keeps its events of the longest window plus ``event_retention`` before
+    ``now``; ``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
+    event ids the store then takes over its own. ``expire_after``: entity keys expire once their
+    newest data is that old (views sharing the keys must all allow it: the caller's decision)."""
+    if rows.num_rows == 0:
+        return 0
+    stored = [(f.name, f.dtype) for f in view.schema]
+    newest = (view.name, max_micros(rows["event_timestamp"]))  # per-view freshness
+    if view.is_aggregated:
+        horizon = view.longest_window + event_retention
+        cutoff_us = datetime_to_micros(now - horizon)
+        writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
+        return online.write_events(
+            view.online_field,
+            writes.rows,
+            view.join_keys,
+            stored,
+            writes.ids,
+            cutoff_us,
+            horizon,
+            tile_us(view),
+            dedup_us(view),
+            accepted=writes.accepted,
+            newest=newest,
+        )
+    latest = latest_per_entity(rows, view.join_keys)
+    online.write_latest(view.online_field, latest, view.join_keys, stored, expire_after, newest)
+    return latest.num_rows
