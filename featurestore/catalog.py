@@ -19,7 +19,7 @@ from featurestore.registry.store import RegistryStore
 from featurestore.streaming import stream_key
 
 if TYPE_CHECKING:
-    from featurestore.offline.base import HistoryReads
+    from featurestore.offline.base import HistoryFiles
     from featurestore.online.base import OnlineStore
 
 _versions_cache: dict[tuple[str, int], dict[str, list[int]]] = {}
@@ -159,7 +159,7 @@ def _window(aggregation: Any) -> dict[str, Any]:
 
 def view_status(
     registry: RegistryStore,
-    offline: HistoryReads,
+    offline: HistoryFiles,
     online: OnlineStore | None,
     project: str,
     name: str,

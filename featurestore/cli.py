@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import typing
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,14 @@ LogFormatOption = typer.Option(
     "text", help="Server log lines as text, or json (one object per line, for log shippers)."
 )
 GUARDED_HTTP = "serving.protocol:GuardedHttpProtocol"  # uvicorn's protocol with a deadline for request heads
+
+
+def _one_of(value: str, choices: Any, flag: str) -> Any:
+    """``value`` if it is one of the ``Literal`` type ``choices``' values, else a CLI error line."""
+    allowed = typing.get_args(choices)
+    if value not in allowed:
+        raise FeatureStoreError(f"{flag} is one of {', '.join(allowed)}, not {value!r}")
+    return value
 
 
 def _store(repo: Path):
@@ -235,11 +244,17 @@ def stream(
     """Consume a stream source into both stores (at least once; retries never count twice), showing lag and throughput."""
     from rich.live import Live
 
+    from featurestore.materialization.push import PushTarget
     from featurestore.streaming import StreamConsumer
 
     with _store(repo) as store:
         runner = StreamConsumer(
-            store, source, consumer=consumer, batch=batch, to=to, claim_idle_ms=int(claim_idle * 1000)
+            store,
+            source,
+            consumer=consumer,
+            batch=batch,
+            to=_one_of(to, PushTarget, "--to"),
+            claim_idle_ms=int(claim_idle * 1000),
         )
         console.print(f"consuming {runner.stream} as {runner.consumer} (group featurestore) → {to}")
 
@@ -545,15 +560,15 @@ def train_command(
     import os
     import subprocess
 
-    from featurestore.training.trainer import TrainConfig, new_run_id, train
+    from featurestore.training.trainer import Task, TrainConfig, new_run_id, train
 
     store = _store(repo)
     config = TrainConfig(
         dataset=str(dataset),
         label=label,
-        task=task,
+        task=_one_of(task, Task, "--task"),
         request_inputs=request_input or [],
-        epochs=epochs,  # type: ignore[arg-type]
+        epochs=epochs,
         batch_size=batch_size,
         seed=seed,
         device=device,
@@ -798,10 +813,12 @@ def check_consistency_command(
     if as_of not in MODES:
         raise FeatureStoreError(f"--as-of is one of {list(MODES)}, not {as_of!r}")
     with _store(repo) as store:
-        report = (
-            check_service_log(store, service, as_of=as_of) if service else check_consistency(store, model, as_of=as_of)
-        )  # type: ignore[arg-type]
-        record_check(report, store.config.data_dir, f"service:{service}" if service else model)  # type: ignore[arg-type]
+        if service is not None:
+            report, name = check_service_log(store, service, as_of=as_of), f"service:{service}"
+        else:
+            assert model is not None  # one of the two, checked above
+            report, name = check_consistency(store, model, as_of=as_of), model
+        record_check(report, store.config.data_dir, name)
     console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(1)

@@ -19,7 +19,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +30,7 @@ from featurestore.feature_logging import MODEL_COLUMNS, log_path, read_log
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
+    from featurestore.retrieval.historical import AsOf
 
 
 @dataclass
@@ -69,21 +70,24 @@ class ConsistencyReport:
 MODES = ("auto", "event", "created")
 
 
-def _by_mode(log: pa.Table, as_of: str) -> list[tuple[str, pa.Table]]:
+def _by_mode(log: pa.Table, as_of: str) -> list[tuple[AsOf, pa.Table]]:
     """The log's vectors in groups checked alike: all of them as ``as_of`` says, or with ``auto``
     the replayed ones (served at a time the caller gave) as of event time, the rest as of created time."""
     if as_of not in MODES:
         raise ValueError(f"as_of is one of {list(MODES)}, not {as_of!r}")
     if as_of != "auto":
-        return [(as_of, log)]
+        return [(cast("AsOf", as_of), log)]
     replayed = (
         pc.fill_null(log["replayed"], False) if "replayed" in log.column_names else pa.array([False] * log.num_rows)
     )
-    groups = [("event", log.filter(replayed)), ("created", log.filter(pc.invert(replayed)))]
+    groups: list[tuple[AsOf, pa.Table]] = [
+        ("event", log.filter(replayed)),
+        ("created", log.filter(pc.invert(replayed))),
+    ]
     return [(mode, part) for mode, part in groups if part.num_rows]
 
 
-def _mode_name(as_of: str, groups: list[tuple[str, pa.Table]]) -> str:
+def _mode_name(as_of: str, groups: list[tuple[AsOf, pa.Table]]) -> str:
     """How a check read the history, in words (what it prints and records)."""
     if as_of != "auto":
         return f"history as of {as_of} time"
@@ -224,7 +228,7 @@ def _compare_features(
     hits: dict[str, list[bool]],
     report: ConsistencyReport,
     max_mismatches: int,
-    as_of: str,
+    as_of: AsOf,
 ) -> tuple[pa.Table, list[str]]:
     """Point-in-time rows at each served time (as known then), compared feature by feature.
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 from featurestore.aggregation.functions import FUNCTIONS
@@ -28,7 +29,7 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 def _caller_location() -> tuple[str, int]:
     """File and line of the user code that constructed a definition."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     # skip our own frames and the __init__ that @dataclass generates (its file is "<string>")
     while frame is not None and (
         frame.f_code.co_filename.startswith(_PACKAGE_DIR)

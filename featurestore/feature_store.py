@@ -22,10 +22,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from featurestore.materialization.engine import MaterializationReport, Materializer
+    from featurestore.materialization.push import PushTarget
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
     from featurestore.online.base import OnlineStore
-    from featurestore.retrieval.historical import JoinBuilder, RetrievalJob
+    from featurestore.retrieval.historical import AsOf, JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineReader, OnlineResponse
     from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.training.model_registry import ModelRegistry
@@ -351,7 +352,7 @@ class FeatureStore:
         self,
         push_source_name: str,
         df: pd.DataFrame | pa.Table | dict,
-        to: Literal["online", "offline", "online_and_offline"] = "online_and_offline",
+        to: PushTarget = "online_and_offline",
         idempotency_key: str | None = None,
         arrival: tuple[pa.Array, pa.Array] | None = None,
     ) -> int:
@@ -402,7 +403,7 @@ class FeatureStore:
         features: Sequence[str] | None = None,
         feature_service: str | FeatureService | None = None,
         full_feature_names: bool = False,
-        as_of: Literal["event", "created"] = "event",
+        as_of: AsOf = "event",
     ) -> RetrievalJob:
         """Point-in-time-correct features for each entity row (see ``retrieval.historical``)."""
         self.require_applied(self._used_by(features=features, feature_service=feature_service))

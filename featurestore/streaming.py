@@ -34,6 +34,7 @@ from featurestore.online.codec import key_prefix
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
+    from featurestore.materialization.push import PushTarget
 
 GROUP = "featurestore"
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class StreamConsumer:
         consumer: str | None = None,
         batch: int = 1000,
         block_ms: int = 1000,
-        to: str = "online_and_offline",
+        to: PushTarget = "online_and_offline",
         claim_idle_ms: int = 30_000,
     ):
         source = store.definitions.push_source(source_name)
@@ -126,7 +127,7 @@ class StreamConsumer:
                 if time.monotonic() - self._claimed_at >= self.claim_idle_ms / 2000:
                     self._claim_idle()
                 start = "0" if backlog else ">"
-                reply = self.client.xreadgroup(
+                reply: Any = self.client.xreadgroup(
                     GROUP,
                     self.consumer,
                     {self.stream: start},
@@ -197,7 +198,8 @@ class StreamConsumer:
 
     def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
         entry_id, fields = entry
-        self.client.xadd(self.stream + ":dead", {**fields, b"_reason": reason[:2000], b"_entry_id": entry_id})
+        dead: dict[Any, Any] = {**fields, b"_reason": reason[:2000], b"_entry_id": entry_id}
+        self.client.xadd(self.stream + ":dead", dead)
         self.client.xack(self.stream, GROUP, entry_id)
         self.stats.dead += 1
 
@@ -205,8 +207,8 @@ class StreamConsumer:
         summary = self.client.xpending(self.stream, GROUP)
         self.stats.pending = int(summary["pending"])
         groups = {g["name"]: g for g in self.client.xinfo_groups(self.stream)}
-        last = groups.get(GROUP.encode(), groups.get(GROUP, {})).get("last-delivered-id", b"0-0")
-        newest = self.client.xrevrange(self.stream, count=1)
+        last: bytes | str = groups.get(GROUP.encode(), groups.get(GROUP, {})).get("last-delivered-id", b"0-0")
+        newest: Any = self.client.xrevrange(self.stream, count=1)
         if newest:
             self.stats.lag_ms = float(_ms(newest[0][0]) - _ms(last))
 

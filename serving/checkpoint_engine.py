@@ -19,7 +19,7 @@ from featurestore.config import RepoConfig
 from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, ModelRegistry
 from serving.common import FastLane, Metrics, install_error_handlers
 
-NOT_FOUND = {404: {"description": "No such model, version or file."}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such model, version or file."}}
 
 
 def create_app(registry: ModelRegistry, replica: Replica | None = None, config: RepoConfig | None = None) -> FastAPI:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from fastapi import FastAPI, Request
@@ -245,7 +245,7 @@ def json_handler(
 
 async def respond(handler: JsonHandler, request: Request) -> Response:
     """The FastAPI route for a handler the FastLane serves (same code, reached through routing)."""
-    status, payload = await handler(await request.body(), request.scope)
+    status, payload = await handler(await request.body(), cast(dict, request.scope))
     return Response(payload, status_code=status, media_type="application/json")
 
 

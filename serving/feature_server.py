@@ -59,7 +59,7 @@ IsoTime = Annotated[datetime, BeforeValidator(_iso_time)]
 FeatureRef = Annotated[str, StringConstraints(pattern=r"^[^:]+:[^:]+$")]  # view:feature
 
 # exactly one of the two names what to look up (an empty list or name counts as absent, as Feast's clients send them)
-_ONE_OF_FEATURES_OR_SERVICE = [
+_ONE_OF_FEATURES_OR_SERVICE: list[Any] = [
     {
         "required": ["features"],
         "properties": {
@@ -164,12 +164,12 @@ class MaterializeIncrementalRequest(BaseModel):
     feature_views: list[str] | None = None
 
 
-JOB_RESPONSES = {
+JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The job finished: its state and report (`Prefer: respond-async` not sent)."},
     202: {"description": "`Prefer: respond-async`: the job, queued; follow it at `/jobs/{id}`."},
 }
 
-ERRORS = {
+ERRORS: dict[int | str, dict[str, Any]] = {
     400: {
         "description": "The body is not JSON of the documented shape, or the work it asked for failed on this input."
     },

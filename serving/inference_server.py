@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import sys
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -252,7 +253,7 @@ def create_app(
         if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
             raise RequestError("send {'instances': [{key: value, ...}, ...]} with at least one instance")
         loaded, current = holder.loaded, watcher.current
-        columns = {k: [i.get(k) for i in instances] for k in instances[0]}
+        columns: dict[str, Sequence[Any]] = {k: [i.get(k) for i in instances] for k in instances[0]}
         inputs: dict[str, list[float]] = {}
         for name in loaded.card["request_inputs"]:
             values = columns.get(name)

@@ -38,6 +38,9 @@ def test_the_set_up_commands_are_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(c for c in setup if "pytest" in c)
     assert test_command.split("&& ", 2)[2] in ci  # (the venv is made by .ci/run itself)
+    # and the lint, format and type checks the README names (in a sentence, wrapped) are CI's
+    lint = re.search(r"`(ruff check[^`]*)`", " ".join((ROOT / "README.md").read_text().split()))
+    assert lint is not None and lint.group(1) in ci
 
 
 def test_every_readme_block_runs_as_pasted(tmp_path, redis_url):

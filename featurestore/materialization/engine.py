@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import duckdb
 import pyarrow as pa
@@ -89,7 +89,8 @@ class LocalExecutor:
             end,
             m.config.future_tolerance,
         )
-        rows, files, fresh = computed.rows, [], computed.rows
+        rows, fresh = computed.rows, computed.rows
+        files: list[Any] = []
         if to_history and rows.num_rows:
             fresh = m.offline.new_rows(view.history_table, rows)
             files = m.offline.write_files(view.history_table, fresh) if fresh.num_rows else []
@@ -136,7 +137,7 @@ class Materializer:
         selected = [defs.view(v) for v in views] if views else list(defs.feature_views.values())
         end = end or datetime.now(UTC)
         report = MaterializationReport()
-        options = dict(start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
+        options: dict[str, Any] = dict(start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows)
         with progress_bar("rows", self.progress, percent=True) as bar:
             for i, view in enumerate(selected, 1):
                 began = time.perf_counter()

@@ -14,7 +14,7 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +30,8 @@ from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection, push_log_path
 
-TARGETS = ("online", "offline", "online_and_offline")
+PushTarget = Literal["online", "offline", "online_and_offline"]
+TARGETS: tuple[str, ...] = get_args(PushTarget)
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 
 
@@ -47,7 +48,7 @@ def push(
     buffer: PushBuffer,
     source_name: str,
     df: Any,
-    to: str = "online_and_offline",
+    to: PushTarget = "online_and_offline",
     idempotency_key: str | None = None,
     arrival: tuple[pa.Array, pa.Array] | None = None,
 ) -> int:

@@ -30,7 +30,7 @@ PARTITION_COLUMN = "event_date"
 
 
 class HistoryReads(Protocol):
-    """What retrieval and the catalogue read: a table's version, its rows in DuckDB, its files."""
+    """What a point-in-time join reads: a table's version and its rows in DuckDB."""
 
     def version(self, view: str) -> int | None:
         """Current table version, None when nothing was ever written."""
@@ -41,6 +41,10 @@ class HistoryReads(Protocol):
     ) -> int | None:
         """Expose the view's history (at ``version``) in ``con`` as ``name``; return the version read."""
         ...
+
+
+class HistoryFiles(HistoryReads, Protocol):
+    """What distributed joins and the catalogue also read: a table's files and log statistics."""
 
     def files(self, view: str, version: int | None = None) -> tuple[int | None, list[str]]:
         """(version, data file URIs) of the table at ``version`` (default latest), for scans elsewhere."""
@@ -103,7 +107,7 @@ class HistoryMaintenance(Protocol):
         ...
 
 
-class OfflineStore(HistoryReads, HistoryWriter, HistoryMaintenance, Protocol):
+class OfflineStore(HistoryFiles, HistoryWriter, HistoryMaintenance, Protocol):
     """A history store: every capability above (``offline/delta.py`` is the one in the box)."""
 
 

@@ -384,7 +384,7 @@ def _decode(streams: list) -> pa.Table:
     streams of one schema are joined into one (its schema message once, every stream's batch
     messages, one end) and read in one call."""
     tables: list[pa.Table] = []
-    schema_message, batches = b"", []
+    schema_message, batches = b"", list[bytes | memoryview]()
     joinable: dict[bytes, bool] = {}  # per schema message: no dictionaries (each stream would carry its own)
 
     def read_joined() -> None:

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 from deltalake import Schema as DeltaSchema
-from deltalake.transaction import AddAction, create_table_with_add_actions
+from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
@@ -150,7 +150,10 @@ class DeltaOfflineStore:
         if added:
             table.alter.add_columns(added)
         table.create_write_transaction(
-            actions, mode="append", schema=DeltaSchema.from_arrow(full), partition_by=[PARTITION]
+            list[AddAction | RemoveAction](actions),
+            mode="append",
+            schema=DeltaSchema.from_arrow(full),
+            partition_by=[PARTITION],
         )
         return self.version(view)
 
@@ -161,7 +164,7 @@ class DeltaOfflineStore:
         files = table.file_uris() if table is not None else []
         if version is not None:
             _require_files(view, version, files)
-        if not files:
+        if table is None or not files:
             con.register(name, schema.empty_table())
             return table.version() if table is not None else None
         columns = ", ".join(ident(c) for c in schema.names)
@@ -233,5 +236,7 @@ class DeltaOfflineStore:
 def _logged_rows(table: DeltaTable) -> tuple[int, int]:
     """(rows, files) of a table's current version, as its log records them."""
     actions = table.get_add_actions(flatten=True)
-    rows = actions.column("num_records").to_pylist() if "num_records" in actions.column_names else []
+    rows: list[int | None] = (
+        list(actions.column("num_records").to_pylist()) if "num_records" in actions.column_names else []
+    )
     return int(sum(r or 0 for r in rows)), len(rows)

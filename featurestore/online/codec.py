@@ -127,13 +127,19 @@ def _key_column(column: pa.ChunkedArray) -> pa.ChunkedArray | pa.Array:
     raise TypeError(f"no key encoding for {t}")
 
 
+def _dtype_name(dtype: DType | None, key: str) -> str:
+    if dtype is None:
+        raise TypeError(f"join key {key!r} has an Arrow type no key type matches")
+    return dtype.name
+
+
 def entity_keys(project: str, table: pa.Table, join_keys: Sequence[str]) -> pa.Array:
     """Vectorized ``entity_key`` for every row of ``table`` (its key columns typed as declared);
     a few rows go through ``entity_key`` itself (Arrow kernels cost ~30 µs each, however few rows)."""
     if table.num_rows < 8:
         from featurestore.types import from_arrow
 
-        types = {k: from_arrow(table.schema.field(k).type).name for k in join_keys}
+        types = {k: _dtype_name(from_arrow(table.schema.field(k).type), k) for k in join_keys}
         rows = zip(*(table[k].to_pylist() for k in join_keys))
         return pa.array([entity_key(project, dict(zip(join_keys, row)), types) for row in rows], pa.binary())
     parts: list[Any] = []

@@ -3,6 +3,7 @@ trying the cluster store on one machine (``python -m featurestore.online.local_c
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 import subprocess
@@ -54,7 +55,7 @@ def start_local_cluster(
         )
     try:
         for port in ports:
-            wait_until(lambda port=port: redis.Redis(host="127.0.0.1", port=port).ping())
+            wait_until(functools.partial(_ping, port))
         subprocess.run(
             [
                 str(cli),
@@ -100,14 +101,19 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def _ping(port: int) -> bool:
+    return bool(redis.Redis(host="127.0.0.1", port=port).ping())
+
+
 def wait_until(check: Callable[[], object], seconds: float = 30, errors: tuple[type[BaseException], ...] = ()) -> None:
     """Call ``check`` until it returns true (connection errors, and ``errors``, count as not yet)."""
+    caught: tuple[type[BaseException], ...] = (redis.RedisError, OSError, KeyError, *errors)
     deadline = time.time() + seconds
     while True:
         try:
             if check():
                 return
-        except (redis.RedisError, OSError, KeyError, *errors):
+        except caught:
             pass
         if time.time() > deadline:
             raise TimeoutError("the local Redis Cluster did not come up in time")

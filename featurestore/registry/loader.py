@@ -32,7 +32,7 @@ class LRUCache(OrderedDict):
         super().__init__()
         self.capacity = capacity
 
-    def get(self, key, default=None):  # type: ignore[override]
+    def get(self, key, default=None):
         try:
             value = self[key]
         except KeyError:

@@ -151,7 +151,8 @@ def shape_problems(obj: Any) -> list[str]:
     for cls, (kind, check) in _CHECKS.items():
         if isinstance(obj, cls):
             where = f"{kind} {_name_of(obj)} ({getattr(obj, 'location', '?')})"
-            if not isinstance(getattr(obj, "name", None), str) or not obj.name:
+            name = getattr(obj, "name", None)
+            if not isinstance(name, str) or not name:
                 return [f"{where}: name must be a non-empty string, got {_what(getattr(obj, 'name', None))}"]
             return check(obj, where)
     return []

@@ -51,7 +51,7 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
         types = {k: from_name(t) for k, t in spec["key_types"].items() if t}
         defs.entities[name] = Entity(name, list(spec["join_keys"]), types or None, spec.get("description", ""))
     for name, entry in objects.get("push_source", {}).items():
-        defs.push_sources[name] = _source(entry["spec"])  # type: ignore[assignment]
+        defs.push_sources[name] = _source(entry["spec"])
     for name, entry in objects.get("feature_view", {}).items():
         view = view_from_spec(entry["spec"], defs.entities, state.get("history_versions", {}).get(name, 1))
         defs.feature_views[name] = view
@@ -121,4 +121,4 @@ def _aggregation(spec: dict) -> Aggregation:
         spec["name"],
         spec["n"],
         tuple(spec["where"]) if spec["where"] else None,
-    )  # type: ignore[arg-type]
+    )

@@ -42,21 +42,21 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
         problems += _validate_on_demand(odfv, defs)
     for service in defs.feature_services.values():
         for item in service.features:
-            view = item.view if isinstance(item, FeatureViewProjection) else item
+            member: object = item.view if isinstance(item, FeatureViewProjection) else item
             where = f"feature service {service.name!r} ({service.location})"
-            if not isinstance(view, (FeatureView, OnDemandFeatureView)):
+            if not isinstance(member, (FeatureView, OnDemandFeatureView)):
                 problems.append(f"{where}: {item!r} is not a feature view; list views or view[[...]] projections")
                 continue
-            if (defs.feature_views.get(view.name) or defs.on_demand_feature_views.get(view.name)) is not view:
+            if (defs.feature_views.get(member.name) or defs.on_demand_feature_views.get(member.name)) is not member:
                 problems.append(
-                    f"{where}: feature view {view.name!r} is not defined in the repo's modules; add its module to featurestore.yaml"
+                    f"{where}: feature view {member.name!r} is not defined in the repo's modules; add its module to featurestore.yaml"
                 )
                 continue
             if isinstance(item, FeatureViewProjection):
                 for f in item.features:
-                    if f not in view.feature_names:
+                    if f not in member.feature_names:
                         problems.append(
-                            f"{where}: feature {f!r} is not in view {view.name!r}; its features are {view.feature_names}"
+                            f"{where}: feature {f!r} is not in view {member.name!r}; its features are {member.feature_names}"
                         )
     return problems
 

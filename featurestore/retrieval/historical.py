@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import duckdb
 import pyarrow as pa
@@ -30,7 +30,7 @@ from featurestore.aggregation import sql as aggregation_sql
 from featurestore.aggregation.exact_sum import sum_scale
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
-from featurestore.offline.base import OfflineStore
+from featurestore.offline.base import HistoryReads
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan, finish_columns
 from featurestore.retrieval.refs import ViewRequest, resolve
@@ -39,6 +39,9 @@ from featurestore.types import castable
 
 if TYPE_CHECKING:
     import pandas as pd
+
+# what a training row may know: facts that happened by t, or facts also recorded by t
+AsOf = Literal["event", "created"]
 
 ROW = "__fs_row"
 TS = "__fs_ts"
@@ -66,16 +69,16 @@ class RetrievalJob:
     def build(
         cls,
         defs: Definitions,
-        offline: OfflineStore,
+        offline: HistoryReads,
         entity_df: Any,
         features: Sequence[str] | None,
         feature_service: str | FeatureService | None,
         full_feature_names: bool,
-        as_of: Literal["event", "created"] = "event",
+        as_of: AsOf = "event",
         versions: dict[str, int | None] | None = None,
     ) -> RetrievalJob:
         """Prepare the join of ``defs``' views' histories in ``offline`` (at ``versions``, default latest)."""
-        if as_of not in ("event", "created"):
+        if as_of not in get_args(AsOf):
             raise RequestError(f"as_of must be 'event' or 'created', not {as_of!r}")
         on_demand = OnDemandPlan.build(defs, features, feature_service, full_feature_names)
         if on_demand is not None:  # join the stored features it needs, under full names
@@ -221,11 +224,11 @@ def entity_input(value: str | Path) -> pa.Table | Path:
         if reader is None:
             return path
         try:
-            return duckdb.sql(f"SELECT * FROM {reader}({quote(str(path))})").to_arrow_table()
+            return _query(f"SELECT * FROM {reader}({quote(str(path))})")
         except duckdb.Error as exc:
             raise RequestError(f"reading entity rows from {path} failed: {str(exc).splitlines()[0]}") from exc
     try:
-        return duckdb.sql(text).to_arrow_table()
+        return _query(text)
     except duckdb.Error as exc:
         raise RequestError(
             f"entity_df {text[:80]!r} is neither a .parquet/.csv/.json path nor a valid SQL SELECT: {str(exc).splitlines()[0]}"
@@ -311,7 +314,7 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
     ts_type = schema.field(ts).type
     if not (pa.types.is_timestamp(ts_type) or pa.types.is_date(ts_type)):
         raise RequestError(f"entity column {ts!r} is {ts_type}, not a timestamp; convert it (pd.to_datetime)")
-    nulls = con.execute(f"SELECT count(*) FROM __raw WHERE {ident(ts)} IS NULL").fetchone()[0]
+    (nulls,) = con.execute(f"SELECT count(*) FROM __raw WHERE {ident(ts)} IS NULL").fetchall()[0]
     if nulls:
         raise RequestError(f"{nulls} entity rows have a null {ts!r}; every row needs a time to join at")
     select = ", ".join(ident(c) for c in columns)
@@ -404,3 +407,11 @@ def _join_sql(
         f"WITH e AS (SELECT * FROM __entities), {', '.join(ctes)} "
         f"SELECT {entity_select}, {', '.join(sql for _, sql in sorted(outputs))} FROM e {' '.join(joins)} ORDER BY e.{ROW}"
     )
+
+
+def _query(sql: str) -> pa.Table:
+    """A statement's result (DuckDB's default connection), as Arrow."""
+    relation = duckdb.sql(sql)
+    if relation is None:
+        raise RequestError(f"{sql!r} returns no rows; pass a query that selects entity rows")
+    return relation.to_arrow_table()

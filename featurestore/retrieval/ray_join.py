@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import numpy as np
@@ -31,14 +31,14 @@ from featurestore.ray_cluster import connect, fit_to_task, hash_split, read_spli
 from featurestore.ray_cluster import partitions as partitions_of
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions
-from featurestore.retrieval.historical import BATCH_ROWS, RetrievalJob, entity_table, write_parquet
+from featurestore.retrieval.historical import BATCH_ROWS, AsOf, RetrievalJob, entity_table, write_parquet
 from featurestore.retrieval.on_demand import OnDemandPlan
 from featurestore.retrieval.refs import ViewRequest, resolve
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from featurestore.offline.base import HistoryReads
+    from featurestore.offline.base import HistoryFiles
 
 ROW = "__ray_row"  # the entity row's number: input order, restored at the end
 
@@ -55,12 +55,12 @@ class RayJoinJob:
     def build(
         cls,
         defs: Definitions,
-        offline: HistoryReads,
+        offline: HistoryFiles,
         entity_df: Any,
         features: Sequence[str] | None,
         feature_service: Any,
         full_feature_names: bool,
-        as_of: Literal["event", "created"] = "event",
+        as_of: AsOf = "event",
         versions: dict[str, int | None] | None = None,
         *,
         address: str | None = None,
@@ -207,9 +207,17 @@ class _InMemory:
         con.register(name, self.tables[view].select(schema.names))
         return version
 
+    def version(self, view: str) -> int | None:
+        return None  # rows in memory: the version the driver pinned is the one they came from
+
 
 def _join_partition(
-    state: dict[str, Any], refs: list[str], full_feature_names: bool, as_of: str, entities: pa.Table, *history: pa.Table
+    state: dict[str, Any],
+    refs: list[str],
+    full_feature_names: bool,
+    as_of: AsOf,
+    entities: pa.Table,
+    *history: pa.Table,
 ) -> pa.Table:
     defs = applied_definitions(state)
     (view,) = defs.feature_views.values()
@@ -219,9 +227,9 @@ def _join_partition(
         _InMemory({view.history_table: rows}),
         entities,
         refs,
-        None,  # type: ignore[arg-type]
+        None,
         full_feature_names,
         as_of,
-    )  # type: ignore[arg-type]
+    )
     fit_to_task(job.con)
     return job.to_arrow()

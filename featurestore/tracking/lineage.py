@@ -15,7 +15,7 @@ from featurestore.registry.store import RegistryStore
 from featurestore.retrieval.export import manifest_hash
 
 if TYPE_CHECKING:
-    from featurestore.offline.base import HistoryReads
+    from featurestore.offline.base import HistoryFiles
     from featurestore.training.model_registry import ModelRegistry
 
 
@@ -25,7 +25,7 @@ def model_lineage(
     version: int,
     runs_root: Path,
     registry: RegistryStore,
-    offline: HistoryReads,
+    offline: HistoryFiles,
 ) -> dict[str, Any]:
     card = models.card(name, version)
     stages = [stage for stage, v in models.aliases(name).items() if v == version]
@@ -100,7 +100,7 @@ def definitions_lineage(registry: RegistryStore, hashes: dict[str, str]) -> list
     ]
 
 
-def _tables(dataset: Path | None, offline: HistoryReads) -> list[dict[str, Any]]:
+def _tables(dataset: Path | None, offline: HistoryFiles) -> list[dict[str, Any]]:
     """Per view: the history table and Delta version the dataset read, beside the table's version now."""
     manifest = _manifest(dataset)
     if manifest is None:

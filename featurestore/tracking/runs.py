@@ -173,7 +173,8 @@ def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = No
     """One metric's curve downsampled to at most ``points`` (LTTB) with its raw length; from
     ``writer``, or the first writer that logged it (rank 0 in distributed runs). NaN steps are dropped."""
     run_dir = Path(run_dir)
-    for candidate in [writer] if writer else (writers(run_dir) or [None]):
+    candidates: list[str | None] = [writer] if writer else [*writers(run_dir)] or [None]
+    for candidate in candidates:
         records = _records(run_dir, metric, candidate, ["step", "value"])
         if records.num_rows:
             writer = candidate or "main"

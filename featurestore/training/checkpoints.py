@@ -16,7 +16,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -70,7 +70,7 @@ def save(
         : -(KEEP - 1) or None
     ]:
         shutil.rmtree(old, ignore_errors=True)
-    config = model.config  # type: ignore[attr-defined]  (fully_shard keeps the module's attributes)
+    config = cast(dict, model.config)  # fully_shard keeps the module's attributes
     tmp = Path(run_dir) / "checkpoint.pt.tmp"
     torch.save(
         {"model": full, "model_config": config, "preprocessor": pre.to_dict(), "epoch": epoch, "step": step}, tmp
@@ -87,7 +87,7 @@ def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> d
         return None
     name, epoch, step = latest.read_text().split()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     with _one_process_is_fine():
         dcp.load(state, checkpoint_id=str(latest.parent / name))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

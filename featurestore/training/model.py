@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -11,7 +13,7 @@ class TabularMLP(nn.Module):
         self,
         numeric_width: int,
         vocab_sizes: list[int],
-        hidden: list[int] = (64, 32),
+        hidden: Sequence[int] = (64, 32),
         embedding_dim: int = 8,
         outputs: int = 1,
     ):

@@ -33,12 +33,14 @@ from featurestore.training.metrics import rmse, roc_auc
 from featurestore.training.model import TabularMLP, score
 from featurestore.training.preprocessing import Preprocessor
 
+Task = Literal["classification", "regression"]
+
 
 @dataclass
 class TrainConfig:
     dataset: str
     label: str = "label"
-    task: Literal["classification", "regression"] = "classification"
+    task: Task = "classification"
     request_inputs: list[str] = field(default_factory=list)  # columns sent with each request (e.g. amount)
     entity_keys: list[str] = field(default_factory=list)  # keys learned as hashed embedding tables (e.g. card_id)
     entity_buckets: int = 65_536  # rows per entity-key table
@@ -207,7 +209,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
             bar.remove_task(in_epoch)
             distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
             full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
-            if layout.is_main:
+            if full is not None:  # the main rank's full model
                 metrics = evaluate(full, val_data, config.task)
                 run.log(step, **{f"val_{k}": v for k, v in metrics.items()})
                 bar.update(
@@ -242,19 +244,15 @@ def _idle_batch(pre: Preprocessor) -> Batch:
 
 def evaluate(model: TabularMLP, data: ExportedDataset, task: str) -> dict[str, float]:
     model.eval()
-    labels, scores = [], []
-    for x_num, x_cat, y in data:
-        s = score(model, x_num, x_cat, task)
-        labels.append(y.numpy())
-        scores.append(s.numpy())
-    if not labels:
+    batches = [(y.numpy(), score(model, x_num, x_cat, task).numpy()) for x_num, x_cat, y in data]
+    if not batches:
         return {}
-    y, s = np.concatenate(labels), np.concatenate(scores)
+    truth, predicted = np.concatenate([t for t, _ in batches]), np.concatenate([p for _, p in batches])
     if task == "classification":
         eps = 1e-7
-        loss = float(-np.mean(y * np.log(s + eps) + (1 - y) * np.log(1 - s + eps)))
-        return {"loss": loss, "auc": roc_auc(y, s)}
-    return {"loss": float(np.mean((y - s) ** 2)), "rmse": rmse(y, s)}
+        loss = float(-np.mean(truth * np.log(predicted + eps) + (1 - truth) * np.log(1 - predicted + eps)))
+        return {"loss": loss, "auc": roc_auc(truth, predicted)}
+    return {"loss": float(np.mean((truth - predicted) ** 2)), "rmse": rmse(truth, predicted)}
 
 
 def plot_losses(run_dir: Path) -> None:

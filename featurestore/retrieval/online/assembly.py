@@ -88,7 +88,9 @@ def _with_on_demand(query: OnlineQuery, base: OnlineResponse) -> OnlineResponse:
 def _window_columns(query: OnlineQuery, plan: _WindowPlan, slots: list[int], events: list, now_us: int):
     decode, evaluate = plan.decode, plan.evaluator.evaluate
     results: dict[int, tuple[list[Any], list[str], datetime | None]] = {}
-    row_values, row_statuses, row_times = [], [], []
+    row_values: list[Any] = []
+    row_statuses: list[Any] = []
+    row_times: list[datetime | None] = []
     low = now_us - plan.evaluator.longest_us
     for pos in slots:
         result = results.get(pos)
@@ -145,7 +147,9 @@ def _view_columns(query: OnlineQuery, plan: _ViewPlan, raw: list, now_us: int):
     width, decode, ttl_us, position = plan.width, plan.decode, plan.ttl_us, plan.position
     cutoff = now_us - ttl_us if ttl_us is not None else None
     blank, not_found, outside, present = plan.blank, plan.not_found, plan.outside, plan.present
-    row_values, row_statuses, row_times = [], [], []
+    row_values: list[Any] = []
+    row_statuses: list[Any] = []
+    row_times: list[datetime | None] = []
     for pos in query.slots[plan.group]:
         blob = raw[pos][position]
         if blob is None:

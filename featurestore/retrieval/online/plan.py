@@ -328,10 +328,8 @@ class OnlineQuery:
     def view_versions(self) -> list[dict[str, Any]]:
         """The feature views the query reads, each once, with the history version read (Feast's
         ``feature_view_metadata``; our versions count from 1, as ``plan`` names them)."""
-        views = {
-            plan.request.view.name: plan.request.view.history_version
-            for plan in [*self.template.views, *self.template.windows]
-        }
+        plans: list[_ViewPlan | _WindowPlan] = [*self.template.views, *self.template.windows]
+        views = {plan.request.view.name: plan.request.view.history_version for plan in plans}
         return [{"name": name, "version": version} for name, version in views.items()]
 
     def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
