@@ -139,7 +139,7 @@ def main() -> None:
     def fresh() -> None:
         client.flushdb()
         store.registry.drop_watermark("stats")
-        shutil.rmtree(store.config.offline_path, ignore_errors=True)
+        shutil.rmtree(store.config.offline.path, ignore_errors=True)
 
     print(f"{args.rows:,} source rows, {args.entities:,} entities, 10 features; Redis {store.online_store.url}\n")
     best: dict[str, float] = {}
@@ -231,8 +231,7 @@ def main() -> None:
         import ray
 
         ray.init(num_cpus=os.cpu_count(), log_to_driver=False, include_dashboard=False)
-        os.environ["FEATURESTORE_OFFLINE_ENGINE"] = "ray"
-        on_ray = FeatureStore(root)
+        on_ray = FeatureStore(root, store.config.with_engine("ray"))
         on_ray._online = store.online_store  # the same embedded Redis
         fresh()
         on_ray.materialize(datetime(2024, 3, 30, tzinfo=UTC), end)  # warm: workers started and importing

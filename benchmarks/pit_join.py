@@ -146,13 +146,13 @@ def run_ours(root: Path, shape: str, engine: str = "local") -> dict:
     import pyarrow.parquet as pq
 
     from featurestore import FeatureStore
+    from featurestore.config import RepoConfig
 
     if engine == "ray":  # a local Ray cluster on every core, started (untimed) before the join
         import ray
 
-        os.environ["FEATURESTORE_OFFLINE_ENGINE"] = "ray"
         ray.init(num_cpus=os.cpu_count(), log_to_driver=False, include_dashboard=False)
-    store = FeatureStore(root)
+    store = FeatureStore(root, RepoConfig.load(root).with_engine(engine))
     store.definitions
     entity = pq.read_table(root / "entities.parquet")
     refs = [f"stats:{n}" for n, _ in SHAPES[shape][0]]

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from featurestore.definitions import StreamSource, window_label
 from featurestore.errors import FeatureStoreError
+from featurestore.launch import ServerLaunch
 
 app = typer.Typer(
     help="featurestore: one Python definition per feature, point-in-time-correct training data, Redis serving.",
@@ -62,10 +63,14 @@ def _one_of(value: str, choices: Any, flag: str) -> Any:
     return value
 
 
-def _store(repo: Path):
+def _store(repo: Path, engine: str | None = None, ray_address: str | None = None):
+    """The repo's store; ``--engine`` / ``--ray-address``, when given, win over featurestore.yaml."""
+    from featurestore.config import RepoConfig
     from featurestore.feature_store import FeatureStore
 
-    return FeatureStore(repo)
+    if engine is None and ray_address is None:
+        return FeatureStore(repo)
+    return FeatureStore(repo, RepoConfig.load(repo).with_engine(engine, ray_address))
 
 
 def _parse_time(value: str | None) -> datetime | None:
@@ -172,8 +177,7 @@ def materialize(
     repo: Path = RepoOption,
 ) -> None:
     """Compute views over [START, END) and write the history store and Redis."""
-    _engine_from_flags(engine, ray_address)
-    with _store(repo) as store:
+    with _store(repo, engine, ray_address) as store:
         report = store.materialize(
             _parse_time(start),
             _parse_time(end),
@@ -196,8 +200,7 @@ def materialize_incremental(
     repo: Path = RepoOption,
 ) -> None:
     """Write every row not yet materialized, late arrivals included."""
-    _engine_from_flags(engine, ray_address)
-    with _store(repo) as store:
+    with _store(repo, engine, ray_address) as store:
         report = store.materialize_incremental(
             _parse_time(end), views or None, progress=True, rebuild_online=rebuild_online
         )
@@ -214,8 +217,7 @@ def backfill(
     repo: Path = RepoOption,
 ) -> None:
     """Recompute views' whole history from their sources into their current version, and refill Redis."""
-    _engine_from_flags(engine, ray_address)
-    with _store(repo) as store:
+    with _store(repo, engine, ray_address) as store:
         report = store.backfill(views, progress=True)
         console.print(report.describe(), markup=False, soft_wrap=True)
         for name in views:
@@ -315,8 +317,7 @@ def export(
     repo: Path = RepoOption,
 ) -> None:
     """Export a point-in-time-correct training dataset, or reproduce one from its manifest."""
-    _engine_from_flags(engine, ray_address)
-    store = _store(repo)
+    store = _store(repo, engine, ray_address)
     if from_manifest is not None:
         manifest = store.reproduce_training_dataset(from_manifest, out, progress=True)
         console.print(f"Reproduced {manifest['row_count']} rows into {out}; data files match the manifest's SHA-256.")
@@ -325,16 +326,6 @@ def export(
         raise FeatureStoreError("pass --service and --entities (or --from-manifest)")
     manifest = store.export_training_dataset(str(entities), service, out, progress=True)
     console.print(f"Exported {manifest['row_count']} rows to {out} (manifest {manifest['manifest_hash'][:12]}).")
-
-
-def _engine_from_flags(engine: str | None, ray_address: str | None) -> None:
-    """Flags win over featurestore.yaml (through the environment the config reads)."""
-    import os
-
-    if engine is not None:
-        os.environ["FEATURESTORE_OFFLINE_ENGINE"] = engine
-    if ray_address is not None:
-        os.environ["FEATURESTORE_RAY_ADDRESS"] = ray_address
 
 
 @app.command(rich_help_panel="Serving")
@@ -357,13 +348,9 @@ def serve(
     log_format: str = LogFormatOption,
 ) -> None:
     """Run the feature server (OpenAPI docs at /docs)."""
-    import os
-
-    os.environ["FEATURESTORE_LOG_FEATURES"] = "1" if log_features else "0"
-    os.environ["FEATURESTORE_UI"] = "1" if ui else "0"
     _run_server(
         "serving.feature_server:app_factory",
-        repo,
+        ServerLaunch(str(repo.resolve()), log_features=log_features, ui=ui),
         host,
         port,
         workers,
@@ -384,7 +371,7 @@ def ui(
     """Run the web UI: catalogue, view freshness, runs and curves, models and lineage (at /ui/)."""
     _run_server(
         "serving.ui:app_factory",
-        repo,
+        ServerLaunch(str(repo.resolve())),
         host,
         port,
         1,
@@ -398,7 +385,7 @@ def ui(
 
 def _require_auth_off_loopback(host: str, config: Any) -> None:
     """Binding beyond loopback needs API keys, or an explicit ``server: {auth: off}``."""
-    if host not in ("127.0.0.1", "localhost", "::1") and config.api_keys is None and not config.auth_off:
+    if host not in ("127.0.0.1", "localhost", "::1") and config.server.api_keys is None and not config.server.auth_off:
         raise FeatureStoreError(
             f"serving on {host} exposes every route without authentication; configure `server.auth.keys` "
             "(`featurestore api-key` prints an entry) or set `server: {auth: off}` to accept that"
@@ -407,7 +394,7 @@ def _require_auth_off_loopback(host: str, config: Any) -> None:
 
 def _run_server(
     factory: str,
-    repo: Path,
+    launch: ServerLaunch,
     host: str,
     port: int,
     workers: int,
@@ -422,13 +409,12 @@ def _run_server(
 
     import uvicorn
 
-    from featurestore.config import REPO_ENV
-
+    repo = launch.repo_path
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
     store.require_applied()  # fail here, readably, rather than in every worker
     _ = store.online_store  # start the embedded Redis once, before the workers attach to it
-    os.environ[REPO_ENV] = str(repo.resolve())
+    launch.export()
     if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:  # /metrics sums every worker's samples
         import atexit
         import shutil
@@ -437,7 +423,11 @@ def _run_server(
         metrics_dir = tempfile.mkdtemp(prefix="featurestore-metrics-")
         atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
+    auth = (
+        f"{len(store.config.server.api_keys)} API key(s)"
+        if store.config.server.api_keys is not None
+        else "no authentication"
+    )
     started = (
         f"featurestore: {what} {repo.resolve()} (registry v{store.registry.current()['version']}) on "
         f"http://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs"
@@ -508,17 +498,11 @@ def serve_model(
     log_format: str = LogFormatOption,
 ) -> None:
     """Run the inference server: POST /predict scores from online features."""
-    import os
-
     from featurestore.training.distributed import pick_device
 
     pick_device(device)  # a clear error now rather than in every worker
-    os.environ["FEATURESTORE_MODEL"], os.environ["FEATURESTORE_STAGE"], os.environ["FEATURESTORE_DEVICE"] = (
-        model,
-        stage,
-        device,
-    )
-    _run_server("serving.inference_server:app_factory", repo, host, port, workers, log_level, access_log, log_format)
+    launch = ServerLaunch(str(repo.resolve()), model=model, stage=stage, device=device)
+    _run_server("serving.inference_server:app_factory", launch, host, port, workers, log_level, access_log, log_format)
 
 
 @app.command("train", rich_help_panel="Training and models")
@@ -642,25 +626,19 @@ def checkpoint_engine(
 
     With API keys configured every route needs the `read` scope; a replica presents the key in
     FEATURESTORE_API_KEY to its source and upstream."""
-    import os
 
     import uvicorn
-
-    from featurestore.config import REPO_ENV
 
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
-    auth = f"{len(store.config.api_keys)} API key(s)" if store.config.api_keys is not None else "no authentication"
-    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
-    os.environ.update(
-        {
-            REPO_ENV: str(repo.resolve()),
-            "FEATURESTORE_MODEL": model,
-            "FEATURESTORE_SOURCE": source or "",
-            "FEATURESTORE_UPSTREAM": upstream or "",
-        }
+    auth = (
+        f"{len(store.config.server.api_keys)} API key(s)"
+        if store.config.server.api_keys is not None
+        else "no authentication"
     )
+    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
+    ServerLaunch(str(repo.resolve()), model=model, source=source, upstream=upstream).export()
     uvicorn.run(
         "serving.checkpoint_engine:app_factory",
         factory=True,
@@ -846,7 +824,7 @@ def demo(
         console.print(f"web UI: {url} (features, freshness, runs, models, lineage; Ctrl-C stops it)", markup=False)
         _run_server(
             "serving.ui:app_factory",
-            repo,
+            ServerLaunch(str(Path(repo).resolve())),
             "127.0.0.1",
             ui_port,
             1,

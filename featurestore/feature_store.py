@@ -37,7 +37,7 @@ class FeatureStore:
 
     def __init__(self, repo_path: str | Path = ".", config: RepoConfig | None = None):
         self.config = config or RepoConfig.load(repo_path)
-        for folder in {self.config.data_dir, self.config.offline_path, self.config.registry_path}:
+        for folder in {self.config.data_dir, self.config.offline.path, self.config.registry_path}:
             private_dir(folder)  # history, registry, buffers, models, runs: this user's alone
         self.registry = RegistryStore(self.config.registry_path)
         self._definitions: Definitions | None = None
@@ -188,7 +188,7 @@ class FeatureStore:
         if self._offline is None:
             from featurestore.offline.delta import DeltaOfflineStore
 
-            self._offline = DeltaOfflineStore(self.config.offline_path)
+            self._offline = DeltaOfflineStore(self.config.offline.path)
         return self._offline
 
     @property
@@ -215,7 +215,9 @@ class FeatureStore:
             from featurestore.offline.buffer import PushBuffer
 
             self._buffer = PushBuffer(
-                self.config.data_dir / "buffer", self.config.buffer_max_rows, self.config.buffer_max_seconds
+                self.config.data_dir / "buffer",
+                self.config.offline.buffer_max_rows,
+                self.config.offline.buffer_max_seconds,
             )
         return self._buffer
 
@@ -224,23 +226,23 @@ class FeatureStore:
         from featurestore.materialization.engine import Materializer
 
         distributed = None
-        if self.config.offline_engine == "ray":  # materialize and backfill fan out to the cluster; pushes stay local
+        if self.config.offline.engine == "ray":  # materialize and backfill fan out to the cluster; pushes stay local
             from featurestore.materialization.ray_engine import RayEngine
 
             config = self.config
             distributed = RayEngine(
                 self.definitions,
                 self.registry,
-                config.offline_path,
+                config.offline.path,
                 # the running server's address (an embedded one too: tasks connect to it)
                 dataclasses.replace(config.online_store_settings, url=self.online_store.url),
                 config.repo_path,
                 config.data_dir,
                 config.future_tolerance,
-                config.event_retention,
-                config.expire_after_ttl,
-                address=config.ray_address,
-                partitions=config.ray_partitions,
+                config.online.event_retention,
+                config.online.expire_after_ttl,
+                address=config.ray.address,
+                partitions=config.ray.partitions,
                 progress=progress,
             )
         return Materializer(
@@ -414,13 +416,13 @@ class FeatureStore:
 
     def join_engine(self) -> JoinBuilder:
         """What builds point-in-time joins: the local DuckDB engine, or the Ray one (``offline_store.engine``)."""
-        if self.config.offline_engine == "ray":
+        if self.config.offline.engine == "ray":
             import functools
 
             from featurestore.retrieval.ray_join import RayJoinJob
 
             return functools.partial(
-                RayJoinJob.build, address=self.config.ray_address, partitions=self.config.ray_partitions
+                RayJoinJob.build, address=self.config.ray.address, partitions=self.config.ray.partitions
             )
         from featurestore.retrieval.historical import RetrievalJob
 
@@ -454,7 +456,7 @@ class FeatureStore:
             features,
             feature_service,
             full_feature_names,
-            self.config.max_request_entities,
+            self.config.online.max_request_entities,
             now=at,
         )
         response = self.online_reader.read(query)

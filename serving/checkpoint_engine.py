@@ -75,24 +75,18 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
     async def stats() -> dict[str, int]:
         return {"files_served": served["files"]}
 
-    keys = config.api_keys if config is not None else None
-    bound = config.max_request_bytes if config is not None else 16 * 1024 * 1024
+    keys = config.server.api_keys if config is not None else None
+    bound = config.server.max_request_bytes if config is not None else 16 * 1024 * 1024
     return FastLane(app, {}, bound, Authenticator(keys), metrics)  # type: ignore[return-value]
 
 
 def app_factory() -> FastAPI:
-    """Entry for ``featurestore checkpoint-engine`` (repo, model, source and upstream from its environment)."""
-    import os
-
-    from featurestore.config import REPO_ENV
+    """Entry for ``featurestore checkpoint-engine``: repo, model, source and upstream as it handed them over."""
     from featurestore.feature_store import FeatureStore
+    from featurestore.launch import ServerLaunch
 
-    store = FeatureStore(os.environ.get(REPO_ENV, "."))
+    launch = ServerLaunch.received()
+    store = FeatureStore(launch.repo_path)
     registry = store.model_registry()
-    source = os.environ.get("FEATURESTORE_SOURCE") or None
-    replica = (
-        Replica(registry, os.environ["FEATURESTORE_MODEL"], source, os.environ.get("FEATURESTORE_UPSTREAM") or None)
-        if source
-        else None
-    )
+    replica = Replica(registry, launch.model, launch.source, launch.upstream) if launch.source else None
     return create_app(registry, replica, store.config)

@@ -23,7 +23,6 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from featurestore import FeatureStore
 from featurestore.auth import ApiKey, Authenticator
-from featurestore.config import REPO_ENV
 from featurestore.errors import (
     ConflictError,
     FeatureStoreError,
@@ -293,10 +292,6 @@ class RegistryWatcher:
                     continue
                 fresh._online = self.current._online  # keep the warm connection pool
                 self.current = fresh
-
-
-def repo_from_env() -> Path:
-    return Path(os.environ.get(REPO_ENV, ".")).resolve()
 
 
 ROUTE_SCOPES = {

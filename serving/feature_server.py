@@ -27,6 +27,7 @@ from featurestore.auth import Authenticator
 from featurestore.definitions import PushSource
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
+from featurestore.launch import ServerLaunch
 from featurestore.materialization.engine import MaterializationReport
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.timestamps import parse_timestamp
@@ -40,7 +41,6 @@ from serving.common import (
     install_error_handlers,
     json_handler,
     json_response,
-    repo_from_env,
     request_time,
     respond,
 )
@@ -185,7 +185,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(repo: str | Path | None = None, log_features: bool = False, ui: bool = False) -> FastAPI:
     """The feature server; with ``log_features``, lookups by feature service are logged (Delta, off the
     request path); with ``ui``, the web UI is served under ``/ui``."""
-    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     metrics = Metrics("featurestore_feature_server")
     jobs = JobRunner(watcher.current.config.data_dir / "jobs")
     loggers: dict[str, FeatureLogger] = {}
@@ -218,7 +218,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         version="0.1.0",
         lifespan=lifespan,
     )
-    feast_errors = watcher.current.config.error_format == "feast"
+    feast_errors = watcher.current.config.server.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
 
     async def lookup_body(raw_body: bytes, scope: dict) -> bytes:
@@ -231,7 +231,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             body.get("features"),
             body.get("feature_service"),
             bool(body.get("full_feature_names", False)),
-            store.config.max_request_entities,
+            store.config.online.max_request_entities,
             now=request_time(body),
         )
         response = await store.online_reader.read_async(query)
@@ -399,8 +399,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     return FastLane(
         app,
         {"/get-online-features": lookup, "/push": push},
-        config.max_request_bytes,
-        Authenticator(config.api_keys),
+        config.server.max_request_bytes,
+        Authenticator(config.server.api_keys),
         metrics,
     )  # type: ignore[return-value]
 
@@ -475,9 +475,6 @@ def _parse_lookup(raw: bytes) -> dict[str, Any]:
 
 
 def app_factory() -> FastAPI:
-    """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
-    import os
-
-    return create_app(
-        log_features=os.environ.get("FEATURESTORE_LOG_FEATURES") == "1", ui=os.environ.get("FEATURESTORE_UI") == "1"
-    )
+    """Entry for ``uvicorn --factory``: what ``featurestore serve`` handed over (``ServerLaunch``)."""
+    launch = ServerLaunch.received()
+    return create_app(launch.repo_path, log_features=launch.log_features, ui=launch.ui)

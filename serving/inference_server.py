@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -27,6 +26,7 @@ from featurestore import FeatureStore
 from featurestore.auth import Authenticator
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
+from featurestore.launch import ServerLaunch
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from serving.common import (
@@ -36,7 +36,6 @@ from serving.common import (
     install_error_handlers,
     json_handler,
     json_response,
-    repo_from_env,
     request_time,
     respond,
 )
@@ -125,9 +124,9 @@ def model_registry(store: FeatureStore) -> ModelRegistry:
     return store.model_registry()
 
 
-def load_checked(store: FeatureStore, name: str, ref: str | int) -> LoadedModel:
-    """Load a model version; refuse it if its feature definitions changed since training."""
-    loaded = model_registry(store).load(name, ref, device=os.environ.get("FEATURESTORE_DEVICE", "cpu"))
+def load_checked(store: FeatureStore, name: str, ref: str | int, device: str = "cpu") -> LoadedModel:
+    """Load a model version (onto ``device``); refuse it if its feature definitions changed since training."""
+    loaded = model_registry(store).load(name, ref, device=device)
     service = store.get_feature_service(loaded.card["feature_service"])
     views = list(dict.fromkeys(r.split(":")[0] for r in service.feature_refs()))
     stale = stale_views(loaded.card, store.definition_hashes(views))
@@ -147,13 +146,17 @@ class ModelHolder:
 
 
 def create_app(
-    repo: str | Path | None = None, model_name: str = "fraud", stage: str = "production", log_features: bool = True
+    repo: str | Path | None = None,
+    model_name: str = "fraud",
+    stage: str = "production",
+    log_features: bool = True,
+    device: str = "cpu",
 ) -> FastAPI:
     # one request scores a handful of rows: intra-op threads only add hand-offs (and spin on shared cores)
     torch.set_num_threads(1)
-    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     store = watcher.current
-    holder = ModelHolder(load_checked(store, model_name, stage))
+    holder = ModelHolder(load_checked(store, model_name, stage, device))
     metrics = Metrics("featurestore_inference_server")
     logger = None
     if log_features:
@@ -173,7 +176,7 @@ def create_app(
                     if name == model_name and promoted_stage == stage and int(version) != holder.loaded.version:
                         try:
                             holder.loaded = await asyncio.to_thread(
-                                load_checked, watcher.current, model_name, int(version)
+                                load_checked, watcher.current, model_name, int(version), device
                             )
                         except FeatureStoreError as exc:
                             print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
@@ -190,7 +193,7 @@ def create_app(
             try:
                 wanted = model_registry(watcher.current).resolve(model_name, stage)
                 if wanted != holder.loaded.version:
-                    holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, wanted)
+                    holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, wanted, device)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep serving the current version, try again next tick
@@ -206,7 +209,7 @@ def create_app(
         # promotions made while we were starting are picked up here
         latest = model_registry(store).resolve(model_name, stage)
         if latest != holder.loaded.version:
-            holder.loaded = load_checked(store, model_name, latest)
+            holder.loaded = load_checked(store, model_name, latest, device)
         gc.freeze()  # startup objects live forever: keep them out of GC scans (fewer latency spikes)
         yield
         for task in tasks:
@@ -221,7 +224,7 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    feast_errors = watcher.current.config.error_format == "feast"
+    feast_errors = watcher.current.config.server.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
 
     @app.post(
@@ -267,7 +270,7 @@ def create_app(
             None,
             loaded.card["feature_service"],
             False,
-            current.config.max_request_entities,
+            current.config.online.max_request_entities,
             now=request_time(body),
         )
         response = await current.online_reader.read_async(query)
@@ -331,12 +334,12 @@ def create_app(
         return metrics.response()
 
     config = watcher.current.config
-    return FastLane(app, {"/predict": predict_body}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
+    return FastLane(
+        app, {"/predict": predict_body}, config.server.max_request_bytes, Authenticator(config.server.api_keys), metrics
+    )  # type: ignore[return-value]
 
 
 def app_factory() -> FastAPI:
-    import os
-
-    return create_app(
-        None, os.environ.get("FEATURESTORE_MODEL", "fraud"), os.environ.get("FEATURESTORE_STAGE", "production")
-    )
+    """Entry for ``uvicorn --factory``: what ``featurestore serve-model`` handed over (``ServerLaunch``)."""
+    launch = ServerLaunch.received()
+    return create_app(launch.repo_path, launch.model, launch.stage, device=launch.device)

@@ -24,9 +24,10 @@ from featurestore.auth import Authenticator
 from featurestore.catalog import catalogue, view_status
 from featurestore.consistency import read_checks
 from featurestore.errors import NotFoundError, RequestError
+from featurestore.launch import ServerLaunch
 from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
-from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_response, repo_from_env
+from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_response
 
 STATIC = Path(__file__).parent / "ui_static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
@@ -198,7 +199,7 @@ def _searchable(obj: dict[str, Any]) -> str:
 
 def create_app(repo: str | Path | None = None) -> FastAPI:
     """The UI on its own (``featurestore ui``): ``/ui/``, its API under ``/ui/api``, docs at ``/docs``."""
-    watcher = RegistryWatcher(Path(repo) if repo else repo_from_env())
+    watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     metrics = Metrics("featurestore_ui")
 
     @contextlib.asynccontextmanager
@@ -217,7 +218,7 @@ def create_app(repo: str | Path | None = None) -> FastAPI:
         return RedirectResponse("/ui/")
 
     config = watcher.current.config
-    return FastLane(app, {}, config.max_request_bytes, Authenticator(config.api_keys), metrics)  # type: ignore[return-value]
+    return FastLane(app, {}, config.server.max_request_bytes, Authenticator(config.server.api_keys), metrics)  # type: ignore[return-value]
 
 
 def mount(app: FastAPI, store: Callable[[], FeatureStore], metrics: Metrics) -> None:
@@ -228,5 +229,5 @@ def mount(app: FastAPI, store: Callable[[], FeatureStore], metrics: Metrics) -> 
 
 
 def app_factory() -> FastAPI:
-    """Entry for ``uvicorn --factory`` (the repo comes from FEATURESTORE_REPO)."""
+    """Entry for ``uvicorn --factory``: what ``featurestore ui`` handed over (``ServerLaunch``)."""
     return create_app()

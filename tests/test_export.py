@@ -71,7 +71,7 @@ def test_export_manifest_and_byte_identical_reproduction(make_store, tmp_path):
         [*cli, "--from-manifest", str(tmp_path / "v1" / "manifest.json"), "--out", str(tmp_path / "v2")],
         capture_output=True,
         text=True,
-        env={**__import__("os").environ, "REDIS_URL": store.config.online_url},
+        env={**__import__("os").environ, "REDIS_URL": store.config.online.url},
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "v2" / "data-00000.parquet").read_bytes() == (

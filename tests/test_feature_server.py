@@ -310,7 +310,7 @@ def test_batched_lookups_time_out_on_a_hung_redis_and_a_callers_cancel_stays_a_c
             query = OnlineQuery.prepare(
                 store.definitions, store.config.project, {"card_id": [1]}, ["spend:amount"], None, False
             )
-            online, timeout = store.online_store, store.config.read_timeout_ms / 1000
+            online, timeout = store.online_store, store.config.online.read_timeout_ms / 1000
 
             async def connect() -> None:
                 assert (await online.read_async(query.lookups, query.ranges))[0] is not None

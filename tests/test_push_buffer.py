@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -141,7 +142,9 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
         FEATURES
         + 'from featurestore import FeatureService\nsvc = FeatureService(name="svc", features=[activity[["count_1h"]]])\n'
     )
-    store.config.compact_after_files, store.config.vacuum_after_hours = 3, 0
+    store.config = dataclasses.replace(
+        store.config, offline=dataclasses.replace(store.config.offline, compact_after_files=3, vacuum_after_hours=0)
+    )
     store.push_buffer.max_rows = 1  # every push commits a file
     for i in range(20, 24):
         store.push("payments", _frame([_payment(i)]), to="offline")
@@ -170,7 +173,7 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "REDIS_URL": store.config.online_url},
+        env={**os.environ, "REDIS_URL": store.config.online.url},
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert (

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from featurestore import FeatureStore
+from featurestore.config import RepoConfig
 from featurestore.demo.generate import generate, label_rows
 
 from .conftest import DEFINITIONS, demo_repo, free_port
@@ -86,14 +87,9 @@ def stores(tmp_path_factory, cluster):
         local.push("card_profiles", data.profiles, to="online_and_offline")
         local.push("transactions", data.transactions.drop_columns(["label"]), to="online_and_offline")
         local.flush()
-        os.environ.update({"FEATURESTORE_OFFLINE_ENGINE": "ray", "FEATURESTORE_RAY_ADDRESS": cluster})
-        try:
-            with FeatureStore(repo) as distributed:
-                assert distributed.config.offline_engine == "ray"
-                yield {"local": local, "ray": distributed, "data": data, "root": root, "address": cluster, "repo": repo}
-        finally:
-            for k in ("FEATURESTORE_OFFLINE_ENGINE", "FEATURESTORE_RAY_ADDRESS"):
-                os.environ.pop(k, None)
+        with FeatureStore(repo, RepoConfig.load(repo).with_engine("ray", cluster)) as distributed:
+            assert distributed.config.offline.engine == "ray"
+            yield {"local": local, "ray": distributed, "data": data, "root": root, "address": cluster, "repo": repo}
 
 
 def _entity_rows(data, n: int, seed: int) -> pa.Table:
@@ -174,7 +170,6 @@ def test_export_on_ray_is_byte_identical_and_reproduces(stores):
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "FEATURESTORE_OFFLINE_ENGINE": "local"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((root / "export-cli" / "manifest.json").read_text())["files"] == local["files"]
@@ -213,7 +208,6 @@ def same_push_log(tmp_path, stores, monkeypatch):
         )
         repos[name] = repo
     monkeypatch.setenv("FEATURESTORE_DATA_DIR", str(tmp_path / "data-local"))
-    monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", "local")
     with FeatureStore(repos["local"]) as store:
         store.apply()
         store.push("card_profiles", data.profiles, to="offline")
@@ -223,8 +217,7 @@ def same_push_log(tmp_path, stores, monkeypatch):
 
     def use(name: str, engine: str) -> FeatureStore:
         monkeypatch.setenv("FEATURESTORE_DATA_DIR", str(tmp_path / f"data-{name}"))
-        monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", engine)
-        return FeatureStore(repos[name])
+        return FeatureStore(repos[name], RepoConfig.load(repos[name]).with_engine(engine))
 
     def state(store: FeatureStore) -> tuple[dict, dict]:
         cards = sorted(set(data.transactions["card_id"].to_pylist()))[:100] + [10**9]
@@ -333,10 +326,8 @@ def test_a_column_added_later_joins_as_on_the_local_engine(make_store, cluster, 
         }
     )
     local = changed.get_historical_features(rows, features=["stats:rating", "stats:trips"]).to_arrow()
-    monkeypatch.setenv("FEATURESTORE_OFFLINE_ENGINE", "ray")
-    monkeypatch.setenv("FEATURESTORE_RAY_ADDRESS", cluster)
     distributed = (
-        FeatureStore(changed.config.repo_path)
+        FeatureStore(changed.config.repo_path, changed.config.with_engine("ray", cluster))
         .get_historical_features(rows, features=["stats:rating", "stats:trips"])
         .to_arrow()
     )

@@ -99,7 +99,7 @@ def test_config_mistakes_name_the_key(tmp_path, yaml, message):
 
 def test_modules_as_a_string_is_one_module(tmp_path):
     (tmp_path / "featurestore.yaml").write_text("project: p\nmodules: features.py\n")
-    assert FeatureStore(tmp_path).config.modules == ["features.py"]
+    assert FeatureStore(tmp_path).config.modules == ("features.py",)
 
 
 def test_fractional_ttl_keeps_a_row_exactly_ttl_old(make_store):

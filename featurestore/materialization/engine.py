@@ -227,10 +227,10 @@ class Materializer:
             view,
             rows,
             now,
-            event_retention=self.config.event_retention,
+            event_retention=self.config.online.event_retention,
             expire_after=self._expiry(view),
             whole_history=whole_history,
         )
 
     def _expiry(self, view: FeatureView) -> timedelta | None:
-        return key_expiry(self.defs, view) if self.config.expire_after_ttl else None
+        return key_expiry(self.defs, view) if self.config.online.expire_after_ttl else None

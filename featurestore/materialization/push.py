@@ -210,10 +210,10 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
             _append_log(config.data_dir, name, rows, newest_seq, retried)
             return
         offline.append(name, rows)
-        if offline.file_count(name) > config.compact_after_files:  # many small pushes: merge
+        if offline.file_count(name) > config.offline.compact_after_files:  # many small pushes: merge
             offline.compact(name)
-            if config.vacuum_after_hours is not None:  # and delete what compactions replaced long enough ago
-                offline.vacuum(name, config.vacuum_after_hours)
+            if config.offline.vacuum_after_hours is not None:  # and delete what compactions replaced long enough ago
+                offline.vacuum(name, config.offline.vacuum_after_hours)
 
     def logged(target: str) -> int:
         """The newest buffer record a push log holds (its Delta app transaction); -1 for history
