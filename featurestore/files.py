@@ -1,12 +1,28 @@
-"""Folders the stores keep their data in: private to the user running them (0700), as the
-embedded Redis's are. Other local users then read nothing, whatever the umask gave the files
-inside (Delta and DuckDB write theirs 0644); clients reach the data through the servers."""
+"""Local files the stores keep: folders private to the user running them (0700), as the
+embedded Redis's are (other local users then read nothing, whatever the umask gave the files
+inside: Delta and DuckDB write theirs 0644; clients reach the data through the servers), and
+the one advisory lock helper every local writer uses."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, shared: bool = False) -> Iterator[None]:
+    """Hold ``flock`` on ``path`` (created if missing), exclusive or shared, across processes of
+    this machine. Local disk only: another host sees nothing of it."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def private_dir(path: Path) -> Path:

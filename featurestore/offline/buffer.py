@@ -42,7 +42,6 @@ journal; a replaced journal's descriptor closes with its last in-flight push.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import struct
@@ -57,6 +56,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from featurestore.files import file_lock
 
 APP_ID = "featurestore-buffer"
 log = logging.getLogger(__name__)
@@ -157,12 +158,8 @@ class PushBuffer:
         it takes the journals, and ``.drain-lock`` (drains only) for the whole drain."""
         folder = self._dir(target)
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / name, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with file_lock(folder / name, shared=not exclusive):
+            yield
 
     def append(
         self, target: str, rows: pa.Table, retry: bool = False, meanwhile: Callable[[], object] | None = None

@@ -8,7 +8,6 @@ completes the job. DuckDB reads the tables' Parquet files directly.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from deltalake import Schema as DeltaSchema
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
+from featurestore.files import file_lock
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.sources import connection, ident, quote
 
@@ -62,12 +62,8 @@ class DeltaOfflineStore:
         two concurrent runs would otherwise both see the old version and append the same rows."""
         locks = self.path / "_locks"
         locks.mkdir(parents=True, exist_ok=True)
-        with open(locks / f"{view}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with file_lock(locks / f"{view}.lock"):
+            yield
 
     def append(self, view: str, rows: pa.Table) -> pa.Table:
         """Append rows not already stored; return those (without the partition column)."""

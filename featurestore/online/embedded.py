@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -38,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.files import file_lock
 
 IDLE_CHECK_SECONDS = 0.25  # how often the supervisor looks for users
 
@@ -65,16 +65,6 @@ def private_dir(path: Path) -> Path:
     if info.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
-
-
-@contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[IO]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, mode)
-        try:
-            yield handle
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _alive(pid: int | None, socket: Path) -> bool:
@@ -138,7 +128,7 @@ class EmbeddedRedis:
         if self.is_running():
             return self.url
         # processes starting together (server workers) must not start two servers on one socket
-        with _flock(self.data_dir / "start.lock", fcntl.LOCK_EX):
+        with file_lock(self.data_dir / "start.lock"):
             if self.is_running():
                 return self.url
             alive = self.redis_pid()
@@ -182,7 +172,7 @@ class EmbeddedRedis:
         if user is None:
             return
         user.close()  # drops this process's shared lock
-        with _flock(self.data_dir / "start.lock", fcntl.LOCK_EX):
+        with file_lock(self.data_dir / "start.lock"):
             if not _no_users(self.data_dir):
                 return
             pid = self.redis_pid()

@@ -12,7 +12,6 @@ Layout under the registry directory::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from featurestore.errors import FeatureStoreError
+from featurestore.files import file_lock
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -127,9 +127,5 @@ class RegistryStore:
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
         self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with file_lock(self.path / ".lock"):
+            yield

@@ -17,7 +17,6 @@ weights with ``weights_only=True``). ``promote`` loads the version before it mov
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import re
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore.errors import FeatureStoreError, NotFoundError
+from featurestore.files import file_lock
 from featurestore.registry.store import atomic_write
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: listing, cards and lineage work without it
@@ -100,8 +100,7 @@ class ModelRegistry:
     @contextlib.contextmanager
     def _locked(self):
         self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.ledger.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with file_lock(self.ledger.with_suffix(".lock")):
             yield
 
     def verify(self, name: str, version: int) -> None:
