@@ -329,9 +329,14 @@ class _Spread:
         return out.part("v")
 
 
-class Last:
-    name, needs_column, numeric, sums, takes_n = "last", True, False, False, False
-    state_kind = "last"
+class _End:
+    """``last`` or ``first``: the newest or the oldest non-null value in the window."""
+
+    needs_column, numeric, sums, takes_n = True, False, False, False
+
+    def __init__(self, name: str, newest: bool):
+        self.name = self.state_kind = name
+        self._at, self._arg = (-1, "arg_max") if newest else (0, "arg_min")
 
     def output_type(self, input_type: DType | None) -> DType:
         assert input_type is not None
@@ -341,48 +346,19 @@ class Last:
         return None
 
     def reduce(self, values: list[Any], n: int | None) -> Any:
-        return values[-1]
+        return values[self._at]
 
     def sql_parts(self, e: SqlInput) -> list[tuple[str, str]]:
-        return [("v", f"arg_max({e.value}, {e.order}) {e.over}")]
+        return [("v", f"{self._arg}({e.value}, {e.order}) {e.over}")]
 
     def sql_output(self, out: SqlOutput) -> str:
         return out.part("v")
 
     def state(self, values: list[Any], is_float: bool, compact: bool) -> Any:
-        return values[-1]
+        return values[self._at]
 
     def merge(self, states: list[Any], values: int, is_float: bool) -> Any:
-        return states[-1]
-
-
-class First:
-    """The oldest non-null value in the window."""
-
-    name, needs_column, numeric, sums, takes_n = "first", True, False, False, False
-    state_kind = "first"
-
-    def output_type(self, input_type: DType | None) -> DType:
-        assert input_type is not None
-        return input_type
-
-    def empty(self, output: DType) -> Any:
-        return None
-
-    def reduce(self, values: list[Any], n: int | None) -> Any:
-        return values[0]
-
-    def sql_parts(self, e: SqlInput) -> list[tuple[str, str]]:
-        return [("v", f"arg_min({e.value}, {e.order}) {e.over}")]
-
-    def sql_output(self, out: SqlOutput) -> str:
-        return out.part("v")
-
-    def state(self, values: list[Any], is_float: bool, compact: bool) -> Any:
-        return values[0]
-
-    def merge(self, states: list[Any], values: int, is_float: bool) -> Any:
-        return states[0]
+        return states[self._at]
 
 
 class LastN:
@@ -418,8 +394,8 @@ FUNCTIONS: dict[str, AggregationFunction] = {
         _Extreme("max", _maximum),
         _Spread("stddev", root=True),
         _Spread("variance", root=False),
-        Last(),
-        First(),
+        _End("last", newest=True),
+        _End("first", newest=False),
         LastN(),
         CountDistinct(),
     )

@@ -20,7 +20,7 @@ import pyarrow as pa
 from featurestore.config import RepoConfig
 from featurestore.definitions import FeatureView
 from featurestore.materialization import protocol
-from featurestore.materialization.compute import compute
+from featurestore.materialization.compute import Computed, compute
 from featurestore.materialization.online_write import key_expiry, write_online
 from featurestore.materialization.protocol import ComputedRun, Stores, ViewExecutor, ViewReport, max_event_iso
 from featurestore.offline.base import PARTITION_COLUMN, OfflineStore
@@ -78,17 +78,7 @@ class LocalExecutor:
         to_history: bool,
     ) -> ComputedRun:
         m = self.materializer
-        computed = compute(
-            self.con,
-            view,
-            m.defs.key_types[view.name],
-            m.defs.history_schema(view),
-            run_id,
-            now,
-            start,
-            end,
-            m.config.future_tolerance,
-        )
+        computed = m.compute(self.con, view, run_id, now, start, end)
         rows, fresh = computed.rows, computed.rows
         files: list[Any] = []
         if to_history and rows.num_rows:
@@ -185,7 +175,25 @@ class Materializer:
             )
         now = datetime.now(UTC)
         run_id = self.registry.next_run_id() if run_id is None else run_id
-        computed = compute(
+        computed = self.compute(con, view, run_id, now, start, end)
+        report = ViewReport(view.name, computed_rows=computed.rows.num_rows)
+        protocol.keep_rejects(self.stores, view, computed.rejects, report, on_bad_rows)
+        report.online_rows = self.write_pushed(
+            view, computed.rows, now, online and view.online, offline and view.offline, buffer
+        )
+        return report
+
+    def compute(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        view: FeatureView,
+        run_id: int,
+        now: datetime,
+        start: datetime | None,
+        end: datetime | None,
+    ) -> Computed:
+        """The view's rows from ``view_rows`` in ``con``, typed and split from rejects (``compute``)."""
+        return compute(
             con,
             view,
             self.defs.key_types[view.name],
@@ -196,12 +204,6 @@ class Materializer:
             end,
             self.config.future_tolerance,
         )
-        report = ViewReport(view.name, computed_rows=computed.rows.num_rows)
-        protocol.keep_rejects(self.stores, view, computed.rejects, report, on_bad_rows)
-        report.online_rows = self.write_pushed(
-            view, computed.rows, now, online and view.online, offline and view.offline, buffer
-        )
-        return report
 
     def write_pushed(
         self, view: FeatureView, rows: pa.Table, now: datetime, online: bool, offline: bool, buffer: PushBuffer
