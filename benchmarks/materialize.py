@@ -196,7 +196,7 @@ def main() -> None:
         stage["raw"] = min(stage.get("raw", 1e9), time.perf_counter() - t0)
         client.flushdb()
         t0 = time.perf_counter()
-        store.online_store.write_latest(store.get_feature_view("stats").online_field, latest, ["user_id"], features)
+        store.online_store.write_latest(store.layout("stats").online_field, latest, ["user_id"], features)
         stage["ours"] = min(stage.get("ours", 1e9), time.perf_counter() - t0)
     n = latest.num_rows
     print("2. write stage only, same latest rows")

@@ -269,7 +269,7 @@ def main() -> None:
         f"materialized {args.entities:,} entities × 10 features in {time.perf_counter() - t0:.1f}s; Redis: {store.online_store.url}"
     )
     client = store.online_store.client
-    field = store.get_feature_view("stats").online_field
+    field = store.layout("stats").online_field
     rnd = random.Random(7)
     ids = {size: [[rnd.randint(1, args.entities) for _ in range(size)] for _ in range(500)] for size in SIZES}
     iterations = {1: 5000, 10: 3000, 100: 1000}
@@ -304,7 +304,7 @@ def main() -> None:
         "FEATURESTORE_DATA_DIR": str(store.config.data_dir),
         "BENCH_REDIS_URL": store.online_store.url,
         "BENCH_PROJECT": PROJECT,
-        "BENCH_VIEW": store.get_feature_view("stats").online_field,
+        "BENCH_VIEW": store.layout("stats").online_field,
         "REDIS_URL": store.online_store.url,
         "PYTHONPATH": str(HERE),
     }

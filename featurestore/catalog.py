@@ -14,6 +14,7 @@ import redis
 
 from featurestore.definitions import Entity, StreamSource
 from featurestore.errors import NotFoundError, OnlineStoreUnavailable
+from featurestore.registry.layout import layout_of
 from featurestore.registry.snapshot import from_name, view_from_spec
 from featurestore.registry.store import RegistryStore
 from featurestore.streaming import stream_key
@@ -54,7 +55,7 @@ def catalogue(registry: RegistryStore) -> dict[str, Any]:
     views = []
     for name, entry in sorted(objects.get("feature_view", {}).items()):
         spec = entry["spec"]
-        view = view_from_spec(spec, entities, state.get("history_versions", {}).get(name, 1))
+        view = view_from_spec(spec, entities)
         windows = {a.name: a for a in view.aggregations}
         views.append(
             {
@@ -77,7 +78,7 @@ def catalogue(registry: RegistryStore) -> dict[str, Any]:
                 ],
                 "hash": entry["hash"],
                 "versions": versions.get(f"feature_view/{name}", []),
-                "history_version": view.history_version,
+                "history_version": state.get("history_versions", {}).get(name, 1),
             }
         )
     for name, entry in sorted(objects.get("on_demand_feature_view", {}).items()):
@@ -172,15 +173,16 @@ def view_status(
     if name not in state["objects"].get("feature_view", {}):
         raise NotFoundError(f"no applied feature view named {name!r}")
     spec = state["objects"]["feature_view"][name]["spec"]
-    view = view_from_spec(spec, _entities(state), state.get("history_versions", {}).get(name, 1))
-    table = view.history_table
-    mark = registry.watermarks().get(name, {})
+    view = view_from_spec(spec, _entities(state))
+    layout = layout_of(view, state.get("history_versions", {}).get(name, 1))
+    table = layout.history_table
+    mark = registry.watermark(name)
     status: dict[str, Any] = {
         "view": name,
-        "last_materialized_at": mark.get("materialized_at"),
-        "max_event_timestamp": mark.get("max_event_timestamp"),
+        "last_materialized_at": mark.materialized_at,
+        "max_event_timestamp": mark.max_event_timestamp,
         # Redis holds the view's history under its current layout (an upgrade that changes a layout: not until materialized)
-        "online_synced": mark.get("online_synced") and mark.get("online_layout") == view.storage_id,
+        "online_synced": mark.synced_under(layout.storage_id),
         "history_table": table,
         **offline.stats(table),
         "rejected_rows": offline.rejected_rows(name),

@@ -156,7 +156,7 @@ def describe(
         if name in objects:
             spec = objects[name].to_spec()
             applied = store.unapplied.get(name, "applied")
-            version = {"history_version": objects[name].history_version} if kind == "feature_view" else {}
+            version = {"history_version": store.layout(name).version} if kind == "feature_view" else {}
             console.print_json(
                 json.dumps(
                     {"defined_at": str(objects[name].location), "registry": applied, **version, **spec}, default=str
@@ -221,9 +221,9 @@ def backfill(
         report = store.backfill(views, progress=True)
         console.print(report.describe(), markup=False, soft_wrap=True)
         for name in views:
-            view = store.definitions.view(name)
+            layout = store.layout(name)
             console.print(
-                f"{name}: version v{view.history_version} (history table {view.history_table}) is complete",
+                f"{name}: version v{layout.version} (history table {layout.history_table}) is complete",
                 markup=False,
             )
 

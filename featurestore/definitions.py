@@ -21,9 +21,6 @@ from typing import Any, Literal
 from featurestore.aggregation.functions import FUNCTIONS
 from featurestore.types import DType
 
-KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
-EVENTS_LAYOUT = 4  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
-
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 
@@ -240,11 +237,6 @@ class Aggregation:
 # ---------------------------------------------------------------- views
 
 
-def history_table(view: str, version: int) -> str:
-    """``txn`` for version 1 (tables from before versions existed stay where they are), ``txn@v2`` after."""
-    return view if version == 1 else f"{view}@v{version}"
-
-
 @dataclass(eq=False)
 class FeatureView:
     """A group of features with one entity set, one source and one ttl.
@@ -273,18 +265,10 @@ class FeatureView:
     aggregations: list[Aggregation] = field(default_factory=list)
     event_id: str | None = None
     location: Location = field(default_factory=_location, repr=False)
-    # set from the applied registry, never by hand: a change that makes stored rows wrong
-    # (a type, key, source or transformation change) starts a new version with its own history
-    history_version: int = field(default=1, init=False, repr=False)
 
     @property
     def join_keys(self) -> list[str]:
         return [k for e in self.entities for k in e.join_keys]
-
-    @property
-    def history_table(self) -> str:
-        """The offline table of this version's rows (older versions keep theirs, readable)."""
-        return history_table(self.name, self.history_version)
 
     @property
     def is_aggregated(self) -> bool:
@@ -303,40 +287,6 @@ class FeatureView:
     @property
     def feature_names(self) -> list[str]:
         return [f.name for f in self.features]
-
-    @property
-    def storage_id(self) -> str:
-        """Hash of how the view's rows are stored (keys, key types, columns and types, event id, version).
-
-        Online values are written under ``online_field`` (name + this id), so bytes written under
-        another layout are never decoded as this one: they read as NOT_FOUND until re-materialized.
-        Kept once computed (per history version, set when the registry is attached): every push
-        and lookup asks for it."""
-        cached = self.__dict__.get("_storage_id")
-        if cached is not None and cached[0] == self.history_version:
-            return cached[1]
-        value = content_hash(
-            {
-                "keys": [e.to_spec()["key_types"] for e in self.entities],
-                "join_keys": self.join_keys,
-                "schema": [f.to_spec() for f in self.schema],
-                "event_id": self.event_id,
-                "key_encoding": KEY_ENCODING,
-                **({"version": self.history_version} if self.history_version > 1 else {}),
-                # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
-                **(
-                    {"events": EVENTS_LAYOUT, "longest_us": self.longest_window // timedelta(microseconds=1)}
-                    if self.aggregations
-                    else {}
-                ),
-            }
-        )[:8]
-        self.__dict__["_storage_id"] = (self.history_version, value)
-        return value
-
-    @property
-    def online_field(self) -> str:
-        return f"{self.name}#{self.storage_id}"
 
     @property
     def longest_window(self) -> timedelta:

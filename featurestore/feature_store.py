@@ -14,6 +14,7 @@ from featurestore.definitions import Entity, FeatureService, FeatureView
 from featurestore.errors import DefinitionError, FeatureStoreError, OnlineStoreUnavailable
 from featurestore.files import private_dir
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
+from featurestore.registry.layout import ViewLayout
 from featurestore.registry.snapshot import value_hash
 from featurestore.registry.validation import validate
 
@@ -57,15 +58,13 @@ class FeatureStore:
             problems += validate(defs, self.config)
             if problems:
                 raise DefinitionError(problems)
-            self._definitions = defs
-            self._attach_versions()
+            # each view reads and writes the history version the registry applied (see ``registry.plan``)
+            self._definitions = defs.with_versions(self.registry.current().get("history_versions", {}))
         return self._definitions
 
-    def _attach_versions(self) -> None:
-        """Each view reads and writes the history version the registry applied (see ``registry.plan``)."""
-        versions = self.registry.current().get("history_versions", {})
-        for name, view in self.definitions.feature_views.items():
-            view.history_version = versions.get(name, 1)
+    def layout(self, view: str) -> ViewLayout:
+        """Where the applied version of a view keeps its rows: history table, online field."""
+        return self.definitions.layout(view)
 
     @property
     def unapplied(self) -> dict[str, str]:
@@ -136,7 +135,7 @@ class FeatureStore:
             return plan
         self.registry.apply(plan.objects, history_versions=plan.history_versions, key_types=plan.key_types)
         self._unapplied = None
-        self._attach_versions()
+        self._definitions = self.definitions.with_versions(plan.history_versions)
         for change in plan.changes:
             if change.deletes_data:
                 self.offline_store.drop(change.name)
@@ -208,6 +207,11 @@ class FeatureStore:
             self._reader = OnlineReader(self.online_store)
         return self._reader
 
+    def share_online(self, other: FeatureStore) -> None:
+        """Read and write through ``other``'s online store and reader (its open connections, the
+        heavy entities it knows): a server's registry reload swaps definitions, not connections."""
+        self._online, self._reader = other._online, other._reader
+
     @property
     def push_buffer(self) -> PushBuffer:
         """Durable buffer of pushed history rows, committed to Delta in batches (see ``flush``)."""
@@ -261,7 +265,7 @@ class FeatureStore:
         self._commit_buffered()
         report = {}
         for name in views or list(self.definitions.feature_views):
-            table = self.definitions.view(name).history_table
+            table = self.definitions.layout(name).history_table
             before = self.offline_store.file_count(table)
             metrics = self.offline_store.compact(table)
             removed = self.offline_store.vacuum(table, vacuum_hours) if vacuum_hours is not None else 0

@@ -17,7 +17,9 @@ from featurestore.auth import Authenticator
 from featurestore.checkpoint_engine import Replica, state
 from featurestore.config import RepoConfig
 from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, ModelRegistry
-from serving.common import FastLane, Metrics, install_error_handlers
+from serving.fast_lane import FastLane
+from serving.metrics import Metrics
+from serving.responses import install_error_handlers
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such model, version or file."}}
 

@@ -12,6 +12,7 @@ import contextlib
 import gc
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 from itertools import repeat
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,20 +32,20 @@ from featurestore.launch import ServerLaunch
 from featurestore.materialization.engine import MaterializationReport
 from featurestore.retrieval.online import OnlineQuery
 from featurestore.timestamps import parse_timestamp
-from serving.common import (
-    FastLane,
-    Metrics,
-    RegistryWatcher,
-    caller,
+from serving.auth import caller, header
+from serving.fast_lane import FastLane
+from serving.jobs import JobRunner
+from serving.metrics import Metrics
+from serving.reload import RegistryWatcher
+from serving.responses import (
+    JsonHandler,
     dumps,
-    header,
     install_error_handlers,
     json_handler,
     json_response,
     request_time,
     respond,
 )
-from serving.jobs import JobRunner
 
 
 def _iso_time(value: Any) -> Any:
@@ -188,17 +189,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     metrics = Metrics("featurestore_feature_server")
     jobs = JobRunner(watcher.current.config.data_dir / "jobs")
-    loggers: dict[str, FeatureLogger] = {}
-
-    def logger_for(service: str) -> FeatureLogger:
-        if service not in loggers:
-            store = watcher.current
-            loggers[service] = FeatureLogger(
-                log_path(store.config.data_dir, f"service:{service}"),
-                vector_schema(store, service),
-                count=metrics.feature_log_counts(f"service:{service}"),
-            )
-        return loggers[service]
+    lookups = Lookups(watcher, metrics, log_features)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -207,8 +198,7 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         yield
         task.cancel()
         jobs.shutdown()
-        for logger in loggers.values():
-            logger.close()
+        lookups.close()
         watcher.current.close()
 
     app = FastAPI(
@@ -220,10 +210,36 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     )
     feast_errors = watcher.current.config.server.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
+    lookup = json_handler(metrics, "get-online-features", lookups.answer, feast_errors)
+    push = json_handler(metrics, "push", partial(_push, watcher), feast_errors)
+    _lookup_and_push_routes(app, watcher, lookup, push)
+    _job_routes(app, watcher, jobs)
+    _health_routes(app, watcher, metrics)
+    if ui:
+        from serving.ui import mount
 
-    async def lookup_body(raw_body: bytes, scope: dict) -> bytes:
+        mount(app, lambda: watcher.current, metrics)
+    config = watcher.current.config
+    return FastLane(
+        app,
+        {"/get-online-features": lookup, "/push": push},
+        config.server.max_request_bytes,
+        Authenticator(config.server.api_keys),
+        metrics,
+    )  # type: ignore[return-value]
+
+
+class Lookups:
+    """``/get-online-features``: a lookup under the current definitions, logged per feature service
+    when asked (one bounded Delta logger per service)."""
+
+    def __init__(self, watcher: RegistryWatcher, metrics: Metrics, log_features: bool):
+        self.watcher, self.metrics, self.log_features = watcher, metrics, log_features
+        self.loggers: dict[str, FeatureLogger] = {}
+
+    async def answer(self, raw_body: bytes, scope: dict) -> bytes:
         body = _parse_lookup(raw_body)
-        store = watcher.current
+        store = self.watcher.current
         query = OnlineQuery.prepare(
             store.definitions,
             store.config.project,
@@ -238,11 +254,43 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
         if body.get("include_feature_view_version_metadata"):
             response.feature_view_metadata = query.view_versions()
         service = body.get("feature_service")
-        if log_features and service and not body.get("full_feature_names"):
-            logger_for(service).log(vector_entry(query, response))
+        if self.log_features and service and not body.get("full_feature_names"):
+            self._logger(service).log(vector_entry(query, response))
         return response.to_rest_json(dumps)
 
-    lookup = json_handler(metrics, "get-online-features", lookup_body, feast_errors)
+    def _logger(self, service: str) -> FeatureLogger:
+        if service not in self.loggers:
+            store = self.watcher.current
+            self.loggers[service] = FeatureLogger(
+                log_path(store.config.data_dir, f"service:{service}"),
+                vector_schema(store, service),
+                count=self.metrics.feature_log_counts(f"service:{service}"),
+            )
+        return self.loggers[service]
+
+    def close(self) -> None:
+        for logger in self.loggers.values():
+            logger.close()
+
+
+async def _push(watcher: RegistryWatcher, raw_body: bytes, scope: dict) -> dict[str, Any]:
+    """``/push``: rows of a push source, with the caller's ``push`` or ``push:<source>`` scope."""
+    body = _parse_push(raw_body)
+    name = body["push_source_name"]
+    key = caller(scope)
+    if key is not None and not key.allows(f"push:{name}"):
+        raise ForbiddenError(f"API key {key.name!r} may not push to {name!r} (needs push or push:{name})")
+    store = watcher.current
+    source = store.definitions.push_source(name)
+    frame = _frame(body["df"], [f.name for f in source.schema if f.dtype.name == "UnixTimestamp"])
+    idempotency_key = body.get("idempotency_key") or header(scope, b"idempotency-key")
+    # Redis and the buffer's fsync block: off the event loop, which keeps serving lookups
+    rows = await asyncio.to_thread(store.push, name, frame, body.get("to", "online"), idempotency_key)
+    return {"pushed_rows": rows}
+
+
+def _lookup_and_push_routes(app: FastAPI, watcher: RegistryWatcher, lookup: JsonHandler, push: JsonHandler) -> None:
+    """The routes the fast lane serves (declared here for routing and OpenAPI), and Feast's online write."""
 
     @app.post(
         "/get-online-features",
@@ -258,22 +306,6 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     )
     async def get_online_features(request: Request) -> Response:
         return await respond(lookup, request)
-
-    async def push_body(raw_body: bytes, scope: dict) -> dict[str, Any]:
-        body = _parse_push(raw_body)
-        name = body["push_source_name"]
-        key = caller(scope)
-        if key is not None and not key.allows(f"push:{name}"):
-            raise ForbiddenError(f"API key {key.name!r} may not push to {name!r} (needs push or push:{name})")
-        store = watcher.current
-        source = store.definitions.push_source(name)
-        frame = _frame(body["df"], [f.name for f in source.schema if f.dtype.name == "UnixTimestamp"])
-        idempotency_key = body.get("idempotency_key") or header(scope, b"idempotency-key")
-        # Redis and the buffer's fsync block: off the event loop, which keeps serving lookups
-        rows = await asyncio.to_thread(store.push, name, frame, body.get("to", "online"), idempotency_key)
-        return {"pushed_rows": rows}
-
-    push = json_handler(metrics, "push", push_body, feast_errors)
 
     @app.post(
         "/push",
@@ -304,6 +336,10 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             raise ForbiddenError(f"API key {key.name!r} may not write view {view.name!r} (needs push or {needed})")
         times = [source.timestamp_field, *([source.created_timestamp_field] if source.created_timestamp_field else [])]
         return {"written_rows": store.write_to_online_store(view.name, _frame(body.df, times))}
+
+
+def _job_routes(app: FastAPI, watcher: RegistryWatcher, jobs: JobRunner) -> None:
+    """Materialization as background jobs, and the jobs' states."""
 
     def run_job(request: Request, kind: str, views: list[str] | None, run: Callable[[Any], Any]) -> Response:
         """A background job: with ``Prefer: respond-async`` 202 at once, else its outcome once it finished
@@ -363,6 +399,8 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
     def job_list() -> Response:
         return json_response({"jobs": [jobs.describe(j) for j in jobs.list()]})
 
+
+def _health_routes(app: FastAPI, watcher: RegistryWatcher, metrics: Metrics) -> None:
     @app.get("/health", responses={503: ERRORS[503]}, summary="Liveness and Redis reachability")
     async def health() -> Response:
         try:
@@ -389,20 +427,6 @@ def create_app(repo: str | Path | None = None, log_features: bool = False, ui: b
             metrics.redis_errors.inc()
             newest = None  # the request metrics still answer during an outage
         return metrics.response(newest)
-
-    if ui:
-        from serving.ui import mount
-
-        mount(app, lambda: watcher.current, metrics)
-
-    config = watcher.current.config
-    return FastLane(
-        app,
-        {"/get-online-features": lookup, "/push": push},
-        config.server.max_request_bytes,
-        Authenticator(config.server.api_keys),
-        metrics,
-    )  # type: ignore[return-value]
 
 
 def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:

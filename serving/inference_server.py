@@ -13,6 +13,7 @@ import gc
 import sys
 from collections.abc import Sequence
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,10 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.launch import ServerLaunch
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
-from serving.common import (
-    FastLane,
-    Metrics,
-    RegistryWatcher,
-    install_error_handlers,
-    json_handler,
-    json_response,
-    request_time,
-    respond,
-)
+from serving.fast_lane import FastLane
+from serving.metrics import Metrics
+from serving.reload import RegistryWatcher
+from serving.responses import install_error_handlers, json_handler, json_response, request_time, respond
 
 
 class PredictRequest(BaseModel):
@@ -139,10 +134,50 @@ def load_checked(store: FeatureStore, name: str, ref: str | int, device: str = "
 
 
 class ModelHolder:
-    """The serving model; replaced by one attribute assignment, so a request sees old or new, whole."""
+    """The serving model; replaced by one attribute assignment, so a request sees old or new, whole.
 
-    def __init__(self, loaded: LoadedModel):
-        self.loaded = loaded
+    ``follow_promotions`` and ``reconcile`` run beside the server and swap in the version the
+    registry's alias names (each replica does the same)."""
+
+    def __init__(self, watcher: RegistryWatcher, model_name: str, stage: str, device: str):
+        self.watcher, self.model_name, self.stage, self.device = watcher, model_name, stage, device
+        self.loaded = load_checked(watcher.current, model_name, stage, device)
+
+    def catch_up(self) -> None:
+        """Load the version the alias names now, if another (promotions made while starting)."""
+        latest = model_registry(self.watcher.current).resolve(self.model_name, self.stage)
+        if latest != self.loaded.version:
+            self.loaded = load_checked(self.watcher.current, self.model_name, latest, self.device)
+
+    async def follow_promotions(self) -> None:
+        """Swap in a newly promoted version between requests, when the registry announces it."""
+        while True:
+            try:
+                async for message in self.watcher.current.online_store.subscribe(MODELS_CHANNEL):
+                    name, version, promoted_stage = message.split(":")
+                    if name == self.model_name and promoted_stage == self.stage and int(version) != self.loaded.version:
+                        try:
+                            self.loaded = await asyncio.to_thread(
+                                load_checked, self.watcher.current, self.model_name, int(version), self.device
+                            )
+                        except FeatureStoreError as exc:
+                            print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # Redis went away: resubscribe when it is back
+                await asyncio.sleep(1.0)
+
+    async def reconcile(self) -> None:
+        """Follow the registry's alias itself too, so a lost announcement (Redis down) or a version
+        installed by the checkpoint engine is picked up within a second."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await asyncio.to_thread(self.catch_up)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep serving the current version, try again next tick
+                print(f"not switching {self.model_name} {self.stage}: {exc}", file=sys.stderr)
 
 
 def create_app(
@@ -156,7 +191,7 @@ def create_app(
     torch.set_num_threads(1)
     watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     store = watcher.current
-    holder = ModelHolder(load_checked(store, model_name, stage, device))
+    holder = ModelHolder(watcher, model_name, stage, device)
     metrics = Metrics("featurestore_inference_server")
     logger = None
     if log_features:
@@ -167,49 +202,10 @@ def create_app(
             log_path(store.config.data_dir, model_name), schema, count=metrics.feature_log_counts(model_name)
         )
 
-    async def follow_promotions() -> None:
-        """Swap in a newly promoted version between requests (each replica does the same)."""
-        while True:
-            try:
-                async for message in watcher.current.online_store.subscribe(MODELS_CHANNEL):
-                    name, version, promoted_stage = message.split(":")
-                    if name == model_name and promoted_stage == stage and int(version) != holder.loaded.version:
-                        try:
-                            holder.loaded = await asyncio.to_thread(
-                                load_checked, watcher.current, model_name, int(version), device
-                            )
-                        except FeatureStoreError as exc:
-                            print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # Redis went away: resubscribe when it is back
-                await asyncio.sleep(1.0)
-
-    async def reconcile() -> None:
-        """Follow the registry's alias itself too, so a lost announcement (Redis down) or a version
-        installed by the checkpoint engine is picked up within a second."""
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                wanted = model_registry(watcher.current).resolve(model_name, stage)
-                if wanted != holder.loaded.version:
-                    holder.loaded = await asyncio.to_thread(load_checked, watcher.current, model_name, wanted, device)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep serving the current version, try again next tick
-                print(f"not switching {model_name} {stage}: {exc}", file=sys.stderr)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        tasks = [
-            asyncio.create_task(watcher.run()),
-            asyncio.create_task(follow_promotions()),
-            asyncio.create_task(reconcile()),
-        ]
-        # promotions made while we were starting are picked up here
-        latest = model_registry(store).resolve(model_name, stage)
-        if latest != holder.loaded.version:
-            holder.loaded = load_checked(store, model_name, latest, device)
+        tasks = [asyncio.create_task(t) for t in (watcher.run(), holder.follow_promotions(), holder.reconcile())]
+        holder.catch_up()
         gc.freeze()  # startup objects live forever: keep them out of GC scans (fewer latency spikes)
         yield
         for task in tasks:
@@ -226,6 +222,7 @@ def create_app(
     )
     feast_errors = watcher.current.config.server.error_format == "feast"
     install_error_handlers(app, metrics, feast_errors)
+    predict_body = json_handler(metrics, "predict", partial(_predict, watcher, holder, logger), feast_errors)
 
     @app.post(
         "/predict",
@@ -244,76 +241,6 @@ def create_app(
     )
     async def predict(request: Request) -> Response:
         return await respond(predict_body, request)
-
-    async def _predict(raw_body: bytes, scope: dict) -> dict[str, Any]:
-        try:
-            body = orjson.loads(raw_body)
-        except orjson.JSONDecodeError as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from exc
-        instances = body.get("instances") if isinstance(body, dict) else None
-        if isinstance(body, dict) and "instances" not in body:
-            instances = [body]  # a single instance
-        if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
-            raise RequestError("send {'instances': [{key: value, ...}, ...]} with at least one instance")
-        loaded, current = holder.loaded, watcher.current
-        columns: dict[str, Sequence[Any]] = {k: [i.get(k) for i in instances] for k in instances[0]}
-        inputs: dict[str, list[float]] = {}
-        for name in loaded.card["request_inputs"]:
-            values = columns.get(name)
-            if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                raise RequestError(f"every instance needs a numeric request input {name!r}")
-            inputs[name] = [float(v) for v in values]
-        query = OnlineQuery.prepare(
-            current.definitions,
-            current.config.project,
-            columns,
-            None,
-            loaded.card["feature_service"],
-            False,
-            current.config.online.max_request_entities,
-            now=request_time(body),
-        )
-        response = await current.online_reader.read_async(query)
-        n = len(instances)
-        keys = len(query.key_names)
-        model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
-        keys_used = {
-            k: columns.get(k, [None] * len(instances)) for k in loaded.preprocessor.hashed
-        }  # entity-key embeddings
-        scores = loaded.predict({**model_columns, **inputs, **keys_used})
-        feature_names = response.feature_names[keys:]
-        if logger:
-            logger.log(
-                vector_entry(
-                    query,
-                    response,
-                    model_name=[loaded.name] * n,
-                    model_version=[loaded.version] * n,
-                    score=scores.tolist(),
-                    **inputs,
-                )
-            )
-        predictions = []
-        for row in range(n):
-            predictions.append(
-                {
-                    "score": json_number(float(scores[row])),
-                    "features": {
-                        name: {
-                            "value": json_number(response.values[keys + j][row]),
-                            "status": response.statuses[keys + j][row],
-                            "event_timestamp": response.event_timestamps[keys + j][row],
-                        }
-                        for j, name in enumerate(feature_names)
-                    },
-                    "missing_features": [
-                        name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT
-                    ],
-                }
-            )
-        return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
-
-    predict_body = json_handler(metrics, "predict", _predict, feast_errors)
 
     @app.get("/health", summary="Liveness, model version and Redis reachability")
     async def health() -> Response:
@@ -337,6 +264,82 @@ def create_app(
     return FastLane(
         app, {"/predict": predict_body}, config.server.max_request_bytes, Authenticator(config.server.api_keys), metrics
     )  # type: ignore[return-value]
+
+
+def _instances(raw_body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The body and its instances: ``{"instances": [...]}`` or one instance alone."""
+    try:
+        body = orjson.loads(raw_body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+    instances = body.get("instances") if isinstance(body, dict) else None
+    if isinstance(body, dict) and "instances" not in body:
+        instances = [body]  # a single instance
+    if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
+        raise RequestError("send {'instances': [{key: value, ...}, ...]} with at least one instance")
+    return body, instances
+
+
+async def _predict(
+    watcher: RegistryWatcher, holder: ModelHolder, logger: FeatureLogger | None, raw_body: bytes, scope: dict
+) -> dict[str, Any]:
+    """``/predict``: the instances' online features, scored by the model serving now."""
+    body, instances = _instances(raw_body)
+    loaded, current = holder.loaded, watcher.current
+    columns: dict[str, Sequence[Any]] = {k: [i.get(k) for i in instances] for k in instances[0]}
+    inputs: dict[str, list[float]] = {}
+    for name in loaded.card["request_inputs"]:
+        values = columns.get(name)
+        if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise RequestError(f"every instance needs a numeric request input {name!r}")
+        inputs[name] = [float(v) for v in values]
+    query = OnlineQuery.prepare(
+        current.definitions,
+        current.config.project,
+        columns,
+        None,
+        loaded.card["feature_service"],
+        False,
+        current.config.online.max_request_entities,
+        now=request_time(body),
+    )
+    response = await current.online_reader.read_async(query)
+    n = len(instances)
+    keys = len(query.key_names)
+    model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
+    keys_used = {k: columns.get(k, [None] * n) for k in loaded.preprocessor.hashed}  # entity-key embeddings
+    scores = loaded.predict({**model_columns, **inputs, **keys_used})
+    if logger:
+        logger.log(
+            vector_entry(
+                query,
+                response,
+                model_name=[loaded.name] * n,
+                model_version=[loaded.version] * n,
+                score=scores.tolist(),
+                **inputs,
+            )
+        )
+    feature_names = response.feature_names[keys:]
+    predictions = []
+    for row in range(n):
+        predictions.append(
+            {
+                "score": json_number(float(scores[row])),
+                "features": {
+                    name: {
+                        "value": json_number(response.values[keys + j][row]),
+                        "status": response.statuses[keys + j][row],
+                        "event_timestamp": response.event_timestamps[keys + j][row],
+                    }
+                    for j, name in enumerate(feature_names)
+                },
+                "missing_features": [
+                    name for j, name in enumerate(feature_names) if response.statuses[keys + j][row] != PRESENT
+                ],
+            }
+        )
+    return {"model": {"name": loaded.name, "version": loaded.version}, "predictions": predictions}
 
 
 def app_factory() -> FastAPI:

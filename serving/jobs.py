@@ -32,7 +32,7 @@ from typing import IO, Any
 import orjson
 
 from featurestore.errors import ConflictError, FeatureStoreError, NotFoundError
-from serving.common import dumps, error_status
+from serving.responses import dumps, error_status
 
 log = logging.getLogger("featurestore.jobs")
 KEPT_JOBS = 200

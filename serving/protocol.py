@@ -1,6 +1,6 @@
 """uvicorn's HTTP protocol with a deadline for each request's head: a client that opens a
 connection and sends its headers slowly (slowloris) is dropped after ``HEAD_SECONDS`` instead of
-holding a connection for ever. Bodies are bounded in time by ``serving.common.FastLane``; idle
+holding a connection for ever. Bodies are bounded in time by ``serving.fast_lane.FastLane``; idle
 keep-alive connections by uvicorn's own ``timeout_keep_alive``."""
 
 from __future__ import annotations

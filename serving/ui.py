@@ -27,7 +27,10 @@ from featurestore.errors import NotFoundError, RequestError
 from featurestore.launch import ServerLaunch
 from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
-from serving.common import FastLane, Metrics, RegistryWatcher, install_error_handlers, json_response
+from serving.fast_lane import FastLane
+from serving.metrics import Metrics
+from serving.reload import RegistryWatcher
+from serving.responses import install_error_handlers, json_response
 
 STATIC = Path(__file__).parent / "ui_static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}

@@ -332,7 +332,7 @@ def test_merged_tile_states_equal_the_events_evaluation(activity_store, values, 
     from featurestore.aggregation.evaluate import WindowEvaluator
 
     view = activity_store.get_feature_view("activity")
-    spec = tiles.TileSpec.of(view)
+    spec = tiles.TileSpec.of(view, activity_store.layout("activity").storage_id)
     tiled = tiles.TiledEvaluator(view, spec)
     wanted = [i for i, a in enumerate(spec.aggregations) if a.output_name in TILED]
     plain = WindowEvaluator(view, [spec.aggregations[i] for i in wanted])
@@ -384,7 +384,7 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
         b"fs:"
         + store.config.project.encode()
         + b":{card_id=%d}:ev:" % card
-        + store.get_feature_view("activity").online_field.encode()
+        + store.layout("activity").online_field.encode()
     )
     tiles_key = key + b"|tiles"
     at = BASE + 11 * STEP + timedelta(minutes=5)  # in the tile of the last event
@@ -638,12 +638,7 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     store.push(
         "payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}])
     )
-    key = (
-        b"fs:"
-        + store.config.project.encode()
-        + b":{card_id=1}:ev:"
-        + store.get_feature_view("activity").online_field.encode()
-    )
+    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.layout("activity").online_field.encode()
     assert store.online_store.client.zcard(key) == 0
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
@@ -664,14 +659,16 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     store.push("payments", _frame(events[2:]), to="offline")  # history only: written online below, hours "later"
     store.flush()
     view = store.get_feature_view("activity")
-    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + view.online_field.encode()
+    key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.layout("activity").online_field.encode()
     client = store.online_store.client
     client.hset(key + b"|tiles", b"1", b"an old summary")
     assert client.zcard(key) == 2 and client.hlen(key + b"|ids") == 2
     import duckdb
 
     con = duckdb.connect()
-    store.offline_store.register(con, view.history_table, "history", store.definitions.history_schema(view))
+    store.offline_store.register(
+        con, store.layout("activity").history_table, "history", store.definitions.history_schema(view)
+    )
     schema = store.definitions.history_schema(view)
     third = con.sql("SELECT * FROM history WHERE payment_id = 3").to_arrow_table().cast(schema)
     store.materializer().write_online(view, third, now + timedelta(hours=8))  # the cutoff is now 22 h back
@@ -1009,7 +1006,7 @@ def test_a_rebuild_makes_online_events_equal_history(make_store):
     store.push("payments", _edge_rows([{**first, "amount": 100.0}]), to="online_and_offline")
     offline, online = _both(store, 4, now, ["amount_sum_1h"])
     assert offline == {"amount_sum_1h": 1.0} and online == {"amount_sum_1h": 100.0}  # until the next materialization
-    assert store.registry.watermarks().get("edges", {}).get("online_synced") is not True
+    assert store.registry.watermark("edges").online_synced is not True
     store.materialize_incremental()
     assert _both(store, 4, now, ["amount_sum_1h", "count_1h"]) == ({"amount_sum_1h": 1.0, "count_1h": 1},) * 2
     store.push("payments", _edge_rows([{**first, "payment_id": 8, "amount": 3.0}]), to="online_and_offline")
@@ -1166,7 +1163,7 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
     """The longest window bounds what Redis keeps and which writes of an id are duplicates: a change
     of it is a new online layout (NOT_FOUND until re-sent), and ``plan`` says so."""
     store = make_store(FEATURES)
-    layout = store.get_feature_view("activity").online_field
+    layout = store.layout("activity").online_field
     root = store.config.repo_path
     (root / "features.py").write_text(
         (root / "features.py").read_text().replace('Aggregation("count", 30 * H,', 'Aggregation("count", 40 * H,')
@@ -1177,4 +1174,4 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
         text = changed.plan().describe()
         assert "longest window changed" in text and "featurestore materialize" in text, text
         changed.apply()
-        assert changed.get_feature_view("activity").online_field != layout
+        assert changed.layout("activity").online_field != layout

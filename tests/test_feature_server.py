@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from featurestore import FeatureStore
 from featurestore.online.embedded import EmbeddedRedis
-from serving.common import FLUSH_SECONDS
 from serving.feature_server import create_app
+from serving.metrics import FLUSH_SECONDS
 
 from .conftest import free_port, write_repo
 
@@ -569,7 +569,7 @@ def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
     ``to_rest()`` (every value looked at): NaN and infinities inside values and arrays, strings
     that look like JSON nulls, bytes, None."""
     from featurestore.retrieval.online import OnlineResponse
-    from serving.common import dumps
+    from serving.responses import dumps
 
     times = [None if gone else NOW for gone in missing_times]
     response = OnlineResponse(
@@ -596,7 +596,7 @@ def test_request_metrics_counted_in_bulk_equal_one_update_per_request(durations)
     exposition must equal a Counter and a Histogram updated per request, bucket edges included."""
     from prometheus_client import generate_latest
 
-    from serving.common import Metrics
+    from serving.metrics import Metrics
 
     bulk, each = Metrics("m"), Metrics("m")
     bulk._pending[("/x", 200)] = list(durations)
@@ -928,9 +928,9 @@ def test_job_table_is_shared_by_processes_and_outlives_them(tmp_path):
 def test_a_stalled_body_gets_408(monkeypatch):
     import asyncio
 
-    from serving import common
+    from serving import fast_lane
 
-    monkeypatch.setattr(common, "BODY_CHUNK_SECONDS", 0.2)
+    monkeypatch.setattr(fast_lane, "BODY_CHUNK_SECONDS", 0.2)
     replies = []
 
     async def receive():
@@ -950,7 +950,7 @@ def test_a_stalled_body_gets_408(monkeypatch):
     def never_reached() -> None:
         raise AssertionError("the app got a stalled request")
 
-    lane = common.FastLane(app, {}, 1000)
+    lane = fast_lane.FastLane(app, {}, 1000)
     asyncio.run(lane({"type": "http", "method": "POST", "path": "/materialize", "headers": []}, receive, send))
     assert replies[1]["status"] == 408
 

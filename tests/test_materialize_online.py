@@ -251,7 +251,7 @@ def test_crash_between_stores_then_rerun_converges(users_store, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         store.materialize(None, NOW)
     monkeypatch.undo()
-    assert store.registry.watermarks()["users"]["online_synced"] is False
+    assert store.registry.watermark("users").online_synced is False
     store.materialize(None, NOW)  # history already has every row; Redis must still get them all
     online, offline = online_vs_offline(store, list(range(1, 21)), NOW)
     for f in FEATURES:
@@ -271,7 +271,7 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
     assert store.get_online_features([{"user_id": 1}, {"user_id": 2}], features=["scores:score"]).to_dict()[
         "score"
     ] == [1.0, 2.0]
-    assert store.registry.watermarks()["scores"]["online_synced"] is True
+    assert store.registry.watermark("scores").online_synced is True
     from featurestore.catalog import view_status
 
     status = lambda: view_status(store.registry, store.offline_store, None, store.config.project, "scores")[

@@ -186,7 +186,7 @@ def test_automatic_compaction_vacuums_and_a_vacuumed_export_says_why_it_cannot_r
 def test_a_push_writes_redis_while_its_record_is_synced_and_returns_once_both_are_done(make_store, monkeypatch):
     """Issue #8: the one-event push to both stores paid its fsync and its Redis write one after
     the other (p99 over the 2 ms goal). They now overlap, and the push still returns durable."""
-    from featurestore.offline import buffer as buffer_module
+    from featurestore.offline.buffer import lanes as buffer_module
 
     store = make_store(FEATURES)
     store.apply()

@@ -80,7 +80,7 @@ def test_pushed_rows_keep_their_identity_when_the_push_log_is_materialized(make_
     store.push("payments", _frame(_payments(30, seed=3)))
     store.push("payments", _frame(_payments(30, seed=3)))  # the same rows again: a new fact (reverts must win)
     store.flush()
-    history = DeltaTable(str(store.offline_store.table_path(store.definitions.view("activity").history_table)))
+    history = DeltaTable(str(store.offline_store.table_path(store.layout("activity").history_table)))
     assert history.to_pyarrow_table().num_rows == 60
     store.materialize_incremental()  # reads the push log: the same 60 rows, by their push ids
     assert DeltaTable(str(history.table_uri)).to_pyarrow_table().num_rows == 60

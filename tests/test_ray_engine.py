@@ -188,9 +188,7 @@ def test_bad_input_gets_the_local_engines_errors(stores):
 def _history(store: FeatureStore, view: str) -> pa.Table:
     from deltalake import DeltaTable
 
-    table = DeltaTable(
-        str(store.offline_store.table_path(store.definitions.view(view).history_table))
-    ).to_pyarrow_table()
+    table = DeltaTable(str(store.offline_store.table_path(store.layout(view).history_table))).to_pyarrow_table()
     return table.sort_by("_row_id")
 
 

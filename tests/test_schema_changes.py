@@ -76,7 +76,7 @@ def test_a_type_change_is_a_new_version_that_never_truncates(make_store, tmp_pat
 
     pq.write_table(FLOAT_STATS, store.config.repo_path / "data" / "stats.parquet")  # the upstream now sends floats
     changed = _change(store, 'Field("rating", Int64)', 'Field("rating", Float64)')
-    assert changed.get_feature_view("stats").history_table == "stats@v2"
+    assert changed.layout("stats").history_table == "stats@v2"
     # until the backfill: nothing of the old version, nowhere
     assert _online(changed, ["stats:rating"])["statuses"][1] == ["NOT_FOUND", "NOT_FOUND"]
     assert _offline(changed, ["stats:rating"])["rating"] == [None, None, None]
@@ -100,7 +100,7 @@ def test_an_added_feature_evolves_history_and_reads_null_until_backfilled(make_s
     changed = _change(
         store, 'schema=[Field("rating", Int64)]', 'schema=[Field("rating", Int64), Field("trips", Int64)]'
     )
-    assert changed.get_feature_view("stats").history_version == 1  # evolved, not a new version
+    assert changed.layout("stats").version == 1  # evolved, not a new version
     assert _offline(changed, ["stats:rating", "stats:trips"]) == {
         "driver_id": [1, 2, 3],
         "rating": [110, 42, None],
@@ -134,7 +134,7 @@ def test_a_removed_feature_fails_at_request_time_and_its_data_stays(make_store):
     for read in (_online, _offline):
         with pytest.raises(FeatureStoreError, match="trips"):
             read(changed, ["stats:trips"])
-    assert changed.get_feature_view("stats").history_version == 1
+    assert changed.layout("stats").version == 1
     assert _offline(changed, ["stats:rating"])["rating"] == [110, 42, None]
 
 
@@ -156,7 +156,7 @@ def test_key_and_transformation_changes_are_new_versions(make_store, old, new):
             STATS.set_column(0, "driver_id", pa.array(["1", "2"])), store.config.repo_path / "data" / "stats.parquet"
         )
     changed = _change(store, old, new)
-    assert changed.get_feature_view("stats").history_version == 2
+    assert changed.layout("stats").version == 2
     keys = [{"driver_id": "1"}] if "String" in new else [{"driver_id": 1}]
     assert changed.get_online_features(keys, features=["stats:rating"]).statuses[1] == ["NOT_FOUND"]
     changed.backfill(["stats"])
@@ -176,11 +176,11 @@ def test_a_ttl_change_is_read_time_and_keeps_serving(make_store):
     assert not change.needs_backfill and "backfill" not in change.describe()
     changed = FeatureStore(store.config.repo_path)
     changed.apply()
-    assert changed.get_feature_view("stats").history_version == 1
+    assert changed.layout("stats").version == 1
     assert (
         _online(changed, ["stats:rating"])["statuses"][1] == ["OUTSIDE_MAX_AGE"] * 2
     )  # the hour-old rows, now too old
-    assert plan.get_feature_view("stats").history_table == "stats"
+    assert plan.layout("stats").history_table == "stats"
 
 
 def test_pushes_buffered_before_a_new_version_stay_in_the_old_one(make_store):
@@ -220,7 +220,7 @@ stats = FeatureView(
     changed = _change(
         store, 'schema=[Field("rating", Float64)]', 'schema=[Field("rating", Float64), Field("trips", Int64)]'
     )
-    assert changed.get_feature_view("stats").history_version == 2
+    assert changed.layout("stats").version == 2
     changed.backfill(["stats"])
     assert _online(changed, ["stats:rating_sum_24h"])["values"]["rating_sum_24h"] == [110.0, 42.0]
 
@@ -247,3 +247,43 @@ def test_cli_plan_and_backfill(make_store):
     assert described["history_version"] == 2
     bad = cli("backfill", "nope")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "nope" in bad.stdout + bad.stderr
+
+
+def test_a_new_version_is_the_registrys_not_set_on_the_definition_objects(make_store):
+    """Applying a new version makes new Definitions under it: the objects the user's module made
+    and Definitions already handed out (a running lookup's, a training job's) keep what they
+    read, and the new ones compile lookups against the new layout, not a cached old one."""
+    store = make_store(DEFS, {"stats": STATS})
+    store.materialize(None, None)
+    path = store.config.repo_path / "features.py"
+    path.write_text(
+        path.read_text().replace(
+            'timestamp_field="event_timestamp")',
+            'timestamp_field="event_timestamp"), transformation="SELECT driver_id, event_timestamp, rating * 2 AS rating FROM source"',
+        )
+    )
+    changed = FeatureStore(store.config.repo_path)
+    before = changed.definitions
+    user_view = before.view("stats")
+    fields_before = dict(vars(user_view))
+    changed.apply()
+    after = changed.definitions
+    assert after is not before and after.view("stats") is user_view
+    assert vars(user_view) == fields_before  # nothing was set on the user's object
+    assert before.layout("stats").version == 1 and after.layout("stats").version == 2
+    assert after.layout("stats").online_field != before.layout("stats").online_field
+    assert after.layout("stats").history_table == "stats@v2"
+    changed.backfill(["stats"])
+    assert changed.get_online_features([{"driver_id": 1}], features=["stats:rating"]).to_dict()["rating"] == [220]
+
+
+def test_watermarks_are_typed_records(make_store):
+    """A watermark field nobody defined is refused, not silently stored."""
+    store = make_store(DEFS, {"stats": STATS})
+    store.materialize(None, None)
+    mark = store.registry.watermark("stats")
+    assert mark.online_synced and mark.synced_under(store.layout("stats").storage_id)
+    assert mark.last_run_id is not None and mark.max_event_timestamp is not None
+    with pytest.raises(TypeError):
+        store.registry.set_watermark("stats", online_syncd=False)
+    assert store.registry.watermark("stats") == mark

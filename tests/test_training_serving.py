@@ -228,7 +228,9 @@ def test_consistency_catches_planted_skew(trained):
             "home_country": ["ZZ"],
         }
     )
-    store.online_store.write_latest(view.online_field, forged, ["card_id"], [(f.name, f.dtype) for f in view.schema])
+    store.online_store.write_latest(
+        store.layout(view.name).online_field, forged, ["card_id"], [(f.name, f.dtype) for f in view.schema]
+    )
     with TestClient(app) as client:
         assert client.post("/predict", json={"card_id": 7, "merchant_id": 1, "amount": 50.0}).status_code == 200
     report = check_consistency(store, "fraud")

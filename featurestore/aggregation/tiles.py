@@ -61,7 +61,8 @@ class TileSpec:
     tag: bytes  # starts every summary: one written for other aggregations or another layout is not read
 
     @classmethod
-    def of(cls, view: FeatureView) -> TileSpec | None:
+    def of(cls, view: FeatureView, storage_id: str) -> TileSpec | None:
+        """The tiles of the view's mergeable aggregations, for its online layout ``storage_id``."""
         stored = {f.name: f.dtype.name for f in view.schema}
         tiled = tuple(
             a
@@ -71,9 +72,7 @@ class TileSpec:
         if not tiled:
             return None
         size = tile_us(view)
-        layout = content_hash(
-            {"storage": view.storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]}
-        )
+        layout = content_hash({"storage": storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]})
         return cls(size, tiled, b"T" + layout[:12].encode() + b":")
 
     def covers(self, aggregations: Sequence[Aggregation]) -> bool:

@@ -3,7 +3,7 @@
 The order of the writes, and why a crash anywhere leaves the stores consistent, is
 ``materialization.protocol``'s; this module runs it per view, on this process (``LocalExecutor``:
 DuckDB over the view's source) or on a cluster (``distributed``: ``ray_engine``). Pushes go
-through the durable buffer instead (``offline/buffer.py``) and touch no registry state."""
+through the durable buffer instead (``offline/buffer/``) and touch no registry state."""
 
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ class LocalExecutor:
         rows, fresh = computed.rows, computed.rows
         files: list[Any] = []
         if to_history and rows.num_rows:
-            fresh = m.offline.new_rows(view.history_table, rows)
-            files = m.offline.write_files(view.history_table, fresh) if fresh.num_rows else []
+            table = m.defs.layout(view).history_table
+            fresh = m.offline.new_rows(table, rows)
+            files = m.offline.write_files(table, fresh) if fresh.num_rows else []
             fresh = fresh.drop_columns([PARTITION_COLUMN])
         new = fresh.num_rows if to_history else 0
         return ComputedRun(rows.num_rows, computed.rejects, max_event_iso(rows), new, files, (rows, fresh))
@@ -217,7 +218,7 @@ class Materializer:
             written = self.write_online(view, rows, now)
 
         if offline:
-            buffer.append(f"view:{view.history_table}", rows, meanwhile=send if online else None)
+            buffer.append(f"view:{self.defs.layout(view).history_table}", rows, meanwhile=send if online else None)
         elif online:
             send()
         return written
@@ -227,6 +228,7 @@ class Materializer:
         return write_online(
             self.online,
             view,
+            self.defs.layout(view).online_field,
             rows,
             now,
             event_retention=self.config.online.event_retention,

@@ -30,6 +30,7 @@ def key_expiry(defs: Definitions, view: FeatureView) -> timedelta | None:
 def write_online(
     online: OnlineWrites,
     view: FeatureView,
+    field: str,
     rows: pa.Table,
     now: datetime,
     *,
@@ -37,7 +38,8 @@ def write_online(
     expire_after: timedelta | None = None,
     whole_history: bool = False,
 ) -> int:
-    """Send history rows to ``online``; returns the rows (or events) written.
+    """Send history rows to ``online`` under the view's ``field`` (``ViewLayout.online_field``);
+    returns the rows (or events) written.
 
     An aggregated view keeps its events of the longest window plus ``event_retention`` before
     ``now``; ``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
@@ -52,7 +54,7 @@ def write_online(
         cutoff_us = datetime_to_micros(now - horizon)
         writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
         return online.write_events(
-            view.online_field,
+            field,
             writes.rows,
             view.join_keys,
             stored,
@@ -65,5 +67,5 @@ def write_online(
             newest=newest,
         )
     latest = latest_per_entity(rows, view.join_keys)
-    online.write_latest(view.online_field, latest, view.join_keys, stored, expire_after, newest)
+    online.write_latest(field, latest, view.join_keys, stored, expire_after, newest)
     return latest.num_rows

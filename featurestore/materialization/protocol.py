@@ -113,13 +113,14 @@ def write_view(
     now = datetime.now(UTC)
     write_offline, write_online = offline and view.offline, online and view.online
     synced = begin_history_write(stores, view, write_offline)
-    locked = history.writer(view.history_table) if write_offline else contextlib.nullcontext()
+    table = stores.defs.layout(view).history_table
+    locked = history.writer(table) if write_offline else contextlib.nullcontext()
     with locked:  # one writer per history table, across processes, from the dedupe to the commit
         run = executor.compute(view, run_id, now, start, end, write_offline)
         report = ViewReport(view.name, computed_rows=run.computed_rows)
         keep_rejects(stores, view, run.rejects, report, on_bad_rows)
         if write_offline:
-            history.commit(view.history_table, run.files, stores.defs.history_schema(view))
+            history.commit(table, run.files, stores.defs.history_schema(view))
             report.new_offline_rows = run.new_rows
     if write_online:
         if synced:
@@ -148,12 +149,13 @@ def keep_rejects(stores: Stores, view: FeatureView, rejects: pa.Table, report: V
 def begin_history_write(stores: Stores, view: FeatureView, write_offline: bool) -> bool:
     """Whether the online store holds the view's whole history now (else the next online write
     sends it all); marks it not so before history changes."""
-    mark = stores.registry.watermarks().get(view.name, {})
+    layout = stores.defs.layout(view)
     # a new storage layout starts with nothing online: everything is re-sent; with no history
     # yet, this run's rows are the whole of it
     synced = (
-        mark.get("online_synced", False) and mark.get("online_layout") == view.storage_id
-    ) or stores.offline.version(view.history_table) is None
+        stores.registry.watermark(view.name).synced_under(layout.storage_id)
+        or stores.offline.version(layout.history_table) is None
+    )
     if view.online and write_offline:
         stores.registry.set_watermark(view.name, online_synced=False)
     return synced
@@ -170,9 +172,9 @@ def finish_run(
     max_event: str | None,
 ) -> None:
     """Record what the run wrote: the online store in sync, history up to ``end``."""
-    marks: dict = {}
+    marks: dict[str, Any] = {}
     if wrote_online:
-        marks.update(online_synced=True, online_layout=view.storage_id)
+        marks.update(online_synced=True, online_layout=stores.defs.layout(view).storage_id)
     if wrote_offline:
         marks.update(last_run_id=run_id, materialized_at=now.isoformat())
         if end is not None:
@@ -187,7 +189,7 @@ def whole_history(stores: Stores, view: FeatureView, computed: pa.Table, written
     """What the online store must hold from every stored row of the view (and the computed ones,
     if not stored): each entity's latest row, or for an aggregated view every event."""
     con = connection()
-    stores.offline.register(con, view.history_table, "history", computed.schema)
+    stores.offline.register(con, stores.defs.layout(view).history_table, "history", computed.schema)
     rows = "SELECT * FROM history"
     if not written:
         con.register("computed", computed)

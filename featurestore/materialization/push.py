@@ -126,7 +126,8 @@ def push(
 
     if "offline" in to:  # after every view accepted the rows, so a rejected push leaves no trace
         # one record for the source's log and its views' history: one sync, not one per target
-        parts = {f"view:{view.history_table}": rows for view, rows in typed if view.offline}
+        layout = materializer.defs.layout
+        parts = {f"view:{layout(view).history_table}": rows for view, rows in typed if view.offline}
         buffer.append_parts(
             f"log:{source_name}",
             {**parts, f"log:{source_name}": table},
@@ -145,7 +146,7 @@ def _mark_behind(materializer: Materializer, views: list[FeatureView]) -> None:
     crash in between only re-sends), unless already recorded."""
     marks = materializer.registry.watermarks()
     for view in views:
-        if marks.get(view.name, {}).get("online_synced", False):
+        if view.name in marks and marks[view.name].online_synced:
             materializer.registry.set_watermark(view.name, online_synced=False)
 
 
@@ -202,7 +203,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     A lane names the history table (view version) its rows were computed for: rows of an older
     version go to that version's table, never to a newer one."""
     defs, offline, config = materializer.defs, materializer.offline, materializer.config
-    current = {v.history_table: v for v in defs.feature_views.values()}
+    current = {defs.layout(v).history_table: v for v in defs.feature_views.values()}
 
     def commit(target: str, rows: pa.Table, newest_seq: int, retried: bool) -> None:
         kind, name = target.split(":", 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -103,13 +104,44 @@ class RayEngine:
         return files, None
 
 
+@dataclass(frozen=True)
+class ViewJob:
+    """What each task of one view's run is given: the applied registry state it rebuilds the view
+    from (workers cannot import the repo), the run's identity and bounds, and where to write."""
+
+    state: dict[str, Any]
+    view: str
+    transformation: Any  # SQL text, a function (pickled by value), or None
+    run_id: int
+    now: datetime
+    start: datetime | None
+    end: datetime | None
+    future_tolerance: timedelta
+    event_retention: timedelta
+    expire_after_ttl: bool
+    online: OnlineStoreSettings
+    offline_path: str
+    write_offline: bool
+
+
+@dataclass(frozen=True)
+class PartitionSummary:
+    """What one partition's compute task reports back (its rows stay in the object store)."""
+
+    computed: int
+    new: int
+    actions: list[Any]  # the history files it wrote, uncommitted
+    rejects: pa.Table
+    max_event: str | None
+
+
 class RayExecutor:
     """One view on the cluster: read and split by entity, then per partition compute and write
     history files (uncommitted), then per partition write online."""
 
     def __init__(self, engine: RayEngine, ray: Any, files: list[str], parts: int):
         self.engine, self.ray, self.files, self.parts = engine, ray, files, parts
-        self._job: dict[str, Any] = {}
+        self._job: ViewJob | None = None
 
     def compute(
         self,
@@ -136,7 +168,7 @@ class RayExecutor:
         units = _row_groups(self.files)  # a large file is read by several tasks, a row group each
         groups = [units[g::parts] for g in range(min(parts, len(units)))]
         pieces = [split.remote(group, key_types, parts) for group in groups]
-        self._job = job = dict(
+        self._job = job = ViewJob(
             state=state,
             view=view.name,
             transformation=transformation,
@@ -156,13 +188,13 @@ class RayExecutor:
         summaries = gather(
             ray, [r[0] for r in results], f"{view.name}: computing {parts} partitions on Ray", engine.progress
         )
-        newest = [s["max_event"] for s in summaries if s["max_event"]]
+        newest = [s.max_event for s in summaries if s.max_event]
         return ComputedRun(
-            computed_rows=sum(s["computed"] for s in summaries),
-            rejects=pa.concat_tables([s["rejects"] for s in summaries], promote_options="default"),
+            computed_rows=sum(s.computed for s in summaries),
+            rejects=pa.concat_tables([s.rejects for s in summaries], promote_options="default"),
             max_event=max(newest) if newest else None,
-            new_rows=sum(s["new"] for s in summaries),
-            files=[a for s in summaries for a in s["actions"]],
+            new_rows=sum(s.new for s in summaries),
+            files=[a for s in summaries for a in s.actions],
             partitions=[r[1] for r in results],
         )
 
@@ -202,53 +234,53 @@ def _view_rows(con: duckdb.DuckDBPyConnection, source: pa.Table, transformation:
         con.register("view_rows", run_python_transformation(transformation, source))
 
 
-def _compute_write(job: dict[str, Any], *pieces: pa.Table) -> tuple[dict[str, Any], pa.Table]:
+def _compute_write(job: ViewJob, *pieces: pa.Table) -> tuple[PartitionSummary, pa.Table]:
     """One partition: compute the view's rows, write the new ones as uncommitted history files."""
     from featurestore.offline.delta import DeltaOfflineStore
 
-    defs = applied_definitions(job["state"])
-    view = defs.view(job["view"])
+    defs = applied_definitions(job.state)
+    view = defs.view(job.view)
     con = duckdb.connect()
     fit_to_task(con)
-    _view_rows(con, pa.concat_tables(pieces, promote_options="default"), job["transformation"])
+    _view_rows(con, pa.concat_tables(pieces, promote_options="default"), job.transformation)
     computed = compute(
         con,
         view,
         defs.key_types[view.name],
         defs.history_schema(view),
-        job["run_id"],
-        job["now"],
-        job["start"],
-        job["end"],
-        job["future_tolerance"],
+        job.run_id,
+        job.now,
+        job.start,
+        job.end,
+        job.future_tolerance,
     )
     actions, new = [], 0
-    if job["write_offline"] and computed.rows.num_rows:
-        store = DeltaOfflineStore(Path(job["offline_path"]))
-        fresh = store.new_rows(view.history_table, computed.rows)
-        actions, new = store.write_files(view.history_table, fresh), fresh.num_rows
-    summary = {
-        "computed": computed.rows.num_rows,
-        "new": new,
-        "actions": actions,
-        "rejects": computed.rejects,
-        "max_event": max_event_iso(computed.rows),
-    }
+    if job.write_offline and computed.rows.num_rows:
+        store, table = DeltaOfflineStore(Path(job.offline_path)), defs.layout(view).history_table
+        fresh = store.new_rows(table, computed.rows)
+        actions, new = store.write_files(table, fresh), fresh.num_rows
+    summary = PartitionSummary(computed.rows.num_rows, new, actions, computed.rejects, max_event_iso(computed.rows))
     return summary, computed.rows
 
 
-def _write_online(job: dict[str, Any], rows: pa.Table) -> int:
+def _write_online(job: ViewJob, rows: pa.Table) -> int:
     """One partition's rows online, as the local engine writes them."""
     from featurestore.online.base import open_online_store
 
     fit_to_task()
-    defs = applied_definitions(job["state"])
-    online = open_online_store(job["online"])
-    view = defs.view(job["view"])
-    expire_after = key_expiry(defs, view) if job["expire_after_ttl"] else None
+    defs = applied_definitions(job.state)
+    online = open_online_store(job.online)
+    view = defs.view(job.view)
+    expire_after = key_expiry(defs, view) if job.expire_after_ttl else None
     try:
         return write_online(
-            online, view, rows, job["now"], event_retention=job["event_retention"], expire_after=expire_after
+            online,
+            view,
+            defs.layout(view).online_field,
+            rows,
+            job.now,
+            event_retention=job.event_retention,
+            expire_after=expire_after,
         )
     finally:
         online.close()

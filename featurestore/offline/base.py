@@ -1,6 +1,6 @@
 """The interface a history store implements. A second backend is a new file beside delta.py.
 
-Tables are named by ``FeatureView.history_table`` (one per view version); ``drop`` takes the
+Tables are named by ``history_table`` (one per view version); ``drop`` takes the
 view's name and deletes all its versions."""
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ HISTORY_COLUMNS: dict[str, pa.DataType] = {
 }
 # Stores may partition history by the event's UTC date under this column name.
 PARTITION_COLUMN = "event_date"
+
+
+def history_table(view: str, version: int) -> str:
+    """``txn`` for version 1 (tables from before versions existed stay where they are), ``txn@v2`` after."""
+    return view if version == 1 else f"{view}@v{version}"
 
 
 class HistoryReads(Protocol):

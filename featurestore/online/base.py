@@ -13,12 +13,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
+from featurestore.definitions import content_hash
 from featurestore.errors import OnlineStoreUnavailable
+
+if TYPE_CHECKING:
+    from featurestore.definitions import FeatureView
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
@@ -30,8 +34,38 @@ TiledRange = tuple[bytes, Sequence[bytes | int]]
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
+KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
+EVENTS_LAYOUT = 4  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+
 EMBEDDED = "embedded"
 CLUSTER_SCHEME = "redis+cluster://"
+
+
+def layout_id(view: FeatureView, version: int) -> str:
+    """Hash of how a view version's rows are stored online (keys, key types, columns and types,
+    event id, version): values are written under ``online_field`` (name + this id), so bytes
+    written under another layout are never decoded as this one; they read as NOT_FOUND until
+    re-materialized."""
+    return content_hash(
+        {
+            "keys": [e.to_spec()["key_types"] for e in view.entities],
+            "join_keys": view.join_keys,
+            "schema": [f.to_spec() for f in view.schema],
+            "event_id": view.event_id,
+            "key_encoding": KEY_ENCODING,
+            **({"version": version} if version > 1 else {}),
+            # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
+            **(
+                {"events": EVENTS_LAYOUT, "longest_us": view.longest_window // timedelta(microseconds=1)}
+                if view.aggregations
+                else {}
+            ),
+        }
+    )[:8]
+
+
+def online_field(view: str, storage_id: str) -> str:
+    return f"{view}#{storage_id}"
 
 
 @dataclass(frozen=True)

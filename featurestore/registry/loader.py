@@ -7,7 +7,7 @@ import importlib.util
 import sys
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from featurestore.config import RepoConfig
@@ -21,6 +21,7 @@ from featurestore.definitions import (
     content_hash,
 )
 from featurestore.errors import NotFoundError
+from featurestore.registry.layout import ViewLayout, layout_of
 from featurestore.registry.shapes import shape_problems
 from featurestore.types import DType
 
@@ -58,9 +59,25 @@ class Definitions:
     push_sources: dict[str, PushSource] = field(default_factory=dict)
     # join-key types per view: declared on the entity, else read from the source at validation
     key_types: dict[str, dict[str, DType]] = field(default_factory=dict)
-    # compiled online lookups by request signature (definitions are immutable once loaded);
-    # bounded: a client cycling through distinct feature lists cannot grow it without limit
+    # the history version the registry applied per view (1 if absent): see ``layout``
+    versions: dict[str, int] = field(default_factory=dict)
+    # compiled online lookups by request signature (definitions and versions are fixed once
+    # loaded: ``with_versions`` makes new Definitions with an empty cache); bounded: a client
+    # cycling through distinct feature lists cannot grow it without limit
     query_cache: LRUCache = field(default_factory=lambda: LRUCache(1024), repr=False)
+    _layouts: dict[str, ViewLayout] = field(default_factory=dict, repr=False)
+
+    def with_versions(self, versions: dict[str, int]) -> Definitions:
+        """The same objects under the registry's applied versions (nothing is set on the objects)."""
+        return replace(self, versions=dict(versions), query_cache=LRUCache(self.query_cache.capacity), _layouts={})
+
+    def layout(self, view: FeatureView | str) -> ViewLayout:
+        """Where the applied version of a view keeps its rows, offline and online."""
+        name = view if isinstance(view, str) else view.name
+        found = self._layouts.get(name)
+        if found is None:
+            found = self._layouts[name] = layout_of(self.view(name), self.versions.get(name, 1))
+        return found
 
     def all(self) -> dict[str, dict]:
         return {

@@ -53,7 +53,7 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
     for name, entry in objects.get("push_source", {}).items():
         defs.push_sources[name] = _source(entry["spec"])
     for name, entry in objects.get("feature_view", {}).items():
-        view = view_from_spec(entry["spec"], defs.entities, state.get("history_versions", {}).get(name, 1))
+        view = view_from_spec(entry["spec"], defs.entities)
         defs.feature_views[name] = view
         recorded = state.get("key_types", {}).get(name)
         defs.key_types[name] = (
@@ -75,10 +75,11 @@ def applied_definitions(state: dict[str, Any]) -> Definitions:
             else:
                 items.append(FeatureViewProjection(defs.feature_views[view_name], [feature]))
         defs.feature_services[name] = FeatureService(name, items)  # type: ignore[arg-type]
+    defs.versions = {n: v for n, v in state.get("history_versions", {}).items() if n in defs.feature_views}
     return defs
 
 
-def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity], history_version: int = 1) -> FeatureView:
+def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity]) -> FeatureView:
     """A feature view as applied (its transformation, code, is not part of the registry state)."""
     view = FeatureView(
         spec["name"],
@@ -94,7 +95,6 @@ def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity], history_ve
         aggregations=[_aggregation(a) for a in spec.get("aggregations", [])],
         event_id=spec.get("event_id"),
     )
-    view.history_version = history_version
     return view
 
 

@@ -16,12 +16,34 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from featurestore.errors import FeatureStoreError
 from featurestore.files import file_lock
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """One view's materialization progress."""
+
+    online_synced: bool = False  # the online store holds the view's whole history, under ``online_layout``
+    online_layout: str | None = None  # the layout id (``ViewLayout.storage_id``) the online store was filled under
+    last_run_id: int | None = None  # the last write run that committed history
+    materialized_at: str | None = None  # when it did (ISO, UTC)
+    end: str | None = None  # the end of the last materialized interval (ISO)
+    max_event_timestamp: str | None = None  # the newest event it stored (ISO)
+
+    def synced_under(self, storage_id: str) -> bool:
+        """Whether the online store holds the whole history in this layout (another layout: nothing of it)."""
+        return self.online_synced and self.online_layout == storage_id
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Watermark:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})  # fields older versions wrote are dropped
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -100,21 +122,30 @@ class RegistryStore:
 
     # -- materialization progress
 
-    def watermarks(self) -> dict[str, dict[str, Any]]:
+    def watermarks(self) -> dict[str, Watermark]:
         file = self.path / "watermarks.json"
-        return _read(file) if file.exists() else {}
+        return {view: Watermark.from_json(mark) for view, mark in (_read(file) if file.exists() else {}).items()}
+
+    def watermark(self, view: str) -> Watermark:
+        """The view's progress (an empty one before its first run)."""
+        return self.watermarks().get(view, Watermark())
 
     def set_watermark(self, view: str, **values: Any) -> None:
+        """Change the named fields of the view's watermark (a name ``Watermark`` lacks is a TypeError)."""
         with self._lock():
             marks = self.watermarks()
-            marks[view] = {**marks.get(view, {}), **values}
-            atomic_write(self.path / "watermarks.json", _dumps(marks))
+            marks[view] = replace(marks.get(view, Watermark()), **values)
+            self._write_watermarks(marks)
 
     def drop_watermark(self, view: str) -> None:
         with self._lock():
             marks = self.watermarks()
             marks.pop(view, None)
-            atomic_write(self.path / "watermarks.json", _dumps(marks))
+            self._write_watermarks(marks)
+
+    def _write_watermarks(self, marks: dict[str, Watermark]) -> None:
+        data = {view: {k: v for k, v in asdict(mark).items() if v is not None} for view, mark in marks.items()}
+        atomic_write(self.path / "watermarks.json", _dumps(data))
 
     def next_run_id(self) -> int:
         """A number no earlier write run got; orders runs for the ingest tie-break."""

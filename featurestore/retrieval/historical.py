@@ -115,7 +115,7 @@ class RetrievalJob:
             else:
                 wanted = versions.get(req.view.name) if versions is not None else None
                 table_versions[req.view.name] = offline.register(
-                    con, req.view.history_table, f"__hist{i}", schema, version=wanted
+                    con, req.layout.history_table, f"__hist{i}", schema, version=wanted
                 )
         sql = _join_sql(requests, entity_columns, ts_column, as_of, defs.key_types, _sum_scales(con, requests))
         types = {n: r.view.field(f).dtype.arrow for r in requests for f, n in zip(r.features, r.output_names)}
@@ -123,7 +123,7 @@ class RetrievalJob:
             not ts_column
         ):  # the entity rows' time in nanoseconds: returned UTC (naive input is UTC), its nanoseconds kept
             types[_time_column(entity_columns, con)] = pa.timestamp("ns", tz="UTC")
-        job = cls(con, sql, table_versions, {r.view.name: r.view.history_table for r in requests}, types)
+        job = cls(con, sql, table_versions, {r.view.name: r.layout.history_table for r in requests}, types)
         if on_demand is not None:
             missing = [f for f in on_demand.request_fields if f not in entity_columns]
             if missing:

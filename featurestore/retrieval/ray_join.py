@@ -87,7 +87,9 @@ class RayJoinJob:
         for i, req in enumerate(requests):
             pinned = versions.get(req.view.name) if versions is not None else None
             version, files = (
-                (None, []) if versions is not None and pinned is None else offline.files(req.view.history_table, pinned)
+                (None, [])
+                if versions is not None and pinned is None
+                else offline.files(req.layout.history_table, pinned)
             )
             table_versions[req.view.name] = version
             keys = req.view.join_keys
@@ -115,7 +117,7 @@ class RayJoinJob:
             features_out += [(p, n, joined[n]) for p, n in zip(req.positions, req.output_names)]
         columns += [(n, c) for _, n, c in sorted(features_out, key=lambda f: f[0])]  # in request order
         table = pa.table(dict(columns)) if requests else entities
-        return cls(table, table_versions, {r.view.name: r.view.history_table for r in requests})
+        return cls(table, table_versions, {r.view.name: r.layout.history_table for r in requests})
 
     def to_arrow(self) -> pa.Table:
         return self.table
@@ -139,7 +141,7 @@ def _view_state(defs: Definitions, view_name: str) -> dict[str, Any]:
             "entity": {e.name: {"spec": e.to_spec()} for e in view.entities},
             "feature_view": {view.name: {"spec": view.to_spec()}},
         },
-        "history_versions": {view.name: view.history_version},
+        "history_versions": {view.name: defs.layout(view).version},
         "key_types": {view.name: {k: t.name for k, t in defs.key_types[view.name].items()}},
     }
 
@@ -224,7 +226,7 @@ def _join_partition(
     rows = pa.concat_tables(history) if history else defs.history_schema(view).empty_table()
     job = RetrievalJob.build(
         defs,
-        _InMemory({view.history_table: rows}),
+        _InMemory({defs.layout(view).history_table: rows}),
         entities,
         refs,
         None,

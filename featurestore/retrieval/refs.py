@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from featurestore.definitions import FeatureService, FeatureView
 from featurestore.errors import NotFoundError, RequestError
+from featurestore.registry.layout import ViewLayout
 from featurestore.registry.loader import Definitions
 
 
@@ -16,6 +17,7 @@ class ViewRequest:
     features: list[str]  # in request order
     output_names: list[str]  # column names in the result
     positions: list[int]  # where each feature stands in the whole request (results follow it)
+    layout: ViewLayout  # the applied version's storage, where the features are read
 
 
 def resolve(
@@ -55,7 +57,7 @@ def resolve(
             raise NotFoundError(
                 f"feature {feature!r} not found in view {view_name!r}; its features: {view.feature_names}"
             )
-        request = grouped.setdefault(view_name, ViewRequest(view, [], [], []))
+        request = grouped.setdefault(view_name, ViewRequest(view, [], [], [], defs.layout(view_name)))
         if feature in request.features:
             raise RequestError(f"feature {ref!r} is requested twice; list each feature once")
         request.features.append(feature)

@@ -173,9 +173,9 @@ class QueryTemplate:
                 by_name = {a.output_name: a for a in req.view.aggregations}
                 stored = [(f.name, f.dtype) for f in req.view.schema]
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
-                events_of = partial(_events_key_of, entity_of, req.view.online_field)
+                events_of = partial(_events_key_of, entity_of, req.layout.online_field)
                 evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
-                spec = tiles.TileSpec.of(req.view)
+                spec = tiles.TileSpec.of(req.view, req.layout.storage_id)
                 tiled = (
                     tiles.TiledEvaluator(req.view, spec)
                     if spec is not None and spec.covers(evaluator.aggregations)
@@ -196,7 +196,7 @@ class QueryTemplate:
                     _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()}),
                 )
             group = groups[keyset]
-            group.fields.append(req.view.online_field)
+            group.fields.append(req.layout.online_field)
             wanted = [req.view.feature_names.index(f) for f in req.features]
             decode = make_decoder([(f.name, f.dtype) for f in req.view.schema], wanted)
             ttl = req.view.ttl // timedelta(microseconds=1) if req.view.ttl is not None else None
@@ -329,7 +329,7 @@ class OnlineQuery:
         """The feature views the query reads, each once, with the history version read (Feast's
         ``feature_view_metadata``; our versions count from 1, as ``plan`` names them)."""
         plans: list[_ViewPlan | _WindowPlan] = [*self.template.views, *self.template.windows]
-        views = {plan.request.view.name: plan.request.view.history_version for plan in plans}
+        views = {plan.request.view.name: plan.request.layout.version for plan in plans}
         return [{"name": name, "version": version} for name, version in views.items()]
 
     def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
