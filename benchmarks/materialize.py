@@ -139,7 +139,7 @@ def main() -> None:
     def fresh() -> None:
         client.flushdb()
         store.registry.drop_watermark("stats")
-        shutil.rmtree(store.config.offline.path, ignore_errors=True)
+        shutil.rmtree(store.config.offline.location.path, ignore_errors=True)
 
     print(f"{args.rows:,} source rows, {args.entities:,} entities, 10 features; Redis {store.online_store.url}\n")
     best: dict[str, float] = {}

@@ -30,7 +30,7 @@ def definition_versions(registry: RegistryStore) -> dict[str, list[int]]:
     """Per object (``kind/name``), the registry versions in which its definition changed.
     Computed once per registry version (history files never change)."""
     numbers = registry.versions()
-    key = (str(registry.path), numbers[-1] if numbers else 0)
+    key = (registry.location.url, numbers[-1] if numbers else 0)
     if key not in _versions_cache:
         changed: dict[str, list[int]] = {}
         last: dict[str, str] = {}

@@ -18,6 +18,7 @@ import yaml
 
 from featurestore.errors import FeatureStoreError
 from featurestore.online.base import EMBEDDED, OnlineStoreSettings
+from featurestore.storage import Location
 
 if TYPE_CHECKING:
     from featurestore.auth import ApiKey
@@ -44,7 +45,7 @@ class OnlineSection:
 class OfflineSection:
     """``offline_store:``: where history lives, which engine joins it, how pushes reach it."""
 
-    path: Path = Path("data/offline")
+    location: Location = Location("data/offline")  # a local folder or s3://bucket/prefix
     engine: str = "local"  # where point-in-time joins and exports run: local (DuckDB) or ray
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     buffer_max_rows: int = 10_000
@@ -80,8 +81,8 @@ class RepoConfig:
     repo_path: Path
     project: str
     modules: tuple[str, ...] = ("features.py",)
-    data_dir: Path = Path("data")
-    registry_path: Path = Path("data/registry")
+    data_dir: Path = Path("data")  # local: the push journal, the embedded Redis, models and runs
+    registry: Location = Location("data/registry")  # a local folder or s3://bucket/prefix
     # rows whose event time is further ahead of the ingest time are rejected until due
     future_tolerance: timedelta = timedelta(seconds=5)
     online: OnlineSection = field(default_factory=OnlineSection)
@@ -121,16 +122,21 @@ class RepoConfig:
         _check_keys(file, raw)
         data_dir = Path(os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"))
         data_dir = data_dir if data_dir.is_absolute() else repo / data_dir
+        options = raw.get("storage_options") or {}
+        if not isinstance(options, dict):
+            raise FeatureStoreError(
+                f"{file}: `storage_options` must map option names to values (AWS_ENDPOINT_URL: ...)"
+            )
         registry = raw.get("registry")
         return cls(
             repo_path=repo,
             project=str(raw["project"]),
             modules=tuple(_modules(raw.get("modules", ["features.py"]), file)),
             data_dir=data_dir,
-            registry_path=_resolve(repo, registry) if registry else data_dir / "registry",
+            registry=_location(registry or data_dir / "registry", repo, options, f"{file}: registry"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             online=_online_section(raw.get("online_store") or {}, file),
-            offline=_offline_section(raw.get("offline_store") or {}, file, repo, data_dir),
+            offline=_offline_section(raw.get("offline_store") or {}, file, repo, data_dir, options),
             ray=_ray_section(raw.get("offline_store") or {}),
             server=_server_section(raw.get("server") or {}, file),
         )
@@ -148,11 +154,10 @@ def _online_section(online: dict, file: Path) -> OnlineSection:
     )
 
 
-def _offline_section(offline: dict, file: Path, repo: Path, data_dir: Path) -> OfflineSection:
+def _offline_section(offline: dict, file: Path, repo: Path, data_dir: Path, options: dict) -> OfflineSection:
     where = f"{file}: offline_store"
-    path = offline.get("path")
     return OfflineSection(
-        path=_resolve(repo, path) if path else data_dir / "offline",
+        location=_location(offline.get("path") or data_dir / "offline", repo, options, f"{where}.path"),
         engine=_choice(offline.get("engine", "local"), ("local", "ray"), f"{where}.engine"),
         buffer_max_rows=_positive_int(offline.get("buffer_max_rows", 10_000), f"{where}.buffer_max_rows"),
         buffer_max_seconds=parse_duration(offline.get("buffer_max_age", 5), f"{where}.buffer_max_age").total_seconds(),
@@ -221,7 +226,17 @@ def parse_duration(value: object, where: str) -> timedelta:
 
 
 _KEYS = {
-    "": {"project", "modules", "data_dir", "registry", "online_store", "offline_store", "future_tolerance", "server"},
+    "": {
+        "project",
+        "modules",
+        "data_dir",
+        "registry",
+        "online_store",
+        "offline_store",
+        "future_tolerance",
+        "server",
+        "storage_options",
+    },
     "server": {"max_request_bytes", "auth", "errors"},
     "online_store": {
         "url",
@@ -308,6 +323,8 @@ def _modules(value: object, file: Path) -> list[str]:
     return list(value)
 
 
-def _resolve(repo: Path, value: str) -> Path:
-    p = Path(value)
-    return p if p.is_absolute() else repo / p
+def _location(value: str | Path, repo: Path, options: dict, where: str) -> Location:
+    try:
+        return Location.parse(value, repo, options)
+    except FeatureStoreError as exc:
+        raise FeatureStoreError(f"{where}: {exc}") from None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
-from featurestore.errors import DefinitionError, FeatureStoreError, OnlineStoreUnavailable
+from featurestore.errors import ConflictError, DefinitionError, FeatureStoreError, OnlineStoreUnavailable
 from featurestore.files import private_dir
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
 from featurestore.registry.layout import ViewLayout
@@ -33,14 +33,18 @@ if TYPE_CHECKING:
     from featurestore.training.model_registry import ModelRegistry
 
 
+APPLY_ATTEMPTS = 20  # plans made again when other applies keep coming first
+
+
 class FeatureStore:
     """A feature repo: its definitions, applied registry, offline and online stores."""
 
     def __init__(self, repo_path: str | Path = ".", config: RepoConfig | None = None):
         self.config = config or RepoConfig.load(repo_path)
-        for folder in {self.config.data_dir, self.config.offline.path, self.config.registry_path}:
+        local = [where.path for where in (self.config.offline.location, self.config.registry) if where.is_local]
+        for folder in {self.config.data_dir, *local}:
             private_dir(folder)  # history, registry, buffers, models, runs: this user's alone
-        self.registry = RegistryStore(self.config.registry_path)
+        self.registry = RegistryStore(self.config.registry)
         self._definitions: Definitions | None = None
         self._offline: DeltaOfflineStore | None = None
         self._online: OnlineStore | None = None
@@ -123,17 +127,26 @@ class FeatureStore:
         return make_plan(self.registry.current(), self.definitions.specs(), key_types)
 
     def apply(self, force: bool = False) -> Plan:
-        """Persist the definitions; removing a view (and deleting its data) needs ``force``."""
-        plan = self.plan()
-        if plan.deletes_data and not force:
-            removed = [c.name for c in plan.changes if c.deletes_data]
-            raise FeatureStoreError(
-                f"applying would remove feature view(s) {removed} and delete their stored data; "
-                "re-run with --force (apply(force=True)) to confirm"
-            )
-        if plan.empty:
-            return plan
-        self.registry.apply(plan.objects, history_versions=plan.history_versions, key_types=plan.key_types)
+        """Persist the definitions; removing a view (and deleting its data) needs ``force``.
+
+        Against the registry version it was planned on: if another apply (another machine) came
+        first, the plan is made again on what it recorded, so neither is lost."""
+        for _ in range(APPLY_ATTEMPTS):
+            plan = self._apply_plan(force)
+            try:
+                if plan.empty:
+                    return plan
+                self.registry.apply(
+                    plan.objects,
+                    expected_version=plan.base_version,
+                    history_versions=plan.history_versions,
+                    key_types=plan.key_types,
+                )
+                break
+            except ConflictError:
+                continue
+        else:
+            raise FeatureStoreError(f"{APPLY_ATTEMPTS} other applies came first, one after another; try again")
         self._unapplied = None
         self._definitions = self.definitions.with_versions(plan.history_versions)
         for change in plan.changes:
@@ -141,6 +154,16 @@ class FeatureStore:
                 self.offline_store.drop(change.name)
                 self.online_store.drop_view(change.name)
                 self.registry.drop_watermark(change.name)
+        return plan
+
+    def _apply_plan(self, force: bool) -> Plan:
+        plan = self.plan()
+        if plan.deletes_data and not force:
+            removed = [c.name for c in plan.changes if c.deletes_data]
+            raise FeatureStoreError(
+                f"applying would remove feature view(s) {removed} and delete their stored data; "
+                "re-run with --force (apply(force=True)) to confirm"
+            )
         return plan
 
     def list_entities(self) -> list[Entity]:
@@ -170,9 +193,13 @@ class FeatureStore:
         def announce(name: str, version: int, stage: str) -> None:
             self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
-        return ModelRegistry(
-            self.config.data_dir / "models", self.config.registry_path / "models.json", announce, self.artifacts()
-        )
+        return ModelRegistry(self.config.data_dir / "models", self._models_ledger(), announce, self.artifacts())
+
+    def _models_ledger(self) -> Path:
+        """The model registry's ledger: beside the registry on local disk; with the registry on
+        object storage, under ``data_dir`` (models and runs stay local for now)."""
+        registry = self.config.registry
+        return (registry.path if registry.is_local else self.config.data_dir / "registry") / "models.json"
 
     def artifacts(self) -> ArtifactStore:
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
@@ -187,7 +214,7 @@ class FeatureStore:
         if self._offline is None:
             from featurestore.offline.delta import DeltaOfflineStore
 
-            self._offline = DeltaOfflineStore(self.config.offline.path)
+            self._offline = DeltaOfflineStore(self.config.offline.location)
         return self._offline
 
     @property
@@ -237,7 +264,7 @@ class FeatureStore:
             distributed = RayEngine(
                 self.definitions,
                 self.registry,
-                config.offline.path,
+                config.offline.location,
                 # the running server's address (an embedded one too: tasks connect to it)
                 dataclasses.replace(config.online_store_settings, url=self.online_store.url),
                 config.repo_path,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from pathlib import Path
 
 from featurestore import FeatureStore
@@ -17,31 +15,35 @@ class RegistryWatcher:
     """Reloads the repo's definitions when ``apply`` writes a new registry version.
 
     Requests read ``current`` (already loaded); a background task polls the registry file
-    (one ``stat`` a second) and swaps in a fully loaded store, so no request parses anything.
+    (its stamp once a second: a ``stat``, or a ``HEAD`` on object storage) and swaps in a fully
+    loaded store, so no request parses anything.
     """
 
     def __init__(self, repo: Path, interval: float = 1.0):
         self.repo = repo
         self.interval = interval
         self.current = self._load()
-        self._mtime = self._stat()
+        self._stamp: str | None = None
+        self._stamp = self._stamped()
 
     def _load(self) -> FeatureStore:
         store = FeatureStore(self.repo)
         store.require_applied()  # parse and validate now, not on a request; serve applied definitions only
         return store
 
-    def _stat(self) -> float:
-        with contextlib.suppress(FileNotFoundError):
-            return os.stat(self.current.registry.file).st_mtime
-        return 0.0
+    def _stamped(self) -> str | None:
+        try:
+            return self.current.registry.stamp()
+        except Exception as exc:  # object storage unreachable: check again next time
+            log.warning("cannot check the registry for changes: %s", exc)
+            return self._stamp
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            mtime = self._stat()
-            if mtime != self._mtime:
-                self._mtime = mtime
+            stamp = await asyncio.to_thread(self._stamped)
+            if stamp != self._stamp:
+                self._stamp = stamp
                 try:
                     fresh = await asyncio.to_thread(self._load)
                 except Exception as exc:  # any failure: keep serving the last good definitions, keep watching

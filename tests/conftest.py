@@ -75,16 +75,79 @@ def write_repo(
     url: str | None = None,
     project: str | None = None,
     online_options: str = "",
+    storage: str = "",
 ) -> Path:
     """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``."""
     project = project or f"p{os.getpid()}_{next(_projects)}"
     (root / "data").mkdir(parents=True, exist_ok=True)
     online = f"online_store: {{url: '{url}'{online_options}}}\n" if url else ""
-    (root / "featurestore.yaml").write_text(f"project: {project}\nmodules: [features.py]\n{online}")
+    (root / "featurestore.yaml").write_text(f"project: {project}\nmodules: [features.py]\n{online}{storage}")
     (root / "features.py").write_text(textwrap.dedent(features_py))
     for name, table in (tables or {}).items():
         pq.write_table(table, root / "data" / f"{name}.parquet")
     return root
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+    """A real S3-compatible server process (moto's, which honours If-Match / If-None-Match)."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "wb")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto_server did not start; see {log.name}") from None
+            time.sleep(0.1)
+    yield endpoint
+    server.terminate()
+    server.wait(10)
+    log.close()
+
+
+_buckets = itertools.count()
+
+
+def s3_bucket(endpoint: str) -> tuple[str, dict[str, str]]:
+    """A new bucket on ``endpoint``, and the storage options that reach it."""
+    import boto3
+
+    options = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    bucket = f"fs-{os.getpid()}-{next(_buckets)}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+    ).create_bucket(Bucket=bucket)
+    return bucket, options
+
+
+def s3_storage(endpoint: str) -> str:
+    """featurestore.yaml lines putting the registry and the history in a new bucket on ``endpoint``."""
+    bucket, options = s3_bucket(endpoint)
+    return (
+        f"registry: s3://{bucket}/registry\n"
+        f"offline_store: {{path: s3://{bucket}/offline}}\n"
+        f"storage_options: {{{', '.join(f'{k}: {v!r}' for k, v in options.items())}}}\n"
+    )
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request) -> str:
+    """Where a repo keeps its registry and history: the default local folders, or an S3 bucket."""
+    return "" if request.param == "local" else s3_storage(request.getfixturevalue("s3_endpoint"))
 
 
 @pytest.fixture
@@ -99,8 +162,11 @@ def make_store(tmp_path, redis_url, monkeypatch):
         name: str = "repo",
         online_options: str = "",
         apply: bool = True,
+        storage: str = "",
     ) -> FeatureStore:
-        root = write_repo(tmp_path / name, features_py, tables, url=redis_url, online_options=online_options)
+        root = write_repo(
+            tmp_path / name, features_py, tables, url=redis_url, online_options=online_options, storage=storage
+        )
         store = FeatureStore(root)
         if apply:  # stores run on applied definitions only
             store.apply()

@@ -182,7 +182,7 @@ def test_stored_data_is_private_to_its_user(tmp_path, redis_url, monkeypatch):
             "events", {"card_id": [1], "amount": [3.0], "country": ["FR"], "event_timestamp": [NOW]}, to="offline"
         )
         store.flush()
-        for folder in (store.config.data_dir, store.config.offline.path, store.config.registry_path):
+        for folder in (store.config.data_dir, store.config.offline.location.path, store.config.registry.path):
             assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
-        assert any(store.config.offline.path.rglob("*.parquet"))  # the history written, behind a 0700 folder
+        assert any(store.config.offline.location.path.rglob("*.parquet"))  # the history written, behind a 0700 folder
     os.umask(previous)

@@ -14,9 +14,9 @@ import pytest
 from featurestore import FeatureStore
 from featurestore.config import RepoConfig
 from featurestore.errors import DefinitionError, FeatureStoreError
+from featurestore.files import atomic_write
 from featurestore.online.base import EMBEDDED
 from featurestore.registry import RegistryStore
-from featurestore.registry.store import atomic_write
 
 from .conftest import write_repo
 
@@ -186,7 +186,7 @@ def test_config_defaults_and_env_override(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.delenv("FEATURESTORE_DATA_DIR", raising=False)
     config = RepoConfig.load(root)
-    assert config.online.url == EMBEDDED and config.offline.path == root / "data" / "offline"
+    assert config.online.url == EMBEDDED and config.offline.location.path == root / "data" / "offline"
     monkeypatch.setenv("REDIS_URL", "redis://example:6379/0")
     assert RepoConfig.load(root).online.url == "redis://example:6379/0"
 

@@ -76,6 +76,7 @@ class LocalExecutor:
         start: datetime | None,
         end: datetime | None,
         to_history: bool,
+        history_version: int | None,
     ) -> ComputedRun:
         m = self.materializer
         computed = m.compute(self.con, view, run_id, now, start, end)
@@ -83,7 +84,7 @@ class LocalExecutor:
         files: list[Any] = []
         if to_history and rows.num_rows:
             table = m.defs.layout(view).history_table
-            fresh = m.offline.new_rows(table, rows)
+            fresh = m.offline.new_rows(table, rows, history_version)
             files = m.offline.write_files(table, fresh) if fresh.num_rows else []
             fresh = fresh.drop_columns([PARTITION_COLUMN])
         new = fresh.num_rows if to_history else 0

@@ -3,10 +3,13 @@
 1. **mark**: before history changes, the view is marked ``online_synced: false`` (history may now
    hold rows the online store lacks);
 2. **compute** (the executor, ``ViewExecutor.compute``): the view's rows, split into rejects and
-   valid rows; with history to write, those history lacks are written as files, uncommitted,
-   under the history table's writer lock;
-3. **commit**: the files in one history transaction (a crash before it leaves files no version
-   lists: invisible, and a re-run writes them again);
+   valid rows; with history to write, those the table's current version lacks are written as
+   files, uncommitted;
+3. **commit**: the files in one history transaction, expecting the version they were
+   deduplicated against (another writer's commit meanwhile: its rows are taken out of the files
+   and the commit retried, ``HistoryWriter.commit``; no lock, so writers on other machines are
+   safe too); a crash before it leaves files no version lists: invisible, and a re-run writes
+   them again;
 4. **online**: when the mark was true, each partition's rows (the executor); when it was false,
    the latest of the view's *whole history* (plus what was computed), as authority, whatever the
    run's window;
@@ -19,7 +22,6 @@ windowed runs), a re-run converges.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -72,8 +74,10 @@ class ViewExecutor(Protocol):
         start: datetime | None,
         end: datetime | None,
         to_history: bool,
+        history_version: int | None,
     ) -> ComputedRun:
-        """Compute the view's rows; with ``to_history``, write those history lacks as uncommitted files."""
+        """Compute the view's rows; with ``to_history``, write those the history table lacks at
+        ``history_version`` (None: no table yet) as uncommitted files."""
         ...
 
     def write_online(self, view: FeatureView, run: ComputedRun, now: datetime) -> int:
@@ -114,14 +118,13 @@ def write_view(
     write_offline, write_online = offline and view.offline, online and view.online
     synced = begin_history_write(stores, view, write_offline)
     table = stores.defs.layout(view).history_table
-    locked = history.writer(table) if write_offline else contextlib.nullcontext()
-    with locked:  # one writer per history table, across processes, from the dedupe to the commit
-        run = executor.compute(view, run_id, now, start, end, write_offline)
-        report = ViewReport(view.name, computed_rows=run.computed_rows)
-        keep_rejects(stores, view, run.rejects, report, on_bad_rows)
-        if write_offline:
-            history.commit(table, run.files, stores.defs.history_schema(view))
-            report.new_offline_rows = run.new_rows
+    read = history.version(table) if write_offline else None
+    run = executor.compute(view, run_id, now, start, end, write_offline, read)
+    report = ViewReport(view.name, computed_rows=run.computed_rows)
+    keep_rejects(stores, view, run.rejects, report, on_bad_rows)
+    if write_offline:
+        history.commit(table, run.files, stores.defs.history_schema(view), read)
+        report.new_offline_rows = run.new_rows
     if write_online:
         if synced:
             report.online_rows = executor.write_online(view, run, now)

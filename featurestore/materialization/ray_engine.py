@@ -42,6 +42,7 @@ from featurestore.ray_cluster import connect, fit_to_task, gather, hash_split, l
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.registry.snapshot import applied_definitions
 from featurestore.sources import push_log_path, run_python_transformation
+from featurestore.storage import Location
 from featurestore.types import duckdb_type
 
 log = logging.getLogger("featurestore.materialize")
@@ -56,7 +57,7 @@ class RayEngine:
         self,
         defs: Definitions,
         registry: RegistryStore,
-        offline_path: Path,
+        offline: Location,
         online: OnlineStoreSettings,
         repo_path: Path,
         data_dir: Path,
@@ -67,7 +68,7 @@ class RayEngine:
         partitions: int = 0,
         progress: bool = False,
     ):
-        self.defs, self.registry, self.offline_path, self.online = defs, registry, offline_path, online
+        self.defs, self.registry, self.offline, self.online = defs, registry, offline, online
         self.repo_path, self.data_dir = repo_path, data_dir
         self.future_tolerance, self.event_retention = future_tolerance, event_retention
         self.expire_after_ttl = expire_after_ttl
@@ -120,8 +121,9 @@ class ViewJob:
     event_retention: timedelta
     expire_after_ttl: bool
     online: OnlineStoreSettings
-    offline_path: str
+    offline: Location
     write_offline: bool
+    history_version: int | None  # what partitions deduplicate against (the driver's commit expects it)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class RayExecutor:
         start: datetime | None,
         end: datetime | None,
         to_history: bool,
+        history_version: int | None,
     ) -> ComputedRun:
         engine, ray, parts = self.engine, self.ray, self.parts
         current = engine.registry.current()  # what a task rebuilds the views from (services are not needed)
@@ -180,8 +183,9 @@ class RayExecutor:
             event_retention=engine.event_retention,
             expire_after_ttl=engine.expire_after_ttl,
             online=engine.online,
-            offline_path=str(engine.offline_path),
+            offline=engine.offline,
             write_offline=to_history,
+            history_version=history_version,
         )
         compute_write = ray.remote(num_returns=2)(_compute_write)
         results = [compute_write.remote(job, *[piece[p] for piece in pieces]) for p in range(parts)]
@@ -256,8 +260,8 @@ def _compute_write(job: ViewJob, *pieces: pa.Table) -> tuple[PartitionSummary, p
     )
     actions, new = [], 0
     if job.write_offline and computed.rows.num_rows:
-        store, table = DeltaOfflineStore(Path(job.offline_path)), defs.layout(view).history_table
-        fresh = store.new_rows(table, computed.rows)
+        store, table = DeltaOfflineStore(job.offline), defs.layout(view).history_table
+        fresh = store.new_rows(table, computed.rows, job.history_version)
         actions, new = store.write_files(table, fresh), fresh.num_rows
     summary = PartitionSummary(computed.rows.num_rows, new, actions, computed.rejects, max_event_iso(computed.rows))
     return summary, computed.rows

@@ -5,7 +5,6 @@ view's name and deletes all its versions."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import duckdb
@@ -69,24 +68,24 @@ class HistoryWriter(Protocol):
     under ``writer``, the rows history lacks are written as files nobody reads yet, then committed
     in one transaction. Files are plain values, so an executor may write them on another machine."""
 
-    def writer(self, view: str) -> AbstractContextManager[None]:
-        """Hold the table's single-writer right from the dedupe to the commit."""
-        ...
-
-    def new_rows(self, view: str, rows: pa.Table) -> pa.Table:
-        """The rows (with the partition column) whose ``_row_id`` the table does not hold yet."""
+    def new_rows(self, view: str, rows: pa.Table, version: int | None) -> pa.Table:
+        """The rows (with the partition column) whose ``_row_id`` the table at ``version`` lacks."""
         ...
 
     def write_files(self, view: str, rows: pa.Table) -> list[Any]:
         """Write rows as data files, uncommitted; returns what ``commit`` takes."""
         ...
 
-    def commit(self, view: str, files: list[Any], schema: pa.Schema) -> int | None:
-        """Make the files one new version of the table (adding columns the schema gained)."""
+    def commit(self, view: str, files: list[Any], schema: pa.Schema, read_version: int | None) -> int | None:
+        """Make the files one new version of the table (adding columns the schema gained).
+
+        Optimistic, with no lock: ``read_version`` is the version ``new_rows`` deduplicated
+        against; rows that commits since then added (another writer, another machine) are
+        taken out of the files before the commit is retried on the newer version."""
         ...
 
     def append(self, view: str, rows: pa.Table) -> pa.Table:
-        """``new_rows`` + ``write_files`` + ``commit`` under ``writer``; returns the rows that were new."""
+        """``new_rows`` + ``write_files`` + ``commit``; returns the rows that were new."""
         ...
 
     def write_rejects(self, view: str, rejects: pa.Table) -> None:

@@ -78,6 +78,7 @@ class Plan:
     objects: dict[str, dict[str, dict]]
     history_versions: dict[str, int] = field(default_factory=dict)  # per view, after applying
     key_types: dict[str, dict[str, str]] = field(default_factory=dict)  # per view, resolved type names
+    base_version: int = 0  # the registry version the plan was made against
 
     @property
     def empty(self) -> bool:
@@ -144,7 +145,7 @@ def make_plan(
             if change.needs_backfill and ("feature_view", name) not in by_name:  # only an entity's key type changed
                 changes.append(change)
         versions[name] = version
-    return Plan(changes, desired, versions, key_types)
+    return Plan(changes, desired, versions, key_types, applied.get("version", 0))
 
 
 def _entity_keys(objects: dict[str, dict[str, dict]], view_spec: dict) -> dict[str, Any]:

@@ -1,28 +1,33 @@
-"""The applied registry state on disk: atomic writes, a history of versions, watermarks.
+"""The applied registry state: a history of versions, the current one, watermarks, run ids.
 
-Layout under the registry directory::
+Layout under the registry location (a local folder or ``s3://bucket/prefix``)::
 
-    registry.json            current applied state (version, time, every object's spec + hash,
-                             each view's history version and join-key types)
-    history/v00001.json      every applied version, immutable
-    watermarks.json          per-view materialization progress
-    run_seq                  monotonic counter giving each write run a unique ingest id
+    history/v00001.json      every applied version, immutable, written put-if-absent: the log
+    registry.json            the current applied state (version, time, every object's spec +
+                             hash, each view's history version and join-key types): a copy of
+                             the newest history entry, moved forward by compare-and-swap
+    watermarks.json          per-view materialization progress (compare-and-swap)
+    run_seq                  monotonic counter giving each write run a unique ingest id (compare-and-swap)
+
+Many writers on many machines: an ``apply`` claims version N+1 by creating ``history/vN+1``
+(``If-None-Match: *``); one that finds it taken re-reads and re-plans. An apply that died between
+its history entry and ``registry.json`` is rolled forward by the next one, so the two converge.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from featurestore.errors import FeatureStoreError
-from featurestore.files import file_lock
+from featurestore.errors import ConflictError, FeatureStoreError
+from featurestore.storage import Location, update
+
+CURRENT = "registry.json"
+WATERMARKS = "watermarks.json"
+RUN_SEQ = "run_seq"
 
 
 @dataclass(frozen=True)
@@ -46,38 +51,8 @@ class Watermark:
         return cls(**{k: v for k, v in data.items() if k in known})  # fields older versions wrote are dropped
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write temp file, fsync, rename, fsync dir: readers see the old or the new file, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _read(file: Path) -> Any:
-    """A registry file, or an error naming it and the way out (files are written atomically,
-    so a damaged one was edited or truncated by something else)."""
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        history = file.parent / "history"
-        raise FeatureStoreError(
-            f"registry file {file} is damaged ({exc}); restore it from {history} (every applied version is "
-            "kept there) or from a backup, or move it away and run `featurestore apply` again"
-        ) from None
+def _history_key(number: int) -> str:
+    return f"history/v{number:05d}.json"
 
 
 def _dumps(obj: Any) -> bytes:
@@ -85,46 +60,87 @@ def _dumps(obj: Any) -> bytes:
 
 
 class RegistryStore:
-    """Persisted applied state of one repo."""
+    """Persisted applied state of one repo, on local disk or object storage."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.file = self.path / "registry.json"
+    def __init__(self, location: Location | Path):
+        self.location = location if isinstance(location, Location) else Location(str(Path(location).resolve()))
+        self.objects = self.location.objects()
+
+    def _read(self, key: str) -> Any:
+        """A registry object, or an error naming it and the way out (objects are written whole, so
+        a damaged one was edited or truncated by something else)."""
+        found = self.objects.get(key)
+        if found is None:
+            return None
+        try:
+            return json.loads(found[0])
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FeatureStoreError(
+                f"registry file {self.location.child(key)} is damaged ({exc}); restore it from "
+                f"{self.location.child('history')} (every applied version is kept there) or from a backup, "
+                "or move it away and run `featurestore apply` again"
+            ) from None
 
     def current(self) -> dict[str, Any]:
-        if not self.file.exists():
-            return {"version": 0, "applied_at": None, "objects": {}}
-        return _read(self.file)
+        state = self._read(CURRENT)
+        return state if state is not None else {"version": 0, "applied_at": None, "objects": {}}
+
+    def stamp(self) -> str | None:
+        """Changes whenever ``current`` does (an etag or file stamp: no read of the state)."""
+        return self.objects.stamp(CURRENT)
 
     def version(self, number: int) -> dict[str, Any]:
-        file = self.path / "history" / f"v{number:05d}.json"
-        if not file.exists():
-            raise FileNotFoundError(f"registry version {number} not found in {self.path / 'history'}")
-        return _read(file)
+        state = self._read(_history_key(number))
+        if state is None:
+            raise FileNotFoundError(f"registry version {number} not found in {self.location.child('history')}")
+        return state
 
     def versions(self) -> list[int]:
-        return sorted(int(p.stem[1:]) for p in (self.path / "history").glob("v*.json"))
+        return [int(k.rsplit("/v", 1)[1].split(".")[0]) for k in self.objects.keys("history/v") if k.endswith(".json")]
 
-    def apply(self, objects: dict[str, dict[str, dict]], **derived: Any) -> dict[str, Any]:
+    def apply(
+        self, objects: dict[str, dict[str, dict]], expected_version: int | None = None, **derived: Any
+    ) -> dict[str, Any]:
         """Record a new applied state; ``derived``: what the plan resolved with it (each view's
-        history version and join-key types), so an older state can be read back as it was."""
-        with self._lock():
-            state = {
-                "version": self.current()["version"] + 1,
-                "applied_at": datetime.now(UTC).isoformat(),
-                "objects": objects,
-                **derived,
-            }
+        history version and join-key types), so an older state can be read back as it was.
+        ``expected_version``: the version the plan was made against; if another apply came first,
+        ``ConflictError`` (plan again)."""
+        while True:
+            number = self._rolled_forward()
+            if expected_version is not None and number != expected_version:
+                raise ConflictError(
+                    f"the registry moved to version {number} since this plan was made against "
+                    f"version {expected_version}; plan again"
+                )
+            state = {"version": number + 1, "applied_at": datetime.now(UTC).isoformat(), "objects": objects, **derived}
             data = _dumps(state)
-            atomic_write(self.path / "history" / f"v{state['version']:05d}.json", data)
-            atomic_write(self.file, data)
-        return state
+            if self.objects.put(_history_key(number + 1), data, if_absent=True) is not None:
+                self._point_to(state["version"], data)
+                return state
+            # another apply claimed that version: re-read (and, with an expected version, refuse)
+
+    def _rolled_forward(self) -> int:
+        """The current version, after moving ``registry.json`` up to the newest history entry (an
+        apply that stopped between the two)."""
+        number = self.current()["version"]
+        while (entry := self.objects.get(_history_key(number + 1))) is not None:
+            self._point_to(number + 1, entry[0])
+            number += 1
+        return number
+
+    def _point_to(self, number: int, data: bytes) -> None:
+        """``registry.json`` := history entry ``number``, unless it already is that or newer."""
+
+        def change(current: bytes | None) -> bytes | None:
+            at = json.loads(current)["version"] if current is not None else 0
+            return data if at < number else None
+
+        update(self.objects, CURRENT, change)
 
     # -- materialization progress
 
     def watermarks(self) -> dict[str, Watermark]:
-        file = self.path / "watermarks.json"
-        return {view: Watermark.from_json(mark) for view, mark in (_read(file) if file.exists() else {}).items()}
+        return {view: Watermark.from_json(mark) for view, mark in (self._read(WATERMARKS) or {}).items()}
 
     def watermark(self, view: str) -> Watermark:
         """The view's progress (an empty one before its first run)."""
@@ -132,31 +148,21 @@ class RegistryStore:
 
     def set_watermark(self, view: str, **values: Any) -> None:
         """Change the named fields of the view's watermark (a name ``Watermark`` lacks is a TypeError)."""
-        with self._lock():
-            marks = self.watermarks()
-            marks[view] = replace(marks.get(view, Watermark()), **values)
-            self._write_watermarks(marks)
+        replace(Watermark(), **values)  # the names checked before anything is written
+        self._change_watermarks(lambda marks: {**marks, view: replace(marks.get(view, Watermark()), **values)})
 
     def drop_watermark(self, view: str) -> None:
-        with self._lock():
-            marks = self.watermarks()
-            marks.pop(view, None)
-            self._write_watermarks(marks)
+        self._change_watermarks(lambda marks: {v: m for v, m in marks.items() if v != view})
 
-    def _write_watermarks(self, marks: dict[str, Watermark]) -> None:
-        data = {view: {k: v for k, v in asdict(mark).items() if v is not None} for view, mark in marks.items()}
-        atomic_write(self.path / "watermarks.json", _dumps(data))
+    def _change_watermarks(self, change: Any) -> None:
+        def apply(current: bytes | None) -> bytes:
+            raw = json.loads(current) if current is not None else {}
+            marks = change({view: Watermark.from_json(mark) for view, mark in raw.items()})
+            return _dumps({v: {k: x for k, x in asdict(m).items() if x is not None} for v, m in marks.items()})
+
+        update(self.objects, WATERMARKS, apply)
 
     def next_run_id(self) -> int:
-        """A number no earlier write run got; orders runs for the ingest tie-break."""
-        with self._lock():
-            file = self.path / "run_seq"
-            current = int(file.read_text()) if file.exists() else 0
-            atomic_write(file, str(current + 1).encode())
-            return current + 1
-
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        self.path.mkdir(parents=True, exist_ok=True)
-        with file_lock(self.path / ".lock"):
-            yield
+        """A number no earlier write run got, on any machine; orders runs for the ingest tie-break."""
+        written = update(self.objects, RUN_SEQ, lambda current: str(int(current or 0) + 1).encode())
+        return int(written or 0)

@@ -16,11 +16,12 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from featurestore.errors import FeatureStoreError
+from featurestore.files import atomic_write
 from featurestore.offline.base import OfflineStore
 from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
-from featurestore.registry.store import RegistryStore, atomic_write
+from featurestore.registry.store import RegistryStore
 from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_table
 
 DATA_FILE = "data-00000.parquet"

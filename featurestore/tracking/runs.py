@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from featurestore.errors import NotFoundError
-from featurestore.registry.store import atomic_write
+from featurestore.files import atomic_write
 from featurestore.tracking.artifacts import ArtifactStore
 from featurestore.tracking.lttb import lttb
 from featurestore.tracking.metric_store import SCHEMA, MetricWriter, read_metrics, writers

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from featurestore.registry.store import atomic_write
+from featurestore.files import atomic_write
 from featurestore.training import distributed
 from featurestore.training.model import TabularMLP, from_saved
 from featurestore.training.preprocessing import Preprocessor

@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore.errors import FeatureStoreError, NotFoundError
-from featurestore.files import file_lock
-from featurestore.registry.store import atomic_write
+from featurestore.files import atomic_write, file_lock
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: listing, cards and lineage work without it
     from featurestore.tracking.artifacts import ArtifactStore
