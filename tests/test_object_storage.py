@@ -5,6 +5,7 @@ snapshot, registry ledgers updated by compare-and-swap."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -238,3 +239,27 @@ def test_the_registry_reads_an_existing_local_registry(tmp_path):
     registry.set_watermark("v", online_synced=True)
     assert (tmp_path / "reg" / "history" / "v00001.json").exists()
     assert RegistryStore(tmp_path / "reg").watermark("v").online_synced
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, tmp_path, request):
+    """An apply that wrote ``history/v2`` and died before moving ``registry.json`` is completed by
+    the next writer: the next apply becomes v3, and one planned against v1 is refused, to plan again."""
+    from featurestore.errors import ConflictError
+    from featurestore.storage import Location
+
+    if backend == "s3":
+        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        location = Location.parse(f"s3://{bucket}/registry", tmp_path, options)
+    else:
+        location = Location.parse(tmp_path / "registry", tmp_path)
+    registry = RegistryStore(location)
+    registry.apply({"entity": {"a": {"hash": "1", "spec": {}}}})
+    died = dict(registry.current(), version=2, objects={"entity": {"b": {"hash": "2", "spec": {}}}})
+    registry.objects.put("history/v00002.json", json.dumps(died).encode(), if_absent=True)
+    assert registry.current()["version"] == 1  # the pointer was never moved
+    with pytest.raises(ConflictError, match="plan again"):
+        registry.apply({"entity": {"c": {"hash": "3", "spec": {}}}}, expected_version=1)
+    assert registry.current()["objects"] == died["objects"]  # rolled forward on the way
+    assert registry.apply({"entity": {"c": {"hash": "3", "spec": {}}}}, expected_version=2)["version"] == 3
+    assert registry.versions() == [1, 2, 3] and registry.current()["version"] == 3
