@@ -224,8 +224,13 @@ class S3Objects:
     on throttling and dropped connections)."""
 
     def __init__(self, location: Location):
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise FeatureStoreError(
+                f"{location.url}: the registry on object storage needs boto3; pip install 'featurestore[s3]'"
+            ) from None
 
         settings = location.settings()
         self.bucket, prefix = location.bucket_and_key
