@@ -12,14 +12,16 @@ import textwrap
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import duckdb
 import pandas as pd
 import pyarrow as pa
 import pytest
 
 from featurestore import FeatureStore
-from featurestore.errors import FeatureStoreError
+from featurestore.errors import ConflictError, FeatureStoreError
 from featurestore.offline.delta import DeltaOfflineStore
 from featurestore.registry.store import RegistryStore
+from featurestore.storage import Location
 
 from .conftest import s3_bucket, s3_storage, write_repo
 from .test_aggregations import FEATURES, _frame
@@ -55,8 +57,6 @@ def _stats(n: int = 200, drivers: int = 20) -> pa.Table:
 
 
 def _history_ids(store: FeatureStore, view: str) -> list[int]:
-    import duckdb
-
     con = duckdb.connect()
     table = store.layout(view).history_table
     store.offline_store.register(con, table, "h", store.definitions.history_schema(store.definitions.view(view)))
@@ -113,12 +113,13 @@ def test_registry_versions_watermarks_and_run_ids_on_s3(make_store, s3_endpoint)
 
 
 _APPEND = """
+import json
 import sys
 import pyarrow as pa
 from featurestore.offline.delta import DeltaOfflineStore
 from featurestore.storage import Location
 
-url, options, start, count = sys.argv[1], eval(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+url, options, start, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 store = DeltaOfflineStore(Location.parse(url, __import__("pathlib").Path("."), options))
 ids = list(range(start, start + count))
 rows = pa.table({
@@ -142,7 +143,7 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
     the rows committed meanwhile out of its files."""
     if backend == "s3":
         bucket, settings = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        url, options = f"s3://{bucket}/offline", repr(settings)
+        url, options = f"s3://{bucket}/offline", json.dumps(settings)
     else:
         url, options = str(tmp_path / "offline"), "{}"
     script = tmp_path / "append.py"
@@ -154,11 +155,7 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
     for writer in writers:
         _, err = writer.communicate(timeout=300)
         assert writer.returncode == 0, err.decode()[-2000:]
-    from featurestore.storage import Location
-
-    store = DeltaOfflineStore(Location.parse(url, Path("."), eval(options)))
-    import duckdb
-
+    store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
     con = duckdb.connect()
     schema = pa.schema(
         [
@@ -219,8 +216,6 @@ def test_concurrent_applies_and_counters_lose_nothing(storage, tmp_path, redis_u
 
 
 def test_locations_are_checked(tmp_path):
-    from featurestore.storage import Location
-
     assert Location.parse("data/x", tmp_path).path == tmp_path / "data" / "x"
     assert Location.parse("s3://bucket/prefix/", tmp_path).url == "s3://bucket/prefix"
     with pytest.raises(FeatureStoreError, match="names no bucket"):
@@ -245,9 +240,6 @@ def test_the_registry_reads_an_existing_local_registry(tmp_path):
 def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, tmp_path, request):
     """An apply that wrote ``history/v2`` and died before moving ``registry.json`` is completed by
     the next writer: the next apply becomes v3, and one planned against v1 is refused, to plan again."""
-    from featurestore.errors import ConflictError
-    from featurestore.storage import Location
-
     if backend == "s3":
         bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
         location = Location.parse(f"s3://{bucket}/registry", tmp_path, options)

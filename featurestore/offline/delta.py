@@ -217,6 +217,7 @@ class DeltaOfflineStore:
                 table.alter.add_columns(added)
                 base = self.version(view)  # the alteration added no rows
                 continue
+            expected = table.version() + 1
             try:
                 table.create_write_transaction(
                     list[AddAction | RemoveAction](actions),
@@ -225,7 +226,7 @@ class DeltaOfflineStore:
                     partition_by=[PARTITION],
                     commit_properties=CommitProperties(max_commit_retries=0),  # conflicts are resolved here
                 )
-                return base + 1 if base is not None else self.version(view)
+                return expected
             except CommitFailedError:
                 continue
         raise FeatureStoreError(
