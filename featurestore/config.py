@@ -81,8 +81,13 @@ class RepoConfig:
     repo_path: Path
     project: str
     modules: tuple[str, ...] = ("features.py",)
-    data_dir: Path = Path("data")  # local: the push journal, the embedded Redis, models and runs
-    registry: Location = Location("data/registry")  # a local folder or s3://bucket/prefix
+    # where durable state goes unless placed one by one (registry, history, models, artifacts):
+    # a local folder or s3://bucket/prefix
+    data: Location = Location("data")
+    # this machine's own state (the push journal, the embedded Redis, runs, logs): ``local_dir``,
+    # by default ``data`` when that is local, else ./data
+    data_dir: Path = Path("data")
+    registry: Location = Location("data/registry")
     # rows whose event time is further ahead of the ingest time are rejected until due
     future_tolerance: timedelta = timedelta(seconds=5)
     online: OnlineSection = field(default_factory=OnlineSection)
@@ -120,23 +125,28 @@ class RepoConfig:
         if not isinstance(raw, dict) or "project" not in raw:
             raise FeatureStoreError(f"{file}: add a top-level `project: <name>` entry")
         _check_keys(file, raw)
-        data_dir = Path(os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"))
-        data_dir = data_dir if data_dir.is_absolute() else repo / data_dir
         options = raw.get("storage_options") or {}
         if not isinstance(options, dict):
             raise FeatureStoreError(
                 f"{file}: `storage_options` must map option names to values (AWS_ENDPOINT_URL: ...)"
             )
+        data = _location(
+            os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"), repo, options, f"{file}: data_dir"
+        )
+        local = _location(raw.get("local_dir") or (data.url if data.is_local else "data"), repo, {}, f"{file}: local_dir")
+        if not local.is_local:
+            raise FeatureStoreError(f"{file}: local_dir is this machine's own folder; s3:// belongs in data_dir")
         registry = raw.get("registry")
         return cls(
             repo_path=repo,
             project=str(raw["project"]),
             modules=tuple(_modules(raw.get("modules", ["features.py"]), file)),
-            data_dir=data_dir,
-            registry=_location(registry or data_dir / "registry", repo, options, f"{file}: registry"),
+            data=data,
+            data_dir=local.path,
+            registry=_location(registry, repo, options, f"{file}: registry") if registry else data.child("registry"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             online=_online_section(raw.get("online_store") or {}, file),
-            offline=_offline_section(raw.get("offline_store") or {}, file, repo, data_dir, options),
+            offline=_offline_section(raw.get("offline_store") or {}, file, repo, data, options),
             ray=_ray_section(raw.get("offline_store") or {}),
             server=_server_section(raw.get("server") or {}, file),
         )
@@ -154,10 +164,11 @@ def _online_section(online: dict, file: Path) -> OnlineSection:
     )
 
 
-def _offline_section(offline: dict, file: Path, repo: Path, data_dir: Path, options: dict) -> OfflineSection:
+def _offline_section(offline: dict, file: Path, repo: Path, data: Location, options: dict) -> OfflineSection:
     where = f"{file}: offline_store"
+    path = offline.get("path")
     return OfflineSection(
-        location=_location(offline.get("path") or data_dir / "offline", repo, options, f"{where}.path"),
+        location=_location(path, repo, options, f"{where}.path") if path else data.child("offline"),
         engine=_choice(offline.get("engine", "local"), ("local", "ray"), f"{where}.engine"),
         buffer_max_rows=_positive_int(offline.get("buffer_max_rows", 10_000), f"{where}.buffer_max_rows"),
         buffer_max_seconds=parse_duration(offline.get("buffer_max_age", 5), f"{where}.buffer_max_age").total_seconds(),
@@ -230,6 +241,7 @@ _KEYS = {
         "project",
         "modules",
         "data_dir",
+        "local_dir",
         "registry",
         "online_store",
         "offline_store",

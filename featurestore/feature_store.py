@@ -193,19 +193,14 @@ class FeatureStore:
         def announce(name: str, version: int, stage: str) -> None:
             self.online_store.publish(MODELS_CHANNEL, f"{name}:{version}:{stage}")
 
-        return ModelRegistry(self.config.data_dir / "models", self._models_ledger(), announce, self.artifacts())
-
-    def _models_ledger(self) -> Path:
-        """The model registry's ledger: beside the registry on local disk; with the registry on
-        object storage, under ``data_dir`` (models and runs stay local for now)."""
-        registry = self.config.registry
-        return (registry.path if registry.is_local else self.config.data_dir / "registry") / "models.json"
+        models, ledger = self.config.data.child("models"), self.config.registry.child("models.json")
+        return ModelRegistry(models, ledger, announce, self.artifacts())
 
     def artifacts(self) -> ArtifactStore:
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
         from featurestore.tracking.artifacts import ArtifactStore
 
-        return ArtifactStore(self.config.data_dir / "artifacts")
+        return ArtifactStore(self.config.data.child("artifacts"))
 
     # ------------------------------------------------------------ stores
 

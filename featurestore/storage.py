@@ -79,6 +79,18 @@ class Location:
         bucket, _, key = self.url[len(S3) :].partition("/")
         return bucket, key
 
+    @classmethod
+    def of(cls, where: str | Path | Location) -> Location:
+        """``where`` as a Location: a Location as is, a local path made absolute, an ``s3://`` URL."""
+        if isinstance(where, Location):
+            return where
+        return cls.parse(where, Path.cwd())
+
+    def split(self) -> tuple[Location, str]:
+        """The folder holding this location, and its last name (``s3://b/p/models.json`` → ``s3://b/p``, ``models.json``)."""
+        folder, _, name = self.url.rpartition("/")
+        return Location(folder, self.options), name
+
     def child(self, *parts: str) -> Location:
         return Location("/".join([self.url, *parts]), self.options)
 
@@ -165,7 +177,7 @@ class Objects(Protocol):
         ...
 
     def keys(self, prefix: str) -> list[str]:
-        """Keys starting with ``prefix``, sorted."""
+        """Keys starting with ``prefix`` (at any depth), sorted."""
         ...
 
     def stamp(self, key: str) -> str | None:
@@ -199,13 +211,16 @@ class LocalObjects:
         return _etag(data)
 
     def keys(self, prefix: str) -> list[str]:
-        folder, _, start = prefix.rpartition("/")
-        base = self.root / folder
-        try:
-            names = os.listdir(base)
-        except FileNotFoundError:
-            return []
-        return sorted(f"{folder}/{n}" if folder else n for n in names if n.startswith(start) and not n.startswith("."))
+        folder = prefix.rpartition("/")[0]
+        found = []
+        for where, folders, files in os.walk(self.root / folder):
+            folders[:] = [f for f in folders if not f.startswith(".")]  # locks, temp files, staging
+            relative = Path(where).relative_to(self.root).as_posix()
+            for name in files:
+                key = name if relative == "." else f"{relative}/{name}"
+                if key.startswith(prefix) and not name.startswith("."):
+                    found.append(key)
+        return sorted(found)
 
     def stamp(self, key: str) -> str | None:
         try:

@@ -6,20 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from typing import Any
 
 from fastapi import FastAPI, Path, Query
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 
 from featurestore.auth import Authenticator
 from featurestore.checkpoint_engine import Replica, state
 from featurestore.config import RepoConfig
+from featurestore.errors import FeatureStoreError
 from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, ModelRegistry
 from serving.fast_lane import FastLane
 from serving.metrics import Metrics
 from serving.responses import install_error_handlers
+
+log = logging.getLogger("featurestore.checkpoint_engine")
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such model, version or file."}}
 
@@ -63,15 +67,19 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
         "/models/{name}/{version}/{file}",
         summary="One file of a registered version",
         responses=NOT_FOUND,
-        response_class=FileResponse,
     )
-    async def model_file(
+    def model_file(
         name: str = name_path, version: int = Path(..., ge=1), file: str = Path(..., pattern="^[a-z.]+$")
     ) -> Response:
         if file not in MODEL_FILES or version not in registry.versions(name):
             return Response(status_code=404)
+        try:
+            data = registry.file(name, version, file)  # checked against the ledger: a corrupt copy is never sent
+        except FeatureStoreError as exc:
+            log.warning("not serving %s v%s/%s: %s", name, version, file, exc)
+            return Response(status_code=404)
         served["files"] += 1
-        return FileResponse(registry.root / name / str(version) / file)
+        return Response(data, media_type="application/octet-stream")
 
     @app.get("/stats", summary="Files this engine has sent (a tree keeps the source's count at one copy per child)")
     async def stats() -> dict[str, int]:

@@ -164,13 +164,12 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         )
 
     @app.get("/api/artifacts/{sha256}", summary="An artifact's bytes, by its SHA-256 (verify with any sha256 tool)")
-    def artifact(sha256: str) -> FileResponse:
-        return FileResponse(
-            store().artifacts().path(sha256),
-            media_type="application/octet-stream",
-            filename=sha256,
-            headers={"X-Content-SHA256": sha256},
-        )
+    def artifact(sha256: str) -> Response:
+        artifacts = store().artifacts()
+        headers = {"X-Content-SHA256": sha256, "Content-Disposition": f'attachment; filename="{sha256}"'}
+        if artifacts.location.is_local:
+            return FileResponse(artifacts.path(sha256), media_type="application/octet-stream", headers=headers)
+        return Response(artifacts.read(sha256), media_type="application/octet-stream", headers=headers)
 
     @app.get("/api/artifacts/{sha256}/verify", summary="Recompute an artifact's hash")
     def verify(sha256: str) -> Response:

@@ -135,13 +135,10 @@ def s3_bucket(endpoint: str) -> tuple[str, dict[str, str]]:
 
 
 def s3_storage(endpoint: str) -> str:
-    """featurestore.yaml lines putting the registry and the history in a new bucket on ``endpoint``."""
+    """featurestore.yaml lines putting the repo's durable state (registry, history, models,
+    artifacts) in a new bucket on ``endpoint``."""
     bucket, options = s3_bucket(endpoint)
-    return (
-        f"registry: s3://{bucket}/registry\n"
-        f"offline_store: {{path: s3://{bucket}/offline}}\n"
-        f"storage_options: {{{', '.join(f'{k}: {v!r}' for k, v in options.items())}}}\n"
-    )
+    return f"data_dir: s3://{bucket}/data\nstorage_options: {{{', '.join(f'{k}: {v!r}' for k, v in options.items())}}}\n"
 
 
 @pytest.fixture(params=["local", "s3"])

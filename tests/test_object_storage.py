@@ -24,6 +24,7 @@ from featurestore.registry.store import RegistryStore
 from featurestore.storage import Location
 
 from .conftest import s3_bucket, s3_storage, write_repo
+from .test_checkpoint_engine import run  # noqa: F401 (a trained run, shared)
 from .test_aggregations import FEATURES, _frame
 from .test_push_path import _payments
 
@@ -255,3 +256,63 @@ def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, t
     assert registry.current()["objects"] == died["objects"]  # rolled forward on the way
     assert registry.apply({"entity": {"c": {"hash": "3", "spec": {}}}}, expected_version=2)["version"] == 3
     assert registry.versions() == [1, 2, 3] and registry.current()["version"] == 3
+
+
+_REGISTER = """
+import json
+import sys
+from pathlib import Path
+from featurestore.storage import Location
+from featurestore.tracking.artifacts import ArtifactStore
+from featurestore.training.model_registry import ModelRegistry
+
+root, options, run, count = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+at = lambda *parts: Location.parse("/".join([root, *parts]), Path("."), options)
+registry = ModelRegistry(at("models"), at("registry", "models.json"), artifacts=ArtifactStore(at("artifacts")))
+for _ in range(count):
+    version = registry.register("m", run)
+    registry.promote("m", version, "production")
+    print(version, flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_concurrent_registrations_and_promotions_lose_nothing(backend, tmp_path, request, run):
+    """Two processes register and promote four versions each into one model registry at once:
+    eight versions, numbered 1-8 with none taken twice, every file verified against the ledger and
+    kept in the artifact store under its hash, the production alias and its rollback target both
+    versions that were promoted (the ledger and the aliases change by compare-and-swap)."""
+    if backend == "s3":
+        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        root = f"s3://{bucket}/data"
+    else:
+        root, options = str(tmp_path / "data"), {}
+    script = tmp_path / "register.py"
+    script.write_text(textwrap.dedent(_REGISTER))
+    writers = [
+        subprocess.Popen([sys.executable, str(script), root, json.dumps(options), str(run), "4"], stdout=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    printed = []
+    for writer in writers:
+        out, _ = writer.communicate(timeout=300)
+        assert writer.returncode == 0
+        printed.append([int(line) for line in out.split()])
+    assert sorted(printed[0] + printed[1]) == list(range(1, 9))  # each number handed out once
+
+    from featurestore.tracking.artifacts import ArtifactStore
+    from featurestore.training.model_registry import ModelRegistry
+
+    def at(*parts: str) -> Location:
+        return Location.parse("/".join([root, *parts]), tmp_path, options)
+
+    registry = ModelRegistry(at("models"), at("registry", "models.json"))
+    artifacts = ArtifactStore(at("artifacts"))
+    assert registry.versions("m") == list(range(1, 9)) and registry.names() == ["m"]
+    for version, files in registry.hashes("m").items():
+        registry.verify("m", version)
+        assert registry.card("m", version)["version"] == version
+        assert all(artifacts.verify(sha) for sha in files.values())
+    aliases = registry.aliases("m")
+    assert aliases["production"] in (printed[0][-1], printed[1][-1])  # the last promotion of one of them
+    assert registry.rollback("m") != aliases["production"]

@@ -1,12 +1,11 @@
 """Model registry: immutable versions with a model card, and stage aliases.
 
-Layout under ``<data_dir>/models``::
+Layout under ``<data_dir>/models`` (a folder or an ``s3://`` prefix)::
 
     <name>/<version>/model.pt          weights + architecture
     <name>/<version>/preprocessing.json
     <name>/<version>/card.json         service, definition hashes, dataset manifest hash, metrics, weights hash
-    <name>/aliases.json                {"production": 3, "staging": 4}
-    <name>/previous.json               each stage's version before its last promotion (rollback)
+    <name>/aliases.json                {"production": 3, "staging": 4, "previous": {"production": 2}}
 
 The SHA-256 of each version's files is also kept in a ledger outside the models folder (the
 repo's registry directory, ``models.json``): whoever can write the models folder cannot make a
@@ -16,11 +15,10 @@ weights with ``weights_only=True``). ``promote`` loads the version before it mov
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import io
 import json
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featurestore.errors import FeatureStoreError, NotFoundError
-from featurestore.files import atomic_write, file_lock
+from featurestore.storage import LocalObjects, Location, update
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: listing, cards and lineage work without it
     from featurestore.tracking.artifacts import ArtifactStore
@@ -76,47 +74,64 @@ def check_name(name: str) -> str:
     return name
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+Ledger = dict[str, dict[str, dict[str, str]]]  # model -> version -> file -> SHA-256
 
 
 class ModelRegistry:
+    """Models under ``root`` (a folder or ``s3://`` prefix), their hashes in the ``ledger`` object.
+
+    Every shared object changes by compare-and-swap (``storage.update``), so registrations and
+    promotions from several machines neither lose one another nor take the same version number."""
+
     def __init__(
         self,
-        root: Path,
-        ledger: Path,
+        root: Path | Location,
+        ledger: Path | Location,
         announce: Callable[[str, int, str], None] | None = None,
         artifacts: ArtifactStore | None = None,
     ):
-        self.root = Path(root)
-        self.ledger = Path(ledger)
+        where, ledger_at = Location.of(root), Location.of(ledger)
+        self.root: Path | Location = where.path if where.is_local else where  # a folder, where there is one
+        self.ledger: Path | Location = ledger_at.path if ledger_at.is_local else ledger_at
+        self.models = where.objects()
+        folder, self._ledger_key = ledger_at.split()
+        self._ledger_objects = folder.objects()
         self.announce = announce
         self.artifacts = artifacts  # registered files are also kept here, under their hashes
 
-    def _ledger(self) -> dict[str, dict[str, dict[str, str]]]:
-        return json.loads(self.ledger.read_text()) if self.ledger.exists() else {}
+    def _ledger(self) -> Ledger:
+        found = self._ledger_objects.get(self._ledger_key)
+        return json.loads(found[0]) if found is not None else {}
 
-    @contextlib.contextmanager
-    def _locked(self):
-        self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(self.ledger.with_suffix(".lock")):
-            yield
+    def _record(self, add: Callable[[Ledger], Ledger | None]) -> None:
+        """Change the ledger by compare-and-swap: ``add`` gets the current ledger, returns the new one."""
 
-    def verify(self, name: str, version: int) -> None:
-        """Raise unless every file of the version is byte for byte what was registered."""
+        def change(current: bytes | None) -> bytes | None:
+            changed = add(json.loads(current) if current else {})
+            return None if changed is None else json.dumps(changed, indent=1).encode()
+
+        update(self._ledger_objects, self._ledger_key, change)
+
+    def verify(self, name: str, version: int) -> dict[str, bytes]:
+        """Every file of the version, checked byte for byte against what was registered."""
         recorded = self._ledger().get(name, {}).get(str(version))
         if recorded is None:
             raise FeatureStoreError(
                 f"model {name} v{version} is not in the registry's ledger ({self.ledger}): "
                 "it was not registered here; register it with `featurestore train --register`"
             )
-        folder = self.root / name / str(version)
-        changed = [f for f in MODEL_FILES if not (folder / f).exists() or _sha256(folder / f) != recorded[f]]
+        files = {f: self.models.get(f"{name}/{version}/{f}") for f in MODEL_FILES}
+        changed = [f for f, found in files.items() if found is None or _sha256(found[0]) != recorded[f]]
         if changed:
             raise FeatureStoreError(
                 f"model {name} v{version}: {changed} differ from the hashes recorded at registration "
                 "(modified after registering?); register the model again"
             )
+        return {f: found[0] for f, found in files.items() if found is not None}
 
     def register(self, name: str, run_dir: Path) -> int:
         import torch
@@ -126,50 +141,67 @@ class ModelRegistry:
         state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
         params = json.loads((run_dir / "params.json").read_text())
         final = json.loads((run_dir / "final.json").read_text())
-        versions = self.versions(name)
-        version = (versions[-1] if versions else 0) + 1
-        staging = self.root / name / f".v{version}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        torch.save({"state_dict": state["model"], "config": state["model_config"]}, staging / "model.pt")
-        (staging / "preprocessing.json").write_text(json.dumps(state["preprocessor"], indent=2))
-        card = {
-            "name": name,
-            "version": version,
-            "task": params["config"]["task"],
-            "feature_service": params["feature_service"],
-            "features": params["features"],
-            "request_inputs": params["config"]["request_inputs"],
-            "definition_hashes": params["definition_hashes"],
-            "dataset_manifest_hash": params["dataset_manifest_hash"],
-            "metrics": final,
-            "run": run_dir.name,
-            "code_version": params["code_version"],
-            "registered_at": datetime.now(UTC).isoformat(),
-            "training_layout": params.get("layout"),  # world size, shard and sync groups, device
-            "weights_sha256": hashlib.sha256((staging / "model.pt").read_bytes()).hexdigest(),
-        }
-        (staging / "card.json").write_text(json.dumps(card, indent=2))
-        with self._locked():
-            ledger = self._ledger()
-            ledger.setdefault(name, {})[str(version)] = {f: _sha256(staging / f) for f in MODEL_FILES}
-            atomic_write(self.ledger, json.dumps(ledger, indent=1).encode())
-        staging.rename(self.root / name / str(version))  # versions appear whole, never partly written
-        if self.artifacts is not None:  # a version's files never change: linked, not copied
+        weights = io.BytesIO()
+        torch.save({"state_dict": state["model"], "config": state["model_config"]}, weights)
+        files = {"model.pt": weights.getvalue(), "preprocessing.json": json.dumps(state["preprocessor"], indent=2).encode()}
+
+        def claim(ledger: Ledger) -> Ledger:
+            # the next number after every version recorded or present: a crashed registration's
+            # number is skipped, never reused over its files
+            taken = [int(v) for v in ledger.get(name, {})] + self.versions(name)
+            version = max(taken, default=0) + 1
+            card = {
+                "name": name,
+                "version": version,
+                "task": params["config"]["task"],
+                "feature_service": params["feature_service"],
+                "features": params["features"],
+                "request_inputs": params["config"]["request_inputs"],
+                "definition_hashes": params["definition_hashes"],
+                "dataset_manifest_hash": params["dataset_manifest_hash"],
+                "metrics": final,
+                "run": run_dir.name,
+                "code_version": params["code_version"],
+                "registered_at": datetime.now(UTC).isoformat(),
+                "training_layout": params.get("layout"),  # world size, shard and sync groups, device
+                "weights_sha256": _sha256(files["model.pt"]),
+            }
+            files["card.json"] = json.dumps(card, indent=2).encode()
+            claimed.append(version)
+            ledger.setdefault(name, {})[str(version)] = {f: _sha256(files[f]) for f in MODEL_FILES}
+            return ledger
+
+        claimed: list[int] = []
+        self._record(claim)
+        version = claimed[-1]
+        self._write(name, version, files)
+        if self.artifacts is not None:
             for file in MODEL_FILES:
-                self.artifacts.put(self.root / name / str(version) / file, link=True)
+                if isinstance(self.models, LocalObjects):  # a version's files never change: linked, not copied
+                    self.artifacts.put(self.models.root / name / str(version) / file, link=True)
+                else:
+                    self.artifacts.put_bytes(files[file])
         return version
 
+    def _write(self, name: str, version: int, files: Mapping[str, bytes]) -> None:
+        """A version's files; its card last, since a version is listed once its card is there."""
+        for file in sorted(MODEL_FILES, key=lambda f: f == "card.json"):
+            self.models.put(f"{name}/{version}/{file}", files[file])
+
     def versions(self, name: str) -> list[int]:
-        folder = self.root / check_name(name)
-        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
+        prefix = f"{check_name(name)}/"
+        found = {k[len(prefix) :].split("/")[0] for k in self.models.keys(prefix) if k.endswith("/card.json")}
+        return sorted(int(v) for v in found if v.isdigit())
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.exists() else []
+        return sorted({k.split("/")[0] for k in self.models.keys("") if k.endswith("/card.json")})
+
+    def _stages(self, name: str) -> tuple[dict[str, Any], str | None]:
+        found = self.models.get(f"{check_name(name)}/aliases.json")
+        return (json.loads(found[0]), found[1]) if found is not None else ({}, None)
 
     def aliases(self, name: str) -> dict[str, int]:
-        file = self.root / name / "aliases.json"
-        return json.loads(file.read_text()) if file.exists() else {}
+        return {stage: v for stage, v in self._stages(name)[0].items() if stage in STAGES}
 
     def hashes(self, name: str) -> dict[int, dict[str, str]]:
         """Every registered version's file hashes, from the ledger."""
@@ -183,33 +215,28 @@ class ModelRegistry:
             raise FeatureStoreError(f"model {name}: {version!r} is not a version number")
         if version in self.versions(name):
             return
-        wrong = [f for f in MODEL_FILES if hashlib.sha256(files.get(f, b"")).hexdigest() != hashes.get(f)]
+        wrong = [f for f in MODEL_FILES if _sha256(files.get(f, b"")) != hashes.get(f)]
         if wrong:
             raise FeatureStoreError(
                 f"model {name} v{version}: {wrong} do not match their hashes (corrupt or partial transfer)"
             )
-        staging = self.root / name / f".v{version}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for file in MODEL_FILES:
-            (staging / file).write_bytes(files[file])
-        with self._locked():
-            ledger = self._ledger()
+
+        def add(ledger: Ledger) -> Ledger:
             ledger.setdefault(name, {})[str(version)] = {f: hashes[f] for f in MODEL_FILES}
-            atomic_write(self.ledger, json.dumps(ledger, indent=1).encode())
-        staging.rename(self.root / name / str(version))
+            return ledger
+
+        self._record(add)
+        self._write(name, version, files)
 
     def rollback(self, name: str, stage: str = "production") -> int:
         """Point ``stage`` back at the version it had before its last promotion; returns it."""
-        previous = self._previous(name).get(stage)
+        previous = self._stages(name)[0].get("previous", {}).get(stage)
+        if previous is None and (legacy := self.models.get(f"{name}/previous.json")) is not None:
+            previous = json.loads(legacy[0]).get(stage)  # written by releases before aliases held it
         if previous is None:
             raise FeatureStoreError(f"model {name!r} has no earlier {stage} version to roll back to")
         self.promote(name, previous, stage)
         return previous
-
-    def _previous(self, name: str) -> dict[str, int]:
-        file = self.root / name / "previous.json"
-        return json.loads(file.read_text()) if file.exists() else {}
 
     def promote(self, name: str, version: int, stage: str) -> None:
         if stage not in STAGES:
@@ -220,12 +247,18 @@ class ModelRegistry:
             self.load(name, version)  # a version that does not load would break every later restart
         except Exception as exc:
             raise FeatureStoreError(f"model {name} v{version} does not load, so it is not promoted: {exc}") from exc
-        before = self.aliases(name)
-        if stage in before and before[stage] != version:  # what `rollback` returns to
-            atomic_write(
-                self.root / name / "previous.json", json.dumps({**self._previous(name), stage: before[stage]}).encode()
-            )
-        atomic_write(self.root / name / "aliases.json", json.dumps({**before, stage: version}, indent=2).encode())
+
+        def move(current: bytes | None) -> bytes:
+            # the aliases and each stage's version before its last promotion (what `rollback`
+            # returns to) are one object, so concurrent promotions keep both consistent
+            stages = json.loads(current) if current else {}
+            before = stages.get(stage)
+            if before is not None and before != version:
+                stages["previous"] = {**stages.get("previous", {}), stage: before}
+            stages[stage] = version
+            return json.dumps(stages, indent=2).encode()
+
+        update(self.models, f"{name}/aliases.json", move)
         if self.announce:
             self.announce(name, version, stage)
 
@@ -243,7 +276,14 @@ class ModelRegistry:
         return version
 
     def card(self, name: str, version: int) -> dict[str, Any]:
-        return json.loads((self.root / name / str(version) / "card.json").read_text())
+        found = self.models.get(f"{check_name(name)}/{version}/card.json")
+        if found is None:
+            raise NotFoundError(f"model {name!r} has no version {version}")
+        return json.loads(found[0])
+
+    def file(self, name: str, version: int, file: str) -> bytes:
+        """One file of a version, checked against the ledger."""
+        return self.verify(check_name(name), version)[file]
 
     def load(self, name: str, ref: str | int = "production", device: str = "cpu") -> LoadedModel:
         """Verify and load a version (``device``: cpu, cuda or auto, as ``featurestore train --device``)."""
@@ -254,13 +294,12 @@ class ModelRegistry:
         from featurestore.training.preprocessing import Preprocessor
 
         version = self.resolve(name, ref)
-        folder = self.root / name / str(version)
-        self.verify(name, version)
-        card = self.card(name, version)
-        saved = torch.load(folder / "model.pt", weights_only=True)
+        files = self.verify(name, version)
+        card = json.loads(files["card.json"])
+        saved = torch.load(io.BytesIO(files["model.pt"]), weights_only=True)
         cfg = saved["config"]
         model = from_saved(cfg, saved["state_dict"]).to(pick_device(device))
-        pre = Preprocessor.from_dict(json.loads((folder / "preprocessing.json").read_text()))
+        pre = Preprocessor.from_dict(json.loads(files["preprocessing.json"]))
         return LoadedModel(name, version, model, pre, card)
 
 
