@@ -304,13 +304,13 @@ def compact(
 
 @app.command(rich_help_panel="Data")
 def export(
-    out: Path = typer.Option(..., "--out", "-o", help="Output folder (Parquet + manifest.json)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output folder or s3://bucket/prefix (Parquet + manifest.json)."),
     service: str | None = typer.Option(None, "--service", "-s", help="Feature service to export."),
     entities: Path | None = typer.Option(
         None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."
     ),
-    from_manifest: Path | None = typer.Option(
-        None, "--from-manifest", help="Reproduce an earlier export byte for byte."
+    from_manifest: str | None = typer.Option(
+        None, "--from-manifest", help="Reproduce an earlier export byte for byte (its manifest.json, a path or s3:// URL)."
     ),
     engine: str | None = EngineOption,
     ray_address: str | None = RayAddressOption,
@@ -507,7 +507,9 @@ def serve_model(
 
 @app.command("train", rich_help_panel="Training and models")
 def train_command(
-    dataset: Path = typer.Option(..., "--dataset", "-d", help="Exported dataset folder (has manifest.json)."),
+    dataset: str = typer.Option(
+        ..., "--dataset", "-d", help="Exported dataset: a folder or s3:// prefix with manifest.json (fetched once)."
+    ),
     label: str = typer.Option("label", help="Label column."),
     task: str = typer.Option("classification", help="classification or regression."),
     request_input: list[str] = typer.Option(None, "--request-input", help="Request-time input column (repeatable)."),
@@ -546,9 +548,11 @@ def train_command(
 
     from featurestore.training.trainer import Task, TrainConfig, new_run_id, train
 
+    from featurestore.retrieval.export import fetch_dataset
+
     store = _store(repo)
     config = TrainConfig(
-        dataset=str(dataset),
+        dataset=str(fetch_dataset(store.location(dataset), store.config.data_dir / "datasets")),
         label=label,
         task=_one_of(task, Task, "--task"),
         request_inputs=request_input or [],

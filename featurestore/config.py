@@ -88,6 +88,7 @@ class RepoConfig:
     # by default ``data`` when that is local, else ./data
     data_dir: Path = Path("data")
     registry: Location = Location("data/registry")
+    storage_options: tuple[tuple[str, str], ...] = ()  # featurestore.yaml's, for any s3:// URL a user names
     # rows whose event time is further ahead of the ingest time are rejected until due
     future_tolerance: timedelta = timedelta(seconds=5)
     online: OnlineSection = field(default_factory=OnlineSection)
@@ -143,6 +144,7 @@ class RepoConfig:
             modules=tuple(_modules(raw.get("modules", ["features.py"]), file)),
             data=data,
             data_dir=local.path,
+            storage_options=tuple(sorted((str(k), str(v)) for k, v in options.items())),
             registry=_location(registry, repo, options, f"{file}: registry") if registry else data.child("registry"),
             future_tolerance=parse_duration(raw.get("future_tolerance", 5), f"{file}: future_tolerance"),
             online=_online_section(raw.get("online_store") or {}, file),

@@ -17,6 +17,7 @@ from featurestore.registry import Definitions, Plan, RegistryStore, load_definit
 from featurestore.registry.layout import ViewLayout
 from featurestore.registry.snapshot import value_hash
 from featurestore.registry.validation import validate
+from featurestore.storage import Location
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -503,10 +504,11 @@ class FeatureStore:
             self.offline_store,
             entity_df,
             feature_service,
-            Path(path),
+            self.location(path),
             registry_version=self.registry.current()["version"],
             progress=progress,
             join=self.join_engine(),
+            scratch=self.config.data_dir / "scratch",
         )
 
     def reproduce_training_dataset(self, manifest: str | Path, path: str | Path, progress: bool = False) -> dict:
@@ -519,11 +521,16 @@ class FeatureStore:
             self.definitions,
             self.registry,
             self.offline_store,
-            Path(manifest),
-            Path(path),
+            self.location(manifest),
+            self.location(path),
             progress=progress,
             join=self.join_engine(),
+            scratch=self.config.data_dir / "scratch",
         )
+
+    def location(self, where: str | Path) -> Location:
+        """A path or ``s3://`` URL a user gave, reached with this repo's ``storage_options``."""
+        return Location.parse(where, Path.cwd(), dict(self.config.storage_options))
 
 
 def _feast_order(first: Any, second: Any) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from featurestore.errors import FeatureStoreError
+from featurestore.errors import FeatureStoreError, NotFoundError
 from featurestore.files import atomic_write, file_lock
 
 if TYPE_CHECKING:
@@ -140,6 +140,27 @@ class Location:
             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=5),  # 503 SlowDown, dropped connections
         )
         return fs, self.url[len(S3) :]
+
+    def upload(self, local: Path, name: str) -> None:
+        """Copy a local file to ``name`` under this location (streamed: S3 multipart for big files)."""
+        import pyarrow.fs as pafs
+
+        fs, path = self.filesystem()
+        if self.is_local:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(str(local), f"{path}/{name}", destination_filesystem=fs)
+
+    def download(self, name: str, local: Path) -> None:
+        """Copy ``name`` under this location to a local file; NotFoundError when there is none."""
+        import pyarrow.fs as pafs
+
+        fs, path = self.filesystem()
+        if fs.get_file_info(f"{path}/{name}").type == pafs.FileType.NotFound:
+            raise NotFoundError(f"no {name} at {self.url}")
+        if self.is_local and Path(path, name).resolve() == local.resolve():
+            return  # already there (copying a file onto itself would empty it)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(f"{path}/{name}", str(local), source_filesystem=fs)
 
     def objects(self) -> Objects:
         """This location as a key-value store of small objects with compare-and-swap."""

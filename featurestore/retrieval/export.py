@@ -3,12 +3,21 @@
 The entity input is first written into the export folder (``entities.parquet``), and the
 join always reads it from there, so a reproduction runs the very same plan. Delta time
 travel pins every history table to the version the original export read.
+
+An export to ``s3://`` is written in a local scratch folder and uploaded, the manifest last: a
+reader that finds the manifest finds every file it names. Reproducing from ``s3://…/manifest.json``
+downloads the manifest and the entity input first; ``fetch_dataset`` brings a dataset to a local
+cache (checked against the manifest's hashes) for training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,9 +32,30 @@ from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
 from featurestore.registry.store import RegistryStore
 from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_table
+from featurestore.storage import Location
 
 DATA_FILE = "data-00000.parquet"
 ENTITIES_FILE = "entities.parquet"
+MANIFEST_FILE = "manifest.json"
+
+
+@contextlib.contextmanager
+def _written_to(out: Location, scratch: Path | None) -> Iterator[Path]:
+    """A local folder whose files end up in ``out``: the folder itself on disk; on object storage a
+    scratch folder uploaded once everything in it is written (the manifest last), then removed."""
+    if out.is_local:
+        out.path.mkdir(parents=True, exist_ok=True)
+        yield out.path
+        return
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="export-", dir=scratch))
+    try:
+        yield folder
+        for file in sorted(folder.iterdir(), key=lambda f: f.name == MANIFEST_FILE):
+            out.upload(file, file.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def sha256_file(path: Path) -> str:
@@ -47,18 +77,36 @@ def export_training_dataset(
     offline: OfflineStore,
     entity_df: Any,
     feature_service: str,
-    out: Path,
+    out: Path | Location,
     *,
     registry_version: int,
     progress: bool = False,
     versions: dict[str, int | None] | None = None,
     join: JoinBuilder = RetrievalJob.build,
+    scratch: Path | None = None,
 ) -> dict[str, Any]:
     """Join ``defs``' service over ``offline`` (at table ``versions``, default latest) into ``out``
-    with the ``join`` engine (local DuckDB, or Ray: the same rows and bytes)."""
+    (a folder or ``s3://`` prefix; ``scratch`` holds the files before they are uploaded) with the
+    ``join`` engine (local DuckDB, or Ray: the same rows and bytes)."""
+    with _written_to(Location.of(out), scratch) as folder:
+        return _export(
+            defs, offline, entity_df, feature_service, folder, registry_version, progress, versions or None, join
+        )
+
+
+def _export(
+    defs: Definitions,
+    offline: OfflineStore,
+    entity_df: Any,
+    feature_service: str,
+    out: Path,
+    registry_version: int,
+    progress: bool,
+    versions: dict[str, int | None] | None,
+    join: JoinBuilder,
+) -> dict[str, Any]:
     from featurestore import __version__
 
-    out.mkdir(parents=True, exist_ok=True)
     entities_path = out / ENTITIES_FILE
     if entity_df is not None:
         pq.write_table(entity_table(entity_df), entities_path, compression="zstd")
@@ -86,50 +134,93 @@ def export_training_dataset(
         "package_version": __version__,
     }
     manifest["manifest_hash"] = manifest_hash(manifest)
-    atomic_write(out / "manifest.json", json.dumps(manifest, indent=2).encode())
+    atomic_write(out / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
     return manifest
+
+
+def _read_manifest(where: Location) -> dict[str, Any]:
+    """The manifest at ``where`` (a ``manifest.json`` file, local or on object storage)."""
+    folder, name = where.split()
+    try:
+        if where.is_local:
+            text = where.path.read_bytes()
+        else:
+            found = folder.objects().get(name)
+            if found is None:
+                raise FileNotFoundError
+            text = found[0]
+        return json.loads(text)
+    except FileNotFoundError:
+        raise FeatureStoreError(f"no manifest at {where}; pass the manifest.json an export wrote") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FeatureStoreError(f"{where} is not a manifest (invalid JSON: {exc})") from None
 
 
 def reproduce(
     current: Definitions,
     registry: RegistryStore,
     offline: OfflineStore,
-    manifest_path: Path,
-    out: Path,
+    manifest_path: Path | Location,
+    out: Path | Location,
     progress: bool = False,
     join: JoinBuilder = RetrievalJob.build,
+    scratch: Path | None = None,
 ) -> dict[str, Any]:
     """Re-run an export from its manifest into ``out``; raise if any data file differs.
 
     Under the ``current`` definitions when the manifest's views are unchanged, else under the
     registry state the export was made with (its view versions' history stays readable)."""
-    try:
-        manifest = json.loads(Path(manifest_path).read_text())
-    except FileNotFoundError:
-        raise FeatureStoreError(f"no manifest at {manifest_path}; pass the manifest.json an export wrote") from None
-    except json.JSONDecodeError as exc:
-        raise FeatureStoreError(f"{manifest_path} is not a manifest (invalid JSON: {exc})") from None
-    out.mkdir(parents=True, exist_ok=True)
-    source_entities = Path(manifest_path).parent / manifest["entities"]["file"]
-    if sha256_file(source_entities) != manifest["entities"]["sha256"]:
-        raise FeatureStoreError(f"{source_entities} does not match the manifest's hash; the entity input was modified")
-    (out / ENTITIES_FILE).write_bytes(source_entities.read_bytes())
+    where = Location.of(manifest_path)
+    manifest = _read_manifest(where)
     defs, registry_version = _definitions_of(manifest, current, registry)
-    new = export_training_dataset(
-        defs,
-        offline,
-        None,
-        manifest["feature_service"],
-        out,
-        registry_version=registry_version,
-        progress=progress,
-        versions=manifest["table_versions"],
-        join=join,
-    )
-    mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
-    if mismatched:
-        raise FeatureStoreError(f"reproduced files {mismatched} differ from the manifest's hashes")
+    with _written_to(Location.of(out), scratch) as folder:
+        entities = folder / ENTITIES_FILE
+        where.split()[0].download(manifest["entities"]["file"], entities)
+        if sha256_file(entities) != manifest["entities"]["sha256"]:
+            raise FeatureStoreError(
+                f"{where.split()[0].child(manifest['entities']['file'])} does not match the manifest's hash; "
+                "the entity input was modified"
+            )
+        new = _export(
+            defs,
+            offline,
+            None,
+            manifest["feature_service"],
+            folder,
+            registry_version,
+            progress,
+            manifest["table_versions"],
+            join,
+        )
+        mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
+        if mismatched:
+            (folder / MANIFEST_FILE).unlink()  # what does not match is not published as a dataset
+            raise FeatureStoreError(f"reproduced files {mismatched} differ from the manifest's hashes")
     return new
+
+
+def fetch_dataset(dataset: Location, cache: Path) -> Path:
+    """A local copy of the exported dataset at ``dataset`` (its folder): the folder itself on disk,
+    else ``cache/<manifest hash>``, downloaded once and checked against the manifest's hashes."""
+    if dataset.is_local:
+        return dataset.path
+    manifest = _read_manifest(dataset.child(MANIFEST_FILE))
+    target = cache / manifest["manifest_hash"]
+    if (target / MANIFEST_FILE).exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    incoming = Path(tempfile.mkdtemp(prefix=".incoming-", dir=cache))
+    try:
+        for file in [*manifest["files"], {"path": manifest["entities"]["file"], **manifest["entities"]}]:
+            dataset.download(file["path"], incoming / file["path"])
+            if sha256_file(incoming / file["path"]) != file["sha256"]:
+                raise FeatureStoreError(f"{dataset.child(file['path'])} does not match its manifest's hash")
+        atomic_write(incoming / MANIFEST_FILE, json.dumps(manifest, indent=2).encode())
+        with contextlib.suppress(OSError):  # another process fetched it first: theirs is as good
+            incoming.rename(target)
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
+    return target
 
 
 def _definitions_of(manifest: dict[str, Any], current: Definitions, registry: RegistryStore) -> tuple[Definitions, int]:
