@@ -310,7 +310,9 @@ def export(
         None, "--entities", "-e", help="Entity rows (Parquet) with keys and event_timestamp."
     ),
     from_manifest: str | None = typer.Option(
-        None, "--from-manifest", help="Reproduce an earlier export byte for byte (its manifest.json, a path or s3:// URL)."
+        None,
+        "--from-manifest",
+        help="Reproduce an earlier export byte for byte (its manifest.json, a path or s3:// URL).",
     ),
     engine: str | None = EngineOption,
     ray_address: str | None = RayAddressOption,
@@ -546,9 +548,8 @@ def train_command(
     import os
     import subprocess
 
-    from featurestore.training.trainer import Task, TrainConfig, new_run_id, train
-
     from featurestore.retrieval.export import fetch_dataset
+    from featurestore.training.trainer import Task, TrainConfig, new_run_id, train
 
     store = _store(repo)
     config = TrainConfig(
@@ -867,6 +868,14 @@ def main() -> None:
             highlight=False,
             soft_wrap=True,
         )
+        sys.exit(1)
+    except Exception as exc:
+        from featurestore.storage import explain
+
+        explained = explain(exc)
+        if explained is None:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(explained))}", highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

@@ -134,7 +134,9 @@ class RepoConfig:
         data = _location(
             os.environ.get("FEATURESTORE_DATA_DIR") or raw.get("data_dir", "data"), repo, options, f"{file}: data_dir"
         )
-        local = _location(raw.get("local_dir") or (data.url if data.is_local else "data"), repo, {}, f"{file}: local_dir")
+        local = _location(
+            raw.get("local_dir") or (data.url if data.is_local else "data"), repo, {}, f"{file}: local_dir"
+        )
         if not local.is_local:
             raise FeatureStoreError(f"{file}: local_dir is this machine's own folder; s3:// belongs in data_dir")
         registry = raw.get("registry")

@@ -28,6 +28,10 @@ class OnlineStoreUnavailable(FeatureStoreError):
     """The online store cannot be reached."""
 
 
+class StorageUnavailable(FeatureStoreError):
+    """Object storage refused a request or could not be reached (``storage.explain`` says which)."""
+
+
 class BadRowsError(FeatureStoreError):
     """Source rows broke the schema and the run was asked to fail on them."""
 

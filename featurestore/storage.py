@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from featurestore.errors import FeatureStoreError, NotFoundError
+from featurestore.errors import FeatureStoreError, NotFoundError, StorageUnavailable
 from featurestore.files import atomic_write, file_lock
 
 if TYPE_CHECKING:
@@ -281,19 +282,26 @@ class S3Objects:
             config=Config(retries={"max_attempts": 8, "mode": "standard"}, connect_timeout=5, read_timeout=30),
         )
 
+    def _failed(self, exc: Exception) -> Exception:
+        """``exc`` as a one-line error naming this location, when object storage failed."""
+        explained = explain(exc)
+        return StorageUnavailable(f"s3://{self.bucket}/{self.prefix}: {explained}") if explained else exc
+
     def get(self, key: str) -> tuple[bytes, str] | None:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             reply = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+            return reply["Body"].read(), reply["ETag"]
         except ClientError as exc:
             if exc.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 return None
-            raise
-        return reply["Body"].read(), reply["ETag"]
+            raise self._failed(exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed(exc) from exc
 
     def put(self, key: str, data: bytes, *, if_match: str | None = None, if_absent: bool = False) -> str | None:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         conditions: dict[str, str] = {}
         if if_match is not None:
@@ -306,26 +314,35 @@ class S3Objects:
             # 412: the condition failed; 409: a concurrent conditional write to the same key is in flight
             if exc.response["ResponseMetadata"]["HTTPStatusCode"] in (409, 412):
                 return None
-            raise
+            raise self._failed(exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed(exc) from exc
         return reply["ETag"]
 
     def keys(self, prefix: str) -> list[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
         found: list[str] = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self.prefix + prefix
-        ):
-            found += [item["Key"][len(self.prefix) :] for item in page.get("Contents", [])]
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix + prefix
+            ):
+                found += [item["Key"][len(self.prefix) :] for item in page.get("Contents", [])]
+        except (BotoCoreError, ClientError) as exc:
+            raise self._failed(exc) from exc
         return sorted(found)
 
     def stamp(self, key: str) -> str | None:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)["ETag"]
         except ClientError as exc:
             if exc.response["ResponseMetadata"]["HTTPStatusCode"] == 404:
                 return None
-            raise
+            raise self._failed(exc) from exc
+        except BotoCoreError as exc:
+            raise self._failed(exc) from exc
 
 
 CAS_ATTEMPTS = 50
@@ -346,3 +363,80 @@ def update(objects: Objects, key: str, change: Callable[[bytes | None], bytes | 
     raise FeatureStoreError(
         f"{key}: {CAS_ATTEMPTS} concurrent changes in a row won the race against this one; try again"
     )
+
+
+# ---------------------------------------------------------------- errors
+
+# What boto3, pyarrow's S3 client and delta-rs say when object storage fails, by cause: their
+# messages differ ("NoSuchBucket", "NO_SUCH_BUCKET", "bucket does not exist"), their causes do not.
+_CAUSES = (
+    (
+        ("nosuchbucket", "no_such_bucket", "bucket does not exist", "bucket not found"),
+        "the bucket does not exist: create it, or correct the s3:// URL in featurestore.yaml",
+    ),
+    (
+        (
+            "invalidaccesskeyid",
+            "invalid_access_key_id",
+            "signaturedoesnotmatch",
+            "signature_does_not_match",
+            "expiredtoken",
+            "expired_token",
+            "invalidtoken",
+        ),
+        "the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or AWS_PROFILE, or storage_options in featurestore.yaml)",
+    ),
+    (
+        ("unable to locate credentials", "nocredentialserror", "no credentials"),
+        "no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+    ),
+    (
+        ("accessdenied", "access denied", "access_denied", "forbidden"),
+        "access denied: these credentials may not use this bucket or prefix; grant s3:GetObject, "
+        "s3:PutObject, s3:DeleteObject and s3:ListBucket on it",
+    ),
+    (
+        ("slowdown", "slow_down", "reduce your request rate", "throttl", "503", "service unavailable"),
+        "object storage kept refusing requests (503 SlowDown) after the retries; nothing past the last "
+        "commit was kept: run the command again, or with fewer writers at once",
+    ),
+    (
+        (
+            "could not connect",
+            "connection refused",
+            "network_connection",
+            "error sending request",
+            "failed to connect",
+            "connect timeout",
+            "timed out",
+            "connection reset",
+            "connection aborted",
+            "endpointconnectionerror",
+            "connectionclosederror",
+            "remotedisconnected",
+            "dns",
+        ),
+        "object storage could not be reached: check AWS_ENDPOINT_URL (or storage_options) and the "
+        "network; nothing past the last commit was kept, run the command again once it answers",
+    ),
+)
+_STORAGE_MODULES = ("botocore", "boto3", "deltalake", "pyarrow", "urllib3")
+
+
+def explain(exc: BaseException) -> StorageUnavailable | None:
+    """A one-line error saying what to do, when ``exc`` (or what caused it) is object storage
+    failing; None for anything else."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 10:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    if isinstance(chain[0], StorageUnavailable):
+        return chain[0]
+    from_storage = [e for e in chain if type(e).__module__.split(".")[0] in _STORAGE_MODULES or type(e) is OSError]
+    text = " ".join(f"{type(e).__name__} {e}" for e in from_storage).lower()
+    for words, advice in _CAUSES if from_storage else ():
+        if any(w in text for w in words):
+            detail = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(from_storage[0])).split())[:240]
+            return StorageUnavailable(f"{advice} ({detail})")
+    return None

@@ -18,7 +18,9 @@ from featurestore.errors import (
     NotFoundError,
     OnlineStoreUnavailable,
     RequestError,
+    StorageUnavailable,
 )
+from featurestore.storage import explain
 
 if TYPE_CHECKING:
     from serving.metrics import Metrics
@@ -52,7 +54,7 @@ def error_status(exc: Exception) -> int:
         return 409
     if isinstance(exc, RequestError):
         return 422
-    if isinstance(exc, OnlineStoreUnavailable):
+    if isinstance(exc, (OnlineStoreUnavailable, StorageUnavailable)):
         return 503
     return 400
 
@@ -121,3 +123,10 @@ def install_error_handlers(app: FastAPI, metrics: Metrics, feast_errors: bool = 
         if isinstance(exc, OnlineStoreUnavailable):
             metrics.redis_errors.inc()
         return Response(error_body(exc, feast_errors), status_code=error_status(exc), media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        explained = explain(exc)  # object storage failing (history reads, the registry): 503 saying why
+        if explained is not None:
+            return Response(error_body(explained, feast_errors), status_code=503, media_type="application/json")
+        return json_response({"detail": "internal error; the server's log has the details"}, 500)

@@ -88,35 +88,57 @@ def write_repo(
     return root
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory) -> Iterator[str]:
-    """A real S3-compatible server process (moto's, which honours If-Match / If-None-Match)."""
+@contextlib.contextmanager
+def moto_server(folder: Path, **env: str) -> Iterator[str]:
+    """A real S3-compatible server process (moto's, which honours If-Match / If-None-Match) on
+    loopback; ``env``: moto's settings (``INITIAL_NO_AUTH_ACTION_COUNT`` turns credential checks on)."""
     import subprocess
     import sys
     import time
     import urllib.request
 
     port = free_port()
-    log = open(tmp_path_factory.mktemp("s3") / "moto.log", "wb")
+    log = open(folder / "moto.log", "wb")
     server = subprocess.Popen(
         [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
-            urllib.request.urlopen(endpoint, timeout=1)
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)  # not an S3 call: counts for no auth
             break
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"moto_server did not start; see {log.name}") from None
             time.sleep(0.1)
-    yield endpoint
-    server.terminate()
-    server.wait(10)
-    log.close()
+    try:
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory) -> Path:
+    """A finished training run (one epoch on a small synthetic dataset), to register models from."""
+    from featurestore.training.trainer import TrainConfig, train
+
+    from .test_distributed_training import make_dataset
+
+    folder = tmp_path_factory.mktemp("train")
+    dataset = make_dataset(folder / "ds", rows=1500)
+    return train(TrainConfig(dataset=str(dataset), epochs=1, device="cpu"), folder / "runs", progress=False)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+    with moto_server(tmp_path_factory.mktemp("s3")) as endpoint:
+        yield endpoint
 
 
 _buckets = itertools.count()
@@ -138,7 +160,9 @@ def s3_storage(endpoint: str) -> str:
     """featurestore.yaml lines putting the repo's durable state (registry, history, models,
     artifacts) in a new bucket on ``endpoint``."""
     bucket, options = s3_bucket(endpoint)
-    return f"data_dir: s3://{bucket}/data\nstorage_options: {{{', '.join(f'{k}: {v!r}' for k, v in options.items())}}}\n"
+    return (
+        f"data_dir: s3://{bucket}/data\nstorage_options: {{{', '.join(f'{k}: {v!r}' for k, v in options.items())}}}\n"
+    )
 
 
 @pytest.fixture(params=["local", "s3"])

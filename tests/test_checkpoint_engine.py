@@ -15,10 +15,8 @@ import httpx
 import pytest
 
 from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
-from featurestore.training.trainer import TrainConfig, train
 
 from .conftest import free_port, write_repo
-from .test_distributed_training import make_dataset
 
 
 class Engine:
@@ -75,13 +73,6 @@ def _until(condition, engines, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.1)
     pytest.fail("condition not met in time")
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("train")
-    dataset = make_dataset(folder / "ds", rows=1500)
-    return train(TrainConfig(dataset=str(dataset), epochs=1, device="cpu"), folder / "runs", progress=False)
 
 
 def test_versions_reach_every_replica_through_a_tree_and_catch_up(tmp_path, redis_url, run):

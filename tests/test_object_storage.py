@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from featurestore.registry.store import RegistryStore
 from featurestore.storage import Location
 
 from .conftest import s3_bucket, s3_storage, write_repo
-from .test_checkpoint_engine import run  # noqa: F401 (a trained run, shared)
 from .test_aggregations import FEATURES, _frame
 from .test_push_path import _payments
 
@@ -117,6 +117,7 @@ def test_registry_versions_watermarks_and_run_ids_on_s3(make_store, s3_endpoint)
 _APPEND = """
 import json
 import sys
+import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 from featurestore.offline.delta import DeltaOfflineStore
@@ -176,6 +177,7 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
 
 _APPLY = """
 import sys
+import time
 from featurestore import FeatureStore
 store = FeatureStore(sys.argv[1])
 store.apply()
@@ -263,6 +265,7 @@ def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, t
 _REGISTER = """
 import json
 import sys
+import time
 from pathlib import Path
 from featurestore.storage import Location
 from featurestore.tracking.artifacts import ArtifactStore
@@ -292,7 +295,9 @@ def test_concurrent_registrations_and_promotions_lose_nothing(backend, tmp_path,
     script = tmp_path / "register.py"
     script.write_text(textwrap.dedent(_REGISTER))
     writers = [
-        subprocess.Popen([sys.executable, str(script), root, json.dumps(options), str(run), "4"], stdout=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(script), root, json.dumps(options), str(run), "4"], stdout=subprocess.PIPE
+        )
         for _ in range(2)
     ]
     printed = []
@@ -330,7 +335,9 @@ def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store
     store = make_store(STATS_DEFS, {"stats": _stats()}, storage=s3_storage(s3_endpoint))
     store.materialize(None, None)
     bucket = store.config.data.bucket_and_key[0]
-    entities = pd.DataFrame({"driver_id": [1, 2, 3, 99], "event_timestamp": [NOW - timedelta(hours=h) for h in range(4)]})
+    entities = pd.DataFrame(
+        {"driver_id": [1, 2, 3, 99], "event_timestamp": [NOW - timedelta(hours=h) for h in range(4)]}
+    )
     entities.to_parquet(tmp_path / "entities.parquet")
     cli = [sys.executable, "-m", "featurestore.cli", "export", "--repo", str(store.config.repo_path)]
     done = subprocess.run(
@@ -348,7 +355,9 @@ def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store
         return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
 
     original = data("datasets/one/data-00000.parquet")
-    assert data("datasets/two/data-00000.parquet") == original == (tmp_path / "local" / "data-00000.parquet").read_bytes()
+    assert (
+        data("datasets/two/data-00000.parquet") == original == (tmp_path / "local" / "data-00000.parquet").read_bytes()
+    )
     assert again["files"] == local["files"] and pq.read_table(pa.BufferReader(original)).num_rows == 4
 
     cached = fetch_dataset(store.location(f"s3://{bucket}/datasets/two"), tmp_path / "cache")
@@ -359,3 +368,109 @@ def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store
         fetch_dataset(store.location(f"s3://{bucket}/datasets/two"), tmp_path / "other-cache")
     with pytest.raises(FeatureStoreError, match="no manifest at s3://"):
         store.reproduce_training_dataset(f"s3://{bucket}/datasets/none/manifest.json", tmp_path / "x")
+
+
+@pytest.fixture(scope="module")
+def guarded_s3(tmp_path_factory):
+    """A second S3 server that checks credentials: a bucket, a user who may do anything, and one
+    with no permissions at all."""
+    import boto3
+
+    from .conftest import moto_server
+
+    setup_calls = 6  # what the server answers before it checks credentials: the setup below
+    with moto_server(tmp_path_factory.mktemp("guarded"), INITIAL_NO_AUTH_ACTION_COUNT=str(setup_calls)) as endpoint:
+        anyone = {
+            "endpoint_url": endpoint,
+            "region_name": "us-east-1",
+            "aws_access_key_id": "x",
+            "aws_secret_access_key": "y",
+        }
+        boto3.client("s3", **anyone).create_bucket(Bucket="guarded")
+        iam = boto3.client("iam", **anyone)
+        keys = {}
+        for user in ("admin", "nobody"):
+            iam.create_user(UserName=user)
+            keys[user] = iam.create_access_key(UserName=user)["AccessKey"]
+        everything = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="admin", PolicyName="all", PolicyDocument=json.dumps(everything))
+        yield endpoint, {u: (k["AccessKeyId"], k["SecretAccessKey"]) for u, k in keys.items()}
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no bucket", "the bucket does not exist"),
+        ("wrong credentials", "the credentials were refused"),
+        ("no permission", "access denied"),
+        ("unreachable", "object storage could not be reached"),
+    ],
+)
+@pytest.mark.parametrize("where", ["registry", "history"])
+def test_storage_failures_are_one_line_saying_what_to_do(case, message, where, guarded_s3, tmp_path, redis_url):
+    """Each way object storage fails, met by the registry (boto3) or by the history (delta-rs,
+    pyarrow), is one error line naming the cause and the fix, never a traceback."""
+    endpoint, keys = guarded_s3
+    key, secret = keys["nobody" if case == "no permission" else "admin"]
+    if case == "wrong credentials":
+        secret = "not-the-secret"
+    if case == "unreachable":
+        from .conftest import free_port
+
+        endpoint = f"http://127.0.0.1:{free_port()}"
+    bucket = "missing" if case == "no bucket" else "guarded"
+    options = f"storage_options: {{AWS_ENDPOINT_URL: '{endpoint}', AWS_ACCESS_KEY_ID: {key}, AWS_SECRET_ACCESS_KEY: {secret}}}\n"
+    place = (
+        f"data_dir: s3://{bucket}/{tmp_path.name}\n"
+        if where == "registry"
+        else f"offline_store: {{path: s3://{bucket}/{tmp_path.name}}}\n"
+    )
+    root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=place + options)
+    cli = [sys.executable, "-m", "featurestore.cli"]
+    done = subprocess.run([*cli, "apply", "--repo", str(root)], capture_output=True, text=True, timeout=300)
+    if where == "history":
+        assert done.returncode == 0, done.stderr  # the registry is local: apply needs no bucket
+        window = [(NOW - timedelta(days=30)).isoformat(), (NOW + timedelta(days=1)).isoformat()]
+        done = subprocess.run(
+            [*cli, "materialize", *window, "--repo", str(root)], capture_output=True, text=True, timeout=300
+        )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
+    assert message in lines[0]
+
+
+def test_a_server_answers_503_saying_why_while_object_storage_is_down(tmp_path, redis_url):
+    """The UI server over a repo on S3: the models list reads the bucket; with the S3 server gone it
+    answers 503 with the cause, not a 500, and keeps running."""
+    import httpx
+
+    from .conftest import free_port, moto_server
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/ui/api/models"
+    with moto_server(tmp_path) as endpoint:
+        bucket, options = s3_bucket(endpoint)
+        storage = f"data_dir: s3://{bucket}/data\nstorage_options: {json.dumps(options)}\n"
+        root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=storage)
+        subprocess.run(
+            [sys.executable, "-m", "featurestore", "apply", "--repo", str(root)], check=True, capture_output=True
+        )
+        command = [sys.executable, "-m", "featurestore", "ui", "--repo", str(root), "--port", str(port)]
+        ui = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(url, timeout=5).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and ui.poll() is None, "the UI server did not start"
+                time.sleep(0.1)
+    try:
+        down = httpx.get(url, timeout=120)
+        assert down.status_code == 503, down.text
+        assert "object storage could not be reached" in down.json()["detail"]
+        assert ui.poll() is None
+    finally:
+        ui.terminate()
+        ui.wait(10)

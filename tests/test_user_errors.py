@@ -47,7 +47,10 @@ def _cli(root, *args: str) -> subprocess.CompletedProcess:
             ["export", "--service", "svc", "--entities", "missing.parquet", "--out", "out"],
             "entity file missing.parquet does not exist",
         ),
-        (["export", "--from-manifest", "missing.json", "--out", "out"], "missing.json; pass the manifest.json an export wrote"),
+        (
+            ["export", "--from-manifest", "missing.json", "--out", "out"],
+            "missing.json; pass the manifest.json an export wrote",
+        ),
     ],
 )
 def test_cli_mistakes_print_one_error_line(repo, args, message):

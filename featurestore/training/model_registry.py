@@ -143,7 +143,10 @@ class ModelRegistry:
         final = json.loads((run_dir / "final.json").read_text())
         weights = io.BytesIO()
         torch.save({"state_dict": state["model"], "config": state["model_config"]}, weights)
-        files = {"model.pt": weights.getvalue(), "preprocessing.json": json.dumps(state["preprocessor"], indent=2).encode()}
+        files = {
+            "model.pt": weights.getvalue(),
+            "preprocessing.json": json.dumps(state["preprocessor"], indent=2).encode(),
+        }
 
         def claim(ledger: Ledger) -> Ledger:
             # the next number after every version recorded or present: a crashed registration's
