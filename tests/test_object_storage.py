@@ -474,3 +474,98 @@ def test_a_server_answers_503_saying_why_while_object_storage_is_down(tmp_path, 
     finally:
         ui.terminate()
         ui.wait(10)
+
+
+def _through(proxy_url: str, bucket: str, options: dict[str, str]) -> str:
+    """featurestore.yaml lines putting a repo's state in ``bucket``, reached through a proxy."""
+    return f"data_dir: s3://{bucket}/data\nstorage_options: {json.dumps({**options, 'AWS_ENDPOINT_URL': proxy_url})}\n"
+
+
+def test_throttling_and_dropped_connections_are_retried_and_lose_nothing(make_store, s3_endpoint, tmp_path):
+    """Through a proxy answering every 5th request 503 SlowDown and dropping every 7th connection
+    after forwarding it (the write landed, the client never heard): apply, materialize, push,
+    point-in-time join and export all succeed, every row stored once, the same values as without
+    faults."""
+    from .s3_faults import FaultyProxy
+
+    bucket, options = s3_bucket(s3_endpoint)
+    proxy = FaultyProxy(
+        s3_endpoint,
+        lambda r: "slow_down" if r.number % 5 == 0 else "drop_after" if r.number % 7 == 0 else "forward",
+    )
+    entities = pd.DataFrame(
+        {"driver_id": [1, 2, 3, 99], "event_timestamp": [NOW - timedelta(hours=h) for h in range(4)]}
+    )
+    results = []
+    try:
+        for name, storage in (("clean", s3_storage(s3_endpoint)), ("faulty", _through(proxy.url, bucket, options))):
+            store = make_store(STATS_DEFS, {"stats": _stats()}, name=name, storage=storage)
+            store.materialize(None, None)
+            store.materialize(None, None)  # a second run over the same rows adds nothing
+            joined = store.get_historical_features(entities, ["stats:rating", "stats:trips"]).to_df()
+            manifest = store.export_training_dataset(
+                entities, "svc", f"s3://{store.config.data.bucket_and_key[0]}/ds-{name}"
+            )
+            pushed = make_store(FEATURES, name=f"{name}-push", storage=storage.replace("/data", "/push"))
+            pushed.push("payments", _frame(_payments(50, seed=3, now=NOW)), to="online_and_offline")
+            pushed.flush()
+            ids = _history_ids(pushed, "activity")
+            assert len(ids) == len(set(ids)) == 50
+            results.append((joined.fillna(-1).to_dict("list"), manifest["files"], sorted(_history_ids(store, "stats"))))
+    finally:
+        proxy.close()
+    assert results[0] == results[1]
+    assert len(set(results[1][2])) == len(results[1][2]) == 200
+    assert proxy.count("slow_down") > 5 and proxy.count("drop_after") > 5  # the faults were met
+
+
+@pytest.mark.parametrize("fault", ["landed-then-outage", "lost-then-outage", "reply-lost"])
+def test_a_fault_at_the_commit_then_a_rerun_converges(fault, make_store, s3_endpoint, tmp_path):
+    """The history's commit reaches the server but its reply is lost, and the endpoint goes away
+    (or it never reaches the server, and the endpoint goes away): materialize fails with one clear
+    error, and once the endpoint is back a re-run converges: every row exactly once, the table
+    readable, the watermark moved. With the reply lost and no outage, delta-rs's retry finds its
+    own commit in place and the run completes the first time."""
+    from .s3_faults import FaultyProxy
+
+    bucket, options = s3_bucket(s3_endpoint)
+    outage = {"on": False, "over": False}
+
+    def rule(request) -> str:
+        if outage["on"]:
+            return "drop"
+        commit = request.method == "PUT" and "_delta_log/" in request.path and request.path.endswith(".json")
+        if commit and not outage["over"]:  # the commit creating the history table with its rows
+            outage["over"] = True
+            outage["on"] = fault != "reply-lost"
+            return "drop" if fault == "lost-then-outage" else "drop_after"
+        return "forward"
+
+    proxy = FaultyProxy(s3_endpoint, rule)
+    try:
+        storage = _through(proxy.url, bucket, options)
+        root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, storage=storage)
+        cli = [sys.executable, "-m", "featurestore.cli"]
+        window = [(NOW - timedelta(days=30)).isoformat(), (NOW + timedelta(days=1)).isoformat()]
+        assert subprocess.run([*cli, "apply", "--repo", str(root)], capture_output=True).returncode == 0
+        first = subprocess.run(
+            [*cli, "materialize", *window, "--repo", str(root)], capture_output=True, text=True, timeout=600
+        )
+        assert outage["over"]
+        if fault != "reply-lost":
+            assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr
+            assert "object storage could not be reached" in first.stderr
+            outage["on"] = False
+            again = subprocess.run(
+                [*cli, "materialize", *window, "--repo", str(root)], capture_output=True, text=True, timeout=600
+            )
+            assert again.returncode == 0, again.stderr
+        else:
+            assert first.returncode == 0, first.stderr
+        store = FeatureStore(root)
+        ids = _history_ids(store, "stats")
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 200
+        assert store.registry.watermark("stats").end is not None
+        store.close()
+    finally:
+        proxy.close()
