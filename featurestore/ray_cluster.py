@@ -4,13 +4,16 @@ types), so an entity's rows meet in one partition whichever task split them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
 from featurestore.errors import FeatureStoreError
 from featurestore.sources import connection, ident, quote
+
+if TYPE_CHECKING:
+    from featurestore.storage import Location
 
 
 def connect(address: str | None) -> Any:
@@ -70,16 +73,25 @@ def _group(table: pa.Table, which: np.ndarray, parts: int) -> list[pa.Table]:
 FILTERED_SCANS_UP_TO = 4  # partitions; past it, one scan and a gather
 
 
-def read_split(uris: list[str], key_types: dict[str, str], parts: int) -> list[pa.Table]:
-    """Parquet files split as ``hash_split`` splits rows. Columns absent from some files read as null.
+def read_split(uris: list[str], key_types: dict[str, str], parts: int, storage: Location | None = None) -> list[pa.Table]:
+    """Parquet files (on ``storage``: local paths, or URIs on object storage read straight from it by
+    whichever node runs the task) split as ``hash_split`` splits rows. Columns absent from some
+    files read as null.
 
     Into a few parts, one filtered DuckDB scan per part: decoding the files again costs less
     than gathering every row (measured: 2.5 s against 5.4 s for 25M rows into 2 parts; sorting
     by part in SQL took 9.8 s). Into more, one scan and ``_group``, whose cost does not grow
     with the number of parts."""
-    files = "[" + ", ".join(quote(local_path(u)) for u in uris) + "]"
-    scan = f"read_parquet({files}, union_by_name = true)"
     con = connection()
+    if storage is not None and not storage.is_local:  # DuckDB has no S3 reader here: pyarrow's, handed over
+        import pyarrow.parquet as pq
+
+        fs, _ = storage.filesystem()
+        tables = [pq.read_table(u.split("://", 1)[1], filesystem=fs) for u in uris]
+        con.register("__files", pa.concat_tables(tables, promote_options="default"))
+        scan = "__files"
+    else:
+        scan = "read_parquet([" + ", ".join(quote(local_path(u)) for u in uris) + "], union_by_name = true)"
     if parts <= FILTERED_SCANS_UP_TO:
         return [
             con.sql(f"SELECT * FROM {scan} WHERE {_part_sql(key_types, parts)} = {p}").to_arrow_table()

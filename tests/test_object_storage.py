@@ -139,7 +139,7 @@ for lo in range(0, count, 10):  # many small commits: many chances to meet the o
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-@pytest.mark.parametrize("trial", range(2))
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_path, request):
     """Four processes append overlapping row sets (ids 0-59, 30-89, 60-119, 0-119) to one history
     table at once, in commits of 10: every row is there once. No lock is shared: each writer
@@ -397,17 +397,21 @@ def guarded_s3(tmp_path_factory):
         yield endpoint, {u: (k["AccessKeyId"], k["SecretAccessKey"]) for u, k in keys.items()}
 
 
+_FAILURES = {
+    "no bucket": "the bucket does not exist",
+    "wrong credentials": "the credentials were refused",
+    "no permission": "access denied",
+    "unreachable": "object storage could not be reached",
+}
+
+
 @pytest.mark.parametrize(
-    "case, message",
-    [
-        ("no bucket", "the bucket does not exist"),
-        ("wrong credentials", "the credentials were refused"),
-        ("no permission", "access denied"),
-        ("unreachable", "object storage could not be reached"),
-    ],
+    "where, case",
+    [("registry", case) for case in _FAILURES]
+    + [("history", "no bucket")]
+    + [pytest.param("history", case, marks=pytest.mark.slow) for case in list(_FAILURES)[1:]],
 )
-@pytest.mark.parametrize("where", ["registry", "history"])
-def test_storage_failures_are_one_line_saying_what_to_do(case, message, where, guarded_s3, tmp_path, redis_url):
+def test_storage_failures_are_one_line_saying_what_to_do(where, case, guarded_s3, tmp_path, redis_url):
     """Each way object storage fails, met by the registry (boto3) or by the history (delta-rs,
     pyarrow), is one error line naming the cause and the fix, never a traceback."""
     endpoint, keys = guarded_s3
@@ -437,7 +441,7 @@ def test_storage_failures_are_one_line_saying_what_to_do(case, message, where, g
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and len(lines) == 1 and lines[0].startswith("error:"), done.stderr
-    assert message in lines[0]
+    assert _FAILURES[case] in lines[0]
 
 
 def test_a_server_answers_503_saying_why_while_object_storage_is_down(tmp_path, redis_url):
@@ -498,14 +502,13 @@ def test_throttling_and_dropped_connections_are_retried_and_lose_nothing(make_st
     )
     results = []
     try:
-        for name, storage in (("clean", s3_storage(s3_endpoint)), ("faulty", _through(proxy.url, bucket, options))):
+        for name, storage in (("on-disk", ""), ("faulty", _through(proxy.url, bucket, options))):
             store = make_store(STATS_DEFS, {"stats": _stats()}, name=name, storage=storage)
             store.materialize(None, None)
             store.materialize(None, None)  # a second run over the same rows adds nothing
             joined = store.get_historical_features(entities, ["stats:rating", "stats:trips"]).to_df()
-            manifest = store.export_training_dataset(
-                entities, "svc", f"s3://{store.config.data.bucket_and_key[0]}/ds-{name}"
-            )
+            out = tmp_path / "ds" if name == "on-disk" else f"s3://{bucket}/ds"
+            manifest = store.export_training_dataset(entities, "svc", out)
             pushed = make_store(FEATURES, name=f"{name}-push", storage=storage.replace("/data", "/push"))
             pushed.push("payments", _frame(_payments(50, seed=3, now=NOW)), to="online_and_offline")
             pushed.flush()
@@ -519,7 +522,9 @@ def test_throttling_and_dropped_connections_are_retried_and_lose_nothing(make_st
     assert proxy.count("slow_down") > 5 and proxy.count("drop_after") > 5  # the faults were met
 
 
-@pytest.mark.parametrize("fault", ["landed-then-outage", "lost-then-outage", "reply-lost"])
+@pytest.mark.parametrize(
+    "fault", ["landed-then-outage", pytest.param("lost-then-outage", marks=pytest.mark.slow), "reply-lost"]
+)
 def test_a_fault_at_the_commit_then_a_rerun_converges(fault, make_store, s3_endpoint, tmp_path):
     """The history's commit reaches the server but its reply is lost, and the endpoint goes away
     (or it never reaches the server, and the endpoint goes away): materialize fails with one clear

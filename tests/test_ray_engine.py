@@ -372,3 +372,80 @@ def test_splitting_files_and_tables_agrees_with_a_row_by_row_reference(tmp_path,
     assert [t.to_pylist() for t in from_files] == expected
     assert [t.to_pylist() for t in from_table] == expected
     assert sum(len(rows) for rows in expected) == everything.num_rows and any(r["late"] is None for r in expected[0])
+
+
+_S3_DRIVER = """
+import json, shutil, sys
+import pyarrow as pa
+from featurestore import FeatureStore
+from featurestore.config import RepoConfig
+
+repo, address, entities = sys.argv[1], sys.argv[2], sys.argv[3]
+config = RepoConfig.load(repo).with_engine("ray", address)
+store = FeatureStore(repo, config)
+store.apply()
+shutil.rmtree(config.data_dir)  # nothing below may need this machine's own folder: the data is on S3
+report = store.materialize(None, None)
+again = store.materialize(None, None)
+joined = store.get_historical_features(pa.parquet.read_table(entities), ["stats:rating", "stats:trips"]).to_arrow()
+print(json.dumps({
+    "new": [v.new_offline_rows for v in report.views], "again": [v.new_offline_rows for v in again.views],
+    "joined": joined.to_pydict(),
+}, default=str))
+"""
+
+
+def test_ray_with_the_history_on_s3_needs_no_shared_folder(make_store, cluster, s3_endpoint, tmp_path, monkeypatch):
+    """A driver in its own working directory, its local data folder deleted before any work, the
+    history and registry on S3: the Ray tasks (in the cluster's processes, another working
+    directory) read and write S3 themselves, the driver commits; the same history and join as the
+    local engine on local disk, and a re-run adds nothing."""
+    from datetime import datetime, timedelta
+
+    import pyarrow.parquet as pq
+
+    from .conftest import s3_storage, write_repo
+    from .test_object_storage import STATS_DEFS, _history_ids, _stats
+
+    monkeypatch.delenv("FEATURESTORE_DATA_DIR", raising=False)
+    local = make_store(STATS_DEFS, {"stats": _stats()})
+    local.materialize(None, None)
+    now = datetime.now(UTC).replace(microsecond=0)
+    entities = pa.table(
+        {
+            "driver_id": pa.array([1, 2, 3, 99, 1], pa.int64()),
+            "event_timestamp": pa.array(
+                [now - timedelta(hours=h) for h in (0, 5, 20, 1, 30)], pa.timestamp("us", tz="UTC")
+            ),
+        }
+    )
+    pq.write_table(entities, tmp_path / "entities.parquet")
+    expected = local.get_historical_features(entities, ["stats:rating", "stats:trips"]).to_arrow()
+
+    storage = s3_storage(s3_endpoint) + f"local_dir: {tmp_path / 'driver-local'}\n"
+    root = write_repo(
+        tmp_path / "s3-repo",
+        STATS_DEFS,
+        {"stats": _stats()},
+        url=local.config.online.url,
+        project="s3ray",
+        storage=storage,
+    )
+    driver = tmp_path / "driver.py"
+    driver.write_text(_S3_DRIVER)
+    (tmp_path / "driver-cwd").mkdir()
+    done = subprocess.run(
+        [sys.executable, str(driver), str(root), cluster, str(tmp_path / "entities.parquet")],
+        cwd=tmp_path / "driver-cwd",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["new"] == [200] and result["again"] == [0]
+    assert result["joined"] == json.loads(json.dumps(expected.to_pydict(), default=str))
+    assert not (tmp_path / "driver-local").exists()
+    on_s3 = FeatureStore(root)
+    assert sorted(_history_ids(on_s3, "stats")) == sorted(_history_ids(local, "stats"))
+    on_s3.close()

@@ -5,10 +5,13 @@ view's name and deletes all its versions."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import duckdb
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from featurestore.storage import Location
 
 # Columns every history table has besides join keys and features.
 #   event_timestamp    when the fact happened (UTC)
@@ -49,6 +52,8 @@ class HistoryReads(Protocol):
 
 class HistoryFiles(HistoryReads, Protocol):
     """What distributed joins and the catalogue also read: a table's files and log statistics."""
+
+    location: Location  # where the files are: a task elsewhere reads them with its file system
 
     def files(self, view: str, version: int | None = None) -> tuple[int | None, list[str]]:
         """(version, data file URIs) of the table at ``version`` (default latest), for scans elsewhere."""

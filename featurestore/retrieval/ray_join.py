@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from featurestore.offline.base import HistoryFiles
+    from featurestore.storage import Location
 
 ROW = "__ray_row"  # the entity row's number: input order, restored at the end
 
@@ -101,6 +102,7 @@ class RayJoinJob:
                     req,
                     numbered.select([*dict.fromkeys([*keep, ROW])]),
                     files,
+                    offline.location,
                     parts,
                     full_feature_names,
                     as_of,
@@ -152,6 +154,7 @@ def _submit(
     req: ViewRequest,
     entities: pa.Table,
     files: list[str],
+    storage: Location,
     parts: int,
     full_feature_names: bool,
     as_of: str,
@@ -161,7 +164,7 @@ def _submit(
     key_types = state["key_types"][req.view.name]
     split = ray.remote(num_returns=parts)(_split_files) if parts > 1 else ray.remote(_split_files)
     groups = [files[g::parts] for g in range(min(parts, len(files)))]  # a task per group of files, not per file
-    history_parts = [split.remote(state, group, parts) for group in groups]
+    history_parts = [split.remote(state, group, storage, parts) for group in groups]
     if parts == 1:
         history_parts = [[h] for h in history_parts]
     entity_parts = hash_split(entities, _duckdb_types(key_types), parts)
@@ -179,7 +182,7 @@ def _duckdb_types(key_types: dict[str, str]) -> dict[str, str]:
     return {k: duckdb_type(from_name(t)) for k, t in key_types.items()}
 
 
-def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
+def _split_files(state: dict[str, Any], uris: list[str], storage: Location, parts: int) -> Any:
     """History files of a view, read with the view's history columns (absent ones null), in parts."""
     fit_to_task()
     defs = applied_definitions(state)
@@ -192,7 +195,7 @@ def _split_files(state: dict[str, Any], uris: list[str], parts: int) -> Any:
                 for f in schema
             }
         )
-        for part in read_split(uris, _duckdb_types(state["key_types"][view.name]), parts)
+        for part in read_split(uris, _duckdb_types(state["key_types"][view.name]), parts, storage)
     ]
     return split if parts > 1 else split[0]
 
