@@ -54,6 +54,8 @@ class OfflineSection:
     # after such a compaction, files no version of the last this-many hours uses are deleted (Delta's
     # default retention, 7 days): exports of older versions then no longer reproduce. None: never
     vacuum_after_hours: int | None = 168
+    # history on object storage: local copies of its data files, at most this many MB (0: none kept)
+    cache_mb: int = 8192
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ def _offline_section(offline: dict, file: Path, repo: Path, data: Location, opti
         buffer_max_seconds=parse_duration(offline.get("buffer_max_age", 5), f"{where}.buffer_max_age").total_seconds(),
         compact_after_files=_positive_int(offline.get("compact_after_files", 256), f"{where}.compact_after_files"),
         vacuum_after_hours=_hours_or_never(offline.get("vacuum_after_hours", 168), f"{where}.vacuum_after_hours"),
+        cache_mb=_non_negative_int(offline.get("cache_mb", 8192), f"{where}.cache_mb"),
     )
 
 
@@ -266,6 +269,7 @@ _KEYS = {
     },
     "offline_store": {
         "path",
+        "cache_mb",
         "buffer_max_rows",
         "buffer_max_age",
         "compact_after_files",
@@ -314,6 +318,12 @@ def _api_keys(auth: object, file: Path) -> list[ApiKey] | None:
 def _positive_int(value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise FeatureStoreError(f"{where}: {value!r} is not a whole number >= 1")
+    return value
+
+
+def _non_negative_int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FeatureStoreError(f"{where}: {value!r} is not a whole number >= 0")
     return value
 
 

@@ -209,8 +209,12 @@ class FeatureStore:
     def offline_store(self) -> DeltaOfflineStore:
         if self._offline is None:
             from featurestore.offline.delta import DeltaOfflineStore
+            from featurestore.offline.file_cache import FileCache
 
-            self._offline = DeltaOfflineStore(self.config.offline.location)
+            offline, cache = self.config.offline, None
+            if not offline.location.is_local and offline.cache_mb:  # data files of S3 kept on local disk
+                cache = FileCache(self.config.data_dir / "cache" / "history", offline.cache_mb << 20)
+            self._offline = DeltaOfflineStore(offline.location, cache)
         return self._offline
 
     @property

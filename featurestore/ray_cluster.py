@@ -73,7 +73,9 @@ def _group(table: pa.Table, which: np.ndarray, parts: int) -> list[pa.Table]:
 FILTERED_SCANS_UP_TO = 4  # partitions; past it, one scan and a gather
 
 
-def read_split(uris: list[str], key_types: dict[str, str], parts: int, storage: Location | None = None) -> list[pa.Table]:
+def read_split(
+    uris: list[str], key_types: dict[str, str], parts: int, storage: Location | None = None
+) -> list[pa.Table]:
     """Parquet files (on ``storage``: local paths, or URIs on object storage read straight from it by
     whichever node runs the task) split as ``hash_split`` splits rows. Columns absent from some
     files read as null.

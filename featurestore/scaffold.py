@@ -18,7 +18,8 @@ CONFIG = """\
 project: {project}
 # Only these modules are imported when the repo is loaded.
 modules: [features.py]
-# data_dir: data                 # Delta tables, registry, embedded Redis files
+# data_dir: data                 # Delta tables, registry, models, embedded Redis files; or s3://bucket/prefix
+#                                 (storage_options: {{AWS_ENDPOINT_URL: ...}}; this machine's own files: local_dir)
 # online_store: {{url: redis://localhost:6379}}   # default: embedded; REDIS_URL overrides
 """
 

@@ -139,6 +139,7 @@ class Location:
             endpoint_override=endpoint.split("://", 1)[1] if endpoint else None,
             scheme=scheme,
             retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=5),  # 503 SlowDown, dropped connections
+            allow_delayed_open=True,  # a file smaller than one part is one PutObject, not a multipart upload
         )
         return fs, self.url[len(S3) :]
 

@@ -24,6 +24,13 @@ class Request:
     number: int  # 1, 2, … in arrival order
     method: str
     path: str
+    sent: int = 0  # body bytes, to the server
+    received: int = 0  # body bytes, back
+
+    @property
+    def kind(self) -> str:
+        """What S3 bills it as: GET, PUT, POST, HEAD, DELETE, or LIST (a GET listing a prefix)."""
+        return "LIST" if self.method == "GET" and "list-type=" in self.path else self.method
 
 
 # what to do with a request: "forward", "slow_down" (503), "drop" (close before forwarding),
@@ -51,7 +58,7 @@ class FaultyProxy:
             def _handle(self) -> None:
                 body = self._body()
                 with proxy._lock:
-                    request = Request(len(proxy.seen) + 1, self.command, self.path)
+                    request = Request(len(proxy.seen) + 1, self.command, self.path, len(body))
                     fate = proxy.rule(request)
                     proxy.seen.append((request, fate))
                 if fate == "drop":
@@ -59,6 +66,7 @@ class FaultyProxy:
                 if fate == "slow_down":
                     return self._answer(503, [("Content-Type", "application/xml")], SLOW_DOWN)
                 status, headers, data = self._forward(body)
+                request.received = len(data)
                 if fate == "drop_after":
                     return self._hang_up()
                 self._answer(status, headers, data)
@@ -112,6 +120,12 @@ class FaultyProxy:
     def count(self, fate: str) -> int:
         with self._lock:
             return sum(1 for _, f in self.seen if f == fate)
+
+    def take(self) -> list[Request]:
+        """The requests seen since the last ``take``."""
+        with self._lock:
+            seen, self.seen = [r for r, _ in self.seen], []
+        return seen
 
     def close(self) -> None:
         self.server.shutdown()

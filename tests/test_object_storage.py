@@ -6,6 +6,7 @@ snapshot, registry ledgers updated by compare-and-swap."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -116,6 +117,7 @@ def test_registry_versions_watermarks_and_run_ids_on_s3(make_store, s3_endpoint)
 
 _APPEND = """
 import json
+import shutil
 import sys
 import time
 import pyarrow as pa
@@ -264,6 +266,7 @@ def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, t
 
 _REGISTER = """
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -574,3 +577,87 @@ def test_a_fault_at_the_commit_then_a_rerun_converges(fault, make_store, s3_endp
         store.close()
     finally:
         proxy.close()
+
+
+def test_history_files_are_cached_locally_and_the_cache_is_bounded(make_store, s3_endpoint, tmp_path):
+    """With the history on S3, the files a run writes are kept on local disk as they are uploaded,
+    so the next join reads no data file from the bucket; a cold cache fetches each file once; the
+    cache stays under its bound, least recently used out first."""
+    import os
+
+    from featurestore.offline.file_cache import FileCache
+
+    from .s3_faults import FaultyProxy
+
+    bucket, options = s3_bucket(s3_endpoint)
+    proxy = FaultyProxy(s3_endpoint)
+    try:
+        store = make_store(STATS_DEFS, {"stats": _stats()}, storage=_through(proxy.url, bucket, options))
+        store.materialize(None, None)
+        entities = pd.DataFrame({"driver_id": [1, 2, 3], "event_timestamp": [NOW] * 3})
+
+        def join_reads() -> tuple[pd.DataFrame, int]:
+            proxy.take()
+            joined = store.get_historical_features(entities, ["stats:rating"]).to_df()
+            return joined, sum(1 for r in proxy.take() if r.method == "GET" and r.path.endswith(".parquet"))
+
+        warm, reads = join_reads()
+        assert reads == 0  # written through
+        cache = store.offline_store.cache
+        shutil.rmtree(cache.root)
+        cold, reads = join_reads()
+        files = len(store.offline_store.files(store.layout("stats").history_table)[1])
+        assert reads == files > 1 and cold.equals(warm)
+        assert join_reads()[1] == 0
+    finally:
+        proxy.close()
+
+    small = FileCache(tmp_path / "small", max_bytes=1000)
+    for i in range(10):
+        (tmp_path / "f").write_bytes(bytes(300))
+        small.keep(f"bucket/file-{i}.parquet", tmp_path / "f")
+        os.utime(small._place(f"bucket/file-{i}.parquet"), (1000 + i, 1000 + i))  # used long ago, in order
+    small.trim()
+    kept = sorted(p for p in range(10) if small._place(f"bucket/file-{p}.parquet").exists())
+    assert kept == [7, 8, 9]  # the newest, within 90 % of the bound
+
+
+def _rows(ids: list[int]) -> pa.Table:
+    return pa.table(
+        {
+            "k": pa.array(ids, pa.int64()),
+            "event_timestamp": pa.array([1_700_000_000_000_000] * len(ids), pa.timestamp("us", tz="UTC")),
+            "created_timestamp": pa.array([0] * len(ids), pa.timestamp("us", tz="UTC")),
+            "_run_id": pa.array([1] * len(ids), pa.int64()),
+            "_row_id": pa.array(ids, pa.int64()),
+        }
+    )
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_store_follows_its_tables_log_and_notices_a_table_made_again(backend, tmp_path, request):
+    """A long-lived store brings its handle of a table up to date (reading only new commits)
+    instead of reopening it: it sees other writers' commits, and a table dropped and made again
+    under the same name is read as the new table, not as the old one with new commits on top."""
+    if backend == "s3":
+        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        location = Location.parse(f"s3://{bucket}/offline", tmp_path, options)
+    else:
+        location = Location.parse(tmp_path / "offline", tmp_path)
+    mine, other = DeltaOfflineStore(location), DeltaOfflineStore(location)
+
+    def ids(store: DeltaOfflineStore) -> list[int]:
+        con = duckdb.connect()
+        store.register(con, "t", "h", _rows([]).schema)
+        return sorted(r[0] for r in con.execute("SELECT _row_id FROM h").fetchall())
+
+    mine.append("t", _rows([1, 2, 3]))
+    other.append("t", _rows([4]))
+    other.append("t", _rows([5]))
+    assert ids(mine) == [1, 2, 3, 4, 5] and mine.version("t") == 2
+    other.drop("t")
+    other.append("t", _rows([7]))
+    other.append("t", _rows([8]))
+    other.append("t", _rows([9]))
+    assert ids(mine) == [7, 8, 9]  # version 2 of the new table, not the old one's 1-5 plus commits 1-2
+    assert mine.append("t", _rows([9, 10])).num_rows == 1 and ids(other) == [7, 8, 9, 10]

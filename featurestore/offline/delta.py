@@ -6,7 +6,8 @@ previous version stays readable, and a re-run (deduplicated by ``_row_id``) comp
 Writers take no lock: each deduplicates against the version it read and commits expecting the
 next one; a writer that finds it taken (a concurrent run, another machine) takes out of its files
 the rows committed since, and commits on the newer version (``commit``). DuckDB reads local
-Parquet files itself and object storage through pyarrow datasets.
+Parquet files itself; files on object storage through local copies (``file_cache``) or, with no
+cache, pyarrow datasets.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import duckdb
@@ -32,10 +35,12 @@ from deltalake.transaction import AddAction, RemoveAction, create_table_with_add
 
 from featurestore.errors import FeatureStoreError
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
+from featurestore.offline.file_cache import FileCache
 from featurestore.sources import connection, ident, quote
 from featurestore.storage import Location
 
 log = logging.getLogger(__name__)
+UPLOAD_THREADS = 16  # new history files uploaded at once
 COMMIT_ATTEMPTS = 50  # commits retried on a newer version before giving up (each one lost a race)
 
 
@@ -50,10 +55,14 @@ def _require_files(view: str, version: int, gone: list[str]) -> None:
 
 
 class DeltaOfflineStore:
-    def __init__(self, location: Location | Path):
+    def __init__(self, location: Location | Path, cache: FileCache | None = None):
+        """History tables under ``location``; on object storage, data files read and written are
+        kept in ``cache`` (local copies: joins read local disk) when one is given."""
         self.location = location if isinstance(location, Location) else Location(str(Path(location).resolve()))
         self.options = self.location.delta_options()
+        self.cache = cache if not self.location.is_local else None
         self._fs: tuple[pafs.FileSystem, str] | None = None
+        self._latest = threading.local()  # per thread, table URI -> the handle last opened at its latest version
 
     @property
     def filesystem(self) -> tuple[pafs.FileSystem, str]:
@@ -70,12 +79,37 @@ class DeltaOfflineStore:
         return self.location.path / view
 
     def _open(self, uri: str, version: int | None = None) -> DeltaTable | None:
+        """The table at ``version``; at its latest, the thread's handle brought up to date, which reads
+        only the commits since (opening anew reads every commit since the last checkpoint: on
+        object storage a request each)."""
         if self.location.is_local and not (Path(uri) / "_delta_log").exists():
             return None
+        handles = self._latest.__dict__
+        if version is not None and uri in handles and handles[uri].version() == version:
+            return handles[uri]  # just brought up to date by this thread (``append``: read, then dedupe)
+        if version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
+            handles[uri].update_incremental()
+            return handles[uri]
         try:
-            return DeltaTable(uri, version=version, storage_options=self.options)
+            table = DeltaTable(uri, version=version, storage_options=self.options)
         except TableNotFoundError:
             return None
+        if version is None:
+            handles[uri] = table
+        return table
+
+    def _created_as(self, uri: str) -> str | None:
+        """The id the table's first commit gave it (None: no first commit): a table dropped and
+        made again under the same name has a new one, and a handle of the old one is not followed."""
+        fs, _ = self.filesystem
+        try:
+            with fs.open_input_stream(f"{_fs_path(uri)}/_delta_log/{0:020}.json") as first:
+                for line in first.read().splitlines():
+                    if b'"metaData"' in line:
+                        return json.loads(line)["metaData"]["id"]
+        except (FileNotFoundError, OSError):
+            pass
+        return None
 
     def _table(self, view: str, version: int | None = None) -> DeltaTable | None:
         return self._open(self.table_uri(view), version)
@@ -120,7 +154,9 @@ class DeltaOfflineStore:
     def _scan(self, con: duckdb.DuckDBPyConnection, name: str, files: list[str], schema: pa.Schema) -> str:
         """A DuckDB relation over data files, by column name (files written before a column was added
         read it as null): DuckDB's own reader on local disk, a pyarrow dataset on object storage."""
-        if self.location.is_local:
+        if self.location.is_local or self.cache is not None:
+            if self.cache is not None:
+                files = [str(p) for p in self.cache.fetch([_fs_path(f) for f in files], self.filesystem[0])]
             return f"read_parquet([{', '.join(quote(f) for f in files)}], union_by_name = true)"
         fs, _ = self.filesystem
         dataset = pads.dataset([_fs_path(f) for f in files], schema=schema, format="parquet", filesystem=fs)
@@ -155,18 +191,28 @@ class DeltaOfflineStore:
                 for filename, count, size, _, _, partition, _ in written
             ]
             if not local:
-                fs, base = self.filesystem
-                for action in actions:
-                    pafs.copy_files(
-                        str(root / action.path),
-                        f"{base}/{view}/{action.path}",
-                        source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=fs,
-                    )
+                self._upload(view, root, actions)
             return actions
         finally:
             if not local:
                 shutil.rmtree(root, ignore_errors=True)
+
+    def _upload(self, view: str, root: Path, actions: list[AddAction]) -> None:
+        """Files written under ``root`` to the table's folder on object storage, in parallel (each
+        request waits on the network, not on this machine)."""
+        fs, base = self.filesystem
+
+        def upload(action: AddAction) -> None:
+            target = f"{base}/{view}/{action.path}"
+            with open(root / action.path, "rb") as source, fs.open_output_stream(target) as out:
+                shutil.copyfileobj(source, out, 8 << 20)
+            if self.cache is not None:  # read back by this run's joins and the next run's dedup
+                self.cache.keep(target, root / action.path)
+
+        with ThreadPoolExecutor(min(UPLOAD_THREADS, len(actions) or 1)) as pool:
+            list(pool.map(upload, actions))
+        if self.cache is not None:
+            self.cache.trim()
 
     def commit(self, view: str, actions: list[AddAction], schema: pa.Schema, read_version: int | None) -> int | None:
         """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the
