@@ -99,6 +99,12 @@ class RepoConfig:
     server: ServerSection = field(default_factory=ServerSection)
 
     @property
+    def push_logs(self) -> Location:
+        """Where each push source's log lives (``<data_dir>/push/<source>``): with the rest of the
+        durable state, so every machine materializing a push source reads every machine's pushes."""
+        return self.data.child("push")
+
+    @property
     def online_store_settings(self) -> OnlineStoreSettings:
         """What opening the online store takes (``online.base.open_online_store``)."""
         online = self.online

@@ -268,7 +268,7 @@ class FeatureStore:
                 # the running server's address (an embedded one too: tasks connect to it)
                 dataclasses.replace(config.online_store_settings, url=self.online_store.url),
                 config.repo_path,
-                config.data_dir,
+                config.push_logs,
                 config.future_tolerance,
                 config.online.event_retention,
                 config.online.expire_after_ttl,

@@ -7,12 +7,17 @@ needs schemas) and materialization (which needs rows) cannot disagree.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
 from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
+
+if TYPE_CHECKING:
+    from deltalake import DeltaTable
+
+    from featurestore.storage import Location
 
 # Push logs record when each row arrived; views over a push source without a created column use
 # it as the created time, so pushing A, then B, then A again at one event time serves A.
@@ -56,12 +61,22 @@ def ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def push_log_path(data_dir: Path, source_name: str) -> Path:
-    return Path(data_dir) / "push" / source_name
+def open_push_log(push_logs: Location, source_name: str, version: int | None = None) -> DeltaTable | None:
+    """A push source's log (``push_logs/<source>``, a Delta table), None before its first push."""
+    from deltalake import DeltaTable  # local: only pushes need it
+    from deltalake.exceptions import TableNotFoundError
+
+    log = push_logs.child(source_name)
+    if log.is_local and not (log.path / "_delta_log").exists():
+        return None
+    try:
+        return DeltaTable(log.url, version=version, storage_options=log.delta_options())
+    except TableNotFoundError:
+        return None
 
 
 def register_source(
-    con: duckdb.DuckDBPyConnection, source: Source, repo_path: Path, data_dir: Path, name: str = "source"
+    con: duckdb.DuckDBPyConnection, source: Source, repo_path: Path, push_logs: Location, name: str = "source"
 ) -> None:
     """Make ``source`` queryable in ``con`` as the view ``name``."""
     if isinstance(source, SqlSource):
@@ -70,11 +85,9 @@ def register_source(
         con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS {source.query}")
         return
     if isinstance(source, PushSource):
-        from deltalake import DeltaTable  # local: only pushes need it
-
-        path = push_log_path(data_dir, source.name)
-        if (path / "_delta_log").exists():
-            con.register(name, DeltaTable(str(path)).to_pyarrow_dataset())
+        log = open_push_log(push_logs, source.name)
+        if log is not None:
+            con.register(name, log.to_pyarrow_dataset())
         else:
             schema = pa.schema([(f.name, f.dtype.arrow) for f in source.schema])
             con.register(name, schema.empty_table())
@@ -92,10 +105,10 @@ def register_source(
 
 
 def register_view_rows(
-    con: duckdb.DuckDBPyConnection, view: FeatureView, repo_path: Path, data_dir: Path, name: str = "view_rows"
+    con: duckdb.DuckDBPyConnection, view: FeatureView, repo_path: Path, push_logs: Location, name: str = "view_rows"
 ) -> None:
     """Register the view's rows (source after transformation) as ``name``."""
-    register_source(con, view.source, repo_path, data_dir, "source")
+    register_source(con, view.source, repo_path, push_logs, "source")
     transformation = view.transformation
     if transformation is None:
         con.execute(f"CREATE OR REPLACE TEMP VIEW {ident(name)} AS SELECT * FROM source")
@@ -123,7 +136,7 @@ def relation_schema(con: duckdb.DuckDBPyConnection, name: str) -> pa.Schema:
 
 
 def view_output_schema(
-    view: FeatureView, repo_path: Path, data_dir: Path, con: duckdb.DuckDBPyConnection | None = None
+    view: FeatureView, repo_path: Path, push_logs: Location, con: duckdb.DuckDBPyConnection | None = None
 ) -> pa.Schema:
     """Columns the view's transformation produces (the source's, when there is none). Pass ``con``
     to check many views on one connection (opening one costs tens of milliseconds)."""
@@ -132,7 +145,7 @@ def view_output_schema(
     else:  # the previous view's source, registered (Arrow) or created (SQL): either blocks the other kind
         con.unregister("source")
         con.execute('DROP VIEW IF EXISTS "source"')
-    register_source(con, view.source, repo_path, data_dir, "source")
+    register_source(con, view.source, repo_path, push_logs, "source")
     if view.transformation is None:
         return relation_schema(con, "source")
     if isinstance(view.transformation, str):

@@ -661,3 +661,42 @@ def test_a_store_follows_its_tables_log_and_notices_a_table_made_again(backend, 
     other.append("t", _rows([9]))
     assert ids(mine) == [7, 8, 9]  # version 2 of the new table, not the old one's 1-5 plus commits 1-2
     assert mine.append("t", _rows([9, 10])).num_rows == 1 and ids(other) == [7, 8, 9, 10]
+
+
+def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint):
+    """Two repos with their own local folders (two machines) and one ``data_dir`` on S3 push into
+    one source at once: the push log holds every machine's rows once, a retried drain on either
+    adds nothing (each buffer records its own progress in the log), and materializing on one
+    machine computes from both machines' pushes."""
+    import threading
+
+    storage = s3_storage(s3_endpoint)
+    machines = [make_store(FEATURES, name=f"machine-{m}", storage=storage) for m in range(2)]
+    batches = [_frame(_payments(40, seed=m, first_id=1000 * m, now=NOW)) for m in range(2)]
+
+    def push(m: int) -> None:
+        for part in range(4):
+            machines[m].push("payments", batches[m].slice(part * 10, 10), to="offline")
+            machines[m].flush()
+
+    threads = [threading.Thread(target=push, args=(m,)) for m in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    from featurestore.sources import open_push_log
+
+    assert machines[0].config.data_dir != machines[1].config.data_dir  # each machine's own local folder
+    first = machines[0]
+    first.push("payments", _frame(_payments(5, seed=9, first_id=2000, now=NOW)), to="offline")
+    saved = first.config.data_dir.parent / "saved-buffer"
+    shutil.copytree(first.push_buffer.root, saved)
+    first.flush()
+    shutil.rmtree(first.push_buffer.root)
+    shutil.copytree(saved, first.push_buffer.root)  # as if the drain died after its commit
+    first.flush()
+    logged = open_push_log(first.config.push_logs, "payments").to_pyarrow_table()["payment_id"].to_pylist()
+    assert sorted(logged) == list(range(40)) + list(range(1000, 1040)) + list(range(2000, 2005))
+    report = machines[1].materialize(None, None)
+    ids = _history_ids(machines[1], "activity")
+    assert len(ids) == len(set(ids)) == 85 and sum(v.new_offline_rows for v in report.views) == 0

@@ -10,9 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pytest
-from deltalake import DeltaTable
 
-from featurestore.sources import push_log_path
+from featurestore.sources import open_push_log
 
 from .test_aggregations import FEATURES, _frame
 
@@ -77,7 +76,7 @@ def test_a_repeated_drain_appends_nothing_twice(make_store, tmp_path):
     shutil.rmtree(store.push_buffer.root)
     shutil.copytree(saved, store.push_buffer.root)  # as if the drain crashed after its commits
     store.flush()
-    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    log = open_push_log(store.config.push_logs, "payments").to_pyarrow_table()
     assert sorted(log["payment_id"].to_pylist()) == [4, 5]
     assert _counts(store)[0] == [2]
 
@@ -99,7 +98,7 @@ def test_a_drain_repeated_with_new_records_beside_it_appends_each_record_once(ma
     with FeatureStore(store.config.repo_path, store.config) as restarted:
         restarted.push("payments", _frame([_payment(i) for i in range(14, 16)]), to="offline")  # new events, no retry
         restarted.flush()
-    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    log = open_push_log(store.config.push_logs, "payments").to_pyarrow_table()
     assert sorted(log["payment_id"].to_pylist()) == list(range(10, 16))
     assert _counts(store)[0] == [6]
 
@@ -261,7 +260,7 @@ def test_segments_written_by_the_previous_version_still_commit(make_store):
     assert store.push_buffer.targets() == ["log:payments", "view:activity"]
     assert store.flush() == 2
     assert _counts(store) == ([1], [1]) and store.push_buffer.targets() == []
-    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    log = open_push_log(store.config.push_logs, "payments").to_pyarrow_table()
     assert log["payment_id"].to_pylist() == [1]
 
 

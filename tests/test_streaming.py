@@ -137,9 +137,8 @@ def test_consumers_killed_under_their_default_names_lose_nothing_and_log_each_en
     (payments missing in both stores, poison entries never dead-lettered), and redelivered
     entries were stored again in the raw push log. Idle pending entries are now claimed whatever
     their consumer's name, and an entry's ingest time and push id come from its entry id."""
-    from deltalake import DeltaTable
 
-    from featurestore.sources import push_log_path
+    from featurestore.sources import open_push_log
 
     root, store = stream_repo
     events = _events(1500, seed=5)
@@ -181,7 +180,7 @@ def test_consumers_killed_under_their_default_names_lose_nothing_and_log_each_en
     assert [fields[b"_entry_id"] for _, fields in client.xrange(stream + ":dead")] == bad
     _assert_stores_match(store, events)
     store.flush()
-    log = DeltaTable(str(push_log_path(store.config.data_dir, "payments"))).to_pyarrow_table()
+    log = open_push_log(store.config.push_logs, "payments").to_pyarrow_table()
     assert log.num_rows == len(events) and len(set(log["payment_id"].to_pylist())) == len(events)
 
 

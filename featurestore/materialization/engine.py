@@ -139,7 +139,7 @@ class Materializer:
                 else:  # the compute query's own progress (DuckDB), then the writes
                     task = bar.add_task(f"[{i}/{len(selected)}] {view.name}: computing", total=100)
                     con = connection()
-                    register_view_rows(con, view, self.config.repo_path, self.config.data_dir)
+                    register_view_rows(con, view, self.config.repo_path, self.config.push_logs)
                     with query_progress(con, bar, task):
                         report.views.append(self.write_view(con, view, **options))
                     bar.update(task, completed=100, description=f"[{i}/{len(selected)}] {view.name}: done")

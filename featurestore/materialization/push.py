@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import secrets
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -28,7 +27,8 @@ from featurestore.materialization.compute import pushed_rows
 from featurestore.materialization.engine import Materializer, push_run_id
 from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
-from featurestore.sources import INGESTED_AT, PUSH_ID, connection, push_log_path
+from featurestore.sources import INGESTED_AT, PUSH_ID, connection, open_push_log
+from featurestore.storage import Location
 
 PushTarget = Literal["online", "offline", "online_and_offline"]
 TARGETS: tuple[str, ...] = get_args(PushTarget)
@@ -208,7 +208,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     def commit(target: str, rows: pa.Table, newest_seq: int, retried: bool) -> None:
         kind, name = target.split(":", 1)
         if kind == "log":
-            _append_log(config.data_dir, name, rows, newest_seq, retried)
+            _append_log(config.push_logs, name, rows, newest_seq, retried, buffer.writer_id)
             return
         offline.append(name, rows)
         if offline.file_count(name) > config.offline.compact_after_files:  # many small pushes: merge
@@ -220,10 +220,11 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
         """The newest buffer record a push log holds (its Delta app transaction); -1 for history
         tables, whose appends dedupe by row identity."""
         kind, name = target.split(":", 1)
-        path = push_log_path(config.data_dir, name)
-        if kind != "log" or not (path / "_delta_log").exists():
+        log = open_push_log(config.push_logs, name) if kind == "log" else None
+        if log is None:
             return -1
-        return DeltaTable(str(path)).transaction_version(APP_ID) or -1
+        # (APP_ID alone: what a local buffer recorded before buffers had ids of their own)
+        return max(log.transaction_version(buffer.writer_id) or -1, log.transaction_version(APP_ID) or -1)
 
     def resend(target: str, rows: pa.Table) -> None:
         view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None
@@ -268,19 +269,20 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     )
 
 
-def _append_log(data_dir: Path, source_name: str, rows: pa.Table, seq: int, retried: bool) -> None:
+def _append_log(push_logs: Location, source_name: str, rows: pa.Table, seq: int, retried: bool, writer: str) -> None:
     """Append a drain's records to the push log, recording the newest (``seq``) as the log's Delta
-    app transaction: a drain repeated after a crash leaves out the records the log holds
-    (``PushBuffer.drain``'s ``committed``). A retried push's rows only if no earlier attempt
-    logged them (by push id)."""
-    path = push_log_path(data_dir, source_name)
-    exists = (path / "_delta_log").exists()
+    app transaction of this ``writer`` (the buffer): a drain repeated after a crash leaves out the
+    records the log holds (``PushBuffer.drain``'s ``committed``). A retried push's rows only if no
+    earlier attempt logged them (by push id). Appends of many writers commit side by side (blind
+    appends do not conflict; delta-rs retries the commit on the newer version)."""
     if retried:
-        rows = _not_logged(rows, DeltaTable(str(path)) if exists else None)
+        rows = _not_logged(rows, open_push_log(push_logs, source_name))
+    log = push_logs.child(source_name)
     write_deltalake(
-        str(path),
+        log.url,
         rows,
         mode="append",
         schema_mode="merge",  # logs from before INGESTED_AT
-        commit_properties=CommitProperties(app_transactions=[Transaction(APP_ID, seq)]),
+        storage_options=log.delta_options(),
+        commit_properties=CommitProperties(app_transactions=[Transaction(writer, seq)]),
     )

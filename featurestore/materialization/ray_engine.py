@@ -41,7 +41,7 @@ from featurestore.online.base import OnlineStoreSettings
 from featurestore.ray_cluster import connect, fit_to_task, gather, hash_split, local_path, partitions
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.registry.snapshot import applied_definitions
-from featurestore.sources import push_log_path, run_python_transformation
+from featurestore.sources import open_push_log, run_python_transformation
 from featurestore.storage import Location
 from featurestore.types import duckdb_type
 
@@ -60,7 +60,7 @@ class RayEngine:
         offline: Location,
         online: OnlineStoreSettings,
         repo_path: Path,
-        data_dir: Path,
+        push_logs: Location,
         future_tolerance: timedelta,
         event_retention: timedelta,
         expire_after_ttl: bool = False,
@@ -69,27 +69,27 @@ class RayEngine:
         progress: bool = False,
     ):
         self.defs, self.registry, self.offline, self.online = defs, registry, offline, online
-        self.repo_path, self.data_dir = repo_path, data_dir
+        self.repo_path, self.push_logs = repo_path, push_logs
         self.future_tolerance, self.event_retention = future_tolerance, event_retention
         self.expire_after_ttl = expire_after_ttl
         self.address, self.partitions, self.progress = address, partitions, progress
 
     def executor_for(self, view: FeatureView) -> RayExecutor | None:
-        files, why_local = self._source_files(view)
+        files, storage, why_local = self._source_files(view)
         if why_local:
             log.info("view %s: materialized locally (%s)", view.name, why_local)
             return None
         ray = connect(self.address)
-        return RayExecutor(self, ray, files, partitions(ray, self.partitions))
+        return RayExecutor(self, ray, files, storage, partitions(ray, self.partitions))
 
-    def _source_files(self, view: FeatureView) -> tuple[list[str], str | None]:
-        """The files a view's rows come from, or why the view runs locally."""
+    def _source_files(self, view: FeatureView) -> tuple[list[str], Location | None, str | None]:
+        """The files a view's rows come from and where they are (None: local paths), or why the
+        view runs locally."""
         source = view.source
+        storage = None
         if isinstance(source, PushSource):
-            from deltalake import DeltaTable
-
-            log_path = push_log_path(self.data_dir, source.name)
-            files = DeltaTable(str(log_path)).file_uris() if (log_path / "_delta_log").exists() else []
+            log = open_push_log(self.push_logs, source.name)
+            files, storage = (log.file_uris() if log is not None else []), self.push_logs
             columns = [f.name for f in source.schema]
         elif isinstance(source, FileSource) and source.format == "parquet":
             path = Path(source.path) if Path(source.path).is_absolute() else self.repo_path / source.path
@@ -98,11 +98,13 @@ class RayEngine:
 
             columns = pq.read_schema(files[0]).names if files else []
         else:
-            return [], f"its source is {type(source).__name__} ({getattr(source, 'format', 'sql')}), read in one piece"
+            why = f"its source is {type(source).__name__} ({getattr(source, 'format', 'sql')}), read in one piece"
+            return [], None, why
         missing = [k for k in view.join_keys if k not in columns]
         if missing and files:
-            return [], f"join key(s) {missing} are made by its transformation, so rows cannot be split by entity first"
-        return files, None
+            why = f"join key(s) {missing} are made by its transformation, so rows cannot be split by entity first"
+            return [], None, why
+        return files, storage, None
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ class RayExecutor:
     """One view on the cluster: read and split by entity, then per partition compute and write
     history files (uncommitted), then per partition write online."""
 
-    def __init__(self, engine: RayEngine, ray: Any, files: list[str], parts: int):
-        self.engine, self.ray, self.files, self.parts = engine, ray, files, parts
+    def __init__(self, engine: RayEngine, ray: Any, files: list[str], storage: Location | None, parts: int):
+        self.engine, self.ray, self.files, self.storage, self.parts = engine, ray, files, storage, parts
         self._job: ViewJob | None = None
 
     def compute(
@@ -168,9 +170,9 @@ class RayExecutor:
 
             cloudpickle.register_pickle_by_value(sys.modules[transformation.__module__])
         split = ray.remote(num_returns=parts)(_read_split)
-        units = _row_groups(self.files)  # a large file is read by several tasks, a row group each
+        units = _row_groups(self.files, self.storage)  # a large file is read by several tasks, a row group each
         groups = [units[g::parts] for g in range(min(parts, len(units)))]
-        pieces = [split.remote(group, key_types, parts) for group in groups]
+        pieces = [split.remote(group, key_types, parts, self.storage) for group in groups]
         self._job = job = ViewJob(
             state=state,
             view=view.name,
@@ -212,18 +214,24 @@ class RayExecutor:
         return pa.concat_tables(self.ray.get(run.partitions))
 
 
-def _row_groups(files: list[str]) -> list[tuple[str, int]]:
+def _parquet(uri: str, storage: Location | None) -> Any:
+    """A Parquet file by its URI: a local path, or on object storage read through pyarrow's client."""
     import pyarrow.parquet as pq
 
-    return [(uri, group) for uri in files for group in range(pq.ParquetFile(local_path(uri)).num_row_groups)]
+    if storage is None or storage.is_local:
+        return pq.ParquetFile(local_path(uri))
+    fs, _ = storage.filesystem()
+    return pq.ParquetFile(fs.open_input_file(uri.split("://", 1)[1]))
 
 
-def _read_split(units: list[tuple[str, int]], key_types: dict[str, str], parts: int) -> Any:
+def _row_groups(files: list[str], storage: Location | None) -> list[tuple[str, int]]:
+    return [(uri, group) for uri in files for group in range(_parquet(uri, storage).num_row_groups)]
+
+
+def _read_split(units: list[tuple[str, int]], key_types: dict[str, str], parts: int, storage: Location | None) -> Any:
     """Row groups of source files, read and split by a hash of the join keys (cast to their declared types)."""
-    import pyarrow.parquet as pq
-
     fit_to_task()
-    tables = [pq.ParquetFile(local_path(uri)).read_row_group(group) for uri, group in units]
+    tables = [_parquet(uri, storage).read_row_group(group) for uri, group in units]
     table = pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
     return hash_split(table, key_types, parts)
 

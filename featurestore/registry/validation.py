@@ -118,7 +118,7 @@ def _validate_view(
     if view.aggregations:
         problems += _validate_aggregations(view, where)
     try:
-        schema = view_output_schema(view, config.repo_path, config.data_dir, con)
+        schema = view_output_schema(view, config.repo_path, config.push_logs, con)
     except Exception as exc:
         what = "its transformation" if view.transformation is not None else "its source"
         problems.append(

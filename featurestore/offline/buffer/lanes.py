@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,19 @@ class PushBuffer:
         ] = {}  # per lane, the next journal being zero-filled: (pid, (fd, path))
         self._mutex = threading.Lock()  # this process's threads: one record written at a time
         self._committing: tuple[int, Future] | None = None  # (pid, the background commit in flight)
+
+    @property
+    def writer_id(self) -> str:
+        """This buffer's name in the push logs' app transactions (made with the buffer's first
+        record, kept in its folder): logs on object storage are shared by the buffers of many
+        machines, each numbering its own records."""
+        file = self.root / "writer-id"
+        if not file.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another process of this machine made it first
+                with open(file, "x") as out:
+                    out.write(f"{APP_ID}:{uuid.uuid4().hex}")
+        return file.read_text().strip()
 
     def worth_looking(self) -> bool:
         """Whether to scan the journals for due targets now: when a target may hold ``max_rows``
@@ -153,6 +167,7 @@ class PushBuffer:
             if journal.offset + size <= journal.capacity and same_file(journal):
                 return journal
             journal.retire()
+        self.writer_id  # named before its first record: a drain repeated from any copy of the folder knows it
         preallocate = size <= JOURNAL_BYTES // 4
         path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"  # named now: ``due`` reads its age
         pid, spare = self._spares.pop(lane, (None, None)) if preallocate else (None, None)
