@@ -545,11 +545,8 @@ def train_command(
     repo: Path = RepoOption,
 ) -> None:
     """Train an MLP on an exported dataset, on one process or many; the run is tracked under <data_dir>/runs."""
-    import os
-    import subprocess
-
     from featurestore.retrieval.export import fetch_dataset
-    from featurestore.training.trainer import Task, TrainConfig, new_run_id, train
+    from featurestore.training.trainer import Task, TrainConfig, new_run_id
 
     store = _store(repo)
     config = TrainConfig(
@@ -567,12 +564,41 @@ def train_command(
         entity_keys=entity_key or [],
         entity_buckets=entity_buckets,
     )
-    runs = store.config.data_dir / "runs"
+    runs = store.runs_folder(resume, checkpoints=True) if resume else store.config.data_dir / "runs"
+    run_id = resume or new_run_id()
+    try:
+        run = _train(config, runs, run_id, resume, nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    finally:
+        store.publish_run(run_id)  # done or not: a run resumes from its checkpoint on any machine
+    if run is None:
+        return
+    console.print(f"run {run.name}: {json.loads((run / 'final.json').read_text())}")
+    if register:
+        console.print(f"registered {register} v{store.model_registry().register(register, run)}")
+
+
+def _train(
+    config: Any,
+    runs: Path,
+    run_id: str,
+    resume: str | None,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+) -> Path | None:
+    """Train in this process, or in ``nproc_per_node`` torchrun ranks; the run's folder (None on a
+    node other than 0 of several)."""
+    import os
+    import subprocess
+
+    from featurestore.training.trainer import train
+
     world = nproc_per_node * nnodes
     if world > 1 and "WORLD_SIZE" not in os.environ:
-        if world % shard_group_size:
-            raise FeatureStoreError(f"{world} processes do not split into shard groups of {shard_group_size}")
-        run_id = resume or new_run_id()
+        if world % config.shard_group_size:
+            raise FeatureStoreError(f"{world} processes do not split into shard groups of {config.shard_group_size}")
         where = (
             ["--standalone"]
             if nnodes == 1
@@ -606,14 +632,8 @@ def train_command(
                 f"distributed training failed (run {run_id}); see the ranks' errors above, "
                 f"resume it with --resume {run_id}"
             )
-        if node_rank != 0:
-            return
-        run = runs / run_id
-    else:
-        run = train(config, runs, resume=resume)
-    console.print(f"run {run.name}: {json.loads((run / 'final.json').read_text())}")
-    if register:
-        console.print(f"registered {register} v{store.model_registry().register(register, run)}")
+        return runs / run_id if node_rank == 0 else None
+    return train(config, runs, resume=resume, run_id=run_id)
 
 
 @app.command("checkpoint-engine", rich_help_panel="Serving")
@@ -671,7 +691,7 @@ def runs_list(
 
     table = Table("run", "status", "started", "tags", "metrics")
     table.columns[0].no_wrap, table.columns[0].min_width = True, 20  # a run id is copied whole into `runs show`
-    for run in list_runs(_store(repo).config.data_dir / "runs", search, _key_values(tag)):
+    for run in list_runs(_store(repo).runs_folder(), search, _key_values(tag)):
         table.add_row(
             run["id"],
             run["status"],
@@ -694,7 +714,7 @@ def runs_show(run_id: str, repo: Path = RepoOption) -> None:
     """Show a run's parameters, tags, final metrics, logged metrics and artifacts."""
     from featurestore.tracking import read_run
 
-    console.print_json(json.dumps(read_run(_store(repo).config.data_dir / "runs" / run_id), default=str))
+    console.print_json(json.dumps(read_run(_store(repo).runs_folder(run_id) / run_id), default=str))
 
 
 @runs_app.command("tag")
@@ -704,7 +724,9 @@ def runs_tag(
     """Label a run (``baseline=yes``, ``note=...``): list and the web UI filter on tags."""
     from featurestore.tracking import set_tags
 
-    merged = set_tags(_store(repo).config.data_dir / "runs" / run_id, _key_values(tags))
+    store = _store(repo)
+    merged = set_tags(store.runs_folder(run_id) / run_id, _key_values(tags))
+    store.publish_run(run_id)
     console.print(f"run {run_id}: " + " ".join(f"{k}={v}" for k, v in merged.items()), markup=False)
 
 
@@ -718,7 +740,7 @@ def runs_compare(
     """Runs side by side: the parameters that differ first, final metrics, overlaid curves."""
     from featurestore.tracking import compare, plot_compare, read_run
 
-    root = _store(repo).config.data_dir / "runs"
+    root = _store(repo).runs_folder()
     missing = [r for r in run_ids if not (root / r).is_dir()]
     if missing:
         raise FeatureStoreError(f"no run(s) {missing}; see `featurestore runs list`")

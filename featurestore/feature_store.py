@@ -197,6 +197,23 @@ class FeatureStore:
         models, ledger = self.config.data.child("models"), self.config.registry.child("models.json")
         return ModelRegistry(models, ledger, announce, self.artifacts())
 
+    def runs_folder(self, run_id: str | None = None, checkpoints: bool = False) -> Path:
+        """This machine's folder of training runs. With the durable state on object storage, the
+        runs there (all, or ``run_id``'s; their checkpoints if asked) are pulled into it first."""
+        from featurestore.tracking.run_sync import RunMirror
+
+        folder = self.config.data_dir / "runs"
+        if not self.config.data.is_local:
+            RunMirror(self.config.data.child("runs"), folder).pull(run_id, checkpoints)
+        return folder
+
+    def publish_run(self, run_id: str) -> None:
+        """With the durable state on object storage, copy what changed in the run there (a no-op on disk)."""
+        from featurestore.tracking.run_sync import RunMirror
+
+        if not self.config.data.is_local:
+            RunMirror(self.config.data.child("runs"), self.config.data_dir / "runs").publish(run_id)
+
     def artifacts(self) -> ArtifactStore:
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""
         from featurestore.tracking.artifacts import ArtifactStore

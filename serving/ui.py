@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from serving.responses import install_error_handlers, json_response
 STATIC = Path(__file__).parent / "ui_static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,200}$")
+RUNS_REFRESH_SECONDS = 5  # runs on object storage are pulled at most this often
 MAX_POINTS = 5000
 
 
@@ -53,8 +55,14 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         version="0.1.0",
     )
 
+    pulled = [0.0]
+
     def runs_root() -> Path:
-        return store().config.data_dir / "runs"
+        """The runs folder; runs on object storage pulled in first, at most every few seconds."""
+        if time.monotonic() - pulled[0] < RUNS_REFRESH_SECONDS:
+            return store().config.data_dir / "runs"
+        pulled[0] = time.monotonic()
+        return store().runs_folder()
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:

@@ -700,3 +700,40 @@ def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint
     report = machines[1].materialize(None, None)
     ids = _history_ids(machines[1], "activity")
     assert len(ids) == len(set(ids)) == 85 and sum(v.new_offline_rows for v in report.views) == 0
+
+
+def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoint, tmp_path, redis_url):
+    """Two repos sharing ``data_dir`` on S3, each with its own local folder: a run trained on the
+    first is published when the command ends; the second lists and shows it, resumes it from its
+    sharded checkpoint for a second epoch, and the first then sees the resumed run's results."""
+    from .test_distributed_training import make_dataset
+
+    dataset = make_dataset(tmp_path / "dataset", rows=1500)
+    storage = s3_storage(s3_endpoint)
+    machines = [
+        write_repo(tmp_path / f"machine-{m}", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=storage)
+        for m in range(2)
+    ]
+
+    def cli(machine: int, *args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", *args, "--repo", str(machines[machine])],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    out = cli(0, "train", "--dataset", str(dataset), "--epochs", "1", "--device", "cpu")
+    run_id = out.split()[1].rstrip(":")
+    assert run_id in cli(1, "runs", "list")
+    assert json.loads(cli(1, "runs", "show", run_id))["final"]["epochs"] == 1
+    assert not (machines[1] / "data" / "runs" / run_id / "checkpoint.pt").exists()  # listing fetched no weights
+    cli(1, "train", "--dataset", str(dataset), "--epochs", "2", "--device", "cpu", "--resume", run_id)
+    resumed = json.loads(cli(0, "runs", "show", run_id))
+    assert resumed["final"]["epochs"] == 2
+    from featurestore.tracking.metric_store import read_metrics
+
+    epochs = read_metrics(machines[0] / "data" / "runs" / run_id, "epoch")["value"].to_pylist()
+    assert set(epochs) == {0, 1}  # the first machine's epoch and the one the second resumed for

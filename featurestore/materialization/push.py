@@ -208,7 +208,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
     def commit(target: str, rows: pa.Table, newest_seq: int, retried: bool) -> None:
         kind, name = target.split(":", 1)
         if kind == "log":
-            _append_log(config.push_logs, name, rows, newest_seq, retried, buffer.writer_id)
+            _append_log(config.push_logs, name, rows, newest_seq, retried, buffer.writer_id())
             return
         offline.append(name, rows)
         if offline.file_count(name) > config.offline.compact_after_files:  # many small pushes: merge
@@ -224,7 +224,7 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
         if log is None:
             return -1
         # (APP_ID alone: what a local buffer recorded before buffers had ids of their own)
-        return max(log.transaction_version(buffer.writer_id) or -1, log.transaction_version(APP_ID) or -1)
+        return max(log.transaction_version(buffer.writer_id()) or -1, log.transaction_version(APP_ID) or -1)
 
     def resend(target: str, rows: pa.Table) -> None:
         view = current.get(target.split(":", 1)[1]) if target.startswith("view:") else None

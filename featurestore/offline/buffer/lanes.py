@@ -63,7 +63,6 @@ class PushBuffer:
         self._mutex = threading.Lock()  # this process's threads: one record written at a time
         self._committing: tuple[int, Future] | None = None  # (pid, the background commit in flight)
 
-    @property
     def writer_id(self) -> str:
         """This buffer's name in the push logs' app transactions (made with the buffer's first
         record, kept in its folder): logs on object storage are shared by the buffers of many
@@ -167,7 +166,7 @@ class PushBuffer:
             if journal.offset + size <= journal.capacity and same_file(journal):
                 return journal
             journal.retire()
-        self.writer_id  # named before its first record: a drain repeated from any copy of the folder knows it
+        self.writer_id()  # named before its first record: a drain repeated from any copy of the folder knows it
         preallocate = size <= JOURNAL_BYTES // 4
         path = self._dir(lane) / f"{time.time_ns():020d}-{os.getpid()}.journal"  # named now: ``due`` reads its age
         pid, spare = self._spares.pop(lane, (None, None)) if preallocate else (None, None)
