@@ -137,21 +137,30 @@ def run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+    """The S3 endpoint the storage contracts run against: ``FEATURESTORE_TEST_S3_URL`` (MinIO, AWS,
+    with the AWS_* credentials in the environment) when set, else a moto_server of its own."""
+    given = os.environ.get("FEATURESTORE_TEST_S3_URL")
+    if given:
+        yield given.rstrip("/")
+        return
     with moto_server(tmp_path_factory.mktemp("s3")) as endpoint:
         yield endpoint
 
 
 _buckets = itertools.count()
+_run_token = os.urandom(4).hex()
 
 
 def s3_bucket(endpoint: str) -> tuple[str, dict[str, str]]:
     """A new bucket on ``endpoint``, and the storage options that reach it."""
     import boto3
 
-    options = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    bucket = f"fs-{os.getpid()}-{next(_buckets)}"
+    key = os.environ.get("AWS_ACCESS_KEY_ID", "test") if os.environ.get("FEATURESTORE_TEST_S3_URL") else "test"
+    secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "test") if os.environ.get("FEATURESTORE_TEST_S3_URL") else "test"
+    options = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+    bucket = f"fs-test-{_run_token}-{os.getpid()}-{next(_buckets)}"  # bucket names are global on AWS
     boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1"
+        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
     ).create_bucket(Bucket=bucket)
     return bucket, options
 
