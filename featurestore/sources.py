@@ -17,6 +17,7 @@ from featurestore.definitions import FeatureView, PushSource, Source, SqlSource
 if TYPE_CHECKING:
     from deltalake import DeltaTable
 
+    from featurestore.offline.tables import Tables
     from featurestore.storage import Location
 
 # Push logs record when each row arrived; views over a push source without a created column use
@@ -61,18 +62,16 @@ def ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def open_push_log(push_logs: Location, source_name: str, version: int | None = None) -> DeltaTable | None:
-    """A push source's log (``push_logs/<source>``, a Delta table), None before its first push."""
-    from deltalake import DeltaTable  # local: only pushes need it
-    from deltalake.exceptions import TableNotFoundError
+_push_logs: dict[Location, Tables] = {}  # per place of push logs (a repo has one)
 
-    log = push_logs.child(source_name)
-    if log.is_local and not (log.path / "_delta_log").exists():
-        return None
-    try:
-        return DeltaTable(log.url, version=version, storage_options=log.delta_options())
-    except TableNotFoundError:
-        return None
+
+def open_push_log(push_logs: Location, source_name: str) -> DeltaTable | None:
+    """A push source's log (``push_logs/<source>``, a Delta table, followed as it grows), None
+    before its first push."""
+    from featurestore.offline.tables import Tables  # local: only pushes need deltalake
+
+    tables = _push_logs.get(push_logs) or _push_logs.setdefault(push_logs, Tables(push_logs))
+    return tables.open(push_logs.child(source_name).url)
 
 
 def register_source(

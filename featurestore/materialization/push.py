@@ -269,20 +269,26 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
     )
 
 
+PUSH_LOG_CHECKPOINT_EVERY = 10  # commits
+
+
 def _append_log(push_logs: Location, source_name: str, rows: pa.Table, seq: int, retried: bool, writer: str) -> None:
     """Append a drain's records to the push log, recording the newest (``seq``) as the log's Delta
     app transaction of this ``writer`` (the buffer): a drain repeated after a crash leaves out the
     records the log holds (``PushBuffer.drain``'s ``committed``). A retried push's rows only if no
     earlier attempt logged them (by push id). Appends of many writers commit side by side (blind
     appends do not conflict; delta-rs retries the commit on the newer version)."""
+    log = open_push_log(push_logs, source_name)
     if retried:
-        rows = _not_logged(rows, open_push_log(push_logs, source_name))
-    log = push_logs.child(source_name)
+        rows = _not_logged(rows, log)
+    where = push_logs.child(source_name)
     write_deltalake(
-        log.url,
+        log if log is not None else where.url,  # the followed handle: no re-reading of the log to append
         rows,
         mode="append",
         schema_mode="merge",  # logs from before INGESTED_AT
-        storage_options=log.delta_options(),
+        storage_options=None if log is not None else where.delta_options(),
         commit_properties=CommitProperties(app_transactions=[Transaction(writer, seq)]),
+        # reading a writer's progress replays the log from its last checkpoint: kept short
+        configuration={"delta.checkpointInterval": str(PUSH_LOG_CHECKPOINT_EVERY)} if log is None else None,
     )

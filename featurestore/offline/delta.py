@@ -16,7 +16,6 @@ import json
 import logging
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,12 +29,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake import Schema as DeltaSchema
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.file_cache import FileCache
+from featurestore.offline.tables import Tables
 from featurestore.sources import connection, ident, quote
 from featurestore.storage import Location
 
@@ -62,7 +62,7 @@ class DeltaOfflineStore:
         self.options = self.location.delta_options()
         self.cache = cache if not self.location.is_local else None
         self._fs: tuple[pafs.FileSystem, str] | None = None
-        self._latest = threading.local()  # per thread, table URI -> the handle last opened at its latest version
+        self._tables = Tables(self.location)  # followed, not reopened (``tables``)
 
     @property
     def filesystem(self) -> tuple[pafs.FileSystem, str]:
@@ -79,37 +79,7 @@ class DeltaOfflineStore:
         return self.location.path / view
 
     def _open(self, uri: str, version: int | None = None) -> DeltaTable | None:
-        """The table at ``version``; at its latest, the thread's handle brought up to date, which reads
-        only the commits since (opening anew reads every commit since the last checkpoint: on
-        object storage a request each)."""
-        if self.location.is_local and not (Path(uri) / "_delta_log").exists():
-            return None
-        handles = self._latest.__dict__
-        if version is not None and uri in handles and handles[uri].version() == version:
-            return handles[uri]  # just brought up to date by this thread (``append``: read, then dedupe)
-        if version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
-            handles[uri].update_incremental()
-            return handles[uri]
-        try:
-            table = DeltaTable(uri, version=version, storage_options=self.options)
-        except TableNotFoundError:
-            return None
-        if version is None:
-            handles[uri] = table
-        return table
-
-    def _created_as(self, uri: str) -> str | None:
-        """The id the table's first commit gave it (None: no first commit): a table dropped and
-        made again under the same name has a new one, and a handle of the old one is not followed."""
-        fs, _ = self.filesystem
-        try:
-            with fs.open_input_stream(f"{_fs_path(uri)}/_delta_log/{0:020}.json") as first:
-                for line in first.read().splitlines():
-                    if b'"metaData"' in line:
-                        return json.loads(line)["metaData"]["id"]
-        except (FileNotFoundError, OSError):
-            pass
-        return None
+        return self._tables.open(uri, version)
 
     def _table(self, view: str, version: int | None = None) -> DeltaTable | None:
         return self._open(self.table_uri(view), version)

@@ -1,0 +1,62 @@
+"""Delta tables opened once and followed: a long-lived process brings its handle of a table up to
+date by reading only the commits made since (opening a table anew reads every commit since the
+last checkpoint: on object storage, a request each).
+
+Handles are per thread (a handle changes as it follows its table, so threads never share one).
+A table dropped and made again under the same name has a new id in its first commit; a handle
+of the old table is then opened anew, never followed onto the new table's commits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+
+from featurestore.storage import Location
+
+
+class Tables:
+    """The Delta tables under one location, each at its latest version or at a given one."""
+
+    def __init__(self, location: Location):
+        self.location = location
+        self.options = location.delta_options()
+        self._latest = threading.local()  # per thread: table URI -> its handle at the latest version
+        self._fs = None
+
+    def open(self, uri: str, version: int | None = None) -> DeltaTable | None:
+        """The table at ``uri`` (under this location) at ``version`` (default: its latest); None
+        when there is no table there."""
+        if self.location.is_local and not (Path(uri) / "_delta_log").exists():
+            return None
+        handles = self._latest.__dict__
+        if version is not None and uri in handles and handles[uri].version() == version:
+            return handles[uri]  # just brought up to date by this thread (read a version, then use it)
+        if version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
+            handles[uri].update_incremental()
+            return handles[uri]
+        try:
+            table = DeltaTable(uri, version=version, storage_options=self.options)
+        except TableNotFoundError:
+            return None
+        if version is None:
+            handles[uri] = table
+        return table
+
+    def _created_as(self, uri: str) -> str | None:
+        """The id the table's first commit gave it (None: no first commit, or unreadable now)."""
+        if self._fs is None:
+            self._fs = self.location.filesystem()[0]
+        path = uri.split("://", 1)[1] if "://" in uri else uri
+        try:
+            with self._fs.open_input_stream(f"{path}/_delta_log/{0:020}.json") as first:
+                for line in first.read().splitlines():
+                    if b'"metaData"' in line:
+                        return json.loads(line)["metaData"]["id"]
+        except OSError:
+            pass
+        return None
