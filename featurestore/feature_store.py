@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from featurestore.retrieval.historical import AsOf, JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineReader, OnlineResponse
     from featurestore.tracking.artifacts import ArtifactStore
+    from featurestore.tracking.run_sync import RunMirror
     from featurestore.training.model_registry import ModelRegistry
 
 
@@ -200,19 +201,20 @@ class FeatureStore:
     def runs_folder(self, run_id: str | None = None, checkpoints: bool = False) -> Path:
         """This machine's folder of training runs. With the durable state on object storage, the
         runs there (all, or ``run_id``'s; their checkpoints if asked) are pulled into it first."""
-        from featurestore.tracking.run_sync import RunMirror
-
-        folder = self.config.data_dir / "runs"
-        if not self.config.data.is_local:
-            RunMirror(self.config.data.child("runs"), folder).pull(run_id, checkpoints)
-        return folder
+        if (mirror := self._run_mirror()) is not None:
+            mirror.pull(run_id, checkpoints)
+        return self.config.data_dir / "runs"
 
     def publish_run(self, run_id: str) -> None:
         """With the durable state on object storage, copy what changed in the run there (a no-op on disk)."""
+        if (mirror := self._run_mirror()) is not None:
+            mirror.publish(run_id)
+
+    def _run_mirror(self) -> RunMirror | None:
         from featurestore.tracking.run_sync import RunMirror
 
-        if not self.config.data.is_local:
-            RunMirror(self.config.data.child("runs"), self.config.data_dir / "runs").publish(run_id)
+        data = self.config.data
+        return None if data.is_local else RunMirror(data.child("runs"), self.config.data_dir / "runs")
 
     def artifacts(self) -> ArtifactStore:
         """Content-addressed files of runs and models (``<data_dir>/artifacts/<sha256>``)."""

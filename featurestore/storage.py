@@ -149,7 +149,7 @@ class Location:
 
         fs, path = self.filesystem()
         if self.is_local:
-            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(path, name).parent.mkdir(parents=True, exist_ok=True)
         pafs.copy_files(str(local), f"{path}/{name}", destination_filesystem=fs)
 
     def download(self, name: str, local: Path) -> None:

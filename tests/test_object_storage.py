@@ -46,6 +46,14 @@ svc = FeatureService(name="svc", features=[stats])
 """
 
 
+def _place(backend: str, name: str, tmp_path: Path, request: pytest.FixtureRequest) -> Location:
+    """A folder ``name`` on local disk, or in a new bucket of the test S3 server."""
+    if backend == "s3":
+        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        return Location.parse(f"s3://{bucket}/{name}", tmp_path, options)
+    return Location.parse(tmp_path / name, tmp_path)
+
+
 def _stats(n: int = 200, drivers: int = 20) -> pa.Table:
     return pa.table(
         {
@@ -247,11 +255,7 @@ def test_the_registry_reads_an_existing_local_registry(tmp_path):
 def test_an_apply_that_died_after_its_history_entry_is_rolled_forward(backend, tmp_path, request):
     """An apply that wrote ``history/v2`` and died before moving ``registry.json`` is completed by
     the next writer: the next apply becomes v3, and one planned against v1 is refused, to plan again."""
-    if backend == "s3":
-        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        location = Location.parse(f"s3://{bucket}/registry", tmp_path, options)
-    else:
-        location = Location.parse(tmp_path / "registry", tmp_path)
+    location = _place(backend, "registry", tmp_path, request)
     registry = RegistryStore(location)
     registry.apply({"entity": {"a": {"hash": "1", "spec": {}}}})
     died = dict(registry.current(), version=2, objects={"entity": {"b": {"hash": "2", "spec": {}}}})
@@ -646,11 +650,7 @@ def test_a_store_follows_its_tables_log_and_notices_a_table_made_again(backend, 
     """A long-lived store brings its handle of a table up to date (reading only new commits)
     instead of reopening it: it sees other writers' commits, and a table dropped and made again
     under the same name is read as the new table, not as the old one with new commits on top."""
-    if backend == "s3":
-        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        location = Location.parse(f"s3://{bucket}/offline", tmp_path, options)
-    else:
-        location = Location.parse(tmp_path / "offline", tmp_path)
+    location = _place(backend, "offline", tmp_path, request)
     mine, other = DeltaOfflineStore(location), DeltaOfflineStore(location)
 
     def ids(store: DeltaOfflineStore) -> list[int]:
@@ -750,11 +750,7 @@ def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoi
 def test_compaction_and_vacuum_keep_every_row(backend, tmp_path, request):
     """Many small commits compacted into few files, then the replaced files vacuumed: the same
     rows before and after, the compacted version readable, an older version's files gone."""
-    if backend == "s3":
-        bucket, options = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        location = Location.parse(f"s3://{bucket}/offline", tmp_path, options)
-    else:
-        location = Location.parse(tmp_path / "offline", tmp_path)
+    location = _place(backend, "offline", tmp_path, request)
     store = DeltaOfflineStore(location)
     for start in range(0, 60, 5):
         store.append("t", _rows(list(range(start, start + 5))))
@@ -772,3 +768,24 @@ def test_compaction_and_vacuum_keep_every_row(backend, tmp_path, request):
     assert ids() == list(range(60))
     with pytest.raises(FeatureStoreError):
         ids(before)  # its files are gone: said, not read as empty
+
+
+@pytest.mark.slow
+def test_throttling_past_the_retries_is_one_line(s3_endpoint, tmp_path, redis_url):
+    """Every request answered 503 SlowDown: each client retries with backoff (about a minute),
+    then the command fails with one line saying so and what to do."""
+    from .s3_faults import FaultyProxy
+
+    bucket, options = s3_bucket(s3_endpoint)
+    proxy = FaultyProxy(s3_endpoint, lambda request: "slow_down")
+    try:
+        storage = _through(proxy.url, bucket, options)
+        root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=storage)
+        done = subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", "apply", "--repo", str(root)], capture_output=True, text=True
+        )
+    finally:
+        proxy.close()
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr
+    assert "kept refusing requests (503 SlowDown)" in lines[0] and proxy.count("slow_down") > 1
