@@ -49,9 +49,12 @@ class RunMirror:
             and p.name not in (PUBLISHED, PULLED)
             and not any(part.endswith(".tmp") for part in p.relative_to(folder).parts)  # being written
         }
-        changed = [name for name, p in files.items() if record.get(name) != _stamp(p)]
+        changed = sorted(
+            (name for name, p in files.items() if record.get(name) != _stamp(p)),
+            key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n),
+        )
         target = self.remote.child(run_id)
-        for name in sorted(changed, key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n)):
+        for name in changed:
             target.upload(files[name], name)
             record[name] = _stamp(files[name])
         self._drop_old_checkpoints(run_id, folder)
