@@ -54,11 +54,12 @@ class FileCache:
     def fetch(self, paths: list[str], fs: pafs.FileSystem) -> list[Path]:
         """Local copies of ``paths`` (in ``fs``), downloading those not cached."""
         places = [self._place(p) for p in paths]
-        missing = [(p, place) for p, place in zip(paths, places) if not place.exists()]
-        now = time.time()
-        for place in places:
-            if place.exists():
+        now, missing = time.time(), []
+        for path, place in zip(paths, places):
+            try:
                 os.utime(place, (now, now))  # recently used: evicted last
+            except FileNotFoundError:
+                missing.append((path, place))
         if missing:
             with ThreadPoolExecutor(min(FETCH_THREADS, len(missing))) as pool:
                 list(pool.map(lambda item: self._download(fs, *item), missing))
