@@ -138,7 +138,8 @@ class Location:
             region=s["AWS_REGION"],
             endpoint_override=endpoint.split("://", 1)[1] if endpoint else None,
             scheme=scheme,
-            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=5),  # 503 SlowDown, dropped connections
+            # 503 SlowDown, dropped connections: retried with backoff
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=_attempts(5)),
             allow_delayed_open=True,  # a file smaller than one part is one PutObject, not a multipart upload
         )
         return fs, self.url[len(S3) :]
@@ -167,6 +168,12 @@ class Location:
     def objects(self) -> Objects:
         """This location as a key-value store of small objects with compare-and-swap."""
         return LocalObjects(self.path) if self.is_local else S3Objects(self)
+
+
+def _attempts(default: int) -> int:
+    """Tries per request: the standard ``AWS_MAX_ATTEMPTS`` when set, else ``default``."""
+    given = os.environ.get("AWS_MAX_ATTEMPTS", "")
+    return int(given) if given.isdigit() and int(given) > 0 else default
 
 
 def _profile_credentials(profile: str | None) -> dict[str, str]:
@@ -280,7 +287,9 @@ class S3Objects:
             aws_access_key_id=settings.get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=settings.get("AWS_SECRET_ACCESS_KEY"),
             aws_session_token=settings.get("AWS_SESSION_TOKEN"),
-            config=Config(retries={"max_attempts": 8, "mode": "standard"}, connect_timeout=5, read_timeout=30),
+            config=Config(
+                retries={"max_attempts": _attempts(8), "mode": "standard"}, connect_timeout=5, read_timeout=30
+            ),
         )
 
     def _failed(self, exc: Exception) -> Exception:

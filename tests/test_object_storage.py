@@ -6,6 +6,7 @@ snapshot, registry ledgers updated by compare-and-swap."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -445,12 +446,13 @@ def test_storage_failures_are_one_line_saying_what_to_do(where, case, guarded_s3
     )
     root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=place + options)
     cli = [sys.executable, "-m", "featurestore.cli"]
-    done = subprocess.run([*cli, "apply", "--repo", str(root)], capture_output=True, text=True, timeout=300)
+    quick = {**os.environ, "AWS_MAX_ATTEMPTS": "2"}  # what is retried is not what is tested here
+    done = subprocess.run([*cli, "apply", "--repo", str(root)], capture_output=True, text=True, env=quick)
     if where == "history":
         assert done.returncode == 0, done.stderr  # the registry is local: apply needs no bucket
         window = [(NOW - timedelta(days=30)).isoformat(), (NOW + timedelta(days=1)).isoformat()]
         done = subprocess.run(
-            [*cli, "materialize", *window, "--repo", str(root)], capture_output=True, text=True, timeout=300
+            [*cli, "materialize", *window, "--repo", str(root)], capture_output=True, text=True, env=quick
         )
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
@@ -475,7 +477,8 @@ def test_a_server_answers_503_saying_why_while_object_storage_is_down(tmp_path, 
             [sys.executable, "-m", "featurestore", "apply", "--repo", str(root)], check=True, capture_output=True
         )
         command = [sys.executable, "-m", "featurestore", "ui", "--repo", str(root), "--port", str(port)]
-        ui = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        quick = {**os.environ, "AWS_MAX_ATTEMPTS": "2"}  # the standard setting: fewer retries before the 503
+        ui = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=quick)
         deadline = time.monotonic() + 60
         while True:
             try:
