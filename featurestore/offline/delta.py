@@ -197,7 +197,9 @@ class DeltaOfflineStore:
         for _ in range(COMMIT_ATTEMPTS):
             if not actions:
                 return self.version(view)
-            table = self._table(view)
+            # a commit builds on a table opened anew, as before handles were followed: one CI run
+            # stored a commit twice under concurrent S3 writers with the followed handle (not yet explained)
+            table = self._tables.open(self.table_uri(view), fresh=True)
             if table is None:
                 try:
                     create_table_with_add_actions(

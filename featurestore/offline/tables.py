@@ -28,15 +28,17 @@ class Tables:
         self._latest = threading.local()  # per thread: table URI -> its handle at the latest version
         self._fs = None
 
-    def open(self, uri: str, version: int | None = None) -> DeltaTable | None:
+    def open(self, uri: str, version: int | None = None, fresh: bool = False) -> DeltaTable | None:
         """The table at ``uri`` (under this location) at ``version`` (default: its latest); None
-        when there is no table there."""
+        when there is no table there. ``fresh``: opened anew, not followed (what a commit builds on)."""
         if self.location.is_local and not (Path(uri) / "_delta_log").exists():
             return None
         handles = self._latest.__dict__
-        if version is not None and uri in handles and handles[uri].version() == version:
+        if fresh:
+            handles.pop(uri, None)
+        elif version is not None and uri in handles and handles[uri].version() == version:
             return handles[uri]  # just brought up to date by this thread (read a version, then use it)
-        if version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
+        if not fresh and version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
             handles[uri].update_incremental()
             return handles[uri]
         try:
