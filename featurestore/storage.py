@@ -16,6 +16,7 @@ does the same on a folder (under one advisory lock), so the registry has one wri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -123,26 +124,14 @@ class Location:
         return {**self.settings(), "conditional_put": "etag"}
 
     def filesystem(self) -> tuple[pafs.FileSystem, str]:
-        """A pyarrow file system and this location's path in it."""
+        """A pyarrow file system and this location's path in it (one S3 client per set of
+        settings, shared: uploads and reads in a loop reuse its connections)."""
         import pyarrow.fs as pafs
 
         if self.is_local:
             return pafs.LocalFileSystem(), self.url
-        s = self.settings()
-        endpoint = s.get("AWS_ENDPOINT_URL")
-        scheme = "http" if endpoint and endpoint.startswith("http://") else "https"
-        fs = pafs.S3FileSystem(
-            access_key=s.get("AWS_ACCESS_KEY_ID"),
-            secret_key=s.get("AWS_SECRET_ACCESS_KEY"),
-            session_token=s.get("AWS_SESSION_TOKEN"),
-            region=s["AWS_REGION"],
-            endpoint_override=endpoint.split("://", 1)[1] if endpoint else None,
-            scheme=scheme,
-            # 503 SlowDown, dropped connections: retried with backoff
-            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=_attempts(5)),
-            allow_delayed_open=True,  # a file smaller than one part is one PutObject, not a multipart upload
-        )
-        return fs, self.url[len(S3) :]
+        settings = {**self.settings(), "AWS_MAX_ATTEMPTS": str(_attempts(5))}
+        return _s3_filesystem(tuple(sorted(settings.items()))), self.url[len(S3) :]
 
     def upload(self, local: Path, name: str) -> None:
         """Copy a local file to ``name`` under this location (streamed: S3 multipart for big files)."""
@@ -168,6 +157,25 @@ class Location:
     def objects(self) -> Objects:
         """This location as a key-value store of small objects with compare-and-swap."""
         return LocalObjects(self.path) if self.is_local else S3Objects(self)
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_filesystem(settings: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+    import pyarrow.fs as pafs
+
+    s = dict(settings)
+    endpoint = s.get("AWS_ENDPOINT_URL")
+    return pafs.S3FileSystem(
+        access_key=s.get("AWS_ACCESS_KEY_ID"),
+        secret_key=s.get("AWS_SECRET_ACCESS_KEY"),
+        session_token=s.get("AWS_SESSION_TOKEN"),
+        region=s["AWS_REGION"],
+        endpoint_override=endpoint.split("://", 1)[1] if endpoint else None,
+        scheme="http" if endpoint and endpoint.startswith("http://") else "https",
+        # 503 SlowDown, dropped connections: retried with backoff
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=int(s["AWS_MAX_ATTEMPTS"])),
+        allow_delayed_open=True,  # a file smaller than one part is one PutObject, not a multipart upload
+    )
 
 
 def _attempts(default: int) -> int:

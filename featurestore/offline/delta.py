@@ -124,9 +124,9 @@ class DeltaOfflineStore:
     def _scan(self, con: duckdb.DuckDBPyConnection, name: str, files: list[str], schema: pa.Schema) -> str:
         """A DuckDB relation over data files, by column name (files written before a column was added
         read it as null): DuckDB's own reader on local disk, a pyarrow dataset on object storage."""
+        if self.cache is not None:
+            files = [str(p) for p in self.cache.fetch([_fs_path(f) for f in files], self.filesystem[0])]
         if self.location.is_local or self.cache is not None:
-            if self.cache is not None:
-                files = [str(p) for p in self.cache.fetch([_fs_path(f) for f in files], self.filesystem[0])]
             return f"read_parquet([{', '.join(quote(f) for f in files)}], union_by_name = true)"
         fs, _ = self.filesystem
         dataset = pads.dataset([_fs_path(f) for f in files], schema=schema, format="parquet", filesystem=fs)

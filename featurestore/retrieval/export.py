@@ -141,17 +141,11 @@ def _export(
 def _read_manifest(where: Location) -> dict[str, Any]:
     """The manifest at ``where`` (a ``manifest.json`` file, local or on object storage)."""
     folder, name = where.split()
+    found = folder.objects().get(name)
+    if found is None:
+        raise FeatureStoreError(f"no manifest at {where}; pass the manifest.json an export wrote")
     try:
-        if where.is_local:
-            text = where.path.read_bytes()
-        else:
-            found = folder.objects().get(name)
-            if found is None:
-                raise FileNotFoundError
-            text = found[0]
-        return json.loads(text)
-    except FileNotFoundError:
-        raise FeatureStoreError(f"no manifest at {where}; pass the manifest.json an export wrote") from None
+        return json.loads(found[0])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FeatureStoreError(f"{where} is not a manifest (invalid JSON: {exc})") from None
 
