@@ -13,6 +13,7 @@ import json
 import threading
 from pathlib import Path
 
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
@@ -26,7 +27,7 @@ class Tables:
         self.location = location
         self.options = location.delta_options()
         self._latest = threading.local()  # per thread: table URI -> its handle at the latest version
-        self._fs = None
+        self._fs: pafs.FileSystem | None = None
 
     def open(self, uri: str, version: int | None = None, fresh: bool = False) -> DeltaTable | None:
         """The table at ``uri`` (under this location) at ``version`` (default: its latest); None
@@ -53,9 +54,10 @@ class Tables:
         """The id the table's first commit gave it (None: no first commit, or unreadable now)."""
         if self._fs is None:
             self._fs = self.location.filesystem()[0]
+        fs = self._fs
         path = uri.split("://", 1)[1] if "://" in uri else uri
         try:
-            with self._fs.open_input_stream(f"{path}/_delta_log/{0:020}.json") as first:
+            with fs.open_input_stream(f"{path}/_delta_log/{0:020}.json") as first:
                 for line in first.read().splitlines():
                     if b'"metaData"' in line:
                         return json.loads(line)["metaData"]["id"]
