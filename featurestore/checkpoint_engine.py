@@ -13,8 +13,11 @@ once, and each answer (or reconnect, or timeout) is also a full reconciliation, 
 announcement or a replica that was down cannot stay behind. A missing version is fetched from
 its **upstream** (another replica: engines form a tree, so the source sends each version once
 per child, not once per replica) when that one already has it, else from the source after a
-grace period; every file is checked against the source's SHA-256 before it is installed (a
-corrupt or partial transfer is refused and fetched again). The version is then promoted in
+grace period. With ``models_from`` (an object store holding the source's model registry, as
+``checkpoint-engine --models-from`` names it), a replica fetches a version there before it asks
+the source, so the trainer's engine serves no copies at all. Every file is checked against the
+source's SHA-256 before it is installed (a corrupt or partial transfer is refused and fetched
+again). The version is then promoted in
 the replica's registry, which loads it first (a version that does not load is never served);
 its inference server notices the alias change and swaps models between requests.
 """
@@ -92,8 +95,9 @@ class Replica:
         upstream: str | None = None,
         client: httpx.Client | None = None,
         api_key: str | None = None,
+        models_from: ModelRegistry | None = None,
     ):
-        self.registry, self.name = registry, name
+        self.registry, self.name, self.models_from = registry, name, models_from
         self.source, self.upstream = source.rstrip("/"), upstream.rstrip("/") if upstream else None
         key = api_key if api_key is not None else os.environ.get(KEY_ENV)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -118,33 +122,42 @@ class Replica:
     def _fetch(self, version: int, hashes: dict[str, str]) -> None:
         for origin in self._origins(version):
             try:
-                files = {
-                    f: self.http.get(f"{origin}/models/{self.name}/{version}/{f}").raise_for_status().content
-                    for f in MODEL_FILES
-                }
+                if isinstance(
+                    origin, ModelRegistry
+                ):  # checked against that registry's ledger, then the source's hashes
+                    files = origin.verify(self.name, version)
+                else:
+                    files = {
+                        f: self.http.get(f"{origin}/models/{self.name}/{version}/{f}").raise_for_status().content
+                        for f in MODEL_FILES
+                    }
                 self.registry.install(self.name, version, files, hashes)  # refuses a file whose hash differs
-                self.fetched_from[version] = origin
-                log.info("%s v%s fetched from %s", self.name, version, origin)
+                self.fetched_from[version] = str(origin.root if isinstance(origin, ModelRegistry) else origin)
+                log.info("%s v%s fetched from %s", self.name, version, self.fetched_from[version])
                 return
-            except (httpx.HTTPError, FeatureStoreError) as exc:
+            except (httpx.HTTPError, FeatureStoreError, NotFoundError) as exc:
                 log.warning(
                     "%s v%s from %s refused or failed (%s); trying the next source", self.name, version, origin, exc
                 )
         raise FeatureStoreError(f"{self.name} v{version} could not be fetched intact; retrying")
 
-    def _origins(self, version: int) -> list[str]:
-        """The upstream once it has the version (waiting a grace period for it), then the source."""
+    def _origins(self, version: int) -> list[str | ModelRegistry]:
+        """The upstream once it has the version, then the object store, then the source. Without an
+        object store a replica waits a grace period for its upstream before asking the source."""
+        stored: list[str | ModelRegistry] = [self.models_from] if self.models_from is not None else []
         if self.upstream is None:
-            return [self.source]
-        deadline = time.monotonic() + UPSTREAM_GRACE_SECONDS
-        while time.monotonic() < deadline:
+            return [*stored, self.source]
+        deadline = time.monotonic() + (0 if stored else UPSTREAM_GRACE_SECONDS)
+        while True:
             try:
                 if str(version) in self.http.get(f"{self.upstream}/models/{self.name}").json()["versions"]:
-                    return [self.upstream, self.source]
+                    return [self.upstream, *stored, self.source]
             except (httpx.HTTPError, ValueError, KeyError):
-                break  # upstream down: go to the source
+                break  # upstream down: go on
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
-        return [self.source]
+        return [*stored, self.source]
 
     def sync_forever(self, stop: Any = None) -> None:
         """Long-poll and reconcile until ``stop`` (a threading.Event) is set; errors back off and retry."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import typing
@@ -643,6 +644,11 @@ def checkpoint_engine(
     upstream: str | None = typer.Option(
         None, help="Another replica's engine to fetch versions from first (a broadcast tree)."
     ),
+    models_from: str | None = typer.Option(
+        None,
+        help="The source repo's data_dir on object storage (s3://…): versions are fetched from there "
+        "before the source is asked (after the upstream, when it has them).",
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port."),
     repo: Path = RepoOption,
@@ -656,14 +662,18 @@ def checkpoint_engine(
 
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
+    if models_from and not source:
+        raise FeatureStoreError("--models-from is where a replica fetches versions; give its --source too")
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
+    if models_from:
+        role += f", fetching from {store.location(models_from)} first"
     auth = (
         f"{len(store.config.server.api_keys)} API key(s)"
         if store.config.server.api_keys is not None
         else "no authentication"
     )
     err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
-    ServerLaunch(str(repo.resolve()), model=model, source=source, upstream=upstream).export()
+    ServerLaunch(str(repo.resolve()), model=model, source=source, upstream=upstream, models_from=models_from).export()
     uvicorn.run(
         "serving.checkpoint_engine:app_factory",
         factory=True,
@@ -877,7 +887,12 @@ def main() -> None:
     # SIGTERM exits like Ctrl-C: cleanups run (the embedded redis-server this process started is stopped)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        app()
+        try:
+            app()
+        except SystemExit as done:
+            if not done.code:
+                _object_requests_made()
+            raise
     except FeatureStoreError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
@@ -899,6 +914,17 @@ def main() -> None:
             raise
         err_console.print(f"[bold red]error:[/] {escape(str(explained))}", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _object_requests_made() -> None:
+    """What a command that succeeded asked of object storage, one line on stderr (nothing when it
+    asked nothing; a failed command's one line is its error)."""
+    from featurestore.object_requests import METER, summary
+
+    line = summary(METER.snapshot())
+    if line:
+        logging.getLogger("featurestore").info(line)
+        err_console.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
 
 
 TRAINING_MODULES = ("torch", "matplotlib")  # the `train` extra: a host that only serves features does without

@@ -26,6 +26,7 @@ class ServerLaunch:
     device: str = "cpu"  # inference server: where the model scores
     source: str | None = None  # checkpoint engine: the engine this replica follows
     upstream: str | None = None  # checkpoint engine: the relay it fetches from (default: its source)
+    models_from: str | None = None  # checkpoint engine: the source's data_dir on object storage, fetched from first
 
     def export(self) -> None:
         """Hand this record to the server processes this one starts."""

@@ -89,7 +89,10 @@ def read_split(
         import pyarrow.parquet as pq
 
         fs, _ = storage.filesystem()
-        tables = [pq.read_table(u.split("://", 1)[1], filesystem=fs) for u in uris]
+        tables = []
+        for u in uris:
+            with fs.open_input_file(u.split("://", 1)[1]) as source:
+                tables.append(pq.read_table(source))
         con.register("__files", pa.concat_tables(tables, promote_options="default"))
         scan = "__files"
     else:

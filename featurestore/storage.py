@@ -21,6 +21,7 @@ import hashlib
 import os
 import random
 import re
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from featurestore.errors import FeatureStoreError, NotFoundError, StorageUnavail
 from featurestore.files import atomic_write, file_lock
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs
+    from featurestore.object_requests import FileSystem
 
 S3 = "s3://"
 _AWS_VARIABLES = (
@@ -123,7 +124,7 @@ class Location:
         # machines cannot both write version N+1, the loser re-reads and retries
         return {**self.settings(), "conditional_put": "etag"}
 
-    def filesystem(self) -> tuple[pafs.FileSystem, str]:
+    def filesystem(self) -> tuple[FileSystem, str]:
         """A pyarrow file system and this location's path in it (one S3 client per set of
         settings, shared: uploads and reads in a loop reuse its connections)."""
         import pyarrow.fs as pafs
@@ -140,7 +141,10 @@ class Location:
         fs, path = self.filesystem()
         if self.is_local:
             Path(path, name).parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(str(local), f"{path}/{name}", destination_filesystem=fs)
+            pafs.copy_files(str(local), f"{path}/{name}", destination_filesystem=fs)
+            return
+        with open(local, "rb") as source, fs.open_output_stream(f"{path}/{name}") as out:
+            shutil.copyfileobj(source, out, COPY_CHUNK)
 
     def download(self, name: str, local: Path) -> None:
         """Copy ``name`` under this location to a local file; NotFoundError when there is none."""
@@ -152,20 +156,29 @@ class Location:
         if self.is_local and Path(path, name).resolve() == local.resolve():
             return  # already there (copying a file onto itself would empty it)
         local.parent.mkdir(parents=True, exist_ok=True)
-        pafs.copy_files(f"{path}/{name}", str(local), source_filesystem=fs)
+        if self.is_local:
+            pafs.copy_files(f"{path}/{name}", str(local), source_filesystem=fs)
+            return
+        with fs.open_input_stream(f"{path}/{name}") as source, open(local, "wb") as out:
+            shutil.copyfileobj(source, out, COPY_CHUNK)
 
     def objects(self) -> Objects:
         """This location as a key-value store of small objects with compare-and-swap."""
         return LocalObjects(self.path) if self.is_local else S3Objects(self)
 
 
+COPY_CHUNK = 8 << 20  # bytes a read or write of an upload or download moves (a ranged GET each)
+
+
 @functools.lru_cache(maxsize=8)
-def _s3_filesystem(settings: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
+def _s3_filesystem(settings: tuple[tuple[str, str], ...]) -> FileSystem:
     import pyarrow.fs as pafs
+
+    from featurestore.object_requests import counted
 
     s = dict(settings)
     endpoint = s.get("AWS_ENDPOINT_URL")
-    return pafs.S3FileSystem(
+    s3 = pafs.S3FileSystem(
         access_key=s.get("AWS_ACCESS_KEY_ID"),
         secret_key=s.get("AWS_SECRET_ACCESS_KEY"),
         session_token=s.get("AWS_SESSION_TOKEN"),
@@ -176,6 +189,7 @@ def _s3_filesystem(settings: tuple[tuple[str, str], ...]) -> pafs.S3FileSystem:
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=int(s["AWS_MAX_ATTEMPTS"])),
         allow_delayed_open=True,  # a file smaller than one part is one PutObject, not a multipart upload
     )
+    return counted(s3)
 
 
 def _attempts(default: int) -> int:
@@ -280,6 +294,8 @@ class S3Objects:
         try:
             import boto3
             from botocore.config import Config
+
+            from featurestore.object_requests import count_boto3
         except ImportError:
             raise FeatureStoreError(
                 f"{location.url}: the registry on object storage needs boto3; pip install 'featurestore[s3]'"
@@ -299,6 +315,7 @@ class S3Objects:
                 retries={"max_attempts": _attempts(8), "mode": "standard"}, connect_timeout=5, read_timeout=30
             ),
         )
+        count_boto3(self.client)
 
     def _failed(self, exc: Exception) -> Exception:
         """``exc`` as a one-line error naming this location, when object storage failed."""

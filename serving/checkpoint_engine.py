@@ -98,5 +98,11 @@ def app_factory() -> FastAPI:
     launch = ServerLaunch.received()
     store = FeatureStore(launch.repo_path)
     registry = store.model_registry()
-    replica = Replica(registry, launch.model, launch.source, launch.upstream) if launch.source else None
+    origin = None
+    if launch.models_from:  # the source's data_dir: its models, and their ledger in its registry folder
+        where = store.location(launch.models_from)
+        origin = ModelRegistry(where.child("models"), where.child("registry", "models.json"))
+    replica = (
+        Replica(registry, launch.model, launch.source, launch.upstream, models_from=origin) if launch.source else None
+    )
     return create_app(registry, replica, store.config)

@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from featurestore.object_requests import METER
+
 
 class Metrics:
     """Prometheus metrics for one app (its own registry, so tests can build many apps).
@@ -47,6 +49,20 @@ class Metrics:
             ["log", "outcome"],
             registry=self.registry,
         )
+        self.object_requests = Counter(
+            f"{prefix}_object_requests_total",
+            "Object-storage requests by the kind S3 bills (GET, HEAD, PUT, POST, LIST, DELETE), and "
+            "Delta log operations (delta snapshot, delta commit), made by this app's processes.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.object_bytes = Counter(
+            f"{prefix}_object_bytes_total",
+            "Bytes sent to and received from object storage.",
+            ["direction"],
+            registry=self.registry,
+        )
+        self._objects_counted = METER.snapshot()  # this app counts what its process requests from now on
         self._children: dict[tuple[str, int], tuple] = {}
         self._pending: dict[tuple[str, int], list[float]] = {}  # request durations not yet in Prometheus
         self._flush_scheduled = False
@@ -73,6 +89,7 @@ class Metrics:
     def flush(self) -> None:
         """Hand the requests counted since the last flush to Prometheus."""
         self._flush_scheduled = False
+        self._count_object_requests()
         pending, self._pending = self._pending, {}
         for key, durations in pending.items():
             endpoint, status = key
@@ -84,6 +101,19 @@ class Metrics:
                 )
             children[0].inc(len(durations))
             _observe_all(children[1], durations)
+
+    def _count_object_requests(self) -> None:
+        """Hand the object requests this process made since the last flush to Prometheus."""
+        now = METER.snapshot()
+        for kind, total in now.items():
+            n = total - self._objects_counted.get(kind, 0)
+            if not n:
+                continue
+            if kind.startswith("bytes "):
+                self.object_bytes.labels(kind.split()[1]).inc(n)
+            else:
+                self.object_requests.labels(kind).inc(n)
+        self._objects_counted = now
 
     def response(self, newest_events: dict[str, int] | None = None) -> Response:
         """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view freshness."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import itertools
 import os
 import shutil
 import socket
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,8 +80,11 @@ def write_repo(
     online_options: str = "",
     storage: str = "",
 ) -> Path:
-    """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``."""
+    """A repo in ``root`` with ``features.py`` and Parquet files under ``root/data``; its durable
+    state on S3 when ``storage`` says so, or for every repo when FEATURESTORE_TEST_STORAGE=s3."""
     project = project or f"p{os.getpid()}_{next(_projects)}"
+    if not storage and os.environ.get("FEATURESTORE_TEST_STORAGE") == "s3":
+        storage = s3_storage(_suite_s3_endpoint())
     (root / "data").mkdir(parents=True, exist_ok=True)
     online = f"online_store: {{url: '{url}'{online_options}}}\n" if url else ""
     (root / "featurestore.yaml").write_text(f"project: {project}\nmodules: [features.py]\n{online}{storage}")
@@ -136,15 +142,21 @@ def run(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory) -> Iterator[str]:
+def s3_endpoint() -> str:
     """The S3 endpoint the storage contracts run against: ``FEATURESTORE_TEST_S3_URL`` (MinIO, AWS,
-    with the AWS_* credentials in the environment) when set, else a moto_server of its own."""
+    with the AWS_* credentials in the environment) when set, else a moto_server of the run's own."""
+    return _suite_s3_endpoint()
+
+
+@functools.cache
+def _suite_s3_endpoint() -> str:
+    """FEATURESTORE_TEST_S3_URL, else one moto_server for the whole run (stopped at exit)."""
     given = os.environ.get("FEATURESTORE_TEST_S3_URL")
     if given:
-        yield given.rstrip("/")
-        return
-    with moto_server(tmp_path_factory.mktemp("s3")) as endpoint:
-        yield endpoint
+        return given.rstrip("/")
+    server = moto_server(Path(tempfile.mkdtemp(prefix="fs-s3-")))
+    atexit.register(server.__exit__, None, None, None)
+    return server.__enter__()
 
 
 _buckets = itertools.count()

@@ -26,6 +26,13 @@ class Request:
     path: str
     sent: int = 0  # body bytes, to the server
     received: int = 0  # body bytes, back
+    agent: str = ""  # the client's User-Agent
+
+    @property
+    def client(self) -> str:
+        """Which library sent it: boto3, pyarrow (the AWS C++ SDK) or deltalake (Rust object_store)."""
+        agent = self.agent.lower()
+        return "boto3" if "boto" in agent else "pyarrow" if "aws-sdk-cpp" in agent else "deltalake"
 
     @property
     def kind(self) -> str:
@@ -58,7 +65,13 @@ class FaultyProxy:
             def _handle(self) -> None:
                 body = self._body()
                 with proxy._lock:
-                    request = Request(len(proxy.seen) + 1, self.command, self.path, len(body))
+                    request = Request(
+                        len(proxy.seen) + 1,
+                        self.command,
+                        self.path,
+                        len(body),
+                        agent=self.headers.get("User-Agent", ""),
+                    )
                     fate = proxy.rule(request)
                     proxy.seen.append((request, fate))
                 if fate == "drop":

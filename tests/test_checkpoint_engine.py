@@ -14,14 +14,23 @@ from pathlib import Path
 import httpx
 import pytest
 
+from featurestore import FeatureStore
 from featurestore.training.model_registry import MODEL_FILES, ModelRegistry
 
 from .conftest import free_port, write_repo
 
 
 class Engine:
-    def __init__(self, root: Path, redis_url: str, source: str | None = None, upstream: str | None = None):
-        self.repo = write_repo(root, "", url=redis_url)
+    def __init__(
+        self,
+        root: Path,
+        redis_url: str,
+        source: str | None = None,
+        upstream: str | None = None,
+        storage: str = "",
+        *extra: str,
+    ):
+        self.repo = write_repo(root, "", url=redis_url, storage=storage)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
@@ -37,6 +46,7 @@ class Engine:
             str(self.port),
             *(["--source", source] if source else []),
             *(["--upstream", upstream] if upstream else []),
+            *extra,
         ]
         self.start()
 
@@ -46,7 +56,7 @@ class Engine:
 
     @property
     def registry(self) -> ModelRegistry:
-        return ModelRegistry(self.repo / "data" / "models", self.repo / "data" / "registry" / "models.json")
+        return FeatureStore(self.repo).model_registry()
 
     def serves(self, version: int) -> bool:
         try:
@@ -261,3 +271,30 @@ def test_a_replica_refuses_names_and_versions_that_would_leave_its_registry(tmp_
     assert not any(p.name.startswith("t9") for p in tmp_path.rglob("*")) and not registry.ledger.exists()
     with pytest.raises(FeatureStoreError, match="not a model name"):
         Replica(registry, "../escape", "http://127.0.0.1:1").registry.versions("../escape")
+
+
+def test_replicas_fetch_from_the_object_store_before_the_source(tmp_path, redis_url, run, s3_endpoint):
+    """The source's durable state on S3: a replica given --models-from fetches each version there,
+    verified against the source's hashes, and the source sends it no file; a replica pointed at
+    an object store without the version gets it from the source."""
+    from .conftest import s3_bucket
+
+    bucket, options = s3_bucket(s3_endpoint)
+    empty, _ = s3_bucket(s3_endpoint)
+    reach = f"storage_options: {json.dumps(options)}\n"
+    source = Engine(tmp_path / "source", redis_url, None, None, f"data_dir: s3://{bucket}/data\n{reach}")
+    stored = Engine(tmp_path / "r1", redis_url, source.url, None, reach, "--models-from", f"s3://{bucket}/data")
+    wrong = Engine(tmp_path / "r2", redis_url, source.url, None, reach, "--models-from", f"s3://{empty}/data")
+    engines = [source, stored, wrong]
+    try:
+        for round in (1, 2):
+            version = source.registry.register("m", run)
+            source.registry.promote("m", version, "production")
+            _until(lambda: stored.serves(version) and wrong.serves(version), engines)
+            for replica in (stored, wrong):
+                assert replica.registry.hashes("m")[version] == source.registry.hashes("m")[version]
+            # the one copy the source sent per version went to the replica without the version in its store
+            assert httpx.get(source.url + "/stats").json()["files_served"] == round * len(MODEL_FILES)
+    finally:
+        for e in engines:
+            e.stop()

@@ -792,3 +792,98 @@ def test_throttling_past_the_retries_is_one_line(s3_endpoint, tmp_path, redis_ur
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "Traceback" not in done.stderr
     assert "kept refusing requests (503 SlowDown)" in lines[0] and proxy.count("slow_down") > 1
+
+
+def test_object_requests_are_counted_as_the_server_sees_them(make_store, s3_endpoint, tmp_path, redis_url):
+    """Through a proxy that sees every request: apply, materialize, a point-in-time join, an export
+    and a drained push count exactly the requests boto3 and pyarrow sent, by kind, with their
+    bytes; deltalake's own requests are counted as its operations. A CLI command ends with the
+    line, and a server's /metrics counts them."""
+    import collections
+    import itertools
+
+    import httpx
+
+    from featurestore.object_requests import METER, summary
+
+    from .conftest import free_port
+    from .s3_faults import FaultyProxy
+
+    bucket, options = s3_bucket(s3_endpoint)
+    proxy = FaultyProxy(s3_endpoint)
+    storage = _through(proxy.url, bucket, options)
+    entities = pd.DataFrame(
+        {"driver_id": [1, 2, 3, 99], "event_timestamp": [NOW - timedelta(hours=h) for h in range(4)]}
+    )
+    try:
+        before = METER.snapshot()
+        store = make_store(STATS_DEFS, {"stats": _stats()}, storage=storage)
+        store.materialize(None, None)
+        store.get_historical_features(entities, ["stats:rating"]).to_df()
+        store.export_training_dataset(entities, "svc", f"s3://{bucket}/ds")
+        pushed = make_store(FEATURES, name="push", storage=storage.replace("/data", "/push"))
+        pushed.push("payments", _frame(_payments(30, seed=1, now=NOW)), to="online_and_offline")
+        pushed.flush()
+        counted = METER.since(before)
+        seen = proxy.take()
+        ours = [r for r in seen if r.client != "deltalake"]
+        by_kind = collections.Counter(r.kind for r in ours)
+        assert {k: n for k, n in counted.items() if k.isupper()} == dict(by_kind)
+        # bytes as the objects hold them: pyarrow's uploads carry a checksum trailer on the wire
+        assert counted["bytes received"] == sum(r.received for r in ours if r.kind == "GET")
+        trailers = sum(r.sent for r in ours) - counted["bytes sent"]
+        assert 0 <= trailers <= 64 * sum(1 for r in ours if r.client == "pyarrow" and r.kind == "PUT")
+        assert any(r.client == "deltalake" for r in seen)  # the Delta log's requests: counted as operations
+        assert counted["delta commit"] >= 2 and counted["delta snapshot"] >= 2
+        assert by_kind["PUT"] and by_kind["GET"] and by_kind["HEAD"]
+
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "featurestore",
+                "materialize",
+                "2000-01-01",
+                "2100-01-01",
+                "--repo",
+                str(tmp_path / "repo"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("object storage: ") and "delta snapshot" in line and "GET" in line, done.stderr
+        assert summary({}) is None
+
+        port = free_port()
+        command = [sys.executable, "-m", "featurestore", "serve", "--repo", str(tmp_path / "push"), "--port", str(port)]
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and server.poll() is None, "the feature server did not start"
+                    time.sleep(0.2)
+            proxy.take()
+            deadline = time.monotonic() + 60
+            for seed in itertools.count():  # pushes drain in the background once the buffer is due
+                rows = _frame(_payments(5, seed=seed, first_id=5 * seed, now=NOW)).to_pydict()
+                body = {"push_source_name": "payments", "df": {k: [str(v) for v in vs] for k, vs in rows.items()}}
+                pushed_ok = httpx.post(f"http://127.0.0.1:{port}/push", json={**body, "to": "offline"})
+                assert pushed_ok.status_code == 200, pushed_ok.text
+                metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+                if 'featurestore_feature_server_object_requests_total{kind="delta commit"}' in metrics:
+                    break
+                assert time.monotonic() < deadline, metrics[-3000:]
+                time.sleep(1)
+            assert 'featurestore_feature_server_object_requests_total{kind="PUT"}' in metrics
+            assert "featurestore_feature_server_object_bytes_total" in metrics
+        finally:
+            server.terminate()
+            server.wait(10)
+    finally:
+        proxy.close()

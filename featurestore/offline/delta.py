@@ -24,7 +24,6 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -33,6 +32,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
+from featurestore.object_requests import METER, FileSystem
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.file_cache import FileCache
 from featurestore.offline.tables import Tables
@@ -61,11 +61,11 @@ class DeltaOfflineStore:
         self.location = location if isinstance(location, Location) else Location(str(Path(location).resolve()))
         self.options = self.location.delta_options()
         self.cache = cache if not self.location.is_local else None
-        self._fs: tuple[pafs.FileSystem, str] | None = None
+        self._fs: tuple[FileSystem, str] | None = None
         self._tables = Tables(self.location)  # followed, not reopened (``tables``)
 
     @property
-    def filesystem(self) -> tuple[pafs.FileSystem, str]:
+    def filesystem(self) -> tuple[FileSystem, str]:
         """The pyarrow file system holding the tables, and the root's path in it."""
         if self._fs is None:
             self._fs = self.location.filesystem()
@@ -77,6 +77,11 @@ class DeltaOfflineStore:
     def table_path(self, view: str) -> Path:
         """The table's folder (local disk only)."""
         return self.location.path / view
+
+    def _delta_commit(self) -> None:
+        """Count a Delta log commit (deltalake does not expose its requests: see object_requests)."""
+        if not self.location.is_local:
+            METER.add("delta commit")
 
     def _open(self, uri: str, version: int | None = None) -> DeltaTable | None:
         return self._tables.open(uri, version)
@@ -129,8 +134,7 @@ class DeltaOfflineStore:
         if self.location.is_local or self.cache is not None:
             return f"read_parquet([{', '.join(quote(f) for f in files)}], union_by_name = true)"
         fs, _ = self.filesystem
-        dataset = pads.dataset([_fs_path(f) for f in files], schema=schema, format="parquet", filesystem=fs)
-        con.register(f"{name}__files", dataset)
+        con.register(f"{name}__files", read_columns(fs, [_fs_path(f) for f in files], schema))
         return ident(f"{name}__files")
 
     def write_files(self, view: str, rows: pa.Table) -> list[AddAction]:
@@ -201,6 +205,7 @@ class DeltaOfflineStore:
             # stored a commit twice under concurrent S3 writers with the followed handle (not yet explained)
             table = self._tables.open(self.table_uri(view), fresh=True)
             if table is None:
+                self._delta_commit()
                 try:
                     create_table_with_add_actions(
                         self.table_uri(view),
@@ -232,10 +237,12 @@ class DeltaOfflineStore:
             known = {f.name for f in table.schema().fields}
             added = [f for f in delta_schema.fields if f.name not in known]
             if added:
+                self._delta_commit()
                 table.alter.add_columns(added)
                 base = self.version(view)  # the alteration added no rows
                 continue
             expected = table.version() + 1
+            self._delta_commit()
             try:
                 table.create_write_transaction(
                     list[AddAction | RemoveAction](actions),
@@ -337,7 +344,10 @@ class DeltaOfflineStore:
     def compact(self, view: str) -> dict:
         """Rewrite small files into large ones (a new version; older versions stay readable)."""
         table = self._table(view)
-        return table.optimize.compact() if table is not None else {}
+        if table is None:
+            return {}
+        self._delta_commit()
+        return table.optimize.compact()
 
     def vacuum(self, view: str, retention_hours: int) -> int:
         """Delete files no version of the last ``retention_hours`` uses; returns how many.
@@ -345,6 +355,7 @@ class DeltaOfflineStore:
         table = self._table(view)
         if table is None:
             return 0
+        self._delta_commit()
         return len(table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False))
 
     def write_rejects(self, view: str, rejects: pa.Table) -> None:
@@ -354,6 +365,7 @@ class DeltaOfflineStore:
             seen = table.to_pyarrow_table(columns=["reject_id"])["reject_id"]
             rejects = rejects.filter(pc.invert(pc.is_in(rejects["reject_id"], value_set=seen.combine_chunks())))
         if rejects.num_rows:
+            self._delta_commit()
             write_deltalake(self._rejects_uri(view), rejects, mode="append", storage_options=self.options)
 
     def rejects(self, view: str) -> pa.Table:
@@ -374,6 +386,24 @@ class DeltaOfflineStore:
         for name in names:
             if name == view or name.startswith(f"{view}@v"):
                 fs.delete_dir(f"{base}/{name}")
+
+
+def read_columns(fs: FileSystem, paths: list[str], schema: pa.Schema) -> pa.Table:
+    """``schema``'s columns of the Parquet files at ``paths`` (null where a file lacks one)."""
+    tables = []
+    for path in paths:
+        with fs.open_input_file(path) as source:
+            parquet = pq.ParquetFile(source)
+            present = [c for c in schema.names if c in parquet.schema_arrow.names]
+            tables.append(parquet.read(columns=present))
+    whole = pa.concat_tables(tables, promote_options="default") if tables else schema.empty_table()
+    return pa.table(
+        [
+            whole[f.name].cast(f.type) if f.name in whole.column_names else pa.nulls(whole.num_rows, f.type)
+            for f in schema
+        ],
+        schema=schema,
+    )
 
 
 def _records(action: AddAction) -> int:

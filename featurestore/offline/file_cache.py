@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import pyarrow.fs as pafs
+    from featurestore.object_requests import FileSystem
 
 log = logging.getLogger("featurestore.offline")
 
@@ -51,7 +51,7 @@ class FileCache:
         except OSError:  # another file system: a copy
             shutil.copyfile(local, target)
 
-    def fetch(self, paths: list[str], fs: pafs.FileSystem) -> list[Path]:
+    def fetch(self, paths: list[str], fs: FileSystem) -> list[Path]:
         """Local copies of ``paths`` (in ``fs``), downloading those not cached."""
         places = [self._place(p) for p in paths]
         now, missing = time.time(), []
@@ -66,7 +66,7 @@ class FileCache:
             self.trim()
         return places
 
-    def _download(self, fs: pafs.FileSystem, path: str, place: Path) -> None:
+    def _download(self, fs: FileSystem, path: str, place: Path) -> None:
         place.parent.mkdir(parents=True, exist_ok=True)
         incoming = place.with_name(f".{place.name}.{uuid.uuid4().hex}.tmp")
         try:

@@ -13,10 +13,10 @@ import json
 import threading
 from pathlib import Path
 
-import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
+from featurestore.object_requests import METER, FileSystem
 from featurestore.storage import Location
 
 
@@ -27,7 +27,7 @@ class Tables:
         self.location = location
         self.options = location.delta_options()
         self._latest = threading.local()  # per thread: table URI -> its handle at the latest version
-        self._fs: pafs.FileSystem | None = None
+        self._fs: FileSystem | None = None
 
     def open(self, uri: str, version: int | None = None, fresh: bool = False) -> DeltaTable | None:
         """The table at ``uri`` (under this location) at ``version`` (default: its latest); None
@@ -41,14 +41,21 @@ class Tables:
             return handles[uri]  # just brought up to date by this thread (read a version, then use it)
         if not fresh and version is None and uri in handles and self._created_as(uri) == handles[uri].metadata().id:
             handles[uri].update_incremental()
+            self._counted()
             return handles[uri]
         try:
             table = DeltaTable(uri, version=version, storage_options=self.options)
         except TableNotFoundError:
             return None
+        finally:
+            self._counted()
         if version is None:
             handles[uri] = table
         return table
+
+    def _counted(self) -> None:
+        if not self.location.is_local:  # deltalake does not expose its requests: see object_requests
+            METER.add("delta snapshot")
 
     def _created_as(self, uri: str) -> str | None:
         """The id the table's first commit gave it (None: no first commit, or unreadable now)."""
