@@ -50,7 +50,9 @@ class OfflineSection:
     # pushed history rows are committed to Delta once this many are buffered, or the oldest is this old
     buffer_max_rows: int = 10_000
     buffer_max_seconds: float = 5.0
-    compact_after_files: int = 256  # a view's history is compacted by pushes once it has more data files
+    # a view's history and a push log are compacted by drains once they have more data files
+    # (default 256 on local disk, 64 on object storage)
+    compact_after_files: int = 256
     # after such a compaction, files no version of the last this-many hours uses are deleted (Delta's
     # default retention, 7 days): exports of older versions then no longer reproduce. None: never
     vacuum_after_hours: int | None = 168
@@ -179,12 +181,15 @@ def _online_section(online: dict, file: Path) -> OnlineSection:
 def _offline_section(offline: dict, file: Path, repo: Path, data: Location, options: dict) -> OfflineSection:
     where = f"{file}: offline_store"
     path = offline.get("path")
+    location = _location(path, repo, options, f"{where}.path") if path else data.child("offline")
+    # on object storage every file a join or materialization opens is requests and a round trip
+    compact_after = offline.get("compact_after_files", 256 if location.is_local else 64)
     return OfflineSection(
-        location=_location(path, repo, options, f"{where}.path") if path else data.child("offline"),
+        location=location,
         engine=_choice(offline.get("engine", "local"), ("local", "ray"), f"{where}.engine"),
         buffer_max_rows=_positive_int(offline.get("buffer_max_rows", 10_000), f"{where}.buffer_max_rows"),
         buffer_max_seconds=parse_duration(offline.get("buffer_max_age", 5), f"{where}.buffer_max_age").total_seconds(),
-        compact_after_files=_positive_int(offline.get("compact_after_files", 256), f"{where}.compact_after_files"),
+        compact_after_files=_positive_int(compact_after, f"{where}.compact_after_files"),
         vacuum_after_hours=_hours_or_never(offline.get("vacuum_after_hours", 168), f"{where}.vacuum_after_hours"),
         cache_mb=_non_negative_int(offline.get("cache_mb", 8192), f"{where}.cache_mb"),
     )

@@ -677,10 +677,11 @@ def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint
     """Two repos with their own local folders (two machines) and one ``data_dir`` on S3 push into
     one source at once: the push log holds every machine's rows once, a retried drain on either
     adds nothing (each buffer records its own progress in the log), and materializing on one
-    machine computes from both machines' pushes."""
+    machine computes from both machines' pushes. Drains compact the log past 4 files, keeping
+    every buffer's recorded progress."""
     import threading
 
-    storage = s3_storage(s3_endpoint)
+    storage = s3_storage(s3_endpoint) + "offline_store: {compact_after_files: 4}\n"
     machines = [make_store(FEATURES, name=f"machine-{m}", storage=storage) for m in range(2)]
     batches = [_frame(_payments(40, seed=m, first_id=1000 * m, now=NOW)) for m in range(2)]
 
@@ -705,8 +706,10 @@ def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint
     shutil.rmtree(first.push_buffer.root)
     shutil.copytree(saved, first.push_buffer.root)  # as if the drain died after its commit
     first.flush()
-    logged = open_push_log(first.config.push_logs, "payments").to_pyarrow_table()["payment_id"].to_pylist()
+    log = open_push_log(first.config.push_logs, "payments")
+    logged = log.to_pyarrow_table()["payment_id"].to_pylist()
     assert sorted(logged) == list(range(40)) + list(range(1000, 1040)) + list(range(2000, 2005))
+    assert len(log.file_uris()) <= 5  # 9 drains' files, compacted
     report = machines[1].materialize(None, None)
     ids = _history_ids(machines[1], "activity")
     assert len(ids) == len(set(ids)) == 85 and sum(v.new_offline_rows for v in report.views) == 0
@@ -771,6 +774,64 @@ def test_compaction_and_vacuum_keep_every_row(backend, tmp_path, request):
     assert ids() == list(range(60))
     with pytest.raises(FeatureStoreError):
         ids(before)  # its files are gone: said, not read as empty
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_commit_that_landed_unheard_is_not_undone_by_its_retry(backend, tmp_path, request):
+    """A commit whose reply was lost is tried again from the version it read: the retry finds its
+    own files in the table and leaves them there (it deleted them as "never committed", and
+    the table then named files that were gone)."""
+    location = _place(backend, "offline", tmp_path, request)
+    store = DeltaOfflineStore(location)
+    store.append("t", _rows([1, 2]))
+    read = store.version("t")
+    rows = store.new_rows("t", _rows([3, 4, 5]), read)
+    actions = store.write_files("t", rows)
+    store.commit("t", actions, _rows([]).schema, read)  # landed...
+    store.commit("t", actions, _rows([]).schema, read)  # ...but unheard: tried again
+    con = duckdb.connect()
+    DeltaOfflineStore(location).register(con, "t", "h", _rows([]).schema)
+    assert sorted(r[0] for r in con.execute("SELECT _row_id FROM h").fetchall()) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_two_compactions_at_once_keep_every_row_once(backend, tmp_path, request):
+    """Two stores (two machines' drains) compact one table at the same moment, while a third
+    appends: every row once. deltalake's own optimize committed both merges (rows twice)."""
+    import threading
+
+    location = _place(backend, "offline", tmp_path, request)
+    writer = DeltaOfflineStore(location)
+    expected: list[int] = []
+    for trial in range(4):
+        for start in range(0, 40, 5):
+            ids = list(range(trial * 1000 + start, trial * 1000 + start + 5))
+            writer.append("t", _rows(ids))
+            expected += ids
+        stores = [DeltaOfflineStore(location) for _ in range(2)]
+        ready = threading.Barrier(3)
+        errors: list[BaseException] = []
+
+        def run(work) -> None:
+            ready.wait()
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        late = list(range(trial * 1000 + 500, trial * 1000 + 505))
+        threads = [threading.Thread(target=run, args=(lambda s=s: s.compact("t"),)) for s in stores]
+        threads.append(threading.Thread(target=run, args=(lambda: writer.append("t", _rows(late)),)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        expected += late
+        assert not errors, errors
+        con = duckdb.connect()
+        writer.register(con, "t", "h", _rows([]).schema)
+        assert sorted(r[0] for r in con.execute("SELECT _row_id FROM h").fetchall()) == sorted(expected)
+    assert writer.file_count("t") <= 2 * 4 + 1
 
 
 @pytest.mark.slow

@@ -10,10 +10,13 @@ materialization: the log's rows and the views' history rows of one push share on
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import secrets
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -27,9 +30,15 @@ from featurestore.materialization.compute import pushed_rows
 from featurestore.materialization.engine import Materializer, push_run_id
 from featurestore.object_requests import METER
 from featurestore.offline.buffer import APP_ID, PushBuffer
+from featurestore.offline.compaction import compact
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection, open_push_log
 from featurestore.storage import Location
+
+if TYPE_CHECKING:
+    from featurestore.config import RepoConfig
+
+logger = logging.getLogger("featurestore.push")
 
 PushTarget = Literal["online", "offline", "online_and_offline"]
 TARGETS: tuple[str, ...] = get_args(PushTarget)
@@ -210,12 +219,14 @@ def flush(materializer: Materializer, buffer: PushBuffer, only_due: bool = False
         kind, name = target.split(":", 1)
         if kind == "log":
             _append_log(config.push_logs, name, rows, newest_seq, retried, buffer.writer_id())
+            _compact_log_when_due(config, name)
             return
         offline.append(name, rows)
         if offline.file_count(name) > config.offline.compact_after_files:  # many small pushes: merge
-            offline.compact(name)
-            if config.offline.vacuum_after_hours is not None:  # and delete what compactions replaced long enough ago
-                offline.vacuum(name, config.offline.vacuum_after_hours)
+            with _compaction(name):
+                offline.compact(name)
+                if config.offline.vacuum_after_hours is not None:  # and delete what compactions replaced long ago
+                    offline.vacuum(name, config.offline.vacuum_after_hours)
 
     def logged(target: str) -> int:
         """The newest buffer record a push log holds (its Delta app transaction); -1 for history
@@ -271,6 +282,31 @@ def conform(rows: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 PUSH_LOG_CHECKPOINT_EVERY = 10  # commits
+
+
+@contextlib.contextmanager
+def _compaction(name: str) -> Iterator[None]:
+    """A compaction after a drain's commit: when it fails (another machine compacted the same
+    files at once), the commit stands and the files stay as they were until the next one."""
+    try:
+        yield
+    except Exception as exc:
+        logger.warning("compacting %s failed (%s); its files stay as they are until the next drain", name, exc)
+
+
+def _compact_log_when_due(config: RepoConfig, source_name: str) -> None:
+    """A push log's many small files (a drain commits one) merged, and those the merges replaced
+    long enough ago deleted: every file a materialization reads is requests and a round trip on
+    object storage."""
+    log_table = open_push_log(config.push_logs, source_name)
+    if log_table is None or len(log_table.file_uris()) <= config.offline.compact_after_files:
+        return
+    with _compaction(f"the push log of {source_name}"):
+        compact(config.push_logs.child(source_name))
+        if config.offline.vacuum_after_hours is not None:
+            log_table.vacuum(
+                retention_hours=config.offline.vacuum_after_hours, dry_run=False, enforce_retention_duration=False
+            )
 
 
 def _append_log(push_logs: Location, source_name: str, rows: pa.Table, seq: int, retried: bool, writer: str) -> None:

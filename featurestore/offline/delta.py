@@ -34,6 +34,7 @@ from deltalake.transaction import AddAction, RemoveAction, create_table_with_add
 from featurestore.errors import FeatureStoreError
 from featurestore.object_requests import METER, FileSystem
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
+from featurestore.offline.compaction import compact
 from featurestore.offline.file_cache import FileCache
 from featurestore.offline.tables import Tables
 from featurestore.sources import connection, ident, quote
@@ -272,9 +273,12 @@ class DeltaOfflineStore:
         scan = self._scan(con, "since", added, pa.schema([("_row_id", pa.int64())]))
         taken = con.sql(f"SELECT DISTINCT _row_id FROM {scan}").to_arrow_table()["_row_id"].combine_chunks()
         fs, base = self.filesystem
+        landed = {_fs_path(u) for u in added}  # this writer's own files, when its commit landed unheard
         kept = []
         for action in actions:
             path = f"{base}/{view}/{action.path}"
+            if path in landed:
+                continue  # committed already: neither kept nor deleted
             with fs.open_input_file(path) as f:
                 rows = pq.read_table(f)
             left = rows.filter(pc.invert(pc.is_in(rows["_row_id"], value_set=taken)))
@@ -343,11 +347,9 @@ class DeltaOfflineStore:
 
     def compact(self, view: str) -> dict:
         """Rewrite small files into large ones (a new version; older versions stay readable)."""
-        table = self._table(view)
-        if table is None:
+        if self._table(view) is None:
             return {}
-        self._delta_commit()
-        return table.optimize.compact()
+        return compact(self.location.child(view))
 
     def vacuum(self, view: str, retention_hours: int) -> int:
         """Delete files no version of the last ``retention_hours`` uses; returns how many.
