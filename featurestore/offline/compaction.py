@@ -23,7 +23,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from featurestore.errors import FeatureStoreError
-from featurestore.object_requests import METER
+from featurestore.object_requests import METER, FileSystem
 from featurestore.storage import Location
 
 TARGET_BYTES = 128 << 20  # a merged file's size at most; files this big already are left as they are
@@ -94,7 +94,7 @@ def _plan(files: list[dict], partitions: list[str]) -> list[list[dict]]:
     return [b for b in bins if len(b) > 1]
 
 
-def _merged(fs, root: str, files: list[dict], schema: pa.Schema) -> pa.Table:  # type: ignore[no-untyped-def]
+def _merged(fs: FileSystem, root: str, files: list[dict], schema: pa.Schema) -> pa.Table:
     """The files' rows under the table's schema (columns a file predates read null)."""
     tables = []
     for f in files:
