@@ -718,7 +718,8 @@ def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint
 def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoint, tmp_path, redis_url):
     """Two repos sharing ``data_dir`` on S3, each with its own local folder: a run trained on the
     first is published when the command ends; the second lists and shows it, resumes it from its
-    sharded checkpoint for a second epoch, and the first then sees the resumed run's results."""
+    sharded checkpoint for a second epoch on another world size (2 ranks, the first trained on 1),
+    and the first then sees the resumed run's results."""
     from .test_distributed_training import make_dataset
 
     dataset = make_dataset(tmp_path / "dataset", rows=1500)
@@ -743,7 +744,20 @@ def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoi
     assert run_id in cli(1, "runs", "list")
     assert json.loads(cli(1, "runs", "show", run_id))["final"]["epochs"] == 1
     assert not (machines[1] / "data" / "runs" / run_id / "checkpoint.pt").exists()  # listing fetched no weights
-    cli(1, "train", "--dataset", str(dataset), "--epochs", "2", "--device", "cpu", "--resume", run_id)
+    cli(
+        1,
+        "train",
+        "--dataset",
+        str(dataset),
+        "--epochs",
+        "2",
+        "--device",
+        "cpu",
+        "--resume",
+        run_id,
+        "--nproc-per-node",
+        "2",
+    )
     resumed = json.loads(cli(0, "runs", "show", run_id))
     assert resumed["final"]["epochs"] == 2
     from featurestore.tracking.metric_store import read_metrics
