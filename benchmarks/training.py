@@ -106,7 +106,7 @@ def main() -> None:
                 "--device",
                 args.device,
                 "--batch-size",
-                str(args.batch // procs),
+                str(args.batch),  # the global batch, split across the ranks
                 "--nproc-per-node",
                 str(procs),
                 *extra,

@@ -521,7 +521,9 @@ def train_command(
     ),
     entity_buckets: int = typer.Option(65_536, help="Rows of each entity-key embedding table."),
     epochs: int = typer.Option(4, help="Epochs."),
-    batch_size: int = typer.Option(512, help="Rows per step on each rank."),
+    batch_size: int = typer.Option(
+        512, help="Rows per step over all ranks (the global batch: each rank trains on its share)."
+    ),
     seed: int = typer.Option(0, help="Seeds weights, data order and each rank's share of the rows."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
     bf16: bool = typer.Option(False, help="bfloat16 autocast on CUDA."),

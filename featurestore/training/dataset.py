@@ -1,11 +1,15 @@
 """A torch ``IterableDataset`` over an exported training dataset (manifest + Parquet).
 
-Arrow record batches become tensors in bulk (no per-row Python); a shuffle buffer of a
-few batches mixes rows. The data is cut into **units** (row ranges of at most ``unit_rows``
-inside one Parquet row group); each epoch the units are shuffled by ``seed + epoch`` and dealt
-to ranks round-robin, so with ``world`` ranks every row is read by exactly one rank per
-epoch, each rank reading only its own units' row groups (``DataLoader`` workers split a rank's
-units again). ``batches_per_rank`` tells every rank how many steps the busiest one takes.
+Arrow record batches become tensors in bulk (no per-row Python). **One order of rows per epoch,
+whatever the world size**: the data is cut into units (row ranges of at most ``unit_rows``
+inside one Parquet row group), the units are shuffled by ``seed + epoch`` and read in windows
+of about ``shuffle_buffer_batches`` batches, each window's rows shuffled again; the stream of
+rows is then cut into global batches of ``batch_size`` rows (only the epoch's last one is
+smaller), and each global batch is split evenly across the ``world`` ranks (rank r takes rows
+``n·r/world`` to ``n·(r+1)/world``). So step s trains on the same rows on 1, 2 or 4 processes,
+and every rank holds rows on every step but the last few of tiny batches. Every rank reads each
+window (the columns it needs) and converts only its part: exactness over I/O, for datasets that
+are columnar files on local disk. ``DataLoader`` workers take every k-th batch.
 """
 
 from __future__ import annotations
@@ -44,15 +48,14 @@ def units(files: list[Path], unit_rows: int) -> list[Unit]:
     return out
 
 
-def deal(all_units: list[Unit], seed: int, epoch: int, rank: int, world: int) -> list[Unit]:
-    """This rank's units for the epoch: a seeded shuffle dealt round-robin (disjoint, covering)."""
-    order = np.random.default_rng([seed, epoch]).permutation(len(all_units))
-    return [all_units[i] for i in order[rank::world]]
+def share(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """The slice ``[lo, hi)`` of a global batch of ``rows`` that ``rank`` of ``world`` trains on."""
+    return rows * rank // world, rows * (rank + 1) // world
 
 
 class ExportedDataset(IterableDataset):
-    """Yields (x_num, x_cat, label) minibatches from the rows with ``lo <= event_timestamp < hi``
-    in this rank's share of the data (see the module docstring)."""
+    """Yields this rank's part (x_num, x_cat, label) of each global batch of the rows with
+    ``lo <= event_timestamp < hi``, one per step (a part may have no rows): see the module docstring."""
 
     def __init__(
         self,
@@ -74,11 +77,24 @@ class ExportedDataset(IterableDataset):
         self.rank, self.world = rank, world
         self.units = units(self.files, unit_rows)
         self.epoch = 0
+        self._counts: list[int] | None = None
 
-    def _mine(self, rank: int | None = None) -> list[Unit]:
-        mine = deal(self.units, self.seed, self.epoch, self.rank if rank is None else rank, self.world)
-        info = get_worker_info()
-        return mine[info.id :: info.num_workers] if info else mine
+    def counts(self) -> list[int]:
+        """Rows in the time range, per unit (read once: the timestamps only)."""
+        if self._counts is None:
+            self._counts = [t.num_rows for t in self._read(self.units, ["event_timestamp"])]
+        return self._counts
+
+    def rows(self) -> int:
+        return sum(self.counts())
+
+    def steps(self) -> int:
+        """Global batches per epoch: the same on every rank and for every world size."""
+        return -(-self.rows() // self.batch_size)
+
+    def step_rows(self, step: int) -> int:
+        """Rows of global batch ``step`` (0-based) of an epoch, over all ranks."""
+        return min(self.batch_size, self.rows() - step * self.batch_size)
 
     def _in_range(self, table: pa.Table) -> pa.Table:
         lo, hi = self.time_range
@@ -88,44 +104,57 @@ class ExportedDataset(IterableDataset):
         )
         return table.filter(mask)
 
-    def _tables(self, columns: list[str] | None = None, rank: int | None = None) -> Iterator[pa.Table]:
-        cache: dict[tuple[Path, int], pa.Table] = {}
-        for file, group, start, count in self._mine(rank):
-            if (file, group) not in cache:  # a rank's units of one row group are read once
-                cache.clear()
-                cache[(file, group)] = pq.ParquetFile(file).read_row_group(group, columns=columns)
-            yield self._in_range(cache[(file, group)].slice(start, count))
+    def _read(self, chosen: list[Unit], columns: list[str] | None = None) -> Iterator[pa.Table]:
+        """Each unit's rows in the time range (a row group read once for its units in a row)."""
+        groups: dict[tuple[Path, int], pa.Table] = {}
+        for file, group, start, count in chosen:
+            if (file, group) not in groups:
+                if len(groups) > 4:  # a window's row groups, bounded
+                    groups.clear()
+                groups[(file, group)] = pq.ParquetFile(file).read_row_group(group, columns=columns)
+            yield self._in_range(groups[(file, group)].slice(start, count))
 
-    def _flushes(self, columns: list[str] | None = None, rank: int | None = None) -> Iterator[pa.Table]:
-        """Tables of about ``buffer`` batches: the shuffle buffer's contents, in order."""
+    def _windows(self) -> Iterator[pa.Table]:
+        """The epoch's rows in their one order: shuffled units, read a window at a time, each
+        window's rows shuffled by its own seed."""
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.units))
+        counts, target = self.counts(), self.buffer * self.batch_size
+        window: list[Unit] = []
+        held, index = 0, 0
+        for i in [*order, None]:
+            if i is not None:
+                if not counts[i]:
+                    continue
+                window.append(self.units[i])
+                held += counts[i]
+            if window and (held >= target or i is None):
+                table = pa.concat_tables(list(self._read(window)))
+                yield table.take(pa.array(np.random.default_rng([self.seed, self.epoch, index]).permutation(held)))
+                window, held, index = [], 0, index + 1
+
+    def _global_batches(self) -> Iterator[pa.Table]:
         pending: list[pa.Table] = []
-        rows = 0
-        for table in self._tables(columns, rank):
+        held = 0
+        for table in self._windows():
             pending.append(table)
-            rows += table.num_rows
-            if rows >= self.buffer * self.batch_size:
-                yield pa.concat_tables(pending)
-                pending, rows = [], 0
-        if rows:
+            held += table.num_rows
+            while held >= self.batch_size:
+                rows = pa.concat_tables(pending)
+                yield rows.slice(0, self.batch_size)
+                pending, held = [rows.slice(self.batch_size)], held - self.batch_size
+        if held:
             yield pa.concat_tables(pending)
 
-    def batches_per_rank(self) -> list[int]:
-        """How many batches each rank yields this epoch (reads only the timestamps)."""
-        return [
-            sum(-(-t.num_rows // self.batch_size) for t in self._flushes(["event_timestamp"], rank))
-            for rank in range(self.world)
-        ]
-
     def __iter__(self) -> Iterator[Batch]:
-        rng = np.random.default_rng([self.seed, self.epoch, self.rank])
-        for table in self._flushes():
-            yield from self._emit(table, rng)
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for step, batch in enumerate(self._global_batches()):
+            if step % workers == worker:
+                lo, hi = share(batch.num_rows, self.world, self.rank)
+                yield self._tensors(batch.slice(lo, hi - lo))
         self.epoch += 1
 
-    def _emit(self, table: pa.Table, rng: np.random.Generator) -> Iterator[Batch]:
-        table = table.take(pa.array(rng.permutation(table.num_rows)))
+    def _tensors(self, table: pa.Table) -> Batch:
         x_num, x_cat = self.pre.transform({c: table[c] for c in self.pre.inputs})
         y = torch.from_numpy(pc.cast(table[self.label], pa.float32()).to_numpy(zero_copy_only=False).copy())
-        for start in range(0, table.num_rows, self.batch_size):
-            end = start + self.batch_size
-            yield x_num[start:end], x_cat[start:end], y[start:end]
+        return x_num, x_cat, y

@@ -28,7 +28,7 @@ from featurestore.errors import FeatureStoreError
 from featurestore.progress import progress_bar
 from featurestore.tracking.runs import Run, curve
 from featurestore.training import checkpoints, distributed
-from featurestore.training.dataset import Batch, ExportedDataset, load_manifest
+from featurestore.training.dataset import Batch, ExportedDataset, load_manifest, share
 from featurestore.training.metrics import rmse, roc_auc
 from featurestore.training.model import TabularMLP, score
 from featurestore.training.preprocessing import Preprocessor
@@ -133,8 +133,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     pre = Preprocessor.fit(
         train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys}
     )
-    # every rank records its own training loss (writer rank<r>; one process is rank 0, so a run
-    # resumed on another world size continues the same curves); rank 0 the rest
+    # rank 0 records the metrics (each step's loss is its global batch's, the same on any world size)
     run = Run(run_dir, writer=f"rank{layout.rank}")
     if layout.is_main:
         run.log_params(
@@ -182,30 +181,41 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
     idle = _idle_batch(pre)
     started, rows = time.perf_counter(), 0
+    # the gradient of every step is the mean over its global batch, whatever the world size: each
+    # rank's loss is its rows' sum scaled by the group its gradients are averaged over (FSDP
+    # divides by that group's size) over the rows that group trained on
+    averaged_over = layout.world if layout.sync_every == 0 else layout.shard
+    first_rank = layout.rank - layout.rank % averaged_over
     with progress_bar("steps", progress and layout.is_main) as bar:
         task = bar.add_task("training", total=config.epochs, completed=start_epoch)
         for epoch in range(start_epoch, config.epochs):
             train_data.epoch = epoch
-            steps = max(train_data.batches_per_rank())  # the busiest rank's; the others pad with zero-weight steps
+            steps = train_data.steps()
             batches = iter(loader)
             model.train()
             in_epoch = bar.add_task(f"epoch {epoch + 1}/{config.epochs}", total=steps)
-            for _ in range(steps):
+            for in_step in range(steps):
                 bar.advance(in_epoch)
-                batch = next(batches, None)
-                x_num, x_cat, y = [t.to(layout.device) for t in (batch or idle)]
-                weight = 1.0 if batch is not None else 0.0
+                batch = next(batches)
+                n = train_data.step_rows(in_step)
+                group_rows = (
+                    share(n, layout.world, first_rank + averaged_over - 1)[1] - share(n, layout.world, first_rank)[0]
+                )
+                held = len(batch[2]) > 0
+                x_num, x_cat, y = [t.to(layout.device) for t in (batch if held else idle)]
                 with autocast:
-                    loss = (loss_fn(model(x_num, x_cat).float(), y) * weight).mean()
+                    loss_sum = loss_fn(model(x_num, x_cat).float(), y).sum() * (1.0 if held else 0.0)
+                loss = loss_sum * (averaged_over / max(group_rows, 1))
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 step += 1
-                rows += len(y) if batch is not None else 0
+                rows += len(y) if held else 0
                 if layout.sync_every and step % layout.sync_every == 0:
                     distributed.average_across_sync_groups(model, layout)
-                if batch is not None:
-                    run.log(step, train_loss=loss.item(), epoch=epoch)
+                batch_loss = distributed.sum_across_ranks(loss_sum.item(), layout) / n  # the global batch's mean
+                if layout.is_main:
+                    run.log(step, train_loss=batch_loss, epoch=epoch)
             bar.remove_task(in_epoch)
             distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
             full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
