@@ -541,6 +541,9 @@ def train_command(
         0,
         help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD).",
     ),
+    collective_timeout: float = typer.Option(
+        300.0, help="Seconds a rank may take to join a collective before the run fails (a stopped or lost rank)."
+    ),
     resume: str | None = typer.Option(
         None, help="Resume this run id from its last checkpoint (on any number of processes)."
     ),
@@ -564,6 +567,7 @@ def train_command(
         bf16=bf16,
         shard_group_size=shard_group_size,
         sync_every=sync_every,
+        collective_timeout_s=collective_timeout,
         entity_keys=entity_key or [],
         entity_buckets=entity_buckets,
     )

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -172,6 +173,8 @@ def test_sharded_run_checkpoints_and_resumes_on_another_world_size(
     epochs = read_metrics(run, "epoch", writer="rank0")
     resumed = [step for step, epoch in zip(epochs["step"].to_pylist(), epochs["value"].to_pylist()) if epoch == 1]
     assert resumed and resumed[0] == max(steps_first) + 1
+    resumes = json.loads((run / "params.json").read_text())["resumes"]
+    assert resumes[-1]["layout"]["world_size"] == resumed_world  # the lineage names the world it resumed on
     final = json.loads((run / "final.json").read_text())
     assert final["epochs"] == 2 and final["val_auc"] > 0.75 and final["train_samples_per_s"] > 0
 
@@ -229,3 +232,46 @@ def test_more_processes_follow_the_same_loss_curve_and_reach_the_same_weights(tm
     weights = [full_model(run).state_dict() for run in (one, many)]
     for name, tensor in weights[0].items():
         assert torch.allclose(tensor, weights[1][name], rtol=0, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path):
+    """Rank 1 SIGSTOPped after the first checkpoint: the run fails within the collective timeout
+    (it hung with no error before: gloo waits 30 minutes), rank 0 says what happened, and the
+    checkpoint stays there to resume from."""
+    import signal
+
+    import psutil
+
+    repo = write_repo(tmp_path / "repo", "")
+    dataset = make_dataset(tmp_path / "ds", rows=4000)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "featurestore.cli", "train", "--repo", str(repo), "--dataset", str(dataset)]
+    command += ["--device", "cpu", "--epochs", "500", "--nproc-per-node", "2", "--collective-timeout", "10"]
+    trainer = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        while not list((repo / "data" / "runs").glob("*/dcp/step-*[0-9]")):
+            assert time.monotonic() < deadline and trainer.poll() is None, "no checkpoint was written"
+            time.sleep(0.2)
+        ranks = [
+            p
+            for p in psutil.Process(trainer.pid).children(recursive=True)
+            if "featurestore.training.launch" in " ".join(p.cmdline())
+        ]
+        stopped = next(p for p in ranks if p.environ().get("RANK") == "1")
+        stopped.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        _, err = trainer.communicate(timeout=180)
+        took = time.monotonic() - started
+        assert trainer.returncode != 0
+        assert "rank 0 of 2: a collective with the other ranks did not complete within 10 s" in err, err[-3000:]
+        assert took < 120, took  # the timeout, then torchrun stopping the other rank
+        assert list((repo / "data" / "runs").glob("*/dcp/step-*[0-9]"))  # the checkpoint is intact
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+        if trainer.poll() is None:
+            trainer.kill()

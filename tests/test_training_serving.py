@@ -100,6 +100,25 @@ def test_training_resumes_from_checkpoint(trained, tmp_path):
     resumed = train(TrainConfig(**{**config.__dict__, "epochs": 2}), tmp_path, resume=run.name, progress=False)
     assert resumed == run
     assert json.loads((run / "final.json").read_text())["step"] == 2 * first
+    resumes = json.loads((run / "params.json").read_text())["resumes"]
+    assert [(r["at_step"], r["layout"]["world_size"]) for r in resumes] == [(first, 1)]  # lineage kept
+
+
+def test_a_run_does_not_resume_on_another_dataset_or_batch_size(trained, tmp_path):
+    """A resumed run keeps its data and recipe (params.json went on naming the first ones)."""
+    from featurestore.errors import FeatureStoreError
+
+    config = TrainConfig(**{**trained["config"].__dict__, "epochs": 1})
+    run = train(config, tmp_path, progress=False)
+    with pytest.raises(FeatureStoreError, match="cannot resume with another batch_size"):
+        train(TrainConfig(**{**config.__dict__, "epochs": 2, "batch_size": 64}), tmp_path, resume=run.name)
+    other = tmp_path / "other"
+    shutil.copytree(config.dataset, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "manifest_hash": "another"}))
+    with pytest.raises(FeatureStoreError, match="a resumed run continues on its own data"):
+        train(TrainConfig(**{**config.__dict__, "epochs": 2, "dataset": str(other)}), tmp_path, resume=run.name)
+    assert "resumes" not in json.loads((run / "params.json").read_text())
 
 
 def test_dataset_yields_every_training_row_once_across_workers(trained):

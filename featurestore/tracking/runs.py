@@ -56,6 +56,12 @@ class Run:
         if not (self.dir / "params.json").exists():
             atomic_write(self.dir / "params.json", json.dumps(params, indent=2, default=str).encode())
 
+    def record_resume(self, entry: Mapping[str, Any]) -> None:
+        """Note in the parameters that the run was resumed (where, on what layout): its lineage."""
+        params = _json(self.dir / "params.json")
+        params["resumes"] = [*params.get("resumes", []), dict(entry)]
+        atomic_write(self.dir / "params.json", json.dumps(params, indent=2, default=str).encode())
+
     def set_tags(self, **tags: str) -> None:
         set_tags(self.dir, tags)
 

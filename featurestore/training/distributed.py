@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,8 +68,10 @@ class Layout:
         }
 
 
-def setup(device: str, shard: int, sync_every: int) -> Layout:
-    """Join the process group torchrun described in the environment (if any) and build the mesh."""
+def setup(device: str, shard: int, sync_every: int, timeout_s: float = 300.0) -> Layout:
+    """Join the process group torchrun described in the environment (if any) and build the mesh.
+    A collective that a rank does not join within ``timeout_s`` fails on the others (gloo's and
+    NCCL's defaults wait 30 and 10 minutes): see ``collective_failure``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Layout(device=pick_device(device), sync_every=sync_every)
@@ -77,7 +80,7 @@ def setup(device: str, shard: int, sync_every: int) -> Layout:
     if world % shard:
         raise FeatureStoreError(f"world size {world} is not a multiple of the shard group size {shard}")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if placed.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if placed.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(placed.type, (world // shard, shard), mesh_dim_names=("sync", "shard"))
@@ -132,6 +135,22 @@ def sum_across_ranks(value: float, layout: Layout) -> float:
 def barrier(layout: Layout) -> None:
     if layout.distributed:
         dist.barrier()
+
+
+def collective_failure(exc: BaseException, layout: Layout, timeout_s: float) -> FeatureStoreError | None:
+    """``exc`` as the error a user reads when it is a collective that failed (a rank stopped
+    answering, died or lost its connection); None for anything else."""
+    text = str(exc)
+    if not layout.distributed or not (
+        isinstance(exc, dist.DistError) or any(s in text for s in ("Timed out", "timed out", "Connection closed"))
+    ):
+        return None
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    return FeatureStoreError(
+        f"rank {layout.rank} of {layout.world}: a collective with the other ranks did not complete within "
+        f"{timeout_s:g} s or lost a peer ({first}); a rank stopped answering or died, so the run stops. "
+        "Its last checkpoint is intact: resume it with --resume"
+    )
 
 
 def teardown(layout: Layout) -> None:

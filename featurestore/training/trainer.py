@@ -10,6 +10,7 @@ world size; rank 0 also writes the full weights the model registry takes.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import uuid
@@ -56,6 +57,7 @@ class TrainConfig:
     bf16: bool = False  # bfloat16 autocast on CUDA
     shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
     sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
+    collective_timeout_s: float = 300.0  # a rank that does not join a collective within this fails the run
 
 
 def code_version() -> str:
@@ -101,11 +103,16 @@ def train(
     config: TrainConfig, runs_dir: Path, resume: str | None = None, progress: bool = True, run_id: str | None = None
 ) -> Path:
     """Run (or resume) training; return the run folder. Under torchrun every rank calls this with the same ``run_id``."""
-    layout = distributed.setup(config.device, config.shard_group_size, config.sync_every)
+    layout = distributed.setup(config.device, config.shard_group_size, config.sync_every, config.collective_timeout_s)
     try:
         if layout.distributed and not (run_id or resume):
             raise FeatureStoreError("a distributed run needs one run id for every rank (featurestore train passes it)")
         return _train(config, layout, Path(runs_dir) / (resume or run_id or new_run_id()), bool(resume), progress)
+    except Exception as exc:
+        failed = distributed.collective_failure(exc, layout, config.collective_timeout_s)
+        if failed is None:
+            raise
+        raise failed from exc
     finally:
         distributed.teardown(layout)
 
@@ -135,6 +142,8 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     )
     # rank 0 records the metrics (each step's loss is its global batch's, the same on any world size)
     run = Run(run_dir, writer=f"rank{layout.rank}")
+    if resume:
+        _check_resumable(run_dir, config, manifest["manifest_hash"])
     if layout.is_main:
         run.log_params(
             {
@@ -165,6 +174,8 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
         saved = checkpoints.load(run_dir, model, optimizer)
         if saved is not None:
             start_epoch, step = saved["epoch"] + 1, saved["step"]
+        if layout.is_main:
+            run.record_resume({"at_step": step, "epochs": config.epochs, "layout": layout.describe()})
 
     train_data = ExportedDataset(
         dataset_dir,
@@ -245,6 +256,42 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
         run.close()
     distributed.barrier(layout)
     return run_dir
+
+
+# what a resumed run must keep: another dataset or recipe would make one run of two
+RESUME_KEEPS = (
+    "label",
+    "task",
+    "request_inputs",
+    "entity_keys",
+    "entity_buckets",
+    "batch_size",
+    "learning_rate",
+    "hidden",
+    "embedding_dim",
+    "validation_fraction",
+    "seed",
+)
+
+
+def _check_resumable(run_dir: Path, config: TrainConfig, manifest_hash: str) -> None:
+    """Refuse to resume a run on another dataset or recipe (the layout, epochs and device may change)."""
+    params_file = run_dir / "params.json"
+    if not params_file.exists():
+        return
+    started = json.loads(params_file.read_text())
+    if started.get("dataset_manifest_hash") not in (None, manifest_hash):
+        raise FeatureStoreError(
+            f"run {run_dir.name} trained on dataset {started['dataset_manifest_hash'][:12]}, this one is "
+            f"{manifest_hash[:12]}: a resumed run continues on its own data; start a new run for this one"
+        )
+    was = started.get("config", {})
+    changed = [k for k in RESUME_KEEPS if k in was and was[k] != asdict(config)[k]]
+    if changed:
+        raise FeatureStoreError(
+            f"run {run_dir.name} cannot resume with another {', '.join(changed)} "
+            f"(it trained with {', '.join(f'{k}={was[k]!r}' for k in changed)}); start a new run, or resume with those"
+        )
 
 
 def _idle_batch(pre: Preprocessor) -> Batch:
