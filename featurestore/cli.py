@@ -541,6 +541,9 @@ def train_command(
         0,
         help="0: replicas in step every step (HSDP); H: average parameters across sync groups every H steps (local SGD).",
     ),
+    sync_warmup_steps: int = typer.Option(
+        0, help="With --sync-every: average gradients across sync groups every step for the first this-many steps."
+    ),
     collective_timeout: float = typer.Option(
         300.0, help="Seconds a rank may take to join a collective before the run fails (a stopped or lost rank)."
     ),
@@ -567,6 +570,7 @@ def train_command(
         bf16=bf16,
         shard_group_size=shard_group_size,
         sync_every=sync_every,
+        sync_warmup_steps=sync_warmup_steps,
         collective_timeout_s=collective_timeout,
         entity_keys=entity_key or [],
         entity_buckets=entity_buckets,

@@ -275,3 +275,18 @@ def test_a_rank_that_stops_answering_fails_the_run_within_the_timeout(tmp_path):
             stopped.kill()
         if trainer.poll() is None:
             trainer.kill()
+
+
+@pytest.mark.slow
+def test_warm_up_with_gradient_sync_then_local_steps(tmp_path):
+    """Local SGD (2 sync groups of 2, parameters averaged every 4 steps) after 5 warm-up steps
+    of gradient averaging: the first 5 steps are HSDP's, to float reduction order; afterwards
+    the groups step on their own and the curves part."""
+    repo = write_repo(tmp_path / "repo", "")
+    dataset = make_dataset(tmp_path / "ds", rows=2000, row_group=300)
+    common = ("--epochs", "2", "--batch-size", "256", "--seed", "3", "--nproc-per-node", "4", "--shard-group-size", "2")
+    hsdp = _train(repo, dataset, *common)["run"]
+    local = _train(repo, dataset, *common, "--sync-every", "4", "--sync-warmup-steps", "5")["run"]
+    curves = [read_metrics(run, "train_loss").sort_by("step")["value"].to_numpy() for run in (hsdp, local)]
+    assert np.allclose(curves[0][:5], curves[1][:5], rtol=0, atol=1e-5)
+    assert np.abs(curves[0][5:] - curves[1][5:]).max() > 1e-4

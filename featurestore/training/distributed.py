@@ -116,6 +116,21 @@ def average_across_sync_groups(model: nn.Module, layout: Layout) -> None:
         local.div_(groups)
 
 
+@torch.no_grad()
+def average_gradients_across_sync_groups(model: nn.Module, layout: Layout) -> None:
+    """Local SGD's warm-up: each shard's gradients averaged with the same shard of every other
+    sync group, so the step is the one HSDP takes."""
+    if not layout.distributed or layout.world == layout.shard:
+        return
+    group = layout.mesh["sync"].get_group()
+    groups = layout.world // layout.shard
+    for param in model.parameters():
+        if param.grad is not None:
+            local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+            local.div_(groups)
+
+
 def max_across_ranks(value: int, layout: Layout) -> int:
     if not layout.distributed:
         return value

@@ -57,6 +57,7 @@ class TrainConfig:
     bf16: bool = False  # bfloat16 autocast on CUDA
     shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
     sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
+    sync_warmup_steps: int = 0  # with sync_every: the first this-many steps average gradients every step (as HSDP)
     collective_timeout_s: float = 300.0  # a rank that does not join a collective within this fails the run
 
 
@@ -195,8 +196,6 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     # the gradient of every step is the mean over its global batch, whatever the world size: each
     # rank's loss is its rows' sum scaled by the group its gradients are averaged over (FSDP
     # divides by that group's size) over the rows that group trained on
-    averaged_over = layout.world if layout.sync_every == 0 else layout.shard
-    first_rank = layout.rank - layout.rank % averaged_over
     with progress_bar("steps", progress and layout.is_main) as bar:
         task = bar.add_task("training", total=config.epochs, completed=start_epoch)
         for epoch in range(start_epoch, config.epochs):
@@ -208,6 +207,9 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
             for in_step in range(steps):
                 bar.advance(in_epoch)
                 batch = next(batches)
+                warming = layout.sync_every > 0 and step < config.sync_warmup_steps
+                averaged_over = layout.world if layout.sync_every == 0 or warming else layout.shard
+                first_rank = layout.rank - layout.rank % averaged_over
                 n = train_data.step_rows(in_step)
                 group_rows = (
                     share(n, layout.world, first_rank + averaged_over - 1)[1] - share(n, layout.world, first_rank)[0]
@@ -219,10 +221,12 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                 loss = loss_sum * (averaged_over / max(group_rows, 1))
                 optimizer.zero_grad()
                 loss.backward()
+                if warming:
+                    distributed.average_gradients_across_sync_groups(model, layout)
                 optimizer.step()
                 step += 1
                 rows += len(y) if held else 0
-                if layout.sync_every and step % layout.sync_every == 0:
+                if layout.sync_every and not warming and step % layout.sync_every == 0:
                     distributed.average_across_sync_groups(model, layout)
                 batch_loss = distributed.sum_across_ranks(loss_sum.item(), layout) / n  # the global batch's mean
                 if layout.is_main:
