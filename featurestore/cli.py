@@ -544,6 +544,11 @@ def train_command(
     sync_warmup_steps: int = typer.Option(
         0, help="With --sync-every: average gradients across sync groups every step for the first this-many steps."
     ),
+    hold_parameters: bool = typer.Option(
+        False,
+        help="FSDP: keep each unit's gathered parameters from forward to backward instead of releasing them "
+        "(more memory, one gather less); final.json records each rank's peak memory.",
+    ),
     collective_timeout: float = typer.Option(
         300.0, help="Seconds a rank may take to join a collective before the run fails (a stopped or lost rank)."
     ),
@@ -571,6 +576,7 @@ def train_command(
         shard_group_size=shard_group_size,
         sync_every=sync_every,
         sync_warmup_steps=sync_warmup_steps,
+        hold_parameters=hold_parameters,
         collective_timeout_s=collective_timeout,
         entity_keys=entity_key or [],
         entity_buckets=entity_buckets,

@@ -138,6 +138,7 @@ def test_sharded_run_checkpoints_and_resumes_on_another_world_size(
         "card_id",
         "--entity-buckets",
         "20000",
+        "--hold-parameters",  # gathered parameters kept from forward to backward
     )  # a table worth sharding
     run = first["run"]
     params = json.loads((run / "params.json").read_text())
@@ -177,6 +178,7 @@ def test_sharded_run_checkpoints_and_resumes_on_another_world_size(
     assert resumes[-1]["layout"]["world_size"] == resumed_world  # the lineage names the world it resumed on
     final = json.loads((run / "final.json").read_text())
     assert final["epochs"] == 2 and final["val_auc"] > 0.75 and final["train_samples_per_s"] > 0
+    assert len(final["peak_memory_mb"]) == resumed_world and min(final["peak_memory_mb"]) > 0
 
     # the run's full weights register and load like a single-process run's
     from featurestore.training.model_registry import ModelRegistry

@@ -87,8 +87,10 @@ def setup(device: str, shard: int, sync_every: int, timeout_s: float = 300.0) ->
     return Layout(dist.get_rank(), world, shard, sync_every, placed, mesh)
 
 
-def shard_model(model: nn.Module, layout: Layout) -> nn.Module:
-    """Shard ``model`` over its shard group (and replicate it over sync groups for HSDP)."""
+def shard_model(model: nn.Module, layout: Layout, hold_parameters: bool = False) -> nn.Module:
+    """Shard ``model`` over its shard group (and replicate it over sync groups for HSDP).
+    Each unit's gathered parameters are released after its forward and gathered again for its
+    backward (less memory, more communication), or with ``hold_parameters`` kept until then."""
     model.to(layout.device)
     if not layout.distributed:
         return model
@@ -97,8 +99,8 @@ def shard_model(model: nn.Module, layout: Layout) -> nn.Module:
     mesh = layout.mesh if layout.sync_every == 0 else layout.mesh["shard"]
     for module in model.modules():  # each embedding table and layer is its own unit: gathered only when used
         if isinstance(module, (nn.Embedding, nn.Linear)):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, reshard_after_forward=not hold_parameters)
+    fully_shard(model, mesh=mesh, reshard_after_forward=not hold_parameters)
     return model
 
 
@@ -129,6 +131,22 @@ def average_gradients_across_sync_groups(model: nn.Module, layout: Layout) -> No
             local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
             local.div_(groups)
+
+
+def peak_memory_mb(layout: Layout) -> list[float]:
+    """Every rank's peak memory in MB (CUDA: tensors allocated; CPU: the process's resident set)."""
+    if layout.device.type == "cuda":
+        mine = torch.cuda.max_memory_allocated(layout.device) / 2**20
+    else:
+        import resource
+
+        mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if not layout.distributed:
+        return [round(mine, 1)]
+    every = torch.zeros(layout.world, dtype=torch.float64, device=layout.device)
+    every[layout.rank] = mine
+    dist.all_reduce(every, op=dist.ReduceOp.SUM)
+    return [round(float(v), 1) for v in every.tolist()]
 
 
 def max_across_ranks(value: int, layout: Layout) -> int:

@@ -58,6 +58,7 @@ class TrainConfig:
     shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
     sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
     sync_warmup_steps: int = 0  # with sync_every: the first this-many steps average gradients every step (as HSDP)
+    hold_parameters: bool = False  # FSDP: keep gathered parameters from forward to backward (vs release)
     collective_timeout_s: float = 300.0  # a rank that does not join a collective within this fails the run
 
 
@@ -162,7 +163,9 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
         run.log_artifact(dataset_dir / "manifest.json", "dataset_manifest.json")
 
     model = distributed.shard_model(
-        TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim), layout
+        TabularMLP(pre.numeric_width, pre.vocab_sizes, config.hidden, config.embedding_dim),
+        layout,
+        config.hold_parameters,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     loss_fn = (
@@ -245,11 +248,13 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
             run.metrics.flush()  # readable while the run goes on
 
     rate = distributed.sum_across_ranks(rows, layout) / max(time.perf_counter() - started, 1e-9)
+    peaks = distributed.peak_memory_mb(layout)
     if layout.is_main:
         final = {
             "step": step,
             "epochs": config.epochs,
             "train_samples_per_s": round(rate, 1),
+            "peak_memory_mb": peaks,  # per rank
             **{f"val_{k}": v for k, v in evaluate(checkpoints.full_model(run_dir), val_data, config.task).items()},
         }
         run.finish(final)
