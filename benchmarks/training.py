@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=2048, help="global batch (each of N ranks takes batch/N)")
+    parser.add_argument("--batch", type=int, default=2048, help="global batch (each of N ranks trains on batch/N of it)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-train-"))
@@ -77,6 +77,11 @@ def main() -> None:
         (
             f"{args.procs} processes, HSDP 2 x {args.procs // 2}",
             ["--shard-group-size", str(args.procs // 2)],
+            args.procs,
+        ),
+        (
+            f"{args.procs} processes, HSDP, parameters held",
+            ["--shard-group-size", str(args.procs // 2), "--hold-parameters"],
             args.procs,
         ),
         (
@@ -122,7 +127,7 @@ def main() -> None:
         final = json.loads((root / "data" / "runs" / run / "final.json").read_text())
         print(
             f"  {name:42s} {final['train_samples_per_s']:>10,.0f} samples/s   val AUC {final['val_auc']:.4f}   "
-            f"wall {time.perf_counter() - started:5.1f} s"
+            f"wall {time.perf_counter() - started:5.1f} s   peak MB per rank {final['peak_memory_mb']}"
         )
 
 

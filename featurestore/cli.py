@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 import typing
@@ -412,6 +411,7 @@ def _run_server(
 
     import uvicorn
 
+    _SERVING.append(what)
     repo = launch.repo_path
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
@@ -690,6 +690,7 @@ def checkpoint_engine(
     )
     err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
     ServerLaunch(str(repo.resolve()), model=model, source=source, upstream=upstream, models_from=models_from).export()
+    _SERVING.append("checkpoint engine")
     uvicorn.run(
         "serving.checkpoint_engine:app_factory",
         factory=True,
@@ -932,14 +933,16 @@ def main() -> None:
         sys.exit(1)
 
 
+_SERVING: list[str] = []  # set by a command that ran a server: its counts are in /metrics, its logs its own
+
+
 def _object_requests_made() -> None:
     """What a command that succeeded asked of object storage, one line on stderr (nothing when it
-    asked nothing; a failed command's one line is its error)."""
+    asked nothing; a failed command's one line is its error; a server's are in its /metrics)."""
     from featurestore.object_requests import METER, summary
 
     line = summary(METER.snapshot())
-    if line:
-        logging.getLogger("featurestore").info(line)
+    if line and not _SERVING:
         err_console.print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
 
 
