@@ -544,6 +544,9 @@ def train_command(
     sync_warmup_steps: int = typer.Option(
         0, help="With --sync-every: average gradients across sync groups every step for the first this-many steps."
     ),
+    async_checkpoints: bool = typer.Option(
+        True, help="Write sharded checkpoints in the background while training goes on (at most one in flight)."
+    ),
     hold_parameters: bool = typer.Option(
         False,
         help="FSDP: keep each unit's gathered parameters from forward to backward instead of releasing them "
@@ -576,6 +579,7 @@ def train_command(
         shard_group_size=shard_group_size,
         sync_every=sync_every,
         sync_warmup_steps=sync_warmup_steps,
+        async_checkpoints=async_checkpoints,
         hold_parameters=hold_parameters,
         collective_timeout_s=collective_timeout,
         entity_keys=entity_key or [],

@@ -104,6 +104,22 @@ def test_training_resumes_from_checkpoint(trained, tmp_path):
     assert [(r["at_step"], r["layout"]["world_size"]) for r in resumes] == [(first, 1)]  # lineage kept
 
 
+def test_a_run_resumed_from_its_background_checkpoint_ends_bit_identical(trained, tmp_path):
+    """Checkpoints written in the background (the default): a run stopped after one epoch and
+    resumed for a second ends with exactly the weights of a run that trained both at once."""
+    import torch
+
+    from featurestore.training.checkpoints import full_model
+
+    config = TrainConfig(**{**trained["config"].__dict__, "epochs": 2, "async_checkpoints": True})
+    straight = train(config, tmp_path / "a", progress=False)
+    stopped = train(TrainConfig(**{**config.__dict__, "epochs": 1}), tmp_path / "b", progress=False)
+    assert (stopped / "dcp" / "latest").exists() and not list((stopped / "dcp").glob("*.tmp"))
+    train(config, tmp_path / "b", resume=stopped.name, progress=False)
+    weights = [full_model(run).state_dict() for run in (straight, stopped)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_a_run_does_not_resume_on_another_dataset_or_batch_size(trained, tmp_path):
     """A resumed run keeps its data and recipe (params.json went on naming the first ones)."""
     from featurestore.errors import FeatureStoreError

@@ -58,6 +58,7 @@ class TrainConfig:
     shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
     sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
     sync_warmup_steps: int = 0  # with sync_every: the first this-many steps average gradients every step (as HSDP)
+    async_checkpoints: bool = True  # sharded checkpoints written while training goes on
     hold_parameters: bool = False  # FSDP: keep gathered parameters from forward to backward (vs release)
     collective_timeout_s: float = 300.0  # a rank that does not join a collective within this fails the run
 
@@ -195,6 +196,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     loader = DataLoader(train_data, batch_size=None, num_workers=config.num_workers)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
     idle = _idle_batch(pre)
+    checkpointer = checkpoints.Checkpointer(run_dir, layout, config.async_checkpoints)
     started, rows = time.perf_counter(), 0
     # the gradient of every step is the mean over its global batch, whatever the world size: each
     # rank's loss is its rows' sum scaled by the group its gradients are averaged over (FSDP
@@ -236,7 +238,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                     run.log(step, train_loss=batch_loss, epoch=epoch)
             bar.remove_task(in_epoch)
             distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
-            full = checkpoints.save(run_dir, model, optimizer, pre, layout, epoch=epoch, step=step)
+            full = checkpointer.save(model, optimizer, pre, epoch=epoch, step=step)
             if full is not None:  # the main rank's full model
                 metrics = evaluate(full, val_data, config.task)
                 run.log(step, **{f"val_{k}": v for k, v in metrics.items()})
@@ -247,6 +249,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                 )
             run.metrics.flush()  # readable while the run goes on
 
+    checkpointer.finish()
     rate = distributed.sum_across_ranks(rows, layout) / max(time.perf_counter() - started, 1e-9)
     peaks = distributed.peak_memory_mb(layout)
     if layout.is_main:
