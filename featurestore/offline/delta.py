@@ -98,10 +98,13 @@ class DeltaOfflineStore:
         """Append rows not already stored; return those (without the partition column)."""
         if rows.num_rows == 0:
             return rows
-        read = self.version(view)
-        fresh = self.new_rows(view, rows, read)
+        # the write path reads a table opened anew, never a followed handle (reads follow the log):
+        # what it deduplicates against is what its commit builds on
+        snapshot = self._tables.open(self.table_uri(view), fresh=True)
+        read = snapshot.version() if snapshot is not None else None
+        fresh = self.new_rows(view, rows, read)  # (the snapshot: this thread's handle at ``read``)
         if fresh.num_rows:
-            self.commit(view, self.write_files(view, fresh), rows.schema, read)
+            self.commit(view, self.write_files(view, fresh), rows.schema, read, snapshot)
         return fresh.drop_columns([PARTITION])
 
     def new_rows(self, view: str, rows: pa.Table, version: int | None) -> pa.Table:
@@ -189,22 +192,35 @@ class DeltaOfflineStore:
         if self.cache is not None:
             self.cache.trim()
 
-    def commit(self, view: str, actions: list[AddAction], schema: pa.Schema, read_version: int | None) -> int | None:
+    def commit(
+        self,
+        view: str,
+        actions: list[AddAction],
+        schema: pa.Schema,
+        read_version: int | None,
+        snapshot: DeltaTable | None = None,
+    ) -> int | None:
         """Add files written by ``write_files`` (anywhere) to the table in one transaction; returns the
         version. A column the view gained is added to the table's schema first (older rows read null).
 
         The commit expects the version after ``read_version``: when another writer committed first
         it fails, and the rows those commits added are taken out of these files before it is
-        tried again on the newer version (so two writers never store a row twice)."""
+        tried again on the newer version (so two writers never store a row twice). ``snapshot``:
+        the table opened anew at ``read_version``, which the first attempt builds on."""
         full = schema.append(pa.field(PARTITION, pa.date32()))
         delta_schema = DeltaSchema.from_arrow(full)
         base = read_version
-        for _ in range(COMMIT_ATTEMPTS):
+        for attempt in range(COMMIT_ATTEMPTS):
             if not actions:
                 return self.version(view)
-            # a commit builds on a table opened anew, as before handles were followed: one CI run
-            # stored a commit twice under concurrent S3 writers with the followed handle (not yet explained)
-            table = self._tables.open(self.table_uri(view), fresh=True)
+            # a commit builds on a table opened anew (a lost race makes it fail and open the table
+            # again), never on a followed handle: one CI run stored a commit twice under
+            # concurrent S3 writers while the write path used one (not reproduced since)
+            table: DeltaTable | None = None
+            if attempt == 0 and snapshot is not None and snapshot.version() == read_version:
+                table = snapshot
+            else:
+                table = self._tables.open(self.table_uri(view), fresh=True)
             if table is None:
                 self._delta_commit()
                 try:

@@ -1,0 +1,166 @@
+"""A model version's weights broadcast in memory, bucket by bucket, from one source rank to every
+other rank of a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA): no disk in the path.
+
+The source packs the tensors into fixed-size byte buckets (a tensor larger than a bucket gets
+one of its own) and broadcasts them in order, packing the next bucket while one is on the
+wire; each receiver copies a bucket out while the next arrives. Every bucket is followed by its
+SHA-256, checked on arrival, and the group then agrees whether every receiver got every bucket
+intact: ``receive`` returns the new weights only if all did, so a corrupt or partial broadcast
+leaves every replica on what it had (all or nothing). The layout travels first as JSON (never
+pickle: a peer's bytes are data, not code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from featurestore.errors import FeatureStoreError
+
+BUCKET_BYTES = 64 << 20  # default bucket: big enough to keep a link busy, small enough to pipeline
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lies in the buckets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int  # bytes into the bucket
+    nbytes: int
+
+
+def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> tuple[list[Slot], list[int]]:
+    """The tensors packed in order into buckets of at most ``bucket_bytes`` (a larger tensor gets
+    a bucket of its own); returns the slots and each bucket's size."""
+    slots: list[Slot] = []
+    sizes: list[int] = []
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if not sizes or sizes[-1] + nbytes > bucket_bytes:
+            sizes.append(0)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        slots.append(Slot(name, dtype, tuple(tensor.shape), len(sizes) - 1, sizes[-1], nbytes))
+        sizes[-1] += nbytes
+    return slots, sizes
+
+
+class BroadcastFailed(FeatureStoreError):
+    """A bucket arrived damaged or not at all on some receiver: nobody takes the new weights."""
+
+
+def send(
+    state: Mapping[str, torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    src: int = 0,
+    bucket_bytes: int = BUCKET_BYTES,
+    device: torch.device | str = "cpu",
+    *,
+    damage_bucket: int | None = None,
+) -> None:
+    """Broadcast ``state`` from this rank (``src``) to the group; returns once every receiver has
+    said whether it got everything intact, raising ``BroadcastFailed`` when one did not.
+    ``damage_bucket`` (fault injection, for tests): that bucket's bytes change after hashing."""
+    slots, sizes = plan(state, bucket_bytes)
+    _send_json({"slots": [asdict(s) for s in slots], "sizes": sizes}, group, src, device)
+    by_bucket: dict[int, list[Slot]] = {}
+    for slot in slots:
+        by_bucket.setdefault(slot.bucket, []).append(slot)
+    buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
+    works: list[list[dist.Work]] = []
+    for bucket, size in enumerate(sizes):
+        if bucket >= 2:  # this buffer's previous bucket has left
+            for work in works[bucket - 2]:
+                work.wait()
+        buffer = buffers[bucket % 2][:size]
+        for slot in by_bucket.get(bucket, []):
+            tensor = state[slot.name].detach().to(device).contiguous()
+            buffer[slot.offset : slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        digest = _digest(buffer)
+        if bucket == damage_bucket:
+            buffer[0] ^= 1
+        works.append(
+            [
+                dist.broadcast(buffer, src, group=group, async_op=True),
+                dist.broadcast(digest, src, group=group, async_op=True),
+            ]
+        )
+    for bucket_works in works[-2:]:
+        for work in bucket_works:
+            work.wait()
+    if not _everyone_ok(True, group, device):
+        raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
+
+
+def receive(
+    group: dist.ProcessGroup | None = None, src: int = 0, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The weights ``src`` broadcasts, once every receiver has them intact (``BroadcastFailed``
+    otherwise, on every rank)."""
+    layout = _receive_json(group, src, device)
+    slots = [
+        Slot(s["name"], s["dtype"], tuple(s["shape"]), s["bucket"], s["offset"], s["nbytes"]) for s in layout["slots"]
+    ]
+    sizes: list[int] = layout["sizes"]
+    by_bucket: dict[int, list[Slot]] = {}
+    for slot in slots:
+        by_bucket.setdefault(slot.bucket, []).append(slot)
+    buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
+    digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def post(bucket: int) -> tuple[dist.Work, dist.Work]:
+        return (
+            dist.broadcast(buffers[bucket % 2][: sizes[bucket]], src, group=group, async_op=True),
+            dist.broadcast(digests[bucket % 2], src, group=group, async_op=True),
+        )
+
+    received: dict[str, torch.Tensor] = {}
+    intact = True
+    pending = post(0) if sizes else None
+    for bucket in range(len(sizes)):
+        assert pending is not None
+        for work in pending:
+            work.wait()
+        pending = post(bucket + 1) if bucket + 1 < len(sizes) else None  # the next one arrives meanwhile
+        buffer = buffers[bucket % 2][: sizes[bucket]]
+        if not torch.equal(_digest(buffer), digests[bucket % 2]):
+            intact = False
+            continue
+        for slot in by_bucket.get(bucket, []):
+            raw = buffer[slot.offset : slot.offset + slot.nbytes].clone()
+            received[slot.name] = raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
+    if not _everyone_ok(intact and len(received) == len(slots), group, device):
+        raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
+    return received
+
+
+def _digest(buffer: torch.Tensor) -> torch.Tensor:
+    data = buffer.cpu().numpy().tobytes() if buffer.numel() else b""
+    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8).to(buffer.device)
+
+
+def _everyone_ok(mine: bool, group: dist.ProcessGroup | None, device: torch.device | str) -> bool:
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _send_json(value: dict, group: dist.ProcessGroup | None, src: int, device: torch.device | str) -> None:
+    data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src, group=group)
+    dist.broadcast(data, src, group=group)
+
+
+def _receive_json(group: dist.ProcessGroup | None, src: int, device: torch.device | str) -> dict:
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    dist.broadcast(length, src, group=group)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src, group=group)
+    return json.loads(bytes(data.cpu().numpy()))
