@@ -65,7 +65,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=2048, help="global batch (each of N ranks trains on batch/N of it)")
+    parser.add_argument(
+        "--batch", type=int, default=2048, help="global batch (each of N ranks trains on batch/N of it)"
+    )
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-train-"))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from featurestore.errors import FeatureStoreError
 
 BUCKET_BYTES = 64 << 20  # default bucket: big enough to keep a link busy, small enough to pipeline
+ALIGN = 16  # bytes: a tensor's offset in its bucket, so its bytes view as any dtype
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,13 @@ def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) ->
     sizes: list[int] = []
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if not sizes or sizes[-1] + nbytes > bucket_bytes:
+        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0  # every tensor starts aligned for any dtype
+        if not sizes or offset + nbytes > bucket_bytes:
             sizes.append(0)
+            offset = 0
         dtype = str(tensor.dtype).removeprefix("torch.")
-        slots.append(Slot(name, dtype, tuple(tensor.shape), len(sizes) - 1, sizes[-1], nbytes))
-        sizes[-1] += nbytes
+        slots.append(Slot(name, dtype, tuple(tensor.shape), len(sizes) - 1, offset, nbytes))
+        sizes[-1] = offset + nbytes
     return slots, sizes
 
 
@@ -79,10 +82,14 @@ def send(
         if bucket >= 2:  # this buffer's previous bucket has left
             for work in works[bucket - 2]:
                 work.wait()
-        buffer = buffers[bucket % 2][:size]
-        for slot in by_bucket.get(bucket, []):
-            tensor = state[slot.name].detach().to(device).contiguous()
-            buffer[slot.offset : slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        members = by_bucket.get(bucket, [])
+        if len(members) == 1 and damage_bucket is None:  # a tensor with a bucket of its own goes as it is
+            buffer = state[members[0].name].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        else:
+            buffer = buffers[bucket % 2][:size]
+            for slot in members:
+                tensor = state[slot.name].detach().to(device).contiguous()
+                buffer[slot.offset : slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
         digest = _digest(buffer)
         if bucket == damage_bucket:
             buffer[0] ^= 1
@@ -112,13 +119,14 @@ def receive(
     by_bucket: dict[int, list[Slot]] = {}
     for slot in slots:
         by_bucket.setdefault(slot.bucket, []).append(slot)
-    buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
-    digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in range(2)]
+    # each bucket arrives in memory of its own, which its tensors then view (no copy out)
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
 
     def post(bucket: int) -> tuple[dist.Work, dist.Work]:
         return (
-            dist.broadcast(buffers[bucket % 2][: sizes[bucket]], src, group=group, async_op=True),
-            dist.broadcast(digests[bucket % 2], src, group=group, async_op=True),
+            dist.broadcast(buffers[bucket], src, group=group, async_op=True),
+            dist.broadcast(digests[bucket], src, group=group, async_op=True),
         )
 
     received: dict[str, torch.Tensor] = {}
@@ -129,12 +137,12 @@ def receive(
         for work in pending:
             work.wait()
         pending = post(bucket + 1) if bucket + 1 < len(sizes) else None  # the next one arrives meanwhile
-        buffer = buffers[bucket % 2][: sizes[bucket]]
-        if not torch.equal(_digest(buffer), digests[bucket % 2]):
+        buffer = buffers[bucket]
+        if not torch.equal(_digest(buffer), digests[bucket]):
             intact = False
             continue
         for slot in by_bucket.get(bucket, []):
-            raw = buffer[slot.offset : slot.offset + slot.nbytes].clone()
+            raw = buffer[slot.offset : slot.offset + slot.nbytes]
             received[slot.name] = raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
     if not _everyone_ok(intact and len(received) == len(slots), group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
@@ -142,8 +150,8 @@ def receive(
 
 
 def _digest(buffer: torch.Tensor) -> torch.Tensor:
-    data = buffer.cpu().numpy().tobytes() if buffer.numel() else b""
-    return torch.frombuffer(bytearray(hashlib.sha256(data).digest()), dtype=torch.uint8).to(buffer.device)
+    digest = hashlib.sha256(buffer.cpu().numpy()).digest()  # hashed in place (no copy on CPU)
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
 
 
 def _everyone_ok(mine: bool, group: dist.ProcessGroup | None, device: torch.device | str) -> bool:

@@ -31,7 +31,7 @@ state = {  # every rank can make the source's tensors: the receivers check their
     "layer.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
     "layer.bias": torch.randn(32, generator=g),
     "steps": torch.tensor([12345678901], dtype=torch.int64),
-    "mask": torch.rand(1000, generator=g) > 0.5,
+    "mask": torch.rand(1001, generator=g) > 0.5,  # an odd size: what follows still starts aligned
     "empty": torch.zeros(0),
     **{f"block{i}.weight": torch.randn(100, 100, generator=g) for i in range(20)},  # 40 KB each
 }
