@@ -150,7 +150,7 @@ def receive(
 
 
 def _digest(buffer: torch.Tensor) -> torch.Tensor:
-    digest = hashlib.sha256(buffer.cpu().numpy()).digest()  # hashed in place (no copy on CPU)
+    digest = hashlib.sha256(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
 
 

@@ -292,3 +292,22 @@ def test_warm_up_with_gradient_sync_then_local_steps(tmp_path):
     curves = [read_metrics(run, "train_loss").sort_by("step")["value"].to_numpy() for run in (hsdp, local)]
     assert np.allclose(curves[0][:5], curves[1][:5], rtol=0, atol=1e-5)
     assert np.abs(curves[0][5:] - curves[1][5:]).max() > 1e-4
+
+
+@pytest.mark.slow
+def test_background_checkpoints_resume_bit_identical_on_two_ranks(tmp_path):
+    """Two ranks, checkpoints written in the background: stopped after one epoch and resumed for
+    a second, the run ends with exactly the weights of one trained straight through."""
+    import torch
+
+    from featurestore.training.checkpoints import full_model
+
+    repo = write_repo(tmp_path / "repo", "")
+    dataset = make_dataset(tmp_path / "ds", rows=2000, row_group=300)
+    common = ("--batch-size", "256", "--nproc-per-node", "2", "--shard-group-size", "2")
+    straight = _train(repo, dataset, "--epochs", "2", *common)["run"]
+    stopped = _train(repo, dataset, "--epochs", "1", *common)["run"]
+    assert (stopped / "dcp" / "latest").exists() and not list((stopped / "dcp").glob("*.tmp"))
+    _train(repo, dataset, "--epochs", "2", *common, "--resume", stopped.name)
+    weights = [full_model(run).state_dict() for run in (straight, stopped)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -104,14 +104,14 @@ def test_training_resumes_from_checkpoint(trained, tmp_path):
     assert [(r["at_step"], r["layout"]["world_size"]) for r in resumes] == [(first, 1)]  # lineage kept
 
 
-def test_a_run_resumed_from_its_background_checkpoint_ends_bit_identical(trained, tmp_path):
-    """Checkpoints written in the background (the default): a run stopped after one epoch and
-    resumed for a second ends with exactly the weights of a run that trained both at once."""
+def test_a_run_resumed_from_its_checkpoint_ends_bit_identical(trained, tmp_path):
+    """A run stopped after one epoch and resumed for a second ends with exactly the weights of a
+    run that trained both at once."""
     import torch
 
     from featurestore.training.checkpoints import full_model
 
-    config = TrainConfig(**{**trained["config"].__dict__, "epochs": 2, "async_checkpoints": True})
+    config = TrainConfig(**{**trained["config"].__dict__, "epochs": 2})
     straight = train(config, tmp_path / "a", progress=False)
     stopped = train(TrainConfig(**{**config.__dict__, "epochs": 1}), tmp_path / "b", progress=False)
     assert (stopped / "dcp" / "latest").exists() and not list((stopped / "dcp").glob("*.tmp"))

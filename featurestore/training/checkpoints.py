@@ -12,8 +12,10 @@ registry registers and the validation pass scores.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -36,21 +38,26 @@ from featurestore.training.preprocessing import Preprocessor
 KEEP = 2  # sharded checkpoints kept per run (the newest)
 
 
-# torch warns on every single-process checkpoint (from the background writer's thread too) that
-# it assumes a single process: it is one
-warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+@contextlib.contextmanager
+def _one_process_is_fine() -> Iterator[None]:
+    """torch warns on every single-process checkpoint that it assumes a single process: it is one."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 class Checkpointer:
-    """One run's checkpoints. Sharded ones are written in the background when ``asynchronous``
-    (``dcp.async_save``: the state is copied to memory, training goes on while the shards are
-    written, over a process group of their own so their collectives never meet training's); at
-    most one save is in flight, and a save is named in ``dcp/latest`` only once every rank's
-    shards are written (at the next save, or at ``finish``)."""
+    """One run's checkpoints. Sharded ones of a distributed run are written in the background
+    when ``asynchronous`` (``dcp.async_save``: the state is copied to memory, training goes on
+    while the shards are written, over a process group of their own so their collectives never
+    meet training's); at most one save is in flight, and a save is named in ``dcp/latest`` only
+    once every rank's shards are written (at the next save, or at ``finish``). One process
+    writes in line: torch's writer thread would warn, at any moment, that it is one process."""
 
     def __init__(self, run_dir: Path, layout: distributed.Layout, asynchronous: bool = True):
         self.folder = Path(run_dir) / "dcp"
-        self.run_dir, self.layout, self.asynchronous = Path(run_dir), layout, asynchronous
+        self.run_dir, self.layout = Path(run_dir), layout
+        self.asynchronous = asynchronous and layout.distributed
         self._pending: tuple[Future, str, int, int] | None = None
         self._group = None
         if asynchronous and layout.distributed:
@@ -66,12 +73,16 @@ class Checkpointer:
         name = f"step-{step:09d}"
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        if self.asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(self.folder / f"{name}.tmp"), process_group=self._group)
-            self._pending = (cast(Future, future), name, epoch, step)
-        else:
-            dcp.save(state, checkpoint_id=str(self.folder / f"{name}.tmp"))
-            self._pending = (_done(), name, epoch, step)
+        with _one_process_is_fine():
+            if self.asynchronous:
+                future = dcp.async_save(
+                    state, checkpoint_id=str(self.folder / f"{name}.tmp"), process_group=self._group
+                )
+                self._pending = (cast(Future, future), name, epoch, step)
+            else:
+                dcp.save(state, checkpoint_id=str(self.folder / f"{name}.tmp"))
+                self._pending = (_done(), name, epoch, step)
+        if not self.asynchronous:
             self.finish()
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.layout.is_main:
@@ -117,7 +128,8 @@ def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     name, epoch, step = latest.read_text().split()
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(latest.parent / name))
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=str(latest.parent / name))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return {"epoch": int(epoch), "step": int(step)}
 
