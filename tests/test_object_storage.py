@@ -808,7 +808,7 @@ def test_a_commit_that_landed_unheard_is_not_undone_by_its_retry(backend, tmp_pa
     assert sorted(r[0] for r in con.execute("SELECT _row_id FROM h").fetchall()) == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_two_compactions_at_once_keep_every_row_once(backend, tmp_path, request):
     """Two stores (two machines' drains) compact one table at the same moment, while a third
     appends: every row once. deltalake's own optimize committed both merges (rows twice)."""

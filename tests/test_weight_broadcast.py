@@ -79,7 +79,7 @@ def test_every_replica_gets_the_source_weights_bit_for_bit(tmp_path):
     assert replicas == [{"ok": True, "identical": True}] * 3
 
 
-@pytest.mark.parametrize("bucket", [0, 3])
+@pytest.mark.parametrize("bucket", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_damaged_bucket_means_nobody_takes_the_new_weights(tmp_path, bucket):
     results = _broadcast(tmp_path, 3, str(bucket))
     assert [r["ok"] for r in results] == [False, False, False]

@@ -24,6 +24,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -32,7 +33,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
-from featurestore.object_requests import METER, FileSystem
+from featurestore.object_requests import METER, CountedFileSystem, FileSystem
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.compaction import compact
 from featurestore.offline.file_cache import FileCache
@@ -138,7 +139,11 @@ class DeltaOfflineStore:
         if self.location.is_local or self.cache is not None:
             return f"read_parquet([{', '.join(quote(f) for f in files)}], union_by_name = true)"
         fs, _ = self.filesystem
-        con.register(f"{name}__files", read_columns(fs, [_fs_path(f) for f in files], schema))
+        # streamed by pyarrow's own client (its reads are not in the request counts; with the
+        # cache on, the default, joins read local copies)
+        native = fs.native if isinstance(fs, CountedFileSystem) else fs
+        dataset = pads.dataset([_fs_path(f) for f in files], schema=schema, format="parquet", filesystem=native)
+        con.register(f"{name}__files", dataset)
         return ident(f"{name}__files")
 
     def write_files(self, view: str, rows: pa.Table) -> list[AddAction]:
@@ -404,24 +409,6 @@ class DeltaOfflineStore:
         for name in names:
             if name == view or name.startswith(f"{view}@v"):
                 fs.delete_dir(f"{base}/{name}")
-
-
-def read_columns(fs: FileSystem, paths: list[str], schema: pa.Schema) -> pa.Table:
-    """``schema``'s columns of the Parquet files at ``paths`` (null where a file lacks one)."""
-    tables = []
-    for path in paths:
-        with fs.open_input_file(path) as source:
-            parquet = pq.ParquetFile(source)
-            present = [c for c in schema.names if c in parquet.schema_arrow.names]
-            tables.append(parquet.read(columns=present))
-    whole = pa.concat_tables(tables, promote_options="default") if tables else schema.empty_table()
-    return pa.table(
-        [
-            whole[f.name].cast(f.type) if f.name in whole.column_names else pa.nulls(whole.num_rows, f.type)
-            for f in schema
-        ],
-        schema=schema,
-    )
 
 
 def _records(action: AddAction) -> int:
