@@ -85,6 +85,7 @@ def _until(condition, engines, timeout: float = 60.0) -> None:
     pytest.fail("condition not met in time")
 
 
+@pytest.mark.slow
 def test_versions_reach_every_replica_through_a_tree_and_catch_up(tmp_path, redis_url, run):
     source = Engine(tmp_path / "source", redis_url)
     first = Engine(tmp_path / "r1", redis_url, source=source.url)

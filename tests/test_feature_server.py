@@ -715,6 +715,7 @@ def test_metrics_count_every_worker_and_report_view_freshness(tmp_path, redis_ur
     assert len(access) == 20 and {entry["status"] for entry in access} == {200}
 
 
+@pytest.mark.slow
 def test_workers_share_a_burst_of_keep_alive_connections(tmp_path, redis_url, monkeypatch):
     """Issue #15: with ``--workers 2`` one worker accepted all 16 connections of a burst (in every
     trial) and the other idled, so throughput did not grow with workers. Each worker now listens
@@ -955,6 +956,7 @@ def test_a_stalled_body_gets_408(monkeypatch):
     assert replies[1]["status"] == 408
 
 
+@pytest.mark.slow
 def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
     """300 slowloris connections (headers sent a line at a time, never finished) were all still
     held after 40 s. A request's head now has ``serving.protocol.HEAD_SECONDS`` to arrive."""

@@ -502,6 +502,7 @@ def _through(proxy_url: str, bucket: str, options: dict[str, str]) -> str:
     return f"data_dir: s3://{bucket}/data\nstorage_options: {json.dumps({**options, 'AWS_ENDPOINT_URL': proxy_url})}\n"
 
 
+@pytest.mark.slow
 def test_throttling_and_dropped_connections_are_retried_and_lose_nothing(make_store, s3_endpoint, tmp_path):
     """Through a proxy answering every 5th request 503 SlowDown and dropping every 7th connection
     after forwarding it (the write landed, the client never heard): apply, materialize, push,
@@ -715,10 +716,11 @@ def test_two_machines_push_into_one_push_log_and_history(make_store, s3_endpoint
     assert len(ids) == len(set(ids)) == 85 and sum(v.new_offline_rows for v in report.views) == 0
 
 
-def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoint, tmp_path, redis_url):
+@pytest.mark.parametrize("resumed_on", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(resumed_on, s3_endpoint, tmp_path, redis_url):
     """Two repos sharing ``data_dir`` on S3, each with its own local folder: a run trained on the
     first is published when the command ends; the second lists and shows it, resumes it from its
-    sharded checkpoint for a second epoch on another world size (2 ranks, the first trained on 1),
+    sharded checkpoint for a second epoch (on 1 rank, or 2: another world size than the first's),
     and the first then sees the resumed run's results."""
     from .test_distributed_training import make_dataset
 
@@ -756,7 +758,7 @@ def test_a_run_trained_on_one_machine_is_listed_and_resumed_on_another(s3_endpoi
         "--resume",
         run_id,
         "--nproc-per-node",
-        "2",
+        str(resumed_on),
     )
     resumed = json.loads(cli(0, "runs", "show", run_id))
     assert resumed["final"]["epochs"] == 2

@@ -261,7 +261,8 @@ class DeltaOfflineStore:
             if added:
                 self._delta_commit()
                 table.alter.add_columns(added)
-                base = self.version(view)  # the alteration added no rows
+                # ``base`` stays: the next attempt takes out of these files the rows of whatever was
+                # committed since it besides this alteration (which added none)
                 continue
             expected = table.version() + 1
             self._delta_commit()
