@@ -17,6 +17,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,7 +55,7 @@ class Checkpointer:
     once every rank's shards are written (at the next save, or at ``finish``). One process
     writes in line: torch's writer thread would warn, at any moment, that it is one process."""
 
-    def __init__(self, run_dir: Path, layout: distributed.Layout, asynchronous: bool = True):
+    def __init__(self, run_dir: Path, layout: distributed.Layout, asynchronous: bool = True, timeout_s: float = 300.0):
         self.folder = Path(run_dir) / "dcp"
         self.run_dir, self.layout = Path(run_dir), layout
         self.asynchronous = asynchronous and layout.distributed
@@ -63,7 +64,9 @@ class Checkpointer:
         if asynchronous and layout.distributed:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            # the training group's bound on a collective, not gloo's 30-minute default: a rank that
+            # stops answering fails the run here too
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def save(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, pre: Preprocessor, *, epoch: int, step: int

@@ -196,7 +196,7 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     loader = DataLoader(train_data, batch_size=None, num_workers=config.num_workers)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16 and layout.device.type == "cuda")
     idle = _idle_batch(pre)
-    checkpointer = checkpoints.Checkpointer(run_dir, layout, config.async_checkpoints)
+    checkpointer = checkpoints.Checkpointer(run_dir, layout, config.async_checkpoints, config.collective_timeout_s)
     started, rows = time.perf_counter(), 0
     # the gradient of every step is the mean over its global batch, whatever the world size: each
     # rank's loss is its rows' sum scaled by the group its gradients are averaged over (FSDP
