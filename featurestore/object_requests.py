@@ -59,6 +59,12 @@ class Meter:
 METER = Meter()
 
 
+def count_delta(kind: str, local: bool) -> None:
+    """Count a Delta log operation (``delta snapshot`` or ``delta commit``) on object storage."""
+    if not local:
+        METER.add(kind)
+
+
 def summary(counts: Mapping[str, int]) -> str | None:
     """One line for a log ("object storage: 3 GET (1.2 MB) · 2 PUT (40.0 MB) · 1 delta commit"),
     None when nothing was requested."""

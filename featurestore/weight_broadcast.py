@@ -73,9 +73,7 @@ def send(
     ``damage_bucket`` (fault injection, for tests): that bucket's bytes change after hashing."""
     slots, sizes = plan(state, bucket_bytes)
     _send_json({"slots": [asdict(s) for s in slots], "sizes": sizes}, group, src, device)
-    by_bucket: dict[int, list[Slot]] = {}
-    for slot in slots:
-        by_bucket.setdefault(slot.bucket, []).append(slot)
+    by_bucket = _by_bucket(slots)
     buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
     works: list[list[dist.Work]] = []
     for bucket, size in enumerate(sizes):
@@ -116,9 +114,7 @@ def receive(
         Slot(s["name"], s["dtype"], tuple(s["shape"]), s["bucket"], s["offset"], s["nbytes"]) for s in layout["slots"]
     ]
     sizes: list[int] = layout["sizes"]
-    by_bucket: dict[int, list[Slot]] = {}
-    for slot in slots:
-        by_bucket.setdefault(slot.bucket, []).append(slot)
+    by_bucket = _by_bucket(slots)
     # each bucket arrives in memory of its own, which its tensors then view (no copy out)
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
     digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
@@ -147,6 +143,13 @@ def receive(
     if not _everyone_ok(intact and len(received) == len(slots), group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
     return received
+
+
+def _by_bucket(slots: list[Slot]) -> dict[int, list[Slot]]:
+    grouped: dict[int, list[Slot]] = {}
+    for slot in slots:
+        grouped.setdefault(slot.bucket, []).append(slot)
+    return grouped
 
 
 def _digest(buffer: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError, ConflictError, RequestError
 from featurestore.materialization.compute import pushed_rows
 from featurestore.materialization.engine import Materializer, push_run_id
-from featurestore.object_requests import METER
+from featurestore.object_requests import count_delta
 from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.offline.compaction import compact
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
@@ -319,8 +319,7 @@ def _append_log(push_logs: Location, source_name: str, rows: pa.Table, seq: int,
     if retried:
         rows = _not_logged(rows, log)
     where = push_logs.child(source_name)
-    if not where.is_local:  # deltalake does not expose its requests: see object_requests
-        METER.add("delta commit")
+    count_delta("delta commit", where.is_local)
     write_deltalake(
         log if log is not None else where.url,  # the followed handle: no re-reading of the log to append
         rows,

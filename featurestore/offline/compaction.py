@@ -23,7 +23,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from featurestore.errors import FeatureStoreError
-from featurestore.object_requests import METER, FileSystem
+from featurestore.object_requests import FileSystem, count_delta
 from featurestore.storage import Location
 
 TARGET_BYTES = 128 << 20  # a merged file's size at most; files this big already are left as they are
@@ -59,8 +59,7 @@ def compact(where: Location) -> dict[str, int]:
             size = fs.get_file_info(f"{root}/{unquote(name)}").size
             actions.append(AddAction(name, size, values, now, False, json.dumps({"numRecords": merged.num_rows})))
             actions += [RemoveAction(f["path"], False, now, f["size_bytes"], values) for f in files]
-        if not where.is_local:
-            METER.add("delta commit")
+        count_delta("delta commit", where.is_local)
         try:
             table.create_write_transaction(
                 actions,

@@ -33,7 +33,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError
 from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
 
 from featurestore.errors import FeatureStoreError
-from featurestore.object_requests import METER, CountedFileSystem, FileSystem
+from featurestore.object_requests import CountedFileSystem, FileSystem, count_delta
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.compaction import compact
 from featurestore.offline.file_cache import FileCache
@@ -81,9 +81,7 @@ class DeltaOfflineStore:
         return self.location.path / view
 
     def _delta_commit(self) -> None:
-        """Count a Delta log commit (deltalake does not expose its requests: see object_requests)."""
-        if not self.location.is_local:
-            METER.add("delta commit")
+        count_delta("delta commit", self.location.is_local)
 
     def _open(self, uri: str, version: int | None = None) -> DeltaTable | None:
         return self._tables.open(uri, version)

@@ -16,7 +16,7 @@ from pathlib import Path
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from featurestore.object_requests import METER, FileSystem
+from featurestore.object_requests import FileSystem, count_delta
 from featurestore.storage import Location
 
 
@@ -54,8 +54,7 @@ class Tables:
         return table
 
     def _counted(self) -> None:
-        if not self.location.is_local:  # deltalake does not expose its requests: see object_requests
-            METER.add("delta snapshot")
+        count_delta("delta snapshot", self.location.is_local)
 
     def _created_as(self, uri: str) -> str | None:
         """The id the table's first commit gave it (None: no first commit, or unreadable now)."""
