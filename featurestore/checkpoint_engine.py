@@ -20,6 +20,14 @@ source's SHA-256 before it is installed (a corrupt or partial transfer is refuse
 again). The version is then promoted in
 the replica's registry, which loads it first (a version that does not load is never served);
 its inference server notices the alias change and swaps models between requests.
+
+In **broadcast mode** (``checkpoint-engine --broadcast`` on the source, ``serve-model --source``
+on each replica) a promotion travels in memory instead: the source's ``Publisher`` loads the
+version once and broadcasts its tensors (``featurestore.broadcast_rounds``) to every inference
+server seated for it, which flips to them between requests and then installs the version in its
+own registry from the same bytes (checked against the source's hashes), so the registry stays
+the truth and a restart serves what was flipped to. The file path above stays the way a replica
+that missed a broadcast catches up.
 """
 
 from __future__ import annotations
@@ -29,13 +37,21 @@ import json
 import logging
 import os
 import re
+import threading
 import time
-from typing import Any
+from collections import deque
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from featurestore.errors import FeatureStoreError, NotFoundError
 from featurestore.training.model_registry import MODEL_FILES, STAGES, ModelRegistry
+
+if TYPE_CHECKING:
+    import torch
+
+    from featurestore.broadcast_rounds import Coordinator
 
 log = logging.getLogger("featurestore.checkpoint_engine")
 UPSTREAM_GRACE_SECONDS = 10.0  # how long a replica waits for its upstream to have a version before asking the source
@@ -171,3 +187,68 @@ class Replica:
                 revision = None  # reconcile fully on reconnect
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def version_payload(registry: ModelRegistry, name: str, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A registered version as a broadcast carries it: its tensors, and as ``meta`` the rest of its
+    files and their hashes (so a receiver rebuilds and checks exactly what was registered)."""
+    import io
+
+    import torch
+
+    files = registry.verify(name, version)
+    saved = torch.load(io.BytesIO(files["model.pt"]), weights_only=True)
+    meta = {
+        "model": name,
+        "version": version,
+        "config": saved["config"],
+        "hashes": registry.hashes(name)[version],
+        **{f: files[f].decode() for f in MODEL_FILES if f != "model.pt"},
+    }
+    return saved["state_dict"], meta
+
+
+def version_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, bytes]:
+    """The registry files of a broadcast version, rebuilt from its tensors and meta (``install``
+    then checks them against the source's hashes)."""
+    import io
+
+    import torch
+
+    weights = io.BytesIO()  # each tensor saved on its own storage, as registering saved it
+    torch.save({"state_dict": {k: t.clone() for k, t in tensors.items()}, "config": meta["config"]}, weights)
+    return {"model.pt": weights.getvalue(), **{f: meta[f].encode() for f in MODEL_FILES if f != "model.pt"}}
+
+
+class Publisher:
+    """The source's side of broadcast mode: every promotion of ``name`` (any stage, rollbacks
+    too) is broadcast to the members seated for that stage. Versions aliased before it started
+    reached replicas already, or reach them through the files."""
+
+    def __init__(self, registry: ModelRegistry, name: str, coordinator: Coordinator):
+        self.registry, self.name, self.coordinator = registry, name, coordinator
+        self.sent: dict[str, int] = dict(registry.aliases(name))  # stage -> version last broadcast
+        self.outcomes: deque[dict[str, Any]] = deque(maxlen=100)  # the latest broadcasts, for /stats
+
+    def publish_once(self) -> None:
+        from featurestore.weight_broadcast import BroadcastFailed
+
+        for stage, version in sorted(self.registry.aliases(self.name).items()):
+            if self.sent.get(stage) == version:
+                continue
+            state, meta = version_payload(self.registry, self.name, version)
+            record: dict[str, Any] = {"stage": stage, "version": version}
+            try:
+                record.update(asdict(self.coordinator.broadcast(self.name, stage, version, state, meta)), ok=True)
+            except BroadcastFailed as exc:
+                log.warning("%s; they catch up from the files", exc)
+                record.update(ok=False, error=str(exc))
+            self.outcomes.append(record)
+            self.sent[stage] = version
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            try:
+                self.publish_once()
+            except Exception as exc:  # noqa: BLE001 - a version that cannot be read is retried next tick
+                log.warning("broadcast of %s skipped (%s); retrying", self.name, exc)

@@ -48,6 +48,9 @@ RayAddressOption = typer.Option(
 )
 RepoOption = typer.Option(Path("."), "--repo", "-r", help="Feature repo folder (holds featurestore.yaml).")
 LogLevelOption = typer.Option("info", help="Server log level: debug, info, warning, error.")
+BroadcastHostOption = typer.Option(
+    "127.0.0.1", help="This machine's address the weight broadcast group reaches it on (another host: its LAN address)."
+)
 AccessLogOption = typer.Option(True, help="Log every request (off saves a few µs per request).")
 LogFormatOption = typer.Option(
     "text", help="Server log lines as text, or json (one object per line, for log shippers)."
@@ -496,6 +499,12 @@ def serve_model(
         1, min=1, help="Worker processes (replicas all follow promotions; `kill -HUP` replaces them one by one)."
     ),
     device: str = typer.Option("cpu", help="Where the model scores: cpu, cuda or auto (CUDA when present)."),
+    source: str | None = typer.Option(
+        None,
+        help="A checkpoint engine started with --broadcast: take each promotion's weights from it in memory "
+        "and flip to them in place (the key in FEATURESTORE_API_KEY authenticates this server).",
+    ),
+    broadcast_host: str = BroadcastHostOption,
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
@@ -504,7 +513,9 @@ def serve_model(
     from featurestore.training.distributed import pick_device
 
     pick_device(device)  # a clear error now rather than in every worker
-    launch = ServerLaunch(str(repo.resolve()), model=model, stage=stage, device=device)
+    launch = ServerLaunch(
+        str(repo.resolve()), model=model, stage=stage, device=device, source=source, broadcast_host=broadcast_host
+    )
     _run_server("serving.inference_server:app_factory", launch, host, port, workers, log_level, access_log, log_format)
 
 
@@ -669,6 +680,13 @@ def checkpoint_engine(
         help="The source repo's data_dir on object storage (s3://…): versions are fetched from there "
         "before the source is asked (after the upstream, when it has them).",
     ),
+    broadcast: bool = typer.Option(
+        False,
+        help="(source) Broadcast each promotion's weights in memory to the inference servers started "
+        "with --source pointing here (bucketed over gloo, SHA-256 per bucket, all or nothing).",
+    ),
+    broadcast_host: str = BroadcastHostOption,
+    bucket_mb: int = typer.Option(64, min=1, help="(source, --broadcast) Broadcast bucket size in MB."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port."),
     repo: Path = RepoOption,
@@ -676,7 +694,8 @@ def checkpoint_engine(
     """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it.
 
     With API keys configured every route needs the `read` scope; a replica presents the key in
-    FEATURESTORE_API_KEY to its source and upstream."""
+    FEATURESTORE_API_KEY to its source and upstream, and an inference server to the source whose
+    broadcasts it joins."""
 
     import uvicorn
 
@@ -684,7 +703,13 @@ def checkpoint_engine(
     _require_auth_off_loopback(host, store.config)
     if models_from and not source:
         raise FeatureStoreError("--models-from is where a replica fetches versions; give its --source too")
+    if broadcast and source:
+        raise FeatureStoreError(
+            "--broadcast is for the source engine; replicas' inference servers take part with --source"
+        )
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
+    if broadcast:
+        role += f", broadcasting promotions from {broadcast_host} in {bucket_mb} MB buckets"
     if models_from:
         role += f", fetching from {store.location(models_from)} first"
     auth = (
@@ -693,7 +718,16 @@ def checkpoint_engine(
         else "no authentication"
     )
     err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
-    ServerLaunch(str(repo.resolve()), model=model, source=source, upstream=upstream, models_from=models_from).export()
+    ServerLaunch(
+        str(repo.resolve()),
+        model=model,
+        source=source,
+        upstream=upstream,
+        models_from=models_from,
+        broadcast=broadcast,
+        broadcast_host=broadcast_host,
+        bucket_mb=bucket_mb,
+    ).export()
     _SERVING.append("checkpoint engine")
     uvicorn.run(
         "serving.checkpoint_engine:app_factory",

@@ -24,9 +24,14 @@ class ServerLaunch:
     model: str = "fraud"  # inference server and checkpoint engine: the model served
     stage: str = "production"  # inference server: the alias (stage) served
     device: str = "cpu"  # inference server: where the model scores
-    source: str | None = None  # checkpoint engine: the engine this replica follows
+    source: str | None = (
+        None  # checkpoint engine: the engine this replica follows; inference server: whose broadcasts it takes
+    )
     upstream: str | None = None  # checkpoint engine: the relay it fetches from (default: its source)
     models_from: str | None = None  # checkpoint engine: the source's data_dir on object storage, fetched from first
+    broadcast: bool = False  # checkpoint engine (source): broadcast each promotion to the seated replicas
+    broadcast_host: str = "127.0.0.1"  # both sides: this machine's address the broadcast group reaches it on
+    bucket_mb: int = 64  # checkpoint engine (source): broadcast bucket size
 
     def export(self) -> None:
         """Hand this record to the server processes this one starts."""

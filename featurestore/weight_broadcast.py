@@ -7,14 +7,17 @@ wire; each receiver copies a bucket out while the next arrives. Every bucket is 
 SHA-256, checked on arrival, and the group then agrees whether every receiver got every bucket
 intact: ``receive`` returns the new weights only if all did, so a corrupt or partial broadcast
 leaves every replica on what it had (all or nothing). The layout travels first as JSON (never
-pickle: a peer's bytes are data, not code).
+pickle: a peer's bytes are data, not code), with any ``meta`` the sender adds (a version's card).
+
+``group`` is any process group, the default one or a backend made for one broadcast without a
+default group (``featurestore.broadcast_rounds`` forms one per version, beside a trainer's own).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,22 +69,25 @@ def send(
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | str = "cpu",
     *,
-    damage_bucket: int | None = None,
+    meta: dict | None = None,
+    tamper: Callable[[int, torch.Tensor], None] | None = None,
 ) -> None:
-    """Broadcast ``state`` from this rank (``src``) to the group; returns once every receiver has
-    said whether it got everything intact, raising ``BroadcastFailed`` when one did not.
-    ``damage_bucket`` (fault injection, for tests): that bucket's bytes change after hashing."""
+    """Broadcast ``state`` (and ``meta``, JSON) from this rank (``src``) to the group; returns once
+    every receiver has said whether it got everything intact, raising ``BroadcastFailed`` when one
+    did not. ``tamper`` (fault injection, for tests) is called with each bucket's index and bytes
+    after it is hashed, before it is sent."""
+    group = _backend(group)
     slots, sizes = plan(state, bucket_bytes)
-    _send_json({"slots": [asdict(s) for s in slots], "sizes": sizes}, group, src, device)
+    _send_json({"slots": [asdict(s) for s in slots], "sizes": sizes, "meta": meta or {}}, group, src, device)
     by_bucket = _by_bucket(slots)
     buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
-    works: list[list[dist.Work]] = []
+    works: list[dist.Work] = []
     for bucket, size in enumerate(sizes):
         if bucket >= 2:  # this buffer's previous bucket has left
-            for work in works[bucket - 2]:
+            for work in works[2 * (bucket - 2) : 2 * (bucket - 1)]:
                 work.wait()
         members = by_bucket.get(bucket, [])
-        if len(members) == 1 and damage_bucket is None:  # a tensor with a bucket of its own goes as it is
+        if len(members) == 1 and tamper is None:  # a tensor with a bucket of its own goes as it is
             buffer = state[members[0].name].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
         else:
             buffer = buffers[bucket % 2][:size]
@@ -89,26 +95,21 @@ def send(
                 tensor = state[slot.name].detach().to(device).contiguous()
                 buffer[slot.offset : slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
         digest = _digest(buffer)
-        if bucket == damage_bucket:
-            buffer[0] ^= 1
-        works.append(
-            [
-                dist.broadcast(buffer, src, group=group, async_op=True),
-                dist.broadcast(digest, src, group=group, async_op=True),
-            ]
-        )
-    for bucket_works in works[-2:]:
-        for work in bucket_works:
-            work.wait()
+        if tamper is not None:
+            tamper(bucket, buffer)
+        works += [group.broadcast(buffer, src), group.broadcast(digest, src)]
+    for work in works[-4:]:
+        work.wait()
     if not _everyone_ok(True, group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
 
 
 def receive(
     group: dist.ProcessGroup | None = None, src: int = 0, device: torch.device | str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """The weights ``src`` broadcasts, once every receiver has them intact (``BroadcastFailed``
-    otherwise, on every rank)."""
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The weights ``src`` broadcasts and its ``meta``, once every receiver has them intact
+    (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in."""
+    group = _backend(group)
     layout = _receive_json(group, src, device)
     slots = [
         Slot(s["name"], s["dtype"], tuple(s["shape"]), s["bucket"], s["offset"], s["nbytes"]) for s in layout["slots"]
@@ -120,19 +121,16 @@ def receive(
     digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
 
     def post(bucket: int) -> tuple[dist.Work, dist.Work]:
-        return (
-            dist.broadcast(buffers[bucket], src, group=group, async_op=True),
-            dist.broadcast(digests[bucket], src, group=group, async_op=True),
-        )
+        return group.broadcast(buffers[bucket], src), group.broadcast(digests[bucket], src)
 
     received: dict[str, torch.Tensor] = {}
     intact = True
-    pending = post(0) if sizes else None
+    works: list[dist.Work] = list(post(0)) if sizes else []
     for bucket in range(len(sizes)):
-        assert pending is not None
-        for work in pending:
+        for work in works[2 * bucket : 2 * bucket + 2]:
             work.wait()
-        pending = post(bucket + 1) if bucket + 1 < len(sizes) else None  # the next one arrives meanwhile
+        if bucket + 1 < len(sizes):
+            works += post(bucket + 1)  # the next one arrives meanwhile
         buffer = buffers[bucket]
         if not torch.equal(_digest(buffer), digests[bucket]):
             intact = False
@@ -142,7 +140,12 @@ def receive(
             received[slot.name] = raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
     if not _everyone_ok(intact and len(received) == len(slots), group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
-    return received
+    return received, layout.get("meta", {})
+
+
+def _backend(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group to call directly (its own ranks, no default group needed): the default one for None."""
+    return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
 def _by_bucket(slots: list[Slot]) -> dict[int, list[Slot]]:
@@ -157,21 +160,23 @@ def _digest(buffer: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
 
 
-def _everyone_ok(mine: bool, group: dist.ProcessGroup | None, device: torch.device | str) -> bool:
+def _everyone_ok(mine: bool, group: dist.ProcessGroup, device: torch.device | str) -> bool:
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], options).wait()
     return bool(flag.item())
 
 
-def _send_json(value: dict, group: dist.ProcessGroup | None, src: int, device: torch.device | str) -> None:
+def _send_json(value: dict, group: dist.ProcessGroup, src: int, device: torch.device | str) -> None:
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
-    dist.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src, group=group)
-    dist.broadcast(data, src, group=group)
+    group.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src).wait()
+    group.broadcast(data, src).wait()
 
 
-def _receive_json(group: dist.ProcessGroup | None, src: int, device: torch.device | str) -> dict:
+def _receive_json(group: dist.ProcessGroup, src: int, device: torch.device | str) -> dict:
     length = torch.empty(1, dtype=torch.int64, device=device)
-    dist.broadcast(length, src, group=group)
+    group.broadcast(length, src).wait()
     data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src, group=group)
+    group.broadcast(data, src).wait()
     return json.loads(bytes(data.cpu().numpy()))

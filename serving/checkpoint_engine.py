@@ -1,6 +1,7 @@
 """The checkpoint engine's HTTP routes over one model registry (``featurestore.checkpoint_engine``
 says how engines form a tree): behind the same API keys, scopes and body bound as the other
-servers, every route needing the ``read`` scope (model weights are as private as features)."""
+servers, every route needing the ``read`` scope (model weights are as private as features). A
+source in broadcast mode also seats the inference servers that join its broadcasts."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from typing import Any
 
 from fastapi import FastAPI, Path, Query
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from featurestore.auth import Authenticator
-from featurestore.checkpoint_engine import Replica, state
+from featurestore.broadcast_rounds import JOIN_SECONDS, Coordinator
+from featurestore.checkpoint_engine import Publisher, Replica, state
 from featurestore.config import RepoConfig
 from featurestore.errors import FeatureStoreError
-from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, ModelRegistry
+from featurestore.training.model_registry import MODEL_FILES, NAME_PATTERN, STAGES, ModelRegistry
 from serving.fast_lane import FastLane
 from serving.metrics import Metrics
 from serving.responses import install_error_handlers
@@ -28,15 +31,30 @@ log = logging.getLogger("featurestore.checkpoint_engine")
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such model, version or file."}}
 
 
-def create_app(registry: ModelRegistry, replica: Replica | None = None, config: RepoConfig | None = None) -> FastAPI:
+class JoinRequest(BaseModel):
+    member: str = Field(..., pattern="^[A-Za-z0-9_.:-]{1,128}$", description="The member's id (one per process).")
+    stage: str = Field("production", pattern="^(" + "|".join(STAGES) + ")$", description="The alias it serves.")
+    wait: float = Field(JOIN_SECONDS, ge=0, le=JOIN_SECONDS, description="Seconds to hold the seat at most.")
+
+
+def create_app(
+    registry: ModelRegistry,
+    replica: Replica | None = None,
+    config: RepoConfig | None = None,
+    publisher: Publisher | None = None,
+) -> FastAPI:
     """The routes every engine serves over its own registry; with ``replica``, the engine also keeps
-    that registry in step with its source, on a thread. ``config``: the repo's API keys and bounds."""
+    that registry in step with its source, on a thread; with ``publisher``, it broadcasts each
+    promotion to the members that joined. ``config``: the repo's API keys and bounds."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         stop = threading.Event()
-        if replica is not None:
-            threading.Thread(target=replica.sync_forever, args=(stop,), daemon=True, name="checkpoint-sync").start()
+        loops = [(replica.sync_forever, "checkpoint-sync")] if replica is not None else []
+        if publisher is not None:
+            loops.append((publisher.run_forever, "checkpoint-broadcast"))
+        for target, name in loops:
+            threading.Thread(target=target, args=(stop,), daemon=True, name=name).start()
         yield
         stop.set()
 
@@ -81,9 +99,30 @@ def create_app(registry: ModelRegistry, replica: Replica | None = None, config: 
         served["files"] += 1
         return Response(data, media_type="application/octet-stream")
 
-    @app.get("/stats", summary="Files this engine has sent (a tree keeps the source's count at one copy per child)")
-    async def stats() -> dict[str, int]:
-        return {"files_served": served["files"]}
+    @app.post(
+        "/broadcast/join",
+        summary="Wait (up to 20 s) for a seat in the next broadcast: where its group meets, or 204 if none came",
+        responses={
+            204: {"description": "No broadcast came; join again."},
+            400: {"description": "The body is not JSON."},
+            404: {"description": "This engine does not broadcast (start it with --broadcast)."},
+        },
+    )
+    async def join(body: JoinRequest) -> Any:
+        coordinator = publisher.coordinator if publisher is not None else None
+        if coordinator is None:
+            return Response(status_code=404)
+        seat = await coordinator.join(body.member, body.stage, body.wait)
+        return seat.to_json() if seat is not None else Response(status_code=204)
+
+    @app.get(
+        "/stats",
+        summary="Files this engine has sent (a tree keeps the source's count at one copy per child), "
+        "and its latest broadcasts (members reached, failed attempts, seconds)",
+    )
+    async def stats() -> dict[str, Any]:
+        broadcasts = list(publisher.outcomes) if publisher is not None else []
+        return {"files_served": served["files"], "broadcasts": broadcasts}
 
     keys = config.server.api_keys if config is not None else None
     bound = config.server.max_request_bytes if config is not None else 16 * 1024 * 1024
@@ -105,4 +144,8 @@ def app_factory() -> FastAPI:
     replica = (
         Replica(registry, launch.model, launch.source, launch.upstream, models_from=origin) if launch.source else None
     )
-    return create_app(registry, replica, store.config)
+    publisher = None
+    if launch.broadcast:
+        coordinator = Coordinator(launch.broadcast_host, bucket_bytes=launch.bucket_mb << 20)
+        publisher = Publisher(registry, launch.model, coordinator)
+    return create_app(registry, replica, store.config, publisher)

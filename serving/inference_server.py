@@ -2,7 +2,9 @@
 
 Loads the model version behind a stage alias, refuses one trained on definitions that have
 since changed, swaps to a newly promoted version between requests when the registry
-announces it (Redis pub/sub), and logs every served feature vector off the request path.
+announces it (Redis pub/sub), and logs every served feature vector off the request path. With
+``source`` (a checkpoint engine in broadcast mode) it also takes each promotion's weights in
+memory and flips to them in place (``ModelHolder.take``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
+import logging
+import os
 import sys
+import threading
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from functools import partial
@@ -25,6 +32,8 @@ from pydantic import BaseModel, Field
 
 from featurestore import FeatureStore
 from featurestore.auth import Authenticator
+from featurestore.broadcast_rounds import JOIN_SECONDS, Member
+from featurestore.checkpoint_engine import KEY_ENV, version_files
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
@@ -122,44 +131,94 @@ def model_registry(store: FeatureStore) -> ModelRegistry:
 def load_checked(store: FeatureStore, name: str, ref: str | int, device: str = "cpu") -> LoadedModel:
     """Load a model version (onto ``device``); refuse it if its feature definitions changed since training."""
     loaded = model_registry(store).load(name, ref, device=device)
-    service = store.get_feature_service(loaded.card["feature_service"])
+    check_fresh(store, name, loaded.version, loaded.card)
+    return loaded
+
+
+def check_fresh(store: FeatureStore, name: str, version: int, card: dict[str, Any]) -> None:
+    """Refuse a version whose feature definitions changed since its training data was exported."""
+    service = store.get_feature_service(card["feature_service"])
     views = list(dict.fromkeys(r.split(":")[0] for r in service.feature_refs()))
-    stale = stale_views(loaded.card, store.definition_hashes(views))
+    stale = stale_views(card, store.definition_hashes(views))
     if stale:
         raise FeatureStoreError(
-            f"model {name} v{loaded.version} was trained on older definitions of {stale}; "
+            f"model {name} v{version} was trained on older definitions of {stale}; "
             "retrain on a fresh export (or restore those definitions) before serving it"
         )
-    return loaded
 
 
 class ModelHolder:
     """The serving model; replaced by one attribute assignment, so a request sees old or new, whole.
 
     ``follow_promotions`` and ``reconcile`` run beside the server and swap in the version the
-    registry's alias names (each replica does the same)."""
+    registry's alias names (each replica does the same); ``take`` flips to a broadcast version."""
 
     def __init__(self, watcher: RegistryWatcher, model_name: str, stage: str, device: str):
         self.watcher, self.model_name, self.stage, self.device = watcher, model_name, stage, device
         self.loaded = load_checked(watcher.current, model_name, stage, device)
+        self.followed = self.loaded.version  # the alias's version when last followed
+        self._switching = threading.Lock()  # a broadcast's flip and install, or a catch-up: one at a time
 
     def catch_up(self) -> None:
-        """Load the version the alias names now, if another (promotions made while starting)."""
-        latest = model_registry(self.watcher.current).resolve(self.model_name, self.stage)
-        if latest != self.loaded.version:
-            self.loaded = load_checked(self.watcher.current, self.model_name, latest, self.device)
+        """Load the version the alias names now, if it moved (promotions made while starting, or
+        by the file path); a version flipped to by broadcast is not undone before its alias moves."""
+        with self._switching:
+            latest = model_registry(self.watcher.current).resolve(self.model_name, self.stage)
+            if latest != self.followed:
+                if latest != self.loaded.version:
+                    self.loaded = load_checked(self.watcher.current, self.model_name, latest, self.device)
+                self.followed = latest
+
+    def take(self, version: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Flip to a version received by broadcast: its tensors become the model's parameters (no
+        copy, no disk), then it is installed in this replica's registry from the same bytes,
+        checked against the source's hashes, and the alias moves, so a restart serves it too."""
+        from featurestore.training.distributed import pick_device
+        from featurestore.training.model import from_saved
+        from featurestore.training.preprocessing import Preprocessor
+
+        if meta.get("model") != self.model_name:
+            raise FeatureStoreError(f"a broadcast of {meta.get('model')!r} reached the server of {self.model_name!r}")
+        store = self.watcher.current
+        card = json.loads(meta["card.json"])
+        check_fresh(store, self.model_name, version, card)
+        model = from_saved(meta["config"], tensors).to(pick_device(self.device))
+        pre = Preprocessor.from_dict(json.loads(meta["preprocessing.json"]))
+        with self._switching:
+            self.loaded = LoadedModel(self.model_name, version, model, pre, card)
+            registry = model_registry(store)
+            registry.install(self.model_name, version, version_files(tensors, meta), meta["hashes"])
+            registry.promote(self.model_name, version, self.stage, loads=True)
+            self.followed = version
+        logging.getLogger("featurestore.server").info("%s v%s: serving, taken by broadcast", self.model_name, version)
+
+    def broadcasts(self, source: str, host: str) -> Member:
+        """This server's seat in ``source``'s broadcasts (with the key in ``FEATURESTORE_API_KEY``)."""
+        import httpx
+
+        key = os.environ.get(KEY_ENV)
+        client = httpx.Client(
+            timeout=httpx.Timeout(10.0, read=JOIN_SECONDS + 10),
+            headers={"Authorization": f"Bearer {key}"} if key else {},
+        )
+        body = {"member": f"{self.model_name}-{uuid.uuid4().hex[:12]}", "stage": self.stage}
+
+        def join() -> dict[str, Any] | None:
+            answer = client.post(f"{source.rstrip('/')}/broadcast/join", json=body).raise_for_status()
+            return None if answer.status_code == 204 else answer.json()
+
+        return Member(join, self.take, host)
 
     async def follow_promotions(self) -> None:
-        """Swap in a newly promoted version between requests, when the registry announces it."""
+        """Swap in a newly promoted version between requests, when a registry announces a promotion
+        of this model and stage (this replica's own alias decides which version)."""
         while True:
             try:
                 async for message in self.watcher.current.online_store.subscribe(MODELS_CHANNEL):
                     name, version, promoted_stage = message.split(":")
                     if name == self.model_name and promoted_stage == self.stage and int(version) != self.loaded.version:
                         try:
-                            self.loaded = await asyncio.to_thread(
-                                load_checked, self.watcher.current, self.model_name, int(version), self.device
-                            )
+                            await asyncio.to_thread(self.catch_up)
                         except FeatureStoreError as exc:
                             print(f"not switching to {name} v{version}: {exc}", file=sys.stderr)
             except asyncio.CancelledError:
@@ -186,6 +245,8 @@ def create_app(
     stage: str = "production",
     log_features: bool = True,
     device: str = "cpu",
+    source: str | None = None,
+    broadcast_host: str = "127.0.0.1",
 ) -> FastAPI:
     # one request scores a handful of rows: intra-op threads only add hand-offs (and spin on shared cores)
     torch.set_num_threads(1)
@@ -206,8 +267,13 @@ def create_app(
     async def lifespan(app: FastAPI):
         tasks = [asyncio.create_task(t) for t in (watcher.run(), holder.follow_promotions(), holder.reconcile())]
         holder.catch_up()
+        stop = threading.Event()
+        if source:
+            member = holder.broadcasts(source, broadcast_host)
+            threading.Thread(target=member.run_forever, args=(stop,), daemon=True, name="broadcast").start()
         gc.freeze()  # startup objects live forever: keep them out of GC scans (fewer latency spikes)
         yield
+        stop.set()
         for task in tasks:
             task.cancel()
         if logger:
@@ -345,4 +411,11 @@ async def _predict(
 def app_factory() -> FastAPI:
     """Entry for ``uvicorn --factory``: what ``featurestore serve-model`` handed over (``ServerLaunch``)."""
     launch = ServerLaunch.received()
-    return create_app(launch.repo_path, launch.model, launch.stage, device=launch.device)
+    return create_app(
+        launch.repo_path,
+        launch.model,
+        launch.stage,
+        device=launch.device,
+        source=launch.source,
+        broadcast_host=launch.broadcast_host,
+    )

@@ -199,6 +199,7 @@ def test_engines_take_the_servers_api_keys_and_replicas_present_theirs(tmp_path,
         str(source.repo),
         "--port",
         str(source.port),
+        "--broadcast",
     ]
     source.process = subprocess.Popen(source.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     monkeypatch.setenv("FEATURESTORE_API_KEY", "key-replicas")  # what the replica presents
@@ -212,6 +213,17 @@ def test_engines_take_the_servers_api_keys_and_replicas_present_theirs(tmp_path,
         assert httpx.get(f"{source.url}/models/m/{v1}/model.pt").status_code == 401
         assert httpx.get(f"{source.url}/models/m/{v1}/model.pt", headers={"X-API-Key": "key-pusher"}).status_code == 403
         assert httpx.get(f"{source.url}/models/m", headers={"X-API-Key": "key-replicas"}).status_code == 200
+        # a seat in the weight broadcast (where its group meets) is given to the same keys only
+        join = {"member": "someone", "wait": 0}
+        assert httpx.post(f"{source.url}/broadcast/join", json=join).status_code == 401
+        assert (
+            httpx.post(f"{source.url}/broadcast/join", json=join, headers={"X-API-Key": "key-pusher"}).status_code
+            == 403
+        )
+        assert (
+            httpx.post(f"{source.url}/broadcast/join", json=join, headers={"X-API-Key": "key-replicas"}).status_code
+            == 204
+        )
         replica = Engine(tmp_path / "r1", redis_url, source=source.url)
         _until(lambda: replica.serves(v1), [source, replica])
         assert os.environ["FEATURESTORE_API_KEY"] == "key-replicas"

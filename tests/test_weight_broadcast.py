@@ -37,10 +37,13 @@ state = {  # every rank can make the source's tensors: the receivers check their
 }
 try:
     if rank == 0:
-        send(state, bucket_bytes=256 * 1024, damage_bucket=None if damage == "none" else int(damage))
+        def tamper(bucket, buffer):
+            if damage != "none" and bucket == int(damage):
+                buffer[0] ^= 1
+        send(state, bucket_bytes=256 * 1024, tamper=tamper)
         result = {"ok": True, "buckets": len(plan(state, 256 * 1024)[1])}
     else:
-        got = receive()
+        got, _ = receive()
         same = set(got) == set(state) and all(
             got[k].dtype == state[k].dtype and got[k].shape == state[k].shape and torch.equal(got[k], state[k])
             for k in state

@@ -241,13 +241,15 @@ class ModelRegistry:
         self.promote(name, previous, stage)
         return previous
 
-    def promote(self, name: str, version: int, stage: str) -> None:
+    def promote(self, name: str, version: int, stage: str, *, loads: bool = False) -> None:
+        """Point ``stage`` at ``version`` once it loads (``loads``: the caller has it loaded already)."""
         if stage not in STAGES:
             raise FeatureStoreError(f"stage must be one of {STAGES}, not {stage!r}")
         if version not in self.versions(name):
             raise NotFoundError(f"model {name!r} has no version {version}; versions: {self.versions(name)}")
         try:
-            self.load(name, version)  # a version that does not load would break every later restart
+            if not loads:
+                self.load(name, version)  # a version that does not load would break every later restart
         except Exception as exc:
             raise FeatureStoreError(f"model {name} v{version} does not load, so it is not promoted: {exc}") from exc
 

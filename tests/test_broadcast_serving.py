@@ -1,0 +1,318 @@
+"""Promotions broadcast in memory to inference servers (issue #28), with real processes: each
+replica (its own registry, no shared folder) flips in place between requests while a request
+loop runs, serves the source's weights bit for bit, and keeps what it has when a bucket arrives
+damaged; a replica killed mid-broadcast does not hold the others, and catches up from a peer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from featurestore import FeatureStore
+from featurestore.auth import ApiKey, hash_key
+from featurestore.broadcast_rounds import Coordinator
+from featurestore.checkpoint_engine import Publisher
+from featurestore.demo.generate import generate, label_rows
+from featurestore.online.embedded import EmbeddedRedis
+from featurestore.training.model_registry import ModelRegistry
+from featurestore.training.trainer import TrainConfig, train
+from serving.checkpoint_engine import create_app
+
+from .conftest import free_port
+
+DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
+INSTANCE = {"card_id": 7, "merchant_id": 3, "amount": 120.0}
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """The demo's fraud pipeline once: a source data dir with a trained run, its Redis."""
+    root = tmp_path_factory.mktemp("broadcast")
+    redis_server = EmbeddedRedis(root / "redis")
+    env = {"FEATURESTORE_DATA_DIR": str(root / "source"), "REDIS_URL": redis_server.ensure_running()}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        data = generate(n_cards=200, days=6, seed=5)
+        with FeatureStore(DEFINITIONS) as store:
+            store.apply()
+            store.push("card_profiles", data.profiles)
+            store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
+            store.materialize_incremental()
+            store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", root / "dataset")
+        config = TrainConfig(
+            dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
+        )
+        yield {"root": root, "run": train(config, root / "runs", progress=False), "redis": env["REDIS_URL"]}
+    finally:
+        redis_server.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _variant(run: Path, folder: Path, seed: int, embedding_rows: int | None = None) -> Path:
+    """A copy of ``run`` with other weights (and, given ``embedding_rows``, a larger key table)."""
+    shutil.copytree(run, folder)
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    g = torch.Generator().manual_seed(seed)
+    for name, tensor in state["model"].items():
+        if name.startswith("embeddings.") and embedding_rows and tensor.shape[0] > 1000:
+            state["model"][name] = torch.randn(embedding_rows + 1, tensor.shape[1], generator=g)
+            state["model_config"]["vocab_sizes"][int(name.split(".")[1])] = embedding_rows + 1
+        elif tensor.is_floating_point():
+            state["model"][name] = tensor + 0.01 * torch.randn(tensor.shape, generator=g)
+    if embedding_rows:
+        state["preprocessor"]["hashed"] = {k: embedding_rows for k in state["preprocessor"]["hashed"]}
+    torch.save(state, folder / "checkpoint.pt")
+    return folder
+
+
+KEY = "key-replicas"  # the only key the source takes; each replica presents it (FEATURESTORE_API_KEY)
+
+
+class Source:
+    """The trainer-side engine in broadcast mode, in this process (so a test can tamper with it),
+    behind one API key."""
+
+    def __init__(self, data_dir: Path, bucket_bytes: int, timeout: float = 10.0):
+        self.registry = ModelRegistry(data_dir / "models", data_dir / "registry" / "models.json")
+        self.coordinator = Coordinator(bucket_bytes=bucket_bytes, timeout_seconds=timeout, gather_seconds=3.0)
+        self.publisher = Publisher(self.registry, "fraud", self.coordinator)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        keys = [ApiKey("replicas", hash_key(KEY), frozenset({"read"}))]
+        config = SimpleNamespace(server=SimpleNamespace(api_keys=keys, max_request_bytes=1 << 20))
+        app = create_app(self.registry, config=config, publisher=self.publisher)  # type: ignore[arg-type]
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        _until(lambda: httpx.get(self.url + "/stats", headers={"X-API-Key": KEY}).status_code == 200, [])
+
+    def promote(self, version: int) -> None:
+        self.registry.promote("fraud", version, "production")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+class Replica:
+    """An inference server with a registry of its own, taking the source's broadcasts."""
+
+    def __init__(self, data_dir: Path, redis_url: str, source: str):
+        self.data_dir, self.port = data_dir, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "FEATURESTORE_DATA_DIR": str(data_dir), "REDIS_URL": redis_url}
+        self.env["FEATURESTORE_API_KEY"] = KEY
+        self.args = [
+            *(sys.executable, "-m", "featurestore.cli", "serve-model", "--repo", str(DEFINITIONS)),
+            *("--model", "fraud", "--port", str(self.port), "--source", source, "--no-access-log"),
+        ]
+        self.start()
+
+    def start(self) -> None:
+        self.process = _spawn(self.args, self.env, self.data_dir / "server.log")
+        _until(lambda: httpx.get(self.url + "/health").status_code == 200, [self.process])
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return ModelRegistry(self.data_dir / "models", self.data_dir / "registry" / "models.json")
+
+    def version(self) -> int:
+        return httpx.get(self.url + "/health").json()["version"]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A server process logging to ``log`` (a pipe nobody reads would fill and stall it)."""
+    with open(log, "ab") as out:
+        process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    process.log = log  # type: ignore[attr-defined]
+    return process
+
+
+def _until(condition, processes, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in processes:
+            if p.poll() is not None:
+                pytest.fail(f"process exited: {p.log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            if condition():
+                return
+        time.sleep(0.1)
+    logs = "\n".join(f"{p.log}: {p.log.read_text()[-1500:]}" for p in processes)
+    pytest.fail(f"condition not met in time\n{logs}")
+
+
+def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows: int | None = None):
+    """A source with v1 promoted and v2, v3 registered (other weights each); replicas holding v1."""
+    source_dir = pipeline["root"] / "source"
+    data = tmp_path / "source"
+    shutil.copytree(source_dir / "registry", data / "registry")
+    runs = [_variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows) for i in range(3)]
+    source = Source(data, bucket_bytes)
+    v1, v2, v3 = (source.registry.register("fraud", run) for run in runs)
+    source.promote(v1)
+    members = []
+    for i in range(replicas):  # each replica's own folders: the definitions registry, and v1 installed
+        own = tmp_path / f"replica{i}"
+        shutil.copytree(source_dir / "registry", own / "registry")
+        registry = ModelRegistry(own / "models", own / "registry" / "models.json")
+        registry.install("fraud", v1, source.registry.verify("fraud", v1), source.registry.hashes("fraud")[v1])
+        registry.promote("fraud", v1, "production")
+        members.append(Replica(own, pipeline["redis"], source.url))
+    return source, members, (v1, v2, v3)
+
+
+class Requests:
+    """A closed loop of /predict requests to every replica: (replica, status, version, score)."""
+
+    def __init__(self, replicas: list[Replica]):
+        self.seen: list[tuple[int, int, int, float]] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(i, r.url)) for i, r in enumerate(replicas)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, index: int, url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while not self.stop.is_set():
+                try:
+                    r = client.post("/predict", json={"instances": [INSTANCE]})
+                except httpx.HTTPError:
+                    self.seen.append((index, -1, -1, 0.0))
+                    continue
+                body = r.json() if r.status_code == 200 else {}
+                version = body.get("model", {}).get("version", -1)
+                score = body["predictions"][0]["score"] if body else 0.0
+                self.seen.append((index, r.status_code, version, score))
+
+    def finish(self) -> list[tuple[int, int, int, float]]:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        return self.seen
+
+
+def _scores(source: Source, data_dir: Path, versions: tuple[int, ...], monkeypatch) -> dict[int, float]:
+    """What each version scores for INSTANCE, served here by an inference app over the source's own
+    registry (loaded from its files, not broadcast)."""
+    from fastapi.testclient import TestClient
+
+    from serving.inference_server import create_app as inference_app
+
+    monkeypatch.setenv("FEATURESTORE_DATA_DIR", str(data_dir))
+    scores = {}
+    for version in versions:
+        source.promote(version)
+        with TestClient(inference_app(DEFINITIONS, log_features=False)) as client:
+            body = client.post("/predict", json={"instances": [INSTANCE]}).json()
+        assert body["model"]["version"] == version
+        scores[version] = body["predictions"][0]["score"]
+    return scores
+
+
+def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nobody(pipeline, tmp_path, monkeypatch):
+    source, replicas, (v1, v2, v3) = _setup(pipeline, tmp_path, replicas=2, bucket_bytes=64 * 1024)
+    processes = [r.process for r in replicas]
+    try:
+        _until(lambda: len(source.coordinator._seen) == 2, processes)  # both seated
+        load = Requests(replicas)
+        time.sleep(0.5)
+        source.promote(v2)
+        _until(lambda: all(r.version() == v2 for r in replicas), processes)
+        # a bucket damaged after hashing: every replica refuses the round and keeps v2
+        source.coordinator.tamper = lambda bucket, data: data.__setitem__(0, data[0] ^ 1) if bucket == 1 else None
+        source.promote(v3)
+        _until(lambda: len(source.publisher.outcomes) == 2, processes)
+        time.sleep(1.0)
+        assert [r.version() for r in replicas] == [v2, v2]
+        seen = load.finish()
+    finally:
+        for r in replicas:
+            r.stop()
+        source.stop()
+    first, second = list(source.publisher.outcomes)[-2:]  # (v1 went out before anyone sat down)
+    assert first["ok"] and len(first["members"]) == 2 and first["attempts"] == 0
+    assert not second["ok"] and "keep" in second["error"]
+    assert {status for _, status, _, _ in seen} == {200}  # no request failed while flipping
+    expected = _scores(source, tmp_path / "source", (v1, v2), monkeypatch)
+    assert expected[v1] != expected[v2]
+    for index, replica in enumerate(replicas):
+        versions = [v for i, _, v, _ in seen if i == index]
+        assert versions[0] == v1 and versions[-1] == v2 and versions == sorted(versions)  # one flip, never back
+        # each answer scored by exactly the version it names, with the source's weights
+        assert {(v, s) for i, _, v, s in seen if i == index} == {(v, expected[v]) for v in (v1, v2)}
+        # installed from the broadcast bytes: the same files as registered at the source (hash-checked)
+        assert replica.registry.hashes("fraud")[v2] == source.registry.hashes("fraud")[v2]
+        assert replica.registry.aliases("fraud")["production"] == v2 and v3 not in replica.registry.versions("fraud")
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_broadcast_holds_nobody_and_catches_up_from_a_peer(pipeline, tmp_path):
+    # a ~50 MB model in 1 MB buckets (its key table one bucket of its own): the victim dies after
+    # the first bucket reached it, while the rest is on the wire
+    source, replicas, (v1, v2, _) = _setup(pipeline, tmp_path, 3, 1 << 20, embedding_rows=1_600_000)
+    victim = replicas[2]
+    kill_at = 1
+
+    def kill(bucket: int, _data) -> None:
+        if bucket == kill_at and victim.process.poll() is None:
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait()
+
+    engines: list[subprocess.Popen] = []
+    try:
+        _until(lambda: len(source.coordinator._seen) == 3, [r.process for r in replicas])
+        load = Requests(replicas[:2])
+        source.coordinator.tamper = kill
+        source.promote(v2)
+        _until(lambda: all(r.version() == v2 for r in replicas[:2]), [r.process for r in replicas[:2]])
+        seen = load.finish()
+        outcome = source.publisher.outcomes[-1]
+        assert outcome["ok"] and outcome["attempts"] == 1 and len(outcome["members"]) == 2, outcome
+        assert {status for _, status, _, _ in seen} == {200}
+        # the peer: an engine over replica 0's registry; the victim's engine fetches from it first
+        peer_port, own_port = free_port(), free_port()
+        for port, data_dir, extra in (
+            (peer_port, replicas[0].data_dir, []),
+            (own_port, victim.data_dir, ["--source", source.url, "--upstream", f"http://127.0.0.1:{peer_port}"]),
+        ):
+            env = {**victim.env, "FEATURESTORE_DATA_DIR": str(data_dir)}
+            command = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "fraud"]
+            args = [*command, "--repo", str(DEFINITIONS), "--port", str(port), *extra]
+            engines.append(_spawn(args, env, data_dir / "engine.log"))
+            _until(lambda: httpx.get(f"http://127.0.0.1:{port}/stats").status_code == 200, engines)
+        victim.start()
+        _until(lambda: victim.version() == v2, [victim.process, *engines])
+        assert (
+            httpx.get(source.url + "/stats", headers={"X-API-Key": KEY}).json()["files_served"] == 0
+        )  # from the peer, not the source
+        assert victim.registry.hashes("fraud")[v2] == source.registry.hashes("fraud")[v2]
+    finally:
+        for p in engines:
+            p.kill()
+        for r in replicas:
+            r.stop()
+        source.stop()
