@@ -30,12 +30,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks._common import percentiles
 from featurestore import FeatureStore
 from featurestore.demo.generate import generate, label_rows
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.model_registry import ModelRegistry
 from featurestore.training.trainer import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import percentiles  # noqa: E402
 
 DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 INSTANCE = {"card_id": 7, "merchant_id": 3, "amount": 120.0}
