@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from featurestore import FeatureStore
-from featurestore.demo.generate import generate, label_rows
+from featurestore.demo.generate import generate, load_demo
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.model_registry import ModelRegistry
 from featurestore.training.trainer import TrainConfig, train
@@ -160,7 +160,9 @@ def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, 
                     sent = time.perf_counter()
                     r = client.post("/predict", json={"instances": [INSTANCE]})
                     took = time.perf_counter() - sent
-                    answers.append((sent, took, r.json()["model"]["version"] if r.status_code == 200 else -r.status_code))
+                    answers.append(
+                        (sent, took, r.json()["model"]["version"] if r.status_code == 200 else -r.status_code)
+                    )
 
         thread = threading.Thread(target=loop)
         thread.start()
@@ -212,12 +214,10 @@ def main() -> None:
     try:
         data = generate(n_cards=300, days=10, seed=3)
         with FeatureStore(DEFINITIONS) as store:
-            store.apply()
-            store.push("card_profiles", data.profiles)
-            store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
-            store.materialize_incremental()
-            store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", root / "dataset")
-        config = TrainConfig(dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1)
+            load_demo(store, data, root / "dataset")
+        config = TrainConfig(
+            dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
+        )
         run = train(config, root / "runs", progress=False)
         print(f"{os.cpu_count()} CPUs, gloo on loopback")
         for size_mb in args.sizes_mb:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from featurestore import FeatureStore
-from featurestore.demo.generate import generate, label_rows
+from featurestore.demo.generate import generate, load_demo
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.trainer import TrainConfig, train
 
@@ -40,11 +40,7 @@ def main() -> None:
     os.environ.update(FEATURESTORE_DATA_DIR=str(data_dir), REDIS_URL=redis_server.ensure_running())
     data = generate(n_cards=300, days=10, seed=3)
     with FeatureStore(DEFINITIONS) as store:
-        store.apply()
-        store.push("card_profiles", data.profiles)
-        store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
-        store.materialize_incremental()
-        store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", data_dir / "dataset")
+        load_demo(store, data, data_dir / "dataset")
         run = train(
             TrainConfig(dataset=str(data_dir / "dataset"), request_inputs=["amount"], epochs=1),
             data_dir / "runs",

@@ -25,7 +25,7 @@ from featurestore import FeatureStore
 from featurestore.auth import ApiKey, hash_key
 from featurestore.broadcast_rounds import Coordinator
 from featurestore.checkpoint_engine import Publisher
-from featurestore.demo.generate import generate, label_rows
+from featurestore.demo.generate import generate, load_demo
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.model_registry import ModelRegistry
 from featurestore.training.trainer import TrainConfig, train
@@ -48,11 +48,7 @@ def pipeline(tmp_path_factory):
     try:
         data = generate(n_cards=200, days=6, seed=5)
         with FeatureStore(DEFINITIONS) as store:
-            store.apply()
-            store.push("card_profiles", data.profiles)
-            store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
-            store.materialize_incremental()
-            store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", root / "dataset")
+            load_demo(store, data, root / "dataset")
         config = TrainConfig(
             dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
         )

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from featurestore import FeatureStore
 from featurestore.consistency import check_consistency
-from featurestore.demo.generate import generate, label_rows
+from featurestore.demo.generate import generate, load_demo
 from featurestore.errors import FeatureStoreError
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.tracking.artifacts import ArtifactStore
@@ -47,12 +47,8 @@ def trained(tmp_path_factory):
     os.environ.update(env)
     data = generate(n_cards=300, days=10, seed=3)
     store = FeatureStore(DEFINITIONS)
-    store.apply()
-    store.push("card_profiles", data.profiles)
-    store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
-    store.materialize_incremental()
     dataset = data_dir / "dataset"
-    store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", dataset)
+    load_demo(store, data, dataset)
     config = TrainConfig(dataset=str(dataset), request_inputs=["amount"], epochs=2)
     run = train(config, data_dir / "runs", progress=False)
     registry = model_registry(store)

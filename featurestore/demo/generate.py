@@ -10,9 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from featurestore.feature_store import FeatureStore
 
 TS = pa.timestamp("us", tz="UTC")
 COUNTRIES = ["US", "FR", "DE", "GB", "BR", "IN"]
@@ -101,3 +106,13 @@ def label_rows(transactions: pa.Table) -> pa.Table:
             "label": transactions["label"],
         }
     )
+
+
+def load_demo(store: FeatureStore, data: DemoData, dataset: Path) -> None:
+    """The demo's data in ``store`` (applied, pushed, materialized) and its training set exported
+    to ``dataset``: what benchmarks and tests that serve a model start from."""
+    store.apply()
+    store.push("card_profiles", data.profiles)
+    store.push("transactions", data.transactions.drop_columns(["label"]), to="offline")
+    store.materialize_incremental()
+    store.export_training_dataset(label_rows(data.transactions), "fraud_model_v1", dataset)
