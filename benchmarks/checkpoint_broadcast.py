@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -182,18 +183,19 @@ def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, 
     raw_s = raw_broadcast_seconds(nbytes, replicas + 1)
     steady = percentiles([took for sent, took, _ in answers if sent < promoted])
     during = percentiles([took for sent, took, _ in answers if promoted <= sent < settled])
-    failed = sum(1 for *_, v in answers if v < 0)
+    failed = Counter(-v for *_, v in answers if v < 0)
     gb = nbytes / 1e9
     print(
         f"{nbytes / 1e6:.0f} MB to {replicas} replicas (bucket {bucket_mb} MB): broadcast {outcome['seconds']:.2f} s "
-        f"({gb / outcome['seconds']:.2f} GB/s, {outcome['attempts']} failed attempts) · raw broadcast {raw_s:.2f} s "
+        f"({gb / outcome['seconds']:.2f} GB/s; {outcome['group_seconds']:.2f} s of it forming the round's group; "
+        f"{outcome['attempts']} failed attempts) · raw broadcast {raw_s:.2f} s "
         f"({gb / raw_s:.2f} GB/s) · ratio {outcome['seconds'] / raw_s:.2f}x · promote → every replica serving "
         f"{serving_s:.2f} s (the source loads the version first)"
     )
     print(
         f"  /predict on a replica: steady p50 {steady['p50']:.1f} ms p99 {steady['p99']:.1f} ms · during the update "
         f"(and the install after it) p50 {during['p50']:.1f} ms p99 {during['p99']:.1f} ms · "
-        f"{len(answers):,} requests, {failed} failed"
+        f"{len(answers):,} requests, {sum(failed.values())} failed {dict(failed) or ''}"
     )
 
 

@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
-from featurestore.weight_broadcast import BUCKET_BYTES, BroadcastFailed, receive, send
+from featurestore.weight_broadcast import BUCKET_BYTES, BroadcastFailed, Group, receive, send
 
 log = logging.getLogger("featurestore.broadcast")
 
@@ -65,13 +65,14 @@ class Round:
         return round_
 
 
-def open_group(store: dist.Store, round_: Round, host: str) -> dist.ProcessGroup:
+def open_group(store: dist.Store, round_: Round, host: str) -> Group:
     """The round's gloo group (no default group: a trainer's own stays as it is), meeting under
     the round's prefix; ``host``: the address of this side's interface the others reach."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (its only name in torch)
     options._timeout = timedelta(seconds=round_.timeout)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(dist.PrefixStore(round_.id, store), round_.rank, round_.world, options)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(round_.id, store), round_.rank, round_.world, options)
+    return cast(Group, group)  # (torch's stub of a backend omits the collectives it has)
 
 
 @dataclass
@@ -79,16 +80,18 @@ class _Seat:
     stage: str
     since: float
     round: Round | None = None
-    wake: Callable[[], None] | None = None
+    wake: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one version's broadcast came to: the members that took it, and the failed attempts."""
+    """What one version's broadcast came to: the members that took it, the failed attempts, the
+    seconds in all and those the last attempt spent forming its group (before any byte was sent)."""
 
     members: list[str]
     attempts: int
     seconds: float
+    group_seconds: float = 0.0
 
 
 class Coordinator:
@@ -143,14 +146,14 @@ class Coordinator:
                 log.info("%s v%s: no member is waiting; replicas catch up from the files", model, version)
                 return Outcome([], attempt - 1, time.monotonic() - started)
             try:
-                self._run(model, version, seated, state, meta)
+                group_seconds = self._run(model, version, seated, state, meta)
             except (BroadcastFailed, RuntimeError, dist.DistError) as exc:
                 log.warning("%s v%s: broadcast attempt %d to %d failed (%s)", model, version, attempt, len(seated), exc)
                 expected = set(seated)  # those still alive sit down again; the round goes on without the rest
                 continue
             seconds = time.monotonic() - started
             log.info("%s v%s broadcast to %d members in %.2f s", model, version, len(seated), seconds)
-            return Outcome(sorted(seated), attempt - 1, seconds)
+            return Outcome(sorted(seated), attempt - 1, seconds, group_seconds)
         raise BroadcastFailed(f"{model} v{version}: {self.attempts} broadcast attempts failed; replicas keep theirs")
 
     def _gather(self, stage: str, expected: set[str], window: float) -> dict[str, _Seat]:
@@ -164,7 +167,11 @@ class Coordinator:
                     return {m: self._seats.pop(m) for m in here}
                 self._lock.wait(left)
 
-    def _run(self, model: str, version: int, seated: dict[str, _Seat], state: Mapping[str, torch.Tensor], meta: dict):
+    def _run(
+        self, model: str, version: int, seated: dict[str, _Seat], state: Mapping[str, torch.Tensor], meta: dict
+    ) -> float:
+        """One attempt; returns the seconds spent forming the group."""
+        started = time.monotonic()
         world = len(seated) + 1
         store = dist.TCPStore(
             self.host, 0, world, is_master=True, timeout=timedelta(seconds=self.timeout_seconds), wait_for_workers=False
@@ -175,7 +182,9 @@ class Coordinator:
             assert seat.wake is not None
             seat.wake()
         group = open_group(store, Round(round_id, self.host, store.port, 0, world, model, version, 1), self.host)
+        formed = time.monotonic() - started
         send(state, group, bucket_bytes=self.bucket_bytes, meta=meta, tamper=self.tamper)
+        return formed
 
 
 class Member:

@@ -19,11 +19,22 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
+
+
+class Group(Protocol):
+    """What a broadcast calls on its group: the default process group, or a backend made for one
+    broadcast (``ProcessGroupGloo``), each addressed by its own ranks."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
+
 
 BUCKET_BYTES = 64 << 20  # default bucket: big enough to keep a link busy, small enough to pipeline
 ALIGN = 16  # bytes: a tensor's offset in its bucket, so its bytes view as any dtype
@@ -64,7 +75,7 @@ class BroadcastFailed(FeatureStoreError):
 
 def send(
     state: Mapping[str, torch.Tensor],
-    group: dist.ProcessGroup | None = None,
+    group: Group | None = None,
     src: int = 0,
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | str = "cpu",
@@ -105,7 +116,7 @@ def send(
 
 
 def receive(
-    group: dist.ProcessGroup | None = None, src: int = 0, device: torch.device | str = "cpu"
+    group: Group | None = None, src: int = 0, device: torch.device | str = "cpu"
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The weights ``src`` broadcasts and its ``meta``, once every receiver has them intact
     (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in."""
@@ -143,7 +154,7 @@ def receive(
     return received, layout.get("meta", {})
 
 
-def _backend(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def _backend(group: Group | None) -> Group:
     """The group to call directly (its own ranks, no default group needed): the default one for None."""
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
@@ -160,21 +171,21 @@ def _digest(buffer: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
 
 
-def _everyone_ok(mine: bool, group: dist.ProcessGroup, device: torch.device | str) -> bool:
+def _everyone_ok(mine: bool, group: Group, device: torch.device | str) -> bool:
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
     group.allreduce([flag], options).wait()
     return bool(flag.item())
 
 
-def _send_json(value: dict, group: dist.ProcessGroup, src: int, device: torch.device | str) -> None:
+def _send_json(value: dict, group: Group, src: int, device: torch.device | str) -> None:
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     group.broadcast(torch.tensor([data.numel()], dtype=torch.int64, device=device), src).wait()
     group.broadcast(data, src).wait()
 
 
-def _receive_json(group: dist.ProcessGroup, src: int, device: torch.device | str) -> dict:
+def _receive_json(group: Group, src: int, device: torch.device | str) -> dict:
     length = torch.empty(1, dtype=torch.int64, device=device)
     group.broadcast(length, src).wait()
     data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)

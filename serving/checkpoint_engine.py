@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Path, Query
@@ -50,7 +51,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         stop = threading.Event()
-        loops = [(replica.sync_forever, "checkpoint-sync")] if replica is not None else []
+        loops: list[tuple[Callable[[threading.Event], None], str]] = []
+        if replica is not None:
+            loops.append((replica.sync_forever, "checkpoint-sync"))
         if publisher is not None:
             loops.append((publisher.run_forever, "checkpoint-broadcast"))
         for target, name in loops:
