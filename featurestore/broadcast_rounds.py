@@ -17,6 +17,7 @@ broadcast.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
@@ -81,6 +82,7 @@ class _Seat:
     since: float
     round: Round | None = None
     wake: Callable[[], object] | None = None
+    taken: bool = False  # placed in a round (whose address follows at once)
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,16 @@ class Coordinator:
             self._seats[member] = seat  # a member's newer call replaces its older one
             self._seen[member] = (seat.since, stage)
             self._lock.notify_all()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(woken.wait(), timeout)
-        except TimeoutError:
-            pass
         with self._lock:
             if self._seats.get(member) is seat:
                 del self._seats[member]
             self._seen[member] = (time.monotonic(), stage)
-            return seat.round
+        if seat.taken and seat.round is None:  # placed just as its time ran out: the address is coming
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), self.timeout_seconds)
+        return seat.round
 
     def broadcast(self, model: str, stage: str, version: int, state: Mapping[str, torch.Tensor], meta: dict) -> Outcome:
         """Send ``state`` to the members following ``stage``, again without any that fail, up to
@@ -164,7 +167,10 @@ class Coordinator:
                 here = {m for m, seat in self._seats.items() if seat.stage == stage}
                 left = deadline - time.monotonic()
                 if expected <= here or left <= 0:
-                    return {m: self._seats.pop(m) for m in here}
+                    seated = {m: self._seats.pop(m) for m in here}
+                    for seat in seated.values():
+                        seat.taken = True
+                    return seated
                 self._lock.wait(left)
 
     def _run(
@@ -181,7 +187,8 @@ class Coordinator:
             seat.round = Round(round_id, self.host, store.port, rank, world, model, version, self.timeout_seconds)
             assert seat.wake is not None
             seat.wake()
-        group = open_group(store, Round(round_id, self.host, store.port, 0, world, model, version, 1), self.host)
+        own = Round(round_id, self.host, store.port, 0, world, model, version, self.timeout_seconds)
+        group = open_group(store, own, self.host)
         formed = time.monotonic() - started
         send(state, group, bucket_bytes=self.bucket_bytes, meta=meta, tamper=self.tamper)
         return formed

@@ -162,13 +162,13 @@ def _until(condition, processes, timeout: float = 90.0) -> None:
 
 
 def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows: int | None = None):
-    """A source with v1 promoted and v2, v3 registered (other weights each); replicas holding v1."""
+    """A source with v1 promoted and v2, v3, v4 registered (other weights each); replicas holding v1."""
     source_dir = pipeline["root"] / "source"
     data = tmp_path / "source"
     shutil.copytree(source_dir / "registry", data / "registry")
-    runs = [_variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows) for i in range(3)]
+    runs = [_variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows) for i in range(4)]
     source = Source(data, bucket_bytes)
-    v1, v2, v3 = (source.registry.register("fraud", run) for run in runs)
+    v1, v2, v3, v4 = (source.registry.register("fraud", run) for run in runs)
     source.promote(v1)
     members = []
     for i in range(replicas):  # each replica's own folders: the definitions registry, and v1 installed
@@ -178,7 +178,7 @@ def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows:
         registry.install("fraud", v1, source.registry.verify("fraud", v1), source.registry.hashes("fraud")[v1])
         registry.promote("fraud", v1, "production")
         members.append(Replica(own, pipeline["redis"], source.url))
-    return source, members, (v1, v2, v3)
+    return source, members, (v1, v2, v3, v4)
 
 
 class Requests:
@@ -230,46 +230,58 @@ def _scores(source: Source, data_dir: Path, versions: tuple[int, ...], monkeypat
 
 
 def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nobody(pipeline, tmp_path, monkeypatch):
-    source, replicas, (v1, v2, v3) = _setup(pipeline, tmp_path, replicas=2, bucket_bytes=64 * 1024)
+    source, replicas, (v1, v2, v3, v4) = _setup(pipeline, tmp_path, replicas=2, bucket_bytes=64 * 1024)
     processes = [r.process for r in replicas]
+
+    def pause(bucket: int, _data) -> None:  # a replica that stalls 2 s (GC, swap) mid-broadcast
+        if bucket == 1:
+            replicas[0].process.send_signal(signal.SIGSTOP)
+            threading.Timer(2.0, replicas[0].process.send_signal, [signal.SIGCONT]).start()
+
     try:
         _until(lambda: len(source.coordinator._seen) == 2, processes)  # both seated
         load = Requests(replicas)
         time.sleep(0.5)
         source.promote(v2)
         _until(lambda: all(r.version() == v2 for r in replicas), processes)
-        # a bucket damaged after hashing: every replica refuses the round and keeps v2
-        source.coordinator.tamper = lambda bucket, data: data.__setitem__(0, data[0] ^ 1) if bucket == 1 else None
+        # a stall shorter than the round's timeout fails nothing (the source's own side had 1 s)
+        source.coordinator.tamper = pause
         source.promote(v3)
-        _until(lambda: len(source.publisher.outcomes) == 2, processes)
+        _until(lambda: all(r.version() == v3 for r in replicas), processes)
+        # a bucket damaged after hashing: every replica refuses the round and keeps v3
+        source.coordinator.tamper = lambda bucket, data: data.__setitem__(0, data[0] ^ 1) if bucket == 1 else None
+        source.promote(v4)
+        _until(lambda: len(source.publisher.outcomes) == 4, processes)
         time.sleep(1.0)
-        assert [r.version() for r in replicas] == [v2, v2]
+        assert [r.version() for r in replicas] == [v3, v3]
         seen = load.finish()
     finally:
         for r in replicas:
             r.stop()
         source.stop()
-    first, second = list(source.publisher.outcomes)[-2:]  # (v1 went out before anyone sat down)
-    assert first["ok"] and len(first["members"]) == 2 and first["attempts"] == 0
-    assert not second["ok"] and "keep" in second["error"]
+    plain, paused, damaged = list(source.publisher.outcomes)[-3:]  # (v1 went out before anyone sat down)
+    assert plain["ok"] and len(plain["members"]) == 2 and plain["attempts"] == 0
+    assert paused["ok"] and len(paused["members"]) == 2 and paused["attempts"] == 0, paused
+    assert not damaged["ok"] and "keep" in damaged["error"]
     assert {status for _, status, _, _ in seen} == {200}  # no request failed while flipping
-    expected = _scores(source, tmp_path / "source", (v1, v2), monkeypatch)
-    assert expected[v1] != expected[v2]
+    expected = _scores(source, tmp_path / "source", (v1, v2, v3), monkeypatch)
+    assert len(set(expected.values())) == 3
     for index, replica in enumerate(replicas):
         versions = [v for i, _, v, _ in seen if i == index]
-        assert versions[0] == v1 and versions[-1] == v2 and versions == sorted(versions)  # one flip, never back
+        assert versions[0] == v1 and versions[-1] == v3 and versions == sorted(versions)  # flips, never back
         # each answer scored by exactly the version it names, with the source's weights
-        assert {(v, s) for i, _, v, s in seen if i == index} == {(v, expected[v]) for v in (v1, v2)}
+        assert {(v, s) for i, _, v, s in seen if i == index} == {(v, expected[v]) for v in (v1, v2, v3)}
         # installed from the broadcast bytes: the same files as registered at the source (hash-checked)
-        assert replica.registry.hashes("fraud")[v2] == source.registry.hashes("fraud")[v2]
-        assert replica.registry.aliases("fraud")["production"] == v2 and v3 not in replica.registry.versions("fraud")
+        for version in (v2, v3):
+            assert replica.registry.hashes("fraud")[version] == source.registry.hashes("fraud")[version]
+        assert replica.registry.aliases("fraud")["production"] == v3 and v4 not in replica.registry.versions("fraud")
 
 
 @pytest.mark.slow
 def test_a_replica_killed_mid_broadcast_holds_nobody_and_catches_up_from_a_peer(pipeline, tmp_path):
     # a ~50 MB model in 1 MB buckets (its key table one bucket of its own): the victim dies after
     # the first bucket reached it, while the rest is on the wire
-    source, replicas, (v1, v2, _) = _setup(pipeline, tmp_path, 3, 1 << 20, embedding_rows=1_600_000)
+    source, replicas, (v1, v2, *_) = _setup(pipeline, tmp_path, 3, 1 << 20, embedding_rows=1_600_000)
     victim = replicas[2]
     kill_at = 1
 
