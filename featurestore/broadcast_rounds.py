@@ -205,7 +205,6 @@ class Member:
         host: str = "127.0.0.1",
     ):
         self.join, self.take, self.host = join, take, host
-        self.received: list[int] = []  # versions taken (for logs and tests)
 
     def receive_once(self) -> int | None:
         """Wait for one seat; the version received and taken, or None when no round came."""
@@ -218,7 +217,6 @@ class Member:
         log.info("%s v%s: receiving (rank %d of %d)", round_.model, round_.version, round_.rank, round_.world)
         tensors, meta = receive(group)
         self.take(round_.version, tensors, meta)
-        self.received.append(round_.version)
         return round_.version
 
     def run_forever(self, stop: threading.Event, on_error: Callable[[Exception], None] | None = None) -> None:

@@ -68,6 +68,14 @@ def state(registry: ModelRegistry, name: str) -> dict[str, Any]:
 
 
 KEY_ENV = "FEATURESTORE_API_KEY"  # the key a replica presents to its source and upstream (their `read` scope)
+
+
+def key_headers(api_key: str | None = None) -> dict[str, str]:
+    """The headers presenting ``api_key`` (default: ``FEATURESTORE_API_KEY``); none without a key."""
+    key = api_key if api_key is not None else os.environ.get(KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -115,9 +123,7 @@ class Replica:
     ):
         self.registry, self.name, self.models_from = registry, name, models_from
         self.source, self.upstream = source.rstrip("/"), upstream.rstrip("/") if upstream else None
-        key = api_key if api_key is not None else os.environ.get(KEY_ENV)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = client or httpx.Client(timeout=httpx.Timeout(10.0, read=70.0), headers=headers)
+        self.http = client or httpx.Client(timeout=httpx.Timeout(10.0, read=70.0), headers=key_headers(api_key))
         self.fetched_from: dict[int, str] = {}  # version -> where its files came from (for tests and logs)
 
     def sync_once(self, wait: str | None = None, timeout: float = 25.0) -> str:

@@ -14,7 +14,6 @@ import contextlib
 import gc
 import json
 import logging
-import os
 import sys
 import threading
 import uuid
@@ -33,7 +32,7 @@ from pydantic import BaseModel, Field
 from featurestore import FeatureStore
 from featurestore.auth import Authenticator
 from featurestore.broadcast_rounds import JOIN_SECONDS, Member
-from featurestore.checkpoint_engine import KEY_ENV, version_files
+from featurestore.checkpoint_engine import key_headers, version_files
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
@@ -43,6 +42,8 @@ from serving.fast_lane import FastLane
 from serving.metrics import Metrics
 from serving.reload import RegistryWatcher
 from serving.responses import install_error_handlers, json_handler, json_response, request_time, respond
+
+log = logging.getLogger("featurestore.server")
 
 
 class PredictRequest(BaseModel):
@@ -190,17 +191,13 @@ class ModelHolder:
             registry.install(self.model_name, version, version_files(tensors, meta), meta["hashes"])
             registry.promote(self.model_name, version, self.stage, loads=True)
             self.followed = version
-        logging.getLogger("featurestore.server").info("%s v%s: serving, taken by broadcast", self.model_name, version)
+        log.info("%s v%s: serving, taken by broadcast", self.model_name, version)
 
     def broadcasts(self, source: str, host: str) -> Member:
         """This server's seat in ``source``'s broadcasts (with the key in ``FEATURESTORE_API_KEY``)."""
         import httpx
 
-        key = os.environ.get(KEY_ENV)
-        client = httpx.Client(
-            timeout=httpx.Timeout(10.0, read=JOIN_SECONDS + 10),
-            headers={"Authorization": f"Bearer {key}"} if key else {},
-        )
+        client = httpx.Client(timeout=httpx.Timeout(10.0, read=JOIN_SECONDS + 10), headers=key_headers())
         body = {"member": f"{self.model_name}-{uuid.uuid4().hex[:12]}", "stage": self.stage}
 
         def join() -> dict[str, Any] | None:

@@ -42,24 +42,20 @@ def pipeline(tmp_path_factory):
     """The demo's fraud pipeline once: a source data dir with a trained run, its Redis."""
     root = tmp_path_factory.mktemp("broadcast")
     redis_server = EmbeddedRedis(root / "redis")
-    env = {"FEATURESTORE_DATA_DIR": str(root / "source"), "REDIS_URL": redis_server.ensure_running()}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        data = generate(n_cards=200, days=6, seed=5)
-        with FeatureStore(DEFINITIONS) as store:
-            load_demo(store, data, root / "dataset")
-        config = TrainConfig(
-            dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
-        )
-        yield {"root": root, "run": train(config, root / "runs", progress=False), "redis": env["REDIS_URL"]}
-    finally:
-        redis_server.stop()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FEATURESTORE_DATA_DIR", str(root / "source"))
+        env.setenv("REDIS_URL", redis_server.ensure_running())
+        try:
+            data = generate(n_cards=200, days=6, seed=5)
+            with FeatureStore(DEFINITIONS) as store:
+                load_demo(store, data, root / "dataset")
+            config = TrainConfig(
+                dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
+            )
+            run = train(config, root / "runs", progress=False)
+            yield {"root": root, "run": run, "redis": os.environ["REDIS_URL"]}
+        finally:
+            redis_server.stop()
 
 
 def _variant(run: Path, folder: Path, seed: int, embedding_rows: int | None = None) -> Path:
