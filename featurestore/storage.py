@@ -459,6 +459,12 @@ _CAUSES = (
 _STORAGE_MODULES = ("botocore", "boto3", "deltalake", "pyarrow", "urllib3")
 
 
+def _as_pattern(word: str) -> str:
+    """A status code matches only as a number of its own: a retry's duration ("in 1.503877665s")
+    must not read as a 503."""
+    return rf"(?<![\d.]){word}(?!\d)" if word.isdigit() else re.escape(word)
+
+
 def explain(exc: BaseException) -> StorageUnavailable | None:
     """A one-line error saying what to do, when ``exc`` (or what caused it) is object storage
     failing; None for anything else."""
@@ -471,7 +477,7 @@ def explain(exc: BaseException) -> StorageUnavailable | None:
     from_storage = [e for e in chain if type(e).__module__.split(".")[0] in _STORAGE_MODULES or type(e) is OSError]
     text = " ".join(f"{type(e).__name__} {e}" for e in from_storage).lower()
     for words, advice in _CAUSES if from_storage else ():
-        if any(w in text for w in words):
+        if any(re.search(_as_pattern(w), text) for w in words):
             detail = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(from_storage[0])).split())[:240]
             return StorageUnavailable(f"{advice} ({detail})")
     return None

@@ -25,7 +25,7 @@ from featurestore import FeatureStore
 from featurestore.errors import ConflictError, FeatureStoreError
 from featurestore.offline.delta import DeltaOfflineStore
 from featurestore.registry.store import RegistryStore
-from featurestore.storage import Location
+from featurestore.storage import Location, explain
 
 from .conftest import s3_bucket, s3_storage, write_repo
 from .test_aggregations import FEATURES, _frame
@@ -132,7 +132,8 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 from featurestore.offline.delta import DeltaOfflineStore
-from featurestore.storage import Location
+
+from featurestore.storage import Location, explain
 
 url, options, start, count = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 store = DeltaOfflineStore(Location.parse(url, __import__("pathlib").Path("."), options))
@@ -275,7 +276,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from featurestore.storage import Location
+
+from featurestore.storage import Location, explain
 from featurestore.tracking.artifacts import ArtifactStore
 from featurestore.training.model_registry import ModelRegistry
 
@@ -964,3 +966,21 @@ def test_object_requests_are_counted_as_the_server_sees_them(make_store, s3_endp
             server.wait(10)
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "advice"),
+    [
+        # a dropped connection whose retries happened to take 1.503… s once read as a 503
+        (
+            "Generic S3 error: Error performing PUT in 1.503877665s, after 10 retries, max_retries: 10, "
+            "retry_timeout: 180s - HTTP error: error sending request",
+            "could not be reached",
+        ),
+        ("Generic S3 error: Error performing GET, after 10 retries - Server returned 503", "kept refusing"),
+        ("Generic S3 error: response error 503 Service Unavailable", "kept refusing"),
+    ],
+)
+def test_a_storage_error_is_told_apart_by_its_words_not_by_digits_inside_a_duration(message, advice):
+    explained = explain(OSError(message))
+    assert explained is not None and advice in str(explained), explained
