@@ -187,6 +187,58 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
     assert ids == list(range(120))
 
 
+_CREATE = """
+import json, sys, time
+from pathlib import Path
+import pyarrow as pa
+from featurestore.offline.delta import DeltaOfflineStore
+from featurestore.storage import Location
+
+url, options, tables, at = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+store = DeltaOfflineStore(Location.parse(url, Path("."), options))
+rows = pa.table({
+    "k": pa.array(range(10), pa.int64()),
+    "event_timestamp": pa.array([1_700_000_000_000_000] * 10, pa.timestamp("us", tz="UTC")),
+    "created_timestamp": pa.array([0] * 10, pa.timestamp("us", tz="UTC")),
+    "_run_id": pa.array([1] * 10, pa.int64()),
+    "_row_id": pa.array(range(10), pa.int64()),
+})
+for t in range(tables):  # ``append``'s steps, both writers committing at the same instant
+    actions = store.write_files(f"t{t}", store.new_rows(f"t{t}", rows, None))
+    while time.time() < at + t:
+        pass
+    store.commit(f"t{t}", actions, rows.schema, None)
+"""
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_writers_creating_a_table_at_once_store_each_row_once(backend, tmp_path, request):
+    """Two writers append the same rows to a table neither finds: both create it at once. deltalake
+    retries a creation that lost the race as the next version (both creations landed, every row
+    twice, in 29 of 30 tries); the loser must instead dedupe against the winner."""
+    if backend == "s3":
+        bucket, settings = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        url, options = f"s3://{bucket}/offline", json.dumps(settings)
+    else:
+        url, options = str(tmp_path / "offline"), "{}"
+    script = tmp_path / "create.py"
+    script.write_text(textwrap.dedent(_CREATE))
+    tables, at = 4, time.time() + 5  # (past both interpreters' imports)
+    writers = [
+        subprocess.Popen([sys.executable, str(script), url, options, str(tables), str(at)], stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    for writer in writers:
+        _, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err.decode()[-2000:]
+    store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
+    schema = pa.schema([("_row_id", pa.int64())])
+    for t in range(tables):
+        con = duckdb.connect()
+        store.register(con, f"t{t}", "t", schema)
+        assert sorted(r[0] for r in con.execute("SELECT _row_id FROM t").fetchall()) == list(range(10)), t
+
+
 _APPLY = """
 import sys
 import time

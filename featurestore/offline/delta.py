@@ -234,6 +234,9 @@ class DeltaOfflineStore:
                         mode="error",
                         partition_by=[PARTITION],
                         storage_options=self.options,
+                        # deltalake retries a creation that lost the race as the next version: both
+                        # creations would land, every row of both twice
+                        commit_properties=CommitProperties(max_commit_retries=0),
                     )
                     return self.version(view)
                 except DeltaError:
