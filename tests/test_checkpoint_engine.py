@@ -286,6 +286,7 @@ def test_a_replica_refuses_names_and_versions_that_would_leave_its_registry(tmp_
         Replica(registry, "../escape", "http://127.0.0.1:1").registry.versions("../escape")
 
 
+@pytest.mark.slow
 def test_replicas_fetch_from_the_object_store_before_the_source(tmp_path, redis_url, run, s3_endpoint):
     """The source's durable state on S3: a replica given --models-from fetches each version there,
     verified against the source's hashes, and the source sends it no file; a replica pointed at

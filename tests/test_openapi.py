@@ -17,7 +17,7 @@ from featurestore import FeatureStore
 from .conftest import free_port, write_repo
 from .test_feature_server import DEFS
 
-EXAMPLES = os.environ.get("FEATURESTORE_SCHEMATHESIS_EXAMPLES", "25")  # more in a thorough run
+EXAMPLES = os.environ.get("FEATURESTORE_SCHEMATHESIS_EXAMPLES", "10")  # more in a thorough run
 
 
 def schemathesis(url: str, timeout: float = 300) -> None:
