@@ -6,7 +6,8 @@ file grants nothing to whoever reads it. Several keys may be live at once: rotat
 the new key, moving clients over, then removing the old one.
 
 Scopes: ``read`` (lookups, /predict, health, metrics, docs), ``push`` (any push source) or
-``push:<source>``, ``materialize``, and ``admin`` (everything).
+``push:<source>``, ``materialize``, ``track`` (writing runs through the MLflow-compatible API),
+and ``admin`` (everything).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from featurestore.errors import FeatureStoreError
 
 KEYS_ENV = "FEATURESTORE_API_KEYS"
-SCOPES = ("read", "push", "materialize", "admin")
+SCOPES = ("read", "push", "materialize", "track", "admin")
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class ApiKey:
     scopes: frozenset[str]
 
     def allows(self, scope: str) -> bool:
-        """``scope`` is ``read``, ``materialize``, ``push`` or ``push:<source>``."""
+        """``scope`` is ``read``, ``materialize``, ``track``, ``push`` or ``push:<source>``."""
         if "admin" in self.scopes or scope in self.scopes:
             return True
         return scope.startswith("push:") and "push" in self.scopes

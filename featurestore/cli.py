@@ -474,7 +474,7 @@ def _run_server(
 def api_key(
     name: str = typer.Option(..., help="Who uses the key (shown in logs and errors)."),
     scope: list[str] = typer.Option(
-        ["read"], "--scope", help="read, push, push:<source>, materialize or admin (repeatable)."
+        ["read"], "--scope", help="read, push, push:<source>, materialize, track or admin (repeatable)."
     ),
 ) -> None:
     """Make a new API key: give the key to the client, put the printed entry under server.auth.keys."""

@@ -16,8 +16,14 @@ ROUTE_SCOPES = {
 }  # every other route needs "read"
 
 
-def route_scope(path: str) -> str:
-    """The scope a path needs: by its first segment (``/jobs/abc`` as ``/jobs``)."""
+TRACKING = "/api/2.0/mlflow"  # MLflow's tracking and artifact routes: writing runs needs "track"
+
+
+def route_scope(path: str, method: str = "GET") -> str:
+    """The scope a request needs: by its path's first segment (``/jobs/abc`` as ``/jobs``); on
+    MLflow's routes, ``track`` to write (searches are POSTs that only read)."""
+    if path.startswith(TRACKING):
+        return "read" if method in ("GET", "HEAD") or path.endswith("/search") else "track"
     return ROUTE_SCOPES.get(path) or ROUTE_SCOPES.get("/" + path.split("/")[1], "read")
 
 
@@ -37,15 +43,24 @@ def refusal(auth: Authenticator, scope: dict) -> tuple[int, bytes, bytes] | None
     if key is None:
         if safe and "text/html" in (header(scope, b"accept") or ""):  # a browser: a form asking for the key
             return 401, LOGIN_PAGE, b"text/html; charset=utf-8"
-        return 401, dumps({"detail": "missing or unknown API key; send `Authorization: Bearer <key>`"}), JSON
-    needed = route_scope(scope.get("path", ""))
+        missing = "missing or unknown API key; send `Authorization: Bearer <key>`"
+        return 401, _refused(scope, "UNAUTHENTICATED", missing), JSON
+    needed = route_scope(scope.get("path", ""), scope.get("method", "GET"))
     if not (key.allows(needed) or (needed == "push" and any(s.startswith("push:") for s in key.scopes))):
-        return 403, dumps({"detail": f"API key {key.name!r} lacks the {needed!r} scope this route needs"}), JSON
+        lacks = f"API key {key.name!r} lacks the {needed!r} scope this route needs"
+        return 403, _refused(scope, "PERMISSION_DENIED", lacks), JSON
     scope.setdefault("state", {})["api_key"] = key
     return None
 
 
 JSON = b"application/json"
+
+
+def _refused(scope: dict, code: str, message: str) -> bytes:
+    """A refusal's body; on MLflow's routes in MLflow's words, so its client names the error."""
+    if scope.get("path", "").startswith(TRACKING):
+        return dumps({"error_code": code, "message": message})
+    return dumps({"detail": message})
 
 
 def header(scope: dict, name: bytes) -> str | None:

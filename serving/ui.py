@@ -30,6 +30,7 @@ from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
 from serving.fast_lane import FastLane
 from serving.metrics import Metrics
+from serving.mlflow_api import mlflow_app
 from serving.reload import RegistryWatcher
 from serving.responses import install_error_handlers, json_response
 
@@ -208,7 +209,8 @@ def _searchable(obj: dict[str, Any]) -> str:
 
 
 def create_app(repo: str | Path | None = None) -> FastAPI:
-    """The UI on its own (``featurestore ui``): ``/ui/``, its API under ``/ui/api``, docs at ``/docs``."""
+    """The UI on its own (``featurestore ui``): ``/ui/``, its API under ``/ui/api``, docs at ``/docs``,
+    and MLflow's tracking API under ``/api/2.0`` (``serving.mlflow_api``)."""
     watcher = RegistryWatcher(Path(repo) if repo else ServerLaunch.received().repo_path)
     metrics = Metrics("featurestore_ui")
 
@@ -222,6 +224,7 @@ def create_app(repo: str | Path | None = None) -> FastAPI:
     app = FastAPI(title="featurestore UI", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app, metrics)
     mount(app, lambda: watcher.current, metrics)
+    app.mount("/api/2.0", mlflow_app(lambda: watcher.current))  # mlflow.set_tracking_uri(<this server>)
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

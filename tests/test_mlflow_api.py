@@ -1,0 +1,169 @@
+"""The real ``mlflow`` client against our UI server (issue #30): an unchanged MLflow script logs
+params, 1,000 metric steps, tags and artifacts into runs our own API reads, compares with a
+native run, and MLflow reads back, ours included; writes need the ``track`` scope."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from featurestore import FeatureStore
+from featurestore.auth import hash_key
+from featurestore.tracking import Run, compare, curve, list_runs, read_run
+
+from .conftest import demo_repo
+from .test_ui import _serve
+
+pytest.importorskip("mlflow")
+
+WRITER_KEY, READER_KEY = "fsk_mlflow-writer", "fsk_mlflow-reader"
+
+SCRIPT = """
+import json, math, sys
+import mlflow
+from mlflow import MlflowClient
+
+mlflow.set_tracking_uri(sys.argv[1])
+mlflow.set_experiment("fraud-mlflow")
+with mlflow.start_run(run_name="plain-pytorch") as run:
+    mlflow.log_params({"lr": 0.01, "batch_size": 256})
+    for step in range(1000):
+        mlflow.log_metric("loss", 1 / (step + 1), step=step)
+    mlflow.log_metric("grad_norm", float("nan"), step=0)
+    mlflow.set_tag("team", "fraud")
+    mlflow.log_artifact(sys.argv[2])
+    mlflow.log_text("weights are in the registry", "notes/readme.txt")
+run_id = run.info.run_id
+client = MlflowClient()
+got = mlflow.get_run(run_id)
+found = mlflow.search_runs(experiment_names=["fraud-mlflow"], filter_string="metrics.loss < 0.01", output_format="list")
+none = mlflow.search_runs(experiment_names=["fraud-mlflow"], filter_string="params.lr = '0.5'", output_format="list")
+native = mlflow.search_runs(experiment_ids=["0"], output_format="list")
+history = client.get_metric_history(run_id, "loss")
+print(json.dumps({
+    "run_id": run_id,
+    "status": got.info.status,
+    "params": got.data.params,
+    "metrics": {k: (None if math.isnan(v) else v) for k, v in got.data.metrics.items()},
+    "tags": {k: v for k, v in got.data.tags.items() if not k.startswith("mlflow.")},
+    "found": [r.info.run_id for r in found],
+    "none": [r.info.run_id for r in none],
+    "native": [(r.info.run_id, r.info.status, r.data.params, r.data.metrics) for r in native],
+    "history": [(m.step, m.value) for m in history],
+    "artifacts": sorted(f.path for f in client.list_artifacts(run_id)),
+    "notes": [f.path for f in client.list_artifacts(run_id, "notes")],
+    "text": mlflow.artifacts.load_text(f"runs:/{run_id}/notes/readme.txt"),
+}))
+"""
+
+
+@pytest.fixture
+def served(tmp_path):
+    keys = [
+        {"name": "trainer", "sha256": hash_key(WRITER_KEY), "scopes": ["read", "track"]},
+        {"name": "viewer", "sha256": hash_key(READER_KEY), "scopes": ["read"]},
+    ]
+    with demo_repo(tmp_path) as repo, FeatureStore(repo) as store:
+        store.apply()
+        native = Run(store.config.data_dir / "runs" / "20260101-000000-native")
+        native.log_params({"config": {"epochs": 2, "learning_rate": 0.005}})
+        native.log(0, loss=0.7)
+        native.log(1, loss=0.4)
+        native.finish({"loss": 0.4})
+        env = {k: os.environ[k] for k in ("FEATURESTORE_DATA_DIR", "REDIS_URL")}
+        process, url = _serve(
+            {"repo": repo, "env": env}, {"FEATURESTORE_API_KEYS": json.dumps(keys), "MLFLOW_TRACKING_TOKEN": ""}
+        )
+        try:
+            yield url, store, env
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def _mlflow(url: str, env: dict, key: str, script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), url, *args],
+        env={**os.environ, **env, "MLFLOW_TRACKING_TOKEN": key},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_an_mlflow_script_logs_runs_we_show_and_mlflow_reads_ours(served, tmp_path):
+    url, store, env = served
+    model = tmp_path / "model.bin"
+    model.write_bytes(os.urandom(50_000))
+    done = _mlflow(url, env, WRITER_KEY, SCRIPT, str(model))
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    run_id = seen["run_id"]
+
+    # MLflow reads back what it logged
+    assert seen["status"] == "FINISHED" and seen["params"] == {"lr": "0.01", "batch_size": "256"}
+    assert seen["metrics"] == {"loss": 1 / 1000, "grad_norm": None} and seen["tags"] == {"team": "fraud"}
+    assert seen["history"] == [[step, 1 / (step + 1)] for step in range(1000)]
+    assert seen["found"] == [run_id] and seen["none"] == []
+    assert seen["artifacts"] == ["model.bin", "notes"] and seen["notes"] == ["notes/readme.txt"]
+    assert seen["text"] == "weights are in the registry"
+    # ... and reads ours: experiment 0, finished, nested params flattened, the last step's loss
+    [(native_id, status, params, metrics)] = seen["native"]
+    assert native_id == "20260101-000000-native" and status == "FINISHED"
+    assert params == {"config.epochs": "2", "config.learning_rate": "0.005"} and metrics == {"loss": 0.4}
+
+    # our side: the run is listed, its curve has every step, its artifact is the file's bytes
+    runs_dir = store.config.data_dir / "runs"
+    listed = {r["id"]: r for r in list_runs(runs_dir)}
+    assert listed[run_id]["status"] == "finished" and listed[run_id]["final"]["loss"] == 1 / 1000
+    run = read_run(runs_dir / run_id)
+    assert run["params"] == {"lr": "0.01", "batch_size": "256"} and run["tags"]["team"] == "fraud"
+    assert sorted(run["metrics"]) == ["grad_norm", "loss"]
+    assert curve(runs_dir / run_id, "loss", points=5000)["points"] == 1000
+    sha = run["artifacts"]["model.bin"]["sha256"]
+    assert sha == hashlib.sha256(model.read_bytes()).hexdigest() and store.artifacts().read(sha) == model.read_bytes()
+    side_by_side = compare([run, read_run(runs_dir / "20260101-000000-native")])
+    assert side_by_side["final"]["loss"] == [1 / 1000, 0.4] and "lr" in side_by_side["differs"]
+
+
+ERRORS = """
+import json, sys
+import mlflow
+from mlflow.exceptions import MlflowException
+
+mlflow.set_tracking_uri(sys.argv[1])
+out = {}
+for name, call in [
+    ("create", lambda: mlflow.create_experiment("viewer-made")),
+    ("missing", lambda: mlflow.get_run("20990101-000000-absent")),
+    ("bad filter", lambda: mlflow.search_runs(experiment_ids=["0"], filter_string="loss < 1")),
+]:
+    try:
+        call()
+        out[name] = "ok"
+    except MlflowException as exc:
+        out[name] = exc.error_code
+out["listed"] = len(mlflow.search_runs(experiment_ids=["0"], output_format="list"))
+print(json.dumps(out))
+"""
+
+
+def test_reading_needs_read_writing_needs_track_and_errors_say_what_went_wrong(served):
+    url, _, env = served
+    done = _mlflow(url, env, READER_KEY, ERRORS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {
+        "create": "PERMISSION_DENIED",
+        "missing": "RESOURCE_DOES_NOT_EXIST",
+        "bad filter": "INVALID_PARAMETER_VALUE",
+        "listed": 1,
+    }, out
+    refused = _mlflow(url, env, "", "import mlflow, sys; mlflow.set_tracking_uri(sys.argv[1]); mlflow.get_run('x')")
+    assert refused.returncode == 1 and "UNAUTHENTICATED: missing or unknown API key" in refused.stderr
