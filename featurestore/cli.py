@@ -751,20 +751,36 @@ def runs_list(
     tag: list[str] = typer.Option([], "--tag", help="Only runs with this tag, as key=value (repeatable)."),
     repo: Path = RepoOption,
 ) -> None:
-    """List runs, newest first, with their status, tags and final metrics."""
+    """List runs, newest first, with their status, start, duration, tags and final metrics."""
     from featurestore.tracking import list_runs
 
-    table = Table("run", "status", "started", "tags", "metrics")
+    table = Table("run", "status", "started", "took", "tags", "metrics")
     table.columns[0].no_wrap, table.columns[0].min_width = True, 20  # a run id is copied whole into `runs show`
     for run in list_runs(_store(repo).runs_folder(), search, _key_values(tag)):
         table.add_row(
             run["id"],
             run["status"],
             run["started_at"],
+            _duration(run["duration_s"]),
             " ".join(f"{k}={v}" for k, v in run["tags"].items()),
             " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()),
         )
     console.print(table)
+
+
+def _duration(seconds: float | None) -> str:
+    """``95.2`` -> ``1m 35s``; a run still going (or cut off): ``–``."""
+    if seconds is None:
+        return "–"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    return (
+        f"{hours}h {rest // 60:02d}m"
+        if hours
+        else f"{rest // 60}m {rest % 60:02d}s"
+        if rest >= 60
+        else f"{seconds:.1f}s"
+    )
 
 
 def _key_values(pairs: list[str]) -> dict[str, str]:

@@ -154,3 +154,28 @@ def test_a_million_steps_are_compact_on_disk_and_curve_fast(tmp_path):
     assert line["points"] == 1_000_000 and len(line["steps"]) == 500
     assert line["values"][0] == values[0] and line["values"][-1] == values[-1]
     assert values.max() in line["values"] and values.min() in line["values"]
+
+
+def test_a_run_knows_how_long_it_took_and_a_resume_keeps_its_start(tmp_path):
+    """Start and finish are recorded (not read from files a resume rewrites): the list shows the duration."""
+    import time
+
+    from featurestore.tracking.runs import list_runs, times
+
+    run = Run(tmp_path / "runs" / "r1")
+    run.log_params({"config": {"epochs": 1}})
+    started, finished = times(run.dir)
+    assert finished is None and list_runs(tmp_path / "runs")[0]["duration_s"] is None
+    time.sleep(0.3)
+    run.record_resume({"world": 2})  # rewrites params.json
+    again = Run(tmp_path / "runs" / "r1")  # the resumed process
+    again.finish({"loss": 0.1})
+    assert times(run.dir)[0] == started
+    listed = list_runs(tmp_path / "runs")[0]
+    assert listed["status"] == "finished" and 0.3 <= listed["duration_s"] < 30
+
+
+def test_runs_list_has_a_duration_column():
+    from featurestore.cli import _duration
+
+    assert [_duration(s) for s in (None, 4.26, 95.2, 3599.6, 7300)] == ["–", "4.3s", "1m 35s", "1h 00m", "2h 01m"]

@@ -35,7 +35,7 @@ from featurestore.files import atomic_write
 from featurestore.storage import Objects
 from featurestore.tracking.artifacts import ArtifactStore
 from featurestore.tracking.metric_store import MetricWriter, read_metrics
-from featurestore.tracking.runs import _json, _started, flat_params, set_tags
+from featurestore.tracking.runs import _json, flat_params, record_times, set_tags, times
 
 DEFAULT_EXPERIMENT = "0"
 WRITER = "mlflow"
@@ -124,16 +124,18 @@ class MlflowTracking:
         run_name = run_name or tags.get("mlflow.runName") or run_id
         run_dir = self.root / run_id
         run_dir.mkdir(parents=True)
+        started_ms = _int(start_time, "start_time") if start_time else _now_ms()
         meta = {
             "experiment_id": experiment_id,
             "run_name": run_name,
             "user_id": user_id or tags.get("mlflow.user", ""),
             "status": "RUNNING",
-            "start_time": int(start_time) if start_time else _now_ms(),
+            "start_time": started_ms,
             "end_time": None,
             "lifecycle_stage": "active",
         }
         atomic_write(run_dir / "mlflow.json", json.dumps(meta).encode())
+        record_times(run_dir, started=True, at=started_ms / 1000)
         atomic_write(run_dir / "params.json", b"{}")
         set_tags(run_dir, {**tags, "mlflow.runName": run_name})
         self.published(run_id)
@@ -155,6 +157,7 @@ class MlflowTracking:
             set_tags(run_dir, {"mlflow.runName": run_name})
         atomic_write(run_dir / "mlflow.json", json.dumps(meta).encode())
         if meta["status"] != "RUNNING":
+            record_times(run_dir, finished=True, at=(meta["end_time"] or _now_ms()) / 1000)
             self._close_writer(run_id)
             # final metrics, as our own runs keep them: what lists and comparisons show
             latest = {m["key"]: m["value"] for m in self._latest_metrics(run_dir)}
@@ -326,14 +329,14 @@ class MlflowTracking:
         meta = _json(run_dir / "mlflow.json")
         if meta:
             return meta
-        finished = (run_dir / "final.json").exists()
+        started, finished = times(run_dir)
         return {
             "experiment_id": DEFAULT_EXPERIMENT,
             "run_name": run_dir.name,
             "user_id": "",
-            "status": "FINISHED" if finished else "RUNNING",
-            "start_time": int(_started(run_dir) * 1000),
-            "end_time": int((run_dir / "final.json").stat().st_mtime * 1000) if finished else None,
+            "status": "FINISHED" if (run_dir / "final.json").exists() else "RUNNING",
+            "start_time": int(started * 1000),
+            "end_time": int(finished * 1000) if finished is not None else None,
             "lifecycle_stage": "active",
         }
 

@@ -2,6 +2,7 @@
 
 A run is a folder ``<data_dir>/runs/<id>``::
 
+    run.json         when it started and finished (epoch seconds)
     params.json      config, dataset manifest hash, definition hashes, code version (written once)
     tags.json        labels, settable any time (``featurestore runs tag``)
     metrics/         the append-only metric store (``metric_store``), one writer per process
@@ -43,6 +44,8 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.artifacts = artifacts or ArtifactStore(self.dir.parent.parent / "artifacts")
         self.metrics = MetricWriter(self.dir, writer, **writer_options)
+        if writer == "main" or writer == "rank0":  # (one writer of a distributed run keeps its times)
+            record_times(self.dir, started=True)
 
     @property
     def id(self) -> str:
@@ -76,6 +79,7 @@ class Run:
     def finish(self, final: Mapping[str, Any]) -> None:
         self.metrics.close()
         atomic_write(self.dir / "final.json", json.dumps(final, indent=2).encode())
+        record_times(self.dir, finished=True)
 
     def close(self) -> None:
         self.metrics.close()
@@ -90,19 +94,37 @@ def set_tags(run_dir: Path, tags: Mapping[str, str]) -> dict[str, str]:
     return merged
 
 
-def _started(run_dir: Path) -> float:
-    params = run_dir / "params.json"
-    return (params if params.exists() else run_dir).stat().st_mtime
+def record_times(run_dir: Path, started: bool = False, finished: bool = False, at: float | None = None) -> None:
+    """Note in ``run.json`` when the run started (once: a resumed run keeps its first start) or finished."""
+    times = _json(run_dir / "run.json")
+    now = time.time() if at is None else at
+    if started and "started_at" not in times:
+        times["started_at"] = now
+    if finished:
+        times["finished_at"] = now
+    atomic_write(run_dir / "run.json", json.dumps(times).encode())
+
+
+def times(run_dir: Path) -> tuple[float, float | None]:
+    """When a run started and finished (None: not yet); runs from before ``run.json``: its files' times."""
+    recorded = _json(run_dir / "run.json")
+    params, final = run_dir / "params.json", run_dir / "final.json"
+    started = recorded.get("started_at") or (params if params.exists() else run_dir).stat().st_mtime
+    finished = recorded.get("finished_at") or (final.stat().st_mtime if final.exists() else None)
+    return started, finished
 
 
 def summary(run_dir: Path) -> dict[str, Any]:
-    """What a list of runs shows: id, status, start time, tags, final metrics, key parameters."""
+    """What a list of runs shows: id, status, start time and duration, tags, final metrics, key parameters."""
     run_dir = Path(run_dir)
     params, final = _json(run_dir / "params.json"), _json(run_dir / "final.json")
+    started, finished = times(run_dir)
+    status = _json(run_dir / "mlflow.json").get("status", "").lower()  # logged through MLflow's API: its status
     return {
         "id": run_dir.name,
-        "status": "finished" if final else "unfinished",
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_started(run_dir))),
+        "status": status if status and status != "running" else "finished" if final else "unfinished",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "duration_s": None if finished is None else round(max(finished - started, 0.0), 3),
         "tags": _json(run_dir / "tags.json"),
         "final": final,
         "feature_service": params.get("feature_service"),

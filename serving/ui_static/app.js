@@ -28,6 +28,7 @@ async function api(path) {
 }
 
 const fmt = {
+  duration: (s) => (s === null || s === undefined ? "–" : s < 60 ? `${s.toFixed(1)} s` : s < 3600 ? `${Math.floor(s / 60)} min ${String(Math.floor(s % 60)).padStart(2, "0")} s` : `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`),
   num: (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? (Number.isInteger(v) ? v.toLocaleString() : v.toPrecision(4)) : String(v)),
   secs: (s) => {
     if (s === null || s === undefined) return "–";
@@ -154,10 +155,10 @@ async function runsPage(params) {
     onchange: () => { location.hash = `#/runs?q=${encodeURIComponent(input.value)}`; } });
   const finals = [...new Set(data.runs.flatMap((r) => Object.keys(r.final)))].filter((k) => k.startsWith("val_")).sort();
   return [h("h1", {}, "Runs"), h("div", { class: "toolbar" }, input, button),
-    table(["", "run", "status", "started", "service", "tags", ...finals], data.runs.map((r) => h("tr", { "data-run": r.id },
+    table(["", "run", "status", "started", "took", "service", "tags", ...finals], data.runs.map((r) => h("tr", { "data-run": r.id },
       h("td", {}, h("input", { type: "checkbox", "data-run": r.id, onchange: (e) => { e.target.checked ? chosen.add(r.id) : chosen.delete(r.id); button.disabled = chosen.size < 2; } })),
       h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(r.id)}` }, r.id)), h("td", {}, r.status), h("td", {}, r.started_at),
-      h("td", {}, r.feature_service || ""), h("td", {}, tags(r.tags)), finals.map((k) => h("td", {}, fmt.num(r.final[k])))))),
+      h("td", { class: "num" }, fmt.duration(r.duration_s)), h("td", {}, r.feature_service || ""), h("td", {}, tags(r.tags)), finals.map((k) => h("td", {}, fmt.num(r.final[k])))))),
     data.runs.length ? null : h("p", { class: "muted" }, "No runs match.")];
 }
 
