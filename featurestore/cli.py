@@ -6,7 +6,7 @@ import json
 import sys
 import time
 import typing
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -908,6 +908,38 @@ def check_consistency_command(
     console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(1)
+
+
+@app.command("monitor", rich_help_panel="Training and models")
+def monitor_command(
+    service: str = typer.Option(..., help="The feature service whose logged lookups to check (serve --log-features)."),
+    dataset: Path = typer.Option(..., help="The exported training dataset (its folder or manifest.json)."),
+    since: str | None = typer.Option(None, help="Only lookups served in this recent window: 30m, 6h, 1d, 2w."),
+    psi: float = typer.Option(0.2, help="Flag a feature whose population stability index passes this."),
+    repo: Path = RepoOption,
+) -> None:
+    """Drift of each feature between training and serving: PSI, Jensen-Shannon distance, null and
+    NOT_FOUND rates; exits 1 when a feature drifted past --psi."""
+    from featurestore.drift import service_drift
+
+    with _store(repo) as store:
+        report = service_drift(store, service, dataset, _window(since) if since else None, psi)
+    console.print(report.describe(), markup=False, soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _window(text: str) -> timedelta:
+    """``30m``, ``6h``, ``1d``, ``2w`` -> a timedelta."""
+    units = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+    number, unit = text.strip()[:-1], text.strip()[-1:].lower()
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in units or amount <= 0:
+        raise FeatureStoreError(f"--since takes a number and a unit (m, h, d, w), like 6h or 1d; not {text!r}")
+    return timedelta(**{units[unit]: amount})
 
 
 @app.command(rich_help_panel="Try it")

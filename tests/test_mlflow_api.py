@@ -167,3 +167,51 @@ def test_reading_needs_read_writing_needs_track_and_errors_say_what_went_wrong(s
     }, out
     refused = _mlflow(url, env, "", "import mlflow, sys; mlflow.set_tracking_uri(sys.argv[1]); mlflow.get_run('x')")
     assert refused.returncode == 1 and "UNAUTHENTICATED: missing or unknown API key" in refused.stderr
+
+
+def test_searches_filter_order_and_page_and_params_never_change(tmp_path):
+    """The model under the routes, in process: MLflow's filter clauses, ordering with missing values
+    last, pages that cover every run once; a param logged again with another value is refused;
+    a name makes one experiment; deleted runs leave the active view."""
+    from featurestore.errors import ConflictError, RequestError
+    from featurestore.storage import LocalObjects
+    from featurestore.tracking import ArtifactStore
+    from featurestore.tracking.mlflow_compat import MlflowTracking
+
+    tracking = MlflowTracking(tmp_path / "runs", ArtifactStore(tmp_path / "artifacts"), LocalObjects(tmp_path / "exp"))
+    experiment = tracking.create_experiment("sweep")
+    with pytest.raises(ConflictError):
+        tracking.create_experiment("sweep")
+    assert tracking.experiment_by_name("sweep")["experiment_id"] == experiment
+    ids = []
+    for i, lr in enumerate(["0.1", "0.01", "0.001", "0.01"]):
+        run = tracking.create_run(experiment, run_name=f"r{i}", start_time=1_000 + i)
+        ids.append(run["info"]["run_id"])
+        metrics = [{"key": "loss", "value": 1 / (i + 1), "step": 0}] if i != 2 else []  # r2 logs no loss
+        tracking.log_batch(ids[-1], metrics=metrics, params=[{"key": "lr", "value": lr}])
+    with pytest.raises(RequestError, match="cannot change"):
+        tracking.log_batch(ids[0], params=[{"key": "lr", "value": "0.5"}])
+    tracking.log_batch(ids[0], params=[{"key": "lr", "value": "0.1"}])  # the same value again: fine
+
+    def names(filter_string="", order_by=None, view="ACTIVE_ONLY"):
+        runs, _ = tracking.search_runs([experiment], filter_string, order_by, view_type=view)
+        return [r["info"]["run_name"] for r in runs]
+
+    assert names() == ["r3", "r2", "r1", "r0"]  # newest first
+    assert names("params.lr = '0.01'") == ["r3", "r1"]
+    assert names("metrics.loss < 0.6 AND params.lr LIKE '0.0%'") == ["r3", "r1"]
+    assert names("attributes.run_name != 'r0'", ["metrics.loss ASC"]) == ["r3", "r1", "r2"]  # no loss: last
+    assert names("", ["metrics.loss DESC"]) == ["r0", "r1", "r3", "r2"]  # in either direction
+    with pytest.raises(RequestError, match="filter clause"):
+        names("loss < 1")
+    pages, token = [], None
+    while True:
+        page, token = tracking.search_runs([experiment], max_results=3, page_token=token)
+        pages.append([r["info"]["run_name"] for r in page])
+        if token is None:
+            break
+    assert pages == [["r3", "r2", "r1"], ["r0"]]
+    tracking.set_lifecycle(ids[1], "deleted")
+    assert names() == ["r3", "r2", "r0"] and names(view="DELETED_ONLY") == ["r1"]
+    info = tracking.update_run(ids[0], status="FAILED", end_time=5_000)
+    assert info["status"] == "FAILED" and info["end_time"] == 5_000

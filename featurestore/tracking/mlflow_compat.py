@@ -275,11 +275,10 @@ class MlflowTracking:
                 if all(_holds(run, clause) for clause in clauses):
                     found.append(run)
         for key, descending in reversed([_order(o) for o in order_by or []] + [(("attributes", "start_time"), True)]):
-
-            def by(run: dict[str, Any], key: tuple[str, str] = key) -> tuple[int, Any]:
-                return _sort_key(_value(run, key))
-
-            found.sort(key=by, reverse=descending)
+            # each pass a stable sort, the most significant key last; runs without the value go last
+            present = [(_sort_key(v), r) for r in found if (v := _value(r, key)) is not None]
+            present.sort(key=lambda pair: pair[0], reverse=descending)
+            found = [r for _, r in present] + [r for r in found if _value(r, key) is None]
         start = int(page_token) if page_token and page_token.isdigit() else 0
         page = found[start : start + max_results]
         return page, str(start + max_results) if start + max_results < len(found) else None
@@ -443,9 +442,7 @@ def _order(text: str) -> tuple[tuple[str, str], bool]:
 
 
 def _sort_key(value: Any) -> tuple[int, Any]:
-    """Missing values last, numbers before text."""
-    if value is None:
-        return (2, 0)
+    """Numbers before text."""
     return (0, value) if isinstance(value, (int, float)) else (1, str(value))
 
 

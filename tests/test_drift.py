@@ -1,0 +1,140 @@
+"""Drift between training and serving (issue #30): PSI and Jensen–Shannon distance equal hand-computed
+cases, histograms equal a naive count on random data (nulls, NaN, ±inf, unseen categories), and
+`featurestore monitor` flags exactly the feature whose served values were scaled."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from featurestore import FeatureStore
+from featurestore.demo.generate import generate
+from featurestore.drift import histograms, jensen_shannon, population_stability
+
+from .conftest import demo_repo
+
+
+def test_psi_and_js_distance_equal_hand_computed_values():
+    # PSI: (0.25 - 0.5) ln(0.25 / 0.5) + (0.75 - 0.5) ln(0.75 / 0.5)
+    assert math.isclose(
+        population_stability(np.array([50, 50]), np.array([25, 75])), 0.25 * math.log(2) + 0.25 * math.log(1.5)
+    )
+    assert population_stability(np.array([3, 7]), np.array([30, 70])) == 0.0  # shares, not counts
+    assert jensen_shannon(np.array([1, 0]), np.array([0, 1])) == 1.0  # disjoint
+    assert jensen_shannon(np.array([2, 5, 3]), np.array([4, 10, 6])) == 0.0
+    # m = (0.75, 0.25): KL(p||m) = 0.5 log2(2/3) + 0.5 log2(2), KL(q||m) = log2(4/3)
+    divergence = (0.5 * math.log2(2 / 3) + 0.5 + math.log2(4 / 3)) / 2
+    assert math.isclose(jensen_shannon(np.array([1, 1]), np.array([1, 0])), math.sqrt(divergence))
+
+
+numbers = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64), st.integers(-5, 5).map(float))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(numbers, min_size=1, max_size=60), st.lists(numbers, max_size=60))
+def test_numeric_histograms_count_every_value_once_in_its_decile(train, served):
+    t, s = histograms(pa.array(train, pa.float64()), pa.array(served, pa.float64()))
+    finite = np.array([v for v in train if v is not None and math.isfinite(v)])
+    edges = np.unique(np.quantile(finite, np.linspace(0, 1, 11)[1:-1])) if finite.size else np.array([])
+
+    def naive(values):  # bin i holds edges[i-1] < v <= ... as searchsorted(side="right"); NaN in the last
+        counts = [0] * (len(edges) + 2)
+        for v in values:
+            if v is None:
+                continue
+            counts[-1 if math.isnan(v) else sum(1 for e in edges if v >= e)] += 1
+        return counts
+
+    assert t.tolist() == naive(train) and s.tolist() == naive(served)
+    if t.sum() and t.tolist() == naive(train):
+        assert population_stability(t, t) == 0.0
+
+
+def test_text_histograms_put_unseen_categories_in_one_bin():
+    t, s = histograms(pa.array(["a", "b", None, "a"]), pa.array(["b", "c", "d", None]))
+    assert t.tolist() == [2, 1, 0] and s.tolist() == [0, 1, 2]
+
+
+def test_monitor_flags_exactly_the_feature_served_scaled(tmp_path):
+    from serving.feature_server import create_app
+
+    with demo_repo(tmp_path) as repo, FeatureStore(repo) as store:
+        data = generate(n_cards=200, n_merchants=20, days=8, seed=5)
+        store.apply()
+        store.push("card_profiles", data.profiles, to="online_and_offline")
+        store.push("transactions", data.transactions.drop_columns(["label"]), to="online_and_offline")
+        store.flush()
+        store.materialize_incremental()
+        cards = list(range(1, 201))
+        merchants = [c % 20 + 1 for c in cards]
+        now = datetime.now(UTC)
+        entities = pa.table({"card_id": cards, "merchant_id": merchants, "event_timestamp": [now] * len(cards)})
+        dataset = tmp_path / "dataset"
+        store.export_training_dataset(entities, "fraud_model_v1", dataset)
+
+        def serve() -> None:
+            with TestClient(create_app(repo, log_features=True)) as client:
+                body = {"feature_service": "fraud_model_v1", "entities": {"card_id": cards, "merchant_id": merchants}}
+                assert client.post("/get-online-features", json=body).status_code == 200
+
+        def monitor() -> subprocess.CompletedProcess:
+            command = ["monitor", "--repo", str(repo), "--service", "fraud_model_v1", "--dataset", str(dataset)]
+            return subprocess.run(
+                [sys.executable, "-m", "featurestore", *command], capture_output=True, text=True, env=dict(os.environ)
+            )
+
+        serve()
+        steady = monitor()
+        assert steady.returncode == 0 and "0 of 10 features past PSI 0.2" in steady.stdout, (
+            steady.stdout + steady.stderr
+        )
+        # every card's profile again, as it stands, but with its credit limit tripled
+        aggregates = [("credit_limit", "max"), ("account_age_days", "max"), ("home_country", "max")]
+        latest = data.profiles.group_by("card_id").aggregate(aggregates)  # (later profiles only grew)
+        scaled = pa.table(
+            {
+                "card_id": latest["card_id"],
+                "credit_limit": pc.multiply(latest["credit_limit_max"], 3.0),
+                "account_age_days": latest["account_age_days_max"],
+                "home_country": latest["home_country_max"],
+                "event_timestamp": pa.array(
+                    [datetime.now(UTC)] * latest.num_rows, data.profiles.schema.field("event_timestamp").type
+                ),
+            }
+        )
+        store.push("card_profiles", scaled, to="online")
+        serve()
+        drifted = monitor()
+    assert drifted.returncode == 1, drifted.stdout + drifted.stderr
+    flagged = [line.split()[0] for line in drifted.stdout.splitlines() if line.endswith("<< drifted")]
+    assert flagged == ["credit_limit"], drifted.stdout
+    assert "1 of 10 features past PSI 0.2: credit_limit" in drifted.stdout
+
+
+def test_since_reads_a_window_and_says_what_it_takes():
+    from datetime import timedelta
+
+    import pytest
+
+    from featurestore.cli import _window
+    from featurestore.errors import FeatureStoreError
+
+    assert [_window(w) for w in ("30m", "6h", "1.5d", "2w")] == [
+        timedelta(minutes=30),
+        timedelta(hours=6),
+        timedelta(days=1.5),
+        timedelta(weeks=2),
+    ]
+    for bad in ("6", "h", "-1d", "1y", ""):
+        with pytest.raises(FeatureStoreError, match="number and a unit"):
+            _window(bad)
