@@ -919,11 +919,12 @@ def monitor_command(
     repo: Path = RepoOption,
 ) -> None:
     """Drift of each feature between training and serving: PSI, Jensen-Shannon distance, null and
-    NOT_FOUND rates; exits 1 when a feature drifted past --psi."""
-    from featurestore.drift import service_drift
+    NOT_FOUND rates; exits 1 when a feature drifted past --psi. The report is kept for /metrics."""
+    from featurestore.drift import record_drift, service_drift
 
     with _store(repo) as store:
         report = service_drift(store, service, dataset, _window(since) if since else None, psi)
+        record_drift(report, store.config.data_dir)
     console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:
         raise typer.Exit(1)

@@ -6,13 +6,16 @@ null rate on both sides and the share of lookups served NOT_FOUND.
 Training values come from an exported dataset (``data-00000.parquet`` beside its manifest),
 served ones from a feature service's log (``featurestore serve --log-features``), optionally
 over a recent window only. A feature is flagged past ``psi_threshold`` (0.2 is the usual "the
-population moved" mark; 0.1 "watch it"); ``featurestore monitor`` exits 1 when any is.
+population moved" mark; 0.1 "watch it"); ``featurestore monitor`` exits 1 when any is, and
+records its report (``<data_dir>/drift/<service>.json``), which the feature server's ``/metrics``
+exports for alerting.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +27,7 @@ import pyarrow.parquet as pq
 
 from featurestore.errors import FeatureStoreError
 from featurestore.feature_logging import log_path, read_log
+from featurestore.files import atomic_write
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -178,6 +182,35 @@ def service_drift(
     if not report.features:
         raise FeatureStoreError(f"the dataset at {dataset} and {service!r}'s log share no feature")
     return report
+
+
+def record_drift(report: DriftReport, data_dir: Path) -> Path:
+    """Keep a service's latest drift report where the servers' /metrics find it."""
+    path = Path(data_dir) / "drift" / f"{report.service}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {
+        "service": report.service,
+        "checked_at": datetime.now(UTC).isoformat(),
+        "since": report.since.isoformat() if report.since else None,
+        "psi_threshold": report.psi_threshold,
+        "features": [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(f).items()}
+            for f in report.features
+        ],
+    }
+    atomic_write(path, json.dumps(body, indent=2).encode())
+    return path
+
+
+def read_drift(data_dir: Path) -> list[dict]:
+    """Every service's latest recorded drift report (unreadable ones skipped: a scrape never fails on them)."""
+    found = []
+    for path in sorted((Path(data_dir) / "drift").glob("*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return found
 
 
 def _shares(counts: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StringConstr
 
 from featurestore.auth import Authenticator
 from featurestore.definitions import PushSource
+from featurestore.drift import read_drift
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
@@ -426,7 +427,7 @@ def _health_routes(app: FastAPI, watcher: RegistryWatcher, metrics: Metrics) -> 
         except (OnlineStoreUnavailable, redis.RedisError, OSError):
             metrics.redis_errors.inc()
             newest = None  # the request metrics still answer during an outage
-        return metrics.response(newest)
+        return metrics.response(newest, await asyncio.to_thread(read_drift, watcher.current.config.data_dir))
 
 
 def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:

@@ -115,8 +115,9 @@ class Metrics:
                 self.object_requests.labels(kind).inc(n)
         self._objects_counted = now
 
-    def response(self, newest_events: dict[str, int] | None = None) -> Response:
-        """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view freshness."""
+    def response(self, newest_events: dict[str, int] | None = None, drift: list[dict] | None = None) -> Response:
+        """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view
+        freshness, ``drift`` (``featurestore.drift.read_drift``) each feature's last measured drift."""
         self.flush()
         registry = self.registry
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -135,7 +136,38 @@ class Metrics:
             extra = CollectorRegistry()
             extra.register(_Fixed([freshness]))
             body += generate_latest(extra)
+        if drift:
+            body += generate_latest(_drift_registry(self.prefix, drift))
         return Response(body, media_type="text/plain; version=0.0.4")
+
+
+def _drift_registry(prefix: str, reports: list[dict]) -> CollectorRegistry:
+    families = {
+        "psi": GaugeMetricFamily(
+            f"{prefix}_feature_drift_psi",
+            "Population stability index, training vs served (featurestore monitor).",
+            labels=["service", "feature"],
+        ),
+        "js_distance": GaugeMetricFamily(
+            f"{prefix}_feature_drift_js_distance",
+            "Jensen-Shannon distance, training vs served.",
+            labels=["service", "feature"],
+        ),
+        "flagged": GaugeMetricFamily(
+            f"{prefix}_feature_drifted",
+            "1 when the feature's PSI passed the monitor's threshold.",
+            labels=["service", "feature"],
+        ),
+    }
+    for report in reports:
+        for feature in report.get("features", []):
+            for key, family in families.items():
+                value = feature.get(key)
+                if value is not None:
+                    family.add_metric([report["service"], feature["name"]], float(value))
+    registry = CollectorRegistry()
+    registry.register(_Fixed(list(families.values())))
+    return registry
 
 
 FLUSH_SECONDS = 1.0  # how far request metrics may lag (a scrape also flushes its own worker's)

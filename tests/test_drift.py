@@ -115,10 +115,16 @@ def test_monitor_flags_exactly_the_feature_served_scaled(tmp_path):
         store.push("card_profiles", scaled, to="online")
         serve()
         drifted = monitor()
+        with TestClient(create_app(repo)) as client:  # the recorded report, for an alert on ..._feature_drifted
+            scraped = client.get("/metrics").text
     assert drifted.returncode == 1, drifted.stdout + drifted.stderr
     flagged = [line.split()[0] for line in drifted.stdout.splitlines() if line.endswith("<< drifted")]
     assert flagged == ["credit_limit"], drifted.stdout
     assert "1 of 10 features past PSI 0.2: credit_limit" in drifted.stdout
+    prefix = "featurestore_feature_server_feature_drift"
+    assert prefix + 'ed{feature="credit_limit",service="fraud_model_v1"} 1.0' in scraped
+    assert prefix + 'ed{feature="home_country",service="fraud_model_v1"} 0.0' in scraped
+    assert prefix + '_psi{feature="credit_limit",service="fraud_model_v1"} 0.7' in scraped
 
 
 def test_since_reads_a_window_and_says_what_it_takes():
