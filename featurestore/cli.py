@@ -830,10 +830,13 @@ def runs_compare(
     for key in table["differs"]:
         view.add_row(f"[bold]{key}[/]", *(str(v) for v in table["params"][key]))
     for key, values in table["final"].items():
-        view.add_row(key, *(f"{v:.4f}" if isinstance(v, float) else str(v) for v in values))
+        cells = [f"{v:,.4f}" if isinstance(v, float) else str(v) for v in values]
+        if (best := table["best"].get(key)) is not None:
+            cells[best] = f"[bold green]{cells[best]} *[/]"
+        view.add_row(key, *cells)
     console.print(view)
     same = [k for k in table["params"] if k not in table["differs"]]
-    console.print(f"{len(same)} parameters are the same in every run", markup=False)
+    console.print(f"{len(same)} parameters are the same in every run; * marks the best value", markup=False)
     if plot is not None:
         console.print(f"curves: {plot_compare([root / r for r in run_ids], metric, plot)}", markup=False)
 

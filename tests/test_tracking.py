@@ -179,3 +179,16 @@ def test_runs_list_has_a_duration_column():
     from featurestore.cli import _duration
 
     assert [_duration(s) for s in (None, 4.26, 95.2, 3599.6, 7300)] == ["–", "4.3s", "1m 35s", "1h 00m", "2h 01m"]
+
+
+def test_compare_marks_the_best_run_by_what_the_metric_name_says():
+    from featurestore.tracking.runs import best_run
+
+    runs = [
+        {"id": "a", "params": {"lr": 0.1}, "final": {"val_loss": 0.30, "val_auc": 0.91, "epochs_seen": 3}},
+        {"id": "b", "params": {"lr": 0.2}, "final": {"val_loss": 0.25, "val_auc": 0.89, "epochs_seen": 5}},
+        {"id": "c", "params": {"lr": 0.3}, "final": {"val_loss": float("nan"), "val_auc": 0.93}},
+    ]
+    assert compare(runs)["best"] == {"val_loss": 1, "val_auc": 2}  # lowest loss, highest AUC, NaN never best
+    assert best_run("train/error-rate", [0.2, 0.1]) == 1 and best_run("accuracy", [0.7, 0.9]) == 1
+    assert best_run("steps", [1, 2]) is None and best_run("val_auc", [0.5, None]) is None

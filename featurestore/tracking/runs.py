@@ -233,17 +233,37 @@ def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Parameters and final metrics of ``runs`` (``read_run``'s) side by side; ``differs`` names what changed."""
+    """Parameters and final metrics of ``runs`` (``read_run``'s) side by side; ``differs`` names what
+    changed, ``best`` which run is best on each metric whose name says which way is better."""
     params = [flat_params(r["params"]) for r in runs]
     keys = sorted(set().union(*params))
     table = {k: [p.get(k) for p in params] for k in keys}
     finals = sorted(set().union(*(r["final"] for r in runs)))
+    final = {k: [r["final"].get(k) for r in runs] for k in finals}
     return {
         "runs": [r["id"] for r in runs],
         "params": table,
         "differs": [k for k, v in table.items() if len({json.dumps(x, sort_keys=True, default=str) for x in v}) > 1],
-        "final": {k: [r["final"].get(k) for r in runs] for k in finals},
+        "final": final,
+        "best": {k: i for k, values in final.items() if (i := best_run(k, values)) is not None},
     }
+
+
+LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "rmse", "logloss", "perplexity")
+HIGHER_IS_BETTER = ("auc", "accuracy", "acc", "f1", "precision", "recall", "ap", "r2")
+
+
+def best_run(metric: str, values: Sequence[Any]) -> int | None:
+    """Which of ``values`` is best for ``metric``, by its name's last word (``val_loss``: lowest,
+    ``val_auc``: highest); None when the name says neither or nothing is comparable."""
+    words = metric.lower().replace("-", "_").replace("/", "_").split("_")
+    lower = any(w in LOWER_IS_BETTER for w in words)
+    if not lower and words[-1] not in HIGHER_IS_BETTER:
+        return None
+    numbers = [(v, i) for i, v in enumerate(values) if isinstance(v, (int, float)) and not math.isnan(v)]
+    if len(numbers) < 2:
+        return None
+    return (min(numbers) if lower else max(numbers))[1]
 
 
 def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, points: int = 500) -> Path:

@@ -29,7 +29,8 @@ async function api(path) {
 
 const fmt = {
   duration: (s) => (s === null || s === undefined ? "–" : s < 60 ? `${s.toFixed(1)} s` : s < 3600 ? `${Math.floor(s / 60)} min ${String(Math.floor(s % 60)).padStart(2, "0")} s` : `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`),
-  num: (v) => (v === null || v === undefined ? "–" : typeof v === "number" ? (Number.isInteger(v) ? v.toLocaleString() : v.toPrecision(4)) : String(v)),
+  // one notation: grouped digits from 1,000 up, 4 significant digits below, exponents only under 0.001
+  num: (v) => (v === null || v === undefined ? "–" : typeof v !== "number" ? String(v) : Number.isInteger(v) || Math.abs(v) >= 1000 ? v.toLocaleString("en-US", { maximumFractionDigits: 1 }) : v !== 0 && Math.abs(v) < 1e-3 ? v.toExponential(2) : String(Number(v.toPrecision(4)))),
   secs: (s) => {
     if (s === null || s === undefined) return "–";
     if (s < 120) return `${s.toFixed(1)} s`;
@@ -192,7 +193,7 @@ async function comparePage(ids) {
   const metrics = [...new Set(details.flatMap((d) => d.metrics))].filter((m) => m !== "epoch").sort();
   const keys = [...c.differs, ...Object.keys(c.params).filter((k) => !c.differs.includes(k))];
   return [h("h1", {}, `Comparing ${runs.length} runs`),
-    h("h2", {}, "Final metrics"), table(["metric", ...c.runs], Object.entries(c.final).map(([k, vs]) => h("tr", {}, h("td", {}, k), vs.map((v) => h("td", {}, fmt.num(v)))))),
+    h("h2", {}, "Final metrics"), table(["metric", ...c.runs], Object.entries(c.final).map(([k, vs]) => h("tr", {}, h("td", {}, k), vs.map((v, i) => h("td", { class: c.best[k] === i ? "num best" : "num", title: c.best[k] === i ? "best" : "" }, fmt.num(v)))))),
     h("h2", {}, "Curves"), await curves(runs, metrics),
     h("h2", {}, `Parameters (${c.differs.length} differ)`), table(["parameter", ...c.runs], keys.map((k) =>
       h("tr", { class: c.differs.includes(k) ? "differs" : "" }, h("td", {}, k), c.params[k].map((v) => h("td", { class: "hash" }, JSON.stringify(v))))))];
