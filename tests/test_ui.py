@@ -203,11 +203,13 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     page.goto(server + "/ui/#/runs")
     page.wait_for_selector("main[data-page=runs]")
     assert page.locator("tr[data-run]").count() == 2
+    assert "took" in page.inner_text("main") and " s" in page.inner_text("tr[data-run] >> nth=0")  # durations
     for box in page.locator("input[type=checkbox][data-run]").all():
         box.check()
     page.click("#compare")
     page.wait_for_selector("main[data-page=compare]")
     assert "config.learning_rate" in page.inner_text("tr.differs >> nth=0")
+    assert page.locator("td.best").count() >= 1  # the best run marked on each metric that says which way is better
     loss = page.locator(".chart[data-title=train_loss] polyline")
     assert loss.count() == 2 and all(int(p.get_attribute("data-points")) > 3 for p in loss.all())
     page.screenshot(path=str(shots / "compare.png"), full_page=True)
