@@ -40,7 +40,7 @@ const fmt = {
   },
   window: (s) => (s % 86400 === 0 ? `${s / 86400}d` : s % 3600 === 0 ? `${s / 3600}h` : s % 60 === 0 ? `${s / 60}min` : `${s}s`),
   pct: (v) => (v === null || v === undefined ? "–" : `${(100 * v).toFixed(2)} %`),
-  time: (t) => (t ? new Date(typeof t === "number" ? t * 1000 : t).toISOString().replace(".000", "") : "–"),
+  time: (t) => (t ? new Date(typeof t === "number" ? t * 1000 : t).toISOString().slice(0, 19).replace("T", " ") + " UTC" : "–"),
   short: (hash) => (hash ? hash.slice(0, 12) : "–"),
 };
 
@@ -97,9 +97,9 @@ async function catalogPage(params) {
         h("tr", { "data-view": v.name },
           h("td", {}, h("a", { href: `#/views/${encodeURIComponent(v.name)}` }, v.name), h("div", { class: "muted" }, v.description)),
           h("td", {}, v.entities.join(", ")),
-          h("td", {}, `${v.features.length}: `, h("span", { class: "muted" }, v.features.slice(0, 6).map((f) => f.name).join(", ") + (v.features.length > 6 ? ", …" : ""))),
+          h("td", {}, `${v.features.length}: `, v.features.slice(0, 6).flatMap((f, i) => [i ? ", " : "", f.name, " ", h("span", { class: "muted" }, f.dtype)]), v.features.length > 6 ? ", …" : ""),
           h("td", {}, v.source.kind + (v.source.name ? `: ${v.source.name}` : "")),
-          h("td", {}, v.ttl_seconds ? fmt.window(v.ttl_seconds) : "", [...new Set(v.features.filter((f) => f.window_seconds).map((f) => fmt.window(f.window_seconds)))].join(" ")),
+          h("td", {}, v.ttl_seconds ? `ttl ${fmt.window(v.ttl_seconds)} ` : "", [...new Set(v.features.filter((f) => f.window_seconds).map((f) => fmt.window(f.window_seconds)))].join(" ") || (v.ttl_seconds ? "" : h("span", { class: "muted" }, "no ttl"))),
           h("td", {}, v.owner), h("td", {}, tags(v.tags)), h("td", {}, (v.versions || []).map((n) => `v${n}`).join(" "))))),
       h("h2", {}, `Feature services (${services.length})`),
       table(["service", "features", "owner"], services.map((s) => h("tr", {}, h("td", {}, s.name, h("div", { class: "muted" }, s.description)), h("td", {}, s.features.join(", ")), h("td", {}, s.owner)))),
@@ -128,7 +128,7 @@ async function viewPage(name) {
       card("history rows", fmt.num(s.history_rows)),
       card("Delta version", fmt.num(s.table_version)),
       card("rejected rows", fmt.num(s.rejected_rows), s.rejected_rows ? "bad" : ""),
-      ...(s.stream ? s.stream.groups.map((g) => card(`stream ${g.name}: lag / pending`, `${fmt.num(g.lag)} / ${fmt.num(g.pending)}`)) : [])));
+      ...(s.stream ? s.stream.groups.map((g) => card(`stream ${g.name}`, `${fmt.num(g.lag)} entries behind · ${fmt.num(g.pending)} unacknowledged`)) : [])));
     if (s.online_error) out.push(h("p", { class: "error" }, s.online_error));
   }
   out.push(h("h2", {}, "Features"), table(["feature", "type", "aggregation"], v.features.map((f) => h("tr", {},
