@@ -69,6 +69,7 @@ function chart(title, series, opts = {}) {
   const xl = opts.xLabel || ((v) => fmt.num(v));
   label(L, H - 8, xl(x0), "start"); label(W - R, H - 8, xl(x1), "end");
   label(L - 4, H - B, fmt.num(y0), "end"); label(L - 4, T + 8, fmt.num(y1), "end");
+  if (opts.xName) label((L + W - R) / 2, H - 8, opts.xName, "middle");  // the axis says what it counts
   all.forEach((s, i) => {
     const points = s.xs.map((x, j) => `${px(x).toFixed(1)},${py(s.ys[j]).toFixed(1)}`).join(" ");
     svg.append(ns("polyline", { points, fill: "none", stroke: COLORS[i % COLORS.length], "stroke-width": 1.5, "data-series": s.name, "data-points": s.xs.length }));
@@ -138,7 +139,7 @@ async function viewPage(name) {
   else {
     const last = data.consistency[data.consistency.length - 1];
     out.push(chart(`match rate over served time: ${last.name}`, [{ name: last.name, xs: last.over_time.map((b) => b.from_us / 1e6), ys: last.over_time.map((b) => b.match) }],
-      { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16) }));
+      { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16), xName: "served time (UTC)" }));
     out.push(table(["checked", "check", "read", "vectors", ...Object.keys(last.feature_match)], data.consistency.map((c) =>
       h("tr", {}, h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, c.as_of || "history as of created time"), h("td", {}, fmt.num(c.rows)),
         Object.keys(last.feature_match).map((k) => h("td", {}, fmt.pct(c.feature_match[k])))))));
@@ -167,7 +168,7 @@ async function curves(runIds, metrics) {
   const charts = [];
   for (const metric of metrics) {
     const lines = await Promise.all(runIds.map((id) => api(`runs/${encodeURIComponent(id)}/curve?metric=${encodeURIComponent(metric)}&points=400`)));
-    charts.push(chart(metric, lines.map((l) => ({ name: l.run, xs: l.steps, ys: l.values })), { legend: runIds.length > 1 }));
+    charts.push(chart(metric, lines.map((l) => ({ name: l.run, xs: l.steps, ys: l.values })), { legend: runIds.length > 1, xName: "step" }));
   }
   return h("div", { class: "charts" }, charts);
 }
@@ -234,7 +235,7 @@ async function consistencyPage() {
   const byName = {};
   data.checks.forEach((c) => (byName[c.name] = byName[c.name] || []).push(c));
   return [h("h1", {}, "Consistency"), h("div", { class: "charts" }, Object.entries(byName).map(([n, cs]) =>
-    chart(`${n}: all features matching, per check`, [{ name: n, xs: cs.map((c) => c.checked_at), ys: cs.map((c) => c.overall) }], { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16) }))),
+    chart(`${n}: all features matching, per check`, [{ name: n, xs: cs.map((c) => c.checked_at), ys: cs.map((c) => c.overall) }], { yMin: 0, yMax: 1, xLabel: (t) => fmt.time(t).slice(0, 16), xName: "checked at (UTC)" }))),
     table(["checked", "check", "read", "vectors", "all features", "model score"], data.checks.slice().reverse().map((c) => h("tr", {},
       h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, c.as_of || "history as of created time"), h("td", {}, fmt.num(c.rows)),
       h("td", {}, fmt.pct(c.overall)), h("td", {}, fmt.pct(c.score_match)))))];
