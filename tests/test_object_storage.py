@@ -124,6 +124,24 @@ def test_registry_versions_watermarks_and_run_ids_on_s3(make_store, s3_endpoint)
     again.close()
 
 
+def _history_at(backend: str, tmp_path: Path, request) -> tuple[str, str]:
+    """A history location (URL, storage options as JSON) on disk or in a new bucket of the S3 server."""
+    if backend == "s3":
+        bucket, settings = s3_bucket(request.getfixturevalue("s3_endpoint"))
+        return f"s3://{bucket}/offline", json.dumps(settings)
+    return str(tmp_path / "offline"), "{}"
+
+
+def _run_writers(code: str, tmp_path: Path, argument_lists: list[list[str]]) -> None:
+    """One process per argument list running ``code``, all at once; each must succeed."""
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(code))
+    writers = [subprocess.Popen([sys.executable, str(script), *a], stderr=subprocess.PIPE) for a in argument_lists]
+    for writer in writers:
+        _, err = writer.communicate(timeout=300)
+        assert writer.returncode == 0, err.decode()[-2000:]
+
+
 _APPEND = """
 import json
 import shutil
@@ -158,20 +176,12 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
     table at once, in commits of 10: every row is there once. No lock is shared: each writer
     commits expecting the version it deduplicated against, and resolves a lost race by taking
     the rows committed meanwhile out of its files."""
-    if backend == "s3":
-        bucket, settings = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        url, options = f"s3://{bucket}/offline", json.dumps(settings)
-    else:
-        url, options = str(tmp_path / "offline"), "{}"
-    script = tmp_path / "append.py"
-    script.write_text(textwrap.dedent(_APPEND))
-    writers = [
-        subprocess.Popen([sys.executable, str(script), url, options, str(start), str(count)], stderr=subprocess.PIPE)
-        for start, count in ((0, 60), (30, 60), (60, 60), (0, 120))
-    ]
-    for writer in writers:
-        _, err = writer.communicate(timeout=300)
-        assert writer.returncode == 0, err.decode()[-2000:]
+    url, options = _history_at(backend, tmp_path, request)
+    _run_writers(
+        _APPEND,
+        tmp_path,
+        [[url, options, str(start), str(count)] for start, count in ((0, 60), (30, 60), (60, 60), (0, 120))],
+    )
     store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
     con = duckdb.connect()
     schema = pa.schema(
@@ -217,21 +227,9 @@ def test_writers_creating_a_table_at_once_store_each_row_once(backend, tmp_path,
     """Two writers append the same rows to a table neither finds: both create it at once. deltalake
     retries a creation that lost the race as the next version (both creations landed, every row
     twice, in 29 of 30 tries); the loser must instead dedupe against the winner."""
-    if backend == "s3":
-        bucket, settings = s3_bucket(request.getfixturevalue("s3_endpoint"))
-        url, options = f"s3://{bucket}/offline", json.dumps(settings)
-    else:
-        url, options = str(tmp_path / "offline"), "{}"
-    script = tmp_path / "create.py"
-    script.write_text(textwrap.dedent(_CREATE))
+    url, options = _history_at(backend, tmp_path, request)
     tables, at = 3, time.time() + 4  # (past both interpreters' imports)
-    writers = [
-        subprocess.Popen([sys.executable, str(script), url, options, str(tables), str(at)], stderr=subprocess.PIPE)
-        for _ in range(2)
-    ]
-    for writer in writers:
-        _, err = writer.communicate(timeout=120)
-        assert writer.returncode == 0, err.decode()[-2000:]
+    _run_writers(_CREATE, tmp_path, [[url, options, str(tables), str(at)]] * 2)
     store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
     schema = pa.schema([("_row_id", pa.int64())])
     for t in range(tables):
