@@ -15,7 +15,7 @@ import redis
 from featurestore.definitions import Entity, StreamSource
 from featurestore.errors import NotFoundError, OnlineStoreUnavailable
 from featurestore.registry.layout import layout_of
-from featurestore.registry.snapshot import from_name, view_from_spec
+from featurestore.registry.snapshot import from_name, value_hash, view_from_spec
 from featurestore.registry.store import RegistryStore
 from featurestore.streaming import stream_key
 
@@ -76,7 +76,8 @@ def catalogue(registry: RegistryStore) -> dict[str, Any]:
                     {"name": f.name, "dtype": f.dtype.name, **(_window(windows[f.name]) if f.name in windows else {})}
                     for f in view.features
                 ],
-                "hash": entry["hash"],
+                "hash": entry["hash"],  # the definition as applied, metadata included
+                "values_hash": value_hash(spec),  # what determines its values: datasets and models record this one
                 "versions": versions.get(f"feature_view/{name}", []),
                 "history_version": state.get("history_versions", {}).get(name, 1),
             }
@@ -97,7 +98,8 @@ def catalogue(registry: RegistryStore) -> dict[str, Any]:
                 "offline": True,
                 "source": {"kind": "on_demand", "name": None},
                 "features": [{"name": f["name"], "dtype": f["dtype"]} for f in spec.get("schema", [])],
-                "hash": entry["hash"],
+                "hash": entry["hash"],  # the definition as applied, metadata included
+                "values_hash": value_hash(spec),  # what determines its values: datasets and models record this one
                 "versions": versions.get(f"on_demand_feature_view/{name}", []),
             }
         )

@@ -134,6 +134,8 @@ def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
     lineage = httpx.get(api + "/models/fraud/1/lineage").json()
     assert lineage["run"]["id"] == b and lineage["run"]["exists"] and lineage["dataset"]["ok"]
     assert all(d["current"] and d["registry_version"] == 1 for d in lineage["definitions"])
+    # the view page's values hash is the one the model trained on (the definition hash covers metadata too)
+    assert all(views[d["view"]]["values_hash"] == d["hash"] != views[d["view"]]["hash"] for d in lineage["definitions"])
     assert {t["view"] for t in lineage["tables"]} == {"card_activity", "card_profile", "merchant_risk"}
     sha = lineage["model"]["files"]["model.pt"]
     blob = httpx.get(api + f"/artifacts/{sha}")

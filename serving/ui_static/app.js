@@ -144,7 +144,8 @@ async function viewPage(name) {
       h("tr", {}, h("td", {}, fmt.time(c.checked_at)), h("td", {}, c.name), h("td", {}, c.as_of || "history as of created time"), h("td", {}, fmt.num(c.rows)),
         Object.keys(last.feature_match).map((k) => h("td", {}, fmt.pct(c.feature_match[k])))))));
   }
-  out.push(h("p", { class: "muted" }, `definition ${v.hash} · changed in registry versions ${(v.versions || []).join(", ")}`));
+  out.push(h("p", { class: "muted", id: "hashes" }, `values hash ${fmt.short(v.values_hash)} (what datasets and models record: lineage compares it) · `,
+    `definition ${fmt.short(v.hash)} (any edit, description and tags included) · changed in registry versions ${(v.versions || []).join(", ")}`));
   return out;
 }
 
