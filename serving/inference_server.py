@@ -81,6 +81,12 @@ _VALUE_SCHEMAS = {
 }
 
 
+def _input_schema(loaded: LoadedModel, name: str) -> dict[str, Any]:
+    """A request input: a number the model's float32 input holds once scaled."""
+    limits = loaded.preprocessor.input_range(name)
+    return {"type": "number"} if limits is None else {"type": "number", "minimum": limits[0], "maximum": limits[1]}
+
+
 def predict_schema(store: FeatureStore, loaded: LoadedModel) -> dict[str, Any]:
     """``/predict``'s body for the served model: instances with its entity keys and request inputs
     (what it looks up and scores), each required; or one such instance alone."""
@@ -103,7 +109,7 @@ def predict_schema(store: FeatureStore, loaded: LoadedModel) -> dict[str, Any]:
         if name in defs.on_demand_feature_views
         for f in defs.on_demand_feature_views[name].request_fields
     }
-    inputs = {**fields, **{name: {"type": "number"} for name in loaded.card["request_inputs"]}}
+    inputs = {**fields, **{name: _input_schema(loaded, name) for name in loaded.card["request_inputs"]}}
     instance = {"type": "object", "properties": {**keys, **inputs}, "required": [*keys, *inputs]}
     return {
         "anyOf": [
@@ -356,6 +362,12 @@ async def _predict(
         if values is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             raise RequestError(f"every instance needs a numeric request input {name!r}")
         inputs[name] = [float(v) for v in values]
+        if (limits := loaded.preprocessor.input_range(name)) is not None:
+            low, high = limits
+            if bad := [v for v in inputs[name] if not low <= v <= high]:
+                raise RequestError(
+                    f"request input {name!r} = {bad[0]:g} is outside the range the model takes ({low:g} to {high:g})"
+                )
     query = OnlineQuery.prepare(
         current.definitions,
         current.config.project,

@@ -369,6 +369,24 @@ def _wait_for(condition, servers, timeout: float = 60.0) -> None:
     pytest.fail("condition not met in time")
 
 
+def test_a_request_input_the_model_cannot_hold_is_refused_not_scored(trained):
+    """1e300 is a JSON number, but scaled it overflows the model's float32 input: it would be scored
+    as infinity (the fuzz test below met it as a cast overflow warning)."""
+    with TestClient(create_app(DEFINITIONS, "fraud", "production", log_features=False)) as client:
+        body = {
+            "instances": [
+                {"card_id": 1, "merchant_id": 1, "amount": 50.0},
+                {"card_id": 2, "merchant_id": 1, "amount": 1e300},
+            ]
+        }
+        refused = client.post("/predict", json=body)
+        assert refused.status_code == 422 and "'amount' = 1e+300 is outside the range" in refused.text, refused.text
+        body["instances"][1]["amount"] = -1e300
+        assert client.post("/predict", json=body).status_code == 422
+        body["instances"][1]["amount"] = 1e6  # large, but representable: scored
+        assert client.post("/predict", json=body).status_code == 200
+
+
 def test_no_predict_body_gets_a_500(trained):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

@@ -67,6 +67,16 @@ class Preprocessor:
     def inputs(self) -> list[str]:
         return self.numeric + self.categorical + list(self.hashed)
 
+    def input_range(self, name: str) -> tuple[float, float] | None:
+        """The values of numeric input ``name`` whose scaled value a float32 model input holds
+        (outside it, the model would see infinity), or None for an input it does not scale."""
+        if name not in self.numeric:
+            return None
+        i = self.numeric.index(name)
+        reach = float(np.finfo(np.float32).max) * (1 - 1e-6) * self.stds[i]  # (a margin for rounding)
+        top = float(np.finfo(np.float64).max)
+        return max(self.means[i] - reach, -top), min(self.means[i] + reach, top)
+
     def transform(self, columns: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """Arrow arrays (training, in bulk) or Python lists (serving, a few rows) by name →
         (float32 [n, 2·numeric], int64 [n, categorical]). Both inputs give the same bits."""
