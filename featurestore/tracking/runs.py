@@ -98,6 +98,8 @@ def record_times(run_dir: Path, started: bool = False, finished: bool = False, a
     """Note in ``run.json`` when the run started (once: a resumed run keeps its first start) or finished."""
     times = _json(run_dir / "run.json")
     now = time.time() if at is None else at
+    if started and "started_at" in times and not finished:
+        return  # (a resumed process: nothing to write)
     if started and "started_at" not in times:
         times["started_at"] = now
     if finished:
