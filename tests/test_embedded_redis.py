@@ -42,6 +42,25 @@ def test_embedded_redis_lifecycle(tmp_path):
     assert not _server_pids(str(again.socket))
 
 
+def test_a_start_right_after_a_stop_waits_for_the_old_supervisor(tmp_path):
+    """A server stopped and started again at once (the lifecycle test, on a busy machine) failed
+    with "did not start": the new supervisor found the old one, not yet exited, holding the
+    directory's owner lock, and gave up. It waits for it; here the test holds the lock for it."""
+    import fcntl
+    import threading
+
+    server = EmbeddedRedis(tmp_path)
+    server.data_dir.mkdir(parents=True)
+    exiting = open(server.data_dir / "owner.lock", "a")
+    fcntl.flock(exiting, fcntl.LOCK_EX)
+    threading.Timer(0.5, exiting.close).start()  # the old supervisor exits
+    url = server.ensure_running()
+    try:
+        assert redis.Redis.from_url(url).ping()
+    finally:
+        server.stop()
+
+
 def test_concurrent_starts_share_one_server(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -40,6 +40,7 @@ from featurestore.errors import OnlineStoreUnavailable
 from featurestore.files import file_lock
 
 IDLE_CHECK_SECONDS = 0.25  # how often the supervisor looks for users
+OWNER_WAIT_SECONDS = 5.0  # how long a new supervisor waits for the previous one to exit
 
 
 def redis_server_binary() -> str:
@@ -212,10 +213,15 @@ def _die_with_parent() -> None:
 def supervise(folder: Path, socket: Path) -> int:
     """Run redis-server for ``folder`` until no process uses it (or this process is told to stop)."""
     owner = open(folder / "owner.lock", "a")
-    try:
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0  # another supervisor runs this directory
+    deadline = time.monotonic() + OWNER_WAIT_SECONDS
+    while True:  # the supervisor of a server just stopped may not have exited yet: it will, at once
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return 0  # another supervisor runs this directory
+            time.sleep(0.01)
     args = [
         redis_server_binary(),
         "--port",
