@@ -360,9 +360,10 @@ def test_merged_tile_states_equal_the_events_evaluation(activity_store, values, 
 
 
 def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_store, monkeypatch):
-    """The mechanism under the property above, step by step: a lookup seals the tiles it read
-    whole; the next reads them; an event arriving late in a sealed tile drops its summary (the
-    write script), and a summary computed before that event is refused (the seal script)."""
+    """The mechanism under the property above, step by step: the write seals the tiles it holds
+    whole; so does a lookup that read them (summaries dropped here); the next reads them; an event
+    arriving late in a sealed tile drops its summary (the write script), and a summary computed
+    before that event is refused (the seal script)."""
     from featurestore.aggregation import tiles
 
     store = activity_store
@@ -387,6 +388,11 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
         + store.layout("activity").online_field.encode()
     )
     tiles_key = key + b"|tiles"
+    client = store.online_store.client
+    size = 15 * 60 * 10**6
+    first_tile = (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) // size
+    assert {int(t) for t in client.hkeys(tiles_key)} == {first_tile + 2 * i for i in range(12)}  # sealed by the write
+    client.delete(tiles_key)
     at = BASE + 11 * STEP + timedelta(minutes=5)  # in the tile of the last event
 
     def count_30h():
@@ -399,10 +405,7 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
         "not_card_count_30h": [12],
         "amount_sum_3h": [float(6 + 7 + 8 + 9 + 10 + 11)],
     }
-    client = store.online_store.client
     sealed = {int(t) for t in client.hkeys(tiles_key)}
-    size = 15 * 60 * 10**6
-    first_tile = (events[0]["event_timestamp"] - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) // size
     # every tile with an event, but those holding the lookup time (22) and the 3 h window's start (10)
     assert sealed == {first_tile + 2 * i for i in range(12)} - {first_tile + 10, first_tile + 22}
     assert count_30h()["not_card_count_30h"] == [12]  # from the summaries
@@ -415,6 +418,87 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
     client.hdel(tiles_key, str(first_tile + 4))
     store.online_store.seal([(key, size, stale)])
     assert not client.hexists(tiles_key, str(first_tile + 4))
+
+
+def _events_key(store, card: int) -> bytes:
+    return b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+
+
+def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity_store, monkeypatch):
+    """A cold heavy card's first lookups summarized the whole tiles of its window on the request
+    path (tens of ms at 50,000 events). The write that holds all of a tile's events now stores its
+    summary: the first lookup of a card written in one batch computes none, reads summaries, and
+    its values are every event's (and the reference's)."""
+    from featurestore.aggregation import tiles
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    store = activity_store
+    card = next(_cards) * 10 + 8_000_000
+    events = [
+        {
+            "payment_id": card * 1000 + i,
+            "card_id": card,
+            "amount": None if i % 11 == 0 else (i % 17) / 4,
+            "kind": ["web", "card", None][i % 3],
+            "event_timestamp": BASE + i * STEP / 20,  # 10 a 15-minute tile, 40 tiles
+        }
+        for i in range(400)
+    ]
+    store.push("payments", _frame(events), to="online")
+    assert store.online_store.client.hlen(_events_key(store, card) + b"|tiles") == 40
+    refs = [f"activity:{n}" for n in TILED]
+    at = BASE + 400 * STEP / 20 + timedelta(minutes=7)
+
+    def lookup(heavy_per_tile: int):
+        monkeypatch.setattr(tiles, "HEAVY_PER_TILE", heavy_per_tile)
+        query = OnlineQuery.prepare(
+            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
+        )
+        return query, OnlineReader(store.online_store).read(query).to_dict()
+
+    first, from_summaries = lookup(0)
+    assert first.seals == []  # nothing left to summarize
+    _, from_events = lookup(10**9)
+    for name in TILED:
+        assert same(from_summaries[name][0], from_events[name][0], inexact=False), name
+        assert same(from_summaries[name][0], reference(events, card, at, AGGS[name]), name in INEXACT), name
+
+
+def test_a_write_never_seals_a_tile_redis_holds_otherwise(activity_store, monkeypatch):
+    """A writer summarizes the events it sent, of which Redis may have refused some as duplicates
+    while holding others. A retried batch whose first event changed its amount (same id and time:
+    a duplicate, the first write stands) holds as many events of the tile as Redis, but not the
+    same ones: its summary is refused (the members' digest, not only their count), and lookups
+    give the first write's values."""
+    from featurestore.aggregation import tiles
+
+    store = activity_store
+    card = next(_cards) * 10 + 9_000_000
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
+    events = [
+        {
+            "payment_id": card * 100 + i,
+            "card_id": card,
+            "amount": float(i),
+            "kind": "web",
+            "event_timestamp": BASE + i * timedelta(minutes=1),
+        }
+        for i in range(8)
+    ]
+    summaries = _events_key(store, card) + b"|tiles"
+    client = store.online_store.client
+    store.push("payments", _frame(events), to="online")
+    assert client.hlen(summaries) == 1  # the whole tile, sealed by its write
+    client.delete(summaries)
+    store.push("payments", _frame([{**events[0], "amount": 100.0}, *events[1:]]), to="online")
+    assert client.hlen(summaries) == 0
+    at = BASE + timedelta(hours=2)
+    got = store.get_online_features([{"card_id": card}], features=["activity:amount_sum_3h"], at=at).to_dict()
+    assert got["amount_sum_3h"] == [float(sum(range(8)))]
 
 
 def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypatch):
@@ -448,6 +532,8 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     )
     refs = [f"activity:{n}" for n in TILED]
     at = BASE + 10 * STEP + timedelta(minutes=7)
+    client = store.online_store.client
+    client.delete(*client.keys(b"*|tiles"))  # the write sealed some (summaries only save time: the lookups' here)
 
     def query():
         return OnlineQuery.prepare(

@@ -2,7 +2,8 @@
 
 Online, an aggregated view's events are grouped in tiles of ``tile_us`` (``TileSpec``). Once a
 tile has ended and holds ``SEAL_FROM`` events or more, the lookup that read it event by event
-stores its summary (``seals``): per tiled aggregation of the view, the events passing the
+stores its summary (``seals``; so does the write that holds all of a tile's events,
+``materialization.online_write``): per tiled aggregation of the view, the events passing the
 filter, the non-null values among them and a mergeable state. An entity with
 ``HEAVY_PER_TILE`` events per tile of its longest window or more then reads the summaries of
 the tiles wholly inside the window, the events of the others (those holding a window's start
@@ -186,13 +187,20 @@ def evaluate_tiled(
 
 
 def seals(
-    tiled: TiledEvaluator, times: list[int], columns: dict[int, list[Any]], cut: set[int], now_us: int
+    tiled: TiledEvaluator,
+    times: list[int],
+    columns: dict[int, list[Any]],
+    cut: set[int],
+    now_us: int,
+    most: int | None = None,
 ) -> list[tuple[int, int, bytes]]:
     """Summaries worth storing, ``(tile, events, summary)``: of the ended tiles read event by
-    event in full (holding no cut), those with ``SEAL_FROM`` events or more, at most ``SEALS_PER_LOOKUP``."""
+    event in full (holding no cut), those with ``SEAL_FROM`` events or more, at most ``most``
+    (a lookup's default: ``SEALS_PER_LOOKUP``; a writer's work is bounded by its batch)."""
     size, start = tiled.spec.tile_us, 0
+    most = SEALS_PER_LOOKUP if most is None else most
     out: list[tuple[int, int, bytes]] = []
-    while start < len(times) and len(out) < SEALS_PER_LOOKUP:
+    while start < len(times) and len(out) < most:
         tile = times[start] // size
         end = bisect.bisect_left(times, (tile + 1) * size, start)
         if end - start >= SEAL_FROM and tile not in cut and (tile + 1) * size <= now_us:

@@ -229,7 +229,7 @@ class Materializer:
         return write_online(
             self.online,
             view,
-            self.defs.layout(view).online_field,
+            self.defs.layout(view),
             rows,
             now,
             event_retention=self.config.online.event_retention,

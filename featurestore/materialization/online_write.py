@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import lru_cache
 
 import pyarrow as pa
 
-from featurestore.aggregation import dedup_us
-from featurestore.aggregation.tiles import tile_us
+from featurestore.aggregation import dedup_us, tiles
 from featurestore.definitions import FeatureView
 from featurestore.materialization.compute import events_to_add, latest_per_entity, max_micros
-from featurestore.online.base import OnlineWrites
-from featurestore.online.codec import datetime_to_micros
+from featurestore.online.base import OnlineWrites, Sealer
+from featurestore.online.codec import datetime_to_micros, make_events_decoder
 from featurestore.registry import Definitions
+from featurestore.registry.layout import ViewLayout
 
 
 def key_expiry(defs: Definitions, view: FeatureView) -> timedelta | None:
@@ -30,7 +33,7 @@ def key_expiry(defs: Definitions, view: FeatureView) -> timedelta | None:
 def write_online(
     online: OnlineWrites,
     view: FeatureView,
-    field: str,
+    layout: ViewLayout,
     rows: pa.Table,
     now: datetime,
     *,
@@ -38,11 +41,11 @@ def write_online(
     expire_after: timedelta | None = None,
     whole_history: bool = False,
 ) -> int:
-    """Send history rows to ``online`` under the view's ``field`` (``ViewLayout.online_field``);
-    returns the rows (or events) written.
+    """Send history rows to ``online`` under the view's ``layout``; returns the rows (or events) written.
 
     An aggregated view keeps its events of the longest window plus ``event_retention`` before
-    ``now``; ``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
+    ``now``, and the ended tiles the rows hold in full are summarized as they are written (so no
+    lookup pays for it: ``aggregation.tiles``); ``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
     event ids the store then takes over its own. ``expire_after``: entity keys expire once their
     newest data is that old (views sharing the keys must all allow it: the caller's decision)."""
     if rows.num_rows == 0:
@@ -54,18 +57,40 @@ def write_online(
         cutoff_us = datetime_to_micros(now - horizon)
         writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
         return online.write_events(
-            field,
+            layout.online_field,
             writes.rows,
             view.join_keys,
             stored,
             writes.ids,
             cutoff_us,
             horizon,
-            tile_us(view),
+            tiles.tile_us(view),
             dedup_us(view),
             accepted=writes.accepted,
             newest=newest,
+            sealer=_sealer(view, layout.storage_id),
         )
     latest = latest_per_entity(rows, view.join_keys)
-    online.write_latest(field, latest, view.join_keys, stored, expire_after, newest)
+    online.write_latest(layout.online_field, latest, view.join_keys, stored, expire_after, newest)
     return latest.num_rows
+
+
+def _sealer(view: FeatureView, storage_id: str) -> Sealer | None:
+    """Summaries of the view's tiles as a lookup computes them from the stored events (None: nothing tiled)."""
+    summarize = _summarizer(view, storage_id)
+    return Sealer(tiles.SEAL_FROM, summarize) if summarize is not None else None
+
+
+@lru_cache(maxsize=256)  # (building one costs more than a small push)
+def _summarizer(view: FeatureView, storage_id: str) -> Callable[[list[bytes]], list[tuple[int, int, bytes]]] | None:
+    spec = tiles.TileSpec.of(view, storage_id)
+    if spec is None:
+        return None
+    tiled = tiles.TiledEvaluator(view, spec)
+    decode = make_events_decoder([(f.name, f.dtype) for f in view.schema], tiled.needed)
+
+    def summarize(members: list[bytes]) -> list[tuple[int, int, bytes]]:
+        times, columns = decode(members, -(1 << 62), 1 << 62)
+        return tiles.seals(tiled, times, columns, set(), time.time_ns() // 1000, most=len(times))
+
+    return summarize

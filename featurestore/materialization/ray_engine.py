@@ -288,7 +288,7 @@ def _write_online(job: ViewJob, rows: pa.Table) -> int:
         return write_online(
             online,
             view,
-            defs.layout(view).online_field,
+            defs.layout(view),
             rows,
             job.now,
             event_retention=job.event_retention,

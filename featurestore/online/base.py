@@ -9,7 +9,7 @@ is a new module implementing these, not an ``if`` in its callers; the parametriz
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +33,17 @@ Range = tuple[bytes, int, int, "int | None"]
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
+
+
+@dataclass(frozen=True)
+class Sealer:
+    """How a writer summarizes the ended tiles it writes in full (``aggregation.tiles``), so that no
+    lookup pays for it: ``summarize`` takes one entity's events (members in (time, id) order) of
+    tiles holding ``least`` of them or more, and returns ``(tile, events, summary)`` for those worth storing."""
+
+    least: int
+    summarize: Callable[[list[bytes]], list[tuple[int, int, bytes]]]
+
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
 EVENTS_LAYOUT = 4  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
@@ -108,9 +119,11 @@ class OnlineWrites(Protocol):
         dedup_us: int,
         accepted: np.ndarray | None = None,
         newest: tuple[str, int] | None = None,
+        sealer: Sealer | None = None,
     ) -> int:
         """Add each event to its entity's window state once per event id (the rule of
-        ``featurestore.aggregation``, or the history's verdicts in ``accepted``). Returns the events added."""
+        ``featurestore.aggregation``, or the history's verdicts in ``accepted``); with ``sealer``,
+        store the summaries of ended tiles the write holds in full. Returns the events added."""
         ...
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:

@@ -11,17 +11,20 @@ what they say is this store's. Layout: see ``featurestore.online.codec``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import redis
 
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online.base import Lookup, Range, Seal, TiledRange
+from featurestore.online.base import Lookup, Range, Seal, Sealer, TiledRange
 from featurestore.online.codec import (
     encode_events,
     encode_values,
@@ -92,11 +95,14 @@ class RedisOnlineStore:
         dedup_us: int,
         accepted: np.ndarray | None = None,
         newest: tuple[str, int] | None = None,
+        sealer: Sealer | None = None,
     ) -> int:
         """Apply event writes (history rows, in write order) to their entities' events: each is kept
         unless an earlier write of its id is less than ``dedup_us`` away (or, with ``accepted``, as
         the history's rule decided); one before ``cutoff_us`` only records its time; older events
-        are trimmed (``add_events.lua``). Returns how many events were added."""
+        are trimmed (``add_events.lua``). With ``sealer``, the ended tiles the rows hold in full are
+        summarized in the same round trip, after the adds (``seal_tiles.lua``: only where Redis
+        holds exactly the events summarized). Returns how many events were added."""
         if rows.num_rows == 0:
             return 0
         horizon_ms = horizon // timedelta(milliseconds=1)
@@ -106,6 +112,7 @@ class RedisOnlineStore:
             accepted = accepted[order] if accepted is not None else None
         keys = suffixed(keys, events_key(b"", view))
         verdicts = accepted is not None
+        adds = -(-rows.num_rows // CHUNK)
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
@@ -120,8 +127,14 @@ class RedisOnlineStore:
                     [cutoff_us, horizon_ms, horizon_ms // 16, tile_us, dedup_us, int(verdicts)],
                     columns,
                 )
+            if sealer is not None:  # (summarized while Redis adds the last chunks)
+                whole = _whole_tiles(keys, rows, accepted, cutoff_us, tile_us, sealer.least)
+                for key, events in _tile_members(keys, rows, features, event_ids, whole):
+                    tiles = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
+                    if tiles:
+                        yield ("seal_tiles", [key], [tile_us, *itertools.chain.from_iterable(tiles)], [])
 
-        return sum(self._run(calls, newest))
+        return sum(self._run(calls, newest)[:adds])
 
     def _keys(self, rows: pa.Table, join_keys: Sequence[str]) -> tuple[pa.Array, np.ndarray | None]:
         """The rows' entity keys, in the order the transport wants them written (None: as given)."""
@@ -147,7 +160,7 @@ class RedisOnlineStore:
         return await self._evalsha_async("read_window", [(key, list(arguments)) for key, arguments in windows])
 
     def seal(self, seals: Sequence[Seal]) -> None:
-        """Store tile summaries a lookup computed (``seal_tiles.lua``: only where the tile still holds what was summarized)."""
+        """Store tile summaries a lookup computed (``seal_tiles.lua``: only where the tile still holds as many events)."""
         self._run(lambda: (("seal_tiles", [key], [tile_us, *_flat(tiles)], []) for key, tile_us, tiles in seals), None)
 
     async def seal_async(self, seals: Sequence[Seal]) -> None:
@@ -279,4 +292,51 @@ class RedisOnlineStore:
 
 
 def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
-    return [x for tile in tiles for x in tile]
+    """A lookup's summaries as ``seal_tiles.lua`` takes them: no digest (its count check suffices)."""
+    return [x for tile, events, summary in tiles for x in (tile, events, b"", summary)]
+
+
+def _whole_tiles(
+    keys: pa.Array, rows: pa.Table, accepted: np.ndarray | None, cutoff_us: int, tile_us: int, least: int
+) -> np.ndarray:
+    """The rows in ended tiles (inside the cutoff) of which the write holds ``least`` events or
+    more of one entity: those a writer may summarize. Sorted by entity, then time."""
+    times = numpy_values(rows["event_timestamp"]).view(np.int64)
+    tile = times // tile_us
+    entity = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False)
+    now_tile = time.time_ns() // 1000 // tile_us
+    usable = (tile < now_tile) & (times >= cutoff_us) & (tile * tile_us >= cutoff_us)
+    if accepted is not None:  # a write the history found a duplicate is not stored
+        usable &= accepted.astype(bool)
+    candidates = np.flatnonzero(usable)
+    if len(candidates) < least:
+        return candidates[:0]
+    order = candidates[np.lexsort((times[candidates], tile[candidates], entity[candidates]))]
+    change = np.flatnonzero((np.diff(entity[order]) != 0) | (np.diff(tile[order]) != 0)) + 1
+    starts = np.concatenate([[0], change])
+    sizes = np.diff(np.concatenate([starts, [len(order)]]))
+    return order[np.repeat(sizes >= least, sizes)]
+
+
+def _tile_members(
+    keys: pa.Array, rows: pa.Table, features: Sequence, event_ids: np.ndarray, whole: np.ndarray
+) -> Iterator[tuple[bytes, list[tuple[int, bytes]]]]:
+    """Per entity, the events of rows ``whole`` as Redis stores them, ``(µs, member)`` in (time,
+    id) order (the sorted set's: by score, then member bytes), a retried write's copy once."""
+    if not len(whole):
+        return
+    taken = pa.array(whole)
+    members = encode_events(rows.take(taken), features, event_ids[whole]).to_pylist()
+    times = numpy_values(rows["event_timestamp"]).view(np.int64)[whole].tolist()
+    for key, group in itertools.groupby(zip(keys.take(taken).to_pylist(), times, members), key=lambda r: r[0]):
+        yield key, sorted({(t, m) for _, t, m in group})
+
+
+def _with_digests(tiles: Sequence[tuple[int, int, bytes]], events: list[tuple[int, bytes]], tile_us: int) -> list:
+    """``seal_tiles.lua``'s quadruples: each summary with the SHA-1 of its tile's members."""
+    by_tile: dict[int, list[bytes]] = {}
+    for us, member in events:
+        by_tile.setdefault(us // tile_us, []).append(member)
+    return [
+        (tile, events, hashlib.sha1(b"".join(by_tile[tile])).hexdigest(), summary) for tile, events, summary in tiles
+    ]
