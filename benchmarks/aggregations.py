@@ -9,8 +9,9 @@ Online: an SDK lookup of 1 card × 5 aggregates (each card has ~10 events in its
 against a plain latest-value lookup of 1 entity × 5 features, timed in alternating blocks;
 one-event pushes in-process and over HTTP (a feature server process), to Redis only and to both
 stores; sustained ingest with pushes of 1,000 events; lookups of heavy cards (1,000, 10,000
-and 50,000 events in the 7 d window); and the event loop's longest stall during a cold heavy
-card's first lookups on the servers' path.
+and 50,000 events in the 7 d window), written with and without the write's tile sealing; the
+event loop's longest stall during a cold heavy card's first lookups on the servers' path; the
+memory a card's events take; and ``featurestore capacity``'s report on the whole store.
 
     python benchmarks/aggregations.py                          # full size
     python benchmarks/aggregations.py --events 500000 --entity-rows 100000 --cards 10000
@@ -19,9 +20,11 @@ card's first lookups on the servers' path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -298,31 +301,36 @@ def online(args: argparse.Namespace) -> None:
                 store.push("payments", table, to=to)
             store.flush()
             ingest[to] = batch * batches / (time.perf_counter() - t0)
-        # heavy cards, last (their big pushes would disturb the timings above): tile summaries (the
-        # first lookups summarize the tiles they read whole) against reading every event of the window
+        # heavy cards, last (their big pushes would disturb the timings above): tile summaries against
+        # reading every event of the window. Each card's events are written twice, to two cards: as
+        # materialize and batch pushes write (the write seals the ended tiles it holds), and without
+        # the write sealing (as events streamed one by one leave them: the first lookups seal)
         from featurestore.aggregation import tiles
 
         heavy: dict[int, dict] = {}
         heavy_per_tile = tiles.HEAVY_PER_TILE
         for k, n in enumerate((1_000, 10_000, 50_000)):
-            card = n_cards + 1 + k
-            ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
-            store.push(
-                "payments",
-                pa.table(
+            ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
+            amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
+            heavy[n] = {}
+            for sealing, card in ((True, n_cards + 1 + k), (False, n_cards + 21 + k)):
+                table = pa.table(
                     {
-                        "tx_id": np.arange(n, dtype=np.int64) + (k + 1) * 10**9,
+                        "tx_id": np.arange(n, dtype=np.int64) + (k + 1 + 3 * sealing) * 10**9,
                         "card_id": np.full(n, card),
-                        "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
-                        "event_timestamp": pa.array(ts, TS),
+                        "amount": amounts,
+                        "event_timestamp": ts,
                     }
-                ),
-                to="online",
-            )
-            t0 = time.perf_counter()
-            store.get_online_features([{"card_id": card}], features=agg_refs)
-            heavy[n] = {"first": (time.perf_counter() - t0) * 1000}
-            for _ in range(20):  # until every whole tile is summarized (16 a lookup)
+                )
+                with write_sealing(sealing):
+                    t0 = time.perf_counter()
+                    store.push("payments", table, to="online")
+                    heavy[n][("push", sealing)] = (time.perf_counter() - t0) * 1000
+                t0 = time.perf_counter()
+                store.get_online_features([{"card_id": card}], features=agg_refs)
+                heavy[n][("first", sealing)] = (time.perf_counter() - t0) * 1000
+            card = n_cards + 1 + k
+            for _ in range(20):  # (sealed already: nothing left to summarize)
                 store.get_online_features([{"card_id": card}], features=agg_refs)
             for label, per_tile in (("tiles", heavy_per_tile), ("events", 10**9)):
                 tiles.HEAVY_PER_TILE = per_tile
@@ -334,7 +342,11 @@ def online(args: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 heavy[n][label] = percentiles(times)["p50"]
             tiles.HEAVY_PER_TILE = heavy_per_tile
+        memory = {n: entity_memory(store, card) for n, card in ((10, 1), (1_000, n_cards + 1), (50_000, n_cards + 3))}
         stalls = loop_stalls(store, agg_refs, n_cards + 10, rng, now)
+        from featurestore import capacity
+
+        measured = capacity.measure(store.online_store, store.definitions, store.config.project)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
@@ -346,7 +358,9 @@ def online(args: argparse.Namespace) -> None:
     for n, p in heavy.items():
         print(
             f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
-            f"first lookup {p['first']:.1f} ms"
+            f"first lookup {p[('first', True)]:.1f} ms = {p[('first', True)] / p['tiles']:.1f}x steady "
+            f"(tiles not sealed by the write: {p[('first', False)]:.1f} ms); "
+            f"push {p[('push', True)]:.0f} ms ({p[('push', False)]:.0f} ms without sealing)"
         )
     print(
         "  a cold card of 50,000 events, its first 3 lookups on the servers' path (OnlineReader.read_async): longest event-loop stall"
@@ -375,6 +389,37 @@ def online(args: argparse.Namespace) -> None:
         )
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
+    print("  memory of a card's events (MEMORY USAGE of its sorted set, ids and tile summaries):")
+    for n, (events, size) in memory.items():
+        print(f"    {events:>6,} events: {size:,} bytes, {size / events:.0f} bytes/event")
+    print("featurestore capacity on this store (sizing 100M cards x 100 events):")
+    print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
+
+
+def entity_memory(store, card: int) -> tuple[int, int]:
+    """A card's events in the activity view and the bytes its events keys take."""
+    client = store.online_store.client
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    size = sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles"))
+    return int(client.zcard(key)), size
+
+
+@contextlib.contextmanager
+def write_sealing(on: bool) -> Iterator[None]:
+    """Writes seal the ended tiles they hold (``on``, the default), or leave them to the first lookups."""
+    from featurestore.materialization import online_write
+
+    sealer = online_write._sealer
+    if not on:
+        online_write._sealer = lambda view, storage_id: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        online_write._sealer = sealer
 
 
 def loop_stalls(
@@ -391,18 +436,19 @@ def loop_stalls(
     n = 50_000
     for card in (first_card, first_card + 1):
         ts = [now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)]
-        store.push(
-            "payments",
-            pa.table(
-                {
-                    "tx_id": np.arange(n, dtype=np.int64) + card * 10**7,
-                    "card_id": np.full(n, card),
-                    "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
-                    "event_timestamp": pa.array(ts, TS),
-                }
-            ),
-            to="online",
-        )
+        with write_sealing(False):  # (cold: its lookups summarize)
+            store.push(
+                "payments",
+                pa.table(
+                    {
+                        "tx_id": np.arange(n, dtype=np.int64) + card * 10**7,
+                        "card_id": np.full(n, card),
+                        "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
+                        "event_timestamp": pa.array(ts, TS),
+                    }
+                ),
+                to="online",
+            )
     threshold, out = online.OFF_LOOP_EVENTS, {}
     reader = OnlineReader(store.online_store)
 

@@ -470,6 +470,34 @@ def _run_server(
         uvicorn.run(factory, host=host, port=port, workers=workers, **options)
 
 
+@app.command("capacity", rich_help_panel="Serving")
+def capacity_command(
+    entities: int | None = typer.Option(
+        None, min=1, help="Entities to size for, of each entity key (default: about as many as Redis holds now)."
+    ),
+    events_per_entity: float | None = typer.Option(
+        None, min=0, help="Events per entity in each aggregated view's window (default: as sampled)."
+    ),
+    node_memory: str = typer.Option("25GB", help="Data one Redis node may hold (its maxmemory): 25GB, 64GiB."),
+    sample: int = typer.Option(1000, min=1, help="Entities to sample."),
+    probe_writes: bool = typer.Option(
+        True, help="Time writes by writing the sampled events again under a scratch project (deleted after)."
+    ),
+    repo: Path = RepoOption,
+) -> None:
+    """What the online store costs for this repo, measured on a sample of its data: bytes per entity
+    and per event by layout, Redis CPU per lookup and per event written, and the memory and
+    nodes N entities need. Measure on a quiet moment: other clients' commands count too."""
+    from featurestore import capacity
+
+    node_bytes = capacity.parse_size(node_memory)
+    with _store(repo) as store:
+        measured = capacity.measure(store.online_store, store.definitions, store.config.project, sample, probe_writes)
+    if not measured.sampled:
+        raise FeatureStoreError("Redis holds no entities of this project yet: materialize or push some, then measure")
+    console.print(measured.describe(entities, events_per_entity, node_bytes), markup=False, soft_wrap=True)
+
+
 @app.command("api-key", rich_help_panel="Serving")
 def api_key(
     name: str = typer.Option(..., help="Who uses the key (shown in logs and errors)."),

@@ -7,6 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pandas as pd
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from featurestore.errors import RequestError
 
@@ -187,3 +189,27 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
             assert _same(real[j], by_real[f][1]), (f, real[j], by_real[f][1])
 
     check()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.tuples(
+            st.just("String"), st.text(alphabet=st.sampled_from(["a", "\x1f", "=", "{", "}", "%", "ü", "7", "B"]))
+        ),
+        st.tuples(st.just("Int64"), st.integers(-(2**63), 2**63 - 1)),
+        st.tuples(st.just("Int32"), st.integers(-(2**31), 2**31 - 1)),
+        st.tuples(st.just("Float64"), st.floats(allow_nan=False)),
+        st.tuples(st.just("Bytes"), st.binary(max_size=8)),
+        st.tuples(st.just("Bool"), st.booleans()),
+        st.tuples(st.just("UnixTimestamp"), st.datetimes(timezones=st.just(UTC))),
+    )
+)
+def test_a_key_text_reads_back_as_its_value(typed):
+    """``featurestore capacity`` reads entities back from their Redis keys: ``key_value`` inverts
+    ``key_text`` for every key type (escaped separators and braces included)."""
+    from featurestore.online.codec import key_text, key_value
+
+    type_name, value = typed
+    back = key_value(key_text(value, type_name), type_name)
+    assert back == (value + 0.0 if type_name == "Float64" else value) and type(back) is type(value)

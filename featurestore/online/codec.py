@@ -33,6 +33,7 @@ lookup reads only its window, already sorted, and a tile's events are one range.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -104,6 +105,23 @@ def key_text(value: Any, type_name: str) -> str:
         return repr((float(np.float32(value)) if type_name == "Float32" else float(value)) + 0.0)
     if type_name == "UnixTimestamp":
         return str(datetime_to_micros(value))
+    raise TypeError(f"no key encoding for {type_name}")
+
+
+def key_value(text: str, type_name: str) -> Any:
+    """The key value ``key_text`` wrote as ``text`` (its inverse)."""
+    if type_name == "Bool":
+        return text == "true"
+    if type_name in ("Int32", "Int64"):
+        return int(text)
+    if type_name == "String":
+        return re.sub("%(25|1F|7B|7D)", lambda m: chr(int(m.group(1), 16)), text)
+    if type_name == "Bytes":
+        return bytes.fromhex(text)
+    if type_name in ("Float32", "Float64"):
+        return float(text)
+    if type_name == "UnixTimestamp":
+        return micros_to_datetime(int(text))
     raise TypeError(f"no key encoding for {type_name}")
 
 

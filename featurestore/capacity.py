@@ -1,0 +1,282 @@
+"""What the online store costs, measured on a repo's own data (``featurestore capacity``).
+
+From a sample of the entities Redis holds: the bytes each layout takes per entity and per event
+(``MEMORY USAGE`` of the entity's keys: its hash of latest values, and per aggregated view its
+events, event ids and tile summaries), the Redis process's CPU time (``INFO cpu``: commands and
+their network handling) per lookup of one entity (every feature of its views, a round trip each,
+read as a server reads it) and per event written (the sampled events written again under a scratch
+project, then deleted); and what N entities × E events need in memory and nodes. Redis runs
+commands on one core: a node serves about 10⁶ / µs of them a second. Other clients' traffic
+while it measures counts too: measure on a quiet moment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from featurestore.aggregation import dedup_us
+from featurestore.aggregation.tiles import tile_us
+from featurestore.definitions import FeatureView
+from featurestore.errors import FeatureStoreError
+from featurestore.online.codec import glob_escaped, key_prefix, key_value
+from featurestore.online.lua import scripts
+from featurestore.registry import Definitions
+from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+PROBE_PROJECT = "capacity-probe"  # the scratch project the write probe writes under (and deletes)
+MOST_PROBE_EVENTS = 50_000  # events the write probe sends, at most
+LOOKUPS = 2000  # lookups timed (Redis counts CPU time in clock ticks: enough of them to be exact)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """One layout's memory, over the sampled entities holding it."""
+
+    name: str  # "latest values (card_id)", or "<view> events"
+    entities: int
+    bytes_per_entity: float
+    events_per_entity: float | None  # None: latest values
+
+    @property
+    def bytes_per_event(self) -> float | None:
+        if not self.events_per_entity:
+            return None
+        return self.bytes_per_entity / self.events_per_entity
+
+    def bytes_for(self, events_per_entity: float | None) -> float:
+        """Bytes per entity at ``events_per_entity`` (None: as sampled), at the sampled cost per event."""
+        if events_per_entity is None or self.bytes_per_event is None:
+            return self.bytes_per_entity
+        return self.bytes_per_event * events_per_entity
+
+
+@dataclass(frozen=True)
+class Capacity:
+    url: str
+    keys: int  # in the whole Redis (DBSIZE)
+    used_memory: int  # INFO memory: what the Redis takes now
+    entities_now: int  # the project's entities, estimated from the sample's keys per entity
+    sampled: int
+    layouts: list[LayoutCost]
+    lookup_us: float | None  # Redis CPU time per lookup of one entity, every view
+    event_write_us: float | None  # Redis CPU time per event written
+
+    def memory_for(self, entities: int, events_per_entity: float | None = None) -> float:
+        """Bytes that ``entities`` entities of each layout need (``events_per_entity`` in each aggregated view)."""
+        return entities * sum(layout.bytes_for(events_per_entity) for layout in self.layouts)
+
+    def describe(self, entities: int | None, events_per_entity: float | None, node_memory: int) -> str:
+        """The report ``featurestore capacity`` prints."""
+        lines = [
+            f"Online store {self.url}: {self.keys:,} keys, {_size(self.used_memory)} used; "
+            f"about {self.entities_now:,} entities of this project, {self.sampled:,} sampled",
+            f"{'layout':<40} {'entities':>9} {'events/entity':>14} {'bytes/entity':>13} {'bytes/event':>12}",
+        ]
+        for c in self.layouts:
+            events = f"{c.events_per_entity:,.1f}" if c.events_per_entity is not None else "-"
+            per_event = f"{c.bytes_per_event:,.1f}" if c.bytes_per_event is not None else "-"
+            lines.append(f"{c.name:<40} {c.entities:>9,} {events:>14} {c.bytes_per_entity:>13,.0f} {per_event:>12}")
+        if self.lookup_us is not None:
+            lines.append(
+                f"Redis CPU per lookup of 1 entity, every view: {self.lookup_us:.1f} µs"
+                f" → about {1e6 / self.lookup_us:,.0f} lookups/s per Redis core"
+            )
+        if self.event_write_us is not None:
+            lines.append(
+                f"Redis CPU per event written (256 a call): {self.event_write_us:.2f} µs"
+                f" → about {1e6 / self.event_write_us:,.0f} events/s per Redis core"
+            )
+        n = entities if entities is not None else self.entities_now
+        need = self.memory_for(n, events_per_entity)
+        profile = f" × {events_per_entity:,g} events per aggregated view" if events_per_entity is not None else ""
+        nodes = max(1, math.ceil(need / node_memory))
+        lines.append(
+            f"{n:,} entities per layout{profile}: {_size(need)} of data → {nodes} Redis node{'s' * (nodes > 1)} "
+            f"of {_size(node_memory)} (each replica as much again; Redis needs headroom for forks and fragmentation)"
+        )
+        if events_per_entity is not None:
+            lines.append(
+                "  (at the sampled cost per event: Redis packs a sorted set of 128 events or fewer more "
+                "tightly, so sizing far from the sample's events per entity is approximate)"
+            )
+        return "\n".join(lines)
+
+
+def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: bool = True) -> Capacity:
+    """Sample up to ``sample`` of the project's entities in ``online`` (a ``RedisOnlineStore``) and
+    measure their memory, lookups and (``probe``) writes."""
+    client = online.client
+    prefix = key_prefix(project)
+    views = [v for v in defs.feature_views.values() if v.online]
+    entities = _sample_entities(client, prefix, sample)
+    groups: dict[str, list[float]] = {}
+    events_of: dict[str, list[int]] = {}
+    held_keys: list[int] = []  # keys of each sampled entity
+    lookups: list[tuple[dict, list[str]]] = []  # (entity, every feature of its views)
+    written: list[tuple[bytes, FeatureView]] = []  # events keys the write probe copies
+    for entity in entities:
+        values = _key_values(entity)
+        mine = [v for v in views if sorted(v.join_keys) == sorted(values)]
+        aggregated = [(v, entity + b":ev:" + defs.layout(v).online_field.encode()) for v in mine if v.is_aggregated]
+        pipe = client.pipeline(transaction=False)
+        pipe.memory_usage(entity, samples=0)
+        for _, key in aggregated:
+            for part in (key, key + b"|ids", key + b"|tiles"):
+                pipe.memory_usage(part, samples=0)
+            pipe.zcard(key)
+        replies = pipe.execute()
+        sizes = [replies[0], *(r for k, r in enumerate(replies[1:]) if k % 4 != 3)]  # (the ZCARDs aside)
+        held_keys.append(sum(1 for size in sizes if size))
+        if replies[0]:
+            groups.setdefault(f"latest values ({', '.join(sorted(values))})", []).append(replies[0])
+        for k, (view, key) in enumerate(aggregated):
+            events_bytes, ids_bytes, tiles_bytes, count = replies[1 + 4 * k : 5 + 4 * k]
+            if events_bytes or ids_bytes:
+                name = f"{view.name} events"
+                groups.setdefault(name, []).append((events_bytes or 0) + (ids_bytes or 0) + (tiles_bytes or 0))
+                events_of.setdefault(name, []).append(count)
+                written.append((key, view))
+        if mine and any(sizes):
+            types = defs.key_types[mine[0].name]
+            typed = {name: key_value(text, types[name].name) for name, text in values.items()}
+            lookups.append((typed, [f"{v.name}:{f}" for v in mine for f in v.feature_names]))
+    layouts = [
+        LayoutCost(
+            name,
+            len(sizes),
+            sum(sizes) / len(sizes),
+            sum(events_of[name]) / len(sizes) if name in events_of else None,
+        )
+        for name, sizes in groups.items()
+    ]
+    keys = int(client.dbsize())
+    keys_per_entity = sum(held_keys) / len(held_keys) if held_keys and sum(held_keys) else 1.0
+    return Capacity(
+        url=online.transport.safe_url,
+        keys=keys,
+        used_memory=int(client.info("memory")["used_memory"]),
+        entities_now=round(keys * _project_share(client, prefix) / keys_per_entity) if entities else 0,
+        sampled=len(entities),
+        layouts=sorted(layouts, key=lambda c: c.name),
+        lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
+        event_write_us=_event_write_us(client, prefix, written) if probe else None,
+    )
+
+
+def parse_size(text: str) -> int:
+    """``25GB``, ``512MiB``, ``1.5TB``, ``1000000`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise FeatureStoreError(
+            f"a size is a number and a unit (B, KB, MB, GB, TB, or KiB ... TiB), like 25GB; not {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _sample_entities(client, prefix: bytes, sample: int) -> list[bytes]:
+    """Up to ``sample`` distinct entity keys (``fs:<project>:{...}``), in SCAN's order (the hash table's: no bias by key)."""
+    entities: dict[bytes, None] = {}
+    for key in client.scan_iter(match=glob_escaped(prefix) + b"{*", count=1000):
+        if key.startswith(prefix + b"{"):  # (the pattern is escaped: this is the proof)
+            entities.setdefault(key[: key.index(b"}") + 1], None)
+            if len(entities) >= sample:
+                break
+    return list(entities)
+
+
+def _project_share(client, prefix: bytes, draws: int = 200) -> float:
+    """The share of the Redis's keys that are this project's, from ``draws`` RANDOMKEYs (1.0 when all are)."""
+    pipe = client.pipeline(transaction=False)
+    for _ in range(draws):
+        pipe.randomkey()
+    drawn = [key for key in pipe.execute() if key is not None]
+    return sum(key.startswith(prefix) for key in drawn) / len(drawn) if drawn else 0.0
+
+
+def _key_values(entity: bytes) -> dict[str, str]:
+    """``{join key: key text}`` of an entity key (``fs:<project>:{card_id=42\x1fmerchant_id=7}``)."""
+    inside = entity[entity.index(b"{") + 1 : -1].decode(errors="replace")
+    return dict(part.split("=", 1) for part in inside.split("\x1f") if "=" in part)
+
+
+def _redis_usec(client) -> float:
+    """The CPU time the Redis process has used so far, µs (every node's, for a cluster): commands
+    and the network handling around them, what bounds a core's throughput."""
+    stats = client.info("cpu")
+    nodes = [stats] if "used_cpu_sys" in stats else [s for s in stats.values() if isinstance(s, dict)]
+    return sum(float(node["used_cpu_sys"]) + float(node["used_cpu_user"]) for node in nodes) * 1e6
+
+
+def _lookup_us(online, defs: Definitions, project: str, lookups: Sequence[tuple[dict, list[str]]]) -> float:
+    """Redis CPU per lookup of one entity and every feature of its views, as a server reads it
+    (``OnlineReader``: a heavy entity's tile summaries; none stored here), a round trip each."""
+    reader = OnlineReader(online, max_sealing=0)
+
+    def lookup(entity: dict, refs: list[str]) -> None:
+        reader.read(OnlineQuery.prepare(defs, project, [entity], refs, None, False))
+
+    for entity, refs in lookups:  # (connections and scripts warm, heavy entities known as a server knows them)
+        lookup(entity, refs)
+    timed = list(itertools.islice(itertools.cycle(lookups), LOOKUPS))  # (a few entities: each read again)
+    before = _redis_usec(online.client)
+    for entity, refs in timed:
+        lookup(entity, refs)
+    return (_redis_usec(online.client) - before) / len(timed)
+
+
+def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]) -> float | None:
+    """Redis CPU per event: the sampled entities' events written again, as materialization writes
+    them (``add_events.lua``, 256 a call), under ``PROBE_PROJECT``'s keys, deleted afterwards."""
+    probe = key_prefix(PROBE_PROJECT)
+    script = scripts()["add_events"]
+    client.script_load(script.code)
+    writes: list[tuple[bytes, FeatureView, list[bytes]]] = []
+    total = 0
+    for key, view in held:
+        if total >= MOST_PROBE_EVENTS:
+            break
+        members = client.zrange(key, 0, MOST_PROBE_EVENTS - total - 1)
+        writes.append((probe + key[len(prefix) :], view, members))
+        total += len(members)
+    if not total:
+        return None
+    now_ms = time.time_ns() // 1_000_000
+    try:
+        before = _redis_usec(client)
+        for calls in _chunks(writes, now_ms):
+            pipe = client.pipeline(transaction=False)
+            for keys, arguments in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *arguments)
+            pipe.execute()
+        return (_redis_usec(client) - before) / total
+    finally:
+        for key, _, _ in writes:
+            client.delete(key, key + b"|ids", key + b"|tiles")
+
+
+def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -> Iterator[list[tuple[list, list]]]:
+    """``add_events.lua`` calls of 256 events, a pipeline of them per view: keys kept far longer than the probe takes."""
+    for key, view, members in writes:
+        stamps = [int.from_bytes(m[8:16], "big") - (1 << 63) for m in members]
+        horizon_ms = now_ms - min(stamps, default=0) // 1000 + 3_600_000
+        calls = []
+        for i in range(0, len(members), 256):
+            part, times = members[i : i + 256], stamps[i : i + 256]
+            head = [0, horizon_ms, horizon_ms // 16, tile_us(view), dedup_us(view), 0]
+            calls.append(([key] * len(part), [*head, *times, *part]))
+        yield calls
+
+
+def _size(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,.0f} B"

@@ -1,0 +1,127 @@
+"""``featurestore capacity``: memory per layout, Redis time per lookup and per event, on a real Redis."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pytest
+
+from featurestore import FeatureStore
+from featurestore.online.embedded import EmbeddedRedis
+from tests.conftest import write_repo
+
+FEATURES = """
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+payments = PushSource(name="payments", schema=[
+    Field("payment_id", Int64), Field("card_id", Int64), Field("amount", Float64),
+    Field("event_timestamp", UnixTimestamp)])
+profiles = PushSource(name="profiles", schema=[
+    Field("card_id", Int64), Field("segment", String), Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(name="activity", entities=[card], source=payments, event_id="payment_id",
+    schema=[Field("payment_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation("sum", timedelta(days=7), "amount"), Aggregation("count", timedelta(hours=1))])
+profile = FeatureView(name="profile", entities=[card], source=profiles, schema=[Field("segment", String)])
+"""
+CARDS = 30
+TS = pa.timestamp("us", tz="UTC")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """A repo on a Redis of its own: card i has a profile and i + 1 payments in the last days."""
+    folder = tmp_path_factory.mktemp("capacity")
+    server = EmbeddedRedis(folder / "redis")
+    root = write_repo(folder / "repo", FEATURES, url=server.ensure_running())
+    now = datetime.now(UTC)
+    with FeatureStore(root) as store:
+        store.apply()
+        cards = list(range(1, CARDS + 1))
+        store.push(
+            "profiles",
+            pa.table({"card_id": cards, "segment": ["s"] * CARDS, "event_timestamp": pa.array([now] * CARDS, TS)}),
+            to="online",
+        )
+        paying = [card for card in cards for _ in range(card)]
+        store.push(
+            "payments",
+            pa.table(
+                {
+                    "payment_id": list(range(len(paying))),
+                    "card_id": paying,
+                    "amount": [float(i % 7) for i in range(len(paying))],
+                    "event_timestamp": pa.array([now - timedelta(minutes=3 * i) for i in range(len(paying))], TS),
+                }
+            ),
+            to="online",
+        )
+    yield root
+    server.stop()
+
+
+def test_capacity_measures_each_layout_of_the_repos_own_keys(repo):
+    from featurestore import capacity
+
+    with FeatureStore(repo) as store:
+        client = store.online_store.client
+        keys_before = sorted(client.keys())
+        events = [k for k in keys_before if b":ev:" in k and b"|" not in k]
+        events_before = {k: client.zcard(k) for k in events}
+        measured = capacity.measure(store.online_store, store.definitions, store.config.project)
+        assert sorted(client.keys()) == keys_before  # the write probe's keys are gone, the repo's untouched
+        assert {k: client.zcard(k) for k in events_before} == events_before
+        hashes = [k for k in keys_before if k.endswith(b"}")]
+        hash_bytes = sum(client.memory_usage(k, samples=0) for k in hashes) / len(hashes)
+        event_bytes = sum(
+            sum(client.memory_usage(part, samples=0) or 0 for part in (k, k + b"|ids", k + b"|tiles")) for k in events
+        ) / len(events)
+    layouts = {c.name: c for c in measured.layouts}
+    assert set(layouts) == {"latest values (card_id)", "activity events"}
+    latest, activity = layouts["latest values (card_id)"], layouts["activity events"]
+    assert (latest.entities, activity.entities) == (CARDS, CARDS) and measured.sampled == CARDS
+    assert latest.bytes_per_entity == hash_bytes and latest.events_per_entity is None
+    assert activity.bytes_per_entity == event_bytes
+    assert activity.events_per_entity == sum(range(1, CARDS + 1)) / CARDS
+    assert measured.entities_now == CARDS  # every key of the Redis is the project's
+    assert measured.lookup_us is not None and measured.lookup_us > 0
+    assert measured.event_write_us is not None and measured.event_write_us > 0
+    assert measured.memory_for(10**8) == 10**8 * (hash_bytes + event_bytes)
+    per_event = event_bytes / activity.events_per_entity
+    assert measured.memory_for(10**8, 100) == pytest.approx(10**8 * (hash_bytes + 100 * per_event))
+    report = measured.describe(10**8, 100, capacity.parse_size("25GB"))
+    nodes = -(-measured.memory_for(10**8, 100) // 25e9)
+    assert f"→ {nodes:.0f} Redis nodes of 25.0 GB" in report and "lookups/s per Redis core" in report
+
+
+def _cli(root, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "capacity", *args, "--repo", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_capacity_command_prints_the_model_and_refuses_bad_input(repo, tmp_path):
+    done = _cli(repo, "--entities", "100000000", "--events-per-entity", "100", "--node-memory", "64GiB")
+    assert done.returncode == 0, done.stderr
+    assert "activity events" in done.stdout and "events/s per Redis core" in done.stdout
+    assert "100,000,000 entities per layout × 100 events" in done.stdout
+    bad = _cli(repo, "--node-memory", "lots")
+    assert bad.returncode != 0 and "a size is a number and a unit" in bad.stderr and "Traceback" not in bad.stderr
+    server = EmbeddedRedis(tmp_path / "redis")
+    empty = write_repo(tmp_path / "empty", FEATURES, url=server.ensure_running())
+    try:
+        with FeatureStore(empty) as store:
+            store.apply()
+        nothing = _cli(empty)
+    finally:
+        server.stop()
+    assert nothing.returncode != 0 and "holds no entities of this project" in nothing.stderr
+    assert "Traceback" not in nothing.stderr
