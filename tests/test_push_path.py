@@ -97,6 +97,17 @@ def test_bulk_resp_packing_equals_redis_py(make_store):
         assert ours == theirs
         keys = pa.array(values, pa.binary())
         assert resp.suffixed(keys, b":a", b":b").to_pylist() == [v + s for v in values for s in (b":a", b":b")]
+        # a call cut per hash slot (the cluster's writes): each piece as redis-py packs that slice
+        for skip in (0, min(n, 2)):  # (an array that is a slice itself: its offsets do not start at 0)
+            part, rows = keys.slice(skip), values[skip:]
+            cuts = sorted({0, len(rows), *(rnd.randint(0, len(rows)) for _ in range(3))})
+            bounds = list(zip(cuts, cuts[1:]))
+            other = pa.array([rnd.randbytes(3) for _ in rows], pa.binary())
+            pieces = resp.sliced(("EVALSHA", "abc"), part, [7, "x"], [other], bounds)
+            assert len(pieces) == len(bounds)
+            for (a, b), piece in zip(bounds, pieces):
+                theirs = packer.pack_command("EVALSHA", "abc", b - a, *rows[a:b], 7, "x", *other.to_pylist()[a:b])
+                assert piece == b"".join(theirs)
 
 
 def test_writes_go_on_after_redis_lost_its_scripts(make_store):

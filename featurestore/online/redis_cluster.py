@@ -3,8 +3,9 @@
 ``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``.
 Keys carry a hash tag per entity (``{card_id=42}``), so all of an entity's views and events
 live on one slot. A script may only touch keys of one slot, so writes are split by slot and
-each slot's calls go to its master; the masters work concurrently (everything is sent before
-any reply is read). Reads go through redis-py's cluster pipeline (one batch per node, request
+each slot's calls go to its master, framed once per call (``resp.sliced``) and sent in one
+buffer per master, every master fed at once by a thread of its own, so the masters work
+concurrently. Reads go through redis-py's cluster pipeline (one batch per node, request
 order kept, MOVED/ASK followed), from replicas when ``read_from_replicas: true``. While a
 master is failing over, its slots answer errors: the store raises ``OnlineStoreUnavailable``
 (a 503), refreshes its slot map, and serves again once a replica has taken over.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,8 +30,10 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online import resp
 from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range
-from featurestore.online.transport import UNAVAILABLE, Call, as_binary, evalsha, listen, redact
+from featurestore.online.lua import scripts
+from featurestore.online.transport import UNAVAILABLE, Call, as_binary, listen, redact
 
 SCHEME = CLUSTER_SCHEME
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
@@ -95,6 +99,7 @@ class ClusterRedis:
             load_balancing_strategy=balancing,
         )
         self._async: aiocluster.RedisCluster | None = None
+        self._threads: ThreadPoolExecutor | None = None
 
     @property
     def async_client(self) -> aiocluster.RedisCluster:
@@ -130,40 +135,42 @@ class ClusterRedis:
     def send(self, calls: Iterable[Call]) -> list:
         """Each call split by hash slot, each part sent to its slot's master; a call in parts
         replies the sum of its parts' replies (the write scripts return counts)."""
-        calls = list(calls)
+        binary: list[tuple[str, pa.Array, list, list[pa.Array]]] = [(n, as_binary(k), a, c) for n, k, a, c in calls]
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
-        parts = [0] * len(calls)
+        parts = [0] * len(binary)
         connections: dict[str, Any] = {}
         pools: dict[str, Any] = {}
+        every_slot = _slots(pa.concat_arrays([keys for _, keys, _, _ in binary])) if binary else np.array([])
+        ends = np.cumsum([len(keys) for _, keys, _, _ in binary]).tolist()
         try:  # (the slot map and the connections fail during a failover too: all of it is the store's error)
-            for i, (name, keys, args, per_key) in enumerate(calls):
-                keys = as_binary(keys)
-                slots = _slots(keys)
+            for i, (name, keys, args, per_key) in enumerate(binary):
+                slots = every_slot[ends[i] - len(keys) : ends[i]]
                 if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
                     order = pa.array(np.argsort(slots, kind="stable"))
                     keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
                 starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
-                for start, end in zip(starts, starts[1:]):
-                    node = manager.get_node_from_slot(int(slots[start]))
-                    piece = (name, keys.slice(start, end - start), args, [c.slice(start, end - start) for c in per_key])
-                    queued[node.name].append((i, evalsha(piece)))
+                bounds = list(zip(starts, starts[1:]))
+                pieces = resp.sliced(("EVALSHA", scripts()[name].sha), keys, args, per_key, bounds)
+                for (start, _), piece in zip(bounds, pieces):
+                    queued[manager.get_node_from_slot(int(slots[start])).name].append((i, piece))
                     parts[i] += 1
             for name in queued:
                 owner = manager.get_node(node_name=name)
                 if owner is None:  # gone from the slot map since it was routed to (a failover)
                     raise redis.ConnectionError(f"node {name} left the cluster")
                 pools[name] = self.client.get_redis_connection(owner).connection_pool
-            for name, commands in queued.items():
+            for name in queued:
                 connections[name] = pools[name].get_connection()
-                connections[name].send_packed_command([command for _, command in commands])
-            replies: list[list] = [[] for _ in calls]
-            for name, commands in queued.items():
-                for i, _ in commands:
-                    try:
-                        replies[i].append(connections[name].read_response())
-                    except redis.ResponseError as exc:
-                        replies[i].append(exc)
+            exchanges = [(connections[name], [c for _, c in commands]) for name, commands in queued.items()]
+            if len(exchanges) > 1:  # every master fed at once: a blocking send to one would hold back the others
+                answers = list(self._node_threads().map(lambda e: _exchange(*e), exchanges))
+            else:
+                answers = [_exchange(*e) for e in exchanges]
+            replies: list[list] = [[] for _ in binary]
+            for commands, answered in zip(queued.values(), answers):
+                for (i, _), reply in zip(commands, answered):
+                    replies[i].append(reply)
         except PIPELINE_FAILURES as exc:
             for connection in connections.values():  # replies may be left unread on them
                 connection.disconnect()
@@ -214,12 +221,32 @@ class ClusterRedis:
 
     def close(self) -> None:
         self.client.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
+
+    def _node_threads(self) -> ThreadPoolExecutor:
+        """A thread per master for writes (the sockets release the GIL while they wait)."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="cluster-write")
+        return self._threads
 
     def _refresh_slots(self) -> None:
         try:
             self.client.nodes_manager.initialize()
         except UNAVAILABLE:
             pass  # still failing over: the next call tries again
+
+
+def _exchange(connection: Any, commands: list[bytes]) -> list:
+    """Send packed commands on one node's connection at once, then read their replies (errors as values)."""
+    connection.send_packed_command([b"".join(commands)])
+    replies: list = []
+    for _ in commands:
+        try:
+            replies.append(connection.read_response())
+        except redis.ResponseError as exc:
+            replies.append(exc)
+    return replies
 
 
 def _slots(keys: pa.Array) -> np.ndarray:

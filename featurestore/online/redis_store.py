@@ -48,6 +48,7 @@ class RedisOnlineStore:
         self.transport = transport
         self.project = project
         self.prefix = key_prefix(project)
+        self._scripts_sent = False  # sent once before the first write: a cluster write of 100k rows is ~16k calls
 
     @property
     def client(self) -> Any:
@@ -249,6 +250,8 @@ class RedisOnlineStore:
         SCRIPT EXISTS first: a round trip more per write); a Redis that lost its scripts (a
         restart) gets them, and the calls, all idempotent, run again."""
         noted: list[Call] = [("keep_max", [self.prefix + b"newest"], list(newest), [])] if newest is not None else []
+        if not self._scripts_sent:  # (else the first calls all fail with NOSCRIPT and go again)
+            self._load_scripts()
         for attempt in (1, 2):
             results = self.transport.send(itertools.chain(calls(), noted))
             if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
@@ -264,6 +267,7 @@ class RedisOnlineStore:
         with self._calling():
             for script in scripts().values():
                 self.client.script_load(script.code)
+        self._scripts_sent = True
 
     async def _evalsha_async(self, name: str, calls: list[tuple[bytes, list]]) -> list:
         """One script on each key, in one round trip (per node); its text sent again to a Redis that lost it."""
