@@ -123,12 +123,14 @@ class Coordinator:
             self._seats[member] = seat  # a member's newer call replaces its older one
             self._seen[member] = (seat.since, stage)
             self._lock.notify_all()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(woken.wait(), timeout)
-        with self._lock:
-            if self._seats.get(member) is seat:
-                del self._seats[member]
-            self._seen[member] = (time.monotonic(), stage)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), timeout)
+        finally:  # (a member that hung up is cancelled here: its seat goes with it)
+            with self._lock:
+                if self._seats.get(member) is seat:
+                    del self._seats[member]
+                self._seen[member] = (time.monotonic(), stage)
         if seat.taken and seat.round is None:  # placed just as its time ran out: the address is coming
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), self.timeout_seconds)

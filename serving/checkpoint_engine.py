@@ -10,10 +10,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Path, Query
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
@@ -29,6 +29,8 @@ from serving.responses import install_error_handlers
 
 log = logging.getLogger("featurestore.checkpoint_engine")
 
+DISCONNECT_CHECK_SECONDS = 0.25  # how often a held seat looks whether its member is still there
+T = TypeVar("T")
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such model, version or file."}}
 
 
@@ -111,11 +113,11 @@ def create_app(
             404: {"description": "This engine does not broadcast (start it with --broadcast)."},
         },
     )
-    async def join(body: JoinRequest) -> Any:
+    async def join(body: JoinRequest, request: Request) -> Any:
         coordinator = publisher.coordinator if publisher is not None else None
         if coordinator is None:
             return Response(status_code=404)
-        seat = await coordinator.join(body.member, body.stage, body.wait)
+        seat = await _while_connected(request, coordinator.join(body.member, body.stage, body.wait))
         return seat.to_json() if seat is not None else Response(status_code=204)
 
     @app.get(
@@ -130,6 +132,20 @@ def create_app(
     keys = config.server.api_keys if config is not None else None
     bound = config.server.max_request_bytes if config is not None else 16 * 1024 * 1024
     return FastLane(app, {}, bound, Authenticator(keys), metrics)  # type: ignore[return-value]
+
+
+async def _while_connected(request: Request, waiting: Awaitable[T]) -> T | None:
+    """``waiting``'s result, or None once the client has hung up: a member that died gives up its
+    seat at once, not when its wait runs out, and a stopping engine does not wait for it."""
+    task = asyncio.ensure_future(waiting)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_CHECK_SECONDS)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    return task.result()
 
 
 def app_factory() -> FastAPI:

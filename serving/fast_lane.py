@@ -73,7 +73,7 @@ class FastLane:
         if isinstance(body, int):
             return await _reply(send, body, self._too_large() if body == 413 else self._too_slow())
         if handler is None:
-            return await self._delegate(scope, _replay(body), send)
+            return await self._delegate(scope, _replay(body, receive), send)
         status, payload = await handler(body, scope)
         return await _reply(send, status, payload)
 
@@ -125,19 +125,19 @@ BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 BODY_CHUNK_SECONDS = 30.0  # the longest a request body may pause between chunks
 
 
-def _replay(body: bytes):
-    """An ASGI ``receive`` that hands the app the body already read, then waits for the disconnect."""
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that hands the app the body already read, then the client's own
+    messages (its disconnect: a route that waits can see its client go)."""
     sent = False
 
-    async def receive() -> dict:
+    async def replayed() -> dict:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # (a real receive blocks until the client goes)
-        return {"type": "http.disconnect"}
+        return await receive()
 
-    return receive
+    return replayed
 
 
 async def _reply(send, status: int, payload: bytes, content_type: bytes = b"application/json") -> int:

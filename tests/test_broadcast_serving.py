@@ -346,3 +346,26 @@ def test_a_replica_killed_mid_broadcast_holds_nobody_and_catches_up_from_a_peer(
         for r in replicas:
             r.stop()
         source.stop()
+
+
+def test_a_member_that_hangs_up_gives_up_its_seat_at_once(tmp_path):
+    """A member holds a seat up to 20 s while it waits for a broadcast. One that died (its
+    connection gone) kept it until then, and the source's shutdown waited for it: ~20 s after
+    every test that killed its replicas. The seat goes as soon as its member hangs up."""
+    import socket
+
+    source = Source(tmp_path / "source", bucket_bytes=1 << 20)
+    body = b'{"member": "m-1", "stage": "production", "wait": 20}'
+    request = (
+        b"POST /broadcast/join HTTP/1.1\r\nHost: x\r\nX-API-Key: %b\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (KEY.encode(), len(body), body)
+    )
+    try:
+        member = socket.create_connection(("127.0.0.1", source.port))
+        member.sendall(request)
+        _until(lambda: "m-1" in source.coordinator._seats, [], timeout=30)
+        member.close()  # (as a killed process's socket is closed)
+        _until(lambda: "m-1" not in source.coordinator._seats, [], timeout=10)
+    finally:
+        source.stop()
+    assert not source.thread.is_alive()
