@@ -23,7 +23,7 @@ from featurestore.aggregation import dedup_us
 from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
-from featurestore.online.codec import glob_escaped, key_prefix, key_value
+from featurestore.online.codec import events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
 from featurestore.retrieval.online import OnlineQuery, OnlineReader
@@ -124,7 +124,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     for entity in entities:
         values = _key_values(entity)
         mine = [v for v in views if sorted(v.join_keys) == sorted(values)]
-        aggregated = [(v, entity + b":ev:" + defs.layout(v).online_field.encode()) for v in mine if v.is_aggregated]
+        aggregated = [(v, events_key(entity, defs.layout(v).online_field)) for v in mine if v.is_aggregated]
         pipe = client.pipeline(transaction=False)
         pipe.memory_usage(entity, samples=0)
         for _, key in aggregated:

@@ -341,6 +341,4 @@ def _with_digests(tiles: Sequence[tuple[int, int, bytes]], events: list[tuple[in
     by_tile: dict[int, list[bytes]] = {}
     for us, member in events:
         by_tile.setdefault(us // tile_us, []).append(member)
-    return [
-        (tile, events, hashlib.sha1(b"".join(by_tile[tile])).hexdigest(), summary) for tile, events, summary in tiles
-    ]
+    return [(tile, count, hashlib.sha1(b"".join(by_tile[tile])).hexdigest(), summary) for tile, count, summary in tiles]
