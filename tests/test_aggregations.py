@@ -381,12 +381,7 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
         for i in range(12)
     ]  # one per 30 min: tiles of 15 min
     store.push("payments", _frame(events), to="online")
-    key = (
-        b"fs:"
-        + store.config.project.encode()
-        + b":{card_id=%d}:ev:" % card
-        + store.layout("activity").online_field.encode()
-    )
+    key = _events_key(store, card)
     tiles_key = key + b"|tiles"
     client = store.online_store.client
     size = 15 * 60 * 10**6
@@ -421,11 +416,10 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
 
 
 def _events_key(store, card: int) -> bytes:
-    return b"fs:%s:{card_id=%d}:ev:%s" % (
-        store.config.project.encode(),
-        card,
-        store.layout("activity").online_field.encode(),
-    )
+    from featurestore.online.codec import entity_key, events_key
+
+    entity = entity_key(store.config.project, {"card_id": card}, {"card_id": "Int64"})
+    return events_key(entity, store.layout("activity").online_field)
 
 
 def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity_store, monkeypatch):

@@ -45,8 +45,8 @@ def write_online(
 
     An aggregated view keeps its events of the longest window plus ``event_retention`` before
     ``now``, and the ended tiles the rows hold in full are summarized as they are written (so no
-    lookup pays for it: ``aggregation.tiles``); ``whole_history``: ``rows`` are all of the view's history, whose verdicts on duplicate
-    event ids the store then takes over its own. ``expire_after``: entity keys expire once their
+    lookup pays for it: ``aggregation.tiles``); ``whole_history``: ``rows`` are all of the view's
+    history, whose verdicts on duplicate event ids the store then takes over its own. ``expire_after``: entity keys expire once their
     newest data is that old (views sharing the keys must all allow it: the caller's decision)."""
     if rows.num_rows == 0:
         return 0

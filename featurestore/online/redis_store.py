@@ -129,8 +129,9 @@ class RedisOnlineStore:
                     columns,
                 )
             if sealer is not None:  # (summarized while Redis adds the last chunks)
-                whole = _whole_tiles(keys, rows, accepted, cutoff_us, tile_us, sealer.least)
-                for key, events in _tile_members(keys, rows, features, event_ids, whole):
+                times = numpy_values(rows["event_timestamp"]).view(np.int64)
+                whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, sealer.least)
+                for key, events in _tile_members(keys, rows, times, features, event_ids, whole):
                     tiles = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
                     if tiles:
                         yield ("seal_tiles", [key], [tile_us, *itertools.chain.from_iterable(tiles)], [])
@@ -301,11 +302,10 @@ def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
 
 
 def _whole_tiles(
-    keys: pa.Array, rows: pa.Table, accepted: np.ndarray | None, cutoff_us: int, tile_us: int, least: int
+    keys: pa.Array, times: np.ndarray, accepted: np.ndarray | None, cutoff_us: int, tile_us: int, least: int
 ) -> np.ndarray:
-    """The rows in ended tiles (inside the cutoff) of which the write holds ``least`` events or
-    more of one entity: those a writer may summarize. Sorted by entity, then time."""
-    times = numpy_values(rows["event_timestamp"]).view(np.int64)
+    """The rows (event µs ``times``) in ended tiles inside the cutoff of which the write holds
+    ``least`` events or more of one entity: those a writer may summarize. Sorted by entity, then time."""
     tile = times // tile_us
     entity = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False)
     now_tile = time.time_ns() // 1000 // tile_us
@@ -323,7 +323,7 @@ def _whole_tiles(
 
 
 def _tile_members(
-    keys: pa.Array, rows: pa.Table, features: Sequence, event_ids: np.ndarray, whole: np.ndarray
+    keys: pa.Array, rows: pa.Table, times: np.ndarray, features: Sequence, event_ids: np.ndarray, whole: np.ndarray
 ) -> Iterator[tuple[bytes, list[tuple[int, bytes]]]]:
     """Per entity, the events of rows ``whole`` as Redis stores them, ``(µs, member)`` in (time,
     id) order (the sorted set's: by score, then member bytes), a retried write's copy once."""
@@ -331,8 +331,8 @@ def _tile_members(
         return
     taken = pa.array(whole)
     members = encode_events(rows.take(taken), features, event_ids[whole]).to_pylist()
-    times = numpy_values(rows["event_timestamp"]).view(np.int64)[whole].tolist()
-    for key, group in itertools.groupby(zip(keys.take(taken).to_pylist(), times, members), key=lambda r: r[0]):
+    stamps = times[whole].tolist()
+    for key, group in itertools.groupby(zip(keys.take(taken).to_pylist(), stamps, members), key=lambda r: r[0]):
         yield key, sorted({(t, m) for _, t, m in group})
 
 
