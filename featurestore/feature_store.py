@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from featurestore.online.base import OnlineStore
     from featurestore.retrieval.historical import AsOf, JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineReader, OnlineResponse
+    from featurestore.statistics import Summary
     from featurestore.tracking.artifacts import ArtifactStore
     from featurestore.tracking.run_sync import RunMirror
     from featurestore.training.model_registry import ModelRegistry
@@ -322,6 +323,14 @@ class FeatureStore:
                 "files_vacuumed": removed,
             }
         return report
+
+    def statistics(
+        self, view: str, since: datetime | None = None, until: datetime | None = None
+    ) -> list[tuple[datetime, str, Summary]]:
+        """(event day, column, summary) of the view's stored history (its current version), in
+        ``[since, until)``; ``statistics.merged`` folds them into one summary per column."""
+        self._commit_buffered()
+        return self.offline_store.statistics.read(self.definitions.layout(view).history_table, since, until)
 
     def _commit_buffered(self) -> None:
         """Reads of history see every acknowledged push: commit what is buffered (any process's)."""

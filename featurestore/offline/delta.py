@@ -37,6 +37,7 @@ from featurestore.object_requests import CountedFileSystem, FileSystem, count_de
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.compaction import compact
 from featurestore.offline.file_cache import FileCache
+from featurestore.offline.statistics import HistoryStatistics
 from featurestore.offline.tables import Tables
 from featurestore.sources import connection, ident, quote
 from featurestore.storage import Location
@@ -65,6 +66,7 @@ class DeltaOfflineStore:
         self.cache = cache if not self.location.is_local else None
         self._fs: tuple[FileSystem, str] | None = None
         self._tables = Tables(self.location)  # followed, not reopened (``tables``)
+        self.statistics = HistoryStatistics(self._tables)
 
     @property
     def filesystem(self) -> tuple[FileSystem, str]:
@@ -196,6 +198,24 @@ class DeltaOfflineStore:
             self.cache.trim()
 
     def commit(
+        self,
+        view: str,
+        actions: list[AddAction],
+        schema: pa.Schema,
+        read_version: int | None,
+        snapshot: DeltaTable | None = None,
+    ) -> int | None:
+        """``_commit``, then the statistics of what it added (``offline.statistics``; a failure
+        there is logged and caught up by the next commit or read: it never fails the write)."""
+        version = self._commit(view, actions, schema, read_version, snapshot)
+        if actions:
+            try:
+                self.statistics.catch_up(view)
+            except Exception as exc:  # (an outage, a full disk: the history commit stands)
+                log.warning("statistics of %s not brought up to date (%s); the next commit or read does", view, exc)
+        return version
+
+    def _commit(
         self,
         view: str,
         actions: list[AddAction],
@@ -411,6 +431,7 @@ class DeltaOfflineStore:
         for name in names:
             if name == view or name.startswith(f"{view}@v"):
                 fs.delete_dir(f"{base}/{name}")
+                self.statistics.drop(name)
 
 
 def _records(action: AddAction) -> int:
