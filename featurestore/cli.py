@@ -943,18 +943,37 @@ def check_consistency_command(
 
 @app.command("monitor", rich_help_panel="Training and models")
 def monitor_command(
-    service: str = typer.Option(..., help="The feature service whose logged lookups to check (serve --log-features)."),
-    dataset: Path = typer.Option(..., help="The exported training dataset (its folder or manifest.json)."),
-    since: str | None = typer.Option(None, help="Only lookups served in this recent window: 30m, 6h, 1d, 2w."),
-    psi: float = typer.Option(0.2, help="Flag a feature whose population stability index passes this."),
+    service: str | None = typer.Option(
+        None, help="A feature service: its logged lookups (serve --log-features) against --dataset."
+    ),
+    dataset: Path | None = typer.Option(None, help="The exported training dataset (its folder or manifest.json)."),
+    view: str | None = typer.Option(None, help="A view: its recent event days (--since) against the days before."),
+    since: str | None = typer.Option(
+        None, help="The recent window: 30m, 6h, 1d, 2w (a view's: whole event days, default 1d)."
+    ),
+    baseline: str | None = typer.Option(None, help="A view's: the days before --since to compare with (default all)."),
+    psi: float | None = typer.Option(
+        None, help="Flag a feature whose population stability index passes this (default: monitoring: in the yaml)."
+    ),
     repo: Path = RepoOption,
 ) -> None:
-    """Drift of each feature between training and serving: PSI, Jensen-Shannon distance, null and
-    NOT_FOUND rates; exits 1 when a feature drifted past --psi. The report is kept for /metrics."""
-    from featurestore.drift import record_drift, service_drift
+    """Drift of each feature: PSI, Jensen-Shannon distance, null and NOT_FOUND rates, of a service
+    (training vs serving) or of a view (recent days vs the days before); exits 1 when a feature
+    drifted past its threshold. The report is kept for /metrics."""
+    from featurestore.drift import record_drift, service_drift, view_drift
 
+    if (service is None) == (view is None) or (service is not None and dataset is None):
+        raise FeatureStoreError("monitor takes --service S --dataset DIR, or --view V [--since 1d] [--baseline 7d]")
     with _store(repo) as store:
-        report = service_drift(store, service, dataset, _window(since) if since else None, psi)
+        name = service or view
+        assert name is not None
+        threshold = psi if psi is not None else store.config.monitoring.threshold(name)
+        if service is not None:
+            assert dataset is not None
+            report = service_drift(store, service, dataset, _window(since) if since else None, threshold)
+        else:
+            recent = _window(since or "1d")
+            report = view_drift(store, name, recent, _window(baseline) if baseline else None, threshold)
         record_drift(report, store.config.data_dir)
     console.print(report.describe(), markup=False, soft_wrap=True)
     if not report.ok:

@@ -58,6 +58,20 @@ class OfflineSection:
     vacuum_after_hours: int | None = 168
     # history on object storage: local copies of its data files, at most this many MB (0: none kept)
     cache_mb: int = 8192
+    # each commit's rows summarized per event day beside the history (``offline.statistics``)
+    statistics: bool = True
+
+
+@dataclass(frozen=True)
+class MonitoringSection:
+    """``monitoring:``: when ``featurestore monitor`` calls a feature drifted."""
+
+    psi_threshold: float = 0.2  # population stability index past which a feature drifted (0.1: "watch it")
+    # per view or feature service, its own threshold (a noisy view looser, a critical one tighter)
+    thresholds: tuple[tuple[str, float], ...] = ()
+
+    def threshold(self, name: str) -> float:
+        return dict(self.thresholds).get(name, self.psi_threshold)
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class RepoConfig:
     offline: OfflineSection = field(default_factory=OfflineSection)
     ray: RaySection = field(default_factory=RaySection)
     server: ServerSection = field(default_factory=ServerSection)
+    monitoring: MonitoringSection = field(default_factory=MonitoringSection)
 
     @property
     def push_logs(self) -> Location:
@@ -163,6 +178,7 @@ class RepoConfig:
             offline=_offline_section(raw.get("offline_store") or {}, file, repo, data, options),
             ray=_ray_section(raw.get("offline_store") or {}),
             server=_server_section(raw.get("server") or {}, file),
+            monitoring=_monitoring_section(raw.get("monitoring") or {}, file),
         )
 
 
@@ -192,7 +208,31 @@ def _offline_section(offline: dict, file: Path, repo: Path, data: Location, opti
         compact_after_files=_positive_int(compact_after, f"{where}.compact_after_files"),
         vacuum_after_hours=_hours_or_never(offline.get("vacuum_after_hours", 168), f"{where}.vacuum_after_hours"),
         cache_mb=_non_negative_int(offline.get("cache_mb", 8192), f"{where}.cache_mb"),
+        statistics=bool(offline.get("statistics", True)),
     )
+
+
+def _monitoring_section(monitoring: dict, file: Path) -> MonitoringSection:
+    where = f"{file}: monitoring"
+    thresholds = monitoring.get("thresholds") or {}
+    if not isinstance(thresholds, dict):
+        raise FeatureStoreError(f"{where}.thresholds maps view or service names to a PSI, e.g. {{card_profile: 0.1}}")
+    return MonitoringSection(
+        psi_threshold=_positive_float(monitoring.get("psi_threshold", 0.2), f"{where}.psi_threshold"),
+        thresholds=tuple(
+            sorted((str(k), _positive_float(v, f"{where}.thresholds.{k}")) for k, v in thresholds.items())
+        ),
+    )
+
+
+def _positive_float(value: object, where: str) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = -1.0
+    if not number > 0:
+        raise FeatureStoreError(f"{where} must be a positive number, not {value!r}")
+    return number
 
 
 def _ray_section(offline: dict) -> RaySection:
@@ -266,7 +306,9 @@ _KEYS = {
         "future_tolerance",
         "server",
         "storage_options",
+        "monitoring",
     },
+    "monitoring": {"psi_threshold", "thresholds"},
     "server": {"max_request_bytes", "auth", "errors"},
     "online_store": {
         "url",
@@ -281,6 +323,7 @@ _KEYS = {
     "offline_store": {
         "path",
         "cache_mb",
+        "statistics",
         "buffer_max_rows",
         "buffer_max_age",
         "compact_after_files",

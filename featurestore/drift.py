@@ -1,14 +1,19 @@
-"""Drift between what a model trained on and what is served (issue #30): per feature, the
-population stability index and the Jensen–Shannon distance over bins taken from the training
-values (deciles for numbers, categories for text, each with a bucket for the rest), beside the
-null rate on both sides and the share of lookups served NOT_FOUND.
+"""Drift (issue #30): per feature, the population stability index and the Jensen–Shannon
+distance over bins taken from the expected side (deciles for numbers, categories for text, each
+with a bin for the rest), beside the null rate on both sides and, served, the share of lookups
+answered NOT_FOUND. Two comparisons:
 
-Training values come from an exported dataset (``data-00000.parquet`` beside its manifest),
-served ones from a feature service's log (``featurestore serve --log-features``), optionally
-over a recent window only. A feature is flagged past ``psi_threshold`` (0.2 is the usual "the
-population moved" mark; 0.1 "watch it"); ``featurestore monitor`` exits 1 when any is, and
-records its report (``<data_dir>/drift/<service>.json``), which the feature server's ``/metrics``
-exports for alerting.
+- a **feature service**: the exported training dataset (``data-00000.parquet`` beside its
+  manifest) against the service's logged lookups (``featurestore serve --log-features``),
+  optionally over a recent window only; exact, from the rows;
+- a **view**: its history's recent event days against the days before (``view_drift``), from
+  the history's statistics (``offline.statistics``: KLL quantiles, top values), so a year of
+  history is compared without reading it.
+
+A feature is flagged past its threshold (``monitoring:`` in featurestore.yaml, per view or
+service; 0.2 is the usual "the population moved" mark, 0.1 "watch it"); ``featurestore monitor``
+exits 1 when any is, and records its report (``<data_dir>/drift/``), which the feature server's
+``/metrics`` exports for alerting.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +33,7 @@ import pyarrow.parquet as pq
 from featurestore.errors import FeatureStoreError
 from featurestore.feature_logging import log_path, read_log
 from featurestore.files import atomic_write
+from featurestore.statistics import DAY, Summary, bucket_start, merged
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -40,19 +46,21 @@ FLOOR = 1e-4  # an empty bin's share in PSI (log of 0 otherwise): the usual conv
 @dataclass
 class FeatureDrift:
     name: str
-    train_rows: int
-    served_rows: int
+    expected_rows: int  # training rows, or the baseline window's
+    actual_rows: int  # served rows, or the recent window's
     psi: float
     js_distance: float
-    train_null_rate: float
-    served_null_rate: float
-    not_found_rate: float
+    expected_null_rate: float
+    actual_null_rate: float
+    not_found_rate: float | None  # served only
     flagged: bool
 
 
 @dataclass
 class DriftReport:
-    service: str
+    subject: str  # the feature service or view
+    kind: Literal["service", "view"]
+    compared: str  # what is compared with what, in words
     since: datetime | None
     psi_threshold: float
     features: list[FeatureDrift] = field(default_factory=list)
@@ -62,16 +70,17 @@ class DriftReport:
         return not any(f.flagged for f in self.features)
 
     def describe(self) -> str:
-        window = f"since {self.since:%Y-%m-%d %H:%M} UTC" if self.since else "all logged lookups"
-        lines = [f"Drift of {self.service!r}: training dataset against served values ({window}):"]
+        sides = ("train", "served") if self.kind == "service" else ("before", "recent")
+        lines = [f"Drift of {self.kind} {self.subject!r}: {self.compared}:"]
         lines.append(
-            f"  {'feature':<28} {'PSI':>7} {'JS dist':>8} {'null train':>10} {'null served':>11} {'NOT_FOUND':>9}"
+            f"  {'feature':<28} {'PSI':>7} {'JS dist':>8} {'null ' + sides[0]:>11} {'null ' + sides[1]:>11} {'NOT_FOUND':>9}"
         )
         for f in self.features:
             mark = "  << drifted" if f.flagged else ""
+            not_found = f"{f.not_found_rate:9.1%}" if f.not_found_rate is not None else f"{'-':>9}"
             lines.append(
-                f"  {f.name:<28} {f.psi:7.3f} {f.js_distance:8.3f} {f.train_null_rate:10.1%} "
-                f"{f.served_null_rate:11.1%} {f.not_found_rate:9.1%}{mark}"
+                f"  {f.name:<28} {f.psi:7.3f} {f.js_distance:8.3f} {f.expected_null_rate:11.1%} "
+                f"{f.actual_null_rate:11.1%} {not_found}{mark}"
             )
         flagged = [f.name for f in self.features if f.flagged]
         lines.append(
@@ -170,7 +179,8 @@ def service_drift(
         served = served.filter(
             pc.greater_equal(served["served_at"], pa.scalar(start, served.schema.field("served_at").type))
         )
-    report = DriftReport(service, start, psi_threshold)
+    window = f"since {start:%Y-%m-%d %H:%M} UTC" if start else "all logged lookups"
+    report = DriftReport(service, "service", f"training dataset against served values ({window})", start, psi_threshold)
     for ref in store.get_feature_service(service).feature_refs():
         name = ref.split(":")[1]
         if name not in train.column_names or name not in served.column_names:
@@ -184,12 +194,72 @@ def service_drift(
     return report
 
 
+def summary_drift(name: str, expected: Summary, actual: Summary, psi_threshold: float) -> FeatureDrift:
+    """``feature_drift`` from two statistics summaries: numbers binned at the expected side's
+    deciles (from its KLL sketch) with a bin for NaN, text over its top values and the rest."""
+    if expected.kind == "number":
+        edges = sorted(set(expected.quantiles(list(np.linspace(0, 1, BINS + 1)[1:-1]))))
+        e = np.array([*expected.histogram(edges), expected.nans])
+        a = np.array([*actual.histogram(edges), actual.nans])
+    else:
+        categories = [value for value, _ in expected.top(64)]
+        e, a = np.array(expected.counts(categories)), np.array(actual.counts(categories))
+    comparable = e.sum() > 0 and a.sum() > 0
+    psi = population_stability(e, a) if comparable else math.nan
+    return FeatureDrift(
+        name,
+        expected.rows,
+        actual.rows,
+        psi,
+        jensen_shannon(e, a) if comparable else math.nan,
+        expected.null_rate,
+        actual.null_rate,
+        None,
+        flagged=not math.isnan(psi) and psi > psi_threshold,
+    )
+
+
+def view_drift(
+    store: FeatureStore,
+    view: str,
+    recent: timedelta,
+    baseline: timedelta | None = None,
+    psi_threshold: float = PSI_THRESHOLD,
+) -> DriftReport:
+    """Each feature of ``view``: its history's last ``recent`` (whole UTC event days, today
+    included) against the ``baseline`` days before (default: all of them), from its statistics."""
+    days = max(1, math.ceil(recent / DAY))
+    start = bucket_start(datetime.now(UTC), DAY) - (days - 1) * DAY
+    first = start - math.ceil(baseline / DAY) * DAY if baseline is not None else None
+    found = store.statistics(view, since=first)
+    before = merged(x for x in found if x[0] < start)
+    after = merged(x for x in found if x[0] >= start)
+    span = f"the {math.ceil(baseline / DAY)} days before" if baseline is not None else "all days before"
+    compared = f"event days from {start:%Y-%m-%d} against {span}"
+    report = DriftReport(view, "view", compared, start, psi_threshold)
+    definition = store.definitions.view(view)
+    ids = {*store.definitions.key_types[view], getattr(definition, "event_id", None)}  # identities, not values
+    for name in [f.name for f in definition.schema]:
+        if name in ids or name not in before or name not in after:
+            continue  # (nothing on one side: no comparison to make)
+        report.features.append(summary_drift(name, before[name], after[name], psi_threshold))
+    if not report.features:
+        raise FeatureStoreError(
+            f"view {view!r} has no feature with history on both sides of {start:%Y-%m-%d}; "
+            "materialize or push more, or widen --since"
+        )
+    return report
+
+
 def record_drift(report: DriftReport, data_dir: Path) -> Path:
-    """Keep a service's latest drift report where the servers' /metrics find it."""
-    path = Path(data_dir) / "drift" / f"{report.service}.json"
+    """Keep a service's or view's latest drift report where the servers' /metrics find it."""
+    folder = Path(data_dir) / "drift" / ("views" if report.kind == "view" else "")
+    path = folder / f"{report.subject}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {
-        "service": report.service,
+        "kind": report.kind,
+        report.kind: report.subject,
+        "compared": report.compared,
         "checked_at": datetime.now(UTC).isoformat(),
         "since": report.since.isoformat() if report.since else None,
         "psi_threshold": report.psi_threshold,
@@ -203,9 +273,11 @@ def record_drift(report: DriftReport, data_dir: Path) -> Path:
 
 
 def read_drift(data_dir: Path) -> list[dict]:
-    """Every service's latest recorded drift report (unreadable ones skipped: a scrape never fails on them)."""
+    """Every service's and view's latest recorded drift report (unreadable ones skipped: a scrape
+    never fails on them)."""
     found = []
-    for path in sorted((Path(data_dir) / "drift").glob("*.json")):
+    folder = Path(data_dir) / "drift"
+    for path in sorted([*folder.glob("*.json"), *folder.glob("views/*.json")]):
         try:
             found.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):

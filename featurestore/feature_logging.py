@@ -17,17 +17,22 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
+from featurestore.offline.statistics import SERVED, CommitStatistics
+from featurestore.offline.tables import Tables
 from featurestore.online.codec import micros_to_datetime
+from featurestore.storage import Location
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
     from featurestore.retrieval.online import OnlineQuery, OnlineResponse
+    from featurestore.statistics import Summary
 
 MODEL_COLUMNS = ("model_name", "model_version", "score")
 log = logging.getLogger(__name__)
@@ -120,6 +125,8 @@ class FeatureLogger:
         self.failed_flushes = 0
         self._reported_drops = 0
         self._count = count or (lambda outcome, n: None)
+        # the log's statistics per hour served, caught up in the background after flushes
+        self.statistics = CommitStatistics(Tables(Location(str(self.path.parent.resolve()))), SERVED)
         self._thread = threading.Thread(target=self._run, name="feature-logger", daemon=True)
         self._thread.start()
 
@@ -168,6 +175,7 @@ class FeatureLogger:
             self.failed_flushes = 0
         self.logged_rows += table.num_rows
         self._count("logged", table.num_rows)
+        self.statistics.soon(self.path.name)
         return table.num_rows
 
     def _unwritable(self) -> str | None:
@@ -222,6 +230,16 @@ class FeatureLogger:
 
 def _rows(columns: dict[str, list[Any]]) -> int:
     return len(next(iter(columns.values())))
+
+
+def served_statistics(
+    data_dir: Path, name: str, since: datetime | None = None, until: datetime | None = None
+) -> list[tuple[datetime, str, Summary]]:
+    """(hour served, column, summary) of a log (``log_path``'s names), in ``[since, until)``:
+    each feature, its ``__status`` (NOT_FOUND and the rest, counted) and the keys."""
+    path = log_path(data_dir, name)
+    statistics = CommitStatistics(Tables(Location(str(path.parent.resolve()))), SERVED)
+    return statistics.read(path.name, since, until)
 
 
 def read_log(path: Path) -> pa.Table:

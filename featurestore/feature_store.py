@@ -234,7 +234,7 @@ class FeatureStore:
             offline, cache = self.config.offline, None
             if not offline.location.is_local and offline.cache_mb:  # data files of S3 kept on local disk
                 cache = FileCache(self.config.data_dir / "cache" / "history", offline.cache_mb << 20)
-            self._offline = DeltaOfflineStore(offline.location, cache)
+            self._offline = DeltaOfflineStore(offline.location, cache, offline.statistics)
         return self._offline
 
     @property

@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 KLL_K = 200  # KLL's accuracy parameter: rank error about 1.3 % (two-sided, 99 % confidence)
 RANK_ERROR = ds.kll_doubles_sketch.get_normalized_rank_error(KLL_K, False)
 TOP_MAP = 7  # frequent items: a map of 2**7 counters, exact for up to 96 distinct values
+TOP_FED = 64  # a bucket's most frequent values fed to it: a value's count is exact when it is among
+# the 64 most frequent of every bucket it appears in, else a lower bound (the tail is only counted)
 HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 
@@ -73,8 +75,8 @@ class Summary:
         """Population standard deviation of the finite values."""
         return math.sqrt(self.m2 / self.finite) if self.finite else None
 
-    def merge(self, other: Summary) -> Summary:
-        """The summary of both (neither is changed)."""
+    def merge(self, other: Summary, in_place: bool = False) -> Summary:
+        """The summary of both: a new one, or with ``in_place`` this one (``other`` never changes)."""
         if other.kind != self.kind:
             raise ValueError(f"cannot merge a {other.kind} summary into a {self.kind} one")
         n = self.finite + other.finite
@@ -84,7 +86,12 @@ class Summary:
             delta = other.mean - self.mean
             mean = self.mean + delta * other.finite / n
             m2 = self.m2 + other.m2 + delta * delta * self.finite * other.finite / n
-        return Summary(
+        sketch = self.sketch if in_place else _copy(self.sketch)
+        if sketch is None:
+            sketch = _copy(other.sketch)
+        elif other.sketch is not None:
+            sketch.merge(other.sketch)
+        both = Summary(
             self.kind,
             self.rows + other.rows,
             self.nulls + other.nulls,
@@ -94,8 +101,12 @@ class Summary:
             n,
             mean,
             m2,
-            _merged_sketch(self.sketch, other.sketch),
+            sketch,
         )
+        if in_place:
+            self.__dict__.update(both.__dict__)
+            return self
+        return both
 
     def quantiles(self, ranks: Sequence[float]) -> list[float]:
         """Values at the normalized ``ranks`` (numbers only; within ``RANK_ERROR`` in rank)."""
@@ -138,6 +149,9 @@ def summarize_column(values: pa.Array | pa.ChunkedArray, kind: Kind | None = Non
     if kind == "text":
         sketch = ds.frequent_strings_sketch(TOP_MAP)
         counted = pc.value_counts(pc.drop_null(values).cast(pa.string()))
+        if len(counted) > TOP_FED:  # (the rest, the long tail, counts in ``rows`` only)
+            counts = counted.field("counts").to_numpy()
+            counted = counted.take(pa.array(np.argpartition(-counts, TOP_FED)[:TOP_FED]))
         for value, count in zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True):
             sketch.update(value, count)
         return Summary("text", rows, nulls, sketch=sketch)
@@ -170,22 +184,28 @@ def bucket_start(at: datetime, width: timedelta) -> datetime:
     return datetime.fromtimestamp(epoch - epoch % seconds, UTC)
 
 
-def summarize(table: pa.Table, columns: Iterable[str], time_column: str, width: timedelta) -> pa.Table:
-    """Rows of ``STATISTICS_SCHEMA``: each of ``columns`` summarized per bucket of ``time_column``."""
+def summarize(
+    table: pa.Table, columns: Iterable[str], time_column: str, width: timedelta, kinds: dict[str, Kind] | None = None
+) -> pa.Table:
+    """Rows of ``STATISTICS_SCHEMA``: each of ``columns`` summarized per bucket of ``time_column``
+    (``kinds``: a column's kind other than its type's, e.g. text for an integer key)."""
+    kinds = kinds or {}
     if table.num_rows == 0:
         return STATISTICS_SCHEMA.empty_table()
     columns = list(columns)
     micros = pc.cast(table[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64()).to_numpy(zero_copy_only=False)
     step = int(width.total_seconds()) * 1_000_000
     buckets = micros - micros % step
-    order = np.argsort(buckets, kind="stable")
-    starts = np.flatnonzero(np.diff(buckets[order], prepend=buckets[order][0] - 1))
+    ordered = table.select(columns)
+    if buckets.min() != buckets.max():  # (a history file holds one day: no sorting)
+        order = np.argsort(buckets, kind="stable")
+        ordered, buckets = ordered.take(pa.array(order)), buckets[order]
+    starts = np.flatnonzero(np.diff(buckets, prepend=buckets[0] - 1))
     found: list[tuple[datetime, str, Summary]] = []
-    for i, start in enumerate(starts):
-        stop = starts[i + 1] if i + 1 < len(starts) else len(order)
-        part = table.take(pa.array(order[start:stop]))
-        at = datetime.fromtimestamp(int(buckets[order[start]]) // 1_000_000, UTC)
-        found += [(at, name, summarize_column(part[name])) for name in columns]
+    for start, stop in zip(starts, [*starts[1:], len(buckets)], strict=True):
+        part = ordered.slice(start, stop - start)
+        at = datetime.fromtimestamp(int(buckets[start]) // 1_000_000, UTC)
+        found += [(at, name, summarize_column(part[name], kinds.get(name))) for name in columns]
     return to_table(found)
 
 
@@ -243,7 +263,7 @@ def merged(found: Iterable[tuple[datetime, str, Summary]]) -> dict[str, Summary]
     """Each feature's summaries over all buckets, merged."""
     out: dict[str, Summary] = {}
     for _, name, s in found:
-        out[name] = out[name].merge(s) if name in out else s
+        out[name] = out[name].merge(s, in_place=True) if name in out else s.merge(Summary(s.kind))
     return out
 
 
@@ -251,9 +271,5 @@ def _pick(choose: Callable[[float, float], float], a: float | None, b: float | N
     return b if a is None else a if b is None else choose(a, b)
 
 
-def _merged_sketch(a: Any, b: Any) -> Any:
-    if a is None or b is None:
-        return b if a is None else a
-    both = type(a).deserialize(a.serialize())  # a copy: merging changes the sketch merged into
-    both.merge(b)
-    return both
+def _copy(sketch: Any) -> Any:
+    return type(sketch).deserialize(sketch.serialize()) if sketch is not None else None

@@ -142,31 +142,38 @@ class Metrics:
 
 
 def _drift_registry(prefix: str, reports: list[dict]) -> CollectorRegistry:
-    families = {
-        "psi": GaugeMetricFamily(
-            f"{prefix}_feature_drift_psi",
-            "Population stability index, training vs served (featurestore monitor).",
-            labels=["service", "feature"],
-        ),
-        "js_distance": GaugeMetricFamily(
-            f"{prefix}_feature_drift_js_distance",
-            "Jensen-Shannon distance, training vs served.",
-            labels=["service", "feature"],
-        ),
-        "flagged": GaugeMetricFamily(
-            f"{prefix}_feature_drifted",
-            "1 when the feature's PSI passed the monitor's threshold.",
-            labels=["service", "feature"],
-        ),
-    }
-    for report in reports:
-        for feature in report.get("features", []):
-            for key, family in families.items():
-                value = feature.get(key)
-                if value is not None:
-                    family.add_metric([report["service"], feature["name"]], float(value))
+    """Services' drift (training vs served) and views' (recent event days vs the days before)."""
+    families = []
+    for kind, name, compared in (
+        ("service", "feature", "training vs served"),
+        ("view", "view_feature", "recent vs before"),
+    ):
+        metrics = {
+            "psi": GaugeMetricFamily(
+                f"{prefix}_{name}_drift_psi",
+                f"Population stability index, {compared} (featurestore monitor).",
+                labels=[kind, "feature"],
+            ),
+            "js_distance": GaugeMetricFamily(
+                f"{prefix}_{name}_drift_js_distance", f"Jensen-Shannon distance, {compared}.", labels=[kind, "feature"]
+            ),
+            "flagged": GaugeMetricFamily(
+                f"{prefix}_{name}_drifted",
+                "1 when the feature's PSI passed the monitor's threshold.",
+                labels=[kind, "feature"],
+            ),
+        }
+        for report in reports:
+            if report.get("kind", "service") != kind:
+                continue
+            for feature in report.get("features", []):
+                for key, family in metrics.items():
+                    value = feature.get(key)
+                    if value is not None:
+                        family.add_metric([report[kind], feature["name"]], float(value))
+        families += list(metrics.values())
     registry = CollectorRegistry()
-    registry.register(_Fixed(list(families.values())))
+    registry.register(_Fixed(families))
     return registry
 
 

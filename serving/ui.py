@@ -14,6 +14,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from featurestore.auth import Authenticator
 from featurestore.catalog import catalogue, view_status
 from featurestore.consistency import read_checks
 from featurestore.errors import NotFoundError, RequestError
+from featurestore.feature_profile import DEFAULT_POINTS, view_profile
 from featurestore.launch import ServerLaunch
 from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
@@ -109,6 +111,22 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
             if features & set(c["feature_match"])
         ]
         return json_response({"view": found, "status": status, "consistency": checks})
+
+    @app.get(
+        "/api/views/{name}/statistics",
+        summary="A view's values: per feature its figures, history and served histograms on the same bins, "
+        "rows / null rate / mean / median over time; served NOT_FOUND and null rates over time; drift reports",
+    )
+    async def view_statistics(
+        name: str,
+        days: int | None = Query(None, ge=1, le=36600, description="Only the last this many days (default: all)."),
+        points: int = Query(DEFAULT_POINTS, ge=3, le=MAX_POINTS, description="The most points a series holds."),
+    ) -> Response:
+        current = store()
+        if _name(name, "view") not in current.definitions.feature_views:
+            raise NotFoundError(f"no applied feature view named {name!r} with history")
+        since = datetime.now(UTC) - timedelta(days=days) if days else None
+        return json_response(await asyncio.to_thread(view_profile, current, name, since, None, points))
 
     @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
     def runs(q: str = "", tag: list[str] | None = Query(None)) -> Response:

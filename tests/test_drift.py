@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 from featurestore import FeatureStore
 from featurestore.demo.generate import generate
 from featurestore.drift import histograms, jensen_shannon, population_stability
+from featurestore.feature_logging import log_path, read_log, served_statistics
+from featurestore.statistics import merged
 
 from .conftest import demo_repo
 
@@ -117,6 +120,14 @@ def test_monitor_flags_exactly_the_feature_served_scaled(tmp_path):
         drifted = monitor()
         with TestClient(create_app(repo)) as client:  # the recorded report, for an alert on ..._feature_drifted
             scraped = client.get("/metrics").text
+        # the served log's statistics (per hour served) equal its rows
+        logged = read_log(log_path(store.config.data_dir, "service:fraud_model_v1"))
+        served = merged(served_statistics(store.config.data_dir, "service:fraud_model_v1"))
+        assert served["credit_limit"].rows == logged.num_rows == 400
+        assert served["credit_limit"].nulls == logged["credit_limit"].null_count
+        assert served["credit_limit"].mean == pytest.approx(pc.mean(logged["credit_limit"]).as_py())
+        statuses = logged["credit_limit__status"].to_pylist()
+        assert dict(served["credit_limit__status"].top()) == {v: statuses.count(v) for v in set(statuses)}
     assert drifted.returncode == 1, drifted.stdout + drifted.stderr
     flagged = [line.split()[0] for line in drifted.stdout.splitlines() if line.endswith("<< drifted")]
     assert flagged == ["credit_limit"], drifted.stdout
@@ -130,8 +141,6 @@ def test_monitor_flags_exactly_the_feature_served_scaled(tmp_path):
 def test_since_reads_a_window_and_says_what_it_takes():
     from datetime import timedelta
 
-    import pytest
-
     from featurestore.cli import _window
     from featurestore.errors import FeatureStoreError
 
@@ -144,3 +153,64 @@ def test_since_reads_a_window_and_says_what_it_takes():
     for bad in ("6", "h", "-1d", "1y", ""):
         with pytest.raises(FeatureStoreError, match="number and a unit"):
             _window(bad)
+
+
+def _monitor(repo, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "featurestore", "monitor", "--repo", str(repo), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+    )
+
+
+def test_a_view_whose_recent_days_moved_is_flagged_and_thresholds_are_per_view(make_store):
+    from datetime import timedelta
+
+    from serving.feature_server import create_app
+
+    from .test_aggregations import FEATURES, _frame
+
+    store = make_store(FEATURES)
+    rng = np.random.default_rng(11)
+    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+    def day(offset: int, n: int, scale: float, first_id: int) -> pa.Table:
+        return _frame(
+            [
+                {
+                    "payment_id": first_id + i,
+                    "card_id": int(rng.integers(1, 50)),
+                    "amount": float(rng.lognormal(3, 0.5)) * scale,
+                    "kind": str(rng.choice(["web", "pos"])),
+                    "event_timestamp": today - timedelta(days=offset) + timedelta(seconds=int(rng.integers(0, 3600))),
+                }
+                for i in range(n)
+            ]
+        )
+
+    for offset in range(1, 8):  # a steady week
+        store.push("payments", day(offset, 400, 1.0, 1000 * offset), to="offline")
+    store.push("payments", day(0, 400, 1.0, 0), to="offline")
+    store.flush()
+    steady = _monitor(store.config.repo_path, "--view", "activity", "--since", "1d")
+    assert steady.returncode == 0, steady.stdout + steady.stderr
+    assert "0 of 2 features past PSI 0.2" in steady.stdout
+    store.push("payments", day(0, 1200, 3.0, 100_000), to="offline")  # today's amounts tripled
+    store.flush()
+    drifted = _monitor(store.config.repo_path, "--view", "activity", "--since", "1d", "--baseline", "7d")
+    assert drifted.returncode == 1, drifted.stdout + drifted.stderr
+    flagged = [line.split()[0] for line in drifted.stdout.splitlines() if line.endswith("<< drifted")]
+    assert flagged == ["amount"], drifted.stdout
+    with TestClient(create_app(store.config.repo_path)) as client:
+        scraped = client.get("/metrics").text
+    prefix = "featurestore_feature_server_view_feature_drifted"
+    assert prefix + '{feature="amount",view="activity"} 1.0' in scraped
+    assert prefix + '{feature="kind",view="activity"} 0.0' in scraped
+    # a looser threshold for this view alone (monitoring: in featurestore.yaml)
+    config = store.config.repo_path / "featurestore.yaml"
+    config.write_text(config.read_text() + "monitoring: {thresholds: {activity: 50}}\n")
+    loose = _monitor(store.config.repo_path, "--view", "activity", "--since", "1d")
+    assert loose.returncode == 0 and "0 of 2 features past PSI 50" in loose.stdout, loose.stdout + loose.stderr
+    bad = _monitor(store.config.repo_path, "--view", "activity", "--since", "soon")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "--since" in bad.stdout + bad.stderr

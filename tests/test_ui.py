@@ -120,6 +120,17 @@ def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
     view = httpx.get(api + "/views/card_activity").json()
     assert view["status"]["history_rows"] > 0 and view["status"]["online_age_seconds"] is not None
     assert view["consistency"] and view["consistency"][-1]["over_time"]
+    # the view's values, from its statistics: downsampled by merging days, so the counts still add up
+    stats = httpx.get(api + "/views/card_profile/statistics", params={"points": 3}).json()
+    table = pipeline["store"].definitions.layout("card_profile").history_table
+    stored = pipeline["store"].offline_store.stats(table)["history_rows"]
+    for feature in stats["features"]:
+        assert len(feature["over_time"]) <= 3 and sum(b["rows"] for b in feature["over_time"]) == stored
+        assert feature["summary"]["rows"] == stored
+    (served,) = stats["served"]
+    assert served["service"] == "fraud_model_v1" and sum(b["lookups"] for b in served["over_time"]) == 39
+    assert httpx.get(api + "/views/no_such_view/statistics").status_code == 404
+    assert httpx.get(api + "/views/card_profile/statistics", params={"points": 0}).status_code == 422
 
     runs = httpx.get(api + "/runs").json()["runs"]
     assert {r["id"] for r in runs} == {p.name for p in pipeline["runs"]} and all(
@@ -199,7 +210,26 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     page.wait_for_selector("main[data-page=view]")
     assert "history rows" in page.inner_text("#status") and "ago" in page.inner_text("#status")
     assert page.locator(".chart polyline").count() >= 1
+    # what the values are: each feature's histogram (history beside served) and its days
+    features = page.locator("section.feature")
+    assert features.count() >= 1
+    first = features.nth(0)
+    assert first.locator(".chart rect[data-series^=history]").count() >= 2
+    assert first.locator(".chart[data-title$='null rate'] text.axis").count() == 2  # both axes named
+    assert page.locator("[data-service=fraud_model_v1] .chart[data-title$='NOT_FOUND rate'] polyline").count() == 1
     page.screenshot(path=str(shots / "view.png"), full_page=True)
+    page.goto(server + "/ui/#/views/card_profile")  # a view served as stored: served values on the same bins
+    page.wait_for_selector("main[data-page=view]")
+    assert page.locator("section.feature .chart rect[data-series^='served by fraud_model_v1']").count() >= 2
+    page.screenshot(path=str(shots / "view-served.png"), full_page=True)
+
+    # a feature's own page, from the catalogue's search
+    page.goto(server + "/ui/#/?q=merchant")
+    page.wait_for_selector("main[data-page=catalog]")
+    page.click("tr[data-view=merchant_risk] a.feature-link >> nth=0")
+    page.wait_for_selector("main[data-page=feature]")
+    assert page.locator("section.feature .chart rect").count() >= 2
+    page.screenshot(path=str(shots / "feature.png"), full_page=True)
 
     # runs: select two, compare: differing parameter first, curves overlaid
     page.goto(server + "/ui/#/runs")

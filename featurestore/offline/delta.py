@@ -37,7 +37,7 @@ from featurestore.object_requests import CountedFileSystem, FileSystem, count_de
 from featurestore.offline.base import PARTITION_COLUMN as PARTITION
 from featurestore.offline.compaction import compact
 from featurestore.offline.file_cache import FileCache
-from featurestore.offline.statistics import HistoryStatistics
+from featurestore.offline.statistics import CommitStatistics
 from featurestore.offline.tables import Tables
 from featurestore.sources import connection, ident, quote
 from featurestore.storage import Location
@@ -58,15 +58,17 @@ def _require_files(view: str, version: int, gone: list[str]) -> None:
 
 
 class DeltaOfflineStore:
-    def __init__(self, location: Location | Path, cache: FileCache | None = None):
+    def __init__(self, location: Location | Path, cache: FileCache | None = None, statistics: bool = True):
         """History tables under ``location``; on object storage, data files read and written are
-        kept in ``cache`` (local copies: joins read local disk) when one is given."""
+        kept in ``cache`` (local copies: joins read local disk) when one is given. ``statistics``:
+        commits bring their statistics up to date (else only reads of them do)."""
         self.location = location if isinstance(location, Location) else Location(str(Path(location).resolve()))
         self.options = self.location.delta_options()
         self.cache = cache if not self.location.is_local else None
         self._fs: tuple[FileSystem, str] | None = None
         self._tables = Tables(self.location)  # followed, not reopened (``tables``)
-        self.statistics = HistoryStatistics(self._tables)
+        self.statistics = CommitStatistics(self._tables)
+        self.summarize_commits = statistics
 
     @property
     def filesystem(self) -> tuple[FileSystem, str]:
@@ -205,14 +207,11 @@ class DeltaOfflineStore:
         read_version: int | None,
         snapshot: DeltaTable | None = None,
     ) -> int | None:
-        """``_commit``, then the statistics of what it added (``offline.statistics``; a failure
-        there is logged and caught up by the next commit or read: it never fails the write)."""
+        """``_commit``, then the statistics of what it added brought up to date in the background
+        (``offline.statistics``: the write never waits for them or fails on them)."""
         version = self._commit(view, actions, schema, read_version, snapshot)
-        if actions:
-            try:
-                self.statistics.catch_up(view)
-            except Exception as exc:  # (an outage, a full disk: the history commit stands)
-                log.warning("statistics of %s not brought up to date (%s); the next commit or read does", view, exc)
+        if actions and self.summarize_commits:
+            self.statistics.soon(view)
         return version
 
     def _commit(

@@ -1,21 +1,27 @@
-"""Statistics of a history table, kept beside it: each commit's rows summarized per event day.
+"""Statistics of a Delta table, kept beside it: each commit's rows summarized per time bucket
+(history tables per event day, ``HISTORY``; served-vector logs per hour served, ``SERVED``).
 
-The statistics are a function of the history, maintained incrementally and exactly once per
+The statistics are a function of the table, maintained incrementally and exactly once per
 commit: ``catch_up`` reads the commits the statistics table does not cover yet (from the Delta
 log: the files each one added with ``dataChange``, so compactions, which move rows, count
 nothing), summarizes the rows those files hold, and appends the summaries tagged with the
 commit's version. Writers call it after they commit; a crash in between leaves a commit
 uncovered, which the next call (any writer's, or a read) covers. Two processes catching up at once
-may both cover a version: readers keep one copy per version.
+may both cover a version: readers keep one catch-up's rows per version.
 
-Tables live at ``_statistics/<history table>`` under the history location (local or S3).
+Statistics tables live at ``_statistics/<table>`` under the tables' location (local or S3).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -27,95 +33,164 @@ from featurestore.object_requests import FileSystem
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.offline.compaction import compact
 from featurestore.offline.tables import Tables
-from featurestore.statistics import DAY, STATISTICS_SCHEMA, Summary, from_table, summarize
+from featurestore.statistics import DAY, HOUR, STATISTICS_SCHEMA, Summary, from_table, summarize
 
 log = logging.getLogger(__name__)
 FOLDER = "_statistics"
-NOT_SUMMARIZED = set(HISTORY_COLUMNS) | {PARTITION_COLUMN}  # bookkeeping, not features (event time is the bucket)
 COMPACT_AFTER_FILES = 64  # a drain appends a small file each time: merged past this many
-SCHEMA = pa.schema([pa.field("version", pa.int64()), *STATISTICS_SCHEMA])
+SETTLE_SECONDS = 2.0  # the background catch-up starts once the writes have paused this long,
+MOST_DELAY_SECONDS = 60.0  # or this long after it was asked for (a log flushed every second never pauses)
 
 
-class HistoryStatistics:
-    """The statistics tables of the history tables under ``tables``' location."""
+@dataclass(frozen=True)
+class Summarized:
+    """How a kind of table is summarized: its time column, the buckets' width, the columns left
+    out (bookkeeping), and which columns count as text whatever their type (keys: top values)."""
 
-    def __init__(self, tables: Tables):
-        self.tables = tables
+    time_column: str
+    width: timedelta
+    skipped: frozenset[str]
+    keys: Callable[[list[str]], list[str]]
+
+
+HISTORY = Summarized(
+    "event_timestamp",
+    DAY,
+    frozenset(HISTORY_COLUMNS) | {PARTITION_COLUMN},
+    lambda columns: columns[: columns.index("event_timestamp")],  # (``history_schema``: keys first)
+)
+SERVED = Summarized(
+    "served_at", HOUR, frozenset({"request_id", "replayed", "model_name", "model_version"}), lambda columns: []
+)
+
+
+class CommitStatistics:
+    """The statistics tables of the Delta tables under ``tables``' location, summarized as ``how``."""
+
+    def __init__(self, tables: Tables, how: Summarized = HISTORY):
+        self.tables, self.how = tables, how
         self.location = tables.location
+        self._lock, self._wake = threading.Lock(), threading.Event()
+        self._pending: set[str] = set()
+        self._busy = False
+        self._thread: threading.Thread | None = None
 
-    def uri(self, history_table: str) -> str:
-        return self.location.child(FOLDER, history_table).url
+    def uri(self, name: str) -> str:
+        return self.location.child(FOLDER, name).url
 
-    def covered(self, history_table: str) -> set[int]:
-        table = self.tables.open(self.uri(history_table))
+    def covered(self, name: str) -> set[int]:
+        table = self.tables.open(self.uri(name))
         if table is None:
             return set()
         return set(pc.unique(table.to_pyarrow_table(columns=["version"])["version"]).to_pylist())
 
-    def catch_up(self, history_table: str) -> int:
-        """Summarize the commits of ``history_table`` not covered yet; returns how many."""
-        history = self.tables.open(self.location.child(history_table).url, fresh=True)
-        if history is None:
+    def catch_up(self, name: str) -> int:
+        """Summarize the commits of the table ``name`` not covered yet; returns how many."""
+        source = self.tables.open(self.location.child(name).url, fresh=True)
+        if source is None:
             return 0
-        missing = sorted(set(range(history.version() + 1)) - self.covered(history_table))
+        missing = sorted(set(range(source.version() + 1)) - self.covered(name))
         if not missing:
             return 0
         fs, root = self.location.filesystem()
+        writer = uuid.uuid4().hex
         found = []
         for version in missing:
-            added = _added_files(fs, f"{root}/{history_table}", version)
-            rows = None
-            if added:
-                parts = [pq.read_table(f"{root}/{history_table}/{path}", filesystem=fs) for path in added]
-                rows = pa.concat_tables(parts, promote_options="default")
-            found.append(self._summaries(version, rows))
-        write_deltalake(
-            self.uri(history_table), pa.concat_tables(found), mode="append", storage_options=self.tables.options
-        )
-        table = self.tables.open(self.uri(history_table), fresh=True)
+            added = _added_files(fs, f"{root}/{name}", version)
+            # a file at a time: memory stays bounded by a file (and a history file holds one event day)
+            parts = [self._summaries(pq.read_table(f"{root}/{name}/{path}", filesystem=fs)) for path in added]
+            summaries = pa.concat_tables(parts) if parts else _marker()
+            found.append(_tagged(summaries, version, writer))
+        write_deltalake(self.uri(name), pa.concat_tables(found), mode="append", storage_options=self.tables.options)
+        table = self.tables.open(self.uri(name), fresh=True)
         if table is not None and len(table.file_uris()) > COMPACT_AFTER_FILES:
-            compact(self.location.child(FOLDER, history_table))
+            compact(self.location.child(FOLDER, name))
         return len(missing)
 
+    def soon(self, name: str) -> None:
+        """Catch ``name`` up in this process's background thread once writes pause (writers call
+        it after a commit: the write does not wait; what a process leaves undone at exit, the next
+        catch-up does: any writer's, or the first read's)."""
+        with self._lock:
+            self._pending.add(name)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._work, name="statistics", daemon=True)
+                self._thread.start()
+            self._wake.set()
+
+    def idle(self, timeout: float) -> bool:
+        """Wait until the background thread has nothing left to do; False if ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._pending and not self._busy:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def _work(self) -> None:
+        while True:
+            began = time.monotonic()  # each commit restarts the wait (a burst of writes goes first), up to a bound
+            while self._wake.wait(SETTLE_SECONDS) and time.monotonic() - began < MOST_DELAY_SECONDS:
+                self._wake.clear()
+            with self._lock:
+                tables, self._pending = self._pending, set()
+                if not tables:
+                    self._thread = None
+                    return
+                self._busy = True
+            for name in sorted(tables):
+                try:
+                    self.catch_up(name)
+                except Exception as exc:  # (an outage, a full disk: the next commit or read catches up)
+                    log.warning("statistics of %s not brought up to date (%s); the next commit or read does", name, exc)
+            with self._lock:
+                self._busy = False
+
     def read(
-        self, history_table: str, since: datetime | None = None, until: datetime | None = None
+        self, name: str, since: datetime | None = None, until: datetime | None = None
     ) -> list[tuple[datetime, str, Summary]]:
-        """Every (bucket, feature, summary) of the table's history, in ``[since, until)`` by event
-        time (whole days), commits not covered yet summarized first."""
-        self.catch_up(history_table)
-        table = self.tables.open(self.uri(history_table))
+        """Every (bucket, column, summary) of the table, in ``[since, until)`` by bucket start,
+        commits not covered yet summarized first."""
+        self.catch_up(name)
+        table = self.tables.open(self.uri(name))
         if table is None:
             return []
         rows = table.to_pyarrow_table()
+        # one catch-up's rows per commit: two processes catching up at once may both have covered one
+        first = rows.group_by("version").aggregate([("writer", "min")])
+        rows = rows.join(first, keys=["version", "writer"], right_keys=["version", "writer_min"], join_type="inner")
         rows = rows.filter(pc.is_valid(rows["bucket"]))  # (commits that added no rows)
         if since is not None:
             rows = rows.filter(pc.greater_equal(rows["bucket"], pa.scalar(since, rows.schema.field("bucket").type)))
         if until is not None:
             rows = rows.filter(pc.less(rows["bucket"], pa.scalar(until, rows.schema.field("bucket").type)))
-        # one copy per (version, bucket, feature): two catch-ups may both have covered a commit
-        seen: set[tuple[int, datetime, str]] = set()
-        keep = []
-        for i, key in enumerate(zip(*(rows[c].to_pylist() for c in ("version", "bucket", "feature")), strict=True)):
-            if key not in seen:
-                seen.add(key)
-                keep.append(i)
-        return from_table(rows.take(pa.array(keep, pa.int64())))
+        return from_table(rows)
 
-    def drop(self, history_table: str) -> None:
+    def drop(self, name: str) -> None:
         fs, root = self.location.filesystem()
         try:
-            fs.delete_dir(f"{root}/{FOLDER}/{history_table}")
+            fs.delete_dir(f"{root}/{FOLDER}/{name}")
         except (FileNotFoundError, OSError):
             pass
 
-    def _summaries(self, version: int, rows: pa.Table | None) -> pa.Table:
-        if rows is None or rows.num_rows == 0:  # a commit without rows: covered, nothing to say
-            marker: dict[str, list] = {name: [None] for name in SCHEMA.names}
-            marker["version"] = [version]
-            return pa.table(marker, schema=SCHEMA)
-        features = [c for c in rows.column_names if c not in NOT_SUMMARIZED]
-        summaries = summarize(rows, features, "event_timestamp", DAY)
-        return summaries.add_column(0, "version", pa.array([version] * summaries.num_rows, pa.int64()))
+    def _summaries(self, rows: pa.Table) -> pa.Table:
+        how = self.how
+        columns = [c for c in rows.column_names if c not in how.skipped and c != how.time_column]
+        keys = {k: "text" for k in how.keys(rows.column_names)}
+        return summarize(rows, columns, how.time_column, how.width, keys)  # type: ignore[arg-type]
+
+
+def _marker() -> pa.Table:
+    """A commit that added no rows (a schema change): covered, with nothing to say (no bucket)."""
+    return pa.table({name: [None] for name in STATISTICS_SCHEMA.names}, schema=STATISTICS_SCHEMA)
+
+
+def _tagged(summaries: pa.Table, version: int, writer: str) -> pa.Table:
+    n = summaries.num_rows
+    return summaries.add_column(0, "writer", pa.array([writer] * n, pa.string())).add_column(
+        0, "version", pa.array([version] * n, pa.int64())
+    )
 
 
 def _added_files(fs: FileSystem, table_root: str, version: int) -> list[str]:

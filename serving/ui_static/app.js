@@ -49,12 +49,34 @@ const table = (head, rows) => h("table", {}, h("thead", {}, h("tr", {}, head.map
 const card = (label, value, cls) => h("div", { class: "card" }, h("div", { class: "label" }, label), h("div", { class: "value " + (cls || "") }, value));
 const okMark = (ok) => h("span", { class: ok ? "ok" : "bad" }, ok ? "✓" : "✗");
 
-// A line chart as SVG: series = [{name, xs, ys}], drawn as polylines on shared axes.
+// Round tick values covering [lo, hi]: steps of 1, 2 or 5 times a power of ten.
+function ticks(lo, hi, count = 5) {
+  const raw = (hi - lo) / Math.max(count - 1, 1), power = Math.pow(10, Math.floor(Math.log10(raw || 1)));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || raw;
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(12)));
+  return out;
+}
+
+// Ticks on a time axis (epoch seconds): whole hours, days, weeks or months, at most ``count``.
+function timeTicks(lo, hi, count = 5) {
+  const step = [3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400, 2 * 86400, 7 * 86400, 14 * 86400, 30 * 86400, 91 * 86400, 365 * 86400]
+    .find((s) => (hi - lo) / s <= count) || 365 * 86400;
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi; v += step) out.push(v);
+  return out;
+}
+
+const svgNS = "http://www.w3.org/2000/svg";
+const ns = (tag, attrs, text) => { const e = document.createElementNS(svgNS, tag); for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v); if (text !== undefined) e.textContent = text; return e; };
+const hover = (el, text) => { el.append(ns("title", {}, text)); return el; };
+
+// A line chart as SVG: series = [{name, xs, ys}] on shared axes with round ticks, axis names,
+// and each point's value on hover. opts: xLabel / yLabel (tick text), xName / yName, yMin / yMax.
 function chart(title, series, opts = {}) {
-  const W = opts.width || 520, H = opts.height || 220, L = 52, R = 10, T = 10, B = 26;
-  const all = series.filter((s) => s.xs.length);
-  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
-  svg.setAttribute("width", W); svg.setAttribute("height", H); svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const W = opts.width || 520, H = opts.height || 230, L = 62, R = 12, T = 12, B = 40;
+  const all = series.map((s) => { const keep = s.ys.map((y, j) => y !== null && y !== undefined && Number.isFinite(y) ? j : -1).filter((j) => j >= 0); return { ...s, xs: keep.map((j) => s.xs[j]), ys: keep.map((j) => s.ys[j]) }; }).filter((s) => s.xs.length);
+  const svg = ns("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
   const box = h("div", { class: "chart", "data-title": title }, h("div", { class: "title" }, title), svg);
   if (!all.length) { box.append(h("div", { class: "muted" }, "no points")); return box; }
   const xs = all.flatMap((s) => s.xs), ys = all.flatMap((s) => s.ys);
@@ -63,20 +85,84 @@ function chart(title, series, opts = {}) {
   if (opts.yMax !== undefined) y1 = Math.max(y1, opts.yMax);
   if (x1 === x0) x1 = x0 + 1; if (y1 === y0) y1 = y0 + 1;
   const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R), py = (y) => H - B - ((y - y0) / (y1 - y0)) * (H - T - B);
-  const ns = (tag, attrs) => { const e = document.createElementNS("http://www.w3.org/2000/svg", tag); for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v); return e; };
+  const xl = opts.xLabel || ((v) => fmt.num(v)), yl = opts.yLabel || ((v) => fmt.num(v));
   svg.append(ns("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#ccd" }), ns("line", { x1: L, y1: T, x2: L, y2: H - B, stroke: "#ccd" }));
-  const label = (x, y, text, anchor) => { const t = ns("text", { x, y, "text-anchor": anchor }); t.textContent = text; svg.append(t); };
-  const xl = opts.xLabel || ((v) => fmt.num(v));
-  label(L, H - 8, xl(x0), "start"); label(W - R, H - 8, xl(x1), "end");
-  label(L - 4, H - B, fmt.num(y0), "end"); label(L - 4, T + 8, fmt.num(y1), "end");
-  if (opts.xName) label((L + W - R) / 2, H - 8, opts.xName, "middle");  // the axis says what it counts
+  for (const v of ticks(y0, y1, 5)) {
+    svg.append(ns("line", { x1: L, y1: py(v), x2: W - R, y2: py(v), stroke: "#eef0f5" }), ns("text", { x: L - 4, y: py(v) + 3, "text-anchor": "end", class: "tick" }, yl(v)));
+  }
+  const xt = opts.xTicks ? opts.xTicks(x0, x1) : ticks(x0, x1, 4);
+  xt.forEach((v) => svg.append(ns("text", { x: px(v), y: H - B + 13, "text-anchor": "middle", class: "tick" }, xl(v))));
+  if (opts.xName) svg.append(ns("text", { x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle", class: "axis" }, opts.xName));
+  if (opts.yName) svg.append(ns("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "axis", transform: `rotate(-90 12 ${(T + H - B) / 2})` }, opts.yName));
   all.forEach((s, i) => {
+    const color = COLORS[i % COLORS.length];
     const points = s.xs.map((x, j) => `${px(x).toFixed(1)},${py(s.ys[j]).toFixed(1)}`).join(" ");
-    svg.append(ns("polyline", { points, fill: "none", stroke: COLORS[i % COLORS.length], "stroke-width": 1.5, "data-series": s.name, "data-points": s.xs.length }));
-    if (s.xs.length < 40) s.xs.forEach((x, j) => svg.append(ns("circle", { cx: px(x), cy: py(s.ys[j]), r: 2.5, fill: COLORS[i % COLORS.length] })));
+    svg.append(ns("polyline", { points, fill: "none", stroke: color, "stroke-width": 1.5, "data-series": s.name, "data-points": s.xs.length }));
+    s.xs.forEach((x, j) => svg.append(hover(ns("circle", { cx: px(x), cy: py(s.ys[j]), r: s.xs.length < 60 ? 2.5 : 3, fill: color, "fill-opacity": s.xs.length < 60 ? 1 : 0 }), `${s.name}: ${yl(s.ys[j])} at ${xl(x)}`)));
   });
   if (all.length > 1 || opts.legend) box.append(h("div", { class: "legend" }, all.map((s, i) => h("span", {}, h("i", { style: `background:${COLORS[i % COLORS.length]}` }), s.name))));
   return box;
+}
+
+// Grouped bars of each series' shares per bin (so series of different sizes compare): series =
+// [{name, counts}], labels = one per bin; hover shows the share and the count.
+function bars(title, labels, series, opts = {}) {
+  const W = opts.width || 520, H = opts.height || 230, L = 52, R = 12, T = 12, B = 52;
+  const svg = ns("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}` });
+  const box = h("div", { class: "chart", "data-title": title }, h("div", { class: "title" }, title), svg);
+  const shares = series.map((s) => { const total = s.counts.reduce((a, b) => a + b, 0) || 1; return s.counts.map((c) => c / total); });
+  const top = Math.max(...shares.flat(), 0.01), step = (W - L - R) / labels.length, width = (step * 0.8) / Math.max(series.length, 1);
+  const py = (v) => H - B - (v / top) * (H - T - B);
+  svg.append(ns("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#ccd" }));
+  for (const v of ticks(0, top, 4)) svg.append(ns("line", { x1: L, y1: py(v), x2: W - R, y2: py(v), stroke: "#eef0f5" }), ns("text", { x: L - 4, y: py(v) + 3, "text-anchor": "end", class: "tick" }, `${fmt.num(100 * v)} %`));
+  series.forEach((s, i) => shares[i].forEach((v, j) => svg.append(hover(ns("rect", { x: L + j * step + step * 0.1 + i * width, y: py(v), width: Math.max(width - 1, 1), height: H - B - py(v), fill: COLORS[i % COLORS.length], "data-series": s.name }), `${s.name}, ${labels[j]}: ${fmt.pct(v)} (${fmt.num(Math.round(s.counts[j]))})`))));
+  const every = Math.ceil(labels.length / 8);
+  labels.forEach((text, j) => { if (j % every === 0) svg.append(ns("text", { x: L + (j + 0.5) * step, y: H - B + 13, "text-anchor": "middle", class: "tick" }, text.length > 14 ? text.slice(0, 13) + "…" : text)); });
+  if (opts.xName) svg.append(ns("text", { x: (L + W - R) / 2, y: H - 6, "text-anchor": "middle", class: "axis" }, opts.xName));
+  svg.append(ns("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", class: "axis", transform: `rotate(-90 12 ${(T + H - B) / 2})` }, "share of values"));
+  box.append(h("div", { class: "legend" }, series.map((s, i) => h("span", {}, h("i", { style: `background:${COLORS[i % COLORS.length]}` }), s.name))));
+  return box;
+}
+
+const dayTick = (t) => fmt.time(t).slice(0, 10);
+
+// One feature's charts: its histogram (history, or served, beside what services served), then
+// rows, null rate, centre and drift per bucket (a day of history, an hour served).
+function featureCharts(f, served) {
+  const hist = f.histogram;
+  const labels = hist.categories || hist.edges.slice(0, -1).map((e, i) => `${fmt.num(e)} – ${fmt.num(hist.edges[i + 1])}`);
+  const series = [{ name: f.source === "history" ? "history (what training reads)" : f.source, counts: hist.values }, ...Object.entries(hist.served).map(([svc, c]) => ({ name: `served by ${svc}`, counts: c }))];
+  const t = f.over_time.map((b) => b.t);
+  const timeAxis = f.source === "history" ? { xLabel: dayTick, xName: "event day (UTC)", xTicks: timeTicks } : { xLabel: (v) => fmt.time(v).slice(0, 16), xName: "served (UTC)", xTicks: timeTicks };
+  const per = f.source === "history" ? "day" : "hour";
+  const charts = [bars(`${f.name}: distribution`, labels, series, { xName: hist.categories ? "value" : "value bin" }),
+    chart(`${f.name}: rows per ${per}`, [{ name: "rows", xs: t, ys: f.over_time.map((b) => b.rows) }], { ...timeAxis, yMin: 0, yName: "rows" }),
+    chart(`${f.name}: null rate`, [{ name: "null rate", xs: t, ys: f.over_time.map((b) => b.null_rate) }], { ...timeAxis, yMin: 0, yLabel: (v) => `${fmt.num(100 * v)} %`, yName: "nulls" }),
+    chart(`${f.name}: drift of each ${per} (PSI against the whole span)`, [{ name: "PSI", xs: t, ys: f.over_time.map((b) => b.psi) }], { ...timeAxis, yMin: 0, yMax: 0.25, yName: "PSI" })];
+  if (f.kind === "number") charts.splice(2, 0, chart(`${f.name}: mean and median`, [{ name: "mean", xs: t, ys: f.over_time.map((b) => b.mean) }, { name: "median", xs: t, ys: f.over_time.map((b) => b.median) }], { ...timeAxis, yName: f.name }));
+  const s = f.summary;
+  const facts = f.kind === "number"
+    ? `${fmt.num(s.rows)} rows · ${fmt.pct(s.null_rate)} null · ${fmt.num(s.nans)} NaN · min ${fmt.num(s.min)} · median ${fmt.num(s.quantiles.p50)} · mean ${fmt.num(s.mean)} · stddev ${fmt.num(s.stddev)} · max ${fmt.num(s.max)}`
+    : `${fmt.num(s.rows)} rows · ${fmt.pct(s.null_rate)} null · top: ${s.top.slice(0, 5).map(([v, n]) => `${v} (${fmt.num(n)})`).join(", ")}`;
+  return h("section", { class: "feature", "data-feature": f.name }, h("h3", {}, h("a", { href: `#/views/${encodeURIComponent(served.view)}/features/${encodeURIComponent(f.name)}` }, f.name)),
+    h("p", { class: "muted" }, facts), h("div", { class: "charts" }, charts));
+}
+
+function servedCharts(stats) {
+  return stats.served.map((s) => {
+    const t = s.over_time.map((b) => b.t), axis = { xLabel: (v) => fmt.time(v).slice(0, 16), xName: "served (UTC)", xTicks: timeTicks, yMin: 0, yLabel: (v) => `${fmt.num(100 * v)} %` };
+    return h("div", { class: "charts", "data-service": s.service },
+      chart(`${s.service}: NOT_FOUND rate`, [{ name: "NOT_FOUND", xs: t, ys: s.over_time.map((b) => b.not_found_rate) }], { ...axis, yName: "NOT_FOUND" }),
+      chart(`${s.service}: null rate served`, [{ name: "null", xs: t, ys: s.over_time.map((b) => b.null_rate) }], { ...axis, yName: "nulls" }),
+      chart(`${s.service}: lookups per hour`, [{ name: "lookups", xs: t, ys: s.over_time.map((b) => b.lookups) }], { ...axis, yLabel: fmt.num, yName: "lookups" }));
+  });
+}
+
+function driftTable(stats) {
+  const rows = stats.drift.flatMap((r) => r.features.map((f) => h("tr", { class: f.flagged ? "drifted" : "" },
+    h("td", {}, r.kind === "view" ? `view ${r.view}` : `service ${r.service}`), h("td", {}, fmt.time(r.checked_at)), h("td", {}, f.name),
+    h("td", { class: "num" }, fmt.num(f.psi)), h("td", { class: "num" }, fmt.num(f.js_distance)), h("td", {}, f.flagged ? h("span", { class: "bad" }, `drifted (PSI > ${r.psi_threshold})`) : h("span", { class: "ok" }, "steady")))));
+  return rows.length ? table(["report", "checked", "feature", "PSI", "JS distance", ""], rows) : h("p", { class: "muted" }, "No drift report yet (featurestore monitor --view V, or --service S --dataset D).");
 }
 
 // ------------------------------------------------------------------ pages
@@ -98,7 +184,7 @@ async function catalogPage(params) {
         h("tr", { "data-view": v.name },
           h("td", {}, h("a", { href: `#/views/${encodeURIComponent(v.name)}` }, v.name), h("div", { class: "muted" }, v.description)),
           h("td", {}, v.entities.join(", ")),
-          h("td", {}, `${v.features.length}: `, v.features.slice(0, 6).flatMap((f, i) => [i ? ", " : "", f.name, " ", h("span", { class: "muted" }, f.dtype)]), v.features.length > 6 ? ", …" : ""),
+          h("td", {}, `${v.features.length}: `, v.features.slice(0, 6).flatMap((f, i) => [i ? ", " : "", h("a", { href: `#/views/${encodeURIComponent(v.name)}/features/${encodeURIComponent(f.name)}`, class: "feature-link" }, f.name), " ", h("span", { class: "muted" }, f.dtype)]), v.features.length > 6 ? ", …" : ""),
           h("td", {}, v.source.kind + (v.source.name ? `: ${v.source.name}` : "")),
           h("td", {}, v.ttl_seconds ? `ttl ${fmt.window(v.ttl_seconds)} ` : "", [...new Set(v.features.filter((f) => f.window_seconds).map((f) => fmt.window(f.window_seconds)))].join(" ") || (v.ttl_seconds ? "" : h("span", { class: "muted" }, "no ttl"))),
           h("td", {}, v.owner), h("td", {}, tags(v.tags)), h("td", {}, (v.versions || []).map((n) => `v${n}`).join(" "))))),
@@ -134,6 +220,14 @@ async function viewPage(name) {
   }
   out.push(h("h2", {}, "Features"), table(["feature", "type", "aggregation"], v.features.map((f) => h("tr", {},
     h("td", {}, f.name), h("td", {}, f.dtype), h("td", {}, f.function ? `${f.function}(${f.column || "*"}) over ${fmt.window(f.window_seconds)}` : "")))));
+  if (v.kind === "feature_view") {  // (on-demand views keep no history of their own)
+    const stats = await api(`views/${encodeURIComponent(name)}/statistics?points=200`);
+    out.push(h("h2", {}, "Values"));
+    if (!stats.features.length) out.push(h("p", { class: "muted" }, "No history yet: materialize or push to see what the values are."));
+    out.push(...stats.features.map((f) => featureCharts(f, stats)));
+    if (stats.served.length) out.push(h("h2", {}, "Served"), ...servedCharts(stats));
+    out.push(h("h2", {}, "Drift"), driftTable(stats));
+  }
   out.push(h("h2", {}, "Consistency (served vs point-in-time history)"));
   if (!data.consistency.length) out.push(h("p", { class: "muted" }, "No consistency check covers this view yet (featurestore check-consistency)."));
   else {
@@ -147,6 +241,14 @@ async function viewPage(name) {
   out.push(h("p", { class: "muted", id: "hashes" }, `values hash ${fmt.short(v.values_hash)} (what datasets and models record: lineage compares it) · `,
     `definition ${fmt.short(v.hash)} (any edit, description and tags included) · changed in registry versions ${(v.versions || []).join(", ")}`));
   return out;
+}
+
+async function featurePage(view, feature) {
+  const stats = await api(`views/${encodeURIComponent(view)}/statistics?points=400`);
+  const f = stats.features.find((x) => x.name === feature);
+  const back = h("p", {}, "feature of view ", h("a", { href: `#/views/${encodeURIComponent(view)}` }, view));
+  if (!f) return [h("h1", {}, feature), back, h("p", { class: "muted" }, "No history of this feature yet.")];
+  return [h("h1", {}, feature), back, featureCharts(f, stats), h("h2", {}, "Drift"), driftTable({ drift: stats.drift.map((r) => ({ ...r, features: r.features.filter((x) => x.name === feature) })) })];
 }
 
 async function runsPage(params) {
@@ -246,6 +348,7 @@ async function consistencyPage() {
 
 // [path, page, nav tab, page name]: once drawn, <main data-page="name"> says which page it shows
 const routes = [
+  [/^\/views\/([^/]+)\/features\/(.+)$/, (m) => featurePage(decodeURIComponent(m[1]), decodeURIComponent(m[2])), "catalog", "feature"],
   [/^\/views\/(.+)$/, (m) => viewPage(decodeURIComponent(m[1])), "catalog", "view"],
   [/^\/runs\/(.+)$/, (m) => runPage(decodeURIComponent(m[1])), "runs", "run"],
   [/^\/runs$/, (m, p) => runsPage(p), "runs", "runs"],
