@@ -281,11 +281,16 @@ def online(args: argparse.Namespace) -> None:
         store.flush()
         http = http_push(root, first + len(stream) + 5_000, n_cards, args.pushes)
         ingest = {}
-        for to in ("online", "online_and_offline"):  # sustained, batched: what a stream consumer does
+        # sustained, batched: what a stream consumer does; both stores with the history's statistics
+        # kept up to date (the default) and without
+        for n, (to, statistics) in enumerate(
+            [("online", True), ("online_and_offline", True), ("online_and_offline, no statistics", False)]
+        ):
+            store.offline_store.summarize_commits = statistics
             batch, batches = 1000, 20
             tables = []
             for b in range(batches):
-                first = events + 10_000 + (b + (batches if to != "online" else 0)) * batch
+                first = events + 10_000 + (b + n * batches) * batch
                 tables.append(
                     pa.table(
                         {
@@ -298,9 +303,11 @@ def online(args: argparse.Namespace) -> None:
                 )
             t0 = time.perf_counter()
             for table in tables:
-                store.push("payments", table, to=to)
+                store.push("payments", table, to=to.split(",")[0])
             store.flush()
             ingest[to] = batch * batches / (time.perf_counter() - t0)
+            store.offline_store.statistics.idle(timeout=120)  # (its background work done before the next)
+        store.offline_store.summarize_commits = True
         # heavy cards, last (their big pushes would disturb the timings above): tile summaries against
         # reading every event of the window. Each card's events are written twice, to two cards: as
         # materialize and batch pushes write (the write seals the ended tiles it holds), and without

@@ -1,14 +1,19 @@
-"""The web UI at scale: a 1M-step curve and a 500-view catalogue, through the API and in Chromium.
+"""The web UI at scale: a 1M-step curve, a 500-view catalogue and a year of feature statistics,
+through the API and in Chromium.
 
-A run logs 1,000,000 steps through the metric store; a repo defines 500 views. The UI runs as a
-server process. Timed, in the same run:
+A run logs 1,000,000 steps through the metric store; a repo defines 500 views, and one more
+(``year``) with 365 days of history and a year of served lookups (one log row per minute). The UI
+runs as a server process. Timed, in the same run:
   - the curve API (read the run's segments, LTTB to 400 points) against the raw reference of
     shipping every point (the same records read and sent as JSON, as a naive UI would);
   - the catalogue API;
-  - in headless Chromium (when installed): from navigation to the chart drawn, and to the
-    500-row catalogue drawn.
+  - the view statistics API over the year (365 event days, 8,760 hours served, merged down to
+    200 points a series): its first call (which summarizes the commits not covered yet) and later
+    ones, against the raw reference of reading the year's history and log rows themselves;
+  - in headless Chromium (when installed): from navigation to the chart drawn, to the 500-row
+    catalogue drawn, and to the year's view page drawn.
 
-    python benchmarks/ui.py [--steps 1000000] [--views 500]
+    python benchmarks/ui.py [--steps 1000000] [--views 500] [--rows-per-day 2000]
 """
 
 from __future__ import annotations
@@ -20,17 +25,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from deltalake import DeltaTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import percentiles  # noqa: E402
 from featurestore.tracking import MetricWriter, read_metrics  # noqa: E402
 
+YEAR = """
+year = FeatureView(name="year", entities=[user], source=FileSource(path="data/year.parquet", timestamp_field="ts"),
+                   schema=[Field("f_a", Float64), Field("f_b", Int64)], description="A year of history.")
+from featurestore import FeatureService
+year_service = FeatureService(name="year_service", features=[year])
+"""
 VIEW = """
 v{i} = FeatureView(name="view_{i:03d}", entities=[user], source=FileSource(path="data/rows.parquet", timestamp_field="ts"),
                    schema=[Field("f_a", Float64), Field("f_b", Int64)], ttl=timedelta(days=1), owner="team-{team}",
@@ -50,7 +63,47 @@ def make_repo(root: Path, views: int) -> None:
         "from featurestore.types import Float64, Int64\nuser = Entity(name='user', join_keys=['user_id'], value_type=Int64)\n"
     )
     body += "".join(VIEW.format(i=i, team=i % 12) for i in range(views))
+    body += YEAR
     (root / "features.py").write_text(body)
+
+
+def make_year(root: Path, data_dir: Path, rows_per_day: int) -> tuple[Path, Path]:
+    """A year of history for view ``year`` (its source file) and of its service's lookups (a
+    served-vector log, one row a minute, as ``serve --log-features`` writes it)."""
+    from deltalake import write_deltalake
+
+    rng = np.random.default_rng(1)
+    start = int(datetime(2025, 1, 1, tzinfo=UTC).timestamp() * 1e6)
+    n = 365 * rows_per_day
+    drift = np.repeat(np.linspace(0, 1, 365), rows_per_day)  # the values move over the year
+    pq.write_table(
+        pa.table(
+            {
+                "user_id": rng.integers(1, 100_000, n),
+                "f_a": rng.normal(50 + 20 * drift, 10),
+                "f_b": rng.poisson(3 + 2 * drift),
+                "ts": pa.array(start + np.sort(rng.integers(0, 365 * 86_400_000_000, n)), pa.timestamp("us", tz="UTC")),
+            }
+        ),
+        root / "data" / "year.parquet",
+    )
+    minutes = 365 * 24 * 60
+    found = rng.random(minutes) > 0.02
+    log = pa.table(
+        {
+            "served_at": pa.array(start + np.arange(minutes) * 60_000_000, pa.timestamp("us", tz="UTC")),
+            "request_id": [f"r{i}" for i in range(minutes)],
+            "replayed": np.zeros(minutes, bool),
+            "user_id": rng.integers(1, 100_000, minutes),
+            "f_a": pa.array(np.where(found, rng.normal(60, 10, minutes), np.nan), mask=~found),
+            "f_a__status": np.where(found, "PRESENT", "NOT_FOUND"),
+            "f_b": pa.array(rng.poisson(4, minutes), mask=~found),
+            "f_b__status": np.where(found, "PRESENT", "NOT_FOUND"),
+        }
+    )
+    path = data_dir / "feature_logs" / "services" / "year_service"
+    write_deltalake(str(path), log, mode="append")
+    return root / "data" / "year.parquet", path
 
 
 def make_run(run_dir: Path, steps: int) -> float:
@@ -79,16 +132,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--views", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--rows-per-day", type=int, default=2000, help="History rows of view `year` per day.")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="featurestore-uibench-"))
     os.environ["FEATURESTORE_DATA_DIR"] = str(root / "store")
     try:
         make_repo(root / "repo", args.views)
+        year_source, year_log = make_year(root / "repo", root / "store", args.rows_per_day)
         subprocess.run(
             [sys.executable, "-m", "featurestore", "apply", "--repo", str(root / "repo")],
             check=True,
             capture_output=True,
+        )
+        started = time.perf_counter()
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "featurestore",
+                "materialize",
+                "2024-12-31",
+                "2026-01-01",
+                "--view",
+                "year",
+                "--repo",
+                str(root / "repo"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        print(
+            f"materialized a year of history ({365 * args.rows_per_day:,} rows) in {time.perf_counter() - started:.1f} s"
         )
         run_dir = root / "store" / "runs" / "big-run"
         logging_s = make_run(run_dir, args.steps)
@@ -135,6 +210,24 @@ def main() -> None:
                 f"(reference, every point as JSON, no server: {raw['p50']:.0f} ms: {raw['p50'] / curve['p50']:.1f}x the API's time)"
             )
             print(f"catalogue API, {args.views} views: p50 {catalog['p50']:.0f} ms")
+            statistics = base + "/api/views/year/statistics"
+            started = time.perf_counter()
+            first = client.get(statistics)
+            first.raise_for_status()
+            first_s = time.perf_counter() - started
+            later = timed(lambda: client.get(statistics).json(), args.repeat)
+            points = max(len(f["over_time"]) for f in first.json()["features"])
+
+            def every_row() -> None:  # the reference: the year's rows themselves, history and log
+                pq.read_table(year_source)
+                DeltaTable(str(year_log)).to_pyarrow_table()
+
+            rows = timed(every_row, max(2, args.repeat // 3))
+            print(
+                f"view statistics API, a year (365 days of history, 8,760 hours served) -> {points} points a series: "
+                f"first call {1000 * first_s:.0f} ms (summarizes the year's commits), then p50 {later['p50']:.0f} ms "
+                f"(reference, reading the year's rows alone: {rows['p50']:.0f} ms)"
+            )
             browser(base, args.views)
         finally:
             server.terminate()
@@ -158,6 +251,11 @@ def browser(base: str, views: int) -> None:
         for name, url, selector in (
             ("1M-step run page, curve drawn", f"{base}/#/runs/big-run", ".chart polyline"),
             (f"catalogue of {views} views drawn", f"{base}/", f"tr[data-view=view_{views - 1:03d}]"),
+            (
+                "a year's view page, every chart drawn",
+                f"{base}/#/views/year",
+                "[data-service=year_service] .chart polyline",
+            ),
         ):
             times = []
             for _ in range(5):

@@ -844,6 +844,9 @@ def runs_compare(
     run_ids: list[str] = typer.Argument(..., help="Two or more run ids."),
     metric: list[str] = typer.Option(["train_loss", "val_auc"], "--metric", help="Curves to overlay (repeatable)."),
     plot: Path | None = typer.Option(None, help="Write the overlaid curves to this PNG."),
+    x: str = typer.Option(
+        "step", "--x", help="Curves against: step, epoch, samples (runs of other batch sizes) or wall_time."
+    ),
     repo: Path = RepoOption,
 ) -> None:
     """Runs side by side: the parameters that differ first, final metrics, overlaid curves."""
@@ -866,7 +869,7 @@ def runs_compare(
     same = [k for k in table["params"] if k not in table["differs"]]
     console.print(f"{len(same)} parameters are the same in every run; * marks the best value", markup=False)
     if plot is not None:
-        console.print(f"curves: {plot_compare([root / r for r in run_ids], metric, plot)}", markup=False)
+        console.print(f"curves: {plot_compare([root / r for r in run_ids], metric, plot, x=x)}", markup=False)
 
 
 @models_app.command("list")

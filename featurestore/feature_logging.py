@@ -237,9 +237,16 @@ def served_statistics(
 ) -> list[tuple[datetime, str, Summary]]:
     """(hour served, column, summary) of a log (``log_path``'s names), in ``[since, until)``:
     each feature, its ``__status`` (NOT_FOUND and the rest, counted) and the keys."""
+    return served_statistics_versioned(data_dir, name, since, until)[1]
+
+
+def served_statistics_versioned(
+    data_dir: Path, name: str, since: datetime | None = None, until: datetime | None = None
+) -> tuple[str | None, list[tuple[datetime, str, Summary]]]:
+    """``served_statistics``, with which statistics it read (``CommitStatistics.versioned``)."""
     path = log_path(data_dir, name)
     statistics = CommitStatistics(Tables(Location(str(path.parent.resolve()))), SERVED)
-    return statistics.read(path.name, since, until)
+    return statistics.versioned(path.name, since, until)
 
 
 def read_log(path: Path) -> pa.Table:

@@ -86,27 +86,19 @@ class Summary:
             delta = other.mean - self.mean
             mean = self.mean + delta * other.finite / n
             m2 = self.m2 + other.m2 + delta * delta * self.finite * other.finite / n
-        sketch = self.sketch if in_place else _copy(self.sketch)
-        if sketch is None:
-            sketch = _copy(other.sketch)
+        target = self if in_place else Summary(self.kind, sketch=_copy(self.sketch))
+        if target.sketch is None:
+            target.sketch = _copy(other.sketch)
         elif other.sketch is not None:
-            sketch.merge(other.sketch)
-        both = Summary(
-            self.kind,
+            target.sketch.merge(other.sketch)
+        target.rows, target.nulls, target.nans = (
             self.rows + other.rows,
             self.nulls + other.nulls,
             self.nans + other.nans,
-            _pick(min, self.min, other.min),
-            _pick(max, self.max, other.max),
-            n,
-            mean,
-            m2,
-            sketch,
         )
-        if in_place:
-            self.__dict__.update(both.__dict__)
-            return self
-        return both
+        target.min, target.max = _pick(min, self.min, other.min), _pick(max, self.max, other.max)
+        target.finite, target.mean, target.m2 = n, mean, m2
+        return target
 
     def quantiles(self, ranks: Sequence[float]) -> list[float]:
         """Values at the normalized ``ranks`` (numbers only; within ``RANK_ERROR`` in rank)."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query
 from fastapi.responses import FileResponse, RedirectResponse, Response
@@ -28,6 +28,7 @@ from featurestore.consistency import read_checks
 from featurestore.errors import NotFoundError, RequestError
 from featurestore.feature_profile import DEFAULT_POINTS, view_profile
 from featurestore.launch import ServerLaunch
+from featurestore.statistics import HOUR, bucket_start
 from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
 from serving.fast_lane import FastLane
@@ -125,7 +126,8 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         current = store()
         if _name(name, "view") not in current.definitions.feature_views:
             raise NotFoundError(f"no applied feature view named {name!r} with history")
-        since = datetime.now(UTC) - timedelta(days=days) if days else None
+        # (from the next whole hour: statistics start on hours, and a repeated call is the same one)
+        since = bucket_start(datetime.now(UTC) - timedelta(days=days), HOUR) + HOUR if days else None
         return json_response(await asyncio.to_thread(view_profile, current, name, since, None, points))
 
     @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
@@ -142,12 +144,18 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)",
     )
     def run_curve(
-        run_id: str, metric: str, points: int = Query(500, ge=3, le=MAX_POINTS), writer: str | None = None
+        run_id: str,
+        metric: str,
+        points: int = Query(500, ge=3, le=MAX_POINTS),
+        writer: str | None = None,
+        x: Literal["step", "epoch", "samples", "wall_time"] = Query(
+            "step", description="Against the step, the epoch, samples seen, or seconds since the run started."
+        ),
     ) -> Response:
         path = runs_root() / _name(run_id, "run")
         if not path.is_dir():
             raise NotFoundError(f"no run {run_id!r}")
-        return json_response(curve(path, metric, points, _name(writer, "writer") if writer else None))
+        return json_response(curve(path, metric, points, _name(writer, "writer") if writer else None, x))
 
     @app.get("/api/compare", summary="Runs side by side: differing params first, final metrics")
     def compare_runs(runs: list[str] = Query(..., description="Two or more run ids.")) -> Response:

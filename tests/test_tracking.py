@@ -194,3 +194,42 @@ def test_compare_marks_the_best_run_by_what_the_metric_name_says():
     assert compare(runs)["best"] == {"val_loss": 1, "val_auc": 2}  # lowest loss, highest AUC, NaN never best
     assert best_run("train/error-rate", [0.2, 0.1]) == 1 and best_run("accuracy", [0.7, 0.9]) == 1
     assert best_run("steps", [1, 2]) is None and best_run("val_auc", [0.5, None]) is None
+
+
+def test_curves_against_epoch_samples_and_wall_time(tmp_path):
+    import pytest
+
+    from featurestore.errors import RequestError
+    from featurestore.tracking.runs import record_times
+
+    def make(name: str, batch: int | None, steps_per_epoch: int):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "params.json").write_text(json.dumps({"config": {"batch_size": batch}} if batch else {}))
+        record_times(run, started=True, at=1000.0)
+        with MetricWriter(run) as writer:
+            for step in range(1, 3 * steps_per_epoch + 1):
+                epoch = (step - 1) // steps_per_epoch
+                writer.log(step, {"train_loss": 1.0 / step, "epoch": epoch}, wall_time=1000.0 + 0.5 * step)
+        return run
+
+    small, large = make("small", 64, 40), make("large", 256, 10)  # the same 2,560 samples an epoch
+    for run, batch in ((small, 64), (large, 256)):
+        line = curve(run, "train_loss", 1000, x="samples")
+        assert line["x"] == "samples" and line["xs"] == [batch * s for s in range(1, len(line["xs"]) + 1)]
+        assert line["xs"][-1] == 3 * 2560  # both runs end at the same samples seen, not the same step
+        wall = curve(run, "train_loss", 1000, x="wall_time")
+        assert wall["xs"] == [0.5 * s for s in range(1, len(wall["xs"]) + 1)]  # seconds since the recorded start
+    epochs = curve(small, "train_loss", 1000, x="epoch")["xs"]
+    assert (
+        epochs[0] == 0
+        and epochs[40] == 1
+        and epochs[20] == pytest.approx(0.5)
+        and epochs[-1] == pytest.approx(3 - 1 / 40)
+    )
+    assert epochs == sorted(epochs)
+    unknown = make("unknown", None, 5)
+    with pytest.raises(RequestError, match="batch_size"):
+        curve(unknown, "train_loss", x="samples")
+    with pytest.raises(RequestError, match="x axis"):
+        curve(small, "train_loss", x="tokens")

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import httpx
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
@@ -26,6 +28,7 @@ from featurestore import FeatureStore
 from featurestore.auth import hash_key
 from featurestore.consistency import check_service_log, record_check
 from featurestore.demo.generate import generate, label_rows
+from featurestore.statistics import from_table, merged
 
 from .conftest import demo_repo, free_port
 
@@ -129,6 +132,13 @@ def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
         assert feature["summary"]["rows"] == stored
     (served,) = stats["served"]
     assert served["service"] == "fraud_model_v1" and sum(b["lookups"] for b in served["over_time"]) == 39
+    # the training set's distribution, beside the dataset: exact counts, one summary per column
+    manifest = json.loads((pipeline["dataset"] / "manifest.json").read_text())
+    trained = merged(from_table(pq.read_table(pipeline["dataset"] / manifest["statistics"])))
+    data = pq.read_table(pipeline["dataset"] / "data-00000.parquet")
+    for column in ("credit_limit", "home_country", "card_id"):
+        assert (trained[column].rows, trained[column].nulls) == (data.num_rows, data[column].null_count)
+    assert trained["credit_limit"].max == pc.max(data["credit_limit"]).as_py()
     assert httpx.get(api + "/views/no_such_view/statistics").status_code == 404
     assert httpx.get(api + "/views/card_profile/statistics", params={"points": 0}).status_code == 422
 
@@ -221,6 +231,7 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     page.goto(server + "/ui/#/views/card_profile")  # a view served as stored: served values on the same bins
     page.wait_for_selector("main[data-page=view]")
     assert page.locator("section.feature .chart rect[data-series^='served by fraud_model_v1']").count() >= 2
+    assert page.locator("section.feature .chart rect[data-series^='training set of fraud v1']").count() >= 2
     page.screenshot(path=str(shots / "view-served.png"), full_page=True)
 
     # a feature's own page, from the catalogue's search
@@ -245,6 +256,10 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     loss = page.locator(".chart[data-title=train_loss] polyline")
     assert loss.count() == 2 and all(int(p.get_attribute("data-points")) > 3 for p in loss.all())
     page.screenshot(path=str(shots / "compare.png"), full_page=True)
+    for axis in ("samples", "epoch", "wall_time"):  # the same curves against what runs of other batch sizes share
+        page.select_option("#x-axis", axis)
+        page.wait_for_selector(f".charts[data-x={axis}]")
+        assert page.locator(".chart[data-title=train_loss] polyline").count() == 2, axis
 
     # models → lineage → the run that trained it
     page.goto(server + "/ui/#/models")

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -38,6 +39,8 @@ from featurestore.statistics import DAY, HOUR, STATISTICS_SCHEMA, Summary, from_
 log = logging.getLogger(__name__)
 FOLDER = "_statistics"
 COMPACT_AFTER_FILES = 64  # a drain appends a small file each time: merged past this many
+PARSED_KEPT = 16  # statistics tables kept parsed in memory (by version: a new commit is read anew)
+_PARSED: OrderedDict[tuple[str, str], list[tuple[datetime, str, Summary]]] = OrderedDict()
 SETTLE_SECONDS = 2.0  # the background catch-up starts once the writes have paused this long,
 MOST_DELAY_SECONDS = 60.0  # or this long after it was asked for (a log flushed every second never pauses)
 
@@ -150,22 +153,29 @@ class CommitStatistics:
     def read(
         self, name: str, since: datetime | None = None, until: datetime | None = None
     ) -> list[tuple[datetime, str, Summary]]:
-        """Every (bucket, column, summary) of the table, in ``[since, until)`` by bucket start,
-        commits not covered yet summarized first."""
+        """Every (bucket, column, summary) of the table, in ``[since, until)`` by bucket start
+        (one per bucket and column), commits not covered yet summarized first."""
+        return self.versioned(name, since, until)[1]
+
+    def versioned(
+        self, name: str, since: datetime | None = None, until: datetime | None = None
+    ) -> tuple[str | None, list[tuple[datetime, str, Summary]]]:
+        """``read``, with which statistics it read: the table's id and version (None: no statistics
+        yet). A table dropped and made again has a new id, so its version 0 is not the old one's."""
         self.catch_up(name)
         table = self.tables.open(self.uri(name))
         if table is None:
-            return []
-        rows = table.to_pyarrow_table()
-        # one catch-up's rows per commit: two processes catching up at once may both have covered one
-        first = rows.group_by("version").aggregate([("writer", "min")])
-        rows = rows.join(first, keys=["version", "writer"], right_keys=["version", "writer_min"], join_type="inner")
-        rows = rows.filter(pc.is_valid(rows["bucket"]))  # (commits that added no rows)
-        if since is not None:
-            rows = rows.filter(pc.greater_equal(rows["bucket"], pa.scalar(since, rows.schema.field("bucket").type)))
-        if until is not None:
-            rows = rows.filter(pc.less(rows["bucket"], pa.scalar(until, rows.schema.field("bucket").type)))
-        return from_table(rows)
+            return None, []
+        key = (self.uri(name), f"{table.metadata().id}@{table.version()}")
+        found = _PARSED.get(key)
+        if found is None:
+            found = _per_bucket(table.to_pyarrow_table())
+            _PARSED[key] = found
+            while len(_PARSED) > PARSED_KEPT:
+                _PARSED.popitem(last=False)
+        else:
+            _PARSED.move_to_end(key)
+        return key[1], [x for x in found if (since is None or x[0] >= since) and (until is None or x[0] < until)]
 
     def drop(self, name: str) -> None:
         fs, root = self.location.filesystem()
@@ -179,6 +189,18 @@ class CommitStatistics:
         columns = [c for c in rows.column_names if c not in how.skipped and c != how.time_column]
         keys = {k: "text" for k in how.keys(rows.column_names)}
         return summarize(rows, columns, how.time_column, how.width, keys)  # type: ignore[arg-type]
+
+
+def _per_bucket(rows: pa.Table) -> list[tuple[datetime, str, Summary]]:
+    """A statistics table's rows as one summary per (bucket, column), in bucket order."""
+    # one catch-up's rows per commit: two processes catching up at once may both have covered one
+    first = rows.group_by("version").aggregate([("writer", "min")])
+    rows = rows.join(first, keys=["version", "writer"], right_keys=["version", "writer_min"], join_type="inner")
+    rows = rows.filter(pc.is_valid(rows["bucket"]))  # (commits that added no rows)
+    found: dict[tuple[datetime, str], Summary] = {}
+    for at, column, s in from_table(rows):
+        found[(at, column)] = found[(at, column)].merge(s, in_place=True) if (at, column) in found else s
+    return [(at, column, s) for (at, column), s in sorted(found.items(), key=lambda item: item[0][0])]
 
 
 def _marker() -> pa.Table:

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from featurestore.errors import NotFoundError
+from featurestore.errors import NotFoundError, RequestError
 from featurestore.files import atomic_write
 from featurestore.tracking.artifacts import ArtifactStore
 from featurestore.tracking.lttb import lttb
@@ -199,28 +199,73 @@ def _legacy_records(run_dir: Path, metric: str | None) -> pa.Table:
     )
 
 
-def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = None) -> dict[str, Any]:
+X_AXES = ("step", "epoch", "samples", "wall_time")  # what a curve can be drawn against
+
+
+def curve(run_dir: Path, metric: str, points: int = 500, writer: str | None = None, x: str = "step") -> dict[str, Any]:
     """One metric's curve downsampled to at most ``points`` (LTTB) with its raw length; from
-    ``writer``, or the first writer that logged it (rank 0 in distributed runs). NaN steps are dropped."""
+    ``writer``, or the first writer that logged it (rank 0 in distributed runs). NaN steps are
+    dropped. ``x``: against the step, the epoch (fractional, from the run's ``epoch`` metric),
+    samples seen (step × the run's ``batch_size``) or wall time (seconds since the run started):
+    runs with different batch sizes compare by samples, not steps."""
     run_dir = Path(run_dir)
+    if x not in X_AXES:
+        raise RequestError(f"a curve's x axis is one of {', '.join(X_AXES)}, not {x!r}")
     candidates: list[str | None] = [writer] if writer else [*writers(run_dir)] or [None]
     for candidate in candidates:
-        records = _records(run_dir, metric, candidate, ["step", "value"])
+        records = _records(run_dir, metric, candidate, ["step", "wall_time", "value"])
         if records.num_rows:
             writer = candidate or "main"
             break
     steps = records["step"].to_numpy().astype(float)
     values = records["value"].to_numpy()
     keep = ~np.isnan(values)
-    xs, ys = lttb(steps[keep], values[keep], points)
+    along = _x_values(run_dir, x, steps, records["wall_time"].to_numpy(), writer)
+    xs, ys = lttb(along[keep], values[keep], points)
     return {
         "run": run_dir.name,
         "metric": metric,
         "writer": writer,
         "points": int(keep.sum()),
-        "steps": xs.tolist(),
+        "x": x,
+        "xs": xs.tolist(),
+        **({"steps": xs.tolist()} if x == "step" else {}),
         "values": ys.tolist(),
     }
+
+
+def _x_values(run_dir: Path, x: str, steps: np.ndarray, wall: np.ndarray, writer: str | None) -> np.ndarray:
+    if x == "step":
+        return steps
+    if x == "wall_time":
+        if steps.size and np.isnan(wall).all():
+            raise RequestError(f"run {run_dir.name} recorded no times (tracked before the metric store); use x=step")
+        return wall - times(run_dir)[0]
+    if x == "samples":
+        params = _json(run_dir / "params.json")
+        batch = (params.get("config") or {}).get("batch_size", params.get("batch_size"))
+        try:
+            return steps * float(batch)
+        except (TypeError, ValueError):
+            raise RequestError(f"run {run_dir.name} recorded no batch_size parameter; use x=step or x=epoch") from None
+    epochs = _records(run_dir, "epoch", writer, ["step", "value"])
+    if not epochs.num_rows:
+        raise RequestError(f"run {run_dir.name} logged no epoch metric; use x=step or x=samples")
+    return fractional_epochs(epochs["step"].to_numpy(), epochs["value"].to_numpy(), steps)
+
+
+def fractional_epochs(marked_steps: np.ndarray, marked_epochs: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Each step's epoch as a fraction: epoch ``e`` (from the steps it was logged at) plus how far
+    the step is through it, each epoch's length being its steps (the last one's: the one before)."""
+    order = np.argsort(marked_steps, kind="stable")
+    marked_steps, marked_epochs = marked_steps[order].astype(float), marked_epochs[order]
+    epochs = np.unique(marked_epochs)
+    firsts = np.array([marked_steps[marked_epochs == e].min() for e in epochs])
+    lengths = np.diff(firsts, append=np.nan)
+    if lengths.size:
+        lengths[-1] = lengths[-2] if lengths.size > 1 else marked_steps.max() - firsts[-1] + 1
+    at = np.clip(np.searchsorted(firsts, steps, side="right") - 1, 0, max(epochs.size - 1, 0))
+    return epochs[at] + np.clip((steps - firsts[at]) / np.maximum(lengths[at], 1), 0, 1)
 
 
 def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -268,8 +313,10 @@ def best_run(metric: str, values: Sequence[Any]) -> int | None:
     return (min(numbers) if lower else max(numbers))[1]
 
 
-def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, points: int = 500) -> Path:
-    """Curves of each metric, runs overlaid, one panel per metric (PNG)."""
+def plot_compare(
+    run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, points: int = 500, x: str = "step"
+) -> Path:
+    """Curves of each metric, runs overlaid, one panel per metric (PNG), against ``x`` (``curve``'s)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,17 +325,17 @@ def plot_compare(run_dirs: Sequence[Path], metrics: Sequence[str], out: Path, po
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.5), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for run_dir in run_dirs:
-            line = curve(run_dir, metric, points)
-            if line["steps"]:
+            line = curve(run_dir, metric, points, x=x)
+            if line["xs"]:
                 ax.plot(
-                    line["steps"],
+                    line["xs"],
                     line["values"],
-                    "o-" if len(line["steps"]) < 30 else "-",
+                    "o-" if len(line["xs"]) < 30 else "-",
                     label=line["run"],
                     alpha=0.8,
                 )
         ax.set_title(metric)
-        ax.set_xlabel("step")
+        ax.set_xlabel({"wall_time": "seconds since the run started", "samples": "samples seen"}.get(x, x))
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=100)

@@ -131,7 +131,7 @@ const dayTick = (t) => fmt.time(t).slice(0, 10);
 function featureCharts(f, served) {
   const hist = f.histogram;
   const labels = hist.categories || hist.edges.slice(0, -1).map((e, i) => `${fmt.num(e)} – ${fmt.num(hist.edges[i + 1])}`);
-  const series = [{ name: f.source === "history" ? "history (what training reads)" : f.source, counts: hist.values }, ...Object.entries(hist.served).map(([svc, c]) => ({ name: `served by ${svc}`, counts: c }))];
+  const series = [{ name: f.source === "history" ? "history (what training reads)" : f.source, counts: hist.values }, ...Object.entries(hist.beside).map(([label, c]) => ({ name: label, counts: c }))];
   const t = f.over_time.map((b) => b.t);
   const timeAxis = f.source === "history" ? { xLabel: dayTick, xName: "event day (UTC)", xTicks: timeTicks } : { xLabel: (v) => fmt.time(v).slice(0, 16), xName: "served (UTC)", xTicks: timeTicks };
   const per = f.source === "history" ? "day" : "hour";
@@ -267,13 +267,26 @@ async function runsPage(params) {
     data.runs.length ? null : h("p", { class: "muted" }, "No runs match.")];
 }
 
+const X_AXES = { step: "step", epoch: "epoch", samples: "samples seen", wall_time: "seconds since the run started" };
+
+// Each metric's curves, runs overlaid, against the x axis chosen above them (runs with other
+// batch sizes compare by samples seen, not by step).
 async function curves(runIds, metrics) {
-  const charts = [];
-  for (const metric of metrics) {
-    const lines = await Promise.all(runIds.map((id) => api(`runs/${encodeURIComponent(id)}/curve?metric=${encodeURIComponent(metric)}&points=400`)));
-    charts.push(chart(metric, lines.map((l) => ({ name: l.run, xs: l.steps, ys: l.values })), { legend: runIds.length > 1, xName: "step" }));
-  }
-  return h("div", { class: "charts" }, charts);
+  const box = h("div", { class: "charts" });
+  const pick = h("select", { id: "x-axis", onchange: () => draw(pick.value) }, Object.entries(X_AXES).map(([k, label]) => h("option", { value: k }, label)));
+  const draw = async (x) => {
+    const charts = [];
+    for (const metric of metrics) {
+      const lines = await Promise.all(runIds.map((id) => api(`runs/${encodeURIComponent(id)}/curve?metric=${encodeURIComponent(metric)}&points=400&x=${x}`).catch((err) => ({ run: id, xs: [], values: [], error: err.message }))));
+      const box = chart(metric, lines.map((l) => ({ name: l.run, xs: l.xs, ys: l.values })), { legend: runIds.length > 1, xName: X_AXES[x], xLabel: x === "wall_time" ? fmt.secs : fmt.num });
+      lines.filter((l) => l.error).forEach((l) => box.append(h("div", { class: "muted" }, `${l.run}: ${l.error}`)));
+      charts.push(box);
+    }
+    box.replaceChildren(...charts);
+    box.dataset.x = x;
+  };
+  await draw("step");
+  return h("div", {}, h("div", { class: "toolbar" }, h("label", { for: "x-axis" }, "x axis "), pick), box);
 }
 
 async function runPage(id) {
