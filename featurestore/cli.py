@@ -777,21 +777,35 @@ app.add_typer(models_app, name="models", rich_help_panel="Training and models")
 def runs_list(
     search: str = typer.Option("", help="Only runs whose id, tags or feature service contain this."),
     tag: list[str] = typer.Option([], "--tag", help="Only runs with this tag, as key=value (repeatable)."),
+    param: list[str] = typer.Option(
+        [], "--param", help="A parameter's column, e.g. config.learning_rate (repeatable)."
+    ),
+    metric: list[str] = typer.Option(
+        [], "--metric", help="A final metric's column, e.g. val_auc (repeatable; default: every metric in one)."
+    ),
     repo: Path = RepoOption,
 ) -> None:
     """List runs, newest first, with their status, start, duration, tags and final metrics."""
     from featurestore.tracking import list_runs
 
-    table = Table("run", "status", "started", "took", "tags", "metrics")
+    table = Table("run", "status", "started", "took", "tags", *param, *(metric or ["metrics"]))
     table.columns[0].no_wrap, table.columns[0].min_width = True, 20  # a run id is copied whole into `runs show`
+
+    def number(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else "–" if v is None else str(v)
+
     for run in list_runs(_store(repo).runs_folder(), search, _key_values(tag)):
+        finals = [number(run["final"].get(m)) for m in metric] or [
+            " ".join(f"{k}={number(v)}" for k, v in run["final"].items())
+        ]
         table.add_row(
             run["id"],
             run["status"],
             run["started_at"],
             _duration(run["duration_s"]),
             " ".join(f"{k}={v}" for k, v in run["tags"].items()),
-            " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in run["final"].items()),
+            *(number(run["params"].get(p)) for p in param),
+            *finals,
         )
     console.print(table)
 

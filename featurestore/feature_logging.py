@@ -226,6 +226,7 @@ class FeatureLogger:
         self._stop.set()
         self._thread.join(timeout=10)
         self.flush()
+        self.statistics.stop()  # (what is not summarized yet, the next read of the statistics is)
 
 
 def _rows(columns: dict[str, list[Any]]) -> int:

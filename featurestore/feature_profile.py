@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from datetime import datetime
@@ -32,6 +33,7 @@ TOP_VALUES = 12
 DEFAULT_POINTS = 200
 PROFILES_KEPT = 32  # profiles kept computed, by the statistics' versions they were computed from
 _PROFILES: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+_PROFILES_LOCK = threading.Lock()
 
 
 def view_profile(
@@ -59,7 +61,8 @@ def view_profile(
     # the same statistics (by version) and window: the same answer, kept (drift reports are read anew)
     datasets = tuple((name, str(path)) for name, (path, _) in trained.items())
     key = (str(store.config.data_dir), table, history_version, tuple(versions), datasets, since, until, points)
-    profile = _PROFILES.get(key)
+    with _PROFILES_LOCK:
+        profile = _PROFILES.get(key)
     if profile is None:
         training = {name: merged(from_table(pq.read_table(path))) for name, (path, _) in trained.items()}
         profile = {
@@ -74,9 +77,10 @@ def view_profile(
                 for svc, rows in served.items()
             ],
         }
-        _PROFILES[key] = profile
-        while len(_PROFILES) > PROFILES_KEPT:
-            _PROFILES.popitem(last=False)
+        with _PROFILES_LOCK:
+            _PROFILES[key] = profile
+            while len(_PROFILES) > PROFILES_KEPT:
+                _PROFILES.popitem(last=False)
     names = [*features, *(n for names in looked_up.values() for n in names)]
     drift = [r for r in read_drift(store.config.data_dir) if r.get("view") == view or _serves(r, names)]
     return {**profile, "drift": drift}

@@ -346,6 +346,8 @@ class FeatureStore:
                     "buffered pushes stay in %s until the online store is back (%s)", self._buffer.root, exc
                 )
             self._buffer.close()
+        if self._offline is not None:  # (statistics not caught up yet: the next catch-up's, anywhere)
+            self._offline.statistics.stop()
         if self._online is not None:
             self._online.close()
             self._online = self._reader = None

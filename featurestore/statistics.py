@@ -154,7 +154,9 @@ def summarize_column(values: pa.Array | pa.ChunkedArray, kind: Kind | None = Non
     sketch = ds.kll_doubles_sketch(KLL_K)
     if real.size:
         sketch.update(real)
-    mean = float(finite.mean()) if finite.size else 0.0
+    with np.errstate(over="ignore"):  # (values near float64's limit: their mean or spread is infinite, as it is)
+        mean = float(finite.mean()) if finite.size else 0.0
+        m2 = float(((finite - mean) ** 2).sum()) if finite.size else 0.0
     return Summary(
         "number",
         rows,
@@ -164,7 +166,7 @@ def summarize_column(values: pa.Array | pa.ChunkedArray, kind: Kind | None = Non
         float(real.max()) if real.size else None,
         int(finite.size),
         mean,
-        float(((finite - mean) ** 2).sum()) if finite.size else 0.0,
+        m2,
         sketch,
     )
 

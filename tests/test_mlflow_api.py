@@ -132,6 +132,62 @@ def test_an_mlflow_script_logs_runs_we_show_and_mlflow_reads_ours(served, tmp_pa
     assert side_by_side["final"]["loss"] == [1 / 1000, 0.4] and "lr" in side_by_side["differs"]
 
 
+LIGHTNING = """
+import json, sys
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import MLFlowLogger
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+torch.manual_seed(0)
+x = torch.randn(256, 4)
+data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+loader = torch.utils.data.DataLoader(data, batch_size=32)
+logger = MLFlowLogger(experiment_name="lightning", tracking_uri=sys.argv[1], run_name="tiny")
+trainer = pl.Trainer(max_epochs=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+trainer.fit(Tiny(lr=0.05), loader, loader)
+print(json.dumps({"run_id": logger.run_id}))
+"""
+
+
+def test_lightnings_mlflow_logger_writes_a_run_we_show(served):
+    """An unchanged Lightning script with its ``MLFlowLogger`` pointed at us: its hyperparameters,
+    every step's loss and each epoch's validation loss land in a run our API reads."""
+    pytest.importorskip("lightning")
+    url, store, env = served
+    done = _mlflow(url, env, WRITER_KEY, LIGHTNING)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = json.loads(done.stdout.strip().splitlines()[-1])["run_id"]
+    runs_dir = store.config.data_dir / "runs"
+    run = read_run(runs_dir / run_id)
+    assert run["params"]["lr"] == "0.05"
+    assert {"train_loss", "val_loss", "epoch"} <= set(run["metrics"])
+    assert curve(runs_dir / run_id, "train_loss", points=5000)["points"] == 3 * 256 // 32  # every step
+    assert curve(runs_dir / run_id, "val_loss", points=5000)["points"] == 3  # every epoch
+    by_epoch = curve(runs_dir / run_id, "train_loss", points=5000, x="epoch")["xs"]
+    assert by_epoch[0] == 0 and 2 < by_epoch[-1] <= 3  # Lightning's epoch metric places each step in its epoch
+    assert {r["id"]: r for r in list_runs(runs_dir)}[run_id]["status"] == "finished"
+
+
 ERRORS = """
 import json, sys
 import mlflow

@@ -172,14 +172,29 @@ def _assert_statistics_equal_history(store, view: str = "activity") -> None:
             assert dict(s.top()) == {k: n for k, n in counted.items() if n}, key
 
 
-def test_history_statistics_equal_its_rows_after_pushes_reruns_and_compaction(make_store):
-    store = make_store(FEATURES)
+def test_history_statistics_equal_its_rows_after_pushes_reruns_and_compaction(make_store, storage):
+    store = make_store(FEATURES, storage=storage)  # on disk, and on a real S3-compatible server
     store.push("payments", _payments(300, seed=1), to="offline")
     store.push("payments", _payments(200, seed=2, first_id=300), to="offline")
     store.push("payments", _payments(100, seed=1), to="offline")  # a retry: rows the history holds
     _assert_statistics_equal_history(store)
     store.materialize(None, datetime.now(UTC))  # from the push log: rows the history holds already
     store.compact()  # rows move between files: counted once
+    _assert_statistics_equal_history(store)
+
+
+def test_statistics_tables_compacted_past_their_bound_still_count_each_commit_once(make_store, monkeypatch):
+    from featurestore.offline import statistics as commit_statistics
+
+    monkeypatch.setattr(commit_statistics, "COMPACT_AFTER_FILES", 4)
+    store = make_store(FEATURES)
+    for seed in range(9):  # a catch-up after each: more statistics files than the bound, merged
+        store.push("payments", _payments(30, seed=seed, first_id=1000 * seed), to="offline")
+        store.flush()
+        store.statistics("activity")
+    table = store.definitions.layout("activity").history_table
+    files = store.offline_store.statistics.tables.open(store.offline_store.statistics.uri(table), fresh=True)
+    assert files is not None and len(files.file_uris()) <= 5
     _assert_statistics_equal_history(store)
 
 

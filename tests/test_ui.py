@@ -142,6 +142,26 @@ def test_api_answers_catalogue_runs_curves_lineage(pipeline, server):
     assert httpx.get(api + "/views/no_such_view/statistics").status_code == 404
     assert httpx.get(api + "/views/card_profile/statistics", params={"points": 0}).status_code == 422
 
+    listed = subprocess.run(  # the CLI at 80 columns: whole run ids, the chosen columns
+        [
+            sys.executable,
+            "-m",
+            "featurestore",
+            "runs",
+            "list",
+            "--repo",
+            str(pipeline["repo"]),
+            "--param",
+            "config.learning_rate",
+            "--metric",
+            "val_auc",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **pipeline["env"], "COLUMNS": "80"},
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert all(p.name in listed.stdout for p in pipeline["runs"]) and "0.005" in listed.stdout, listed.stdout
     runs = httpx.get(api + "/runs").json()["runs"]
     assert {r["id"] for r in runs} == {p.name for p in pipeline["runs"]} and all(
         r["status"] == "finished" for r in runs
@@ -247,6 +267,10 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     page.wait_for_selector("main[data-page=runs]")
     assert page.locator("tr[data-run]").count() == 2
     assert "took" in page.inner_text("main") and " s" in page.inner_text("tr[data-run] >> nth=0")  # durations
+    page.goto(server + "/ui/#/runs?params=config.learning_rate,config.batch_size")  # columns people choose
+    page.wait_for_selector("td[data-param='config.learning_rate']")
+    rates = sorted(float(t) for t in page.locator("td[data-param='config.learning_rate']").all_inner_texts())
+    assert rates == [2e-3, 5e-3] and page.locator("td[data-param='config.batch_size']").all_inner_texts() == ["64"] * 2
     for box in page.locator("input[type=checkbox][data-run]").all():
         box.check()
     page.click("#compare")

@@ -41,6 +41,7 @@ FOLDER = "_statistics"
 COMPACT_AFTER_FILES = 64  # a drain appends a small file each time: merged past this many
 PARSED_KEPT = 16  # statistics tables kept parsed in memory (by version: a new commit is read anew)
 _PARSED: OrderedDict[tuple[str, str], list[tuple[datetime, str, Summary]]] = OrderedDict()
+_PARSED_LOCK = threading.Lock()  # (reads run in server threads)
 SETTLE_SECONDS = 2.0  # the background catch-up starts once the writes have paused this long,
 MOST_DELAY_SECONDS = 60.0  # or this long after it was asked for (a log flushed every second never pauses)
 
@@ -101,7 +102,10 @@ class CommitStatistics:
         for version in missing:
             added = _added_files(fs, f"{root}/{name}", version)
             # a file at a time: memory stays bounded by a file (and a history file holds one event day)
-            parts = [self._summaries(pq.read_table(f"{root}/{name}/{path}", filesystem=fs)) for path in added]
+            parts = []
+            for path in added:
+                with fs.open_input_file(f"{root}/{name}/{path}") as file:
+                    parts.append(self._summaries(pq.read_table(file)))
             summaries = pa.concat_tables(parts) if parts else _marker()
             found.append(_tagged(summaries, version, writer))
         write_deltalake(self.uri(name), pa.concat_tables(found), mode="append", storage_options=self.tables.options)
@@ -119,6 +123,13 @@ class CommitStatistics:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="statistics", daemon=True)
                 self._thread.start()
+            self._wake.set()
+
+    def stop(self) -> None:
+        """Drop the background work not started yet (a closed store: the next catch-up, any
+        process's, covers those commits); a catch-up under way finishes."""
+        with self._lock:
+            self._pending.clear()
             self._wake.set()
 
     def idle(self, timeout: float) -> bool:
@@ -167,14 +178,16 @@ class CommitStatistics:
         if table is None:
             return None, []
         key = (self.uri(name), f"{table.metadata().id}@{table.version()}")
-        found = _PARSED.get(key)
+        with _PARSED_LOCK:
+            found = _PARSED.get(key)
+            if found is not None:
+                _PARSED.move_to_end(key)
         if found is None:
             found = _per_bucket(table.to_pyarrow_table())
-            _PARSED[key] = found
-            while len(_PARSED) > PARSED_KEPT:
-                _PARSED.popitem(last=False)
-        else:
-            _PARSED.move_to_end(key)
+            with _PARSED_LOCK:
+                _PARSED[key] = found
+                while len(_PARSED) > PARSED_KEPT:
+                    _PARSED.popitem(last=False)
         return key[1], [x for x in found if (since is None or x[0] >= since) and (until is None or x[0] < until)]
 
     def drop(self, name: str) -> None:

@@ -131,6 +131,7 @@ def summary(run_dir: Path) -> dict[str, Any]:
         "final": final,
         "feature_service": params.get("feature_service"),
         "dataset": params.get("config", {}).get("dataset"),
+        "params": flat_params(params),  # (``config.learning_rate``: what a list's chosen columns show)
     }
 
 

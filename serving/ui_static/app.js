@@ -259,11 +259,18 @@ async function runsPage(params) {
   const input = h("input", { type: "search", id: "run-search", placeholder: "Filter by id, tag or service", value: q,
     onchange: () => { location.hash = `#/runs?q=${encodeURIComponent(input.value)}`; } });
   const finals = [...new Set(data.runs.flatMap((r) => Object.keys(r.final)))].filter((k) => k.startsWith("val_")).sort();
-  return [h("h1", {}, "Runs"), h("div", { class: "toolbar" }, input, button),
-    table(["", "run", "status", "started", "took", "service", "tags", ...finals], data.runs.map((r) => h("tr", { "data-run": r.id },
+  // parameter columns people choose (kept in the address: ?params=config.learning_rate,config.batch_size)
+  const paramColumns = (params.get("params") || "").split(",").filter(Boolean);
+  const known = [...new Set(data.runs.flatMap((r) => Object.keys(r.params || {})))].sort();
+  const columns = h("input", { type: "text", id: "param-columns", list: "param-names", placeholder: "parameter columns: config.learning_rate, …", value: paramColumns.join(","),
+    onchange: () => { location.hash = `#/runs?q=${encodeURIComponent(input.value)}&params=${encodeURIComponent(columns.value.replace(/\s/g, ""))}`; } });
+  const names = h("datalist", { id: "param-names" }, known.map((k) => h("option", { value: k })));
+  return [h("h1", {}, "Runs"), h("div", { class: "toolbar" }, input, columns, names, button),
+    table(["", "run", "status", "started", "took", "service", "tags", ...paramColumns, ...finals], data.runs.map((r) => h("tr", { "data-run": r.id },
       h("td", {}, h("input", { type: "checkbox", "data-run": r.id, onchange: (e) => { e.target.checked ? chosen.add(r.id) : chosen.delete(r.id); button.disabled = chosen.size < 2; } })),
       h("td", {}, h("a", { href: `#/runs/${encodeURIComponent(r.id)}` }, r.id)), h("td", {}, r.status), h("td", {}, r.started_at),
-      h("td", { class: "num" }, fmt.duration(r.duration_s)), h("td", {}, r.feature_service || ""), h("td", {}, tags(r.tags)), finals.map((k) => h("td", {}, fmt.num(r.final[k])))))),
+      h("td", { class: "num" }, fmt.duration(r.duration_s)), h("td", {}, r.feature_service || ""), h("td", {}, tags(r.tags)),
+      paramColumns.map((k) => h("td", { class: "num", "data-param": k }, fmt.num((r.params || {})[k]))), finals.map((k) => h("td", {}, fmt.num(r.final[k])))))),
     data.runs.length ? null : h("p", { class: "muted" }, "No runs match.")];
 }
 
