@@ -140,21 +140,12 @@ def feature_drift(
     name: str, train: pa.Array, served: pa.Array, statuses: pa.Array | None, psi_threshold: float = PSI_THRESHOLD
 ) -> FeatureDrift:
     expected, actual = histograms(train, served)
-    psi = population_stability(expected, actual) if expected.sum() and actual.sum() else math.nan
-    js = jensen_shannon(expected, actual) if expected.sum() and actual.sum() else math.nan
     not_found = 0
     if statuses is not None:
         not_found = pc.sum(pc.equal(statuses, "NOT_FOUND")).as_py() or 0
-    return FeatureDrift(
-        name,
-        len(train),
-        len(served),
-        psi,
-        js,
-        _rate(train.null_count, len(train)),
-        _rate(served.null_count, len(served)),
-        _rate(not_found, len(served)),
-        flagged=not math.isnan(psi) and psi > psi_threshold,
+    rates = (_rate(train.null_count, len(train)), _rate(served.null_count, len(served)))
+    return _compared(
+        name, expected, actual, (len(train), len(served)), rates, _rate(not_found, len(served)), psi_threshold
     )
 
 
@@ -204,17 +195,29 @@ def summary_drift(name: str, expected: Summary, actual: Summary, psi_threshold: 
     else:
         categories = [value for value, _ in expected.top(64)]
         e, a = np.array(expected.counts(categories)), np.array(actual.counts(categories))
-    comparable = e.sum() > 0 and a.sum() > 0
-    psi = population_stability(e, a) if comparable else math.nan
+    rows, rates = (expected.rows, actual.rows), (expected.null_rate, actual.null_rate)
+    return _compared(name, e, a, rows, rates, None, psi_threshold)
+
+
+def _compared(
+    name: str,
+    expected: np.ndarray,
+    actual: np.ndarray,
+    rows: tuple[int, int],
+    null_rates: tuple[float, float],
+    not_found_rate: float | None,
+    psi_threshold: float,
+) -> FeatureDrift:
+    """Two histograms on the same bins compared: PSI and JS distance (NaN when a side is empty)."""
+    comparable = expected.sum() > 0 and actual.sum() > 0
+    psi = population_stability(expected, actual) if comparable else math.nan
     return FeatureDrift(
         name,
-        expected.rows,
-        actual.rows,
+        *rows,
         psi,
-        jensen_shannon(e, a) if comparable else math.nan,
-        expected.null_rate,
-        actual.null_rate,
-        None,
+        jensen_shannon(expected, actual) if comparable else math.nan,
+        *null_rates,
+        not_found_rate,
         flagged=not math.isnan(psi) and psi > psi_threshold,
     )
 

@@ -1,10 +1,10 @@
 """What a view's values are, for people to look at (issue #30): per feature, its figures, a
 histogram of history beside the served values and each registered model's training set on the
-same bins, and its rows, null rate, mean
-and median over time; per service that serves it, the NOT_FOUND and null rates over time; the
-drift reports recorded for it and each bucket's PSI against the whole span. Built from the statistics (``offline.statistics``), never from
-the rows, and downsampled by merging neighbouring buckets (exact for counts and rates), so a year
-costs what a few hundred points cost.
+same bins, and its rows, null rate, mean, median and PSI against the whole span over time; per
+service that serves it, the NOT_FOUND and null rates over time; the drift reports recorded for
+it. Built from the statistics (``offline.statistics``), never from the rows, and downsampled by
+merging neighbouring buckets (exact for counts and rates), so a year costs what a few hundred
+points cost.
 """
 
 from __future__ import annotations
@@ -59,12 +59,12 @@ def view_profile(
     }
     trained = _trained(store, view)
     # the same statistics (by version) and window: the same answer, kept (drift reports are read anew)
-    datasets = tuple((name, str(path)) for name, (path, _) in trained.items())
+    datasets = tuple((name, str(path)) for name, path in trained.items())
     key = (str(store.config.data_dir), table, history_version, tuple(versions), datasets, since, until, points)
     with _PROFILES_LOCK:
         profile = _PROFILES.get(key)
     if profile is None:
-        training = {name: merged(from_table(pq.read_table(path))) for name, (path, _) in trained.items()}
+        training = {name: merged(from_table(pq.read_table(path))) for name, path in trained.items()}
         profile = {
             "view": view,
             "features": _features(features, history, served, looked_up, training, points),
@@ -121,12 +121,12 @@ def _features(
     return out
 
 
-def _trained(store: FeatureStore, view: str) -> dict[str, tuple[Path, str]]:
+def _trained(store: FeatureStore, view: str) -> dict[str, Path]:
     """Each registered model trained on a service that reads this view: its production version
     (else its latest), with the statistics file of the dataset it trained on, where that is here."""
     from featurestore.retrieval.export import STATISTICS_FILE
 
-    found: dict[str, tuple[Path, str]] = {}
+    found: dict[str, Path] = {}
     registry = store.model_registry()
     for name in registry.names():
         version = registry.aliases(name).get("production") or max(registry.versions(name), default=None)
@@ -136,11 +136,11 @@ def _trained(store: FeatureStore, view: str) -> dict[str, tuple[Path, str]]:
         service = store.definitions.feature_services.get(card.get("feature_service") or "")
         if service is None or not any(r.split(":")[0] == view for r in service.feature_refs()):
             continue
-        params_file = store.runs_folder(card["run"]) / card["run"] / "params.json"
+        params_file = store.config.data_dir / "runs" / card["run"] / "params.json"  # (the local copy: no pull)
         params = json.loads(params_file.read_text()) if params_file.exists() else {}
         dataset = params.get("dataset_path") or params.get("config", {}).get("dataset")
         if dataset and (Path(dataset) / STATISTICS_FILE).exists():
-            found[f"{name} v{version}"] = (Path(dataset) / STATISTICS_FILE, card["run"])
+            found[f"{name} v{version}"] = Path(dataset) / STATISTICS_FILE
     return found
 
 
