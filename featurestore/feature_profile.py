@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from featurestore.drift import read_drift, summary_drift
 from featurestore.feature_logging import log_path, served_statistics_versioned
+from featurestore.offline.statistics import LAG_COLUMN
 from featurestore.statistics import Summary, from_table, merged
 
 if TYPE_CHECKING:
@@ -65,9 +66,15 @@ def view_profile(
         profile = _PROFILES.get(key)
     if profile is None:
         training = {name: merged(from_table(pq.read_table(path))) for name, path in trained.items()}
+        lag = [(at, s) for at, column, s in history if column == LAG_COLUMN]
         profile = {
             "view": view,
             "features": _features(features, history, served, looked_up, training, points),
+            # freshness over time: how long after their event time each day's rows were known
+            "known_after": [
+                {"t": at.timestamp(), **dict(zip(("p50", "p99"), [_finite(q) for q in s.quantiles([0.5, 0.99])]))}
+                for at, s in coarsen(lag, points)
+            ],
             "served": [
                 {
                     "service": svc,

@@ -151,6 +151,8 @@ def _history_naive(store, view: str) -> dict[tuple[datetime, str], dict]:
         day = fs_stats.bucket_start(row["event_timestamp"], DAY)
         for column in ("card_id", "payment_id", "amount", "kind"):
             out.setdefault((day, column), []).append(row[column])
+        known_after = (row["created_timestamp"] - row["event_timestamp"]).total_seconds()
+        out.setdefault((day, "_known_after_s"), []).append(known_after)  # how late each row was known
     return out
 
 
@@ -163,7 +165,7 @@ def _assert_statistics_equal_history(store, view: str = "activity") -> None:
     for key, values in want.items():
         s = found[key]
         assert (s.rows, s.nulls) == (len(values), sum(v is None for v in values)), key
-        if key[1] == "amount":
+        if key[1] in ("amount", "_known_after_s"):
             naive = _naive(values)
             assert (s.nans, s.min, s.max) == (naive["nans"], naive["min"], naive["max"]), key
             assert naive["mean"] is None or _close(s.mean, naive["mean"]), key

@@ -247,6 +247,7 @@ def test_every_page_in_a_real_browser(pipeline, server, browser, shots):
     assert first.locator(".chart rect[data-series^=history]").count() >= 2
     assert first.locator(".chart[data-title$='null rate'] text.axis").count() == 2  # both axes named
     assert page.locator("[data-service=fraud_model_v1] .chart[data-title$='NOT_FOUND rate'] polyline").count() == 1
+    assert page.locator("#freshness .chart polyline").count() == 2  # freshness over time: median and p99
     page.screenshot(path=str(shots / "view.png"), full_page=True)
     page.goto(server + "/ui/#/views/card_profile")  # a view served as stored: served values on the same bins
     page.wait_for_selector("main[data-page=view]")

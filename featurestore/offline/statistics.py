@@ -1,5 +1,6 @@
 """Statistics of a Delta table, kept beside it: each commit's rows summarized per time bucket
-(history tables per event day, ``HISTORY``; served-vector logs per hour served, ``SERVED``).
+(history tables per event day, with how late each row was known, ``HISTORY``; served-vector logs
+per hour served, ``SERVED``).
 
 The statistics are a function of the table, maintained incrementally and exactly once per
 commit: ``catch_up`` reads the commits the statistics table does not cover yet (from the Delta
@@ -38,6 +39,7 @@ from featurestore.statistics import DAY, HOUR, STATISTICS_SCHEMA, Summary, from_
 
 log = logging.getLogger(__name__)
 FOLDER = "_statistics"
+LAG_COLUMN = "_known_after_s"  # seconds from a row's event time to when it was known (created time)
 COMPACT_AFTER_FILES = 64  # a drain appends a small file each time: merged past this many
 PARSED_KEPT = 16  # statistics tables kept parsed in memory (by version: a new commit is read anew)
 _PARSED: OrderedDict[tuple[str, str], list[tuple[datetime, str, Summary]]] = OrderedDict()
@@ -55,6 +57,7 @@ class Summarized:
     width: timedelta
     skipped: frozenset[str]
     keys: Callable[[list[str]], list[str]]
+    lag_from: str | None = None  # a column of when each row was known: its delay summarized as ``LAG_COLUMN``
 
 
 HISTORY = Summarized(
@@ -62,6 +65,7 @@ HISTORY = Summarized(
     DAY,
     frozenset(HISTORY_COLUMNS) | {PARTITION_COLUMN},
     lambda columns: columns[: columns.index("event_timestamp")],  # (``history_schema``: keys first)
+    lag_from="created_timestamp",
 )
 SERVED = Summarized(
     "served_at", HOUR, frozenset({"request_id", "replayed", "model_name", "model_version"}), lambda columns: []
@@ -199,6 +203,9 @@ class CommitStatistics:
 
     def _summaries(self, rows: pa.Table) -> pa.Table:
         how = self.how
+        if how.lag_from is not None and how.lag_from in rows.column_names:  # how late the rows were known
+            micros = pc.subtract(rows[how.lag_from].cast(pa.int64()), rows[how.time_column].cast(pa.int64()))
+            rows = rows.append_column(LAG_COLUMN, pc.divide(micros.cast(pa.float64()), 1e6))
         columns = [c for c in rows.column_names if c not in how.skipped and c != how.time_column]
         keys = {k: "text" for k in how.keys(rows.column_names)}
         return summarize(rows, columns, how.time_column, how.width, keys)  # type: ignore[arg-type]

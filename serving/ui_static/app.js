@@ -218,10 +218,16 @@ async function viewPage(name) {
       ...(s.stream ? s.stream.groups.map((g) => card(`stream ${g.name}`, `${fmt.num(g.lag)} entries behind · ${fmt.num(g.pending)} unacknowledged`)) : [])));
     if (s.online_error) out.push(h("p", { class: "error" }, s.online_error));
   }
+  const stats = v.kind === "feature_view" ? await api(`views/${encodeURIComponent(name)}/statistics?points=200`) : null;
+  if (stats && stats.known_after.length) {  // freshness over time, from the history's statistics
+    const t = stats.known_after.map((b) => b.t);
+    out.push(h("div", { class: "charts", id: "freshness" }, chart("how long after its event time each day's rows were known",
+      [{ name: "median", xs: t, ys: stats.known_after.map((b) => b.p50) }, { name: "p99", xs: t, ys: stats.known_after.map((b) => b.p99) }],
+      { xLabel: dayTick, xTicks: timeTicks, xName: "event day (UTC)", yLabel: fmt.secs, yName: "known after", yMin: 0, legend: true })));
+  }
   out.push(h("h2", {}, "Features"), table(["feature", "type", "aggregation"], v.features.map((f) => h("tr", {},
     h("td", {}, f.name), h("td", {}, f.dtype), h("td", {}, f.function ? `${f.function}(${f.column || "*"}) over ${fmt.window(f.window_seconds)}` : "")))));
-  if (v.kind === "feature_view") {  // (on-demand views keep no history of their own)
-    const stats = await api(`views/${encodeURIComponent(name)}/statistics?points=200`);
+  if (stats) {  // (on-demand views keep no history of their own)
     out.push(h("h2", {}, "Values"));
     if (!stats.features.length) out.push(h("p", { class: "muted" }, "No history yet: materialize or push to see what the values are."));
     out.push(...stats.features.map((f) => featureCharts(f, stats)));
