@@ -1,13 +1,17 @@
 """A model version's weights broadcast in memory, bucket by bucket, from one source rank to every
 other rank of a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA): no disk in the path.
 
-The source packs the tensors into fixed-size byte buckets (a tensor larger than a bucket gets
-one of its own) and broadcasts them in order, packing the next bucket while one is on the
-wire; each receiver copies a bucket out while the next arrives. Every bucket is followed by its
-SHA-256, checked on arrival, and the group then agrees whether every receiver got every bucket
-intact: ``receive`` returns the new weights only if all did, so a corrupt or partial broadcast
-leaves every replica on what it had (all or nothing). The layout travels first as JSON (never
-pickle: a peer's bytes are data, not code), with any ``meta`` the sender adds (a version's card).
+The tensors are laid end to end (each aligned) in one byte stream, cut into fixed-size buckets:
+a tensor larger than a bucket spans several, so a large table is hashed, sent and checked piece
+by piece, pipelined like the rest, and no bucket is larger than asked. The source broadcasts the
+buckets in order, packing the next one while one is on the wire (a bucket inside one tensor goes
+as a view of it, uncopied); each receiver gets every bucket straight into its place in one
+buffer of the stream's size, which its tensors then view, and checks each bucket while the next
+arrives. Every bucket is followed by its SHA-256, checked on arrival, and the group then agrees
+whether every receiver got every bucket intact: ``receive`` returns the new weights only if all
+did, so a corrupt or partial broadcast leaves every replica on what it had (all or nothing). The
+layout travels first as JSON (never pickle: a peer's bytes are data, not code), with any
+``meta`` the sender adds (a version's card).
 
 ``group`` is any process group, the default one or a backend made for one broadcast without a
 default group (``featurestore.broadcast_rounds`` forms one per version, beside a trainer's own).
@@ -42,30 +46,28 @@ ALIGN = 16  # bytes: a tensor's offset in its bucket, so its bytes view as any d
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one tensor lies in the buckets."""
+    """Where one tensor lies in the byte stream."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    bucket: int
-    offset: int  # bytes into the bucket
+    offset: int  # bytes into the stream (bucket ``offset // bucket_bytes`` holds its first byte)
     nbytes: int
 
 
 def plan(state: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> tuple[list[Slot], list[int]]:
-    """The tensors packed in order into buckets of at most ``bucket_bytes`` (a larger tensor gets
-    a bucket of its own); returns the slots and each bucket's size."""
+    """The tensors laid end to end (each aligned) in one stream, cut into buckets of
+    ``bucket_bytes`` (the last one shorter); returns the slots and each bucket's size."""
+    if bucket_bytes <= 0 or bucket_bytes % ALIGN:
+        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN}, not {bucket_bytes}")
     slots: list[Slot] = []
-    sizes: list[int] = []
+    end = 0
     for name, tensor in state.items():
+        offset = -(-end // ALIGN) * ALIGN  # every tensor starts aligned for any dtype
         nbytes = tensor.numel() * tensor.element_size()
-        offset = -(-sizes[-1] // ALIGN) * ALIGN if sizes else 0  # every tensor starts aligned for any dtype
-        if not sizes or offset + nbytes > bucket_bytes:
-            sizes.append(0)
-            offset = 0
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        slots.append(Slot(name, dtype, tuple(tensor.shape), len(sizes) - 1, offset, nbytes))
-        sizes[-1] = offset + nbytes
+        slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        end = offset + nbytes
+    sizes = [min(bucket_bytes, end - start) for start in range(0, end, bucket_bytes)]
     return slots, sizes
 
 
@@ -89,22 +91,30 @@ def send(
     after it is hashed, before it is sent."""
     group = _backend(group)
     slots, sizes = plan(state, bucket_bytes)
-    _send_json({"slots": [asdict(s) for s in slots], "sizes": sizes, "meta": meta or {}}, group, src, device)
-    by_bucket = _by_bucket(slots)
-    buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
+    _send_json(
+        {"slots": [asdict(s) for s in slots], "sizes": sizes, "bucket_bytes": bucket_bytes, "meta": meta or {}},
+        group,
+        src,
+        device,
+    )
+    flat = {s.name: state[s.name].detach().to(device).contiguous().reshape(-1).view(torch.uint8) for s in slots}
+    offsets = {s.name: s.offset for s in slots}
+    buffers = [torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
     works: list[dist.Work] = []
     for bucket, size in enumerate(sizes):
         if bucket >= 2:  # this buffer's previous bucket has left
             for work in works[2 * (bucket - 2) : 2 * (bucket - 1)]:
                 work.wait()
-        members = by_bucket.get(bucket, [])
-        if len(members) == 1 and tamper is None:  # a tensor with a bucket of its own goes as it is
-            buffer = state[members[0].name].detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        start = bucket * bucket_bytes
+        pieces = _pieces(slots, start, start + size)
+        if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size and tamper is None:
+            name, lo, hi = pieces[0]  # a bucket inside one tensor goes as a view of it
+            buffer = flat[name][lo:hi]
         else:
             buffer = buffers[bucket % 2][:size]
-            for slot in members:
-                tensor = state[slot.name].detach().to(device).contiguous()
-                buffer[slot.offset : slot.offset + slot.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+            for name, lo, hi in pieces:
+                at = offsets[name] + lo - start
+                buffer[at : at + hi - lo].copy_(flat[name][lo:hi])
         digest = _digest(buffer)
         if tamper is not None:
             tamper(bucket, buffer)
@@ -122,19 +132,19 @@ def receive(
     (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in."""
     group = _backend(group)
     layout = _receive_json(group, src, device)
-    slots = [
-        Slot(s["name"], s["dtype"], tuple(s["shape"]), s["bucket"], s["offset"], s["nbytes"]) for s in layout["slots"]
-    ]
+    slots = [Slot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"]) for s in layout["slots"]]
     sizes: list[int] = layout["sizes"]
-    by_bucket = _by_bucket(slots)
-    # each bucket arrives in memory of its own, which its tensors then view (no copy out)
-    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    step: int = layout["bucket_bytes"]
+    # every bucket arrives straight into its place in one buffer, which the tensors then view (no copy out)
+    stream = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
 
-    def post(bucket: int) -> tuple[dist.Work, dist.Work]:
-        return group.broadcast(buffers[bucket], src), group.broadcast(digests[bucket], src)
+    def part(bucket: int) -> torch.Tensor:
+        return stream[bucket * step : bucket * step + sizes[bucket]]
 
-    received: dict[str, torch.Tensor] = {}
+    def post(bucket: int) -> tuple[dist.Work, dist.Work]:
+        return group.broadcast(part(bucket), src), group.broadcast(digests[bucket], src)
+
     intact = True
     works: list[dist.Work] = list(post(0)) if sizes else []
     for bucket in range(len(sizes)):
@@ -142,15 +152,12 @@ def receive(
             work.wait()
         if bucket + 1 < len(sizes):
             works += post(bucket + 1)  # the next one arrives meanwhile
-        buffer = buffers[bucket]
-        if not torch.equal(_digest(buffer), digests[bucket]):
-            intact = False
-            continue
-        for slot in by_bucket.get(bucket, []):
-            raw = buffer[slot.offset : slot.offset + slot.nbytes]
-            received[slot.name] = raw.view(getattr(torch, slot.dtype)).reshape(slot.shape)
-    if not _everyone_ok(intact and len(received) == len(slots), group, device):
+        intact = intact and torch.equal(_digest(part(bucket)), digests[bucket])
+    if not _everyone_ok(intact, group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
+    received = {
+        s.name: stream[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape) for s in slots
+    }
     return received, layout.get("meta", {})
 
 
@@ -159,11 +166,13 @@ def _backend(group: Group | None) -> Group:
     return group if group is not None else dist.distributed_c10d._get_default_group()
 
 
-def _by_bucket(slots: list[Slot]) -> dict[int, list[Slot]]:
-    grouped: dict[int, list[Slot]] = {}
-    for slot in slots:
-        grouped.setdefault(slot.bucket, []).append(slot)
-    return grouped
+def _pieces(slots: list[Slot], start: int, stop: int) -> list[tuple[str, int, int]]:
+    """(tensor, first byte, past last byte) of each tensor's bytes in the stream range [start, stop)."""
+    return [
+        (s.name, max(start, s.offset) - s.offset, min(stop, s.offset + s.nbytes) - s.offset)
+        for s in slots
+        if s.nbytes and s.offset < stop and s.offset + s.nbytes > start
+    ]
 
 
 def _digest(buffer: torch.Tensor) -> torch.Tensor:

@@ -87,3 +87,40 @@ def test_a_damaged_bucket_means_nobody_takes_the_new_weights(tmp_path, bucket):
     results = _broadcast(tmp_path, 3, str(bucket))
     assert [r["ok"] for r in results] == [False, False, False]
     assert all("keeps its weights" in r["error"] for r in results)
+
+
+def test_the_plan_cuts_one_aligned_stream_into_buckets_no_larger_than_asked():
+    """Tensors of any size and dtype: laid end to end, aligned, never overlapping; every bucket the
+    size asked but the last; a tensor larger than a bucket spans as many as its bytes need."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from featurestore.weight_broadcast import ALIGN, _pieces, plan
+
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        shapes=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, len(dtypes) - 1)), min_size=1, max_size=12),
+        bucket=st.sampled_from([16, 48, 1024, 4096]),
+    )
+    def check(shapes, bucket):
+        state = {f"t{i}": torch.zeros(n, dtype=dtypes[d]) for i, (n, d) in enumerate(shapes)}
+        slots, sizes = plan(state, bucket)
+        assert all(size == bucket for size in sizes[:-1]) and (not sizes or 0 < sizes[-1] <= bucket)
+        end = 0
+        for slot, (name, tensor) in zip(slots, state.items(), strict=True):
+            assert slot.name == name and slot.offset % ALIGN == 0 and slot.offset >= end
+            assert slot.nbytes == tensor.numel() * tensor.element_size()
+            end = slot.offset + slot.nbytes
+        assert sum(sizes) == end
+        covered = {s.name: 0 for s in slots}  # every byte of every tensor in exactly one bucket
+        for b, size in enumerate(sizes):
+            for name, lo, hi in _pieces(slots, b * bucket, b * bucket + size):
+                covered[name] += hi - lo
+        assert covered == {s.name: s.nbytes for s in slots}
+
+    check()
+    with pytest.raises(ValueError, match="multiple of"):
+        plan({"x": torch.zeros(3)}, 10)
