@@ -11,6 +11,7 @@ never blocks or fails on logging.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -246,8 +247,13 @@ def served_statistics_versioned(
 ) -> tuple[str | None, list[tuple[datetime, str, Summary]]]:
     """``served_statistics``, with which statistics it read (``CommitStatistics.versioned``)."""
     path = log_path(data_dir, name)
-    statistics = CommitStatistics(Tables(Location(str(path.parent.resolve()))), SERVED)
-    return statistics.versioned(path.name, since, until)
+    return _log_statistics(str(path.parent.resolve())).versioned(path.name, since, until)
+
+
+@functools.lru_cache(maxsize=32)
+def _log_statistics(folder: str) -> CommitStatistics:
+    """One per folder of logs: its table handles follow their logs (read only the commits since)."""
+    return CommitStatistics(Tables(Location(folder)), SERVED)
 
 
 def read_log(path: Path) -> pa.Table:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from featurestore.drift import read_drift, summary_drift
 from featurestore.feature_logging import log_path, served_statistics_versioned
 from featurestore.offline.statistics import LAG_COLUMN
-from featurestore.statistics import Summary, from_table, merged
+from featurestore.statistics import Summary, from_table, merged, merged_by
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -197,12 +197,12 @@ def figures(s: Summary) -> dict[str, Any]:
 
 def coarsen(buckets: list[tuple[datetime, Summary]], points: int) -> list[tuple[datetime, Summary]]:
     """At most ``points`` buckets: each run of neighbours merged into its first one's time."""
-    buckets = sorted(_by_bucket(buckets).items())
+    buckets = sorted(merged_by(buckets).items())
     step = max(1, math.ceil(len(buckets) / max(points, 1)))
     out = []
     for i in range(0, len(buckets), step):
         run = buckets[i : i + step]
-        out.append((run[0][0], merged((at, "x", s) for at, s in run)["x"]))
+        out.append((run[0][0], merged_by((0, s) for _, s in run)[0]))
     return out
 
 
@@ -211,13 +211,6 @@ def _by_column(found: Iterable[tuple[datetime, str, Summary]]) -> dict[str, list
     for at, column, s in found:
         columns.setdefault(column, []).append((at, s))
     return columns
-
-
-def _by_bucket(buckets: Iterable[tuple[datetime, Summary]]) -> dict[datetime, Summary]:
-    found: dict[datetime, Summary] = {}
-    for at, s in buckets:
-        found[at] = found[at].merge(s, in_place=True) if at in found else s.merge(Summary(s.kind))
-    return found
 
 
 def _histogram(history: Summary, served: dict[str, Summary]) -> dict[str, Any]:

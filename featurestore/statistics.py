@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import datasketches as ds
 import numpy as np
@@ -32,6 +32,7 @@ HOUR = timedelta(hours=1)
 DAY = timedelta(days=1)
 
 Kind = Literal["number", "text"]
+K = TypeVar("K")
 
 STATISTICS_SCHEMA = pa.schema(
     [
@@ -255,9 +256,14 @@ def from_table(table: pa.Table) -> list[tuple[datetime, str, Summary]]:
 
 def merged(found: Iterable[tuple[datetime, str, Summary]]) -> dict[str, Summary]:
     """Each feature's summaries over all buckets, merged."""
-    out: dict[str, Summary] = {}
-    for _, name, s in found:
-        out[name] = out[name].merge(s, in_place=True) if name in out else s.merge(Summary(s.kind))
+    return merged_by((name, s) for _, name, s in found)
+
+
+def merged_by(pairs: Iterable[tuple[K, Summary]]) -> dict[K, Summary]:
+    """The summaries of each key merged (the ones given are not changed)."""
+    out: dict[K, Summary] = {}
+    for key, s in pairs:
+        out[key] = out[key].merge(s, in_place=True) if key in out else s.merge(Summary(s.kind))
     return out
 
 

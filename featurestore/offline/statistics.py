@@ -35,7 +35,7 @@ from featurestore.object_requests import FileSystem
 from featurestore.offline.base import HISTORY_COLUMNS, PARTITION_COLUMN
 from featurestore.offline.compaction import compact
 from featurestore.offline.tables import Tables
-from featurestore.statistics import DAY, HOUR, STATISTICS_SCHEMA, Summary, from_table, summarize
+from featurestore.statistics import DAY, HOUR, STATISTICS_SCHEMA, Kind, Summary, from_table, merged_by, summarize
 
 log = logging.getLogger(__name__)
 FOLDER = "_statistics"
@@ -94,7 +94,7 @@ class CommitStatistics:
 
     def catch_up(self, name: str) -> int:
         """Summarize the commits of the table ``name`` not covered yet; returns how many."""
-        source = self.tables.open(self.location.child(name).url, fresh=True)
+        source = self.tables.open(self.location.child(name).url)
         if source is None:
             return 0
         missing = sorted(set(range(source.version() + 1)) - self.covered(name))
@@ -113,7 +113,7 @@ class CommitStatistics:
             summaries = pa.concat_tables(parts) if parts else _marker()
             found.append(_tagged(summaries, version, writer))
         write_deltalake(self.uri(name), pa.concat_tables(found), mode="append", storage_options=self.tables.options)
-        table = self.tables.open(self.uri(name), fresh=True)
+        table = self.tables.open(self.uri(name))
         if table is not None and len(table.file_uris()) > COMPACT_AFTER_FILES:
             compact(self.location.child(FOLDER, name))
         return len(missing)
@@ -207,8 +207,8 @@ class CommitStatistics:
             micros = pc.subtract(rows[how.lag_from].cast(pa.int64()), rows[how.time_column].cast(pa.int64()))
             rows = rows.append_column(LAG_COLUMN, pc.divide(micros.cast(pa.float64()), 1e6))
         columns = [c for c in rows.column_names if c not in how.skipped and c != how.time_column]
-        keys = {k: "text" for k in how.keys(rows.column_names)}
-        return summarize(rows, columns, how.time_column, how.width, keys)  # type: ignore[arg-type]
+        keys: dict[str, Kind] = {k: "text" for k in how.keys(rows.column_names)}
+        return summarize(rows, columns, how.time_column, how.width, keys)
 
 
 def _per_bucket(rows: pa.Table) -> list[tuple[datetime, str, Summary]]:
@@ -217,9 +217,7 @@ def _per_bucket(rows: pa.Table) -> list[tuple[datetime, str, Summary]]:
     first = rows.group_by("version").aggregate([("writer", "min")])
     rows = rows.join(first, keys=["version", "writer"], right_keys=["version", "writer_min"], join_type="inner")
     rows = rows.filter(pc.is_valid(rows["bucket"]))  # (commits that added no rows)
-    found: dict[tuple[datetime, str], Summary] = {}
-    for at, column, s in from_table(rows):
-        found[(at, column)] = found[(at, column)].merge(s, in_place=True) if (at, column) in found else s
+    found = merged_by(((at, column), s) for at, column, s in from_table(rows))
     return [(at, column, s) for (at, column), s in sorted(found.items(), key=lambda item: item[0][0])]
 
 
