@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
-from featurestore.weight_broadcast import BUCKET_BYTES, BroadcastFailed, Group, receive, send
+from featurestore.weight_broadcast import BUCKET_BYTES, BroadcastFailed, Group, receive, send, staging, stream_bytes
 
 log = logging.getLogger("featurestore.broadcast")
 
@@ -198,15 +198,33 @@ class Coordinator:
 
 class Member:
     """A replica's side: asks the source for a seat, again and again, and hands every version it
-    receives intact to ``take`` (version, tensors viewing the received buckets, the source's meta)."""
+    receives intact to ``take`` (version, tensors viewing the received buckets, the source's meta).
+
+    It keeps one model's worth of **staging** memory (``stage_bytes`` at first, then the last
+    version's size), written through once beside its seat, never delaying it: a round receives
+    into it (see ``weight_broadcast``), the new weights keep it, and the next is staged."""
 
     def __init__(
         self,
         join: Callable[[], Mapping[str, Any] | None],
         take: Callable[[int, dict[str, torch.Tensor], dict], None],
         host: str = "127.0.0.1",
+        stage_bytes: int = 0,
     ):
         self.join, self.take, self.host = join, take, host
+        self._staged: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()
+        self._stage(stage_bytes)
+
+    def _stage(self, nbytes: int) -> None:
+        def run() -> None:
+            buffer = staging(nbytes)
+            with self._staging_lock:
+                if self._staged is None or self._staged.numel() < nbytes:
+                    self._staged = buffer
+
+        if nbytes:
+            threading.Thread(target=run, name="broadcast-staging", daemon=True).start()
 
     def receive_once(self) -> int | None:
         """Wait for one seat; the version received and taken, or None when no round came."""
@@ -217,7 +235,16 @@ class Member:
         store = dist.TCPStore(round_.host, round_.port, is_master=False, timeout=timedelta(seconds=round_.timeout))
         group = open_group(store, round_, self.host)
         log.info("%s v%s: receiving (rank %d of %d)", round_.model, round_.version, round_.rank, round_.world)
-        tensors, meta = receive(group)
+        with self._staging_lock:
+            staged, self._staged = self._staged, None
+        try:
+            tensors, meta = receive(group, into=staged)
+        except BaseException:
+            with self._staging_lock:  # (nobody holds it: it serves the next round)
+                if self._staged is None:
+                    self._staged = staged
+            raise
+        self._stage(stream_bytes(tensors))
         self.take(round_.version, tensors, meta)
         return round_.version
 

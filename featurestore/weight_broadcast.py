@@ -7,11 +7,16 @@ by piece, pipelined like the rest, and no bucket is larger than asked. The sourc
 buckets in order, packing the next one while one is on the wire (a bucket inside one tensor goes
 as a view of it, uncopied); each receiver gets every bucket straight into its place in one
 buffer of the stream's size, which its tensors then view, and checks each bucket while the next
-arrives. Every bucket is followed by its SHA-256, checked on arrival, and the group then agrees
-whether every receiver got every bucket intact: ``receive`` returns the new weights only if all
-did, so a corrupt or partial broadcast leaves every replica on what it had (all or nothing). The
-layout travels first as JSON (never pickle: a peer's bytes are data, not code), with any
-``meta`` the sender adds (a version's card).
+arrives. That buffer is best **staged** before the round (``staging``; a member keeps one
+between rounds): memory written for the first time faults its pages in, which can cost more
+than the transfer itself (``benchmarks/weight_broadcast.py`` prints both).
+
+Every bucket is followed by its BLAKE3 digest, hashed while the bucket is on the wire and
+checked on arrival (every receiver hashes every byte: BLAKE3 does it at several times SHA-256's
+speed). The group then agrees whether every receiver got every bucket intact: ``receive``
+returns the new weights only if all did, so a corrupt or partial broadcast leaves every replica
+on what it had (all or nothing). The layout travels first as JSON (never pickle: a peer's bytes
+are data, not code), with any ``meta`` the sender adds (a version's card).
 
 ``group`` is any process group, the default one or a backend made for one broadcast without a
 default group (``featurestore.broadcast_rounds`` forms one per version, beside a trainer's own).
@@ -19,12 +24,12 @@ default group (``featurestore.broadcast_rounds`` forms one per version, beside a
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+import blake3
 import torch
 import torch.distributed as dist
 
@@ -115,28 +120,47 @@ def send(
             for name, lo, hi in pieces:
                 at = offsets[name] + lo - start
                 buffer[at : at + hi - lo].copy_(flat[name][lo:hi])
-        digest = _digest(buffer)
-        if tamper is not None:
+        if tamper is None:  # hashed while it is on the wire
+            sent = group.broadcast(buffer, src)
+            works += [sent, group.broadcast(_digest(buffer), src)]
+        else:  # (damaged after hashing: the digest is of the bytes meant)
+            digest = _digest(buffer)
             tamper(bucket, buffer)
-        works += [group.broadcast(buffer, src), group.broadcast(digest, src)]
+            works += [group.broadcast(buffer, src), group.broadcast(digest, src)]
     for work in works[-4:]:
         work.wait()
     if not _everyone_ok(True, group, device):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
 
 
+def stream_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """The bytes a receiver of ``state`` needs: its stream, padding included."""
+    return sum(plan(state)[1])
+
+
+def staging(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Memory for a coming ``receive``, written once now so its pages are in place."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device).zero_()
+
+
 def receive(
-    group: Group | None = None, src: int = 0, device: torch.device | str = "cpu"
+    group: Group | None = None,
+    src: int = 0,
+    device: torch.device | str = "cpu",
+    into: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The weights ``src`` broadcasts and its ``meta``, once every receiver has them intact
-    (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in."""
+    (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in:
+    ``into`` (a ``staging`` buffer, used when large enough, which they then own) or fresh memory."""
     group = _backend(group)
     layout = _receive_json(group, src, device)
     slots = [Slot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"]) for s in layout["slots"]]
     sizes: list[int] = layout["sizes"]
     step: int = layout["bucket_bytes"]
     # every bucket arrives straight into its place in one buffer, which the tensors then view (no copy out)
-    stream = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    total = sum(sizes)
+    fits = into is not None and into.numel() >= total and into.device == torch.device(device)
+    stream = into[:total] if fits and into is not None else torch.empty(total, dtype=torch.uint8, device=device)
     digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
 
     def part(bucket: int) -> torch.Tensor:
@@ -176,7 +200,7 @@ def _pieces(slots: list[Slot], start: int, stop: int) -> list[tuple[str, int, in
 
 
 def _digest(buffer: torch.Tensor) -> torch.Tensor:
-    digest = hashlib.sha256(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
+    digest = blake3.blake3(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
 
 

@@ -38,6 +38,7 @@ from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, 
 from featurestore.launch import ServerLaunch
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
+from featurestore.weight_broadcast import stream_bytes
 from serving.fast_lane import FastLane
 from serving.metrics import Metrics
 from serving.reload import RegistryWatcher
@@ -210,7 +211,7 @@ class ModelHolder:
             answer = client.post(f"{source.rstrip('/')}/broadcast/join", json=body).raise_for_status()
             return None if answer.status_code == 204 else answer.json()
 
-        return Member(join, self.take, host)
+        return Member(join, self.take, host, stream_bytes(self.loaded.model.state_dict()))
 
     async def follow_promotions(self) -> None:
         """Swap in a newly promoted version between requests, when a registry announces a promotion
