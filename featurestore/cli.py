@@ -583,6 +583,15 @@ def train_command(
     sync_warmup_steps: int = typer.Option(
         0, help="With --sync-every: average gradients across sync groups every step for the first this-many steps."
     ),
+    outer_optimizer: str = typer.Option(
+        "average",
+        help="With --sync-every, what each sync does: average the sync groups' parameters, or nesterov "
+        "(DiLoCo's outer step: their averaged move since the last sync, applied with Nesterov momentum).",
+    ),
+    outer_lr: float = typer.Option(
+        0.7, help="The nesterov outer optimizer's learning rate (1 with no momentum: average)."
+    ),
+    outer_momentum: float = typer.Option(0.9, help="The nesterov outer optimizer's momentum."),
     async_checkpoints: bool = typer.Option(
         True, help="Write sharded checkpoints in the background while training goes on (at most one in flight)."
     ),
@@ -618,6 +627,9 @@ def train_command(
         shard_group_size=shard_group_size,
         sync_every=sync_every,
         sync_warmup_steps=sync_warmup_steps,
+        outer_optimizer=outer_optimizer,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         async_checkpoints=async_checkpoints,
         hold_parameters=hold_parameters,
         collective_timeout_s=collective_timeout,

@@ -6,6 +6,7 @@ damaged; a replica killed mid-broadcast does not hold the others, and catches up
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -29,7 +30,6 @@ from featurestore.checkpoint_engine import Publisher
 from featurestore.demo.generate import generate, load_demo
 from featurestore.online.embedded import EmbeddedRedis
 from featurestore.training.model_registry import ModelRegistry
-from featurestore.training.trainer import TrainConfig, train
 from serving.checkpoint_engine import create_app
 
 from .conftest import free_port
@@ -40,7 +40,8 @@ INSTANCE = {"card_id": 7, "merchant_id": 3, "amount": 120.0}
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    """The demo's fraud pipeline once: a source data dir with a trained run, its Redis."""
+    """The demo's fraud pipeline once: a source data dir with a run trained by 2 ranks sharing
+    one FSDP-sharded model (torchrun, gloo), its Redis."""
     root = tmp_path_factory.mktemp("broadcast")
     redis_server = EmbeddedRedis(root / "redis")
     with pytest.MonkeyPatch.context() as env:
@@ -50,10 +51,19 @@ def pipeline(tmp_path_factory):
             data = generate(n_cards=200, days=6, seed=5)
             with FeatureStore(DEFINITIONS) as store:
                 load_demo(store, data, root / "dataset")
-            config = TrainConfig(
-                dataset=str(root / "dataset"), request_inputs=["amount"], entity_keys=["card_id"], epochs=1
+            trained = subprocess.run(
+                [
+                    *(sys.executable, "-m", "featurestore.cli", "train", "--repo", str(DEFINITIONS)),
+                    *("--dataset", str(root / "dataset"), "--request-input", "amount", "--entity-key", "card_id"),
+                    *("--epochs", "1", "--device", "cpu", "--nproc-per-node", "2", "--shard-group-size", "2"),
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                timeout=300,
             )
-            run = train(config, root / "runs", progress=False)
+            assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+            run = root / "source" / "runs" / trained.stdout.split("run ", 1)[1].split(":", 1)[0]
             yield {"root": root, "run": run, "redis": os.environ["REDIS_URL"]}
         finally:
             redis_server.stop()
@@ -159,11 +169,17 @@ def _until(condition, processes, timeout: float = 90.0) -> None:
 
 
 def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows: int | None = None):
-    """A source with v1 promoted and v2, v3, v4 registered (other weights each); replicas holding v1."""
+    """A source with v1 promoted and v2, v3, v4 registered (other weights each; v2 the trained
+    run's own, unless ``embedding_rows`` grows its table); replicas holding v1."""
     source_dir = pipeline["root"] / "source"
     data = tmp_path / "source"
     shutil.copytree(source_dir / "registry", data / "registry")
-    runs = [_variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows) for i in range(4)]
+    runs = [
+        pipeline["run"]
+        if i == 1 and not embedding_rows
+        else _variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows)
+        for i in range(4)
+    ]
     source = Source(data, bucket_bytes)
     v1, v2, v3, v4 = (source.registry.register("fraud", run) for run in runs)
     source.promote(v1)
@@ -236,6 +252,17 @@ def _scores(source: Source, data_dir: Path, versions: tuple[int, ...], monkeypat
     return scores
 
 
+def _assembled_shards(run: Path, into: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors as the ranks' shards in ``run``'s last sharded checkpoint hold them,
+    assembled by torch's own converter (every rank wrote a part)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint = run / "dcp" / (run / "dcp" / "latest").read_text().split()[0]
+    assert len(list(checkpoint.glob("*.distcp"))) == 2
+    dcp_to_torch_save(checkpoint, into)
+    return torch.load(into, weights_only=True)["model"]
+
+
 def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nobody(pipeline, tmp_path, monkeypatch):
     source, replicas, (v1, v2, v3, v4) = _setup(pipeline, tmp_path, replicas=2, bucket_bytes=64 * 1024)
     processes = [r.process for r in replicas]
@@ -287,6 +314,7 @@ def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nob
     )
     seen = [a for a in seen if a.status == 200]
     expected = _scores(source, tmp_path / "source", (v1, v2, v3), monkeypatch)
+    shards = _assembled_shards(pipeline["run"], tmp_path / "assembled.pt")
     assert len(set(expected.values())) == 3
     for index, replica in enumerate(replicas):
         versions = [a.version for a in seen if a.replica == index]
@@ -296,6 +324,11 @@ def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nob
         # installed from the broadcast bytes: the same files as registered at the source (hash-checked)
         for version in (v2, v3):
             assert replica.registry.hashes("fraud")[version] == source.registry.hashes("fraud")[version]
+        # v2 is what the two sharded ranks trained: their shards, put together from the sharded
+        # checkpoint on their own, are the weights this replica took, bit for bit
+        served = torch.load(io.BytesIO(replica.registry.file("fraud", v2, "model.pt")), weights_only=True)
+        assert set(served["state_dict"]) == set(shards)
+        assert all(torch.equal(served["state_dict"][k], shards[k]) for k in shards)
         assert replica.registry.aliases("fraud")["production"] == v3 and v4 not in replica.registry.versions("fraud")
 
 

@@ -69,13 +69,23 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def save(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, pre: Preprocessor, *, epoch: int, step: int
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pre: Preprocessor,
+        *,
+        epoch: int,
+        step: int,
+        outer: dict[str, torch.Tensor] | None = None,
     ) -> TabularMLP | None:
-        """Checkpoint this epoch (a collective: every rank calls it); rank 0 gets the full model back."""
+        """Checkpoint this epoch (a collective: every rank calls it), with the outer optimizer's
+        state if any; rank 0 gets the full model back."""
         self.finish()  # the previous save lands first
         name = f"step-{step:09d}"
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+        if outer:
+            state["outer"] = outer
         with _one_process_is_fine():
             if self.asynchronous:
                 future = dcp.async_save(
@@ -122,15 +132,18 @@ def _done() -> Future:
     return future
 
 
-def load(run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-    """Restore the newest complete sharded checkpoint into ``model`` and ``optimizer`` (any world size);
-    returns ``{"epoch", "step"}``, or None when the run has none."""
+def load(
+    run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, outer: dict[str, torch.Tensor] | None = None
+) -> dict[str, Any] | None:
+    """Restore the newest complete sharded checkpoint into ``model``, ``optimizer`` and the outer
+    optimizer's state, in place (any world size); returns ``{"epoch", "step"}``, or None when the
+    run has none."""
     latest = Path(run_dir) / "dcp" / "latest"
     if not latest.exists():
         return None
     name, epoch, step = latest.read_text().split()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, **({"outer": outer} if outer else {})}
     with _one_process_is_fine():
         dcp.load(state, checkpoint_id=str(latest.parent / name))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

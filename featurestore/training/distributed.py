@@ -4,7 +4,8 @@ Ranks form ``sync`` groups of ``shard`` ranks each (world = sync × shard). Insi
 the model's parameters, gradients and optimizer state are sharded (FSDP2 ``fully_shard``).
 Across shard groups the replicas are kept in step either every step (``sync_every=0``: HSDP,
 gradients reduced over the whole world) or every ``sync_every`` steps by averaging parameters
-(local SGD: shard groups train independently in between, cheap on slow links).
+(local SGD: shard groups train independently in between, cheap on slow links), plainly or by
+DiLoCo's outer step (``OuterStep``).
 
 Started by ``torchrun`` (or ``featurestore train --nproc-per-node``, which wraps it); without
 it, training is one plain process with no process group at all. gloo on CPU, NCCL on CUDA.
@@ -113,9 +114,109 @@ def average_across_sync_groups(model: nn.Module, layout: Layout) -> None:
     group = layout.mesh["sync"].get_group()
     groups = layout.world // layout.shard
     for param in model.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
+        local = _local(param)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
         local.div_(groups)
+
+
+OUTER_OPTIMIZERS = ("average", "nesterov")
+
+
+class OuterStep:
+    """What local SGD does at each parameter sync. ``average``: the sync groups' parameters are
+    averaged. ``nesterov`` (DiLoCo's outer optimizer): the averaged parameters' move since the
+    last sync is an outer gradient ``delta = anchor - average``, applied to the anchor (the
+    parameters at the last sync) by SGD with Nesterov momentum::
+
+        m = momentum * m + delta;  anchor -= lr * (delta + momentum * m);  parameters = anchor
+
+    (DiLoCo used lr 0.7, momentum 0.9; lr 1 without momentum is the plain average.) The anchor
+    and momentum are shaped like the parameters (sharded alike); the momentum is checkpointed."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        kind: str = "average",
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        warmup_steps: int = 0,
+    ):
+        if kind not in OUTER_OPTIMIZERS:
+            raise FeatureStoreError(f"outer optimizer must be one of {list(OUTER_OPTIMIZERS)}, not {kind!r}")
+        if kind != "average" and layout.sync_every == 0:
+            raise FeatureStoreError(
+                f"the {kind} outer optimizer acts at parameter syncs: give --sync-every H (local SGD) with it"
+            )
+        self.model, self.layout, self.kind, self.lr, self.beta = model, layout, kind, lr, momentum
+        self.warmup_steps = warmup_steps
+        self.synced_at = -1  # the step of the last sync
+        named = dict(model.named_parameters())
+        self.anchor = {n: p.detach().clone() for n, p in named.items()} if kind == "nesterov" else {}
+        self.momentum = {n: torch.zeros_like(p.detach()) for n, p in named.items()} if kind == "nesterov" else {}
+
+    def restart(self, step: int) -> None:
+        """The parameters now are where the next outer step starts from (after warm-up or a resume)."""
+        self.synced_at = step
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in self.anchor:
+                    _local(self.anchor[name]).copy_(_local(param))
+
+    def after_step(self, step: int) -> None:
+        """After each optimizer step: sync every ``sync_every`` steps past the warm-up, whose last
+        step anchors the first outer step (during it gradients are averaged: replicas agree)."""
+        if self.layout.sync_every == 0:
+            return
+        if step == self.warmup_steps:
+            self.restart(step)
+        elif step > self.warmup_steps and step % self.layout.sync_every == 0:
+            self.sync(step)
+
+    @torch.no_grad()
+    def sync(self, step: int) -> None:
+        """Bring the sync groups' replicas together (once per step: a second call is a no-op)."""
+        if self.layout.sync_every == 0 or step == self.synced_at:
+            return
+        if step <= self.warmup_steps:  # still warming up: the replicas agree already
+            self.restart(step)
+            return
+        self.synced_at = step
+        average_across_sync_groups(self.model, self.layout)
+        if self.kind == "average":
+            return
+        for name, param in self.model.named_parameters():
+            anchor, momentum, averaged = _local(self.anchor[name]), _local(self.momentum[name]), _local(param)
+            delta = anchor - averaged
+            momentum.mul_(self.beta).add_(delta)
+            anchor.sub_(delta.add_(momentum, alpha=self.beta), alpha=self.lr)
+            averaged.copy_(anchor)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps (the anchor is the parameters at a checkpoint: it follows a sync)."""
+        return self.momentum
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor, to update in place."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@torch.no_grad()
+def average_optimizer_across_sync_groups(optimizer: torch.optim.Optimizer, layout: Layout) -> None:
+    """Local SGD's groups each keep their own optimizer state between syncs; before a checkpoint
+    they average it too, so the checkpoint is one state (the groups' copies are one key in it)
+    and a resumed run, on any number of groups, goes on as a straight one does."""
+    if not layout.distributed or layout.sync_every == 0 or layout.world == layout.shard:
+        return
+    group = layout.mesh["sync"].get_group()
+    groups = layout.world // layout.shard
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                local = _local(value)
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+                local.div_(groups)
 
 
 @torch.no_grad()

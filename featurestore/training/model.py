@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,17 @@ class TabularMLP(nn.Module):
     def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
         parts = [x_num] + [emb(x_cat[:, i]) for i, emb in enumerate(self.embeddings)]
         return self.mlp(torch.cat(parts, dim=1)).squeeze(-1)
+
+
+def saved_weights(state_dict: Mapping[str, torch.Tensor], config: dict) -> dict:
+    """What a registered version's ``model.pt`` holds: the model config, and each tensor on a
+    storage of exactly its own bytes. ``torch.save`` writes whole storages, and a tensor gathered
+    from FSDP shards sits on a padded one: a version broadcast as tensors is rebuilt to the same
+    bytes, and so the same hashes, only if neither side writes padding."""
+    return {
+        "state_dict": {k: t.detach().clone(memory_format=torch.contiguous_format) for k, t in state_dict.items()},
+        "config": config,
+    }
 
 
 def from_saved(config: dict, state_dict: dict) -> TabularMLP:

@@ -136,13 +136,15 @@ class ModelRegistry:
     def register(self, name: str, run_dir: Path) -> int:
         import torch
 
+        from featurestore.training.model import saved_weights
+
         check_name(name)
         run_dir = Path(run_dir)
         state = torch.load(run_dir / "checkpoint.pt", weights_only=True)
         params = json.loads((run_dir / "params.json").read_text())
         final = json.loads((run_dir / "final.json").read_text())
         weights = io.BytesIO()
-        torch.save({"state_dict": state["model"], "config": state["model_config"]}, weights)
+        torch.save(saved_weights(state["model"], state["model_config"]), weights)
         files = {
             "model.pt": weights.getvalue(),
             "preprocessing.json": json.dumps(state["preprocessor"], indent=2).encode(),

@@ -58,6 +58,9 @@ class TrainConfig:
     shard_group_size: int = 1  # ranks sharing one sharded replica (FSDP); world = sync groups x this
     sync_every: int = 0  # 0: replicas in step every step (HSDP); H: average parameters every H steps
     sync_warmup_steps: int = 0  # with sync_every: the first this-many steps average gradients every step (as HSDP)
+    outer_optimizer: str = "average"  # with sync_every, at each sync: average, or nesterov (DiLoCo's outer step)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     async_checkpoints: bool = True  # sharded checkpoints written while training goes on
     hold_parameters: bool = False  # FSDP: keep gathered parameters from forward to backward (vs release)
     collective_timeout_s: float = 300.0  # a rank that does not join a collective within this fails the run
@@ -169,6 +172,9 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
         config.hold_parameters,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+    outer = distributed.OuterStep(
+        model, layout, config.outer_optimizer, config.outer_lr, config.outer_momentum, config.sync_warmup_steps
+    )
     loss_fn = (
         torch.nn.BCEWithLogitsLoss(reduction="none")
         if config.task == "classification"
@@ -176,9 +182,10 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     )
     start_epoch, step = 0, 0
     if resume:
-        saved = checkpoints.load(run_dir, model, optimizer)
+        saved = checkpoints.load(run_dir, model, optimizer, outer.state_dict())
         if saved is not None:
             start_epoch, step = saved["epoch"] + 1, saved["step"]
+            outer.restart(step)  # (a checkpoint follows a sync)
         if layout.is_main:
             run.record_resume({"at_step": step, "epochs": config.epochs, "layout": layout.describe()})
 
@@ -231,14 +238,14 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
                 optimizer.step()
                 step += 1
                 rows += len(y) if held else 0
-                if layout.sync_every and not warming and step % layout.sync_every == 0:
-                    distributed.average_across_sync_groups(model, layout)
+                outer.after_step(step)
                 batch_loss = distributed.sum_across_ranks(loss_sum.item(), layout) / n  # the global batch's mean
                 if layout.is_main:
                     run.log(step, train_loss=batch_loss, epoch=epoch)
             bar.remove_task(in_epoch)
-            distributed.average_across_sync_groups(model, layout)  # replicas agree before they are evaluated and saved
-            full = checkpointer.save(model, optimizer, pre, epoch=epoch, step=step)
+            outer.sync(step)  # replicas agree before they are evaluated and saved
+            distributed.average_optimizer_across_sync_groups(optimizer, layout)
+            full = checkpointer.save(model, optimizer, pre, epoch=epoch, step=step, outer=outer.state_dict())
             if full is not None:  # the main rank's full model
                 metrics = evaluate(full, val_data, config.task)
                 run.log(step, **{f"val_{k}": v for k, v in metrics.items()})
@@ -283,6 +290,9 @@ RESUME_KEEPS = (
     "embedding_dim",
     "validation_fraction",
     "seed",
+    "outer_optimizer",
+    "outer_lr",
+    "outer_momentum",
 )
 
 
