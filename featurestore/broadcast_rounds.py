@@ -244,8 +244,8 @@ class Member:
                 if self._staged is None:
                     self._staged = staged
             raise
-        self._stage(stream_bytes(tensors))
         self.take(round_.version, tensors, meta)
+        self._stage(stream_bytes(tensors))  # (after the flip and install, which share the cores with requests)
         return round_.version
 
     def run_forever(self, stop: threading.Event, on_error: Callable[[Exception], None] | None = None) -> None:

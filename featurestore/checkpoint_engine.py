@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -217,33 +217,15 @@ def version_payload(registry: ModelRegistry, name: str, version: int) -> tuple[d
 def version_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, bytes]:
     """The registry files of a broadcast version, rebuilt from its tensors and meta (``install``
     then checks them against the source's hashes)."""
+    import io
+
     import torch
 
     from featurestore.training.model import saved_weights
 
-    weights = _PieceWriter()
-    torch.save(saved_weights(tensors, meta["config"]), cast("IO[bytes]", weights))  # (it only writes)
-    return {"model.pt": weights.data, **{f: meta[f].encode() for f in MODEL_FILES if f != "model.pt"}}
-
-
-class _PieceWriter:
-    """What ``torch.save`` writes, collected a few MB at a time. It runs beside an inference
-    server's requests: a 100 MB table copied into a ``BytesIO`` in one piece held the GIL for
-    ~50 ms, which every request waiting then paid; between pieces they run."""
-
-    PIECE = 4 << 20
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), self.PIECE):
-            self.data += view[start : start + self.PIECE]
-        return len(view)
-
-    def flush(self) -> None:
-        pass
+    weights = io.BytesIO()
+    torch.save(saved_weights(tensors, meta["config"]), weights)
+    return {"model.pt": weights.getvalue(), **{f: meta[f].encode() for f in MODEL_FILES if f != "model.pt"}}
 
 
 class Publisher:
