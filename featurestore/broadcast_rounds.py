@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import threading
 import time
@@ -250,6 +251,10 @@ class Member:
 
     def run_forever(self, stop: threading.Event, on_error: Callable[[Exception], None] | None = None) -> None:
         """Take seats until ``stop`` is set; a failed round or an unreachable source backs off and retries."""
+        # requests first: this thread (and the gloo threads it starts, which inherit it) yields the
+        # cores to the server's own while a round is received and installed (Linux: per thread)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         delay = 0.2
         while not stop.is_set():
             try:
