@@ -611,6 +611,7 @@ def train_command(
 ) -> None:
     """Train an MLP on an exported dataset, on one process or many; the run is tracked under <data_dir>/runs."""
     from featurestore.retrieval.export import fetch_dataset
+    from featurestore.training.distributed import OuterOptimizer
     from featurestore.training.trainer import Task, TrainConfig, new_run_id
 
     store = _store(repo)
@@ -627,7 +628,7 @@ def train_command(
         shard_group_size=shard_group_size,
         sync_every=sync_every,
         sync_warmup_steps=sync_warmup_steps,
-        outer_optimizer=outer_optimizer,
+        outer_optimizer=_one_of(outer_optimizer, OuterOptimizer, "--outer-optimizer"),
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
         async_checkpoints=async_checkpoints,

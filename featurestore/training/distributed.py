@@ -14,9 +14,10 @@ it, training is one plain process with no process group at all. gloo on CPU, NCC
 from __future__ import annotations
 
 import os
+import typing
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,8 @@ def average_across_sync_groups(model: nn.Module, layout: Layout) -> None:
         local.div_(groups)
 
 
-OUTER_OPTIMIZERS = ("average", "nesterov")
+OuterOptimizer = Literal["average", "nesterov"]
+OUTER_OPTIMIZERS = typing.get_args(OuterOptimizer)
 
 
 class OuterStep:
@@ -205,8 +207,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def average_optimizer_across_sync_groups(optimizer: torch.optim.Optimizer, layout: Layout) -> None:
     """Local SGD's groups each keep their own optimizer state between syncs; before a checkpoint
-    they average it too, so the checkpoint is one state (the groups' copies are one key in it)
-    and a resumed run, on any number of groups, goes on as a straight one does."""
+    they average it too, so the checkpoint is one state (the groups' copies are one key in it),
+    which resumes on any number of groups, and on the same layout exactly as a straight run goes on."""
     if not layout.distributed or layout.sync_every == 0 or layout.world == layout.shard:
         return
     group = layout.mesh["sync"].get_group()
