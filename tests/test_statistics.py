@@ -232,3 +232,52 @@ def test_catch_ups_at_once_count_each_commit_once(make_store):
     for t in threads:
         t.join()
     _assert_statistics_equal_history(store)
+
+
+_EXITS_WITHOUT_CLOSING = """
+import sys, time
+from pathlib import Path
+from featurestore import FeatureStore
+from featurestore.offline import statistics
+from tests.test_statistics import _payments
+
+statistics.SETTLE_SECONDS = 0.01
+caught_up, marks = statistics.CommitStatistics.catch_up, Path(sys.argv[2])
+
+def slow(self, name):  # a catch-up still under way when the script ends
+    (marks / "started").touch()
+    time.sleep(1.0)
+    n = caught_up(self, name)
+    (marks / "finished").touch()
+    return n
+
+statistics.CommitStatistics.catch_up = slow
+store = FeatureStore(sys.argv[1])
+store.push("payments", _payments(50, seed=1), to="offline")
+store.flush()
+while not (marks / "started").exists():
+    time.sleep(0.01)
+"""
+
+
+def test_a_process_that_exits_without_closing_its_store_finishes_its_catch_up_first(make_store, tmp_path):
+    """A script that never closes its store ends while its background catch-up runs: the
+    catch-up finishes before the interpreter does. Before, the interpreter finalized under it:
+    on S3 a native read then aborted the process (a Ray driver's exit code -6 in CI)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store = make_store(FEATURES)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITS_WITHOUT_CLOSING, str(store.config.repo_path), str(marks)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (marks / "started").exists() and (marks / "finished").exists()
+    _assert_statistics_equal_history(store)

@@ -15,11 +15,13 @@ Statistics tables live at ``_statistics/<table>`` under the tables' location (lo
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +74,9 @@ SERVED = Summarized(
 )
 
 
+EXIT_WAIT_SECONDS = 60.0  # a catch-up under way when the interpreter exits is waited for this long at most
+
+
 class CommitStatistics:
     """The statistics tables of the Delta tables under ``tables``' location, summarized as ``how``."""
 
@@ -80,8 +85,9 @@ class CommitStatistics:
         self.location = tables.location
         self._lock, self._wake = threading.Lock(), threading.Event()
         self._pending: set[str] = set()
-        self._busy = False
+        self._busy = self._stopping = False
         self._thread: threading.Thread | None = None
+        _LIVE.add(self)
 
     def uri(self, name: str) -> str:
         return self.location.child(FOLDER, name).url
@@ -124,6 +130,7 @@ class CommitStatistics:
         catch-up does: any writer's, or the first read's)."""
         with self._lock:
             self._pending.add(name)
+            self._stopping = False
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._work, name="statistics", daemon=True)
                 self._thread.start()
@@ -134,7 +141,15 @@ class CommitStatistics:
         process's, covers those commits); a catch-up under way finishes."""
         with self._lock:
             self._pending.clear()
+            self._stopping = True
             self._wake.set()
+
+    def finish(self, timeout: float) -> None:
+        """``stop``, then wait up to ``timeout`` for a catch-up under way."""
+        self.stop()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def idle(self, timeout: float) -> bool:
         """Wait until the background thread has nothing left to do; False if ``timeout`` passed first."""
@@ -149,7 +164,9 @@ class CommitStatistics:
     def _work(self) -> None:
         while True:
             began = time.monotonic()  # each commit restarts the wait (a burst of writes goes first), up to a bound
-            while self._wake.wait(SETTLE_SECONDS) and time.monotonic() - began < MOST_DELAY_SECONDS:
+            while (
+                self._wake.wait(SETTLE_SECONDS) and not self._stopping and time.monotonic() - began < MOST_DELAY_SECONDS
+            ):
                 self._wake.clear()
             with self._lock:
                 tables, self._pending = self._pending, set()
@@ -158,6 +175,8 @@ class CommitStatistics:
                     return
                 self._busy = True
             for name in sorted(tables):
+                if self._stopping:  # (the rest waits for the next catch-up)
+                    break
                 try:
                     self.catch_up(name)
                 except Exception as exc:  # (an outage, a full disk: the next commit or read catches up)
@@ -231,6 +250,18 @@ def _tagged(summaries: pa.Table, version: int, writer: str) -> pa.Table:
     return summaries.add_column(0, "writer", pa.array([writer] * n, pa.string())).add_column(
         0, "version", pa.array([version] * n, pa.int64())
     )
+
+
+_LIVE: weakref.WeakSet[CommitStatistics] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Background catch-ups end before the interpreter does, even in a process that never closed
+    its store: one still inside an object store's native read when the interpreter finalizes
+    aborts the process (``PyGILState_Release``), and exits with a crash instead of 0."""
+    for statistics in list(_LIVE):
+        statistics.finish(EXIT_WAIT_SECONDS)
 
 
 def _added_files(fs: FileSystem, table_root: str, version: int) -> list[str]:
