@@ -6,7 +6,9 @@ keys: nobody else learns where the group meets). When a version is promoted, the
 moment for every member it has seen to be seated, hands each a rank and the round's address,
 and broadcasts (``featurestore.weight_broadcast``) over a gloo group made for that round alone:
 a TCP store on an ephemeral port, its keys under a random 128-bit prefix that only the seated
-members were told. Every collective has the round's timeout, so a member that dies or stops
+members were told. Members on the source's machine (``shared_tensors.machine_id``) read the
+buckets from shared memory the source fills instead (``transport="auto"``, the default; "shared"
+or "network" to insist). Every collective has the round's timeout, so a member that dies or stops
 mid-broadcast fails the round within it instead of hanging the others; nobody takes a failed
 round's weights, the members still alive sit down again, and the round is run again without the
 one that left. A member that missed a version (down, late, restarted) catches up through the
@@ -26,18 +28,20 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
+from featurestore.shared_tensors import machine_id
 from featurestore.weight_broadcast import BUCKET_BYTES, BroadcastFailed, Group, receive, send, staging, stream_bytes
 
 log = logging.getLogger("featurestore.broadcast")
 
 JOIN_SECONDS = 20.0  # a seat is held this long per call; members call again at once
 SEEN_SECONDS = JOIN_SECONDS + 10.0  # a member not heard from for longer is no longer waited for
+Transport = Literal["auto", "shared", "network"]  # auto: shared memory when every member is on the source's machine
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,20 @@ class _Seat:
     round: Round | None = None
     wake: Callable[[], object] | None = None
     taken: bool = False  # placed in a round (whose address follows at once)
+    machine: str | None = None  # the member's machine_id, when it said
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What one version's broadcast came to: the members that took it, the failed attempts, the
-    seconds in all and those the last attempt spent forming its group (before any byte was sent)."""
+    seconds in all and those the last attempt spent forming its group (before any byte was sent),
+    and how the buckets went (over the group, or through shared memory)."""
 
     members: list[str]
     attempts: int
     seconds: float
     group_seconds: float = 0.0
+    transport: str = "network"
 
 
 class Coordinator:
@@ -107,19 +114,24 @@ class Coordinator:
         timeout_seconds: float = 30.0,
         attempts: int = 3,
         bucket_bytes: int = BUCKET_BYTES,
+        transport: Transport = "auto",
     ):
         self.host, self.gather_seconds, self.timeout_seconds = host, gather_seconds, timeout_seconds
-        self.attempts, self.bucket_bytes = attempts, bucket_bytes
+        self.attempts, self.bucket_bytes, self.transport = attempts, bucket_bytes, transport
+        self.machine = machine_id()
         self._lock = threading.Condition()
         self._seats: dict[str, _Seat] = {}
         self._seen: dict[str, tuple[float, str]] = {}  # member -> (last heard, stage)
         self.tamper: Callable[[int, torch.Tensor], None] | None = None  # fault injection (weight_broadcast.send)
 
-    async def join(self, member: str, stage: str, timeout: float = JOIN_SECONDS) -> Round | None:
-        """Hold ``member``'s seat until a broadcast places it (its round) or ``timeout`` passes (None)."""
+    async def join(
+        self, member: str, stage: str, timeout: float = JOIN_SECONDS, machine: str | None = None
+    ) -> Round | None:
+        """Hold ``member``'s seat until a broadcast places it (its round) or ``timeout`` passes (None);
+        ``machine``: the member's ``machine_id`` (shared memory for members on this one)."""
         loop = asyncio.get_running_loop()
         woken = asyncio.Event()
-        seat = _Seat(stage, time.monotonic(), wake=lambda: loop.call_soon_threadsafe(woken.set))
+        seat = _Seat(stage, time.monotonic(), wake=lambda: loop.call_soon_threadsafe(woken.set), machine=machine)
         with self._lock:
             self._seats[member] = seat  # a member's newer call replaces its older one
             self._seen[member] = (seat.since, stage)
@@ -151,15 +163,19 @@ class Coordinator:
             if not seated:
                 log.info("%s v%s: no member is waiting; replicas catch up from the files", model, version)
                 return Outcome([], attempt - 1, time.monotonic() - started)
+            shared = self.transport == "shared" or (
+                self.transport == "auto" and all(seat.machine == self.machine for seat in seated.values())
+            )
             try:
-                group_seconds = self._run(model, version, seated, state, meta)
+                group_seconds = self._run(model, version, seated, state, meta, shared)
             except (BroadcastFailed, RuntimeError, dist.DistError) as exc:
                 log.warning("%s v%s: broadcast attempt %d to %d failed (%s)", model, version, attempt, len(seated), exc)
                 expected = set(seated)  # those still alive sit down again; the round goes on without the rest
                 continue
             seconds = time.monotonic() - started
-            log.info("%s v%s broadcast to %d members in %.2f s", model, version, len(seated), seconds)
-            return Outcome(sorted(seated), attempt - 1, seconds, group_seconds)
+            transport = "shared" if shared else "network"
+            log.info("%s v%s broadcast to %d members in %.2f s (%s)", model, version, len(seated), seconds, transport)
+            return Outcome(sorted(seated), attempt - 1, seconds, group_seconds, transport)
         raise BroadcastFailed(f"{model} v{version}: {self.attempts} broadcast attempts failed; replicas keep theirs")
 
     def _gather(self, stage: str, expected: set[str], window: float) -> dict[str, _Seat]:
@@ -177,7 +193,13 @@ class Coordinator:
                 self._lock.wait(left)
 
     def _run(
-        self, model: str, version: int, seated: dict[str, _Seat], state: Mapping[str, torch.Tensor], meta: dict
+        self,
+        model: str,
+        version: int,
+        seated: dict[str, _Seat],
+        state: Mapping[str, torch.Tensor],
+        meta: dict,
+        shared: bool,
     ) -> float:
         """One attempt; returns the seconds spent forming the group."""
         started = time.monotonic()
@@ -193,7 +215,7 @@ class Coordinator:
         own = Round(round_id, self.host, store.port, 0, world, model, version, self.timeout_seconds)
         group = open_group(store, own, self.host)
         formed = time.monotonic() - started
-        send(state, group, bucket_bytes=self.bucket_bytes, meta=meta, tamper=self.tamper)
+        send(state, group, bucket_bytes=self.bucket_bytes, shared=shared, meta=meta, tamper=self.tamper)
         return formed
 
 

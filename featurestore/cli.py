@@ -724,10 +724,15 @@ def checkpoint_engine(
     broadcast: bool = typer.Option(
         False,
         help="(source) Broadcast each promotion's weights in memory to the inference servers started "
-        "with --source pointing here (bucketed over gloo, SHA-256 per bucket, all or nothing).",
+        "with --source pointing here (bucketed over gloo, BLAKE3 per bucket, all or nothing).",
     ),
     broadcast_host: str = BroadcastHostOption,
     bucket_mb: int = typer.Option(64, min=1, help="(source, --broadcast) Broadcast bucket size in MB."),
+    transport: str = typer.Option(
+        "auto",
+        help="(source, --broadcast) How buckets reach members: shared memory for members on this machine "
+        "(auto: when every member of a round is), or over the network.",
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port."),
     repo: Path = RepoOption,
@@ -740,6 +745,9 @@ def checkpoint_engine(
 
     import uvicorn
 
+    from featurestore.broadcast_rounds import Transport
+
+    _one_of(transport, Transport, "--transport")
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
     if models_from and not source:
@@ -750,7 +758,7 @@ def checkpoint_engine(
         )
     role = f"replica of {source}" + (f" via {upstream}" if upstream else "") if source else "source"
     if broadcast:
-        role += f", broadcasting promotions from {broadcast_host} in {bucket_mb} MB buckets"
+        role += f", broadcasting promotions from {broadcast_host} in {bucket_mb} MB buckets ({transport} transport)"
     if models_from:
         role += f", fetching from {store.location(models_from)} first"
     auth = (
@@ -768,6 +776,7 @@ def checkpoint_engine(
         broadcast=broadcast,
         broadcast_host=broadcast_host,
         bucket_mb=bucket_mb,
+        broadcast_transport=transport,
     ).export()
     _SERVING.append("checkpoint engine")
     uvicorn.run(

@@ -32,6 +32,7 @@ class ServerLaunch:
     broadcast: bool = False  # checkpoint engine (source): broadcast each promotion to the seated replicas
     broadcast_host: str = "127.0.0.1"  # both sides: this machine's address the broadcast group reaches it on
     bucket_mb: int = 64  # checkpoint engine (source): broadcast bucket size
+    broadcast_transport: str = "auto"  # checkpoint engine (source): auto, shared or network
 
     def export(self) -> None:
         """Hand this record to the server processes this one starts."""

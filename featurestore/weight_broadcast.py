@@ -11,12 +11,23 @@ arrives. That buffer is best **staged** before the round (``staging``; a member 
 between rounds): memory written for the first time faults its pages in, which can cost more
 than the transfer itself (``benchmarks/weight_broadcast.py`` prints both).
 
-Every bucket is followed by its BLAKE3 digest, hashed while the bucket is on the wire and
-checked on arrival (every receiver hashes every byte: BLAKE3 does it at several times SHA-256's
-speed). The group then agrees whether every receiver got every bucket intact: ``receive``
-returns the new weights only if all did, so a corrupt or partial broadcast leaves every replica
-on what it had (all or nothing). The layout travels first as JSON (never pickle: a peer's bytes
-are data, not code), with any ``meta`` the sender adds (a version's card).
+Every bucket is followed by its digest, hashed while the bucket is on the wire and checked on
+arrival: BLAKE3 for a source on CPU (every receiver hashes every byte: BLAKE3 does it at several
+times SHA-256's speed), and for a source on a GPU a 128-bit checksum computed there (``sum64``:
+two sums of the bucket's 64-bit words times fixed odd multipliers, modulo 2^64, so any one
+changed word always shows; hashing on the host would copy every byte across PCIe and take longer
+than the transfer). The group then agrees whether every receiver got every bucket intact:
+``receive`` returns the new weights only if all did, so a corrupt or partial broadcast leaves
+every replica on what it had (all or nothing). The layout travels first as JSON (never pickle: a
+peer's bytes are data, not code), with any ``meta`` the sender adds (a version's card).
+
+**Colocated receivers** (``shared=True``: the same machine, or the same GPU) read the buckets
+instead of being sent them: the source fills a few buffers they map (``featurestore.shared_tensors``:
+shared memory on CPU, CUDA IPC on a GPU, where NCCL cannot put two processes of one group on one
+device), and only each bucket's digest and a "copied" flag cross the group. A receiver copies a
+bucket into its own stream while the source fills the next buffer; a buffer is refilled once
+every receiver has said it copied what it held. Everything else (layout, digests, agreement,
+staging) is the network path's.
 
 ``group`` is any process group, the default one or a backend made for one broadcast without a
 default group (``featurestore.broadcast_rounds`` forms one per version, beside a trainer's own).
@@ -34,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
+from featurestore.shared_tensors import Exported, attach
 
 
 class Group(Protocol):
@@ -47,6 +59,7 @@ class Group(Protocol):
 
 BUCKET_BYTES = 64 << 20  # default bucket: big enough to keep a link busy, small enough to pipeline
 ALIGN = 16  # bytes: a tensor's offset in its bucket, so its bytes view as any dtype
+SHARED_BUFFERS = 2  # a colocated broadcast's buffers: one filled while the other is read
 
 
 @dataclass(frozen=True)
@@ -87,50 +100,120 @@ def send(
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | str = "cpu",
     *,
+    shared: bool = False,
     meta: dict | None = None,
     tamper: Callable[[int, torch.Tensor], None] | None = None,
 ) -> None:
     """Broadcast ``state`` (and ``meta``, JSON) from this rank (``src``) to the group; returns once
     every receiver has said whether it got everything intact, raising ``BroadcastFailed`` when one
-    did not. ``tamper`` (fault injection, for tests) is called with each bucket's index and bytes
-    after it is hashed, before it is sent."""
+    did not. ``shared``: the receivers are on this machine (``device``: on this GPU) and read the
+    buckets from memory they map. ``tamper`` (fault injection, for tests) is called with each
+    bucket's index and bytes after it is hashed, before it is sent."""
     group = _backend(group)
+    control = _control_device(group, device)
     slots, sizes = plan(state, bucket_bytes)
-    _send_json(
-        {"slots": [asdict(s) for s in slots], "sizes": sizes, "bucket_bytes": bucket_bytes, "meta": meta or {}},
-        group,
-        src,
-        device,
-    )
-    flat = {s.name: state[s.name].detach().to(device).contiguous().reshape(-1).view(torch.uint8) for s in slots}
-    offsets = {s.name: s.offset for s in slots}
+    digest = _DIGEST[torch.device(device).type == "cuda"]
+    buffers = [Exported(max(sizes), device) for _ in range(min(SHARED_BUFFERS, len(sizes)))] if shared else []
+    try:
+        layout = {"slots": [asdict(s) for s in slots], "sizes": sizes, "bucket_bytes": bucket_bytes}
+        layout |= {"digest": digest, "shared": [b.handle for b in buffers], "meta": meta or {}}
+        _send_json(layout, group, src, control)
+        flat = {s.name: state[s.name].detach().to(device).contiguous().reshape(-1).view(torch.uint8) for s in slots}
+        packer = _Packer(slots, flat, bucket_bytes)
+        if shared:
+            _send_shared(packer, sizes, buffers, digest, group, src, control, tamper)
+        else:
+            _send_over_group(packer, sizes, digest, group, src, device, control, tamper)
+    finally:
+        for buffer in buffers:
+            buffer.close()
+    if not _everyone_ok(True, group, control):
+        raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
+
+
+class _Packer:
+    """Puts one bucket's bytes (the pieces of the tensors it spans) into a buffer."""
+
+    def __init__(self, slots: list[Slot], flat: dict[str, torch.Tensor], bucket_bytes: int):
+        self.slots, self.flat, self.bucket_bytes = slots, flat, bucket_bytes
+        self.offsets = {s.name: s.offset for s in slots}
+
+    def view(self, bucket: int, size: int) -> torch.Tensor | None:
+        """The bucket as a view of the one tensor it lies inside, if it does."""
+        pieces = _pieces(self.slots, bucket * self.bucket_bytes, bucket * self.bucket_bytes + size)
+        if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
+            name, lo, hi = pieces[0]
+            return self.flat[name][lo:hi]
+        return None
+
+    def pack(self, bucket: int, buffer: torch.Tensor) -> torch.Tensor:
+        start = bucket * self.bucket_bytes
+        for name, lo, hi in _pieces(self.slots, start, start + buffer.numel()):
+            at = self.offsets[name] + lo - start
+            buffer[at : at + hi - lo].copy_(self.flat[name][lo:hi])
+        return buffer
+
+
+def _send_over_group(
+    packer: _Packer,
+    sizes: list[int],
+    digest: str,
+    group: Group,
+    src: int,
+    device: torch.device | str,
+    control: torch.device,
+    tamper: Callable[[int, torch.Tensor], None] | None,
+) -> None:
+    """The buckets themselves broadcast, two in flight: one packed while the other is on the wire."""
     buffers = [torch.zeros(max(sizes, default=0), dtype=torch.uint8, device=device) for _ in range(2)]
     works: list[dist.Work] = []
     for bucket, size in enumerate(sizes):
         if bucket >= 2:  # this buffer's previous bucket has left
             for work in works[2 * (bucket - 2) : 2 * (bucket - 1)]:
                 work.wait()
-        start = bucket * bucket_bytes
-        pieces = _pieces(slots, start, start + size)
-        if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size and tamper is None:
-            name, lo, hi = pieces[0]  # a bucket inside one tensor goes as a view of it
-            buffer = flat[name][lo:hi]
-        else:
-            buffer = buffers[bucket % 2][:size]
-            for name, lo, hi in pieces:
-                at = offsets[name] + lo - start
-                buffer[at : at + hi - lo].copy_(flat[name][lo:hi])
+        view = packer.view(bucket, size) if tamper is None else None  # (a bucket inside one tensor goes uncopied)
+        buffer = view if view is not None else packer.pack(bucket, buffers[bucket % 2][:size])
         if tamper is None:  # hashed while it is on the wire
             sent = group.broadcast(buffer, src)
-            works += [sent, group.broadcast(_digest(buffer), src)]
+            works += [sent, group.broadcast(_digest(buffer, digest).to(control), src)]
         else:  # (damaged after hashing: the digest is of the bytes meant)
-            digest = _digest(buffer)
+            hashed = _digest(buffer, digest).to(control)
             tamper(bucket, buffer)
-            works += [group.broadcast(buffer, src), group.broadcast(digest, src)]
+            works += [group.broadcast(buffer, src), group.broadcast(hashed, src)]
     for work in works[-4:]:
         work.wait()
-    if not _everyone_ok(True, group, device):
-        raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
+
+
+def _send_shared(
+    packer: _Packer,
+    sizes: list[int],
+    buffers: list[Exported],
+    digest: str,
+    group: Group,
+    src: int,
+    control: torch.device,
+    tamper: Callable[[int, torch.Tensor], None] | None,
+) -> None:
+    """Each bucket packed into a buffer the receivers map, then its digest and a "copied" flag
+    cross the group; a buffer is refilled once every receiver copied what it held."""
+    copied: list[dist.Work] = []
+    digests: list[dist.Work] = []
+    for bucket, size in enumerate(sizes):
+        if bucket >= len(buffers):
+            copied[bucket - len(buffers)].wait()
+            if bucket == len(buffers):  # every receiver has them open: the names can go
+                for buffer in buffers:
+                    buffer.unlink()
+        data = packer.pack(bucket, buffers[bucket % len(buffers)].tensor[:size])
+        hashed = _digest(data, digest)
+        if tamper is not None:
+            tamper(bucket, data)
+        if data.is_cuda:  # the receivers' copies start once this one's writes are done
+            torch.cuda.synchronize(data.device)
+        digests.append(group.broadcast(hashed.to(control), src))
+        copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
+    for work in digests + copied:
+        work.wait()
 
 
 def stream_bytes(state: Mapping[str, torch.Tensor]) -> int:
@@ -151,33 +234,51 @@ def receive(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The weights ``src`` broadcasts and its ``meta``, once every receiver has them intact
     (``BroadcastFailed`` otherwise, on every rank). The tensors view the buckets they arrived in:
-    ``into`` (a ``staging`` buffer, used when large enough, which they then own) or fresh memory."""
+    ``into`` (a ``staging`` buffer on ``device``, used when large enough, which they then own) or
+    fresh memory. Whether the buckets come over the group or from shared memory, the source says."""
     group = _backend(group)
-    layout = _receive_json(group, src, device)
+    control = _control_device(group, device)
+    layout = _receive_json(group, src, control)
     slots = [Slot(s["name"], s["dtype"], tuple(s["shape"]), s["offset"], s["nbytes"]) for s in layout["slots"]]
     sizes: list[int] = layout["sizes"]
     step: int = layout["bucket_bytes"]
+    digest: str = layout["digest"]
+    if digest not in _DIGEST.values():
+        raise BroadcastFailed(f"the source hashes with {digest!r}, which this receiver does not know")
     # every bucket arrives straight into its place in one buffer, which the tensors then view (no copy out)
     total = sum(sizes)
     fits = into is not None and into.numel() >= total and into.device == torch.device(device)
     stream = into[:total] if fits and into is not None else torch.empty(total, dtype=torch.uint8, device=device)
-    digests = [torch.empty(32, dtype=torch.uint8, device=device) for _ in sizes]
+    digests = [torch.empty(_DIGEST_BYTES[digest], dtype=torch.uint8, device=control) for _ in sizes]
 
     def part(bucket: int) -> torch.Tensor:
         return stream[bucket * step : bucket * step + sizes[bucket]]
 
-    def post(bucket: int) -> tuple[dist.Work, dist.Work]:
-        return group.broadcast(part(bucket), src), group.broadcast(digests[bucket], src)
-
     intact = True
-    works: list[dist.Work] = list(post(0)) if sizes else []
-    for bucket in range(len(sizes)):
-        for work in works[2 * bucket : 2 * bucket + 2]:
+    if layout["shared"]:
+        buffers = [attach(handle) for handle in layout["shared"]]
+        copied: list[dist.Work] = []
+        for bucket, size in enumerate(sizes):
+            group.broadcast(digests[bucket], src).wait()  # (it follows the bucket's bytes)
+            part(bucket).copy_(buffers[bucket % len(buffers)][:size])
+            intact = intact and torch.equal(_digest(part(bucket), digest), digests[bucket].cpu())
+            copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
+        for work in copied:
             work.wait()
-        if bucket + 1 < len(sizes):
-            works += post(bucket + 1)  # the next one arrives meanwhile
-        intact = intact and torch.equal(_digest(part(bucket)), digests[bucket])
-    if not _everyone_ok(intact, group, device):
+        del buffers
+    else:
+
+        def post(bucket: int) -> tuple[dist.Work, dist.Work]:
+            return group.broadcast(part(bucket), src), group.broadcast(digests[bucket], src)
+
+        works: list[dist.Work] = list(post(0)) if sizes else []
+        for bucket in range(len(sizes)):
+            for work in works[2 * bucket : 2 * bucket + 2]:
+                work.wait()
+            if bucket + 1 < len(sizes):
+                works += post(bucket + 1)  # the next one arrives meanwhile
+            intact = intact and torch.equal(_digest(part(bucket), digest), digests[bucket].cpu())
+    if not _everyone_ok(intact, group, control):
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
     received = {
         s.name: stream[s.offset : s.offset + s.nbytes].view(getattr(torch, s.dtype)).reshape(s.shape) for s in slots
@@ -199,16 +300,68 @@ def _pieces(slots: list[Slot], start: int, stop: int) -> list[tuple[str, int, in
     ]
 
 
-def _digest(buffer: torch.Tensor) -> torch.Tensor:
-    digest = blake3.blake3(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
-    return torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(buffer.device)
+def _control_device(group: Group, device: torch.device | str) -> torch.device:
+    """Where digests, flags and the layout live: on the data's device for NCCL, else on the host."""
+    name = group.name() if hasattr(group, "name") else "gloo"
+    return torch.device(device) if "nccl" in str(name).lower() else torch.device("cpu")
+
+
+_DIGEST = {False: "blake3", True: "sum64"}  # by whether the source's buffers are on a GPU
+_DIGEST_BYTES = {"blake3": 32, "sum64": 16}
+_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _digest(buffer: torch.Tensor, kind: str) -> torch.Tensor:
+    """A bucket's digest (uint8, on the host), computed where its bytes are for ``sum64``."""
+    if kind == "blake3":
+        digest = blake3.blake3(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
+        return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    return sum64(buffer)
+
+
+def sum64(buffer: torch.Tensor) -> torch.Tensor:
+    """Two sums, modulo 2^64, of the buffer's 64-bit words (then its last bytes, one a word) times
+    fixed odd multipliers: the same 16 bytes wherever the same bytes lie (CPU or GPU), and a
+    changed word always changes them (an odd multiplier is invertible modulo 2^64)."""
+    whole = buffer.numel() - buffer.numel() % 8
+    words, tail = buffer[:whole].view(torch.int64), buffer[whole:].to(torch.int64)
+    keys = _multipliers(words.numel() + tail.numel(), buffer.device)
+    sums = [(words * keys[lane, : words.numel()]).sum() + (tail * keys[lane, words.numel() :]).sum() for lane in (0, 1)]
+    return torch.stack(sums).cpu().view(torch.uint8)
+
+
+def _multipliers(n: int, device: torch.device) -> torch.Tensor:
+    """Two rows of ``n`` odd pseudo-random 64-bit multipliers (splitmix64 of the index), kept per
+    device for the largest bucket seen."""
+    keys = _MULTIPLIERS.get(device)
+    if keys is None or keys.shape[1] < n:
+        index = torch.arange(max(n, 1 << 10), dtype=torch.int64, device=device)
+        keys = torch.stack([_splitmix64(index * 2 + lane) | 1 for lane in (0, 1)])
+        _MULTIPLIERS[device] = keys
+    return keys[:, :n]
+
+
+def _signed(constant: int) -> int:
+    return constant - (1 << 64) if constant >= 1 << 63 else constant
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    # (torch shifts int64 arithmetically: not splitmix64's exact numbers, but the same on every device)
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> 27)) * _signed(0x94D049BB133111EB)
+    return x ^ (x >> 31)
+
+
+def _allreduce_min(flag: torch.Tensor, group: Group) -> dist.Work:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+    return group.allreduce([flag], options)
 
 
 def _everyone_ok(mine: bool, group: Group, device: torch.device | str) -> bool:
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
-    group.allreduce([flag], options).wait()
+    _allreduce_min(flag, group).wait()
     return bool(flag.item())
 
 

@@ -11,14 +11,14 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from featurestore.auth import Authenticator
-from featurestore.broadcast_rounds import JOIN_SECONDS, Coordinator
+from featurestore.broadcast_rounds import JOIN_SECONDS, Coordinator, Transport
 from featurestore.checkpoint_engine import Publisher, Replica, state
 from featurestore.config import RepoConfig
 from featurestore.errors import FeatureStoreError
@@ -38,6 +38,9 @@ class JoinRequest(BaseModel):
     member: str = Field(..., pattern="^[A-Za-z0-9_.:-]{1,128}$", description="The member's id (one per process).")
     stage: str = Field("production", pattern="^(" + "|".join(STAGES) + ")$", description="The alias it serves.")
     wait: float = Field(JOIN_SECONDS, ge=0, le=JOIN_SECONDS, description="Seconds to hold the seat at most.")
+    machine: str | None = Field(
+        None, pattern="^[0-9a-f]{32}$", description="The member's machine id: on the source's, it reads shared memory."
+    )
 
 
 def create_app(
@@ -117,7 +120,7 @@ def create_app(
         coordinator = publisher.coordinator if publisher is not None else None
         if coordinator is None:
             return Response(status_code=404)
-        seat = await _while_connected(request, coordinator.join(body.member, body.stage, body.wait))
+        seat = await _while_connected(request, coordinator.join(body.member, body.stage, body.wait, body.machine))
         return seat.to_json() if seat is not None else Response(status_code=204)
 
     @app.get(
@@ -165,6 +168,10 @@ def app_factory() -> FastAPI:
     )
     publisher = None
     if launch.broadcast:
-        coordinator = Coordinator(launch.broadcast_host, bucket_bytes=launch.bucket_mb << 20)
+        coordinator = Coordinator(
+            launch.broadcast_host,
+            bucket_bytes=launch.bucket_mb << 20,
+            transport=cast(Transport, launch.broadcast_transport),
+        )
         publisher = Publisher(registry, launch.model, coordinator)
     return create_app(registry, replica, store.config, publisher)

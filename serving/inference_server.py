@@ -37,6 +37,7 @@ from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, Reque
 from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
+from featurestore.shared_tensors import machine_id
 from featurestore.training.model_registry import MODELS_CHANNEL, LoadedModel, ModelRegistry, stale_views
 from featurestore.weight_broadcast import stream_bytes
 from serving.fast_lane import FastLane
@@ -205,7 +206,7 @@ class ModelHolder:
         import httpx
 
         client = httpx.Client(timeout=httpx.Timeout(10.0, read=JOIN_SECONDS + 10), headers=key_headers())
-        body = {"member": f"{self.model_name}-{uuid.uuid4().hex[:12]}", "stage": self.stage}
+        body = {"member": f"{self.model_name}-{uuid.uuid4().hex[:12]}", "stage": self.stage, "machine": machine_id()}
 
         def join() -> dict[str, Any] | None:
             answer = client.post(f"{source.rstrip('/')}/broadcast/join", json=body).raise_for_status()

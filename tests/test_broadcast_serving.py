@@ -25,7 +25,7 @@ import uvicorn
 
 from featurestore import FeatureStore
 from featurestore.auth import ApiKey, hash_key
-from featurestore.broadcast_rounds import Coordinator
+from featurestore.broadcast_rounds import Coordinator, Transport
 from featurestore.checkpoint_engine import Publisher
 from featurestore.demo.generate import generate, load_demo
 from featurestore.online.embedded import EmbeddedRedis
@@ -93,9 +93,11 @@ class Source:
     """The trainer-side engine in broadcast mode, in this process (so a test can tamper with it),
     behind one API key."""
 
-    def __init__(self, data_dir: Path, bucket_bytes: int, timeout: float = 10.0):
+    def __init__(self, data_dir: Path, bucket_bytes: int, timeout: float = 10.0, transport: Transport = "auto"):
         self.registry = ModelRegistry(data_dir / "models", data_dir / "registry" / "models.json")
-        self.coordinator = Coordinator(bucket_bytes=bucket_bytes, timeout_seconds=timeout, gather_seconds=3.0)
+        self.coordinator = Coordinator(
+            bucket_bytes=bucket_bytes, timeout_seconds=timeout, gather_seconds=3.0, transport=transport
+        )
         self.publisher = Publisher(self.registry, "fraud", self.coordinator)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -168,7 +170,14 @@ def _until(condition, processes, timeout: float = 90.0) -> None:
     pytest.fail(f"condition not met in time\n{logs}")
 
 
-def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows: int | None = None):
+def _setup(
+    pipeline,
+    tmp_path,
+    replicas: int,
+    bucket_bytes: int,
+    embedding_rows: int | None = None,
+    transport: Transport = "auto",
+):
     """A source with v1 promoted and v2, v3, v4 registered (other weights each; v2 the trained
     run's own, unless ``embedding_rows`` grows its table); replicas holding v1."""
     source_dir = pipeline["root"] / "source"
@@ -180,7 +189,7 @@ def _setup(pipeline, tmp_path, replicas: int, bucket_bytes: int, embedding_rows:
         else _variant(pipeline["run"], tmp_path / f"run{i}", i, embedding_rows)
         for i in range(4)
     ]
-    source = Source(data, bucket_bytes)
+    source = Source(data, bucket_bytes, transport=transport)
     v1, v2, v3, v4 = (source.registry.register("fraud", run) for run in runs)
     source.promote(v1)
     members = []
@@ -302,6 +311,7 @@ def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nob
         source.stop()
     plain, paused, damaged = list(source.publisher.outcomes)[-3:]  # (v1 went out before anyone sat down)
     assert plain["ok"] and len(plain["members"]) == 2 and plain["attempts"] == 0
+    assert plain["transport"] == "shared"  # the replicas are on the source's machine: shared memory
     assert paused["ok"] and len(paused["members"]) == 2 and paused["attempts"] == 0, paused
     assert not damaged["ok"] and "keep" in damaged["error"]
     # no request failed while flipping; one in flight on the stopped replica may outlive its own
@@ -334,9 +344,12 @@ def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nob
 
 @pytest.mark.slow
 def test_a_replica_killed_mid_broadcast_holds_nobody_and_catches_up_from_a_peer(pipeline, tmp_path):
-    # a ~50 MB model in 1 MB buckets (its key table one bucket of its own): the victim dies after
-    # the first bucket reached it, while the rest is on the wire
-    source, replicas, (v1, v2, *_) = _setup(pipeline, tmp_path, 3, 1 << 20, embedding_rows=1_600_000)
+    # a ~50 MB model in 1 MB buckets (its key table one bucket of its own), over the network (the
+    # default test covers shared memory): the victim dies after the first bucket reached it, while
+    # the rest is on the wire
+    source, replicas, (v1, v2, *_) = _setup(
+        pipeline, tmp_path, 3, 1 << 20, embedding_rows=1_600_000, transport="network"
+    )
     victim = replicas[2]
     kill_at = 1
 
@@ -355,6 +368,7 @@ def test_a_replica_killed_mid_broadcast_holds_nobody_and_catches_up_from_a_peer(
         seen = load.finish()
         outcome = source.publisher.outcomes[-1]
         assert outcome["ok"] and outcome["attempts"] == 1 and len(outcome["members"]) == 2, outcome
+        assert outcome["transport"] == "network"
         assert {a.status for a in seen} == {200}
         # the peer: an engine over replica 0's registry; the victim's engine fetches from it first
         peer_port, own_port = free_port(), free_port()

@@ -1,7 +1,8 @@
-"""Weights broadcast in memory, in buckets (issue #28), across real processes over gloo: every
-replica ends with the source's tensors bit for bit, whatever their dtypes and sizes, received
-into staged memory when it fits; a bucket damaged on the wire is caught by its hash and nobody
-takes the new weights."""
+"""Weights broadcast in memory, in buckets (issue #28), across real processes over gloo, the
+buckets sent over the group or read from shared memory: every replica ends with the source's
+tensors bit for bit, whatever their dtypes and sizes, received into staged memory when it fits;
+a bucket damaged on the wire is caught by its hash and nobody takes the new weights; no shared
+memory outlives a broadcast."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from featurestore.weight_broadcast import BroadcastFailed, plan, receive, send, staging, stream_bytes
 
-rank, world, port, damage, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+rank, world, port, damage, out, shared = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "shared"
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=60))
 g = torch.Generator().manual_seed(7)
@@ -41,7 +42,7 @@ try:
         def tamper(bucket, buffer):
             if damage != "none" and bucket == int(damage):
                 buffer[0] ^= 1
-        send(state, bucket_bytes=256 * 1024, tamper=tamper)
+        send(state, bucket_bytes=256 * 1024, shared=shared, tamper=tamper)
         result = {"ok": True, "buckets": len(plan(state, 256 * 1024)[1])}
     else:
         # rank 1 receives into memory staged for it, rank 2's is too small (fresh memory then), rank 3 has none
@@ -63,14 +64,26 @@ dist.destroy_process_group()
 """
 
 
-def _broadcast(tmp_path: Path, world: int, damage: str) -> list[dict]:
+TRANSPORTS = ["network", "shared"]
+
+
+def _broadcast(tmp_path: Path, world: int, damage: str, transport: str = "network") -> list[dict]:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(_RANK))
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), str(world), str(port), damage, str(tmp_path / f"{r}.json")],
+            [
+                sys.executable,
+                str(script),
+                str(r),
+                str(world),
+                str(port),
+                damage,
+                str(tmp_path / f"{r}.json"),
+                transport,
+            ],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -83,18 +96,57 @@ def _broadcast(tmp_path: Path, world: int, damage: str) -> list[dict]:
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
-def test_every_replica_gets_the_source_weights_bit_for_bit(tmp_path):
-    source, *replicas = _broadcast(tmp_path, 4, "none")
+def _shared_files() -> set[str]:
+    from featurestore.shared_tensors import _SHM_DIR
+
+    return {name for name in os.listdir(_SHM_DIR) if name.startswith("featurestore-broadcast-")}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_replica_gets_the_source_weights_bit_for_bit(tmp_path, transport):
+    before = _shared_files()
+    source, *replicas = _broadcast(tmp_path, 4, "none", transport)
     assert source == {"ok": True, "buckets": source["buckets"]} and source["buckets"] > 4  # many buckets, pipelined
     assert [r["identical"] for r in replicas] == [True] * 3
     assert [r["in_staging"] for r in replicas] == [True, False, None]  # staged memory used when it fits
+    assert _shared_files() == before  # the source's buffers went with the broadcast
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("bucket", [0, pytest.param(3, marks=pytest.mark.slow)])
-def test_a_damaged_bucket_means_nobody_takes_the_new_weights(tmp_path, bucket):
-    results = _broadcast(tmp_path, 3, str(bucket))
+def test_a_damaged_bucket_means_nobody_takes_the_new_weights(tmp_path, bucket, transport):
+    before = _shared_files()
+    results = _broadcast(tmp_path, 3, str(bucket), transport)
     assert [r["ok"] for r in results] == [False, False, False]
     assert all("keeps its weights" in r["error"] for r in results)
+    assert _shared_files() == before
+
+
+def test_a_gpu_digest_is_the_same_bytes_wherever_they_lie_and_any_changed_word_shows():
+    """``sum64`` (a source on a GPU hashes there) against a naive sum of words times the same
+    multipliers, on lengths that are not whole words too; a changed byte always changes it."""
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from featurestore.weight_broadcast import _multipliers, sum64
+
+    @settings(max_examples=100, deadline=None)
+    @given(data=st.binary(min_size=0, max_size=300), flip=st.integers(0, 299), mask=st.integers(1, 255))
+    def check(data, flip, mask):
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        whole = len(data) - len(data) % 8
+        words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, whole, 8)]
+        words += list(data[whole:])  # the last bytes, one a word
+        keys = _multipliers(len(words), torch.device("cpu")).tolist()
+        naive = [sum(w * k for w, k in zip(words, keys[lane])) % (1 << 64) for lane in (0, 1)]
+        assert sum64(buffer).view(torch.int64).tolist() == [n - (1 << 64) if n >= 1 << 63 else n for n in naive]
+        if data:
+            changed = buffer.clone()
+            changed[flip % len(data)] ^= mask
+            assert not torch.equal(sum64(changed), sum64(buffer))
+
+    check()
 
 
 def test_the_plan_cuts_one_aligned_stream_into_buckets_no_larger_than_asked():
