@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from featurestore.errors import FeatureStoreError
 from featurestore.shared_tensors import Exported, attach
+from featurestore.sum64 import copy_sum64, sum64
 
 
 class Group(Protocol):
@@ -260,8 +261,8 @@ def receive(
         copied: list[dist.Work] = []
         for bucket, size in enumerate(sizes):
             group.broadcast(digests[bucket], src).wait()  # (it follows the bucket's bytes)
-            part(bucket).copy_(buffers[bucket % len(buffers)][:size])
-            intact = intact and torch.equal(_digest(part(bucket), digest), digests[bucket].cpu())
+            copied_digest = _copy_digest(buffers[bucket % len(buffers)][:size], part(bucket), digest)
+            intact = intact and torch.equal(copied_digest, digests[bucket].cpu())
             copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
         for work in copied:
             work.wait()
@@ -308,49 +309,22 @@ def _control_device(group: Group, device: torch.device | str) -> torch.device:
 
 _DIGEST = {False: "blake3", True: "sum64"}  # by whether the source's buffers are on a GPU
 _DIGEST_BYTES = {"blake3": 32, "sum64": 16}
-_MULTIPLIERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _digest(buffer: torch.Tensor, kind: str) -> torch.Tensor:
     """A bucket's digest (uint8, on the host), computed where its bytes are for ``sum64``."""
-    if kind == "blake3":
-        digest = blake3.blake3(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
-        return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    return sum64(buffer)
+    if kind == "sum64":
+        return sum64(buffer)
+    digest = blake3.blake3(buffer.cpu().numpy().data).digest()  # hashed in place (no copy on CPU)
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
 
 
-def sum64(buffer: torch.Tensor) -> torch.Tensor:
-    """Two sums, modulo 2^64, of the buffer's 64-bit words (then its last bytes, one a word) times
-    fixed odd multipliers: the same 16 bytes wherever the same bytes lie (CPU or GPU), and a
-    changed word always changes them (an odd multiplier is invertible modulo 2^64)."""
-    whole = buffer.numel() - buffer.numel() % 8
-    words, tail = buffer[:whole].view(torch.int64), buffer[whole:].to(torch.int64)
-    keys = _multipliers(words.numel() + tail.numel(), buffer.device)
-    sums = [(words * keys[lane, : words.numel()]).sum() + (tail * keys[lane, words.numel() :]).sum() for lane in (0, 1)]
-    return torch.stack(sums).cpu().view(torch.uint8)
-
-
-def _multipliers(n: int, device: torch.device) -> torch.Tensor:
-    """Two rows of ``n`` odd pseudo-random 64-bit multipliers (splitmix64 of the index), kept per
-    device for the largest bucket seen."""
-    keys = _MULTIPLIERS.get(device)
-    if keys is None or keys.shape[1] < n:
-        index = torch.arange(max(n, 1 << 10), dtype=torch.int64, device=device)
-        keys = torch.stack([_splitmix64(index * 2 + lane) | 1 for lane in (0, 1)])
-        _MULTIPLIERS[device] = keys
-    return keys[:, :n]
-
-
-def _signed(constant: int) -> int:
-    return constant - (1 << 64) if constant >= 1 << 63 else constant
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    # (torch shifts int64 arithmetically: not splitmix64's exact numbers, but the same on every device)
-    x = x + _signed(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> 27)) * _signed(0x94D049BB133111EB)
-    return x ^ (x >> 31)
+def _copy_digest(source: torch.Tensor, destination: torch.Tensor, kind: str) -> torch.Tensor:
+    """Copy a bucket and digest the copy (one pass over the bytes for ``sum64`` on a GPU)."""
+    if kind == "sum64":
+        return copy_sum64(source, destination)
+    destination.copy_(source)
+    return _digest(destination, kind)
 
 
 def _allreduce_min(flag: torch.Tensor, group: Group) -> dist.Work:

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
-
 _RANK = """
 import json, sys
 from datetime import timedelta
@@ -24,8 +22,9 @@ import torch
 import torch.distributed as dist
 from featurestore.weight_broadcast import BroadcastFailed, plan, receive, send, staging, stream_bytes
 
-rank, world, port, damage, out, shared = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6] == "shared"
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+rank, world, rendezvous, damage, out, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+device, shared = ("cuda", True) if transport == "cuda-shared" else ("cpu", transport == "shared")
+dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=60))
 g = torch.Generator().manual_seed(7)
 state = {  # every rank can make the source's tensors: the receivers check theirs against them
@@ -37,18 +36,19 @@ state = {  # every rank can make the source's tensors: the receivers check their
     "empty": torch.zeros(0),
     **{f"block{i}.weight": torch.randn(100, 100, generator=g) for i in range(20)},  # 40 KB each
 }
+state = {k: v.to(device) for k, v in state.items()}
 try:
     if rank == 0:
         def tamper(bucket, buffer):
             if damage != "none" and bucket == int(damage):
                 buffer[0] ^= 1
-        send(state, bucket_bytes=256 * 1024, shared=shared, tamper=tamper)
+        send(state, bucket_bytes=256 * 1024, device=device, shared=shared, tamper=tamper)
         result = {"ok": True, "buckets": len(plan(state, 256 * 1024)[1])}
     else:
         # rank 1 receives into memory staged for it, rank 2's is too small (fresh memory then), rank 3 has none
         need = stream_bytes(state)
-        staged = staging(need) if rank == 1 else staging(need - 16) if rank == 2 else None
-        got, _ = receive(into=staged)
+        staged = staging(need, device) if rank == 1 else staging(need - 16, device) if rank == 2 else None
+        got, _ = receive(device=device, into=staged)
         same = set(got) == set(state) and all(
             got[k].dtype == state[k].dtype and got[k].shape == state[k].shape and torch.equal(got[k], state[k])
             for k in state
@@ -64,13 +64,15 @@ dist.destroy_process_group()
 """
 
 
-TRANSPORTS = ["network", "shared"]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")]
+# cuda-shared: every process on one GPU (a trainer and its inference servers), buckets by CUDA IPC
+TRANSPORTS = ["network", "shared", pytest.param("cuda-shared", marks=GPU)]
 
 
 def _broadcast(tmp_path: Path, world: int, damage: str, transport: str = "network") -> list[dict]:
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(_RANK))
-    port = free_port()
+    rendezvous = tmp_path / "rendezvous"  # (a file, not a port: nothing to race for)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [
         subprocess.Popen(
@@ -79,7 +81,7 @@ def _broadcast(tmp_path: Path, world: int, damage: str, transport: str = "networ
                 str(script),
                 str(r),
                 str(world),
-                str(port),
+                str(rendezvous),
                 damage,
                 str(tmp_path / f"{r}.json"),
                 transport,
@@ -129,7 +131,7 @@ def test_a_gpu_digest_is_the_same_bytes_wherever_they_lie_and_any_changed_word_s
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from featurestore.weight_broadcast import _multipliers, sum64
+    from featurestore.sum64 import copy_sum64, multipliers, sum64
 
     @settings(max_examples=100, deadline=None)
     @given(data=st.binary(min_size=0, max_size=300), flip=st.integers(0, 299), mask=st.integers(1, 255))
@@ -138,9 +140,11 @@ def test_a_gpu_digest_is_the_same_bytes_wherever_they_lie_and_any_changed_word_s
         whole = len(data) - len(data) % 8
         words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, whole, 8)]
         words += list(data[whole:])  # the last bytes, one a word
-        keys = _multipliers(len(words), torch.device("cpu")).tolist()
+        keys = [multipliers(0, len(words), lane, torch.device("cpu")).tolist() for lane in (0, 1)]
         naive = [sum(w * k for w, k in zip(words, keys[lane])) % (1 << 64) for lane in (0, 1)]
         assert sum64(buffer).view(torch.int64).tolist() == [n - (1 << 64) if n >= 1 << 63 else n for n in naive]
+        copy = torch.full_like(buffer, 7)
+        assert torch.equal(copy_sum64(buffer, copy), sum64(buffer)) and torch.equal(copy, buffer)
         if data:
             changed = buffer.clone()
             changed[flip % len(data)] ^= mask
@@ -184,3 +188,30 @@ def test_the_plan_cuts_one_aligned_stream_into_buckets_no_larger_than_asked():
     check()
     with pytest.raises(ValueError, match="multiple of"):
         plan({"x": torch.zeros(3)}, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
+def test_the_gpu_kernel_digests_and_copies_as_the_reference_does():
+    """On CUDA ``sum64`` runs one Triton kernel; it equals the torch reference on lengths that
+    are and are not whole words and blocks, and its copy is exact."""
+    import torch
+
+    from featurestore import sum64 as module
+
+    assert module._kernel() is not None  # a CUDA build of torch brings Triton
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for n in [8, 13, 8 * module.BLOCK, 8 * module.BLOCK + 3, 1 << 20, (64 << 20) + 5]:
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+        whole = n - n % 8
+        words = data[:whole].view(torch.int64)
+        keys = [module.multipliers(0, words.numel(), lane, data.device) for lane in (0, 1)]
+        reference = torch.stack([(words * k).sum() for k in keys])
+        tail = data[whole:].to(torch.int64)
+        reference += torch.stack(
+            [(tail * module.multipliers(whole // 8, tail.numel(), lane, data.device)).sum() for lane in (0, 1)]
+        )
+        assert torch.equal(module.sum64(data), reference.cpu().view(torch.uint8)), n
+        assert torch.equal(module.sum64(data), module.sum64(data.cpu())), n  # the same bytes on the host
+        copy = torch.zeros_like(data)
+        assert torch.equal(module.copy_sum64(data, copy), module.sum64(data)) and torch.equal(copy, data), n
