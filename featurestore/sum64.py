@@ -50,10 +50,11 @@ def _digest(source: torch.Tensor, destination: torch.Tensor | None) -> torch.Ten
             source = destination
         words = source[:whole].view(torch.int64)
         sums = torch.stack([(words * multipliers(0, words.numel(), lane, source.device)).sum() for lane in (0, 1)])
-    tail = source[whole:].to(torch.int64)
-    sums = sums + torch.stack(
-        [(tail * multipliers(whole // 8, tail.numel(), lane, source.device)).sum() for lane in (0, 1)]
-    )
+    if whole < source.numel():  # (most buckets are whole words: no launches for an empty tail)
+        tail = source[whole:].to(torch.int64)
+        sums = sums + torch.stack(
+            [(tail * multipliers(whole // 8, tail.numel(), lane, source.device)).sum() for lane in (0, 1)]
+        )
     return sums.cpu().view(torch.uint8)
 
 

@@ -60,7 +60,9 @@ class Group(Protocol):
 
 BUCKET_BYTES = 64 << 20  # default bucket: big enough to keep a link busy, small enough to pipeline
 ALIGN = 16  # bytes: a tensor's offset in its bucket, so its bytes view as any dtype
-SHARED_BUFFERS = 2  # a colocated broadcast's buffers: one filled while the other is read
+# a colocated broadcast's buffers: the source fills ahead while receivers copy (on a GPU a bucket
+# is copied in less time than the group takes to say so)
+SHARED_BUFFERS = 4
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def receive(
         raise BroadcastFailed(f"the source hashes with {digest!r}, which this receiver does not know")
     # every bucket arrives straight into its place in one buffer, which the tensors then view (no copy out)
     total = sum(sizes)
-    fits = into is not None and into.numel() >= total and into.device == torch.device(device)
+    fits = into is not None and into.numel() >= total and _same_device(into.device, torch.device(device))
     stream = into[:total] if fits and into is not None else torch.empty(total, dtype=torch.uint8, device=device)
     digests = [torch.empty(_DIGEST_BYTES[digest], dtype=torch.uint8, device=control) for _ in sizes]
 
@@ -299,6 +301,13 @@ def _pieces(slots: list[Slot], start: int, stop: int) -> list[tuple[str, int, in
         for s in slots
         if s.nbytes and s.offset < stop and s.offset + s.nbytes > start
     ]
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """(``cuda`` asked for means the current GPU, as tensors name it: ``cuda:0``.)"""
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    return have == want
 
 
 def _control_device(group: Group, device: torch.device | str) -> torch.device:
