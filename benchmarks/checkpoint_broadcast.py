@@ -11,6 +11,7 @@ before and during the update, and failed requests (goal 0). Today's file path is
 ``benchmarks/checkpoint_engine.py``.
 
     python benchmarks/checkpoint_broadcast.py [--sizes-mb 100] [--replicas 4] [--bucket-mb 64]
+        [--transport auto|shared|network]  (auto: shared memory, the replicas being on this machine)
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _until(condition, timeout: float = 300.0) -> None:
     raise SystemExit("timed out waiting for the replicas")
 
 
-def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, bucket_mb: int) -> None:
+def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, bucket_mb: int, transport: str) -> None:
     work = root / f"{size_mb}mb"
     source_dir = work / "source"
     shutil.copytree(root / "data" / "registry", source_dir / "registry")
@@ -125,7 +126,7 @@ def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, 
         processes.append(
             subprocess.Popen(
                 [*cli, "checkpoint-engine", "--model", "fraud", "--repo", str(DEFINITIONS), "--port", str(port)]
-                + ["--broadcast", "--bucket-mb", str(bucket_mb)],
+                + ["--broadcast", "--bucket-mb", str(bucket_mb), "--transport", transport],
                 env={**base, "FEATURESTORE_DATA_DIR": str(source_dir)},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -186,7 +187,8 @@ def measure(root: Path, run: Path, redis_url: str, size_mb: int, replicas: int, 
     failed = Counter(-v for *_, v in answers if v < 0)
     gb = nbytes / 1e9
     print(
-        f"{nbytes / 1e6:.0f} MB to {replicas} replicas (bucket {bucket_mb} MB): broadcast {outcome['seconds']:.2f} s "
+        f"{nbytes / 1e6:.0f} MB to {replicas} replicas (bucket {bucket_mb} MB, {outcome['transport']}): "
+        f"broadcast {outcome['seconds']:.2f} s "
         f"({gb / outcome['seconds']:.2f} GB/s; {outcome['group_seconds']:.2f} s of it forming the round's group; "
         f"{outcome['attempts']} failed attempts) · raw broadcast {raw_s:.2f} s "
         f"({gb / raw_s:.2f} GB/s) · ratio {outcome['seconds'] / raw_s:.2f}x · promote → every replica serving "
@@ -204,6 +206,7 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100])
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--transport", choices=["auto", "shared", "network"], default="auto")
     for hidden in ("--raw-rank", "--raw-world", "--raw-port", "--raw-bytes"):
         parser.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -223,7 +226,7 @@ def main() -> None:
         run = train(config, root / "runs", progress=False)
         print(f"{os.cpu_count()} CPUs, gloo on loopback")
         for size_mb in args.sizes_mb:
-            measure(root, run, os.environ["REDIS_URL"], size_mb, args.replicas, args.bucket_mb)
+            measure(root, run, os.environ["REDIS_URL"], size_mb, args.replicas, args.bucket_mb, args.transport)
     finally:
         redis_server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -32,15 +32,17 @@ _SHM_NAME = re.compile(r"^featurestore-broadcast-[0-9a-f]{32}$")
 
 
 def machine_id() -> str:
-    """Who can map this process's shared memory: processes of the same boot that see the same
-    shared-memory file system (another container has its own ``/dev/shm``, so another id)."""
+    """Who can map this process's shared memory: processes of the same user and boot that see
+    the same shared-memory file system (another container has its own ``/dev/shm``, another user
+    cannot open a ``0600`` file: either gets another id)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = socket.gethostname()
     shm = os.stat(_SHM_DIR)
-    return hashlib.sha256(f"{boot}:{shm.st_dev}:{shm.st_ino}".encode()).hexdigest()[:32]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return hashlib.sha256(f"{boot}:{shm.st_dev}:{shm.st_ino}:{uid}".encode()).hexdigest()[:32]
 
 
 class Exported:
@@ -78,7 +80,9 @@ class Exported:
 
     def close(self) -> None:
         self.unlink()
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+        cuda, self.tensor = self.tensor.is_cuda, torch.empty(0, dtype=torch.uint8)
+        if cuda:  # free what readers have let go of now, not at exit
+            torch.cuda.ipc_collect()
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still held elsewhere: closed when it goes
                 self._map.close()

@@ -34,7 +34,8 @@ def copy_sum64(source: torch.Tensor, destination: torch.Tensor) -> torch.Tensor:
 
 def _digest(source: torch.Tensor, destination: torch.Tensor | None) -> torch.Tensor:
     whole = source.numel() - source.numel() % 8
-    kernel = _kernel() if source.is_cuda and whole and (destination is None or destination.is_cuda) else None
+    same_device = destination is None or destination.device == source.device
+    kernel = _kernel() if source.is_cuda and whole and same_device else None
     if kernel is not None and source.data_ptr() % 8 == 0 and (destination is None or destination.data_ptr() % 8 == 0):
         words = source[:whole].view(torch.int64)
         into = destination[:whole].view(torch.int64) if destination is not None else words

@@ -127,10 +127,11 @@ def send(
             _send_shared(packer, sizes, buffers, digest, group, src, control, tamper)
         else:
             _send_over_group(packer, sizes, digest, group, src, device, control, tamper)
+        everyone = _everyone_ok(True, group, control)  # (receivers have let go of the shared buffers by then)
     finally:
         for buffer in buffers:
             buffer.close()
-    if not _everyone_ok(True, group, control):
+    if not everyone:
         raise BroadcastFailed("a receiver got a damaged or partial broadcast; every replica keeps its weights")
 
 

@@ -215,3 +215,33 @@ def test_the_gpu_kernel_digests_and_copies_as_the_reference_does():
         assert torch.equal(module.sum64(data), module.sum64(data.cpu())), n  # the same bytes on the host
         copy = torch.zeros_like(data)
         assert torch.equal(module.copy_sum64(data, copy), module.sum64(data)) and torch.equal(copy, data), n
+
+
+def test_shared_memory_is_offered_to_this_user_on_this_machine_and_opened_only_by_its_pattern():
+    """``machine_id`` decides when a round may use shared memory: the same in another process of
+    this user, another for another user (who could not open a ``0600`` file). ``attach`` opens
+    only a broadcast's own names: a handle is data from a peer, not a path to follow."""
+    from featurestore.errors import FeatureStoreError
+    from featurestore.shared_tensors import Exported, attach, machine_id
+
+    def other_process(user: int | None) -> str:
+        switch = f"os.setuid({user}); " if user is not None else ""  # (after the imports root can read)
+        code = f"import os; from featurestore.shared_tensors import machine_id; {switch}print(machine_id())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert other_process(None) == machine_id()
+    if os.getuid() == 0:
+        assert other_process(65534) != machine_id()  # nobody
+    exported = Exported(64)
+    try:
+        exported.tensor[:] = 7
+        assert attach(exported.handle).tolist() == [7] * 64  # what another process maps
+    finally:
+        exported.close()
+    for handle in (
+        {"kind": "shm", "name": "../../etc/passwd", "nbytes": 4},
+        {"kind": "shm", "name": exported.handle["name"], "nbytes": 64},  # gone with the broadcast
+        {"kind": "pickle", "name": "x"},
+    ):
+        with pytest.raises((FeatureStoreError, FileNotFoundError)):
+            attach(handle)
