@@ -92,10 +92,20 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
     monkeypatch.delenv("REDIS_URL", raising=False)
     ports, _ = cluster
     single, clustered = _stores(tmp_path, redis_url, ports)
+    masters = [
+        redis.Redis(port=int(name.split(":")[1]))
+        for name, node in RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", ports[0])]).cluster_nodes().items()
+        if "master" in node["flags"]
+    ]
     try:
+        for client in [redis.Redis.from_url(redis_url), *masters]:
+            client.config_resetstat()
         for store in (single, clustered):
             store.push("payments", _payments(2000, seed=1))
             store.push("payments", _payments(300, seed=1))  # retried events: counted once
+        # each call goes to a master whole, over all its slots: at most one script call per master
+        # for each the single Redis gets (per slot, the 600 cards' writes took hundreds)
+        assert _script_calls(masters) <= 3 * _script_calls([redis.Redis.from_url(redis_url)])
         refs = ["stats:score", "stats:segment", "activity:count_1h", "activity:amount_sum_24h"]
         rng = np.random.default_rng(9)
         for size in (1, 7, 100, 700):
@@ -132,6 +142,10 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
     finally:
         single.close()
         clustered.close()
+
+
+def _script_calls(clients: list[redis.Redis]) -> int:
+    return sum(int(c.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)) for c in clients)
 
 
 def test_a_master_killed_mid_load_ends_in_recovery_with_no_wrong_value(tmp_path, redis_url, cluster, monkeypatch):

@@ -2,6 +2,11 @@
 
 Each script is called by its SHA-1 (EVALSHA); a Redis that lost its scripts (a restart, a
 promoted replica) is sent their text again and the calls, all idempotent, are retried.
+
+Every script starts with ``PROLOGUE``: a call may also come with no declared keys and its keys
+ahead of its arguments (``EVALSHA sha 0 n key1 … keyn arg1 …``). A cluster node runs such a call
+over keys of every slot it holds, where declared keys must share one slot (one call per node,
+not per slot); the script body sees ``KEYS`` and ``ARGV`` as if they had been declared.
 """
 
 from __future__ import annotations
@@ -10,6 +15,16 @@ import functools
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
+
+PROLOGUE = """\
+local KEYS, ARGV = KEYS, ARGV
+if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: see featurestore/online/lua.py)
+  local n, keys, args = tonumber(ARGV[1]), {}, {}
+  for i = 1, n do keys[i] = ARGV[i + 1] end
+  for i = n + 2, #ARGV do args[i - n - 1] = ARGV[i] end
+  KEYS, ARGV = keys, args
+end
+"""
 
 
 @dataclass(frozen=True)
@@ -29,7 +44,7 @@ def scripts() -> dict[str, Script]:
     """``{name: script}`` for every ``scripts/<name>.lua``."""
     folder = resources.files("featurestore.online") / "scripts"
     return {
-        entry.name.removesuffix(".lua"): Script(entry.name.removesuffix(".lua"), entry.read_text())
+        entry.name.removesuffix(".lua"): Script(entry.name.removesuffix(".lua"), PROLOGUE + entry.read_text())
         for entry in folder.iterdir()
         if entry.name.endswith(".lua")
     }

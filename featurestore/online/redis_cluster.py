@@ -2,13 +2,15 @@
 
 ``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``.
 Keys carry a hash tag per entity (``{card_id=42}``), so all of an entity's views and events
-live on one slot. A script may only touch keys of one slot, so writes are split by slot and
-each slot's calls go to its master, framed once per call (``resp.sliced``) and sent in one
-buffer per master, every master fed at once by a thread of its own, so the masters work
-concurrently. Reads go through redis-py's cluster pipeline (one batch per node, request
-order kept, MOVED/ASK followed), from replicas when ``read_from_replicas: true``. While a
-master is failing over, its slots answer errors: the store raises ``OnlineStoreUnavailable``
-(a 503), refreshes its slot map, and serves again once a replica has taken over.
+live on one slot. Writes are split by master: a call's keys, ordered by slot, are cut where
+the master changes, and each master runs its part as one script call over all the slots it
+holds (its keys undeclared, ahead of the arguments: declared keys must share one slot; see
+``online.lua``), framed once per call (``resp.sliced``) and sent in one buffer per master,
+every master fed at once by a thread of its own, so the masters work concurrently. Reads go
+through redis-py's cluster pipeline (one batch per node, request order kept, MOVED/ASK
+followed), from replicas when ``read_from_replicas: true``. While a master is failing over,
+its slots answer errors: the store raises ``OnlineStoreUnavailable`` (a 503), refreshes its
+slot map, and serves again once a replica has taken over.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ SCHEME = CLUSTER_SCHEME
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
 # pipelines and slot map now and then a lookup on a node that has just gone (seen under failover)
 PIPELINE_FAILURES = (*UNAVAILABLE, AttributeError, KeyError, IndexError)
-# replies of a node whose slots are moving or failing over (redis-py parses some into these)
+# replies of a node whose slots are moving or failing over (redis-py parses some into these), and
+# what a script's own commands answer there: its keys undeclared, the node runs it and a command
+# inside finds a key whose slot has left, the cluster down, or the node a replica now
+NOT_HERE = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+NOT_HERE_IN_SCRIPT = ("non local key", "while the cluster is down", "READONLY")
 MOVING = (
     redis.exceptions.ClusterDownError,
     redis.exceptions.TryAgainError,
@@ -133,8 +139,8 @@ class ClusterRedis:
             raise self.error(exc) from exc
 
     def send(self, calls: Iterable[Call]) -> list:
-        """Each call split by hash slot, each part sent to its slot's master; a call in parts
-        replies the sum of its parts' replies (the write scripts return counts)."""
+        """Each call split by master, each part one script call over that master's slots; a call
+        in parts replies the sum of its parts' replies (the write scripts return counts)."""
         binary: list[tuple[str, pa.Array, list, list[pa.Array]]] = [(n, as_binary(k), a, c) for n, k, a, c in calls]
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
@@ -149,11 +155,14 @@ class ClusterRedis:
                 if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
                     order = pa.array(np.argsort(slots, kind="stable"))
                     keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
-                starts = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist(), len(slots)]
-                bounds = list(zip(starts, starts[1:]))
-                pieces = resp.sliced(("EVALSHA", scripts()[name].sha), keys, args, per_key, bounds)
-                for (start, _), piece in zip(bounds, pieces):
-                    queued[manager.get_node_from_slot(int(slots[start])).name].append((i, piece))
+                runs = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist()]  # where each slot's keys begin
+                masters = [manager.get_node_from_slot(int(slots[start])).name for start in runs]
+                cuts = [(runs[j], masters[j]) for j in range(len(runs)) if j == 0 or masters[j] != masters[j - 1]]
+                bounds = [(start, end) for (start, _), (end, _) in zip(cuts, [*cuts[1:], (len(slots), "")])]
+                # keys undeclared (numkeys 0, then the count and the keys): one call spans a master's slots
+                pieces = resp.sliced(("EVALSHA", scripts()[name].sha, 0), keys, args, per_key, bounds)
+                for (_, master), piece in zip(cuts, pieces):
+                    queued[master].append((i, piece))
                     parts[i] += 1
             for name in queued:
                 owner = manager.get_node(node_name=name)
@@ -184,7 +193,10 @@ class ClusterRedis:
             r
             for r in results
             if isinstance(r, MOVING)
-            or (isinstance(r, redis.ResponseError) and str(r).startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")))
+            or (
+                isinstance(r, redis.ResponseError)
+                and (str(r).startswith(NOT_HERE) or any(m in str(r) for m in NOT_HERE_IN_SCRIPT))
+            )
         ]
         if moved:  # a slot moved or is failing over: the writes are idempotent, a retry sends them again
             self._refresh_slots()
