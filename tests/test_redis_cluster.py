@@ -273,3 +273,24 @@ def test_the_feature_server_on_a_cluster_answers_200_or_503_through_a_failover(
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_hash_slots_are_redis_pys_for_any_key():
+    """The cluster write hashes all its keys at once (numpy); each slot is redis-py's ``key_slot``:
+    hash tags, empty and unclosed braces, braces twice, any bytes, arrays that are slices."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from redis.crc import key_slot
+
+    from featurestore.online.redis_cluster import _slots
+
+    pieces = st.sampled_from([b"{", b"}", b"{}", b"card_id=7", b"\xff\x00", b"x", b""])
+    keys = st.lists(st.lists(pieces | st.binary(max_size=6), max_size=6).map(b"".join), min_size=1, max_size=40)
+
+    @settings(max_examples=200, deadline=None)
+    @given(keys=keys, cut=st.integers(0, 5))
+    def check(keys, cut):
+        array = pa.array([b"pad"] * cut + keys, pa.binary()).slice(cut)
+        assert _slots(array).tolist() == [key_slot(k) for k in keys]
+
+    check()
