@@ -106,6 +106,7 @@ class ClusterRedis:
         )
         self._async: aiocluster.RedisCluster | None = None
         self._threads: ThreadPoolExecutor | None = None
+        self._master_of: tuple[object, np.ndarray, list[str]] | None = None  # (slot map it was read from, table, names)
 
     @property
     def async_client(self) -> aiocluster.RedisCluster:
@@ -150,19 +151,23 @@ class ClusterRedis:
         every_slot = _slots(pa.concat_arrays([keys for _, keys, _, _ in binary])) if binary else np.array([])
         ends = np.cumsum([len(keys) for _, keys, _, _ in binary]).tolist()
         try:  # (the slot map and the connections fail during a failover too: all of it is the store's error)
+            table, names = self._masters()
             for i, (name, keys, args, per_key) in enumerate(binary):
                 slots = every_slot[ends[i] - len(keys) : ends[i]]
-                if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per slot
+                if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per master
                     order = pa.array(np.argsort(slots, kind="stable"))
                     keys, per_key, slots = keys.take(order), [c.take(order) for c in per_key], slots[order.to_numpy()]
-                runs = [0, *(np.flatnonzero(np.diff(slots)) + 1).tolist()]  # where each slot's keys begin
-                masters = [manager.get_node_from_slot(int(slots[start])).name for start in runs]
-                cuts = [(runs[j], masters[j]) for j in range(len(runs)) if j == 0 or masters[j] != masters[j - 1]]
-                bounds = [(start, end) for (start, _), (end, _) in zip(cuts, [*cuts[1:], (len(slots), "")])]
+                masters = table[slots]
+                if (masters < 0).any():
+                    raise redis.exceptions.SlotNotCoveredError(
+                        f"slot {slots[masters < 0][0]} has no master (failing over)"
+                    )
+                starts = [0, *(np.flatnonzero(np.diff(masters)) + 1).tolist()]
+                bounds = list(zip(starts, [*starts[1:], len(slots)]))
                 # keys undeclared (numkeys 0, then the count and the keys): one call spans a master's slots
                 pieces = resp.sliced(("EVALSHA", scripts()[name].sha, 0), keys, args, per_key, bounds)
-                for (_, master), piece in zip(cuts, pieces):
-                    queued[master].append((i, piece))
+                for start, piece in zip(starts, pieces):
+                    queued[names[masters[start]]].append((i, piece))
                     parts[i] += 1
             for name in queued:
                 owner = manager.get_node(node_name=name)
@@ -235,6 +240,21 @@ class ClusterRedis:
         self.client.close()
         if self._threads is not None:
             self._threads.shutdown(wait=False)
+
+    def _masters(self) -> tuple[np.ndarray, list[str]]:
+        """Each slot's master, as an index into the masters' names (-1: none now); read again
+        whenever redis-py's slot map is a new one (``_refresh_slots``). A slot that moved since
+        (redis-py patches its map in place on a read's MOVED) sends its keys to the old master,
+        which refuses them: a 503, the map read again, and the retry goes where they live."""
+        slot_map = self.client.nodes_manager.slots_cache
+        if self._master_of is None or self._master_of[0] is not slot_map:
+            names = sorted({nodes[0].name for nodes in slot_map.values() if nodes})
+            table = np.full(REDIS_CLUSTER_HASH_SLOTS, -1, dtype=np.int64)
+            for slot, nodes in slot_map.items():
+                if nodes:
+                    table[slot] = names.index(nodes[0].name)
+            self._master_of = (slot_map, table, names)
+        return self._master_of[1], self._master_of[2]
 
     def _node_threads(self) -> ThreadPoolExecutor:
         """A thread per master for writes (the sockets release the GIL while they wait)."""
