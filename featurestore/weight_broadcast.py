@@ -200,36 +200,23 @@ def _send_shared(
     tamper: Callable[[int, torch.Tensor], None] | None,
 ) -> None:
     """Each bucket packed into a buffer the receivers map, then its digest and a "copied" flag
-    cross the group; a buffer is refilled once every receiver copied what it held.
-
-    Every rank posts bucket b's flag after the digest of bucket b + depth - 1 (depth: the
-    buffers), the order ``receive`` posts them in: a receiver waiting for a digest never waits
-    behind a flag that needs every receiver, so the buckets in the buffers flow without the
-    ranks moving in lock step."""
-    depth = len(buffers)
+    cross the group; a buffer is refilled once every receiver copied what it held."""
     copied: list[dist.Work] = []
     digests: list[dist.Work] = []
-
-    def flag() -> None:
-        copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
-
     for bucket, size in enumerate(sizes):
-        if bucket >= depth:
-            copied[bucket - depth].wait()
-            if bucket == depth:  # every receiver has them open: the names can go
+        if bucket >= len(buffers):
+            copied[bucket - len(buffers)].wait()
+            if bucket == len(buffers):  # every receiver has them open: the names can go
                 for buffer in buffers:
                     buffer.unlink()
-        data = packer.pack(bucket, buffers[bucket % depth].tensor[:size])
+        data = packer.pack(bucket, buffers[bucket % len(buffers)].tensor[:size])
         hashed = _digest(data, digest)
         if tamper is not None:
             tamper(bucket, data)
         if data.is_cuda:  # the receivers' copies start once this one's writes are done
             torch.cuda.synchronize(data.device)
         digests.append(group.broadcast(hashed.to(control), src))
-        if bucket >= depth - 1:
-            flag()  # bucket (bucket - depth + 1)'s
-    while len(copied) < len(sizes):
-        flag()
+        copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
     for work in digests + copied:
         work.wait()
 
@@ -275,16 +262,12 @@ def receive(
     intact = True
     if layout["shared"]:
         buffers = [attach(handle) for handle in layout["shared"]]
-        depth = len(buffers)  # (digests posted ahead, each flag after them: the order ``send`` posts in)
-        arrived = [group.broadcast(digests[bucket], src) for bucket in range(min(depth, len(sizes)))]
         copied: list[dist.Work] = []
         for bucket, size in enumerate(sizes):
-            arrived[bucket].wait()  # (it follows the bucket's bytes)
-            copied_digest = _copy_digest(buffers[bucket % depth][:size], part(bucket), digest)
+            group.broadcast(digests[bucket], src).wait()  # (it follows the bucket's bytes)
+            copied_digest = _copy_digest(buffers[bucket % len(buffers)][:size], part(bucket), digest)
             intact = intact and torch.equal(copied_digest, digests[bucket].cpu())
             copied.append(_allreduce_min(torch.ones(1, dtype=torch.int32, device=control), group))
-            if bucket + depth < len(sizes):
-                arrived.append(group.broadcast(digests[bucket + depth], src))
         for work in copied:
             work.wait()
         del buffers
