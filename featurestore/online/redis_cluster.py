@@ -298,10 +298,8 @@ def _slots(keys: pa.Array) -> np.ndarray:
     after = np.searchsorted(closes, brace + 1)
     close = closes[np.minimum(after, len(closes) - 1)] if len(closes) else stop
     tagged &= (after < len(closes)) & (close < stop) & (close != brace + 1)
-    first, length = (
-        np.where(tagged, brace + 1, start),
-        np.where(tagged, close, stop) - np.where(tagged, brace + 1, start),
-    )
+    first = np.where(tagged, brace + 1, start)  # what is hashed: the tag, or the whole key
+    length = np.where(tagged, close, stop) - first
     crc = np.zeros(n, dtype=np.int64)
     for at in range(int(length.max(initial=0))):  # CRC16-XMODEM a byte at a time, every key at once
         byte = data[np.minimum(first + at, len(data) - 1)]
