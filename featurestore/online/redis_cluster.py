@@ -122,8 +122,8 @@ class ClusterRedis:
         return self._async
 
     def order(self, keys: pa.Array) -> np.ndarray | None:
-        """By hash slot: each chunk of a write then spans few slots (one script call per slot), not
-        one call per row; stable, so each entity's writes keep their order."""
+        """By hash slot: each chunk of a write then spans a run of slots, mostly of one master (one
+        script call per master), not every master; stable, so each entity's writes keep their order."""
         return np.argsort(_slots(keys), kind="stable")
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:

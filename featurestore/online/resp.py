@@ -58,8 +58,9 @@ def sliced(
 ) -> list[bytes]:
     """A script call cut into commands, one per row slice ``(start, end)`` in ``bounds``: ``head``,
     the slice's key count, its keys, ``args``, its part of each per-key column. Every value is
-    framed once for all slices (a cluster write cuts a call into a piece per hash slot: framing
-    each piece on its own cost ~10 µs a piece)."""
+    framed once for all slices (a cluster write cuts a call into a piece per master, and framing
+    each piece on its own cost ~10 µs a piece when they were per slot). A ``head`` ending in 0
+    (``EVALSHA sha 0``) puts the count and keys ahead of the arguments, undeclared (``online.lua``)."""
     columns = [_framed(keys), *(_framed(c) for c in per_key)]
     head_bytes, args_bytes = b"".join(map(_one, head)), b"".join(map(_one, args))
     fixed = len(head) + 1 + len(args)
