@@ -27,7 +27,9 @@ shared memory on CPU, CUDA IPC on a GPU, where NCCL cannot put two processes of 
 device), and only each bucket's digest and a "copied" flag cross the group. A receiver copies a
 bucket into its own stream while the source fills the next buffer; a buffer is refilled once
 every receiver has said it copied what it held. Everything else (layout, digests, agreement,
-staging) is the network path's.
+staging) is the network path's. Those copies are torch's: a receiver on a busy host wants one
+intra-op thread (``torch.set_num_threads(1)``, as the inference server runs), since torch's
+thread pool spinning against other processes made a 64 KB copy take 20 ms instead of 20 µs.
 
 ``group`` is any process group, the default one or a backend made for one broadcast without a
 default group (``featurestore.broadcast_rounds`` forms one per version, beside a trainer's own).
