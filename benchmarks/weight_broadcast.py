@@ -21,6 +21,7 @@ them, verified", GB/s, the ratio to the limit, and whether every replica got the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -67,8 +68,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         identical = True
         raw_buffer = None
         if shared:  # the limit's one shared buffer, made once (its handle sent as bytes over the group)
-            import json
-
             if rank == 0:
                 raw_buffer = Exported(nbytes, device)
                 blob = torch.frombuffer(

@@ -51,7 +51,6 @@ class Exported:
 
     def __init__(self, nbytes: int, device: torch.device | str = "cpu"):
         device = torch.device(device)
-        self.nbytes = nbytes
         self._map: mmap.mmap | None = None
         self._path: str | None = None
         if device.type == "cuda":

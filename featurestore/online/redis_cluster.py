@@ -122,8 +122,8 @@ class ClusterRedis:
         return self._async
 
     def order(self, keys: pa.Array) -> np.ndarray | None:
-        """By hash slot: each chunk of a write then spans a run of slots, mostly of one master (one
-        script call per master), not every master; stable, so each entity's writes keep their order."""
+        """By hash slot: each chunk of a write then spans a run of slots, held by one master or
+        a few (a script call each); stable, so each entity's writes keep their order."""
         return np.argsort(_slots(keys), kind="stable")
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
@@ -145,7 +145,6 @@ class ClusterRedis:
         binary: list[tuple[str, pa.Array, list, list[pa.Array]]] = [(n, as_binary(k), a, c) for n, k, a, c in calls]
         manager = self.client.nodes_manager
         queued: dict[str, list[tuple[int, bytes]]] = defaultdict(list)  # node name -> (call index, command)
-        parts = [0] * len(binary)
         connections: dict[str, Any] = {}
         pools: dict[str, Any] = {}
         every_slot = _slots(pa.concat_arrays([keys for _, keys, _, _ in binary])) if binary else np.array([])
@@ -168,7 +167,6 @@ class ClusterRedis:
                 pieces = resp.sliced(("EVALSHA", scripts()[name].sha, 0), keys, args, per_key, bounds)
                 for start, piece in zip(starts, pieces):
                     queued[names[masters[start]]].append((i, piece))
-                    parts[i] += 1
             for name in queued:
                 owner = manager.get_node(node_name=name)
                 if owner is None:  # gone from the slot map since it was routed to (a failover)
