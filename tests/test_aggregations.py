@@ -850,7 +850,7 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
     members = encode_events(table, features, np.array([e[1] for e in events], dtype=np.int64)).to_pylist()
     wanted = list(range(len(features)))
     times, columns = make_events_decoder(features, wanted, at_once_from=0)(members, low, high)
-    one = make_decoder(features, wanted)
+    one = make_decoder(features, wanted, order_bytes=8)
     expected = [one(m[8:]) for m in events_between(members, low, high)]
 
     def same(a, b) -> bool:  # NaN equals NaN, in arrays too

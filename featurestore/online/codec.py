@@ -25,8 +25,9 @@ Events of an aggregated view live beside the hash, under the same hash tag::
     fs:<project>:{card_id=42}:ev:<view>|ids     hash: event id (8 bytes) → "" (first write wins)
     fs:<project>:{card_id=42}:ev:<view>|tiles   hash: tile number → sealed summary (``aggregation.tiles``)
 
-An event is its 8-byte id (sign-flipped big-endian) followed by the value layout above over
-the view's stored columns, so bytes 8–16 are its event µs. Members of one score sort by their
+An event is its 8-byte id (sign-flipped big-endian), its event µs (likewise), then the value
+layout above past the order key (null bitmap, fixed-width values, lengths, data) over the view's
+stored columns. Members of one score sort by their
 bytes, so a range of the sorted set comes in (time, id) order, the order offline uses: a
 lookup reads only its window, already sorted, and a tile's events are one range.
 """
@@ -231,14 +232,15 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: n
     """The fixed-width part of all rows is one numpy array (the columns side by side); the
     variable-width values are joined onto it by Arrow."""
     n = table.num_rows
-    order = [
-        _micros(table["event_timestamp"]),
-        _micros(table["created_timestamp"]),
-        numpy_values(table["_run_id"]).astype(np.int64),
-        numpy_values(table["_row_id"]).astype(np.int64),
-    ]
-    if event_ids is not None:
-        order.insert(0, np.asarray(event_ids, dtype=np.int64))
+    if event_ids is not None:  # an event: its id and time (no created time or row: nothing compares them)
+        order = [np.asarray(event_ids, dtype=np.int64), _micros(table["event_timestamp"])]
+    else:
+        order = [
+            _micros(table["event_timestamp"]),
+            _micros(table["created_timestamp"]),
+            numpy_values(table["_run_id"]).astype(np.int64),
+            numpy_values(table["_row_id"]).astype(np.int64),
+        ]
     blocks = [(np.stack(order, axis=1).view(np.uint64) ^ _SIGN).astype(">u8").view(np.uint8)]
     bits = np.zeros((n, (len(features) + 7) // 8), dtype=np.uint8)
     for i, (name, _) in enumerate(features):
@@ -338,9 +340,10 @@ def _array_decoder(dtype: DType) -> Callable[[bytes], list[Any]]:
 
 
 def make_decoder(
-    features: Sequence[tuple[str, DType]], wanted: Sequence[int]
+    features: Sequence[tuple[str, DType]], wanted: Sequence[int], order_bytes: int = ORDER_KEY_BYTES
 ) -> Callable[[bytes], tuple[int, list[Any]]]:
-    """A decoder for one view's values: ``decode(value) -> (event µs, values of the wanted features)``.
+    """A decoder for one view's values: ``decode(value) -> (event µs, values of the wanted features)``;
+    ``order_bytes``: 8 for an event after its id (its time only).
 
     One ``struct.unpack_from`` reads the order key, bitmap, every fixed-width value and the
     variable-width lengths; only strings, bytes and arrays need further slicing.
@@ -349,7 +352,7 @@ def make_decoder(
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
     var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
     layout = struct.Struct(
-        ">q24x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var)
+        f">q{order_bytes - 8}x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var)
     )
     head, first_len = layout.size, 2 + len(fixed)
     plan = []  # per wanted feature: bitmap byte, bit mask, how to read it, where it is
@@ -406,12 +409,12 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
     var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
     head = np.dtype(
-        [("id", ">u8"), ("time", ">u8"), ("rest", "V24"), ("nulls", "u1", (nbytes,))]
+        [("id", ">u8"), ("time", ">u8"), ("nulls", "u1", (nbytes,))]
         + [(f"f{i}", _FIXED[features[i][1].name][0]) for i in fixed]
         + [(f"len{i}", ">u4") for i in var]
     )
     size = head.itemsize
-    one_by_one = make_decoder(features, wanted)
+    one_by_one = make_decoder(features, wanted, order_bytes=8)
     var_decoders = {
         i: (lambda raw: raw.decode())
         if features[i][1].name == "String"
