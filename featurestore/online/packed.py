@@ -1,0 +1,342 @@
+"""Packed blocks: the ended tiles of an entity's events, compressed into one sorted-set member.
+
+Online, an aggregated view's events are sorted-set members (``codec``): ~200 bytes each in
+Redis, most of it Redis's own bookkeeping per member. Once the ``BLOCK_TILES`` tiles of a block
+have ended, a writer that holds all their events replaces them with one member, a block
+(``pack``), scored at the start of the block's last tile, so a range read that reaches any of
+its tiles returns it (``block_range``). A block holds exactly the members it replaced: ``unpack``
+gives them back byte for byte, so everything downstream of a read is unchanged. Inside, columns:
+
+- event ids, times, integers and timestamps: frame-of-reference bit packing of the values or of
+  their deltas, whichever is smaller (an id equal to an integer column is not stored twice);
+- floats: as decimals (``v == k / 10**e`` exactly, for the smallest such ``e``) bit-packed, else
+  XOR with the previous value's bits keeping the bytes between its leading and trailing zero
+  bytes (Gorilla's idea, bytewise), else raw: NaN payloads, ±inf and -0.0 round-trip exactly;
+- booleans one bit each; strings and bytes dictionary-encoded when values repeat;
+- null bitmaps only when some value is null.
+
+Layout: ``BLOCK_MARK`` (16 bytes: an event's bytes 8–16 are its µs, never all ones), version,
+block number (int64), the events of each of its tiles (8 × uint32, read by ``seal_tiles.lua``),
+then the sections. Redis never decodes the rest: a block's event ids and times are also in the
+events' id index (``add_events.lua``), for the duplicate rule.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from featurestore.types import DType
+
+BLOCK_TILES = 8
+BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
+_VERSION = 1
+_HEADER = struct.Struct(f">16sBq{BLOCK_TILES}I")
+_FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
+_U64 = np.uint64
+
+
+def is_block(member: bytes) -> bool:
+    return member[8:16] == BLOCK_MARK[8:]
+
+
+def block_of(tile: int) -> int:
+    return tile // BLOCK_TILES
+
+
+def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
+    """The scores a range read of events in ``(low_us, high_us]`` asks for (exclusive low,
+    inclusive high) so that it also returns the blocks holding any of them: a block is scored at
+    the start of its last tile, up to a block after its first."""
+    return low_us - tile_us + 1, high_us + (BLOCK_TILES - 1) * tile_us
+
+
+def header(blob: bytes) -> tuple[int, list[int]]:
+    """A block's number and the events of each of its tiles."""
+    _, _, block, *counts = _HEADER.unpack_from(blob)
+    return block, counts
+
+
+def event_count(members: Sequence[bytes]) -> int:
+    """Events in ``members``: one per plain member, a block's own count per block."""
+    return sum(sum(header(m)[1]) if is_block(m) else 1 for m in members)
+
+
+def expand(members: list[bytes], features: Sequence[tuple[str, DType]]) -> list[bytes]:
+    """``members`` with each block replaced by the events it holds, in (time, id) order (the
+    order of plain members: blocks may hold tiles that late events were added to since)."""
+    if not any(is_block(m) for m in members):
+        return members
+    out: list[bytes] = []
+    for m in members:
+        out.extend(unpack(m, features) if is_block(m) else (m,))
+    out.sort(key=_order)
+    return out
+
+
+def _order(member: bytes) -> tuple[bytes, bytes]:
+    return member[8:16], member[:8]
+
+
+# ------------------------------------------------------------------ the format
+
+
+def _head_dtype(features: Sequence[tuple[str, DType]]) -> np.dtype:
+    nbytes = (len(features) + 7) // 8
+    fixed = [(f"f{i}", _FIXED[t.name]) for i, (_, t) in enumerate(features) if t.name in _FIXED]
+    lengths = [(f"len{i}", ">u4") for i, (_, t) in enumerate(features) if t.name not in _FIXED]
+    return np.dtype([("id", ">u8"), ("time", ">u8"), ("nulls", "u1", (nbytes,)), *fixed, *lengths])
+
+
+def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_us: int) -> bytes:
+    """One block from the plain members of its tiles, in (time, id) order."""
+    head = _head_dtype(features)
+    size = head.itemsize
+    heads = np.frombuffer(b"".join(m[:size] for m in members), dtype=head)
+    times = (heads["time"] ^ _U64(1 << 63)).view(np.int64)
+    tiles = times // tile_us
+    block = int(tiles[0]) // BLOCK_TILES
+    if int(tiles[-1]) // BLOCK_TILES != block:
+        raise ValueError("the members span more than one block")
+    counts = np.bincount(tiles - block * BLOCK_TILES, minlength=BLOCK_TILES).tolist()
+    out = [_HEADER.pack(BLOCK_MARK, _VERSION, block, *counts)]
+    ids = heads["id"].astype(_U64)
+    same = next(
+        (
+            k
+            for k, (_, t) in enumerate(features)
+            if t.name == "Int64" and np.array_equal(heads[f"f{k}"].astype(np.int64).view(_U64) ^ _U64(1 << 63), ids)
+        ),
+        None,
+    )
+    out.append(struct.pack(">h", -1 if same is None else same))
+    if same is None:
+        out.append(_ints(ids.view(np.int64)))
+    out.append(_ints(times))
+    nulls = np.ascontiguousarray(heads["nulls"])
+    out.append(b"\x01" + nulls.tobytes() if nulls.any() else b"\x00")
+    for k, (_, dtype) in enumerate(features):
+        if dtype.name in _FIXED:
+            out.append(_fixed(heads[f"f{k}"], dtype.name))
+        else:
+            lengths = heads[f"len{k}"].astype(np.int64)
+            starts = size + sum((heads[f"len{j}"].astype(np.int64) for j in range(k) if features[j][1].name not in _FIXED), np.zeros(len(members), np.int64))
+            out.append(_variable([m[a : a + n] for m, a, n in zip(members, starts.tolist(), lengths.tolist())]))
+    return b"".join(out)
+
+
+def unpack(blob: bytes, features: Sequence[tuple[str, DType]]) -> list[bytes]:
+    """The members a block holds, byte for byte, in (time, id) order."""
+    _, version, _, *counts = _HEADER.unpack_from(blob)
+    if version != _VERSION:
+        raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
+    n = sum(counts)
+    head = _head_dtype(features)
+    heads = np.zeros(n, dtype=head)
+    view = memoryview(blob)
+    at = _HEADER.size
+    (same,) = struct.unpack_from(">h", blob, at)
+    at += 2
+    if same < 0:
+        ids, at = _read_ints(view, at, n)
+    times, at = _read_ints(view, at, n)
+    heads["time"] = times.view(_U64) ^ _U64(1 << 63)
+    if blob[at]:
+        heads["nulls"] = np.frombuffer(view[at + 1 : at + 1 + n * head["nulls"].itemsize], np.uint8).reshape(
+            n, head["nulls"].itemsize
+        )
+        at += 1 + n * head["nulls"].itemsize
+    else:
+        at += 1
+    var: list[list[bytes]] = []
+    for k, (_, dtype) in enumerate(features):
+        if dtype.name in _FIXED:
+            heads[f"f{k}"], at = _read_fixed(view, at, n, dtype.name)
+        else:
+            values, at = _read_variable(view, at, n)
+            heads[f"len{k}"] = [len(v) for v in values]
+            var.append(values)
+    if same >= 0:
+        heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
+    else:
+        heads["id"] = ids.view(_U64)
+    raw = heads.tobytes()
+    size = head.itemsize
+    if not var:
+        return [raw[i * size : (i + 1) * size] for i in range(n)]
+    return [raw[i * size : (i + 1) * size] + b"".join(v[i] for v in var) for i in range(n)]
+
+
+# integers: frame of reference over the values or their deltas (mod 2^64), bit-packed
+
+
+def _bits(values: np.ndarray, width: int) -> bytes:
+    if width == 0 or not len(values):
+        return b""
+    shifts = np.arange(width, dtype=_U64)
+    bits = ((values[:, None] >> shifts) & _U64(1)).astype(np.uint8)
+    return np.packbits(bits.ravel(), bitorder="little").tobytes()
+
+
+def _read_bits(view: memoryview, at: int, n: int, width: int) -> tuple[np.ndarray, int]:
+    if width == 0:
+        return np.zeros(n, _U64), at
+    nbytes = (n * width + 7) // 8
+    bits = np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n * width, bitorder="little")
+    values = (bits.reshape(n, width).astype(_U64) << np.arange(width, dtype=_U64)).sum(axis=1, dtype=_U64)
+    return values, at + nbytes
+
+
+def _frame(values: np.ndarray) -> tuple[int, int, np.ndarray]:
+    """(base, width, offsets): values = base + offsets (mod 2^64)."""
+    if not len(values):
+        return 0, 0, values.view(_U64)
+    base = int(values.min())
+    offsets = values.view(_U64) - np.array(base, np.int64).view(_U64)
+    return base, int(offsets.max()).bit_length(), offsets
+
+
+def _ints(values: np.ndarray) -> bytes:
+    """int64 values: kind 0 (frame of reference) or 1 (first value, then deltas' frame)."""
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    base, width, offsets = _frame(values)
+    plain = struct.pack(">Bqb", 0, base, width) + _bits(offsets, width)
+    if len(values) < 2:
+        return plain
+    deltas = np.diff(values.view(_U64)).view(np.int64)
+    dbase, dwidth, doffsets = _frame(deltas)
+    if dwidth >= width:
+        return plain
+    return struct.pack(">Bqqb", 1, int(values[0]), dbase, dwidth) + _bits(doffsets, dwidth)
+
+
+def _read_ints(view: memoryview, at: int, n: int) -> tuple[np.ndarray, int]:
+    kind = view[at]
+    if kind == 0:
+        _, base, width = struct.unpack_from(">Bqb", view, at)
+        offsets, at = _read_bits(view, at + 10, n, width)
+        return (offsets + np.array(base, np.int64).view(_U64)).view(np.int64), at
+    _, first, dbase, dwidth = struct.unpack_from(">Bqqb", view, at)
+    offsets, at = _read_bits(view, at + 18, n - 1, dwidth)
+    deltas = offsets + np.array(dbase, np.int64).view(_U64)
+    values = np.empty(n, _U64)
+    values[0] = np.array(first, np.int64).view(_U64)
+    values[1:] = deltas
+    return np.cumsum(values, dtype=_U64).view(np.int64), at
+
+
+# fixed-width columns
+
+
+def _fixed(column: np.ndarray, dtype: str) -> bytes:
+    if dtype == "Bool":
+        values = column.astype(np.uint8)
+        if (values <= 1).all():
+            return b"b" + np.packbits(values, bitorder="little").tobytes()
+        return b"r" + values.tobytes()
+    if dtype in ("Float64", "Float32"):
+        return _floats(column.astype(column.dtype.newbyteorder("=")))
+    return b"i" + _ints(column.astype(np.int64))
+
+
+def _read_fixed(view: memoryview, at: int, n: int, dtype: str) -> tuple[np.ndarray, int]:
+    if dtype in ("Float64", "Float32"):
+        return _read_floats(view, at, n, dtype)
+    kind = chr(view[at])
+    at += 1
+    if kind == "b":
+        nbytes = (n + 7) // 8
+        return np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n, bitorder="little"), at + nbytes
+    if kind == "r":
+        return np.frombuffer(view[at : at + n], np.uint8), at + n
+    return _read_ints(view, at, n)
+
+
+def _floats(values: np.ndarray) -> bytes:
+    """The smallest of: decimals, XOR with the previous value's bits, raw."""
+    width = values.dtype.itemsize
+    unsigned = np.uint64 if width == 8 else np.uint32
+    bits = values.view(unsigned)
+    candidates = [b"r" + bits.astype(f">u{width}").tobytes()]
+    if width == 8 and np.isfinite(values).all():
+        for exponent in range(7):
+            scale = 10.0**exponent
+            scaled = np.rint(values * scale)
+            if np.abs(scaled).max(initial=0) >= 2**53:
+                break
+            ints = scaled.astype(np.int64)  # (-0.0 becomes 0: its bits differ, so it is not a decimal)
+            if np.array_equal((ints.astype(np.float64) / scale).view(unsigned), bits):
+                candidates.append(b"d" + bytes([exponent]) + _ints(ints))
+                break
+    xor = bits.copy()
+    xor[1:] ^= bits[:-1]
+    grid = xor.astype(f">u{width}").view(np.uint8).reshape(-1, width)
+    nonzero = grid != 0
+    any_set = nonzero.any(axis=1)
+    lead = np.where(any_set, nonzero.argmax(axis=1), width)
+    last = np.where(any_set, width - 1 - nonzero[:, ::-1].argmax(axis=1), width - 1)
+    length = np.where(any_set, last - lead + 1, 0)
+    column = np.arange(width)
+    mask = (column >= lead[:, None]) & (column < (lead + length)[:, None])
+    shape = ((lead << 4) | length).astype(np.uint8)
+    candidates.append(b"x" + shape.tobytes() + grid[mask].tobytes())
+    return min(candidates, key=len)
+
+
+def _read_floats(view: memoryview, at: int, n: int, dtype: str) -> tuple[np.ndarray, int]:
+    kind = chr(view[at])
+    at += 1
+    width = 8 if dtype == "Float64" else 4
+    float_type = np.float64 if width == 8 else np.float32
+    if kind == "r":
+        return np.frombuffer(view[at : at + n * width], f">f{width}").astype(float_type), at + n * width
+    if kind == "d":
+        exponent = view[at]
+        scaled, at = _read_ints(view, at + 1, n)
+        return scaled.astype(np.float64) / 10.0**exponent, at
+    shape = np.frombuffer(view[at : at + n], np.uint8)
+    at += n
+    lead, length = (shape >> 4).astype(np.int64), (shape & 15).astype(np.int64)
+    mask = (np.arange(width) >= lead[:, None]) & (np.arange(width) < (lead + length)[:, None])
+    total = int(length.sum())
+    grid = np.zeros((n, width), np.uint8)
+    grid[mask] = np.frombuffer(view[at : at + total], np.uint8)
+    xor = grid.view(f">u{width}").ravel().astype(np.uint64 if width == 8 else np.uint32)
+    return np.bitwise_xor.accumulate(xor).view(float_type), at + total
+
+
+# strings, bytes and arrays: their bytes, dictionary-encoded when values repeat
+
+
+def _variable(values: list[bytes]) -> bytes:
+    unique: dict[bytes, int] = {}
+    codes = np.array([unique.setdefault(v, len(unique)) for v in values], np.int64)
+    if len(unique) * 2 <= len(values):
+        words = list(unique)
+        lengths = np.array([len(w) for w in words], np.int64)
+        return b"d" + struct.pack(">I", len(words)) + _ints(lengths) + b"".join(words) + _ints(codes)
+    lengths = np.array([len(v) for v in values], np.int64)
+    return b"r" + _ints(lengths) + b"".join(values)
+
+
+def _read_variable(view: memoryview, at: int, n: int) -> tuple[list[bytes], int]:
+    kind = chr(view[at])
+    at += 1
+    if kind == "d":
+        (words,) = struct.unpack_from(">I", view, at)
+        lengths, at = _read_ints(view, at + 4, words)
+        dictionary = []
+        for length in lengths.tolist():
+            dictionary.append(bytes(view[at : at + length]))
+            at += length
+        codes, at = _read_ints(view, at, n)
+        return [dictionary[c] for c in codes.tolist()], at
+    lengths, at = _read_ints(view, at, n)
+    out: list[Any] = []
+    for length in lengths.tolist():
+        out.append(bytes(view[at : at + length]))
+        at += length
+    return out, at
