@@ -6,7 +6,8 @@ promoted replica) is sent their text again and the calls, all idempotent, are re
 Every script starts with ``PROLOGUE``: a call may also come with no declared keys and its keys
 ahead of its arguments (``EVALSHA sha 0 n key1 … keyn arg1 …``). A cluster node runs such a call
 over keys of every slot it holds, where declared keys must share one slot (one call per node,
-not per slot); the script body sees ``KEYS`` and ``ARGV`` as if they had been declared.
+not per slot); the script body sees ``KEYS`` and ``ARGV`` as if they had been declared. A script
+whose first line is ``-- needs: _<library>.lua`` gets that library's text next (shared functions).
 """
 
 from __future__ import annotations
@@ -43,8 +44,15 @@ class Script:
 def scripts() -> dict[str, Script]:
     """``{name: script}`` for every ``scripts/<name>.lua``."""
     folder = resources.files("featurestore.online") / "scripts"
+    texts = {entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".lua")}
+
+    def code(text: str) -> str:
+        first = text.split("\n", 1)[0]
+        library = first.removeprefix("-- needs: ") if first.startswith("-- needs: ") else None
+        return PROLOGUE + (texts[library] if library else "") + text
+
     return {
-        entry.name.removesuffix(".lua"): Script(entry.name.removesuffix(".lua"), PROLOGUE + entry.read_text())
-        for entry in folder.iterdir()
-        if entry.name.endswith(".lua")
+        name.removesuffix(".lua"): Script(name.removesuffix(".lua"), code(text))
+        for name, text in texts.items()
+        if not name.startswith("_")
     }

@@ -24,7 +24,7 @@ events' id index (``add_events.lua``), for the duplicate rule.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,14 +65,30 @@ def event_count(members: Sequence[bytes]) -> int:
     return sum(sum(header(m)[1]) if is_block(m) else 1 for m in members)
 
 
-def expand(members: list[bytes], features: Sequence[tuple[str, DType]]) -> list[bytes]:
-    """``members`` with each block replaced by the events it holds, in (time, id) order (the
-    order of plain members: blocks may hold tiles that late events were added to since)."""
+def holds_at_least(members: Sequence[bytes], events: int) -> bool:
+    return len(members) >= events or event_count(members) >= events
+
+
+def expand(
+    members: list[bytes],
+    features: Sequence[tuple[str, DType]],
+    within: tuple[int, int] | None = None,
+    tile_us: int = 0,
+    skip_tiles: Collection[int] = (),
+) -> list[bytes]:
+    """``members`` with each block (once, however often it comes) replaced by the events it holds
+    with µs in ``within`` (``(low, high]``) outside the tiles ``skip_tiles``, in (time, id) order
+    (the order of plain members: a block's tiles may have had late events added since)."""
     if not any(is_block(m) for m in members):
         return members
     out: list[bytes] = []
+    blocks = set()
     for m in members:
-        out.extend(unpack(m, features) if is_block(m) else (m,))
+        if not is_block(m):
+            out.append(m)
+        elif m not in blocks:
+            blocks.add(m)
+            out += unpack(m, features, within, tile_us, skip_tiles)
     out.sort(key=_order)
     return out
 
@@ -128,8 +144,16 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
     return b"".join(out)
 
 
-def unpack(blob: bytes, features: Sequence[tuple[str, DType]]) -> list[bytes]:
-    """The members a block holds, byte for byte, in (time, id) order."""
+def unpack(
+    blob: bytes,
+    features: Sequence[tuple[str, DType]],
+    within: tuple[int, int] | None = None,
+    tile_us: int = 0,
+    skip_tiles: Collection[int] = (),
+) -> list[bytes]:
+    """The members a block holds, byte for byte, in (time, id) order; those with µs in
+    ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given (the columns
+    are decoded whole, members are built for the events kept)."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
@@ -163,11 +187,21 @@ def unpack(blob: bytes, features: Sequence[tuple[str, DType]]) -> list[bytes]:
         heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
     else:
         heads["id"] = ids.view(_U64)
+    rows = range(n)
+    if within is not None or skip_tiles:
+        keep = np.ones(n, bool)
+        if within is not None:
+            keep &= (times > within[0]) & (times <= within[1])
+        if skip_tiles:
+            keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
+        rows = np.flatnonzero(keep).tolist()
+        heads = heads[rows]
+        var = [[v[i] for i in rows] for v in var]
     raw = heads.tobytes()
     size = head.itemsize
     if not var:
-        return [raw[i * size : (i + 1) * size] for i in range(n)]
-    return [raw[i * size : (i + 1) * size] + b"".join(v[i] for v in var) for i in range(n)]
+        return [raw[i * size : (i + 1) * size] for i in range(len(heads))]
+    return [raw[i * size : (i + 1) * size] + b"".join(v[i] for v in var) for i in range(len(heads))]
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed

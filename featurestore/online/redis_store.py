@@ -34,6 +34,7 @@ from featurestore.online.codec import (
     key_prefix,
     numpy_values,
 )
+from featurestore.online import packed
 from featurestore.online.lua import scripts
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
@@ -102,8 +103,10 @@ class RedisOnlineStore:
         unless an earlier write of its id is less than ``dedup_us`` away (or, with ``accepted``, as
         the history's rule decided); one before ``cutoff_us`` only records its time; older events
         are trimmed (``add_events.lua``). With ``sealer``, the ended tiles the rows hold in full are
-        summarized in the same round trip, after the adds (``seal_tiles.lua``: only where Redis
-        holds exactly the events summarized). Returns how many events were added."""
+        summarized in the same round trip, after the adds; then the ended blocks they hold in full
+        are packed (``seal_tiles.lua``: only where Redis holds exactly the events summarized or
+        packed: ``online.packed``). A whole-history write (``accepted``) first unpacks the blocks
+        of its entities: it may replace or remove their events. Returns how many events were added."""
         if rows.num_rows == 0:
             return 0
         horizon_ms = horizon // timedelta(milliseconds=1)
@@ -113,6 +116,8 @@ class RedisOnlineStore:
             accepted = accepted[order] if accepted is not None else None
         keys = suffixed(keys, events_key(b"", view))
         verdicts = accepted is not None
+        if verdicts:
+            self.unpack(pc.unique(keys).to_pylist(), features)
         adds = -(-rows.num_rows // CHUNK)
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
@@ -128,13 +133,20 @@ class RedisOnlineStore:
                     [cutoff_us, horizon_ms, horizon_ms // 16, tile_us, dedup_us, int(verdicts)],
                     columns,
                 )
-            if sealer is not None:  # (summarized while Redis adds the last chunks)
-                times = numpy_values(rows["event_timestamp"]).view(np.int64)
+            # (summarized and packed while Redis adds the last chunks)
+            times = numpy_values(rows["event_timestamp"]).view(np.int64)
+            summaries: dict[bytes, list] = {}
+            if sealer is not None:
                 whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, sealer.least)
                 for key, events in _tile_members(keys, rows, times, features, event_ids, whole):
-                    tiles = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
-                    if tiles:
-                        yield ("seal_tiles", [key], [tile_us, *itertools.chain.from_iterable(tiles)], [])
+                    summaries[key] = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
+            whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us * packed.BLOCK_TILES, 1)
+            blocks = dict(_tile_members(keys, rows, times, features, event_ids, whole))
+            for key in summaries.keys() | blocks.keys():
+                entries = list(itertools.chain.from_iterable(summaries.get(key, ())))
+                entries += _blocks(blocks.get(key, []), features, tile_us)
+                if entries:
+                    yield ("seal_tiles", [key], [tile_us, *entries], [])
 
         return sum(self._run(calls, newest)[:adds])
 
@@ -143,6 +155,18 @@ class RedisOnlineStore:
         keys = entity_keys(self.project, rows, join_keys)
         order = self.transport.order(keys)
         return (keys, None) if order is None else (keys.take(pa.array(order)), order)
+
+    def unpack(self, keys: Sequence[bytes], features: Sequence) -> None:
+        """Replace the blocks of these events keys by the events they hold (``unpack_block.lua``)."""
+        blocks = self._run(lambda: (("blocks", [key], [], []) for key in keys), None)
+        self._run(
+            lambda: (
+                ("unpack_block", [key], [block, *packed.unpack(block, features)], [])
+                for key, found in zip(keys, blocks)
+                for block in found
+            ),
+            None,
+        )
 
     def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
@@ -298,7 +322,18 @@ class RedisOnlineStore:
 
 def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
     """A lookup's summaries as ``seal_tiles.lua`` takes them: no digest (its count check suffices)."""
-    return [x for tile, events, summary in tiles for x in (tile, events, b"", summary)]
+    return [x for tile, events, summary in tiles for x in ("S", tile, events, b"", summary)]
+
+
+def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int) -> list:
+    """``seal_tiles.lua``'s entries packing the ended blocks whose events (``(µs, member)`` in
+    (time, id) order) a write holds: each with the SHA-1 of the members it replaces."""
+    span = tile_us * packed.BLOCK_TILES
+    out: list = []
+    for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
+        members = [m for _, m in group]
+        out += ["P", block, hashlib.sha1(b"".join(members)).hexdigest(), packed.pack(members, features, tile_us)]
+    return out
 
 
 def _whole_tiles(
@@ -341,4 +376,6 @@ def _with_digests(tiles: Sequence[tuple[int, int, bytes]], events: list[tuple[in
     by_tile: dict[int, list[bytes]] = {}
     for us, member in events:
         by_tile.setdefault(us // tile_us, []).append(member)
-    return [(tile, count, hashlib.sha1(b"".join(by_tile[tile])).hexdigest(), summary) for tile, count, summary in tiles]
+    return [
+        ("S", tile, count, hashlib.sha1(b"".join(by_tile[tile])).hexdigest(), summary) for tile, count, summary in tiles
+    ]

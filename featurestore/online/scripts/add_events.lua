@@ -1,3 +1,4 @@
+-- needs: _blocks.lua
 -- KEYS: the events key of each write; ARGV[1]: cutoff µs (events before it are trimmed, and a
 -- write before it only records its time); ARGV[2]: horizon ms (keys expire that long after their
 -- newest event); ARGV[3]: slack ms; ARGV[4]: tile µs; ARGV[5]: dedup µs; ARGV[6]: '1' when the
@@ -8,14 +9,18 @@
 -- write of the id lies less than the dedup window away in event time. The ids hash maps each id to
 -- the times of its writes (8 bytes each, sign-flipped big-endian: bytes 9-16 of the event), kept a
 -- dedup window beyond the events, so the rule is decided here as writes arrive (retries and
--- replays never count twice; an id reused further apart is a new event). A kept event goes into
+-- replays never count twice; an id reused further apart is a new event). Once an event is
+-- packed into a block its id and time are in the id index instead (events|seen, kept as long),
+-- unless the id has other writes: an id the hash lacks is looked up there. A kept event goes into
 -- the events sorted set (score: its µs; members of one µs sort by id, so a range comes in (time,
 -- id) order); one in an ended tile drops that tile's sealed summary. With verdicts, the history
 -- decides instead: a kept write replaces any other event of its id less than the dedup window
 -- away, a duplicate is removed. Expiry is pushed out to newest + horizon (+ the dedup window for
 -- the ids) + slack whenever newest + horizon passes it, so a stream of events refreshes it (and
--- trims old events, write times and summaries) once per slack, not per event. Every redis.call
--- costs ~3 µs here.
+-- trims old events, blocks, write times and summaries) once per slack, not per event. A block
+-- goes once it has ended a tile before the cutoff, its ids when their writes leave the dedup
+-- window. With verdicts, no write may concern a packed event: the writer unpacks first
+-- (``unpack_block.lua``); one that does fails the call before it changes anything.
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'
@@ -23,9 +28,21 @@ local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function micros(stamp, at)
-  local hi, lo = struct.unpack('>I4I4', stamp, at)
-  return (hi - 2147483648) * 4294967296 + lo
+local index_of = {}  -- events key -> its id index, read once a call
+local function packed_writes(events, id)  -- µs of id's packed events (8 bytes each)
+  local index = index_of[events]
+  if index == nil then
+    index = redis.call('GET', events .. '|seen') or ''
+    index_of[events] = index
+  end
+  return index == '' and '' or id_writes(index, id)
+end
+if verdicts then
+  for k = 1, n do
+    if packed_writes(KEYS[k], string.sub(ARGV[6 + n + k], 1, 8)) ~= '' then
+      return redis.error_reply('PACKED a whole-history write concerns packed events of ' .. KEYS[k] .. ': unpack them first')
+    end
+  end
 end
 local function touched(events, us)  -- an event changed in an ended tile: its summary is stale
   local tile_no = math.floor(us / tile)
@@ -40,8 +57,15 @@ end
 for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[6 + k]), ARGV[6 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
-  local kept = redis.call('HSETNX', ids, id, stamp) == 1
-  local times = not kept and redis.call('HGET', ids, id) or stamp
+  local kept, times
+  local packed = packed_writes(events, id)
+  if packed == '' then
+    kept = redis.call('HSETNX', ids, id, stamp) == 1
+    times = not kept and redis.call('HGET', ids, id) or stamp
+  else  -- written before: the hash has every write of the id if it has it, else its packed events do
+    kept = false
+    times = redis.call('HGET', ids, id) or packed
+  end
   if not kept then
     local seen = false
     kept = true
@@ -82,19 +106,39 @@ for k = 1, n do
   elseif extend(events, expire_ms) then  -- (the ids' and summaries' expiry move with the events')
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
-    redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. ARGV[1])
+    redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. fmt(cutoff - tile))  -- (events, and blocks ended before the cutoff)
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(cutoff - tile), '(' .. ARGV[1])) do
+      if not is_block(member) then redis.call('ZREM', events, member) end
+    end
+    local seen = events .. '|seen'
+    local index = redis.call('GET', seen)
+    if index then  -- packed ids whose write left the dedup window go
+      local parts = {}
+      for at = 1, #index, 16 do
+        if micros(index, at + 8) > cutoff - within then parts[#parts + 1] = string.sub(index, at, at + 15) end
+      end
+      index = table.concat(parts)
+      index_of[events] = index
+      if index == '' then redis.call('DEL', seen)
+      else
+        redis.call('SET', seen, index)
+        redis.call('PEXPIREAT', seen, string.format('%.0f', ids_expire_ms + slack_ms))
+      end
+    end
     local first_tile = math.floor(cutoff / tile)
     for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
       if tonumber(name) < first_tile then redis.call('HDEL', events .. '|tiles', name) end
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      local kept_times = ''
-      for at = 1, #stored[i + 1], 8 do
-        if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
+      if stored[i] ~= '' then  -- ('' is a field that keeps the hash, and its expiry, once its ids are packed)
+        local kept_times = ''
+        for at = 1, #stored[i + 1], 8 do
+          if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
+        end
+        if kept_times == '' then redis.call('HDEL', ids, stored[i])
+        elseif kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
       end
-      if kept_times == '' then redis.call('HDEL', ids, stored[i])
-      elseif kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
     end
   end
 end

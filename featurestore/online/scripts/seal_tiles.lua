@@ -1,28 +1,80 @@
--- KEYS[1]: an events key; ARGV[1]: tile µs; then per tile: its number, its event count when
--- summarized, the SHA-1 of its members when summarized ('' for none), the summary. A summary is
--- kept only for a tile that has ended (by Redis's clock) and still holds what was summarized.
--- A lookup's summary (no digest) checks the count: between its read and this call events can
--- only be added (which drops the tile's summary and changes the count). A writer's summary is
--- of the events it sent, some of which Redis may have refused as duplicates while holding
--- others: it checks the members themselves, concatenated in (time, id) order.
+-- needs: _blocks.lua
+-- KEYS[1]: an events key; ARGV[1]: tile µs; then entries, each only for what has ended (by
+-- Redis's clock) and still holds what was read or written:
+--   'S', tile number, its events when summarized, the SHA-1 of its members ('' for none), the
+--   summary: stored in events|tiles. A lookup's summary (no digest) checks the count: between
+--   its read and this call events can only be added (which drops the tile's summary and changes
+--   the count), or packed (which keeps it). A writer's summary is of the events it sent, some of
+--   which Redis may have refused as duplicates while holding others: it checks the members
+--   themselves, concatenated in (time, id) order, none of them packed yet.
+--   'P', block number, the SHA-1 of every member scored in the block's tiles (in sorted-set
+--   order), the block (featurestore/online/packed.py) holding exactly their events: it replaces
+--   them. Their ids go to the index; an id whose only write is its event leaves the ids hash.
 local events, tile = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local sealed = 0
-for i = 2, #ARGV, 4 do
-  local no = tonumber(ARGV[i])
-  if (no + 1) * tile <= now_us and redis.call('EXISTS', events) == 1 then
-    local from, to = string.format('%.0f', no * tile), string.format('%.0f', (no + 1) * tile - 1)
-    local same = redis.call('ZCOUNT', events, from, to) == tonumber(ARGV[i + 1])
-    if same and ARGV[i + 2] ~= '' then
-      same = redis.sha1hex(table.concat(redis.call('ZRANGEBYSCORE', events, from, to))) == ARGV[i + 2]
+if redis.call('EXISTS', events) == 0 then return 0 end
+local ids, seen = events .. '|ids', events .. '|seen'
+local done, i = 0, 2
+while i <= #ARGV do
+  if ARGV[i] == 'S' then
+    local no = tonumber(ARGV[i + 1])
+    if (no + 1) * tile <= now_us then
+      local plain, packed = {}, 0
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(no * tile), fmt((no + 1) * tile - 1))) do
+        if not is_block(m) then plain[#plain + 1] = m end
+      end
+      local last = (math.floor(no / BLOCK_TILES) + 1) * BLOCK_TILES - 1
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(last * tile), fmt(last * tile))) do
+        if is_block(m) then packed = packed + block_events(m, no - (last - BLOCK_TILES + 1)) end
+      end
+      local same = #plain + packed == tonumber(ARGV[i + 2])
+      if same and ARGV[i + 3] ~= '' then
+        same = packed == 0 and redis.sha1hex(table.concat(plain)) == ARGV[i + 3]
+      end
+      if same then
+        redis.call('HSET', events .. '|tiles', ARGV[i + 1], ARGV[i + 4])
+        local ttl = redis.call('PTTL', events)
+        if ttl > 0 then redis.call('PEXPIRE', events .. '|tiles', ttl) end
+        done = done + 1
+      end
     end
-    if same then
-      redis.call('HSET', events .. '|tiles', ARGV[i], ARGV[i + 3])
-      local ttl = redis.call('PTTL', events)
-      if ttl > 0 then redis.call('PEXPIRE', events .. '|tiles', ttl) end
-      sealed = sealed + 1
+    i = i + 5
+  else
+    local block = tonumber(ARGV[i + 1])
+    local first, last = block * BLOCK_TILES * tile, (block + 1) * BLOCK_TILES * tile - 1
+    if last < now_us then
+      local members = redis.call('ZRANGEBYSCORE', events, fmt(first), fmt(last))
+      if redis.sha1hex(table.concat(members)) == ARGV[i + 2] then
+        local entries, plain_ids = {}, {}
+        for _, m in ipairs(members) do
+          if not is_block(m) then
+            entries[#entries + 1] = string.sub(m, 1, 16)
+            plain_ids[#plain_ids + 1] = string.sub(m, 1, 8)
+          end
+        end
+        redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
+        redis.call('ZADD', events, fmt(last - tile + 1), ARGV[i + 3])
+        if #entries > 0 then
+          local alone = {}  -- ids whose one write is their event: the index holds it now
+          each_chunk(plain_ids, 4000, function(a, b)
+            local stored = redis.call('HMGET', ids, unpack(plain_ids, a, b))
+            for k = a, b do
+              if stored[k - a + 1] == string.sub(entries[k], 9, 16) then alone[#alone + 1] = plain_ids[k] end
+            end
+          end)
+          if #alone > 0 then
+            if #alone == redis.call('HLEN', ids) then redis.call('HSET', ids, '', '') end  -- (the hash keeps its expiry)
+            each_chunk(alone, 4000, function(a, b) redis.call('HDEL', ids, unpack(alone, a, b)) end)
+          end
+          redis.call('SET', seen, with_entries(redis.call('GET', seen) or '', entries))
+          local ttl = redis.call('PTTL', ids)
+          if ttl > 0 then redis.call('PEXPIRE', seen, ttl) end
+        end
+        done = done + 1
+      end
     end
+    i = i + 4
   end
 end
-return sealed
+return done

@@ -15,6 +15,7 @@ from itertools import repeat
 from typing import Any
 
 from featurestore.aggregation import tiles
+from featurestore.online import packed
 from featurestore.online.codec import micros_to_datetime
 from featurestore.retrieval.on_demand import finish_columns
 from featurestore.retrieval.online.plan import OnlineQuery, _ViewPlan, _WindowPlan
@@ -86,7 +87,7 @@ def _with_on_demand(query: OnlineQuery, base: OnlineResponse) -> OnlineResponse:
 
 
 def _window_columns(query: OnlineQuery, plan: _WindowPlan, slots: list[int], events: list, now_us: int):
-    decode, evaluate = plan.decode, plan.evaluator.evaluate
+    evaluate = plan.evaluator.evaluate
     results: dict[int, tuple[list[Any], list[str], datetime | None]] = {}
     row_values: list[Any] = []
     row_statuses: list[Any] = []
@@ -100,9 +101,9 @@ def _window_columns(query: OnlineQuery, plan: _WindowPlan, slots: list[int], eve
                 result = results[pos] = _tiled(query, plan, query.ranges[pos][0], reply, low, now_us)
             else:
                 limit = query.ranges[pos][3]
-                if limit is not None and len(reply) >= limit:  # (a partial read: never evaluate it)
+                if limit is not None and packed.holds_at_least(reply, limit):  # (a partial read: never evaluate it)
                     raise RuntimeError("a heavy entity's window reads tile summaries: answer queries with OnlineReader")
-                times, columns = decode(reply, low, now_us)
+                times, columns = plan.events(reply, low, now_us)
                 vals, stats = evaluate(times, columns, now_us)
                 result = results[pos] = (vals, stats, micros_to_datetime(times[-1]) if times else None)
         row_values.append(result[0])
@@ -124,7 +125,7 @@ def _tiled(query: OnlineQuery, plan: _WindowPlan, key: bytes, reply: list, low: 
     flat, runs = reply
     members = list(itertools.chain.from_iterable(runs))
     summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
-    times, columns = plan.decode(members, low, now_us)
+    times, columns = plan.events(members, low, now_us, skip_tiles=summaries.keys())  # (blocks hold summarized tiles too)
     vals, stats = tiles.evaluate_tiled(
         tiled,
         plan.wanted,

@@ -8,7 +8,7 @@ and coerced as Feast's clients send them, Redis keys built, repeated entities re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -21,6 +21,7 @@ from featurestore.aggregation import tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
+from featurestore.online import packed
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
@@ -35,6 +36,7 @@ from featurestore.retrieval.on_demand import OnDemandPlan
 from featurestore.retrieval.online.response import NOT_FOUND, OUTSIDE_MAX_AGE, PRESENT
 from featurestore.retrieval.refs import ViewRequest, resolve
 from featurestore.timestamps import parse_timestamp
+from featurestore.types import DType
 
 
 def _integer(v: Any) -> bool:
@@ -114,6 +116,14 @@ class _WindowPlan:
     evaluator: WindowEvaluator
     tiled: tiles.TiledEvaluator | None  # None: some aggregation asked for is not tiled
     wanted: list[int]  # the aggregations asked for, as indexes into the tile spec's
+    stored: list[tuple[str, DType]]  # the view's stored columns: what events (and blocks) hold
+    tile_us: int
+
+    def events(
+        self, members: list[bytes], low: int, high: int, skip_tiles: Collection[int] = ()
+    ) -> tuple[list[int], dict[int, list[Any]]]:
+        """The events of ``members`` (blocks unpacked: ``online.packed``) in ``(low, high]``, decoded."""
+        return self.decode(packed.expand(members, self.stored, (low, high), self.tile_us, skip_tiles), low, high)
 
     def heavy_from(self) -> int | None:
         """Events in the window from which an entity reads tile summaries (None: never)."""
@@ -186,7 +196,17 @@ class QueryTemplate:
                 )
                 decoded = sorted(set(evaluator.needed) | set(tiled.needed if tiled is not None else []))
                 windows.append(
-                    _WindowPlan(req, keyset, events_of, make_events_decoder(stored, decoded), evaluator, tiled, wanted)
+                    _WindowPlan(
+                        req,
+                        keyset,
+                        events_of,
+                        make_events_decoder(stored, decoded),
+                        evaluator,
+                        tiled,
+                        wanted,
+                        stored,
+                        tiles.tile_us(req.view),
+                    )
                 )
                 continue
             if keyset not in groups:
@@ -301,12 +321,13 @@ class OnlineQuery:
             index = {}
             rows = []
             low, limit = now_us - window.evaluator.longest_us, window.heavy_from()
+            scores = packed.block_range(low, now_us, window.tile_us)  # (with the blocks holding its events)
             for values in zip(*(columns[k] for k in window.keyset)):
                 key = window.key_of(values)
                 pos = index.get(key)
                 if pos is None:
                     pos = index[key] = len(ranges)
-                    ranges.append((key, low, now_us, limit))
+                    ranges.append((key, *scores, limit))
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
@@ -356,7 +377,7 @@ class OnlineQuery:
         ``read_tiles`` needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
         out = []
         for pos, (key, _, _, limit) in enumerate(self.ranges):
-            if pos in self.known_heavy or (limit is not None and len(raw[len(self.lookups) + pos]) >= limit):
+            if pos in self.known_heavy or (limit is not None and packed.holds_at_least(raw[len(self.lookups) + pos], limit)):
                 out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
         return out
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from featurestore.online.base import OnlineReads
 from featurestore.retrieval.online.assembly import assemble
 from featurestore.retrieval.online.plan import OnlineQuery
+from featurestore.online import packed
 from featurestore.retrieval.online.response import OnlineResponse
 
 log = logging.getLogger(__name__)
@@ -135,5 +136,8 @@ class OnlineReader:
 
 
 def _events_in(replies: list) -> int:
-    """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``."""
-    return sum(sum(map(len, r[1])) if r and isinstance(r[0], list) else len(r) for r in replies)
+    """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``
+    (a block counts its events)."""
+    return sum(
+        sum(map(packed.event_count, r[1])) if r and isinstance(r[0], list) else packed.event_count(r) for r in replies
+    )
