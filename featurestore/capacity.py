@@ -2,7 +2,7 @@
 
 From a sample of the entities Redis holds: the bytes each layout takes per entity and per event
 (``MEMORY USAGE`` of the entity's keys: its hash of latest values, and per aggregated view its
-events, event ids and tile summaries), the Redis process's CPU time (``INFO cpu``: commands and
+events and blocks, event ids, tile summaries and index of packed ids), the Redis process's CPU time (``INFO cpu``: commands and
 their network handling) per lookup of one entity (every feature of its views, a round trip each,
 read as a server reads it) and per event written (the sampled events written again under a scratch
 project, then deleted); and what N entities × E events need in memory and nodes. Redis runs
@@ -23,6 +23,7 @@ from featurestore.aggregation import dedup_us
 from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
+from featurestore.online import packed
 from featurestore.online.codec import events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
@@ -128,20 +129,21 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         pipe = client.pipeline(transaction=False)
         pipe.memory_usage(entity, samples=0)
         for _, key in aggregated:
-            for part in (key, key + b"|ids", key + b"|tiles"):
+            for part in _parts(key):
                 pipe.memory_usage(part, samples=0)
-            pipe.zcard(key)
+            pipe.zrange(key, 0, -1)
         replies = pipe.execute()
-        sizes = [replies[0], *(r for k, r in enumerate(replies[1:]) if k % 4 != 3)]  # (the ZCARDs aside)
+        width = len(_parts(b"")) + 1
+        sizes = [replies[0], *(r for k, r in enumerate(replies[1:]) if k % width != width - 1)]  # (the events aside)
         held_keys.append(sum(1 for size in sizes if size))
         if replies[0]:
             groups.setdefault(f"latest values ({', '.join(sorted(values))})", []).append(replies[0])
         for k, (view, key) in enumerate(aggregated):
-            events_bytes, ids_bytes, tiles_bytes, count = replies[1 + 4 * k : 5 + 4 * k]
-            if events_bytes or ids_bytes:
+            *parts, members = replies[1 + width * k : 1 + width * (k + 1)]
+            if parts[0] or parts[1]:
                 name = f"{view.name} events"
-                groups.setdefault(name, []).append((events_bytes or 0) + (ids_bytes or 0) + (tiles_bytes or 0))
-                events_of.setdefault(name, []).append(count)
+                groups.setdefault(name, []).append(sum(size or 0 for size in parts))
+                events_of.setdefault(name, []).append(packed.event_count(members))
                 written.append((key, view))
         if mine and any(sizes):
             types = defs.key_types[mine[0].name]
@@ -243,7 +245,8 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
     for key, view in held:
         if total >= MOST_PROBE_EVENTS:
             break
-        members = client.zrange(key, 0, MOST_PROBE_EVENTS - total - 1)
+        stored = [(f.name, f.dtype) for f in view.schema]
+        members = packed.expand(client.zrange(key, 0, -1), stored)[: MOST_PROBE_EVENTS - total]
         writes.append((probe + key[len(prefix) :], view, members))
         total += len(members)
     if not total:
@@ -259,7 +262,7 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
         return (_redis_usec(client) - before) / total
     finally:
         for key, _, _ in writes:
-            client.delete(key, key + b"|ids", key + b"|tiles")
+            client.delete(*_parts(key))
 
 
 def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -> Iterator[list[tuple[list, list]]]:
@@ -273,6 +276,12 @@ def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -
             head = [0, horizon_ms, horizon_ms // 16, tile_us(view), dedup_us(view), 0]
             calls.append(([key] * len(part), [*head, *times, *part]))
         yield calls
+
+
+def _parts(events: bytes) -> tuple[bytes, ...]:
+    """The keys of an entity's events in one view (``online.codec``): events and blocks, the ids
+    hash, tile summaries, the index of packed ids."""
+    return (events, events + b"|ids", events + b"|tiles", events + b"|seen")
 
 
 def _size(n: float) -> str:

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 import pandas as pd
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from featurestore.errors import DefinitionError
@@ -1267,3 +1267,110 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
         assert "longest window changed" in text and "featurestore materialize" in text, text
         changed.apply()
         assert changed.layout("activity").online_field != layout
+
+
+@settings(
+    max_examples=max(10, settings.default.max_examples // 4),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
+@given(
+    raw=st.lists(event, min_size=1, max_size=30),
+    late=st.lists(event, max_size=6),
+    retries=st.lists(st.integers(0, 29), max_size=4),
+    changed=st.lists(st.tuples(st.integers(0, 29), amounts), max_size=3),
+    queries=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([0, 0, 1, -1])), min_size=1, max_size=5),
+)
+@example(  # a window start cuts a block whose other tiles have summaries: they are read from those
+    raw=[{"card_id": 0, "slot": s, "nudge_us": 0, "amount": float(s), "kind": "web"} for s in range(17)],
+    late=[],
+    retries=[],
+    changed=[],
+    queries=[(10, 0), (12, 0), (10, 0)],
+)
+def test_packed_blocks_answer_as_the_events_they_replaced(
+    activity_store, monkeypatch, raw, late, retries, changed, queries
+):
+    """The same pushes to two cards, one of them never packed (``online.packed``): every
+    aggregation at any time is bit-identical between them and the reference's, after the blocks
+    are packed, after late events land in packed tiles, after retried and changed writes of
+    packed ids (refused: the id index), read plainly and from tile summaries, and after a
+    whole-history resend (which unpacks, then packs again)."""
+    import duckdb
+
+    from featurestore.aggregation import tiles
+    from featurestore.online import packed, redis_store
+
+    store = activity_store
+    offset = next(_cards) * 10 + 5_000_000
+    cards = {"packed": offset, "plain": offset + 1}
+    never_pack = redis_store._blocks
+
+    def events_of(drawn, card, first_id):
+        return [
+            {
+                "payment_id": first_id + i,
+                "card_id": card,
+                "amount": e["amount"],
+                "kind": e["kind"],
+                "event_timestamp": BASE + e["slot"] * STEP + timedelta(microseconds=e["nudge_us"]),
+            }
+            for i, e in enumerate(drawn)
+        ]
+
+    def push(name: str, rows: list[dict]) -> None:
+        monkeypatch.setattr(redis_store, "_blocks", never_pack if name == "packed" else lambda *a: [])
+        store.push("payments", _frame(rows), to="online_and_offline")
+
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        cards["packed"],
+        store.layout("activity").online_field.encode(),
+    )
+    client = store.online_store.client
+    pushed: dict[str, list[dict]] = {}
+    for name, card in cards.items():
+        pushed[name] = events_of(raw, card, 0)
+        push(name, pushed[name])
+    assert any(packed.is_block(m) for m in client.zrange(key, 0, -1))  # (every slot's block has ended)
+    times = [BASE + slot * STEP / 2 + timedelta(microseconds=n) for slot, n in queries]
+
+    def check(round_: str) -> None:
+        for t in times:
+            for heavy in (False, True):  # (read from tile summaries: only tiled aggregations)
+                monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0 if heavy else 10**9)
+                names = TILED if heavy else list(AGGS)
+                got = {
+                    name: store.get_online_features(
+                        [{"card_id": card}], features=[f"activity:{n}" for n in names], at=t
+                    ).to_dict()
+                    for name, card in cards.items()
+                }
+                for n in names:
+                    want = reference(pushed["plain"], cards["plain"], t, AGGS[n])
+                    a, b = got["packed"][n][0], got["plain"][n][0]
+                    assert same(a, b, inexact=False), (round_, heavy, n, t, a, b)
+                    assert same(a, want, n in INEXACT), (round_, heavy, n, t, a, want)
+
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    check("packed")
+    for name, card in cards.items():
+        again = [pushed[name][i] for i in retries if i < len(raw)]
+        again += [{**pushed[name][i], "amount": a} for i, a in changed if i < len(raw)]
+        more = events_of(late, card, 1000) + again
+        if more:
+            push(name, more)
+            pushed[name] += more
+    check("late events, retries and changes")
+    view = store.get_feature_view("activity")
+    con = duckdb.connect()
+    store.offline_store.register(
+        con, store.layout("activity").history_table, "history", store.definitions.history_schema(view)
+    )
+    history = con.sql(f"SELECT * FROM history WHERE card_id = {cards['packed']}").to_arrow_table()
+    monkeypatch.setattr(redis_store, "_blocks", never_pack)
+    store.materializer().write_online(
+        view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
+    )
+    assert any(packed.is_block(m) for m in client.zrange(key, 0, -1))
+    check("resent whole")
