@@ -349,7 +349,7 @@ def online(args: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 heavy[n][label] = percentiles(times)["p50"]
             tiles.HEAVY_PER_TILE = heavy_per_tile
-        memory = {n: entity_memory(store, card) for n, card in ((10, 1), (1_000, n_cards + 1), (50_000, n_cards + 3))}
+        memory = memory_by_layout(store, n_cards + 100, rng, now)
         stalls = loop_stalls(store, agg_refs, n_cards + 10, rng, now)
         from featurestore import capacity
 
@@ -396,23 +396,56 @@ def online(args: argparse.Namespace) -> None:
         )
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
-    print("  memory of a card's events (MEMORY USAGE of its sorted set, ids and tile summaries):")
-    for n, (events, size) in memory.items():
-        print(f"    {events:>6,} events: {size:,} bytes, {size / events:.0f} bytes/event")
+    print(
+        "  memory of a card's events (MEMORY USAGE of its events and blocks, ids, tile summaries and id index), "
+        "ended tiles packed in blocks (every event a member):"
+    )
+    for n, sizes in memory.items():
+        packed, plain = sizes[True], sizes[False]
+        print(
+            f"    {n:>6,} events: {packed:,} bytes, {packed / n:.1f} bytes/event "
+            f"({plain:,} bytes, {plain / n:.1f} bytes/event: {plain / packed:.1f}x)"
+        )
     print("featurestore capacity on this store (sizing 100M cards x 100 events):")
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
 
 
-def entity_memory(store, card: int) -> tuple[int, int]:
-    """A card's events in the activity view and the bytes its events keys take."""
-    client = store.online_store.client
-    key = b"fs:%s:{card_id=%d}:ev:%s" % (
-        store.config.project.encode(),
-        card,
-        store.layout("activity").online_field.encode(),
-    )
-    size = sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles"))
-    return int(client.zcard(key)), size
+def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[bool, int]]:
+    """Bytes a card's events take, written packed (the default) and never packed, for 10, 1,000
+    and 50,000 events in the 7 d window (amounts in cents, as the other cards)."""
+    from featurestore.online import packed, redis_store
+
+    client, blocks = store.online_store.client, redis_store._blocks
+    out: dict[int, dict[bool, int]] = {}
+    card = first_card
+    for n in (10, 1_000, 50_000):
+        ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
+        amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
+        out[n] = {}
+        for packing in (True, False):
+            card += 1
+            redis_store._blocks = blocks if packing else lambda *a: []
+            try:
+                table = pa.table(
+                    {
+                        "tx_id": np.arange(n, dtype=np.int64) + card * 10**6,
+                        "card_id": np.full(n, card),
+                        "amount": amounts,
+                        "event_timestamp": ts,
+                    }
+                )
+                store.push("payments", table, to="online")
+            finally:
+                redis_store._blocks = blocks
+            key = b"fs:%s:{card_id=%d}:ev:%s" % (
+                store.config.project.encode(),
+                card,
+                store.layout("activity").online_field.encode(),
+            )
+            assert packed.event_count(client.zrange(key, 0, -1)) == n
+            parts = (key, key + b"|ids", key + b"|tiles", key + b"|seen")
+            out[n][packing] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
+    return out
 
 
 @contextlib.contextmanager

@@ -294,15 +294,26 @@ def compact(
     ),
     repo: Path = RepoOption,
 ) -> None:
-    """Merge small history files (pushes commit many); optionally vacuum old ones.
+    """Merge small history files (pushes commit many); optionally vacuum old ones. Online, pack the
+    ended blocks of aggregated views' events that were streamed one by one (a few bytes an event
+    instead of ~100; writes of whole blocks pack them as they write).
 
-    Pushes do both on their own past offline_store.compact_after_files and vacuum_after_hours (featurestore.yaml)."""
+    Pushes do the offline part on their own past offline_store.compact_after_files and
+    vacuum_after_hours (featurestore.yaml); run this from a scheduler for the online part."""
     with _store(repo) as store:
         for name, r in store.compact(views or None, vacuum_hours).items():
             console.print(
                 f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed",
                 markup=False,
             )
+        from featurestore.progress import progress_bar
+
+        bar = progress_bar("keys")
+        with bar:
+            task = bar.add_task("packing online events", total=None)
+            packed = store.pack_online(views or None, lambda keys: bar.advance(task, keys))
+        for name, (blocks, events) in packed.items():
+            console.print(f"{name}: online, {events:,} events packed into {blocks:,} blocks", markup=False)
 
 
 @app.command(rich_help_panel="Data")

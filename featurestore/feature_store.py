@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from featurestore.aggregation import tiles
 from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
 from featurestore.errors import ConflictError, DefinitionError, FeatureStoreError, OnlineStoreUnavailable
@@ -322,6 +323,23 @@ class FeatureStore:
                 "files_removed": metrics.get("numFilesRemoved", 0),
                 "files_vacuumed": removed,
             }
+        return report
+
+    def pack_online(
+        self, views: Sequence[str] | None = None, progress: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, int]]:
+        """Pack the ended blocks of each aggregated view's online events that hold events streamed
+        one by one (a write packs those it holds whole itself): ``{view: (blocks, events)}``."""
+        report = {}
+        for name in views or list(self.definitions.feature_views):
+            view = self.definitions.feature_views[name]
+            if view.is_aggregated:
+                report[name] = self.online_store.pack_ended(
+                    self.definitions.layout(view).online_field,
+                    [(f.name, f.dtype) for f in view.schema],
+                    tiles.tile_us(view),
+                    progress,
+                )
         return report
 
     def statistics(

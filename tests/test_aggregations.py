@@ -11,12 +11,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import random
 from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import pyarrow as pa
 import pytest
-from hypothesis import example, HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from featurestore.errors import DefinitionError
@@ -1374,3 +1375,77 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     )
     assert any(packed.is_block(m) for m in client.zrange(key, 0, -1))
     check("resent whole")
+
+
+def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write(activity_store):
+    """Events pushed one at a time into the same ended blocks stay plain (no write holds a whole
+    block); ``pack_online`` (``featurestore compact``) packs them, lookups unchanged, and packs
+    nothing the second time. A pack built from a read that a write then overtook is refused."""
+    import hashlib
+
+    from featurestore.aggregation import tiles
+    from featurestore.online import packed
+
+    store = activity_store
+    card = next(_cards) * 10 + 7_000_000
+    rng = random.Random(card)
+    events = [
+        {
+            "payment_id": i,
+            "card_id": card,
+            "amount": round(rng.uniform(-50, 50), 2),
+            "kind": rng.choice(["web", "card", None]),
+            "event_timestamp": BASE + rng.randrange(17) * STEP + timedelta(microseconds=rng.choice([0, 1, -1])),
+        }
+        for i in range(40)
+    ]
+    for e in events:
+        store.push("payments", _frame([e]), to="online")
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    client = store.online_store.client
+    names = list(AGGS)
+    times = [BASE + k * STEP / 2 for k in range(0, 40, 3)]
+
+    def lookups():
+        return [
+            store.get_online_features([{"card_id": card}], features=[f"activity:{n}" for n in names], at=t).to_dict()
+            for t in times
+        ]
+
+    before = lookups()
+    assert sum(not packed.is_block(m) for m in client.zrange(key, 0, -1)) > 0
+    blocks, count = store.pack_online(["activity"])["activity"]
+    members = client.zrange(key, 0, -1)
+    assert all(packed.is_block(m) for m in members) and count >= 40 - len(members)
+    assert packed.event_count(members) == 40
+    after = lookups()
+    for got, want in zip(after, before):
+        for n in names:
+            assert same(got[n][0], want[n][0], inexact=False), (n, got[n][0], want[n][0])
+    assert store.pack_online(["activity"])["activity"][1] == 0  # nothing left to pack
+
+    # a late event lands in a block after the packer read it: the stale pack is refused
+    late = {**events[0], "payment_id": 99, "amount": 1000.0}
+    stale = client.zrangebyscore(key, "-inf", "+inf")
+    store.push("payments", _frame([late]), to="online")
+    tile = tiles.tile_us(store.get_feature_view("activity"))
+    number = (int.from_bytes(_plain_member(client, key)[8:16], "big") - (1 << 63)) // (tile * packed.BLOCK_TILES)
+    in_block = [m for m in stale if packed.is_block(m) and packed.header(m)[0] == number]
+    entry = ["P", number, hashlib.sha1(b"".join(in_block)).hexdigest(), in_block[0]]
+    store.online_store._run(lambda: iter([("seal_tiles", [key], [tile, *entry], [])]), None)
+    assert packed.event_count(client.zrange(key, 0, -1)) == 41
+    t = late["event_timestamp"]
+    got = store.get_online_features([{"card_id": card}], features=["activity:amount_sum_3h"], at=t).to_dict()
+    want = reference([*events, late], card, t, AGGS["amount_sum_3h"])
+    assert same(got["amount_sum_3h"][0], want, inexact=True)
+
+
+def _plain_member(client, key: bytes) -> bytes:
+    """The one plain event of an events key."""
+    from featurestore.online import packed
+
+    return next(m for m in client.zrange(key, 0, -1) if not packed.is_block(m))

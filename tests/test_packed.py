@@ -26,7 +26,11 @@ def _members(events, floats_kind: str, ids_from_column: bool) -> tuple[list[byte
     features = [(f"c{k}", from_name(n)) for k, n in enumerate(NAMES)]
     n = len(events)
     cents = [None if e[3] is None else round(e[3] % 1000, 2) for e in events]
-    floats = {"any": [e[3] for e in events], "decimal": cents, "steady": [None if e[3] is None else 20.5 + (i % 3) for i, e in enumerate(events)]}[floats_kind]
+    floats = {
+        "any": [e[3] for e in events],
+        "decimal": cents,
+        "steady": [None if e[3] is None else 20.5 + (i % 3) for i, e in enumerate(events)],
+    }[floats_kind]
     table = pa.table(
         {
             "event_timestamp": pa.array([e[0] for e in events], pa.int64()).cast(US),
@@ -40,7 +44,9 @@ def _members(events, floats_kind: str, ids_from_column: bool) -> tuple[list[byte
             "c4": pa.array([e[4] for e in events], pa.bool_()),
             "c5": pa.array([e[0] if e[4] else None for e in events], pa.int64()).cast(US),
             "c6": pa.array([None if e[2] is None else str(e[2] % 7) for e in events], pa.string()),
-            "c7": pa.array([None if e[4] is None else bytes([e[0] % 256]) * ((e[2] or 0) % 5) for e in events], pa.binary()),
+            "c7": pa.array(
+                [None if e[4] is None else bytes([e[0] % 256]) * ((e[2] or 0) % 5) for e in events], pa.binary()
+            ),
             "c8": pa.array([None if e[3] is None else [e[3], 1.0] for e in events], pa.list_(pa.float64())),
         }
     )
@@ -82,7 +88,9 @@ def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind
     assert number == block
     assert counts == [sum(1 for e in events if (e[0] - start) // TILE == t) for t in range(packed.BLOCK_TILES)]
     assert packed.event_count([blob, members[0]]) == len(members) + 1
-    assert packed.expand([members[-1], blob], features) == sorted([*members, members[-1]], key=lambda m: (m[8:16], m[:8]))
+    assert packed.expand([members[-1], blob], features) == sorted(
+        [*members, members[-1]], key=lambda m: (m[8:16], m[:8])
+    )
 
 
 def test_members_of_two_blocks_are_refused():

@@ -123,7 +123,14 @@ class OnlineWrites(Protocol):
     ) -> int:
         """Add each event to its entity's window state once per event id (the rule of
         ``featurestore.aggregation``, or the history's verdicts in ``accepted``); with ``sealer``,
-        store the summaries of ended tiles the write holds in full. Returns the events added."""
+        store the summaries of ended tiles the write holds in full; pack the ended blocks it holds
+        in full (``online.packed``). Returns the events added."""
+        ...
+
+    def pack_ended(
+        self, view: str, features: Sequence, tile_us: int, progress: Callable[[int], None] | None = None
+    ) -> tuple[int, int]:
+        """Pack every entity's ended blocks that hold plain events; returns (blocks, events) packed."""
         ...
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:

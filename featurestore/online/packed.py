@@ -139,7 +139,10 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
             out.append(_fixed(heads[f"f{k}"], dtype.name))
         else:
             lengths = heads[f"len{k}"].astype(np.int64)
-            starts = size + sum((heads[f"len{j}"].astype(np.int64) for j in range(k) if features[j][1].name not in _FIXED), np.zeros(len(members), np.int64))
+            starts = size + sum(
+                (heads[f"len{j}"].astype(np.int64) for j in range(k) if features[j][1].name not in _FIXED),
+                np.zeros(len(members), np.int64),
+            )
             out.append(_variable([m[a : a + n] for m, a, n in zip(members, starts.tolist(), lengths.tolist())]))
     return b"".join(out)
 
@@ -187,7 +190,7 @@ def unpack(
         heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
     else:
         heads["id"] = ids.view(_U64)
-    rows = range(n)
+    rows: Sequence[int] = range(n)
     if within is not None or skip_tiles:
         keep = np.ones(n, bool)
         if within is not None:
@@ -305,8 +308,7 @@ def _floats(values: np.ndarray) -> bytes:
             if np.array_equal((ints.astype(np.float64) / scale).view(unsigned), bits):
                 candidates.append(b"d" + bytes([exponent]) + _ints(ints))
                 break
-    xor = bits.copy()
-    xor[1:] ^= bits[:-1]
+    xor = np.bitwise_xor(bits, np.concatenate([bits[:1] * 0, bits[:-1]]))
     grid = xor.astype(f">u{width}").view(np.uint8).reshape(-1, width)
     nonzero = grid != 0
     any_set = nonzero.any(axis=1)

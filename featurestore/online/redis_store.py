@@ -16,6 +16,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import pyarrow.compute as pc
 import redis
 
 from featurestore.errors import OnlineStoreUnavailable
+from featurestore.online import packed
 from featurestore.online.base import Lookup, Range, Seal, Sealer, TiledRange
 from featurestore.online.codec import (
     encode_events,
@@ -34,7 +36,6 @@ from featurestore.online.codec import (
     key_prefix,
     numpy_values,
 )
-from featurestore.online import packed
 from featurestore.online.lua import scripts
 from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
@@ -155,6 +156,36 @@ class RedisOnlineStore:
         keys = entity_keys(self.project, rows, join_keys)
         order = self.transport.order(keys)
         return (keys, None) if order is None else (keys.take(pa.array(order)), order)
+
+    def pack_ended(
+        self, view: str, features: Sequence, tile_us: int, progress: Callable[[int], None] | None = None
+    ) -> tuple[int, int]:
+        """Pack the ended blocks of every entity's events under the view's layout ``view`` that
+        hold plain events (streamed one by one, or late into a block): ``seal_tiles.lua``, only
+        where Redis still holds what was read. Returns (blocks packed, events in them);
+        ``progress`` is told of each batch of keys scanned."""
+        pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
+        span = tile_us * packed.BLOCK_TILES
+        packed_blocks = packed_events = 0
+        with self._calling():
+            scan = self.client.scan_iter(match=pattern, count=1000)
+            for keys in iter(lambda: list(itertools.islice(scan, 256)), []):
+                before = (time.time_ns() // 1000 // span) * span - 1  # (the blocks that may have ended)
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.zrangebyscore(key, "-inf", before)
+                entries = {}
+                for key, members in zip(keys, pipe.execute()):
+                    found = list(_ended_blocks(members, features, tile_us, span))
+                    packed_events += sum(events for _, _, events in found)
+                    if found:
+                        entries[key] = [x for entry, _, _ in found for x in entry]
+                        packed_blocks += len(found)
+                if entries:
+                    self._run(partial(_seal_calls, entries, tile_us), None)
+                if progress is not None:
+                    progress(len(keys))
+        return packed_blocks, packed_events
 
     def unpack(self, keys: Sequence[bytes], features: Sequence) -> None:
         """Replace the blocks of these events keys by the events they hold (``unpack_block.lua``)."""
@@ -323,6 +354,28 @@ class RedisOnlineStore:
 def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
     """A lookup's summaries as ``seal_tiles.lua`` takes them: no digest (its count check suffices)."""
     return [x for tile, events, summary in tiles for x in ("S", tile, events, b"", summary)]
+
+
+def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
+    return (("seal_tiles", [key], [tile_us, *entry], []) for key, entry in entries.items())
+
+
+def _ended_blocks(members: list[bytes], features: Sequence, tile_us: int, span: int) -> Iterator[tuple[list, int, int]]:
+    """``seal_tiles.lua``'s entries packing the blocks among ``members`` (a range of one
+    entity's events, in sorted-set order) that hold plain events: ``(entry, block, events)``."""
+
+    def block(member: bytes) -> int:
+        if packed.is_block(member):
+            return packed.header(member)[0]
+        return (int.from_bytes(member[8:16], "big") - (1 << 63)) // span  # (its µs: sign-flipped big-endian)
+
+    for number, group in itertools.groupby(members, key=block):
+        raw = list(group)
+        if all(packed.is_block(m) for m in raw):
+            continue
+        events = packed.expand(raw, features)
+        digest = hashlib.sha1(b"".join(raw)).hexdigest()
+        yield ["P", number, digest, packed.pack(events, features, tile_us)], number, len(events)
 
 
 def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int) -> list:

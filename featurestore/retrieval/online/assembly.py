@@ -125,7 +125,9 @@ def _tiled(query: OnlineQuery, plan: _WindowPlan, key: bytes, reply: list, low: 
     flat, runs = reply
     members = list(itertools.chain.from_iterable(runs))
     summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
-    times, columns = plan.events(members, low, now_us, skip_tiles=summaries.keys())  # (blocks hold summarized tiles too)
+    times, columns = plan.events(
+        members, low, now_us, skip_tiles=summaries.keys()
+    )  # (blocks hold summarized tiles too)
     vals, stats = tiles.evaluate_tiled(
         tiled,
         plan.wanted,

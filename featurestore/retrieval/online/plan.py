@@ -377,7 +377,9 @@ class OnlineQuery:
         ``read_tiles`` needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
         out = []
         for pos, (key, _, _, limit) in enumerate(self.ranges):
-            if pos in self.known_heavy or (limit is not None and packed.holds_at_least(raw[len(self.lookups) + pos], limit)):
+            if pos in self.known_heavy or (
+                limit is not None and packed.holds_at_least(raw[len(self.lookups) + pos], limit)
+            ):
                 out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
         return out
 

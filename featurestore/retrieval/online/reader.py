@@ -14,10 +14,10 @@ import threading
 import time
 from collections import OrderedDict
 
+from featurestore.online import packed
 from featurestore.online.base import OnlineReads
 from featurestore.retrieval.online.assembly import assemble
 from featurestore.retrieval.online.plan import OnlineQuery
-from featurestore.online import packed
 from featurestore.retrieval.online.response import OnlineResponse
 
 log = logging.getLogger(__name__)
