@@ -439,14 +439,14 @@ def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity
             "card_id": card,
             "amount": None if i % 11 == 0 else (i % 17) / 4,
             "kind": ["web", "card", None][i % 3],
-            "event_timestamp": BASE + i * STEP / 20,  # 10 a 15-minute tile, 40 tiles
+            "event_timestamp": BASE + i * STEP / 40,  # 20 a 15-minute tile (a heavy card's), 40 tiles
         }
-        for i in range(400)
+        for i in range(800)
     ]
     store.push("payments", _frame(events), to="online")
     assert store.online_store.client.hlen(_events_key(store, card) + b"|tiles") == 40
     refs = [f"activity:{n}" for n in TILED]
-    at = BASE + 400 * STEP / 20 + timedelta(minutes=7)
+    at = BASE + 800 * STEP / 40 + timedelta(minutes=7)
 
     def lookup(heavy_per_tile: int):
         monkeypatch.setattr(tiles, "HEAVY_PER_TILE", heavy_per_tile)
@@ -1303,6 +1303,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     from featurestore.online import packed, redis_store
 
     store = activity_store
+    monkeypatch.setattr(packed, "PACK_FROM", 1)  # (a block of any size: few events here)
     offset = next(_cards) * 10 + 5_000_000
     cards = {"packed": offset, "plain": offset + 1}
     never_pack = redis_store._blocks
@@ -1377,7 +1378,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     check("resent whole")
 
 
-def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write(activity_store):
+def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write(activity_store, monkeypatch):
     """Events pushed one at a time into the same ended blocks stay plain (no write holds a whole
     block); ``pack_online`` (``featurestore compact``) packs them, lookups unchanged, and packs
     nothing the second time. A pack built from a read that a write then overtook is refused."""
@@ -1387,7 +1388,9 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
     from featurestore.online import packed
 
     store = activity_store
-    card = next(_cards) * 10 + 7_000_000
+    monkeypatch.setattr(packed, "PACK_FROM", 1)
+    monkeypatch.setattr(packed, "PACK_FROM", 1)
+    card = next(_cards) * 10 + 7_500_000
     rng = random.Random(card)
     events = [
         {
@@ -1435,7 +1438,7 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
     tile = tiles.tile_us(store.get_feature_view("activity"))
     number = (int.from_bytes(_plain_member(client, key)[8:16], "big") - (1 << 63)) // (tile * packed.BLOCK_TILES)
     in_block = [m for m in stale if packed.is_block(m) and packed.header(m)[0] == number]
-    entry = ["P", number, hashlib.sha1(b"".join(in_block)).hexdigest(), in_block[0]]
+    entry = ["P", number, packed.BLOCK_TILES, hashlib.sha1(b"".join(in_block)).hexdigest(), in_block[0]]
     store.online_store._run(lambda: iter([("seal_tiles", [key], [tile, *entry], [])]), None)
     assert packed.event_count(client.zrange(key, 0, -1)) == 41
     t = late["event_timestamp"]

@@ -78,7 +78,9 @@ def write_online(
 def _sealer(view: FeatureView, storage_id: str) -> Sealer | None:
     """Summaries of the view's tiles as a lookup computes them from the stored events (None: nothing tiled)."""
     summarize = _summarizer(view, storage_id)
-    return Sealer(tiles.SEAL_FROM, summarize) if summarize is not None else None
+    # (a tile lighter than half the heavy threshold is mostly a light entity's, which reads events, not summaries)
+    least = max(tiles.SEAL_FROM, tiles.HEAVY_PER_TILE // 2)
+    return Sealer(least, summarize) if summarize is not None else None
 
 
 @lru_cache(maxsize=256)  # (building one costs more than a small push)

@@ -1,11 +1,13 @@
 """Packed blocks: the ended tiles of an entity's events, compressed into one sorted-set member.
 
 Online, an aggregated view's events are sorted-set members (``codec``): ~200 bytes each in
-Redis, most of it Redis's own bookkeeping per member. Once the ``BLOCK_TILES`` tiles of a block
-have ended, a writer that holds all their events replaces them with one member, a block
-(``pack``), scored at the start of the block's last tile, so a range read that reaches any of
-its tiles returns it (``block_range``). A block holds exactly the members it replaced: ``unpack``
-gives them back byte for byte, so everything downstream of a read is unchanged. Inside, columns:
+Redis, most of it Redis's own bookkeeping per member. Tiles are grouped in blocks of
+``BLOCK_TILES``; once some of a block's tiles have ended, a writer that holds all their events
+(``PACK_FROM`` or more) replaces them with one member, a block (``pack``), scored at the start of
+the block's first tile, so a range read that reaches any of its tiles returns it
+(``block_range``); as more of its tiles end it is packed again with their events. A block holds
+exactly the members it replaced: ``unpack`` gives them back byte for byte, so everything
+downstream of a read is unchanged. Inside, columns:
 
 - event ids, times, integers and timestamps: frame-of-reference bit packing of the values or of
   their deltas, whichever is smaller (an id equal to an integer column is not stored twice);
@@ -32,6 +34,7 @@ import numpy as np
 from featurestore.types import DType
 
 BLOCK_TILES = 8
+PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
 _VERSION = 1
 _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}I")
@@ -50,8 +53,8 @@ def block_of(tile: int) -> int:
 def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
     """The scores a range read of events in ``(low_us, high_us]`` asks for (exclusive low,
     inclusive high) so that it also returns the blocks holding any of them: a block is scored at
-    the start of its last tile, up to a block after its first."""
-    return low_us - tile_us + 1, high_us + (BLOCK_TILES - 1) * tile_us
+    the start of its first tile, up to a block before its last event."""
+    return low_us + 1 - BLOCK_TILES * tile_us, high_us
 
 
 def header(blob: bytes) -> tuple[int, list[int]]:

@@ -141,7 +141,7 @@ class RedisOnlineStore:
                 whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, sealer.least)
                 for key, events in _tile_members(keys, rows, times, features, event_ids, whole):
                     summaries[key] = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
-            whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us * packed.BLOCK_TILES, 1)
+            whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, 1, at_cutoff=True)  # (every ended tile)
             blocks = dict(_tile_members(keys, rows, times, features, event_ids, whole))
             for key in summaries.keys() | blocks.keys():
                 entries = list(itertools.chain.from_iterable(summaries.get(key, ())))
@@ -170,7 +170,7 @@ class RedisOnlineStore:
         with self._calling():
             scan = self.client.scan_iter(match=pattern, count=1000)
             for keys in iter(lambda: list(itertools.islice(scan, 256)), []):
-                before = (time.time_ns() // 1000 // span) * span - 1  # (the blocks that may have ended)
+                before = (time.time_ns() // 1000 // tile_us) * tile_us - 1  # (the tiles that may have ended)
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
                     pipe.zrangebyscore(key, "-inf", before)
@@ -361,8 +361,9 @@ def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
 
 
 def _ended_blocks(members: list[bytes], features: Sequence, tile_us: int, span: int) -> Iterator[tuple[list, int, int]]:
-    """``seal_tiles.lua``'s entries packing the blocks among ``members`` (a range of one
-    entity's events, in sorted-set order) that hold plain events: ``(entry, block, events)``."""
+    """``seal_tiles.lua``'s entries packing the ended tiles among ``members`` (a range of one
+    entity's events, in sorted-set order) that hold plain events, a block at a time (with the
+    block packed before, if any): ``(entry, block, events)``."""
 
     def block(member: bytes) -> int:
         if packed.is_block(member):
@@ -371,33 +372,49 @@ def _ended_blocks(members: list[bytes], features: Sequence, tile_us: int, span: 
 
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
-        if all(packed.is_block(m) for m in raw):
-            continue
-        events = packed.expand(raw, features)
-        digest = hashlib.sha1(b"".join(raw)).hexdigest()
-        yield ["P", number, digest, packed.pack(events, features, tile_us)], number, len(events)
+        if not all(packed.is_block(m) for m in raw):
+            entry = _pack_entry(number, raw, packed.expand(raw, features), features, tile_us)
+            if entry:
+                yield entry, number, packed.event_count(raw)
 
 
 def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int) -> list:
-    """``seal_tiles.lua``'s entries packing the ended blocks whose events (``(µs, member)`` in
-    (time, id) order) a write holds: each with the SHA-1 of the members it replaces."""
+    """``seal_tiles.lua``'s entries packing the ended tiles whose events (``(µs, member)`` in
+    (time, id) order) a write holds, a block at a time."""
     span = tile_us * packed.BLOCK_TILES
     out: list = []
     for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
         members = [m for _, m in group]
-        out += ["P", block, hashlib.sha1(b"".join(members)).hexdigest(), packed.pack(members, features, tile_us)]
+        out += _pack_entry(block, members, members, features, tile_us)
     return out
 
 
+def _pack_entry(block: int, raw: list[bytes], events: list[bytes], features: Sequence, tile_us: int) -> list:
+    """The entry packing ``events`` (``PACK_FROM`` or more), which Redis holds as the members
+    ``raw`` in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block]``."""
+    if len(events) < packed.PACK_FROM:
+        return []
+    ended = min(packed.BLOCK_TILES, time.time_ns() // 1000 // tile_us - block * packed.BLOCK_TILES)
+    digest = hashlib.sha1(b"".join(raw)).hexdigest()
+    return ["P", block, ended, digest, packed.pack(events, features, tile_us)]
+
+
 def _whole_tiles(
-    keys: pa.Array, times: np.ndarray, accepted: np.ndarray | None, cutoff_us: int, tile_us: int, least: int
+    keys: pa.Array,
+    times: np.ndarray,
+    accepted: np.ndarray | None,
+    cutoff_us: int,
+    tile_us: int,
+    least: int,
+    at_cutoff: bool = False,
 ) -> np.ndarray:
-    """The rows (event µs ``times``) in ended tiles inside the cutoff of which the write holds
-    ``least`` events or more of one entity: those a writer may summarize. Sorted by entity, then time."""
+    """The rows (event µs ``times``) in ended tiles inside the cutoff (``at_cutoff``: or holding
+    it) of which the write holds ``least`` events or more of one entity: those a writer may
+    summarize (or pack). Sorted by entity, then time."""
     tile = times // tile_us
     entity = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False)
     now_tile = time.time_ns() // 1000 // tile_us
-    usable = (tile < now_tile) & (times >= cutoff_us) & (tile * tile_us >= cutoff_us)
+    usable = (tile < now_tile) & (times >= cutoff_us) & ((tile + at_cutoff) * tile_us >= cutoff_us)
     if accepted is not None:  # a write the history found a duplicate is not stored
         usable &= accepted.astype(bool)
     candidates = np.flatnonzero(usable)

@@ -1,7 +1,7 @@
 -- Shared by the scripts that say they need it: packed blocks (featurestore/online/packed.py) and
--- the id index of their events. A block is one sorted-set member holding the events of
--- BLOCK_TILES ended tiles, scored at its last tile's start; bytes 9-16 of an event are its µs,
--- of a block all ones. The index (key events|seen) lists each packed event as 16 bytes, its id
+-- the id index of their events. A block is one sorted-set member holding the events of the
+-- ended tiles among the BLOCK_TILES tiles it covers, scored at its first tile's start; bytes 9-16
+-- of an event are its µs, of a block all ones. The index (key events|seen) lists each packed event as 16 bytes, its id
 -- then its µs (an event's bytes 1-16), sorted bytewise: the duplicate rule finds an id's writes
 -- there by binary search once its event is packed (the ids hash then no longer holds it, unless
 -- the id has other writes).

@@ -18,7 +18,7 @@
 -- away, a duplicate is removed. Expiry is pushed out to newest + horizon (+ the dedup window for
 -- the ids) + slack whenever newest + horizon passes it, so a stream of events refreshes it (and
 -- trims old events, blocks, write times and summaries) once per slack, not per event. A block
--- goes once it has ended a tile before the cutoff, its ids when their writes leave the dedup
+-- goes once its last tile ends before the cutoff, its ids when their writes leave the dedup
 -- window. With verdicts, no write may concern a packed event: the writer unpacks first
 -- (``unpack_block.lua``); one that does fails the call before it changes anything.
 local cutoff = tonumber(ARGV[1])
@@ -106,8 +106,9 @@ for k = 1, n do
   elseif extend(events, expire_ms) then  -- (the ids' and summaries' expiry move with the events')
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
-    redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. fmt(cutoff - tile))  -- (events, and blocks ended before the cutoff)
-    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(cutoff - tile), '(' .. ARGV[1])) do
+    local span = BLOCK_TILES * tile  -- (events, and blocks ended before the cutoff; then the events of the others)
+    redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(cutoff - span))
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - span), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
     end
     local seen = events .. '|seen'

@@ -30,7 +30,7 @@ for t = first, last + 1 do
     local to = math.min(tonumber(high), t * tile - 1)
     local kept = redis.call('ZRANGEBYSCORE', events, fmt(from), fmt(to))
     for block = math.floor(run / BLOCK_TILES), math.floor((t - 1) / BLOCK_TILES) do  -- blocks scored outside
-      local score = ((block + 1) * BLOCK_TILES - 1) * tile
+      local score = block * BLOCK_TILES * tile
       if score < from or score > to then
         for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(score), fmt(score))) do
           if is_block(m) then kept[#kept + 1] = m end

@@ -7,15 +7,16 @@
 --   the count), or packed (which keeps it). A writer's summary is of the events it sent, some of
 --   which Redis may have refused as duplicates while holding others: it checks the members
 --   themselves, concatenated in (time, id) order, none of them packed yet.
---   'P', block number, the SHA-1 of every member scored in the block's tiles (in sorted-set
---   order), the block (featurestore/online/packed.py) holding exactly their events: it replaces
---   them. Their ids go to the index; an id whose only write is its event leaves the ids hash.
+--   'P', block number, k, the SHA-1 of every member scored in the block's first k tiles (in
+--   sorted-set order: a block packed before, events), the block (featurestore/online/packed.py)
+--   holding exactly their events: it replaces them. The ids of the events that were plain go to
+--   the index; an id whose only write is its event leaves the ids hash.
 local events, tile = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('EXISTS', events) == 0 then return 0 end
 local ids, seen = events .. '|ids', events .. '|seen'
-local done, i = 0, 2
+local done, i, removed, ids_removed = 0, 2, 0, 0
 while i <= #ARGV do
   if ARGV[i] == 'S' then
     local no = tonumber(ARGV[i + 1])
@@ -24,9 +25,9 @@ while i <= #ARGV do
       for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(no * tile), fmt((no + 1) * tile - 1))) do
         if not is_block(m) then plain[#plain + 1] = m end
       end
-      local last = (math.floor(no / BLOCK_TILES) + 1) * BLOCK_TILES - 1
-      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(last * tile), fmt(last * tile))) do
-        if is_block(m) then packed = packed + block_events(m, no - (last - BLOCK_TILES + 1)) end
+      local first = math.floor(no / BLOCK_TILES) * BLOCK_TILES
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(first * tile), fmt(first * tile))) do
+        if is_block(m) then packed = packed + block_events(m, no - first) end
       end
       local same = #plain + packed == tonumber(ARGV[i + 2])
       if same and ARGV[i + 3] ~= '' then
@@ -41,11 +42,12 @@ while i <= #ARGV do
     end
     i = i + 5
   else
-    local block = tonumber(ARGV[i + 1])
-    local first, last = block * BLOCK_TILES * tile, (block + 1) * BLOCK_TILES * tile - 1
+    local block, tiles = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    local first = block * BLOCK_TILES * tile
+    local last = first + math.min(tiles, BLOCK_TILES) * tile - 1
     if last < now_us then
       local members = redis.call('ZRANGEBYSCORE', events, fmt(first), fmt(last))
-      if redis.sha1hex(table.concat(members)) == ARGV[i + 2] then
+      if redis.sha1hex(table.concat(members)) == ARGV[i + 3] then
         local entries, plain_ids = {}, {}
         for _, m in ipairs(members) do
           if not is_block(m) then
@@ -53,8 +55,8 @@ while i <= #ARGV do
             plain_ids[#plain_ids + 1] = string.sub(m, 1, 8)
           end
         end
-        redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
-        redis.call('ZADD', events, fmt(last - tile + 1), ARGV[i + 3])
+        removed = removed + redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
+        redis.call('ZADD', events, fmt(first), ARGV[i + 4])
         if #entries > 0 then
           local alone = {}  -- ids whose one write is their event: the index holds it now
           each_chunk(plain_ids, 4000, function(a, b)
@@ -66,6 +68,7 @@ while i <= #ARGV do
           if #alone > 0 then
             if #alone == redis.call('HLEN', ids) then redis.call('HSET', ids, '', '') end  -- (the hash keeps its expiry)
             each_chunk(alone, 4000, function(a, b) redis.call('HDEL', ids, unpack(alone, a, b)) end)
+            ids_removed = ids_removed + #alone
           end
           redis.call('SET', seen, with_entries(redis.call('GET', seen) or '', entries))
           local ttl = redis.call('PTTL', ids)
@@ -74,7 +77,22 @@ while i <= #ARGV do
         done = done + 1
       end
     end
-    i = i + 4
+    i = i + 5
   end
 end
+-- Redis keeps a set's or hash's table at its largest size until it shrinks it itself (not while
+-- it rewrites its append-only file): a set or hash that packing emptied is rewritten at its size.
+local function rewritten(key, emptied, size, copy)
+  if emptied >= 256 and emptied > 4 * size then
+    local ttl = redis.call('PTTL', key)
+    copy()
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+  end
+end
+rewritten(events, removed, redis.call('ZCARD', events), function() redis.call('ZUNIONSTORE', events, 1, events) end)
+rewritten(ids, ids_removed, redis.call('HLEN', ids), function()
+  local fields = redis.call('HGETALL', ids)
+  redis.call('DEL', ids)
+  each_chunk(fields, 4000, function(a, b) redis.call('HSET', ids, unpack(fields, a, b)) end)
+end)
 return done
