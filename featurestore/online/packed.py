@@ -25,6 +25,7 @@ events' id index (``add_events.lua``), for the duplicate rule.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -40,6 +41,8 @@ _VERSION = 1
 _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}I")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
+SMALL = 128  # values below which bit-unpacking runs in Python
+UNPACKED_BLOCKS = 512  # blocks whose decoded members a process keeps (up to ~100 MB of the largest)
 
 
 def is_block(member: bytes) -> bool:
@@ -84,15 +87,25 @@ def expand(
     (the order of plain members: a block's tiles may have had late events added since)."""
     if not any(is_block(m) for m in members):
         return members
-    out: list[bytes] = []
+    pieces: list[list[bytes]] = []  # runs of plain members (each in order), and each block's events
+    plain: list[bytes] = []
     blocks = set()
     for m in members:
         if not is_block(m):
-            out.append(m)
-        elif m not in blocks:
+            plain.append(m)
+            continue
+        if plain:
+            pieces.append(plain)
+            plain = []
+        if m not in blocks:
             blocks.add(m)
-            out += unpack(m, features, within, tile_us, skip_tiles)
-    out.sort(key=_order)
+            pieces.append(unpack(m, features, within, tile_us, skip_tiles))
+    pieces.append(plain)
+    pieces = [p for p in pieces if p]
+    pieces.sort(key=lambda p: _order(p[0]))
+    out = [m for p in pieces for m in p]
+    if any(_order(a[-1]) > _order(b[0]) for a, b in zip(pieces, pieces[1:])):  # (late events inside a block)
+        out.sort(key=_order)
     return out
 
 
@@ -103,7 +116,8 @@ def _order(member: bytes) -> tuple[bytes, bytes]:
 # ------------------------------------------------------------------ the format
 
 
-def _head_dtype(features: Sequence[tuple[str, DType]]) -> np.dtype:
+@functools.lru_cache(maxsize=256)
+def _head_dtype(features: tuple[tuple[str, DType], ...]) -> np.dtype:
     nbytes = (len(features) + 7) // 8
     fixed = [(f"f{i}", _FIXED[t.name]) for i, (_, t) in enumerate(features) if t.name in _FIXED]
     lengths = [(f"len{i}", ">u4") for i, (_, t) in enumerate(features) if t.name not in _FIXED]
@@ -112,7 +126,7 @@ def _head_dtype(features: Sequence[tuple[str, DType]]) -> np.dtype:
 
 def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_us: int) -> bytes:
     """One block from the plain members of its tiles, in (time, id) order."""
-    head = _head_dtype(features)
+    head = _head_dtype(tuple(features))
     size = head.itemsize
     heads = np.frombuffer(b"".join(m[:size] for m in members), dtype=head)
     times = (heads["time"] ^ _U64(1 << 63)).view(np.int64)
@@ -158,8 +172,21 @@ def unpack(
     skip_tiles: Collection[int] = (),
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
-    ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given (the columns
-    are decoded whole, members are built for the events kept)."""
+    ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given."""
+    times, members = _unpacked(blob, tuple(features))
+    if within is None and not skip_tiles:
+        return list(members)
+    keep = np.ones(len(times), bool)
+    if within is not None:
+        keep &= (times > within[0]) & (times <= within[1])
+    if skip_tiles:
+        keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
+    return [members[i] for i in np.flatnonzero(keep).tolist()]
+
+
+@functools.lru_cache(maxsize=UNPACKED_BLOCKS)
+def _unpacked(blob: bytes, features: tuple[tuple[str, DType], ...]) -> tuple[np.ndarray, tuple[bytes, ...]]:
+    """A block's event µs and members (a block never changes: a hot entity's lookups decode each once)."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
@@ -175,10 +202,9 @@ def unpack(
     times, at = _read_ints(view, at, n)
     heads["time"] = times.view(_U64) ^ _U64(1 << 63)
     if blob[at]:
-        heads["nulls"] = np.frombuffer(view[at + 1 : at + 1 + n * head["nulls"].itemsize], np.uint8).reshape(
-            n, head["nulls"].itemsize
-        )
-        at += 1 + n * head["nulls"].itemsize
+        width = head["nulls"].itemsize
+        heads["nulls"] = np.frombuffer(view[at + 1 : at + 1 + n * width], np.uint8).reshape(n, width)
+        at += 1 + n * width
     else:
         at += 1
     var: list[list[bytes]] = []
@@ -193,21 +219,11 @@ def unpack(
         heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
     else:
         heads["id"] = ids.view(_U64)
-    rows: Sequence[int] = range(n)
-    if within is not None or skip_tiles:
-        keep = np.ones(n, bool)
-        if within is not None:
-            keep &= (times > within[0]) & (times <= within[1])
-        if skip_tiles:
-            keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
-        rows = np.flatnonzero(keep).tolist()
-        heads = heads[rows]
-        var = [[v[i] for i in rows] for v in var]
     raw = heads.tobytes()
     size = head.itemsize
     if not var:
-        return [raw[i * size : (i + 1) * size] for i in range(len(heads))]
-    return [raw[i * size : (i + 1) * size] + b"".join(v[i] for v in var) for i in range(len(heads))]
+        return times, tuple(raw[i * size : (i + 1) * size] for i in range(n))
+    return times, tuple(raw[i * size : (i + 1) * size] + b"".join(v[i] for v in var) for i in range(n))
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed
@@ -225,8 +241,18 @@ def _read_bits(view: memoryview, at: int, n: int, width: int) -> tuple[np.ndarra
     if width == 0:
         return np.zeros(n, _U64), at
     nbytes = (n * width + 7) // 8
-    bits = np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n * width, bitorder="little")
-    values = (bits.reshape(n, width).astype(_U64) << np.arange(width, dtype=_U64)).sum(axis=1, dtype=_U64)
+    if n <= SMALL:  # one Python integer, shifted: numpy's per-call costs would outweigh it
+        whole, mask = int.from_bytes(view[at : at + nbytes], "little"), (1 << width) - 1
+        return np.array([(whole >> (i * width)) & mask for i in range(n)], _U64), at + nbytes
+    if width > 56:  # (a value may span nine bytes)
+        bits = np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n * width, bitorder="little")
+        values = (bits.reshape(n, width).astype(_U64) << np.arange(width, dtype=_U64)).sum(axis=1, dtype=_U64)
+        return values, at + nbytes
+    padded = np.zeros(nbytes + 8, np.uint8)  # each value: the 8 bytes from its first, shifted and masked
+    padded[:nbytes] = np.frombuffer(view[at : at + nbytes], np.uint8)
+    starts = np.arange(n, dtype=np.int64) * width
+    words = padded[(starts >> 3)[:, None] + np.arange(8)].view("<u8").ravel()
+    values = (words >> (starts & 7).astype(_U64)) & _U64((1 << width) - 1)
     return values, at + nbytes
 
 
