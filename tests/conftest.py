@@ -58,10 +58,10 @@ def demo_repo(root: Path) -> Iterator[Path]:
     os.environ.update(env)
     try:
         yield repo
-    finally:
-        redis_server.stop()
+    finally:  # (the environment first: a later test must never inherit this repo's data dir)
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        redis_server.stop()
 
 
 def free_port() -> int:

@@ -1452,3 +1452,44 @@ def _plain_member(client, key: bytes) -> bytes:
     from featurestore.online import packed
 
     return next(m for m in client.zrange(key, 0, -1) if not packed.is_block(m))
+
+
+def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_store, monkeypatch):
+    """A whole-history resend may replace or remove events, so it unpacks its entities' blocks
+    first. Blocks a concurrent writer packed between that and its writes fail its call in Redis
+    before anything changes (``add_events.lua``): it unpacks again and succeeds."""
+    import duckdb
+
+    from featurestore.online import packed, redis_store
+
+    store = activity_store
+    monkeypatch.setattr(packed, "PACK_FROM", 1)
+    card = next(_cards) * 10 + 9_000_000
+    events = [
+        {"payment_id": i, "card_id": card, "amount": float(i), "kind": "web", "event_timestamp": BASE + i * STEP}
+        for i in range(12)
+    ]
+    store.push("payments", _frame(events), to="online_and_offline")
+    key = _events_key(store, card)
+    assert any(packed.is_block(m) for m in store.online_store.client.zrange(key, 0, -1))
+    unpack, calls = redis_store.RedisOnlineStore.unpack, []
+
+    def late_first_time(self, keys, features):  # the first unpack is overtaken: nothing unpacked
+        calls.append(keys)
+        if len(calls) > 1:
+            unpack(self, keys, features)
+
+    monkeypatch.setattr(redis_store.RedisOnlineStore, "unpack", late_first_time)
+    view = store.get_feature_view("activity")
+    con = duckdb.connect()
+    store.offline_store.register(
+        con, store.layout("activity").history_table, "history", store.definitions.history_schema(view)
+    )
+    history = con.sql(f"SELECT * FROM history WHERE card_id = {card}").to_arrow_table()
+    store.materializer().write_online(
+        view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
+    )
+    assert len(calls) == 2
+    at = BASE + 12 * STEP
+    got = store.get_online_features([{"card_id": card}], features=["activity:amount_sum_3h"], at=at).to_dict()
+    assert got["amount_sum_3h"] == [reference(events, card, at, AGGS["amount_sum_3h"])]

@@ -185,7 +185,8 @@ class EmbeddedRedis:
             while _alive(pid, self.socket) and time.monotonic() < deadline:
                 time.sleep(0.02)
             if _alive(pid, self.socket):
-                os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+                with contextlib.suppress(ProcessLookupError):  # (it exited meanwhile)
+                    os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
             self.socket.unlink(missing_ok=True)
 
 

@@ -41,6 +41,7 @@ from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
 
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
+PACKED_RETRIES = 3  # a whole-history write unpacks its entities' blocks, and again if a writer packed some meanwhile
 
 
 class RedisOnlineStore:
@@ -117,8 +118,6 @@ class RedisOnlineStore:
             accepted = accepted[order] if accepted is not None else None
         keys = suffixed(keys, events_key(b"", view))
         verdicts = accepted is not None
-        if verdicts:
-            self.unpack(pc.unique(keys).to_pylist(), features)
         adds = -(-rows.num_rows // CHUNK)
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
@@ -149,7 +148,16 @@ class RedisOnlineStore:
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
-        return sum(self._run(calls, newest)[:adds])
+        if not verdicts:
+            return sum(self._run(calls, newest)[:adds])
+        for attempt in range(1, PACKED_RETRIES + 1):
+            self.unpack(pc.unique(keys).to_pylist(), features)
+            try:
+                return sum(self._run(calls, newest)[:adds])  # (verdicts converge: the calls may run again)
+            except redis.exceptions.ResponseError as exc:  # a concurrent writer packed some again
+                if not str(exc).startswith("PACKED") or attempt == PACKED_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _keys(self, rows: pa.Table, join_keys: Sequence[str]) -> tuple[pa.Array, np.ndarray | None]:
         """The rows' entity keys, in the order the transport wants them written (None: as given)."""
