@@ -16,8 +16,9 @@ ingest time, kept when its rows are rewritten (backfills, new versions, compacti
 - online (``evaluate.py``): Redis keeps each entity's events of the last ``longest window +
   retention`` in a sorted set by event time (added once per event id, first write wins, in one
   Lua call per batch), the events of ended tiles packed into blocks (``online.packed``); a lookup
-  reads its window in the same round trip as the other views and aggregates it in Python. A heavy entity reads tile summaries and the events at the window's
-  edges instead (``tiles.py``), with the same result.
+  reads its window in the same round trip as the other views and aggregates it in Python. A
+  heavy entity reads tile summaries and the events at the window's edges instead (``tiles.py``),
+  with the same result.
 
 Counts, min, max, last, last-N and distinct counts agree exactly; integer sums too (a sum
 past Int64's range is an ``AggregationOverflow`` naming the aggregation, on both paths). Float
