@@ -1364,12 +1364,14 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
             push(name, more)
             pushed[name] += more
     check("late events, retries and changes")
+    store.flush()  # (pushes are acknowledged once buffered: history has them once committed)
     view = store.get_feature_view("activity")
     con = duckdb.connect()
     store.offline_store.register(
         con, store.layout("activity").history_table, "history", store.definitions.history_schema(view)
     )
     history = con.sql(f"SELECT * FROM history WHERE card_id = {cards['packed']}").to_arrow_table()
+    assert history.num_rows == len(pushed["packed"])
     monkeypatch.setattr(redis_store, "_blocks", never_pack)
     store.materializer().write_online(
         view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
@@ -1480,12 +1482,14 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
             unpack(self, keys, features)
 
     monkeypatch.setattr(redis_store.RedisOnlineStore, "unpack", late_first_time)
+    store.flush()
     view = store.get_feature_view("activity")
     con = duckdb.connect()
     store.offline_store.register(
         con, store.layout("activity").history_table, "history", store.definitions.history_schema(view)
     )
     history = con.sql(f"SELECT * FROM history WHERE card_id = {card}").to_arrow_table()
+    assert history.num_rows == len(events)
     store.materializer().write_online(
         view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
     )

@@ -18,7 +18,8 @@ downstream of a read is unchanged. Inside, columns:
 - null bitmaps only when some value is null.
 
 Layout: ``BLOCK_MARK`` (16 bytes: an event's bytes 8–16 are its µs, never all ones), version,
-block number (int64), the events of each of its tiles (8 × uint32, read by ``seal_tiles.lua``),
+block number (int64), the events of each of its tiles (``BLOCK_TILES`` × uint16, read by
+``seal_tiles.lua``),
 then the sections. Redis never decodes the rest: a block's event ids and times are also in the
 events' id index (``add_events.lua``), for the duplicate rule.
 """
@@ -34,11 +35,12 @@ import numpy as np
 
 from featurestore.types import DType
 
-BLOCK_TILES = 8
+BLOCK_TILES = 32
+MOST_PER_TILE = 65_535  # events of one tile a block counts (uint16): a tile with more stays plain
 PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
 _VERSION = 1
-_HEADER = struct.Struct(f">16sBq{BLOCK_TILES}I")
+_HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 128  # values below which bit-unpacking runs in Python
@@ -135,6 +137,8 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
     if int(tiles[-1]) // BLOCK_TILES != block:
         raise ValueError("the members span more than one block")
     counts = np.bincount(tiles - block * BLOCK_TILES, minlength=BLOCK_TILES).tolist()
+    if max(counts) > MOST_PER_TILE:
+        raise ValueError(f"a tile of more than {MOST_PER_TILE:,} events stays plain")
     out = [_HEADER.pack(BLOCK_MARK, _VERSION, block, *counts)]
     ids = heads["id"].astype(_U64)
     same = next(

@@ -112,6 +112,8 @@ class RedisOnlineStore:
         if rows.num_rows == 0:
             return 0
         horizon_ms = horizon // timedelta(milliseconds=1)
+        if accepted is not None:
+            rows, event_ids, accepted = _without_copies_of_kept(rows, join_keys, features, event_ids, accepted)
         keys, order = self._keys(rows, join_keys)
         if order is not None:  # (stable: each entity's writes keep their order)
             rows, event_ids = rows.take(order), event_ids[order]
@@ -364,6 +366,30 @@ def _flat(tiles: Sequence[tuple[int, int, bytes]]) -> list:
     return [x for tile, events, summary in tiles for x in ("S", tile, events, b"", summary)]
 
 
+def _without_copies_of_kept(
+    rows: pa.Table, join_keys: Sequence[str], features: Sequence, event_ids: np.ndarray, accepted: np.ndarray
+) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+    """A whole-history write without the duplicates that are byte-for-byte copies of a kept
+    write (a retried push: same id, time and values): Redis removes a duplicate's event, which
+    for a copy would be the kept event itself. (Its write time is the kept write's: nothing lost.)"""
+    rejected = np.flatnonzero(~accepted.astype(bool))
+    if not len(rejected):
+        return rows, event_ids, accepted
+    times = numpy_values(rows["event_timestamp"]).view(np.int64)
+    entities = entity_keys("", rows, join_keys).to_pylist()
+    kept = np.flatnonzero(accepted.astype(bool))
+    same_event = {(entities[k], int(event_ids[k]), int(times[k])): k for k in kept}
+    pairs = [(r, same_event.get((entities[r], int(event_ids[r]), int(times[r])))) for r in rejected]
+    pairs = [(r, k) for r, k in pairs if k is not None]
+    if not pairs:
+        return rows, event_ids, accepted
+    index = pa.array([x for pair in pairs for x in pair])
+    members = encode_events(rows.take(index), features, event_ids[index.to_numpy()]).to_pylist()
+    drop = {r for (r, _), a, b in zip(pairs, members[::2], members[1::2]) if a == b}
+    keep = np.array([i not in drop for i in range(rows.num_rows)])
+    return rows.filter(pa.array(keep)), event_ids[keep], accepted[keep]
+
+
 def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
     return (("seal_tiles", [key], [tile_us, *entry], []) for key, entry in entries.items())
 
@@ -403,8 +429,11 @@ def _pack_entry(block: int, raw: list[bytes], events: list[bytes], features: Seq
     if len(events) < packed.PACK_FROM:
         return []
     ended = min(packed.BLOCK_TILES, time.time_ns() // 1000 // tile_us - block * packed.BLOCK_TILES)
-    digest = hashlib.sha1(b"".join(raw)).hexdigest()
-    return ["P", block, ended, digest, packed.pack(events, features, tile_us)]
+    try:
+        blob = packed.pack(events, features, tile_us)
+    except ValueError:  # (a tile too full to count in a block)
+        return []
+    return ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob]
 
 
 def _whole_tiles(

@@ -5,7 +5,7 @@
 -- then its µs (an event's bytes 1-16), sorted bytewise: the duplicate rule finds an id's writes
 -- there by binary search once its event is packed (the ids hash then no longer holds it, unless
 -- the id has other writes).
-local BLOCK_TILES = 8
+local BLOCK_TILES = 32
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
 local function micros(stamp, at)
@@ -14,7 +14,7 @@ local function micros(stamp, at)
 end
 local function fmt(us) return string.format('%.0f', us) end
 local function block_events(member, tile_in_block)  -- a block's events in its tile 0..BLOCK_TILES-1
-  return (struct.unpack('>I4', member, 26 + 4 * tile_in_block))
+  return (struct.unpack('>I2', member, 26 + 2 * tile_in_block))
 end
 local function before(a, at, b, bt)  -- the 16 bytes of a at `at` sort before those of b at `bt`
   local a1, a2, a3, a4 = struct.unpack('>I4I4I4I4', a, at)
