@@ -51,10 +51,6 @@ def is_block(member: bytes) -> bool:
     return member[8:16] == BLOCK_MARK[8:]
 
 
-def block_of(tile: int) -> int:
-    return tile // BLOCK_TILES
-
-
 def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
     """The scores a range read of events in ``(low_us, high_us]`` asks for (exclusive low,
     inclusive high) so that it also returns the blocks holding any of them: a block is scored at

@@ -10,6 +10,7 @@ what they say is this store's. Layout: see ``featurestore.online.codec``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -137,16 +138,15 @@ class RedisOnlineStore:
                 )
             # (summarized and packed while Redis adds the last chunks)
             times = numpy_values(rows["event_timestamp"]).view(np.int64)
-            summaries: dict[bytes, list] = {}
-            if sealer is not None:
-                whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, sealer.least)
-                for key, events in _tile_members(keys, rows, times, features, event_ids, whole):
-                    summaries[key] = _with_digests(sealer.summarize([m for _, m in events]), events, tile_us)
-            whole = _whole_tiles(keys, times, accepted, cutoff_us, tile_us, 1, at_cutoff=True)  # (every ended tile)
-            blocks = dict(_tile_members(keys, rows, times, features, event_ids, whole))
-            for key in summaries.keys() | blocks.keys():
-                entries = list(itertools.chain.from_iterable(summaries.get(key, ())))
-                entries += _blocks(blocks.get(key, []), features, tile_us)
+            ended = _ended_rows(keys, times, accepted, cutoff_us, tile_us)
+            for key, events in _tile_members(keys, rows, times, features, event_ids, ended):
+                entries: list = []
+                if sealer is not None:
+                    full = _full_tiles(events, tile_us, cutoff_us, sealer.least)
+                    if full:
+                        summaries = _with_digests(sealer.summarize([m for _, m in full]), full, tile_us)
+                        entries += itertools.chain.from_iterable(summaries)
+                entries += _blocks(events, features, tile_us)
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
@@ -436,32 +436,24 @@ def _pack_entry(block: int, raw: list[bytes], events: list[bytes], features: Seq
     return ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob]
 
 
-def _whole_tiles(
-    keys: pa.Array,
-    times: np.ndarray,
-    accepted: np.ndarray | None,
-    cutoff_us: int,
-    tile_us: int,
-    least: int,
-    at_cutoff: bool = False,
+def _ended_rows(
+    keys: pa.Array, times: np.ndarray, accepted: np.ndarray | None, cutoff_us: int, tile_us: int
 ) -> np.ndarray:
-    """The rows (event µs ``times``) in ended tiles inside the cutoff (``at_cutoff``: or holding
-    it) of which the write holds ``least`` events or more of one entity: those a writer may
-    summarize (or pack). Sorted by entity, then time."""
+    """The rows (event µs ``times``) stored in ended tiles (at or after the cutoff): those a
+    writer may summarize or pack. Sorted by entity, then time."""
     tile = times // tile_us
     entity = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False)
-    now_tile = time.time_ns() // 1000 // tile_us
-    usable = (tile < now_tile) & (times >= cutoff_us) & ((tile + at_cutoff) * tile_us >= cutoff_us)
+    usable = (tile < time.time_ns() // 1000 // tile_us) & (times >= cutoff_us)
     if accepted is not None:  # a write the history found a duplicate is not stored
         usable &= accepted.astype(bool)
     candidates = np.flatnonzero(usable)
-    if len(candidates) < least:
-        return candidates[:0]
-    order = candidates[np.lexsort((times[candidates], tile[candidates], entity[candidates]))]
-    change = np.flatnonzero((np.diff(entity[order]) != 0) | (np.diff(tile[order]) != 0)) + 1
-    starts = np.concatenate([[0], change])
-    sizes = np.diff(np.concatenate([starts, [len(order)]]))
-    return order[np.repeat(sizes >= least, sizes)]
+    return candidates[np.lexsort((times[candidates], entity[candidates]))]
+
+
+def _full_tiles(events: list[tuple[int, bytes]], tile_us: int, cutoff_us: int, least: int) -> list[tuple[int, bytes]]:
+    """The events of one entity's tiles inside the cutoff that hold ``least`` of them or more."""
+    counts = collections.Counter(us // tile_us for us, _ in events)
+    return [(us, m) for us, m in events if counts[us // tile_us] >= least and us // tile_us * tile_us >= cutoff_us]
 
 
 def _tile_members(
