@@ -73,7 +73,9 @@ class TileSpec:
         if not tiled:
             return None
         size = tile_us(view)
-        layout = content_hash({"storage": storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled]})
+        layout = content_hash(
+            {"storage": storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled], "summary": 2}
+        )
         return cls(size, tiled, b"T" + layout[:12].encode() + b":")
 
     def covers(self, aggregations: Sequence[Aggregation]) -> bool:
@@ -135,16 +137,28 @@ class TiledEvaluator:
     def encode(self, newest_us: int, states: list[State]) -> bytes | None:
         """A summary: the tag, then JSON ``[newest event µs, states]`` (orjson: floats round-trip
         exactly, and decoding is ~5x the standard library's, which a heavy lookup's 150+ summaries
-        feel). None when JSON cannot carry it exactly: a non-finite float, an integer past 64 bits."""
+        feel). A state equal to an earlier one (one function over several windows, a sum and a
+        mean) is stored as that one's index. None when JSON cannot carry it exactly: a non-finite
+        float, an integer past 64 bits."""
         if any(isinstance(s[2], float) and not math.isfinite(s[2]) for s in states):
             return None
+        first: dict[bytes, int] = {}
+        stored: list[State | int] = []
         try:
-            return self.spec.tag + orjson.dumps([newest_us, states])
+            for k, state in enumerate(states):
+                text = orjson.dumps(state)
+                if text in first:
+                    stored.append(first[text])
+                else:
+                    first[text] = k
+                    stored.append(state)
+            return self.spec.tag + orjson.dumps([newest_us, stored])
         except TypeError:  # an integer sum past 64 bits
             return None
 
     def decode(self, summary: bytes) -> tuple[int, list[State]]:
-        newest_us, states = orjson.loads(memoryview(summary)[len(self.spec.tag) :])
+        newest_us, stored = orjson.loads(memoryview(summary)[len(self.spec.tag) :])
+        states = [s if isinstance(s, list) else stored[s] for s in stored]
         return newest_us, states
 
 
