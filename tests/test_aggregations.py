@@ -774,9 +774,10 @@ def _events_held(client, key: bytes) -> int:
 
 def _ids_held(client, key: bytes) -> set[int]:
     """The event ids an events key keeps writes of: in its ids hash, or its index of packed events."""
+    from featurestore.online import packed
+
     raw = {k for k in client.hkeys(key + b"|ids") if k}
-    index = client.get(key + b"|seen") or b""
-    raw |= {index[i : i + 8] for i in range(0, len(index), 16)}
+    raw |= {entry[:8] for entry in packed.index_entries(client.get(key + b"|seen") or b"")}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -120,3 +121,59 @@ def test_typical_events_pack_small():
     blob = packed.pack(members, features, TILE)
     assert packed.unpack(blob, features) == members
     assert len(blob) / n < 10, len(blob) / n  # against 33 bytes a plain member
+
+
+INDEX_HARNESS = """
+local op, index = ARGV[1], ARGV[2]
+if op == 'add' then
+  local entries = {}
+  for at = 1, #ARGV[3], 16 do entries[#entries + 1] = string.sub(ARGV[3], at, at + 15) end
+  return with_entries(index, entries)
+elseif op == 'writes' then return id_writes(index, ARGV[3])
+elseif op == 'after' then return index_after(index, tonumber(ARGV[3]))
+else
+  local gone = {}
+  for at = 1, #ARGV[3], 16 do gone[string.sub(ARGV[3], at, at + 15)] = true end
+  return index_where(index, function(e) return not gone[e] end)
+end
+"""
+
+
+def _entry(event_id: int, us: int) -> bytes:
+    return ((event_id + (1 << 63)) % (1 << 64)).to_bytes(8, "big") + (us + (1 << 63)).to_bytes(8, "big")
+
+
+_ids = st.one_of(st.integers(0, 300), st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 2**32, 2**40 + 7]))
+_times = st.one_of(
+    st.integers(1_700_000_000_000_000, 1_700_000_000_000_000 + 2**41),  # wider than 5 bytes of room
+    st.integers(-(2**52), 2**52),
+    st.just(1_700_000_000_000_000),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(_ids, _times), min_size=1, max_size=30), min_size=1, max_size=5), st.data())
+def test_the_id_index_answers_as_the_sorted_entries_it_holds(redis_url, batches, data):
+    """``_blocks.lua``'s id index (ids with a shared prefix, times from a base in as few bytes as
+    fit) against a plain sorted set of 16-byte entries: adds that fit its layout and adds that make
+    it be written anew (an id outside the prefix, a time before the base or past its room), the
+    writes of an id (known, unknown, sharing a prefix), trimming by time, removing entries."""
+    import redis
+
+    code = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text() + INDEX_HARNESS
+    client = redis.Redis.from_url(redis_url)
+    run = lambda *args: client.eval(code, 0, *args)  # noqa: E731
+    index, reference = b"", set()
+    for batch in batches:
+        entries = [_entry(i, t) for i, t in batch]
+        index = run("add", index, b"".join(entries))
+        reference |= set(entries)
+        assert packed.index_entries(index) == sorted(reference)
+    ids = {e[:8] for e in reference} | {_entry(i, 0)[:8] for i in data.draw(st.lists(_ids, max_size=5))}
+    for event_id in ids:
+        assert run("writes", index, event_id) == b"".join(e[8:] for e in sorted(reference) if e[:8] == event_id)
+    cut = data.draw(st.sampled_from(sorted(int.from_bytes(e[8:], "big") - (1 << 63) for e in reference)))
+    after = run("after", index, cut)
+    assert packed.index_entries(after) == sorted(e for e in reference if int.from_bytes(e[8:], "big") - (1 << 63) > cut)
+    gone = data.draw(st.sets(st.sampled_from(sorted(reference))))
+    assert packed.index_entries(run("where", index, b"".join(gone))) == sorted(reference - gone)

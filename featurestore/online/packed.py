@@ -21,7 +21,7 @@ Layout: ``BLOCK_MARK`` (16 bytes: an event's bytes 8–16 are its µs, never all
 block number (int64), the events of each of its tiles (``BLOCK_TILES`` × uint16, read by
 ``seal_tiles.lua``),
 then the sections. Redis never decodes the rest: a block's event ids and times are also in the
-events' id index (``add_events.lua``), for the duplicate rule.
+events' id index (``index_entries``), for the duplicate rule.
 """
 
 from __future__ import annotations
@@ -67,6 +67,23 @@ def header(blob: bytes) -> tuple[int, list[int]]:
 def event_count(members: Sequence[bytes]) -> int:
     """Events in ``members``: one per plain member, a block's own count per block."""
     return sum(sum(header(m)[1]) if is_block(m) else 1 for m in members)
+
+
+def index_entries(index: bytes) -> list[bytes]:
+    """The entries of an id index (``events|seen``, written by ``scripts/_blocks.lua``), each an
+    event's 8-byte id and 8-byte µs as its member starts, sorted. Stored: the length ``p`` of the
+    prefix all ids share, the prefix, the width ``w`` of a time, the earliest µs (8 bytes), then
+    per entry the id's last ``8 - p`` bytes and its µs less the earliest in ``w`` bytes."""
+    if not index:
+        return []
+    p = index[0]
+    prefix, w = index[1 : p + 1], index[p + 1]
+    base = int.from_bytes(index[p + 2 : p + 10], "big")
+    width, at = 8 - p + w, p + 10
+    return [
+        prefix + index[i : i + 8 - p] + (base + int.from_bytes(index[i + 8 - p : i + width], "big")).to_bytes(8, "big")
+        for i in range(at, len(index), width)
+    ]
 
 
 def holds_at_least(members: Sequence[bytes], events: int) -> bool:

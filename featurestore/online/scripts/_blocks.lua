@@ -1,10 +1,15 @@
 -- Shared by the scripts that say they need it: packed blocks (featurestore/online/packed.py) and
 -- the id index of their events. A block is one sorted-set member holding the events of the
 -- ended tiles among the BLOCK_TILES tiles it covers, scored at its first tile's start; bytes 9-16
--- of an event are its µs, of a block all ones. The index (key events|seen) lists each packed event as 16 bytes, its id
--- then its µs (an event's bytes 1-16), sorted bytewise: the duplicate rule finds an id's writes
--- there by binary search once its event is packed (the ids hash then no longer holds it, unless
--- the id has other writes).
+-- of an event are its µs, of a block all ones.
+--
+-- The index (key events|seen) lists each packed event's id and µs (an event's bytes 1-16), sorted
+-- by id then µs: the duplicate rule finds an id's writes there by binary search once its event is
+-- packed (the ids hash then no longer holds it, unless the id has other writes). Entries are
+-- stored short and fixed in width (so the search stays a binary search): the header is the
+-- length p of the prefix every id shares, that prefix, the width w of a time and the 8 bytes of
+-- the earliest µs; each entry is then the id's last 8 - p bytes and its µs less the earliest, in w
+-- bytes (5 at least: 12 days of room before a new entry makes the index be written anew).
 local BLOCK_TILES = 32
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
@@ -12,48 +17,155 @@ local function micros(stamp, at)
   local hi, lo = struct.unpack('>I4I4', stamp, at)
   return (hi - 2147483648) * 4294967296 + lo
 end
+local function stamp_of(us)  -- micros's inverse
+  local hi = math.floor(us / 4294967296)
+  return struct.pack('>I4I4', hi + 2147483648, us - hi * 4294967296)
+end
 local function fmt(us) return string.format('%.0f', us) end
 local function block_events(member, tile_in_block)  -- a block's events in its tile 0..BLOCK_TILES-1
   return (struct.unpack('>I2', member, 26 + 2 * tile_in_block))
 end
-local function before(a, at, b, bt)  -- the 16 bytes of a at `at` sort before those of b at `bt`
-  local a1, a2, a3, a4 = struct.unpack('>I4I4I4I4', a, at)
-  local b1, b2, b3, b4 = struct.unpack('>I4I4I4I4', b, bt)
-  if a1 ~= b1 then return a1 < b1 end
-  if a2 ~= b2 then return a2 < b2 end
-  if a3 ~= b3 then return a3 < b3 end
-  return a4 < b4
+local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: -1, 0 or 1
+  local k = 0  -- (by 8 bytes, then 4, then 1: Lua compares strings by locale)
+  while k + 8 <= length do
+    local x1, x2 = struct.unpack('>I4I4', a, at + k)
+    local y1, y2 = struct.unpack('>I4I4', b, bt + k)
+    if x1 ~= y1 then return x1 < y1 and -1 or 1 end
+    if x2 ~= y2 then return x2 < y2 and -1 or 1 end
+    k = k + 8
+  end
+  if k + 4 <= length then
+    local x, y = struct.unpack('>I4', a, at + k), struct.unpack('>I4', b, bt + k)
+    if x ~= y then return x < y and -1 or 1 end
+    k = k + 4
+  end
+  for j = k, length - 1 do
+    local x, y = string.byte(a, at + j), string.byte(b, bt + j)
+    if x ~= y then return x < y and -1 or 1 end
+  end
+  return 0
+end
+local function layout(index)  -- {p, prefix, w, base µs, first entry's offset, entry width, entries}
+  local p = string.byte(index, 1)
+  local w = string.byte(index, p + 2)
+  local at, width = p + 11, 8 - p + w
+  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, base = micros(index, p + 3), at = at,
+          width = width, n = (#index - at + 1) / width}
+end
+local function entry(index, l, i)  -- entry i (from 0) as 16 bytes: id, then stamp
+  local at = l.at + i * l.width
+  return l.prefix .. string.sub(index, at, at + 7 - l.p) .. stamp_of(l.base + struct.unpack('>I' .. l.w, index, at + 8 - l.p))
+end
+local function entries_of(index)  -- every entry as 16 bytes, in order
+  if index == '' then return {} end
+  local l, out = layout(index), {}
+  for i = 0, l.n - 1 do out[#out + 1] = entry(index, l, i) end
+  return out
+end
+local function short(l, e)  -- a 16-byte entry in layout l, or nil where it does not fit
+  if string.sub(e, 1, l.p) ~= l.prefix then return nil end
+  local offset = micros(e, 9) - l.base
+  if offset < 0 or offset >= 256 ^ l.w then return nil end
+  return string.sub(e, l.p + 1, 8) .. string.sub(struct.pack('>I8', offset), 9 - l.w)
+end
+local function index_of_entries(entries)  -- sorted, distinct 16-byte entries as an index
+  if #entries == 0 then return '' end
+  local first, last = entries[1], entries[#entries]
+  local p = 0
+  while p < 8 and string.byte(first, p + 1) == string.byte(last, p + 1) do p = p + 1 end
+  local low, high = micros(first, 9), micros(first, 9)
+  for _, e in ipairs(entries) do
+    local us = micros(e, 9)
+    if us < low then low = us end
+    if us > high then high = us end
+  end
+  local w = 5
+  while w < 8 and high - low >= 256 ^ w do w = w + 1 end
+  local l = {p = p, prefix = string.sub(first, 1, p), w = w, base = low}
+  local parts = {string.char(p) .. l.prefix .. string.char(w) .. stamp_of(low)}
+  for _, e in ipairs(entries) do parts[#parts + 1] = short(l, e) end
+  return table.concat(parts)
 end
 local function id_writes(index, id)  -- the µs (8 bytes each) of id's packed events
-  local i1, i2 = struct.unpack('>I4I4', id)
-  local lo, hi = 0, #index / 16
+  local l = layout(index)
+  if string.sub(id, 1, l.p) ~= l.prefix then return '' end
+  local tail, length = string.sub(id, l.p + 1), 8 - l.p
+  local lo, hi = 0, l.n
   while lo < hi do
     local mid = math.floor((lo + hi) / 2)
-    local a1, a2 = struct.unpack('>I4I4', index, mid * 16 + 1)
-    if a1 < i1 or (a1 == i1 and a2 < i2) then lo = mid + 1 else hi = mid end
+    if compare(index, l.at + mid * l.width, tail, 1, length) < 0 then lo = mid + 1 else hi = mid end
   end
   local out = ''
-  while lo * 16 < #index and string.sub(index, lo * 16 + 1, lo * 16 + 8) == id do
-    out = out .. string.sub(index, lo * 16 + 9, lo * 16 + 16)
+  while lo < l.n and compare(index, l.at + lo * l.width, tail, 1, length) == 0 do
+    out = out .. string.sub(entry(index, l, lo), 9, 16)
     lo = lo + 1
   end
   return out
 end
+local function sorted_entries(entries)  -- 16-byte entries sorted (on their numbers: a comparator unpacking them costs 3x)
+  local keyed = {}
+  for k, e in ipairs(entries) do
+    local a1, a2, a3, a4 = struct.unpack('>I4I4I4I4', e)
+    keyed[k] = {a1, a2, a3, a4, e}
+  end
+  table.sort(keyed, function(x, y)
+    if x[1] ~= y[1] then return x[1] < y[1] end
+    if x[2] ~= y[2] then return x[2] < y[2] end
+    if x[3] ~= y[3] then return x[3] < y[3] end
+    return x[4] < y[4]
+  end)
+  local out = {}
+  for k, x in ipairs(keyed) do out[k] = x[5] end
+  return out
+end
 local function with_entries(index, entries)  -- the index with entries (16 bytes each) added
-  table.sort(entries, function(a, b) return before(a, 1, b, 1) end)
-  local parts, from, n = {}, 0, #index / 16
+  entries = sorted_entries(entries)
+  local l = index ~= '' and layout(index)
+  local shorts, fit = {}, l and true
   for _, e in ipairs(entries) do
-    local lo, hi = from, n
+    local e_short = fit and short(l, e)
+    if e_short then shorts[#shorts + 1] = e_short else fit = false end
+  end
+  if not fit then  -- (one does not fit, or the index is new: it is written anew)
+    local all, distinct = entries_of(index), {}
+    for _, e in ipairs(entries) do all[#all + 1] = e end
+    all = sorted_entries(all)
+    for _, e in ipairs(all) do
+      if e ~= distinct[#distinct] then distinct[#distinct + 1] = e end
+    end
+    return index_of_entries(distinct)
+  end
+  local parts, from, last = {string.sub(index, 1, l.at - 1)}, 0, nil
+  for _, e in ipairs(shorts) do  -- (sorted as their entries: the same order)
+    local lo, hi = from, l.n
     while lo < hi do
       local mid = math.floor((lo + hi) / 2)
-      if before(index, mid * 16 + 1, e, 1) then lo = mid + 1 else hi = mid end
+      if compare(index, l.at + mid * l.width, e, 1, l.width) < 0 then lo = mid + 1 else hi = mid end
     end
-    parts[#parts + 1] = string.sub(index, from * 16 + 1, lo * 16)
-    if string.sub(index, lo * 16 + 1, lo * 16 + 16) ~= e then parts[#parts + 1] = e end
-    from = lo
+    parts[#parts + 1] = string.sub(index, l.at + from * l.width, l.at + lo * l.width - 1)
+    if (lo == l.n or compare(index, l.at + lo * l.width, e, 1, l.width) ~= 0) and e ~= last then
+      parts[#parts + 1] = e
+    end
+    from, last = lo, e
   end
-  parts[#parts + 1] = string.sub(index, from * 16 + 1)
+  parts[#parts + 1] = string.sub(index, l.at + from * l.width)
   return table.concat(parts)
+end
+local function index_after(index, us)  -- the index without the entries at or before us
+  local l, parts = layout(index), {}
+  local after = us - l.base
+  for at = l.at, #index, l.width do
+    if struct.unpack('>I' .. l.w, index, at + 8 - l.p) > after then parts[#parts + 1] = string.sub(index, at, at + l.width - 1) end
+  end
+  if #parts == 0 then return '' end
+  return string.sub(index, 1, l.at - 1) .. table.concat(parts)
+end
+local function index_where(index, keep)  -- the index with only the entries e (16 bytes) where keep(e)
+  local kept = {}
+  for _, e in ipairs(entries_of(index)) do
+    if keep(e) then kept[#kept + 1] = e end
+  end
+  return index_of_entries(kept)
 end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end

@@ -114,11 +114,7 @@ for k = 1, n do
     local seen = events .. '|seen'
     local index = redis.call('GET', seen)
     if index then  -- packed ids whose write left the dedup window go
-      local parts = {}
-      for at = 1, #index, 16 do
-        if micros(index, at + 8) > cutoff - within then parts[#parts + 1] = string.sub(index, at, at + 15) end
-      end
-      index = table.concat(parts)
+      index = index_after(index, cutoff - within)
       index_of[events] = index
       if index == '' then redis.call('DEL', seen)
       else

@@ -17,11 +17,7 @@ local ttl = redis.call('PTTL', seen)
 if ttl > 0 and redis.call('PTTL', ids) < 0 then redis.call('PEXPIRE', ids, ttl) end
 local index = redis.call('GET', seen)
 if index then
-  local parts = {}
-  for at = 1, #index, 16 do
-    local entry = string.sub(index, at, at + 15)
-    if not gone[entry] then parts[#parts + 1] = entry end
-  end
-  if #parts == 0 then redis.call('DEL', seen) else redis.call('SET', seen, table.concat(parts), 'KEEPTTL') end
+  index = index_where(index, function(e) return not gone[e] end)
+  if index == '' then redis.call('DEL', seen) else redis.call('SET', seen, index, 'KEEPTTL') end
 end
 return 1
