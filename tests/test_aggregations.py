@@ -1392,7 +1392,6 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
 
     store = activity_store
     monkeypatch.setattr(packed, "PACK_FROM", 1)
-    monkeypatch.setattr(packed, "PACK_FROM", 1)
     card = next(_cards) * 10 + 7_500_000
     rng = random.Random(card)
     events = [

@@ -41,6 +41,10 @@ from featurestore.files import file_lock
 
 IDLE_CHECK_SECONDS = 0.25  # how often the supervisor looks for users
 OWNER_WAIT_SECONDS = 5.0  # how long a new supervisor waits for the previous one to exit
+# Values up to 1 KB keep small sorted sets and hashes in Redis's compact encoding: an entity's small
+# blocks of packed events and its tile summaries (``online.packed.pack_from``). "ziplist" is the
+# name Redis 6.2 knows; Redis 7 takes it for its listpack settings.
+COMPACT_ENCODINGS = ["--zset-max-ziplist-value", "1024", "--hash-max-ziplist-value", "1024"]
 
 
 def redis_server_binary() -> str:
@@ -239,6 +243,7 @@ def supervise(folder: Path, socket: Path) -> int:
         "everysec",
         "--save",
         "",
+        *COMPACT_ENCODINGS,
         "--daemonize",
         "no",
         "--loglevel",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from featurestore.online.embedded import redis_server_binary
+from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
 
 
 def start_local_cluster(
@@ -49,6 +49,7 @@ def start_local_cluster(
                 "no",
                 "--cluster-replica-validity-factor",
                 "0",
+                *COMPACT_ENCODINGS,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

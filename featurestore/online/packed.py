@@ -38,6 +38,7 @@ from featurestore.types import DType
 BLOCK_TILES = 32
 MOST_PER_TILE = 65_535  # events of one tile a block counts (uint16): a tile with more stays plain
 PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
+COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
 _VERSION = 1
 _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
@@ -45,6 +46,14 @@ _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "U
 _U64 = np.uint64
 SMALL = 128  # values below which bit-unpacking runs in Python
 UNPACKED_BLOCKS = 512  # blocks whose decoded members a process keeps (up to ~100 MB of the largest)
+
+
+def pack_from(zset_value_limit: int) -> int:
+    """Events a block needs, given Redis's ``zset-max-listpack-value``: a sorted set holding a
+    member longer than that leaves its compact encoding for one costing ~100 bytes more a member,
+    so with the default (64) a block pays from ``PACK_FROM`` events; from ``COMPACT_SETS_FROM``
+    (the embedded server's setting) small blocks stay compact and a quarter of that pays."""
+    return PACK_FROM if zset_value_limit < COMPACT_SETS_FROM else max(1, PACK_FROM // 4)
 
 
 def is_block(member: bytes) -> bool:

@@ -53,6 +53,7 @@ class RedisOnlineStore:
         self.project = project
         self.prefix = key_prefix(project)
         self._scripts_sent = False  # sent once before the first write: a cluster write of 100k rows is ~16k calls
+        self._zset_value_limit: int | None = None
 
     @property
     def client(self) -> Any:
@@ -122,6 +123,7 @@ class RedisOnlineStore:
         keys = suffixed(keys, events_key(b"", view))
         verdicts = accepted is not None
         adds = -(-rows.num_rows // CHUNK)
+        least = self.pack_from()
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
@@ -146,7 +148,7 @@ class RedisOnlineStore:
                     if full:
                         summaries = _with_digests(sealer.summarize([m for _, m in full]), full, tile_us)
                         entries += itertools.chain.from_iterable(summaries)
-                entries += _blocks(events, features, tile_us)
+                entries += _blocks(events, features, tile_us, least)
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
@@ -176,6 +178,7 @@ class RedisOnlineStore:
         ``progress`` is told of each batch of keys scanned."""
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
         span = tile_us * packed.BLOCK_TILES
+        least = self.pack_from()
         packed_blocks = packed_events = 0
         with self._calling():
             scan = self.client.scan_iter(match=pattern, count=1000)
@@ -186,7 +189,7 @@ class RedisOnlineStore:
                     pipe.zrangebyscore(key, "-inf", before)
                 entries = {}
                 for key, members in zip(keys, pipe.execute()):
-                    found = list(_ended_blocks(members, features, tile_us, span))
+                    found = list(_ended_blocks(members, features, tile_us, span, least))
                     packed_events += sum(events for _, _, events in found)
                     if found:
                         entries[key] = [x for entry, _, _ in found for x in entry]
@@ -196,6 +199,17 @@ class RedisOnlineStore:
                 if progress is not None:
                     progress(len(keys))
         return packed_blocks, packed_events
+
+    def pack_from(self) -> int:
+        """Events a block needs on this Redis (``packed.pack_from`` of its sorted sets' compact value limit)."""
+        if self._zset_value_limit is None:
+            with self._calling():
+                try:  # (named listpack from Redis 7, ziplist before)
+                    limits = self.client.config_get("zset-max-*-value")
+                except redis.ResponseError:  # CONFIG disabled, as on some managed services: Redis's default
+                    limits = {}
+            self._zset_value_limit = max((int(v) for v in limits.values()), default=64)
+        return packed.pack_from(self._zset_value_limit)
 
     def unpack(self, keys: Sequence[bytes], features: Sequence) -> None:
         """Replace the blocks of these events keys by the events they hold (``unpack_block.lua``)."""
@@ -394,10 +408,12 @@ def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
     return (("seal_tiles", [key], [tile_us, *entry], []) for key, entry in entries.items())
 
 
-def _ended_blocks(members: list[bytes], features: Sequence, tile_us: int, span: int) -> Iterator[tuple[list, int, int]]:
+def _ended_blocks(
+    members: list[bytes], features: Sequence, tile_us: int, span: int, least: int
+) -> Iterator[tuple[list, int, int]]:
     """``seal_tiles.lua``'s entries packing the ended tiles among ``members`` (a range of one
     entity's events, in sorted-set order) that hold plain events, a block at a time (with the
-    block packed before, if any): ``(entry, block, events)``."""
+    block packed before, if any) of ``least`` events or more: ``(entry, block, events)``."""
 
     def block(member: bytes) -> int:
         if packed.is_block(member):
@@ -407,26 +423,28 @@ def _ended_blocks(members: list[bytes], features: Sequence, tile_us: int, span: 
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
         if not all(packed.is_block(m) for m in raw):
-            entry = _pack_entry(number, raw, packed.expand(raw, features), features, tile_us)
+            entry = _pack_entry(number, raw, packed.expand(raw, features), features, tile_us, least)
             if entry:
                 yield entry, number, packed.event_count(raw)
 
 
-def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int) -> list:
+def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, least: int) -> list:
     """``seal_tiles.lua``'s entries packing the ended tiles whose events (``(µs, member)`` in
-    (time, id) order) a write holds, a block at a time."""
+    (time, id) order) a write holds, a block at a time (of ``least`` events or more)."""
     span = tile_us * packed.BLOCK_TILES
     out: list = []
     for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
         members = [m for _, m in group]
-        out += _pack_entry(block, members, members, features, tile_us)
+        out += _pack_entry(block, members, members, features, tile_us, least)
     return out
 
 
-def _pack_entry(block: int, raw: list[bytes], events: list[bytes], features: Sequence, tile_us: int) -> list:
-    """The entry packing ``events`` (``PACK_FROM`` or more), which Redis holds as the members
-    ``raw`` in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block]``."""
-    if len(events) < packed.PACK_FROM:
+def _pack_entry(
+    block: int, raw: list[bytes], events: list[bytes], features: Sequence, tile_us: int, least: int
+) -> list:
+    """The entry packing ``events`` (``least`` or more), which Redis holds as the members ``raw``
+    in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block]``."""
+    if len(events) < least:
         return []
     ended = min(packed.BLOCK_TILES, time.time_ns() // 1000 // tile_us - block * packed.BLOCK_TILES)
     try:
