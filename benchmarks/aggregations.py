@@ -397,46 +397,61 @@ def online(args: argparse.Namespace) -> None:
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
     print(
-        "  memory of a card's events (MEMORY USAGE of its events and blocks, ids, tile summaries and id index), "
-        "ended tiles packed in blocks (every event a member):"
+        "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids, tile summaries "
+        "and id index):"
     )
+    print("    events  " + "".join(f"{name:>16}" for name in LAYOUTS) + "   never packed / packed")
     for n, sizes in memory.items():
-        packed, plain = sizes[True], sizes[False]
         print(
-            f"    {n:>6,} events: {packed:,} bytes, {packed / n:.1f} bytes/event "
-            f"({plain:,} bytes, {plain / n:.1f} bytes/event: {plain / packed:.1f}x)"
+            f"    {n:>6,}  "
+            + "".join(f"{sizes[name] / n:>16.1f}" for name in LAYOUTS)
+            + f"   {sizes['never packed'] / sizes['packed']:.1f}x"
         )
     print("featurestore capacity on this store (sizing 100M cards x 100 events):")
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
 
 
-def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[bool, int]]:
-    """Bytes a card's events take, written packed (the default) and never packed, for 10, 1,000
-    and 50,000 events in the 7 d window (amounts in cents, as the other cards)."""
+LAYOUTS = {  # how memory_by_layout writes a card: ids, Redis's compact value limit, packing
+    "packed": ("tx_id", 1024, True),
+    "random ids": ("random", 1024, True),
+    "Redis defaults": ("tx_id", 64, True),
+    "never packed": ("tx_id", 1024, False),
+}
+
+
+def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:
+    """Bytes a card's events take for 10, 100, 1,000 and 50,000 events in the 7 d window (amounts
+    in cents, as the other cards), by ``LAYOUTS``: packed (the default: integer ids, the embedded
+    server's compact sorted sets up to 1 KB values), with random 64-bit ids (content hashes),
+    on a Redis with its default 64-byte limit, and never packed."""
     from featurestore.online import packed, redis_store
 
-    client, blocks = store.online_store.client, redis_store._blocks
-    out: dict[int, dict[bool, int]] = {}
+    client, blocks, online = store.online_store.client, redis_store._blocks, store.online_store
+    out: dict[int, dict[str, int]] = {}
     card = first_card
-    for n in (10, 1_000, 50_000):
+    for n in (10, 100, 1_000, 50_000):
         ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
         amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
         out[n] = {}
-        for packing in (True, False):
+        for name, (ids, limit, packing) in LAYOUTS.items():
             card += 1
             redis_store._blocks = blocks if packing else lambda *a: []
+            for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
+                client.config_set(setting, limit)
+            online._zset_value_limit = None  # (read again)
             try:
+                tx_ids = np.arange(n, dtype=np.int64) + card * 10**6
+                if ids == "random":
+                    tx_ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
                 table = pa.table(
-                    {
-                        "tx_id": np.arange(n, dtype=np.int64) + card * 10**6,
-                        "card_id": np.full(n, card),
-                        "amount": amounts,
-                        "event_timestamp": ts,
-                    }
+                    {"tx_id": tx_ids, "card_id": np.full(n, card), "amount": amounts, "event_timestamp": ts}
                 )
                 store.push("payments", table, to="online")
             finally:
                 redis_store._blocks = blocks
+                for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
+                    client.config_set(setting, 1024)
+                online._zset_value_limit = None
             key = b"fs:%s:{card_id=%d}:ev:%s" % (
                 store.config.project.encode(),
                 card,
@@ -444,7 +459,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
             )
             assert packed.event_count(client.zrange(key, 0, -1)) == n
             parts = (key, key + b"|ids", key + b"|tiles", key + b"|seen")
-            out[n][packing] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
+            out[n][name] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
     return out
 
 

@@ -52,8 +52,9 @@ def pack_from(zset_value_limit: int) -> int:
     """Events a block needs, given Redis's ``zset-max-listpack-value``: a sorted set holding a
     member longer than that leaves its compact encoding for one costing ~100 bytes more a member,
     so with the default (64) a block pays from ``PACK_FROM`` events; from ``COMPACT_SETS_FROM``
-    (the embedded server's setting) small blocks stay compact and a quarter of that pays."""
-    return PACK_FROM if zset_value_limit < COMPACT_SETS_FROM else max(1, PACK_FROM // 4)
+    (the embedded server's setting) small blocks stay compact and half as many pay. (Fewer would
+    save more still, but a light entity's lookup would then decode a block for its few events.)"""
+    return PACK_FROM if zset_value_limit < COMPACT_SETS_FROM else max(1, PACK_FROM // 2)
 
 
 def is_block(member: bytes) -> bool:
