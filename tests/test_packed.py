@@ -94,6 +94,18 @@ def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 64), st.sampled_from([1, 2, packed.SMALL, packed.SMALL + 1, 1000]), st.data())
+def test_bit_packed_values_read_back(width, n, data):
+    """Every width, in Python (few values) and numpy (more), with values touching every bit."""
+    top = (1 << width) - 1
+    values = data.draw(st.lists(st.sampled_from([0, top, top >> 1]) | st.integers(0, top), min_size=n, max_size=n))
+    array = np.array(values, np.uint64)
+    blob = b"\x07" + packed._bits(array, width) + b"\x07"
+    read, end = packed._read_bits(memoryview(blob), 1, n, width)
+    assert read.tolist() == values and end == len(blob) - 1
+
+
 def test_members_of_two_blocks_are_refused():
     members, features = _members([(0, 1, 1, 1.0, True), (packed.BLOCK_TILES * TILE, 2, 1, 1.0, True)], "any", False)
     with pytest.raises(ValueError, match="more than one block"):
