@@ -173,7 +173,8 @@ def test_a_view_whose_recent_days_moved_is_flagged_and_thresholds_are_per_view(m
 
     store = make_store(FEATURES)
     rng = np.random.default_rng(11)
-    today = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    # an hour-long burst each day, ending an hour ago: never in the future, whatever the time of day
+    today = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
 
     def day(offset: int, n: int, scale: float, first_id: int) -> pa.Table:
         return _frame(
