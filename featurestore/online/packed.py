@@ -45,7 +45,7 @@ _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 64  # values up to which bit-unpacking runs in Python
-UNPACKED_BLOCKS = 512  # blocks whose decoded members a process keeps (up to ~100 MB of the largest)
+UNPACKED_BLOCKS = 512  # decoded blocks a process keeps, as head records and variable-width values
 
 
 def pack_from(zset_value_limit: int) -> int:
@@ -199,21 +199,34 @@ def unpack(
     skip_tiles: Collection[int] = (),
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
-    ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given."""
-    times, members = _unpacked(blob, tuple(features))
+    ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
+    are built: a lookup reads a few tiles of the blocks at its window's edges."""
+    times, heads, var = _unpacked(blob, tuple(features))
     if within is None and not skip_tiles:
-        return list(members)
+        return _members(heads, var, None)
     keep = np.ones(len(times), bool)
     if within is not None:
         keep &= (times > within[0]) & (times <= within[1])
     if skip_tiles:
         keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
-    return [members[i] for i in np.flatnonzero(keep).tolist()]
+    return _members(heads, var, np.flatnonzero(keep))
+
+
+def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None) -> list[bytes]:
+    """The members of a decoded block (at ``rows``, or all): each its head record, then its variable-width values."""
+    if rows is not None and len(rows) < len(heads):
+        heads = heads[rows]
+    fixed = struct.unpack(f"{heads.itemsize}s" * len(heads), heads.tobytes())  # (one C loop: slices cost 10x)
+    if not var:
+        return list(fixed)
+    at = range(len(heads)) if rows is None else rows.tolist()
+    return [f + b"".join(v[i] for v in var) for f, i in zip(fixed, at)]
 
 
 @functools.lru_cache(maxsize=UNPACKED_BLOCKS)
-def _unpacked(blob: bytes, features: tuple[tuple[str, DType], ...]) -> tuple[np.ndarray, tuple[bytes, ...]]:
-    """A block's event µs and members (a block never changes: a hot entity's lookups decode each once)."""
+def _unpacked(blob: bytes, features: tuple[tuple[str, DType], ...]) -> tuple[np.ndarray, np.ndarray, list[list[bytes]]]:
+    """A block's event µs, its members' head records and the values of its variable-width
+    columns (a block never changes: a hot entity's lookups decode each once)."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
@@ -246,10 +259,7 @@ def _unpacked(blob: bytes, features: tuple[tuple[str, DType], ...]) -> tuple[np.
         heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
     else:
         heads["id"] = ids.view(_U64)
-    fixed = struct.unpack(f"{head.itemsize}s" * n, heads.tobytes())  # (one C loop: slices cost 10x)
-    if not var:
-        return times, fixed
-    return times, tuple(f + b"".join(v[i] for v in var) for i, f in enumerate(fixed))
+    return times, heads, var
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed
