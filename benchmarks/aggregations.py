@@ -320,10 +320,12 @@ def online(args: argparse.Namespace) -> None:
             ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
             amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
             heavy[n] = {}
-            for sealing, card in ((True, n_cards + 1 + k), (False, n_cards + 21 + k)):
+            # three sealed copies (a first lookup is one sample each: their median) and one not sealed
+            copies = [(True, n_cards + 1 + k), (True, n_cards + 200 + 2 * k), (True, n_cards + 201 + 2 * k)]
+            for copy, (sealing, card) in enumerate([*copies, (False, n_cards + 21 + k)]):
                 table = pa.table(
                     {
-                        "tx_id": np.arange(n, dtype=np.int64) + (k + 1 + 3 * sealing) * 10**9,
+                        "tx_id": np.arange(n, dtype=np.int64) + (10 * k + copy + 1) * 10**9,
                         "card_id": np.full(n, card),
                         "amount": amounts,
                         "event_timestamp": ts,
@@ -332,10 +334,10 @@ def online(args: argparse.Namespace) -> None:
                 with write_sealing(sealing):
                     t0 = time.perf_counter()
                     store.push("payments", table, to="online")
-                    heavy[n][("push", sealing)] = (time.perf_counter() - t0) * 1000
+                    heavy[n].setdefault(("push", sealing), (time.perf_counter() - t0) * 1000)
                 t0 = time.perf_counter()
                 store.get_online_features([{"card_id": card}], features=agg_refs)
-                heavy[n][("first", sealing)] = (time.perf_counter() - t0) * 1000
+                heavy[n].setdefault(("first", sealing), []).append((time.perf_counter() - t0) * 1000)
             card = n_cards + 1 + k
             for _ in range(20):  # (sealed already: nothing left to summarize)
                 store.get_online_features([{"card_id": card}], features=agg_refs)
@@ -363,10 +365,13 @@ def online(args: argparse.Namespace) -> None:
         f"  1 heavy card x 5 aggregates, p50 from tile summaries (from every event; {heavy_per_tile}+ events per 1 h tile use summaries):"
     )
     for n, p in heavy.items():
+        firsts = p[("first", True)]
+        first = float(np.median(firsts))
         print(
             f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
-            f"first lookup {p[('first', True)]:.1f} ms = {p[('first', True)] / p['tiles']:.1f}x steady "
-            f"(tiles not sealed by the write: {p[('first', False)]:.1f} ms); "
+            f"first lookup {first:.1f} ms = {first / p['tiles']:.1f}x steady "
+            f"(median of {len(firsts)} cards, {min(firsts):.1f}-{max(firsts):.1f} ms; "
+            f"tiles not sealed by the write: {p[('first', False)][0]:.1f} ms); "
             f"push {p[('push', True)]:.0f} ms ({p[('push', False)]:.0f} ms without sealing)"
         )
     print(

@@ -99,9 +99,9 @@ def init(
 @app.command(rich_help_panel="Definitions")
 def plan(repo: Path = RepoOption) -> None:
     """Show what `apply` would change (added / changed / removed objects)."""
-    console.print(
-        _store(repo).plan().describe(), markup=False, soft_wrap=True
-    )  # "[... needs --force]" is text, not markup
+    store = _store(repo)
+    console.print(store.plan().describe(), markup=False, soft_wrap=True)  # "[... needs --force]" is text, not markup
+    store.recheck_unfilled()  # (logs each view whose events online wait for a resend, and what to run)
 
 
 @app.command(rich_help_panel="Definitions")
@@ -115,6 +115,7 @@ def apply(
     console.print(result.describe(), markup=False, soft_wrap=True)
     if not result.empty:
         console.print(f"Applied registry version {store.registry.current()['version']}.")
+    store.recheck_unfilled()  # (logs each view whose events online wait for a resend, and what to run)
     store.close()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 
 APPLY_ATTEMPTS = 20  # plans made again when other applies keep coming first
+UNFILLED_RECHECK_S = 5.0  # how often views waiting for a resend are looked up again (another process may send it)
+log = logging.getLogger(__name__)
 
 
 class FeatureStore:
@@ -55,6 +58,7 @@ class FeatureStore:
         self._reader: OnlineReader | None = None
         self._buffer: PushBuffer | None = None
         self._unapplied: dict[str, str] | None = None
+        self._unfilled: tuple[float, frozenset[str]] | None = None  # (when read, views) for ``unfilled_views``
 
     # ------------------------------------------------------------ definitions
 
@@ -151,7 +155,7 @@ class FeatureStore:
                 continue
         else:
             raise FeatureStoreError(f"{APPLY_ATTEMPTS} other applies came first, one after another; try again")
-        self._unapplied = None
+        self._unapplied = self._unfilled = None
         self._definitions = self.definitions.with_versions(plan.history_versions)
         for change in plan.changes:
             if change.deletes_data:
@@ -254,6 +258,49 @@ class FeatureStore:
 
             self._reader = OnlineReader(self.online_store)
         return self._reader
+
+    @property
+    def unfilled_views(self) -> frozenset[str]:
+        """Aggregated views whose events online were written under another layout than the one
+        read now (an upgrade that changed it, or a definition change since their last
+        materialize): Redis holds under this one only the events pushed since, so lookups answer
+        their aggregates NOT_FOUND, not from those alone, until ``featurestore materialize``
+        re-sends the history. From the watermarks: read once, then every few seconds while any
+        view waits (``recheck_unfilled``)."""
+        if self._unfilled is None or (self._unfilled[1] and time.monotonic() - self._unfilled[0] > UNFILLED_RECHECK_S):
+            self.recheck_unfilled()
+        assert self._unfilled is not None
+        return self._unfilled[1]
+
+    def recheck_unfilled(self) -> frozenset[str]:
+        """Read ``unfilled_views`` again from the watermarks (a server does it off its event loop);
+        logs each view that waits, with what to run. Watermarks out of reach: the views known."""
+        before = self._unfilled[1] if self._unfilled is not None else frozenset()
+        try:
+            marks = self.registry.watermarks()
+        except Exception as exc:  # (object storage unreachable, a damaged file: lookups go on)
+            log.warning("cannot read the watermarks to find views waiting for a resend: %s", exc)
+            self._unfilled = (time.monotonic(), before)
+            return before
+        unfilled = frozenset(
+            name
+            for name, view in self.definitions.feature_views.items()
+            if view.aggregations
+            and view.online
+            and name in marks
+            and marks[name].online_layout not in (None, self.layout(name).storage_id)
+        )
+        for name in sorted(unfilled - before):
+            log.warning(
+                "view %r: its events online were written under layout %s, this featurestore reads layout %s "
+                "(an upgrade or a changed definition); its aggregates read NOT_FOUND until "
+                "`featurestore materialize` re-sends its history",
+                name,
+                marks[name].online_layout,
+                self.layout(name).storage_id,
+            )
+        self._unfilled = (time.monotonic(), unfilled)
+        return unfilled
 
     def share_online(self, other: FeatureStore) -> None:
         """Read and write through ``other``'s online store and reader (its open connections, the
@@ -360,9 +407,7 @@ class FeatureStore:
             try:
                 self._commit_buffered()
             except OnlineStoreUnavailable as exc:  # durable in the buffer: the next flush commits them
-                logging.getLogger(__name__).warning(
-                    "buffered pushes stay in %s until the online store is back (%s)", self._buffer.root, exc
-                )
+                log.warning("buffered pushes stay in %s until the online store is back (%s)", self._buffer.root, exc)
             self._buffer.close()
         if self._offline is not None:  # (statistics not caught up yet: the next catch-up's, anywhere)
             self._offline.statistics.stop()
@@ -406,9 +451,12 @@ class FeatureStore:
         if rebuild_online:  # "Redis may lack history rows": the next online write sends them all
             for name in selected:
                 self.registry.set_watermark(name, online_synced=False)
-        return self.materializer(progress).run(
-            views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
-        )
+        try:
+            return self.materializer(progress).run(
+                views, start=start, end=end, online=online, offline=offline, on_bad_rows=on_bad_rows
+            )
+        finally:
+            self._unfilled = None  # (a resend may have filled some)
 
     def backfill(self, views: Sequence[str], progress: bool = False) -> MaterializationReport:
         """Recompute the views' whole history from their sources into their current version and
@@ -537,6 +585,7 @@ class FeatureStore:
             full_feature_names,
             self.config.online.max_request_entities,
             now=at,
+            unfilled=self.unfilled_views,
         )
         response = self.online_reader.read(query)
         if include_feature_view_version_metadata:  # (Feast's flag)

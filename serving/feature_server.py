@@ -250,6 +250,7 @@ class Lookups:
             bool(body.get("full_feature_names", False)),
             store.config.online.max_request_entities,
             now=request_time(body),
+            unfilled=store.unfilled_views,
         )
         response = await store.online_reader.read_async(query)
         if body.get("include_feature_view_version_metadata"):

@@ -379,6 +379,7 @@ async def _predict(
         False,
         current.config.online.max_request_entities,
         now=request_time(body),
+        unfilled=current.unfilled_views,
     )
     response = await current.online_reader.read_async(query)
     n = len(instances)

@@ -29,6 +29,7 @@ class RegistryWatcher:
     def _load(self) -> FeatureStore:
         store = FeatureStore(self.repo)
         store.require_applied()  # parse and validate now, not on a request; serve applied definitions only
+        store.recheck_unfilled()  # (the watermarks read here, off the event loop)
         return store
 
     def _stamped(self) -> str | None:
@@ -42,6 +43,8 @@ class RegistryWatcher:
         while True:
             await asyncio.sleep(self.interval)
             stamp = await asyncio.to_thread(self._stamped)
+            if self.current.unfilled_views:  # views waiting for a resend another process may be sending
+                await asyncio.to_thread(self.current.recheck_unfilled)
             if stamp != self._stamp:
                 self._stamp = stamp
                 try:

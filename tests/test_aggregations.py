@@ -1497,3 +1497,65 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
     at = BASE + 12 * STEP
     got = store.get_online_features([{"card_id": card}], features=["activity:amount_sum_3h"], at=at).to_dict()
     assert got["amount_sum_3h"] == [reference(events, card, at, AGGS["amount_sum_3h"])]
+
+
+def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the_resend(
+    make_store, monkeypatch, caplog
+):
+    """A featurestore whose events layout differs from the one Redis was filled under (an upgrade)
+    finds only the events pushed since under its own: it answers the view's aggregates NOT_FOUND,
+    never a window of those alone, until ``materialize`` re-sends the history, and says so; a
+    server sees the resend another process made within seconds."""
+    import logging
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from featurestore import FeatureStore
+    from featurestore.online import base
+    from serving.feature_server import create_app
+
+    store = make_store(FEATURES)
+    now = datetime.now(UTC).replace(microsecond=0)
+    events = [
+        {
+            "payment_id": i,
+            "card_id": 1,
+            "amount": 1.0,
+            "kind": "web",
+            "event_timestamp": now - timedelta(minutes=10 + i),
+        }
+        for i in range(5)
+    ]
+    store.push("payments", _frame(events), to="offline")
+    store.materialize(None, None)
+    assert store.get_online_features([{"card_id": 1}], features=["activity:count_1h"]).to_dict()["count_1h"] == [5]
+
+    monkeypatch.setattr(base, "EVENTS_LAYOUT", base.EVENTS_LAYOUT + 1000)  # the next version's layout
+    root = store.config.repo_path
+    with FeatureStore(root) as upgraded, caplog.at_level(logging.WARNING, "featurestore.feature_store"):
+        assert upgraded.layout("activity").storage_id != store.layout("activity").storage_id
+        assert upgraded.unfilled_views == {"activity"}
+        assert "'activity'" in caplog.text and "`featurestore materialize`" in caplog.text
+        late = {**events[0], "payment_id": 99, "event_timestamp": now - timedelta(minutes=1)}
+        upgraded.push("payments", _frame([late]), to="online_and_offline")
+        refs = ["activity:count_1h", "activity:amount_sum_3h"]
+        response = upgraded.get_online_features([{"card_id": 1}], features=refs)
+        unknown = upgraded.get_online_features([{"card_id": 12345}], features=refs)  # as a card without events
+        assert response.to_dict() == {**unknown.to_dict(), "card_id": [1]}
+        assert response.statuses[1:] == [["NOT_FOUND"], ["NOT_FOUND"]]
+        body = {"features": refs, "entities": {"card_id": [1]}}
+        with TestClient(create_app(root)) as client:
+            served = client.post("/get-online-features", json=body).json()
+            assert [r["statuses"] for r in served["results"][1:]] == [["NOT_FOUND"], ["NOT_FOUND"]]
+            upgraded.materialize(None, None)  # re-sends the history under the new layout
+            assert upgraded.unfilled_views == set()
+            values = upgraded.get_online_features([{"card_id": 1}], features=refs)
+            assert values.to_dict()["count_1h"] == [6] and values.to_dict()["amount_sum_3h"] == [6.0]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the server reads the watermarks again each second
+                served = client.post("/get-online-features", json=body).json()
+                if served["results"][1]["statuses"] == ["PRESENT"]:
+                    break
+                time.sleep(0.2)
+            assert [r["values"] for r in served["results"][1:]] == [[6], [6.0]], served

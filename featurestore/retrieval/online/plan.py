@@ -251,6 +251,7 @@ class OnlineQuery:
         default_factory=list
     )  # tile summaries to store
     known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HeavyKeys``)
+    unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
 
     @property
@@ -269,7 +270,10 @@ class OnlineQuery:
         max_entities: int = 10_000,
         cache: dict | None = None,
         now: datetime | None = None,
+        unfilled: Collection[str] = (),
     ) -> OnlineQuery:
+        """The reads and assembly of a lookup; ``unfilled``: aggregated views whose events online
+        wait for a resend (``FeatureStore.unfilled_views``), answered NOT_FOUND, not read."""
         signature = (
             tuple(features) if isinstance(features, (list, tuple)) else features,
             feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
@@ -343,6 +347,9 @@ class OnlineQuery:
             now_us,
             on_demand,
             request_columns,
+            unread={
+                pos for pos, number in enumerate(range_plans) if template.windows[number].request.view.name in unfilled
+            },
             replayed=now is not None,
         )
 
@@ -354,21 +361,23 @@ class OnlineQuery:
         return [{"name": name, "version": version} for name, version in views.items()]
 
     def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
-        """The ranges the first round trip reads plainly: all but those known heavy."""
-        if not self.known_heavy:
+        """The ranges the first round trip reads plainly: all but those known heavy or unread."""
+        if not self.known_heavy and not self.unread:
             return self.ranges
-        return [r for pos, r in enumerate(self.ranges) if pos not in self.known_heavy]
+        return [r for pos, r in enumerate(self.ranges) if pos not in self.known_heavy and pos not in self.unread]
 
     def placed(self, replies: list) -> list:
         """The first round trip's replies (lookups, then ``first_reads``) laid out as ``assemble``
-        takes them, known-heavy ranges left ``None`` for their summaries."""
-        if not self.known_heavy:
+        takes them, known-heavy ranges left ``None`` for their summaries, unread ones without events."""
+        if not self.known_heavy and not self.unread:
             return replies
         n = len(self.lookups)
         raw: list = replies[:n] + [None] * len(self.ranges)
         plain = iter(replies[n:])
         for pos in range(len(self.ranges)):
-            if pos not in self.known_heavy:
+            if pos in self.unread:
+                raw[n + pos] = []
+            elif pos not in self.known_heavy:
                 raw[n + pos] = next(plain)
         return raw
 
@@ -377,6 +386,8 @@ class OnlineQuery:
         ``read_tiles`` needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
         out = []
         for pos, (key, _, _, limit) in enumerate(self.ranges):
+            if pos in self.unread:
+                continue
             if pos in self.known_heavy or (
                 limit is not None and packed.holds_at_least(raw[len(self.lookups) + pos], limit)
             ):
