@@ -21,6 +21,7 @@ from redis.connection import Connection
 
 from featurestore.materialization.compute import compute, pushed_rows
 from featurestore.online import resp
+from featurestore.online.codec import datetime_to_micros, micros_to_datetime
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection
 
 from .test_aggregations import FEATURES, TS, _frame
@@ -196,3 +197,96 @@ def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_noth
     assert sorted(history["payment_id"].to_pylist()) == sorted(e["payment_id"] for e in events)  # each once
     log = DeltaTable(str(store.config.data_dir / "push" / "payments")).to_pyarrow_table()
     assert sorted(log["payment_id"].to_pylist()) == sorted(e["payment_id"] for e in events)
+
+
+SEALER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from featurestore import FeatureStore
+    from tests.test_aggregations import _frame
+    from tests.test_push_path import _whole_tile
+
+    root, done, batches = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    tile_us, first_tile = int(sys.argv[4]), int(sys.argv[5])
+    start = len(done.read_text().splitlines()) if done.exists() else 0
+    with FeatureStore(root) as store:
+        for i in range(start, batches):
+            # a whole ended tile: the write seals its summary (and packs what it holds whole); a batch
+            # cut off is pushed again, its events then duplicates of those that landed
+            store.push("payments", _frame(_whole_tile(i, tile_us, first_tile)), to="online")
+            if i % 3 == 2:
+                store.pack_online(["activity"])  # what `featurestore compact` runs
+            with open(done, "a") as f:
+                f.write(f"{i}\\n"); f.flush(); os.fsync(f.fileno())
+""")
+
+
+def _whole_tile(i: int, tile_us: int, first_tile: int) -> list[dict]:
+    """Batch ``i``: 30 events of card 1 or 2, all of tile ``first_tile + i // 2``."""
+    rnd = random.Random(2000 + i)
+    first = (first_tile + i // 2) * tile_us
+    return [
+        {
+            "payment_id": i * 100 + j,
+            "card_id": 1 + i % 2,
+            "amount": rnd.randint(-400, 400) / 4,
+            "kind": rnd.choice(["web", "pos", "card", None]),
+            "event_timestamp": micros_to_datetime(first + j * (tile_us // 30)),
+        }
+        for j in range(30)
+    ]
+
+
+def test_a_writer_killed_while_it_seals_and_packs_leaves_exact_windows(make_store, tmp_path, monkeypatch):
+    """Writes of whole tiles seal their summaries and pack blocks in the round trip of their events,
+    and the packer re-packs; a process doing both, killed at random points and run again, leaves
+    windows that read, from summaries and blocks, exactly as the events define them."""
+    from featurestore.aggregation import tiles
+    from featurestore.online import packed
+
+    from .test_aggregations import AGGS, _events_key, reference, same
+
+    store = make_store(FEATURES)
+    root, tile_us = store.config.repo_path, tiles.tile_us(store.get_feature_view("activity"))
+    first_tile = (datetime_to_micros(NOW) - 20 * 3600 * 10**6) // tile_us  # ended hours ago, in the longest window
+    done, batches, kills = tmp_path / "done.txt", 40, 3
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "PYTHONPATH": os.getcwd()}
+    rnd = random.Random(5)
+    killed = 0
+    for _ in range(kills + 20):
+        child = subprocess.Popen(
+            [sys.executable, "-c", SEALER, str(root), str(done), str(batches), str(tile_us), str(first_tile)],
+            env=env,
+            stderr=subprocess.PIPE,
+        )
+        if killed < kills:
+            before = len(done.read_text().splitlines()) if done.exists() else 0
+            deadline = time.time() + 60
+            while (len(done.read_text().splitlines()) if done.exists() else 0) < before + 2 and child.poll() is None:
+                assert time.time() < deadline, "the writer made no progress"
+                time.sleep(0.01)
+            time.sleep(rnd.uniform(0, 0.05))
+            if child.poll() is None:
+                child.send_signal(signal.SIGKILL)
+                killed += 1
+        code = child.wait(timeout=120)
+        if code == 0:
+            break
+        assert code == -signal.SIGKILL, child.stderr.read().decode()[-3000:]
+    assert killed == kills and len(done.read_text().splitlines()) == batches
+
+    client = store.online_store.client
+    for card in (1, 2):  # (what the test is about: summaries and blocks are there)
+        key = _events_key(store, card)
+        assert any(packed.is_block(m) for m in client.zrange(key, 0, -1)) and client.hlen(key + b"|tiles") > 0
+    events = [e for i in range(batches) for e in _whole_tile(i, tile_us, first_tile)]
+    names = [n for n in AGGS if n.split("_")[-2] not in ("stddev", "variance", "2", "distinct")]  # the summarized
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 1)  # every card reads summaries
+    cuts = [micros_to_datetime((first_tile + k) * tile_us + 7 * 60 * 10**6) for k in (3, 9, 14, 19)]  # inside tiles
+    for at in [NOW, *cuts]:
+        got = store.get_online_features({"card_id": [1, 2]}, features=[f"activity:{n}" for n in names], at=at)
+        values = got.to_dict()
+        for row, card in enumerate((1, 2)):
+            for n in names:
+                want = reference(events, card, at, AGGS[n])
+                assert same(values[n][row], want, inexact=False), (at, card, n, values[n][row], want)
