@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -147,27 +148,20 @@ def _batch(i: int, now: datetime = NOW) -> list[dict]:
     return _payments(15, seed=1000 + i, first_id=i * 100, cards=8, now=now)
 
 
-@pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
-def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_nothing_twice(make_store, tmp_path, kills):
-    store = make_store(FEATURES)
-    root = store.config.repo_path
-    done, batches = tmp_path / "done.txt", 25 * kills  # enough that every kill lands before the last batch
+def _run_killed(script: list[str], done: Path, batches: int, kills: int, rnd: random.Random) -> None:
+    """Run ``python -c *script`` (which appends each batch it finishes to ``done``) until it has done
+    ``batches``, SIGKILLing it ``kills`` times at a random point after it finished two more."""
     env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "PYTHONPATH": os.getcwd()}
-    rnd = random.Random(11)
     killed = 0
-    for attempt in range(kills + 20):
-        child = subprocess.Popen(
-            [sys.executable, "-c", PUSHER, str(root), str(done), str(batches), NOW.isoformat()],
-            env=env,
-            stderr=subprocess.PIPE,
-        )
+    for _ in range(kills + 20):
+        child = subprocess.Popen([sys.executable, "-c", *script], env=env, stderr=subprocess.PIPE)
         if killed < kills:
             before = len(done.read_text().splitlines()) if done.exists() else 0
             deadline = time.time() + 60
             while (len(done.read_text().splitlines()) if done.exists() else 0) < before + 2 and child.poll() is None:
-                assert time.time() < deadline, "the pusher made no progress"
+                assert time.time() < deadline, "the writer made no progress"
                 time.sleep(0.01)
-            time.sleep(rnd.uniform(0, 0.03))  # somewhere in a push, a background commit or between them (~2 ms a push)
+            time.sleep(rnd.uniform(0, 0.03))  # somewhere in a write, a background commit or between them (~2 ms a push)
             if child.poll() is None:
                 child.send_signal(signal.SIGKILL)
                 killed += 1
@@ -176,6 +170,14 @@ def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_noth
             break
         assert code == -signal.SIGKILL, child.stderr.read().decode()[-3000:]
     assert killed == kills and len(done.read_text().splitlines()) == batches
+
+
+@pytest.mark.parametrize("kills", [3, pytest.param(12, marks=pytest.mark.slow)])
+def test_a_pushing_process_killed_at_random_points_loses_nothing_and_counts_nothing_twice(make_store, tmp_path, kills):
+    store = make_store(FEATURES)
+    root = store.config.repo_path
+    done, batches = tmp_path / "done.txt", 25 * kills  # enough that every kill lands before the last batch
+    _run_killed([PUSHER, str(root), str(done), str(batches), NOW.isoformat()], done, batches, kills, random.Random(11))
 
     store.flush()
     events = [e for i in range(batches) for e in _batch(i)]
@@ -250,30 +252,8 @@ def test_a_writer_killed_while_it_seals_and_packs_leaves_exact_windows(make_stor
     root, tile_us = store.config.repo_path, tiles.tile_us(store.get_feature_view("activity"))
     first_tile = (datetime_to_micros(NOW) - 20 * 3600 * 10**6) // tile_us  # ended hours ago, in the longest window
     done, batches, kills = tmp_path / "done.txt", 40, 3
-    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "PYTHONPATH": os.getcwd()}
-    rnd = random.Random(5)
-    killed = 0
-    for _ in range(kills + 20):
-        child = subprocess.Popen(
-            [sys.executable, "-c", SEALER, str(root), str(done), str(batches), str(tile_us), str(first_tile)],
-            env=env,
-            stderr=subprocess.PIPE,
-        )
-        if killed < kills:
-            before = len(done.read_text().splitlines()) if done.exists() else 0
-            deadline = time.time() + 60
-            while (len(done.read_text().splitlines()) if done.exists() else 0) < before + 2 and child.poll() is None:
-                assert time.time() < deadline, "the writer made no progress"
-                time.sleep(0.01)
-            time.sleep(rnd.uniform(0, 0.05))
-            if child.poll() is None:
-                child.send_signal(signal.SIGKILL)
-                killed += 1
-        code = child.wait(timeout=120)
-        if code == 0:
-            break
-        assert code == -signal.SIGKILL, child.stderr.read().decode()[-3000:]
-    assert killed == kills and len(done.read_text().splitlines()) == batches
+    script = [SEALER, str(root), str(done), str(batches), str(tile_us), str(first_tile)]
+    _run_killed(script, done, batches, kills, random.Random(5))
 
     client = store.online_store.client
     for card in (1, 2):  # (what the test is about: summaries and blocks are there)
