@@ -12,6 +12,8 @@ import bisect
 import itertools
 import math
 import random
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pandas as pd
@@ -1559,3 +1561,13 @@ def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the
                     break
                 time.sleep(0.2)
             assert [r["values"] for r in served["results"][1:]] == [[6], [6.0]], served
+    # `plan` and `apply` say it too (a watermark filled under another layout, as an upgrade leaves it)
+    store.registry.set_watermark("activity", online_layout="0ldlay0t")
+    for command in ("plan", "apply"):
+        shown = subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", command, "--repo", str(root)], capture_output=True, text=True
+        )
+        assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+        assert (
+            "'activity'" in shown.stderr and "0ldlay0t" in shown.stderr and "`featurestore materialize`" in shown.stderr
+        )
