@@ -2,8 +2,10 @@
 write (materialization to Redis), on the same machine in the same run.
 
 The cluster is 3 masters + 3 replicas on this machine (``featurestore.online.local_cluster``);
-the single Redis is a plain redis-server on TCP too, so both pay the same network stack. Lookups
-alternate between the two in blocks so drift hits both alike.
+the single Redis is a plain redis-server on TCP too, so both pay the same network stack. The
+write is also timed to a single Redis with a replica: every write applied twice on the same
+cores, as the cluster's replicas do. Lookups alternate between the stores in blocks so drift
+hits both alike.
 
     python benchmarks/redis_cluster.py [--entities 100000]
 """
@@ -45,6 +47,17 @@ def repo(root: Path, online: str, table: pa.Table) -> Path:
     return root
 
 
+def redis_cpu(ports: list[int]) -> float:
+    """CPU seconds the Redis servers on ``ports`` have used (``INFO cpu``: user + system)."""
+    import redis
+
+    total = 0.0
+    for port in ports:
+        info = redis.Redis(host="127.0.0.1", port=port).info("cpu")
+        total += info["used_cpu_user"] + info["used_cpu_sys"]
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entities", type=int, default=100_000)
@@ -55,7 +68,7 @@ def main() -> None:
     import redis
 
     from featurestore import FeatureStore
-    from featurestore.online.embedded import redis_server_binary
+    from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
     from featurestore.online.local_cluster import free_ports, start_local_cluster, stop_local_cluster, wait_until
 
     rng = np.random.default_rng(0)
@@ -69,13 +82,17 @@ def main() -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
     procs = start_local_cluster(work / "cluster")
-    port = free_ports(1)[0]
-    single = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
+    port, primary, replica = free_ports(3)
+    plain = [redis_server_binary(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *COMPACT_ENCODINGS]
+    servers = [
+        subprocess.Popen([*plain, "--port", str(p), *extra], stdout=subprocess.DEVNULL)
+        for p, extra in ((port, []), (primary, []), (replica, ["--replicaof", "127.0.0.1", str(primary)]))
+    ]
     try:
         wait_until(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
+        wait_until(
+            lambda: redis.Redis(host="127.0.0.1", port=replica).info("replication")["master_link_status"] == "up"
+        )
         nodes = ", ".join(f"'127.0.0.1:{p}'" for p in list(procs)[:2])
         stores = {
             "single Redis": FeatureStore(repo(work / "single", f"{{url: 'redis://127.0.0.1:{port}'}}", table)),
@@ -90,12 +107,20 @@ def main() -> None:
         ) as warm:
             warm.apply()
             warm.materialize(None, datetime.now(UTC))
-        writes = {}
-        for name, store in stores.items():
+        replicated = FeatureStore(repo(work / "replicated", f"{{url: 'redis://127.0.0.1:{primary}'}}", table))
+        writes, cpu = {}, {}
+        servers_of = {
+            "single Redis": [port],
+            "Redis Cluster (3+3)": list(procs),
+            "single Redis + replica": [primary, replica],
+        }
+        for name, store in [*stores.items(), ("single Redis + replica", replicated)]:
             store.apply()
+            before = redis_cpu(servers_of[name])
             t0 = time.perf_counter()
             store.materialize(None, datetime.now(UTC))
             writes[name] = time.perf_counter() - t0
+            cpu[name] = redis_cpu(servers_of[name]) - before
         refs = [f"stats:{f}" for f in FEATURES]
         timings = {(name, size): [] for name in stores for size in (1, 100)}
         for block in range(args.blocks):
@@ -108,7 +133,14 @@ def main() -> None:
                         timings[(name, size)].append(time.perf_counter() - t0)
         print(f"materialize {n:,} entities × 10 features to Redis:")
         for name, seconds in writes.items():
-            print(f"  {name:<22} {seconds:6.2f} s  ({n / seconds:,.0f} rows/s)")
+            print(
+                f"  {name:<22} {seconds:6.2f} s  ({n / seconds:,.0f} rows/s); Redis CPU {cpu[name]:.2f} s, all its servers"
+            )
+        cluster = writes["Redis Cluster (3+3)"]
+        print(
+            f"  cluster / single: {cluster / writes['single Redis']:.2f}x; "
+            f"cluster / single + replica: {cluster / writes['single Redis + replica']:.2f}x"
+        )
         print("SDK lookups, 10 features, p50 (p99):")
         for size in (1, 100):
             a, b = (percentiles(timings[(name, size)]) for name in stores)
@@ -116,10 +148,11 @@ def main() -> None:
                 f"  {size:>3} entities: single {a['p50']:.3f} ({a['p99']:.3f}) ms   cluster {b['p50']:.3f} ({b['p99']:.3f}) ms   "
                 f"ratio {b['p50'] / a['p50']:.2f}x p50, {b['p99'] / a['p99']:.2f}x p99"
             )
-        for store in stores.values():
+        for store in [*stores.values(), replicated]:
             store.close()
     finally:
-        single.kill()
+        for server in servers:
+            server.kill()
         stop_local_cluster(procs)
 
 
