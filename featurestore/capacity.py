@@ -68,6 +68,7 @@ class Capacity:
     layouts: list[LayoutCost]
     lookup_us: float | None  # Redis CPU time per lookup of one entity, every view
     event_write_us: float | None  # Redis CPU time per event written
+    compact_value_limit: int = packed.COMPACT_SETS_FROM  # the longest member Redis keeps a sorted set compact with
 
     def memory_for(self, entities: int, events_per_entity: float | None = None) -> float:
         """Bytes that ``entities`` entities of each layout need (``events_per_entity`` in each aggregated view)."""
@@ -106,6 +107,15 @@ class Capacity:
             lines.append(
                 "  (at the sampled cost per event: Redis packs a sorted set of 128 events or fewer more "
                 "tightly, so sizing far from the sample's events per entity is approximate)"
+            )
+        if self.compact_value_limit < packed.COMPACT_SETS_FROM and any(c.events_per_entity for c in self.layouts):
+            lines.append(
+                f"This Redis keeps sorted sets compact up to {self.compact_value_limit}-byte members, so events pack "
+                f"{packed.pack_from(self.compact_value_limit)} or more to a block; with `CONFIG SET "
+                f"zset-max-listpack-value {packed.COMPACT_SETS_FROM}` and `hash-max-listpack-value "
+                f"{packed.COMPACT_SETS_FROM}` (…-ziplist-… before Redis 7; and in its config file) they pack from "
+                f"{packed.pack_from(packed.COMPACT_SETS_FROM)}, fewer bytes an event for entities of tens to hundreds "
+                "of events once `featurestore compact` re-packs them"
             )
         return "\n".join(lines)
 
@@ -169,6 +179,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         layouts=sorted(layouts, key=lambda c: c.name),
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
         event_write_us=_event_write_us(client, prefix, written) if probe else None,
+        compact_value_limit=online.compact_value_limit(),
     )
 
 

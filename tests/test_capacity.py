@@ -126,3 +126,25 @@ def test_capacity_command_prints_the_model_and_refuses_bad_input(repo, tmp_path)
         server.stop()
     assert nothing.returncode != 0 and "holds no entities of this project" in nothing.stderr
     assert "Traceback" not in nothing.stderr
+
+
+def test_capacity_says_how_to_pack_from_fewer_events_on_a_redis_with_the_default_compact_limit(repo):
+    """A Redis keeping sorted sets compact only up to 64-byte members (its default) makes blocks wait
+    for 16 events: the report says what to set; on the embedded server (1 KB) it says nothing."""
+    from featurestore import capacity
+
+    with FeatureStore(repo) as store:
+        measured = capacity.measure(store.online_store, store.definitions, store.config.project, probe=False)
+        assert measured.compact_value_limit == 1024 and "CONFIG SET" not in measured.describe(None, None, 25 * 10**9)
+        client = store.online_store.client
+        setting = next(iter(client.config_get("zset-max-*-value")))  # (listpack from Redis 7, ziplist before)
+        client.config_set(setting, 64)
+        try:
+            with FeatureStore(repo) as fresh:
+                default = capacity.measure(fresh.online_store, fresh.definitions, fresh.config.project, probe=False)
+                assert fresh.online_store.pack_from() == 16
+        finally:
+            client.config_set(setting, 1024)
+    report = default.describe(None, None, 25 * 10**9)
+    assert default.compact_value_limit == 64
+    assert "CONFIG SET zset-max-listpack-value 1024" in report and "from 8" in report, report

@@ -202,6 +202,11 @@ class RedisOnlineStore:
 
     def pack_from(self) -> int:
         """Events a block needs on this Redis (``packed.pack_from`` of its sorted sets' compact value limit)."""
+        return packed.pack_from(self.compact_value_limit())
+
+    def compact_value_limit(self) -> int:
+        """The longest member this Redis keeps a sorted set compact with (``zset-max-listpack-value``;
+        Redis's default where CONFIG is disabled), read once."""
         if self._zset_value_limit is None:
             with self._calling():
                 try:  # (named listpack from Redis 7, ziplist before)
@@ -209,7 +214,7 @@ class RedisOnlineStore:
                 except redis.ResponseError:  # CONFIG disabled, as on some managed services: Redis's default
                     limits = {}
             self._zset_value_limit = max((int(v) for v in limits.values()), default=64)
-        return packed.pack_from(self._zset_value_limit)
+        return self._zset_value_limit
 
     def unpack(self, keys: Sequence[bytes], features: Sequence) -> None:
         """Replace the blocks of these events keys by the events they hold (``unpack_block.lua``)."""
