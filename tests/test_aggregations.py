@@ -559,7 +559,8 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
 def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypatch):
     """A heavy card's lookup first read its window plainly up to the threshold (~1,500 events,
     ~1 ms of Redis), dropped that and read its tile summaries. Once found heavy, its next lookups
-    skip the plain read; the answer is the same. The hints are bounded and expire."""
+    skip the plain read, and read its summaries in the one round trip of the lookup; the answer
+    is the same. The hints are bounded and expire."""
     from featurestore.aggregation import tiles
     from featurestore.retrieval.online import HeavyKeys, OnlineQuery, OnlineReader
 
@@ -584,21 +585,26 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
     refs = [f"activity:{n}" for n in TILED]
     client = store.online_store.client
     reader = OnlineReader(store.online_store, max_sealing=0)  # (no summaries stored: the same reads each time)
+    trips: list[int] = []
+    read = store.online_store.read
+    monkeypatch.setattr(store.online_store, "read", lambda *a: trips.append(1) or read(*a))
 
     def lookup():
         query = OnlineQuery.prepare(
             store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP
         )
         before = client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
+        trips.clear()
         response = reader.read(query).to_dict()
         return query, response, client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0) - before
 
     expected = lookup()[1]  # every event (the default threshold: 30 events are light)
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card is heavy
     first, found, range_reads = lookup()  # (READ_WINDOW reads ranges too: Redis counts those)
-    assert not first.known_heavy and found == expected
+    assert not first.known_heavy and found == expected and len(trips) == 2
     again, found, fewer_range_reads = lookup()
     assert again.known_heavy == {0} and fewer_range_reads == range_reads - 1 and found == expected
+    assert len(trips) == 1
 
     hints = HeavyKeys(size=3, seconds=60)
     for key in (b"a", b"b", b"c", b"d"):

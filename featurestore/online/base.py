@@ -139,18 +139,15 @@ class OnlineWrites(Protocol):
 
 
 class OnlineReads(Protocol):
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
-        then for each range, the encoded events in it, in (time, id) order."""
+        then for each range, the encoded events in it, in (time, id) order; then for each heavy
+        entity's window, ``[tile summaries, events of the other tiles]``."""
         ...
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list: ...
-
-    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
-        """For each heavy entity's window, ``[tile summaries, events of the other tiles]``."""
-        ...
-
-    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list: ...
+    async def read_async(
+        self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()
+    ) -> list: ...
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed."""

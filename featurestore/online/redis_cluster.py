@@ -33,7 +33,7 @@ from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
-from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range
+from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range, TiledRange
 from featurestore.online.lua import scripts
 from featurestore.online.transport import UNAVAILABLE, Call, as_binary, listen, redact
 
@@ -54,8 +54,9 @@ MOVING = (
 )
 
 
-def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
-    """An HMGET per lookup, then each range's events."""
+def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]):
+    """An HMGET per lookup, each range's events, then ``read_window.lua`` on each window (by
+    command: redis-py blocks its EVALSHA method in cluster pipelines; the command routes by key)."""
     for key, fields in lookups:
         pipe.hmget(key, fields)
     for key, low, high, limit in ranges:
@@ -63,6 +64,9 @@ def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range]):
             pipe.zrangebyscore(key, f"({low}", high)
         else:
             pipe.zrangebyscore(key, f"({low}", high, start=0, num=limit)
+    sha = scripts()["read_window"].sha
+    for key, arguments in windows:
+        pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
     return pipe
 
 
@@ -126,16 +130,18 @@ class ClusterRedis:
         a few (a script call each); stable, so each entity's writes keep their order."""
         return np.argsort(_slots(keys), kind="stable")
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
         try:
-            return _queue(self.client.pipeline(transaction=False), lookups, ranges).execute()
+            return _queue(self.client.pipeline(transaction=False), lookups, ranges, windows).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+    async def read_async(
+        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+    ) -> list:
         try:
-            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges).execute()
+            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges, windows).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 

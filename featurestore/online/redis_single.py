@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
-from featurestore.online.base import Lookup, Range
+from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.embedded import EmbeddedRedis
-from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact
+from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact, window_reads
 
 
 class SingleRedis:
@@ -79,8 +79,9 @@ class SingleRedis:
         finally:
             pool.release(connection)
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
-        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
+        packed = resp.reads(lookups, ranges) + window_reads(windows)
+        count = len(lookups) + len(ranges) + len(windows)
         if self._readers is None:
             pool = self.client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
@@ -89,7 +90,12 @@ class SingleRedis:
             connection = readers.take()
             try:
                 connection.send_packed_command([packed], check_health=False)
-                replies = [connection.read_response() for _ in range(count)]
+                replies = []
+                for _ in range(count):
+                    try:
+                        replies.append(connection.read_response())
+                    except redis.ResponseError as exc:  # (a script Redis lost: the replies after it still come)
+                        replies.append(exc)
             except BaseException as exc:
                 connection.disconnect()  # replies may be left unread: never reuse it
                 if not isinstance(exc, UNAVAILABLE):
@@ -101,10 +107,15 @@ class SingleRedis:
                 raise self._unavailable(exc) from exc
             if not readers.give_back(connection):
                 connection.disconnect()
+            error = next((r for r in replies if isinstance(r, Exception)), None)
+            if error is not None:
+                raise error
             return replies
         raise AssertionError("unreachable")
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+    async def read_async(
+        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+    ) -> list:
         """``read``, batched with the other lookups of the same loop turn."""
         loop = asyncio.get_running_loop()
         if self._batched is None or self._batched_loop is not loop:  # connections and timers belong to one loop
@@ -116,7 +127,8 @@ class SingleRedis:
             )
             self._batched_loop = loop
         batched = self._batched
-        packed, count = resp.reads(lookups, ranges), len(lookups) + len(ranges)
+        packed = resp.reads(lookups, ranges) + window_reads(windows)
+        count = len(lookups) + len(ranges) + len(windows)
         for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:
                 return await batched.read(packed, count)

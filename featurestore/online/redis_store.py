@@ -228,22 +228,29 @@ class RedisOnlineStore:
             None,
         )
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
-        then for each range, the encoded events in it, in (time, id) order."""
-        return self.transport.read(lookups, ranges)
+        then for each range, the encoded events in it, in (time, id) order; then for each heavy
+        entity's window, ``[tile summaries, events of the other tiles]`` (``read_window.lua``). A
+        Redis that lost its scripts (a restart) gets them, and the read goes again."""
+        try:
+            return self.transport.read(lookups, ranges, windows)
+        except redis.exceptions.NoScriptError:
+            self._load_scripts()
+            return self.transport.read(lookups, ranges, windows)
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = ()) -> list:
+    async def read_async(
+        self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()
+    ) -> list:
         """``read`` on the event loop (on one node, batched with the other lookups of the loop turn)."""
-        return await self.transport.read_async(lookups, ranges)
-
-    def read_tiles(self, windows: Sequence[TiledRange]) -> list:
-        """For each heavy entity's window, ``[tile summaries, events of the other tiles]`` (``read_window.lua``)."""
-        return self._run(lambda: (("read_window", [key], list(arguments), []) for key, arguments in windows), None)
-
-    async def read_tiles_async(self, windows: Sequence[TiledRange]) -> list:
-        """``read_tiles`` on the event loop: one round trip (per node) for all the windows."""
-        return await self._evalsha_async("read_window", [(key, list(arguments)) for key, arguments in windows])
+        try:
+            return await self.transport.read_async(lookups, ranges, windows)
+        except redis.exceptions.NoScriptError:
+            try:
+                await self.transport.async_client.script_load(scripts()["read_window"].code)
+            except self.transport.failures as exc:
+                raise self.transport.error(exc) from exc
+            return await self.transport.read_async(lookups, ranges, windows)
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed (``seal_tiles.lua``: only where the tile still holds as many events)."""

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
-from featurestore.online.base import Lookup, Range
+from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.lua import scripts
 
 # A script call: the script's name, its keys, its arguments, then its per-key argument columns.
@@ -57,11 +57,14 @@ class Transport(Protocol):
         scripts return counts)."""
         ...
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
-        """One round trip: an HMGET per lookup, then the events of each range."""
+    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
+        """One round trip: an HMGET per lookup, then the events of each range, then ``read_window.lua``
+        on each window. A Redis that lost its scripts answers ``NoScriptError``."""
         ...
 
-    async def read_async(self, lookups: Sequence[Lookup], ranges: Sequence[Range]) -> list:
+    async def read_async(
+        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+    ) -> list:
         """``read`` on the event loop."""
         ...
 
@@ -86,6 +89,12 @@ class Transport(Protocol):
 
 def as_binary(values: pa.Array | list) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
+
+
+def window_reads(windows: Sequence[TiledRange]) -> bytes:
+    """``read_window.lua`` on each window, packed as EVALSHA commands."""
+    sha = scripts()["read_window"].sha
+    return b"".join(resp.command("EVALSHA", sha, 1, key, *arguments) for key, arguments in windows)
 
 
 def evalsha(call: Call) -> bytes:

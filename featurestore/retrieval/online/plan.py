@@ -360,39 +360,51 @@ class OnlineQuery:
         views = {plan.request.view.name: plan.request.layout.version for plan in plans}
         return [{"name": name, "version": version} for name, version in views.items()]
 
-    def first_reads(self) -> list[tuple[bytes, int, int, int | None]]:
-        """The ranges the first round trip reads plainly: all but those known heavy or unread."""
-        if not self.known_heavy and not self.unread:
-            return self.ranges
-        return [r for pos, r in enumerate(self.ranges) if pos not in self.known_heavy and pos not in self.unread]
+    def reads(self) -> tuple[list[tuple[bytes, int, int, int | None]], list[tuple[bytes, list[bytes | int]]]]:
+        """What the first round trip reads besides the lookups: the ranges read plainly (up to
+        ``heavy_from`` events where tile summaries may answer), and the windows of entities known
+        heavy, read from their tile summaries at once (``read_window.lua``); nothing of an unread
+        range."""
+        plain: list[tuple[bytes, int, int, int | None]] = []
+        windows: list[tuple[bytes, list[bytes | int]]] = []
+        for pos, r in enumerate(self.ranges):
+            if pos in self.known_heavy:
+                windows.append(self.tiles_read(pos))
+            elif pos not in self.unread:
+                plain.append(r)
+        return plain, windows
 
     def placed(self, replies: list) -> list:
-        """The first round trip's replies (lookups, then ``first_reads``) laid out as ``assemble``
-        takes them, known-heavy ranges left ``None`` for their summaries, unread ones without events."""
+        """The first round trip's replies (lookups, then ``reads``' ranges, then its windows) laid
+        out as ``assemble`` takes them: a reply per lookup, then per range (unread ones without events)."""
         if not self.known_heavy and not self.unread:
             return replies
         n = len(self.lookups)
-        raw: list = replies[:n] + [None] * len(self.ranges)
-        plain = iter(replies[n:])
-        for pos in range(len(self.ranges)):
-            if pos in self.unread:
-                raw[n + pos] = []
-            elif pos not in self.known_heavy:
-                raw[n + pos] = next(plain)
+        raw: list = replies[:n] + [[] for _ in self.ranges]
+        answers = iter(replies[n:])
+        for pos in range(len(self.ranges)):  # the plain ranges, then the windows
+            if pos not in self.known_heavy and pos not in self.unread:
+                raw[n + pos] = next(answers)
+        for pos in sorted(self.known_heavy):
+            raw[n + pos] = next(answers)
         return raw
 
-    def heavy(self, raw: list) -> list[tuple[int, tuple[bytes, list[bytes | int]]]]:
-        """The ranges known heavy, and those whose plain read stopped at its limit, with what
-        ``read_tiles`` needs to read their tile summaries instead: ``(range index, (key, arguments))``."""
-        out = []
-        for pos, (key, _, _, limit) in enumerate(self.ranges):
-            if pos in self.unread:
-                continue
-            if pos in self.known_heavy or (
-                limit is not None and packed.holds_at_least(raw[len(self.lookups) + pos], limit)
-            ):
-                out.append((pos, (key, self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us))))
-        return out
+    def found_heavy(self, raw: list) -> list[int]:
+        """The ranges whose plain read stopped at ``heavy_from`` events (a block counting its own):
+        their entities answer from tile summaries (``tiles_read``)."""
+        n = len(self.lookups)
+        return [
+            pos
+            for pos, (_, _, _, limit) in enumerate(self.ranges)
+            if limit is not None
+            and pos not in self.known_heavy
+            and pos not in self.unread
+            and packed.holds_at_least(raw[n + pos], limit)
+        ]
+
+    def tiles_read(self, pos: int) -> tuple[bytes, list[bytes | int]]:
+        """Range ``pos`` as ``read_window.lua`` reads it: its events key and the script's arguments."""
+        return self.ranges[pos][0], self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us)
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:

@@ -1,9 +1,10 @@
 """Online lookups end to end: the façade and both servers read through an ``OnlineReader``.
 
-A lookup is one round trip (``OnlineQuery.lookups`` and the plain ``ranges``), a second for
-heavy entities' tile summaries (an entity known heavy skips its plain range read, and the first
-round trip when nothing else is read), then the assembly, then storing the tile summaries the
-lookup computed, so the next lookups of those entities read summaries, not events.
+A lookup is one round trip: its ``OnlineQuery.lookups``, its ranges read plainly, and the
+windows of entities known heavy read from their tile summaries (``read_window.lua``); a second
+for the entities its plain reads found heavy (``heavy_from`` events or more: their summaries).
+Then the assembly, then storing the tile summaries the lookup computed, so the next lookups of
+those entities read summaries, not events.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ OFF_LOOP_EVENTS = 2_000
 
 
 class HeavyKeys:
-    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once,
-    skipping the plain range read: up to the heavy threshold's events (~1,500), read only to be
-    dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint only saves time (summaries
-    answer exactly for any entity), and it is bounded and expires, so an entity gone light
-    returns to the plain read."""
+    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once, in
+    the round trip of the other reads, skipping the plain range read: up to the heavy threshold's
+    events, read only to be dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint
+    only saves time (summaries answer exactly for any entity), and it is bounded and expires, so
+    an entity gone light returns to the plain read."""
 
     def __init__(self, size: int = 10_000, seconds: float = 60.0):
         self.size, self.seconds = size, seconds
@@ -76,11 +77,11 @@ class OnlineReader:
 
     def read(self, query: OnlineQuery) -> OnlineResponse:
         """``query`` answered, its tile summaries stored before returning."""
-        first = self._first_reads(query)
-        raw = query.placed(self.store.read(query.lookups, first) if query.lookups or first else [])
-        heavy = self._heavy(query, raw)
-        if heavy:
-            for (pos, _), reply in zip(heavy, self.store.read_tiles([r for _, r in heavy])):
+        plain, windows = self._reads(query)
+        raw = query.placed(self.store.read(query.lookups, plain, windows) if query.lookups or plain or windows else [])
+        found = self._found_heavy(query, raw)
+        if found:
+            for pos, reply in zip(found, self.store.read((), (), [query.tiles_read(pos) for pos in found])):
                 raw[len(query.lookups) + pos] = reply
         response = assemble(query, raw)
         if query.seals and self.max_sealing:
@@ -92,11 +93,14 @@ class OnlineReader:
 
     async def read_async(self, query: OnlineQuery) -> OnlineResponse:
         """``read`` on the event loop; the tile summaries are stored in the background."""
-        first = self._first_reads(query)
-        raw = query.placed(await self.store.read_async(query.lookups, first) if query.lookups or first else [])
-        heavy = self._heavy(query, raw)
-        if heavy:
-            for (pos, _), reply in zip(heavy, await self.store.read_tiles_async([r for _, r in heavy])):
+        plain, windows = self._reads(query)
+        if query.lookups or plain or windows:
+            raw = query.placed(await self.store.read_async(query.lookups, plain, windows))
+        else:
+            raw = query.placed([])
+        found = self._found_heavy(query, raw)
+        if found:
+            for pos, reply in zip(found, await self.store.read_async((), (), [query.tiles_read(pos) for pos in found])):
                 raw[len(query.lookups) + pos] = reply
         if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
             response = await asyncio.to_thread(assemble, query, raw)
@@ -109,18 +113,17 @@ class OnlineReader:
         """Wait for the tile summaries being stored in the background."""
         await asyncio.gather(*self._sealing, return_exceptions=True)
 
-    def _first_reads(self, query: OnlineQuery) -> list:
+    def _reads(self, query: OnlineQuery) -> tuple[list, list]:
         query.known_heavy = {
             pos for pos, (key, _, _, limit) in enumerate(query.ranges) if limit is not None and key in self.heavy
         }
-        return query.first_reads()
+        return query.reads()
 
-    def _heavy(self, query: OnlineQuery, raw: list) -> list:
-        heavy = query.heavy(raw)
-        for pos, (key, _) in heavy:
-            if pos not in query.known_heavy:
-                self.heavy.add(key)
-        return heavy
+    def _found_heavy(self, query: OnlineQuery, raw: list) -> list[int]:
+        found = query.found_heavy(raw)
+        for pos in found:
+            self.heavy.add(query.ranges[pos][0])
+        return found
 
     def _seal_in_background(self, seals: list) -> None:
         if not seals or len(self._sealing) >= self.max_sealing:
