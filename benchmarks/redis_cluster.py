@@ -84,10 +84,12 @@ def main() -> None:
     procs = start_local_cluster(work / "cluster")
     port, primary, replica = free_ports(3)
     plain = [redis_server_binary(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *COMPACT_ENCODINGS]
-    servers = [
-        subprocess.Popen([*plain, "--port", str(p), *extra], stdout=subprocess.DEVNULL)
-        for p, extra in ((port, []), (primary, []), (replica, ["--replicaof", "127.0.0.1", str(primary)]))
-    ]
+    servers = []
+    for p, extra in ((port, []), (primary, []), (replica, ["--replicaof", "127.0.0.1", str(primary)])):
+        (work / str(p)).mkdir()  # (a replica's first sync writes a dump there)
+        servers.append(
+            subprocess.Popen([*plain, "--port", str(p), "--dir", str(work / str(p)), *extra], stdout=subprocess.DEVNULL)
+        )
     try:
         wait_until(lambda: redis.Redis(host="127.0.0.1", port=port).ping())
         wait_until(
