@@ -297,7 +297,8 @@ def compact(
 ) -> None:
     """Merge small history files (pushes commit many); optionally vacuum old ones. Online, pack the
     ended blocks of aggregated views' events that were streamed one by one (a few bytes an event
-    instead of ~100; writes of whole blocks pack them as they write).
+    instead of ~100) and store their tiles' summaries, so no lookup pays for them (writes of
+    whole tiles do both as they write).
 
     Pushes do the offline part on their own past offline_store.compact_after_files and
     vacuum_after_hours (featurestore.yaml); run this from a scheduler for the online part."""
@@ -313,8 +314,12 @@ def compact(
         with bar:
             task = bar.add_task("packing online events", total=None)
             packed = store.pack_online(views or None, lambda keys: bar.advance(task, keys))
-        for name, (blocks, events) in packed.items():
-            console.print(f"{name}: online, {events:,} events packed into {blocks:,} blocks", markup=False)
+        for name, done in packed.items():
+            console.print(
+                f"{name}: online, {done.events:,} events packed into {done.blocks:,} blocks, "
+                f"{done.summaries:,} tile summaries stored",
+                markup=False,
+            )
 
 
 @app.command(rich_help_panel="Data")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from featurestore.materialization.push import PushTarget
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
-    from featurestore.online.base import OnlineStore
+    from featurestore.online.base import Compacted, OnlineStore
     from featurestore.retrieval.historical import AsOf, JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineReader, OnlineResponse
     from featurestore.statistics import Summary
@@ -374,18 +374,23 @@ class FeatureStore:
 
     def pack_online(
         self, views: Sequence[str] | None = None, progress: Callable[[int], None] | None = None
-    ) -> dict[str, tuple[int, int]]:
+    ) -> dict[str, Compacted]:
         """Pack the ended blocks of each aggregated view's online events that hold events streamed
-        one by one (a write packs those it holds whole itself): ``{view: (blocks, events)}``."""
+        one by one, and store the summaries of their ended tiles (a write does both for what it
+        holds whole): ``{view: (blocks, events, summaries)}``."""
+        from featurestore.materialization.online_write import sealer
+
         report = {}
         for name in views or list(self.definitions.feature_views):
             view = self.definitions.feature_views[name]
             if view.is_aggregated:
+                layout = self.definitions.layout(view)
                 report[name] = self.online_store.pack_ended(
-                    self.definitions.layout(view).online_field,
+                    layout.online_field,
                     [(f.name, f.dtype) for f in view.schema],
                     tiles.tile_us(view),
                     progress,
+                    sealer(view, layout.storage_id),
                 )
         return report
 

@@ -12,6 +12,7 @@ import bisect
 import itertools
 import math
 import random
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -1431,7 +1432,7 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
 
     before = lookups()
     assert sum(not packed.is_block(m) for m in client.zrange(key, 0, -1)) > 0
-    blocks, count = store.pack_online(["activity"])["activity"]
+    blocks, count, _ = store.pack_online(["activity"])["activity"]
     members = client.zrange(key, 0, -1)
     assert all(packed.is_block(m) for m in members) and count >= 40 - len(members)
     assert packed.event_count(members) == 40
@@ -1439,7 +1440,7 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
     for got, want in zip(after, before):
         for n in names:
             assert same(got[n][0], want[n][0], inexact=False), (n, got[n][0], want[n][0])
-    assert store.pack_online(["activity"])["activity"][1] == 0  # nothing left to pack
+    assert store.pack_online(["activity"])["activity"].events == 0  # nothing left to pack
 
     # a late event lands in a block after the packer read it: the stale pack is refused
     late = {**events[0], "payment_id": 99, "amount": 1000.0}
@@ -1577,3 +1578,64 @@ def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the
         assert (
             "'activity'" in shown.stderr and "0ldlay0t" in shown.stderr and "`featurestore materialize`" in shown.stderr
         )
+
+
+def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, monkeypatch):
+    """Events streamed one at a time leave their tiles unsealed (no write holds a tile whole), so
+    a heavy card's first lookups summarized them on the request path. ``featurestore compact``
+    stores those summaries as it packs, and says so: the next lookup computes none, and answers
+    bit for bit as every event does."""
+    from featurestore.aggregation import tiles
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    store = make_store(FEATURES)
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 1)  # heavy from 120 events (one a 15-minute tile)
+    card = 7
+    rng = random.Random(card)
+    first = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=5)
+    events = [
+        {
+            "payment_id": i,
+            "card_id": card,
+            "amount": round(rng.uniform(-50, 50), 2),
+            "kind": rng.choice(["web", "card", None]),
+            "event_timestamp": first + i * STEP / 30,  # a minute apart: 15 to a tile, all ended
+        }
+        for i in range(200)
+    ]
+    for e in events:
+        store.push("payments", _frame([e]), to="online")
+    reader = OnlineReader(store.online_store, max_sealing=0)  # (the lookups store nothing themselves)
+    at = first + 7 * STEP
+
+    def lookup() -> tuple[OnlineQuery, dict]:
+        query = OnlineQuery.prepare(
+            store.definitions,
+            store.config.project,
+            {"card_id": [card]},
+            [f"activity:{n}" for n in TILED],
+            None,
+            False,
+            now=at,
+        )
+        return query, reader.read(query).to_dict()
+
+    unsealed, before = lookup()
+    assert unsealed.seals  # the lookup summarized tiles itself
+    compact = subprocess.run(
+        [sys.executable, "-m", "featurestore.cli", "compact", "--repo", str(store.config.repo_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert compact.returncode == 0, compact.stderr
+    # (13 whole tiles of 15 events; a block spans 8 h, so the 200 minutes may fall in two)
+    assert re.search(
+        r"activity: online, 200 events packed into [12] blocks, 13 tile summaries stored", compact.stdout
+    ), compact.stdout
+    sealed, after = lookup()
+    assert not sealed.seals and sealed.known_heavy == {0}
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 10**9)  # every event, read plainly
+    _, plainly = lookup()
+    for n in TILED:
+        assert same(after[n][0], plainly[n][0], inexact=False) and same(before[n][0], plainly[n][0], inexact=False), n
+        assert same(after[n][0], reference(events, card, at, AGGS[n]), inexact=True), n

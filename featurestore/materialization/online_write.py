@@ -68,15 +68,16 @@ def write_online(
             dedup_us(view),
             accepted=writes.accepted,
             newest=newest,
-            sealer=_sealer(view, layout.storage_id),
+            sealer=sealer(view, layout.storage_id),
         )
     latest = latest_per_entity(rows, view.join_keys)
     online.write_latest(layout.online_field, latest, view.join_keys, stored, expire_after, newest)
     return latest.num_rows
 
 
-def _sealer(view: FeatureView, storage_id: str) -> Sealer | None:
-    """Summaries of the view's tiles as a lookup computes them from the stored events (None: nothing tiled)."""
+def sealer(view: FeatureView, storage_id: str) -> Sealer | None:
+    """Summaries of the view's tiles as a lookup computes them from the stored events (None:
+    nothing tiled), for writes and for ``featurestore compact``."""
     summarize = _summarizer(view, storage_id)
     # (a tile lighter than half the heavy threshold is mostly a light entity's, which reads events, not summaries)
     least = max(tiles.SEAL_FROM, tiles.HEAVY_PER_TILE // 2)

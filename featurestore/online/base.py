@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,14 @@ Range = tuple[bytes, int, int, "int | None"]
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
+
+
+class Compacted(NamedTuple):
+    """What packing a view's online events did (``featurestore compact``)."""
+
+    blocks: int  # blocks packed (or packed again)
+    events: int  # the events they hold
+    summaries: int  # tile summaries stored for tiles no writer sealed (events streamed one by one)
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,15 @@ class OnlineWrites(Protocol):
         ...
 
     def pack_ended(
-        self, view: str, features: Sequence, tile_us: int, progress: Callable[[int], None] | None = None
-    ) -> tuple[int, int]:
-        """Pack every entity's ended blocks that hold plain events; returns (blocks, events) packed."""
+        self,
+        view: str,
+        features: Sequence,
+        tile_us: int,
+        progress: Callable[[int], None] | None = None,
+        sealer: Sealer | None = None,
+    ) -> Compacted:
+        """Pack every entity's ended blocks that hold plain events; with ``sealer``, also store the
+        summaries of the ended tiles no writer sealed."""
         ...
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:

@@ -27,7 +27,7 @@ import redis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import packed
-from featurestore.online.base import Lookup, Range, Seal, Sealer, TiledRange
+from featurestore.online.base import Compacted, Lookup, Range, Seal, Sealer, TiledRange
 from featurestore.online.codec import (
     encode_events,
     encode_values,
@@ -170,16 +170,22 @@ class RedisOnlineStore:
         return (keys, None) if order is None else (keys.take(pa.array(order)), order)
 
     def pack_ended(
-        self, view: str, features: Sequence, tile_us: int, progress: Callable[[int], None] | None = None
-    ) -> tuple[int, int]:
+        self,
+        view: str,
+        features: Sequence,
+        tile_us: int,
+        progress: Callable[[int], None] | None = None,
+        sealer: Sealer | None = None,
+    ) -> Compacted:
         """Pack the ended blocks of every entity's events under the view's layout ``view`` that
         hold plain events (streamed one by one, or late into a block): ``seal_tiles.lua``, only
-        where Redis still holds what was read. Returns (blocks packed, events in them);
-        ``progress`` is told of each batch of keys scanned."""
+        where Redis still holds what was read. With ``sealer``, first store the summaries of the
+        ended tiles that have none and whose events are plain (no writer held them whole), so no
+        lookup pays for them. ``progress`` is told of each batch of keys scanned."""
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
         span = tile_us * packed.BLOCK_TILES
         least = self.pack_from()
-        packed_blocks = packed_events = 0
+        packed_blocks = packed_events = summaries = 0
         with self._calling():
             scan = self.client.scan_iter(match=pattern, count=1000)
             for keys in iter(lambda: list(itertools.islice(scan, 256)), []):
@@ -187,18 +193,25 @@ class RedisOnlineStore:
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys:
                     pipe.zrangebyscore(key, "-inf", before)
+                    pipe.hkeys(key + b"|tiles")
+                replies = pipe.execute()
                 entries = {}
-                for key, members in zip(keys, pipe.execute()):
+                for key, members, sealed in zip(keys, replies[::2], replies[1::2]):
+                    entry = _unsealed(members, {int(t) for t in sealed}, sealer, tile_us) if sealer else []
+                    summaries += len(entry) // 5
                     found = list(_ended_blocks(members, features, tile_us, span, least))
                     packed_events += sum(events for _, _, events in found)
-                    if found:
-                        entries[key] = [x for entry, _, _ in found for x in entry]
-                        packed_blocks += len(found)
+                    packed_blocks += len(found)
+                    entry += [
+                        x for block, _, _ in found for x in block
+                    ]  # (after the summaries: they check plain members)
+                    if entry:
+                        entries[key] = entry
                 if entries:
                     self._run(partial(_seal_calls, entries, tile_us), None)
                 if progress is not None:
                     progress(len(keys))
-        return packed_blocks, packed_events
+        return Compacted(packed_blocks, packed_events, summaries)
 
     def pack_from(self) -> int:
         """Events a block needs on this Redis (``packed.pack_from`` of its sorted sets' compact value limit)."""
@@ -418,6 +431,28 @@ def _without_copies_of_kept(
 
 def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
     return (("seal_tiles", [key], [tile_us, *entry], []) for key, entry in entries.items())
+
+
+def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, tile_us: int) -> list:
+    """``seal_tiles.lua``'s summary entries for the ended tiles among ``members`` (a range of one
+    entity's events, in sorted-set order) that have no summary (``sealed``) and hold ``sealer.least``
+    events or more, all plain (none in a block): what the first lookups would summarize otherwise."""
+    in_blocks: set[int] = set()
+    for member in members:
+        if packed.is_block(member):
+            block, counts = packed.header(member)
+            in_blocks.update(block * packed.BLOCK_TILES + i for i, count in enumerate(counts) if count)
+    plain = [
+        (us, m)
+        for m in members
+        if not packed.is_block(m)
+        and (us := int.from_bytes(m[8:16], "big") - (1 << 63)) // tile_us not in sealed
+        and us // tile_us not in in_blocks
+    ]
+    full = _full_tiles(plain, tile_us, 0, sealer.least)
+    if not full:
+        return []
+    return list(itertools.chain.from_iterable(_with_digests(sealer.summarize([m for _, m in full]), full, tile_us)))
 
 
 def _ended_blocks(
