@@ -320,9 +320,11 @@ def online(args: argparse.Namespace) -> None:
             ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
             amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
             heavy[n] = {}
-            # three sealed copies (a first lookup is one sample each: their median) and one not sealed
+            # three sealed copies (a first lookup is one sample each: their median), one not sealed, and
+            # one not sealed by its write but by `featurestore compact` (``pack_online``) after it
             copies = [(True, n_cards + 1 + k), (True, n_cards + 200 + 2 * k), (True, n_cards + 201 + 2 * k)]
-            for copy, (sealing, card) in enumerate([*copies, (False, n_cards + 21 + k)]):
+            unsealed = [(False, n_cards + 21 + k), ("compacted", n_cards + 41 + k)]
+            for copy, (sealing, card) in enumerate([*copies, *unsealed]):
                 table = pa.table(
                     {
                         "tx_id": np.arange(n, dtype=np.int64) + (10 * k + copy + 1) * 10**9,
@@ -331,10 +333,12 @@ def online(args: argparse.Namespace) -> None:
                         "event_timestamp": ts,
                     }
                 )
-                with write_sealing(sealing):
+                with write_sealing(sealing is True):
                     t0 = time.perf_counter()
                     store.push("payments", table, to="online")
                     heavy[n].setdefault(("push", sealing), (time.perf_counter() - t0) * 1000)
+                if sealing == "compacted":
+                    store.pack_online(["activity"])
                 t0 = time.perf_counter()
                 store.get_online_features([{"card_id": card}], features=agg_refs)
                 heavy[n].setdefault(("first", sealing), []).append((time.perf_counter() - t0) * 1000)
@@ -371,7 +375,8 @@ def online(args: argparse.Namespace) -> None:
             f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
             f"first lookup {first:.1f} ms = {first / p['tiles']:.1f}x steady "
             f"(median of {len(firsts)} cards, {min(firsts):.1f}-{max(firsts):.1f} ms; "
-            f"tiles not sealed by the write: {p[('first', False)][0]:.1f} ms); "
+            f"tiles not sealed by the write: {p[('first', False)][0]:.1f} ms, "
+            f"then by `featurestore compact`: {p[('first', 'compacted')][0]:.1f} ms); "
             f"push {p[('push', True)]:.0f} ms ({p[('push', False)]:.0f} ms without sealing)"
         )
     print(
@@ -473,13 +478,13 @@ def write_sealing(on: bool) -> Iterator[None]:
     """Writes seal the ended tiles they hold (``on``, the default), or leave them to the first lookups."""
     from featurestore.materialization import online_write
 
-    sealer = online_write._sealer
+    sealer = online_write.sealer
     if not on:
-        online_write._sealer = lambda view, storage_id: None  # type: ignore[assignment]
+        online_write.sealer = lambda view, storage_id: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        online_write._sealer = sealer
+        online_write.sealer = sealer
 
 
 def loop_stalls(
