@@ -1582,10 +1582,13 @@ def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the
 
 def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, monkeypatch):
     """Events streamed one at a time leave their tiles unsealed (no write holds a tile whole), so
-    a heavy card's first lookups summarized them on the request path. ``featurestore compact``
-    stores those summaries as it packs, and says so: the next lookup computes none, and answers
-    bit for bit as every event does."""
+    a heavy card's first lookups summarized them on the request path; so did a card whose
+    writer packed without sealing (an older featurestore). ``featurestore compact`` stores those
+    summaries, plain or packed, and says so: the next lookups compute none, and answer bit for
+    bit as every event does."""
     from featurestore.aggregation import tiles
+    from featurestore.materialization import online_write
+    from featurestore.online import packed
     from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
     store = make_store(FEATURES)
@@ -1605,6 +1608,10 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
     ]
     for e in events:
         store.push("payments", _frame([e]), to="online")
+    with monkeypatch.context() as unsealed_writes:  # card 8: the same events, in one write that packs, seals nothing
+        unsealed_writes.setattr(online_write, "sealer", lambda view, storage_id: None)
+        store.push("payments", _frame([{**e, "card_id": 8} for e in events]), to="online")
+    assert any(packed.is_block(m) for m in store.online_store.client.zrange(_events_key(store, 8), 0, -1))
     reader = OnlineReader(store.online_store, max_sealing=0)  # (the lookups store nothing themselves)
     at = first + 7 * STEP
 
@@ -1612,7 +1619,7 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
         query = OnlineQuery.prepare(
             store.definitions,
             store.config.project,
-            {"card_id": [card]},
+            {"card_id": [card, 8]},
             [f"activity:{n}" for n in TILED],
             None,
             False,
@@ -1628,14 +1635,16 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
         text=True,
     )
     assert compact.returncode == 0, compact.stderr
-    # (13 whole tiles of 15 events; a block spans 8 h, so the 200 minutes may fall in two)
+    # (13 whole tiles of 15 events a card; a block spans 8 h, so the 200 minutes may fall in two)
     assert re.search(
-        r"activity: online, 200 events packed into [12] blocks, 13 tile summaries stored", compact.stdout
+        r"activity: online, 200 events packed into [12] blocks, 26 tile summaries stored", compact.stdout
     ), compact.stdout
     sealed, after = lookup()
-    assert not sealed.seals and sealed.known_heavy == {0}
+    assert not sealed.seals and sealed.known_heavy == {0, 1}
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 10**9)  # every event, read plainly
     _, plainly = lookup()
     for n in TILED:
-        assert same(after[n][0], plainly[n][0], inexact=False) and same(before[n][0], plainly[n][0], inexact=False), n
+        for row in (0, 1):
+            assert same(after[n][row], plainly[n][row], inexact=False), (n, row)
+            assert same(before[n][row], plainly[n][row], inexact=False), (n, row)
         assert same(after[n][0], reference(events, card, at, AGGS[n]), inexact=True), n

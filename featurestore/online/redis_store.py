@@ -180,8 +180,8 @@ class RedisOnlineStore:
         """Pack the ended blocks of every entity's events under the view's layout ``view`` that
         hold plain events (streamed one by one, or late into a block): ``seal_tiles.lua``, only
         where Redis still holds what was read. With ``sealer``, first store the summaries of the
-        ended tiles that have none and whose events are plain (no writer held them whole), so no
-        lookup pays for them. ``progress`` is told of each batch of keys scanned."""
+        ended tiles that have none (no writer held them whole), so no lookup pays for them.
+        ``progress`` is told of each batch of keys scanned."""
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
         span = tile_us * packed.BLOCK_TILES
         least = self.pack_from()
@@ -197,7 +197,7 @@ class RedisOnlineStore:
                 replies = pipe.execute()
                 entries = {}
                 for key, members, sealed in zip(keys, replies[::2], replies[1::2]):
-                    entry = _unsealed(members, {int(t) for t in sealed}, sealer, tile_us) if sealer else []
+                    entry = _unsealed(members, {int(t) for t in sealed}, sealer, features, tile_us) if sealer else []
                     summaries += len(entry) // 5
                     found = list(_ended_blocks(members, features, tile_us, span, least))
                     packed_events += sum(events for _, _, events in found)
@@ -433,26 +433,46 @@ def _seal_calls(entries: dict[bytes, list], tile_us: int) -> Iterator[Call]:
     return (("seal_tiles", [key], [tile_us, *entry], []) for key, entry in entries.items())
 
 
-def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, tile_us: int) -> list:
+def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: Sequence, tile_us: int) -> list:
     """``seal_tiles.lua``'s summary entries for the ended tiles among ``members`` (a range of one
-    entity's events, in sorted-set order) that have no summary (``sealed``) and hold ``sealer.least``
-    events or more, all plain (none in a block): what the first lookups would summarize otherwise."""
-    in_blocks: set[int] = set()
+    entity's events, in sorted-set order, blocks and plain events) that have no summary
+    (``sealed``) and hold ``sealer.least`` events or more: what the first lookups would summarize
+    otherwise. Each checks the tile's block, if one holds some of its events, and plain events."""
+    counts: collections.Counter[int] = collections.Counter()
+    block_of: dict[int, bytes] = {}  # tile -> the block holding some of its events
+    plain: dict[int, list[bytes]] = {}
     for member in members:
         if packed.is_block(member):
-            block, counts = packed.header(member)
-            in_blocks.update(block * packed.BLOCK_TILES + i for i, count in enumerate(counts) if count)
-    plain = [
-        (us, m)
-        for m in members
-        if not packed.is_block(m)
-        and (us := int.from_bytes(m[8:16], "big") - (1 << 63)) // tile_us not in sealed
-        and us // tile_us not in in_blocks
-    ]
-    full = _full_tiles(plain, tile_us, 0, sealer.least)
-    if not full:
+            number, per_tile = packed.header(member)
+            for i, count in enumerate(per_tile):
+                if count:
+                    counts[number * packed.BLOCK_TILES + i] += count
+                    block_of[number * packed.BLOCK_TILES + i] = member
+        else:
+            tile = _tile_of(member, tile_us)
+            counts[tile] += 1
+            plain.setdefault(tile, []).append(member)
+    wanted = {tile for tile, count in counts.items() if count >= sealer.least and tile not in sealed}
+    if not wanted:
         return []
-    return list(itertools.chain.from_iterable(_with_digests(sealer.summarize([m for _, m in full]), full, tile_us)))
+    holding = [m for m in dict.fromkeys(block_of[t] for t in wanted if t in block_of)]
+    holding += [m for t in sorted(wanted) for m in plain.get(t, [])]
+    events = [m for m in packed.expand(holding, features) if _tile_of(m, tile_us) in wanted]
+    return [
+        x
+        for tile, count, summary in sealer.summarize(events)
+        for x in (
+            "S",
+            tile,
+            count,
+            hashlib.sha1(block_of.get(tile, b"") + b"".join(plain.get(tile, []))).hexdigest(),
+            summary,
+        )
+    ]
+
+
+def _tile_of(member: bytes, tile_us: int) -> int:
+    return (int.from_bytes(member[8:16], "big") - (1 << 63)) // tile_us
 
 
 def _ended_blocks(

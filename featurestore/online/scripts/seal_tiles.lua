@@ -6,7 +6,9 @@
 --   its read and this call events can only be added (which drops the tile's summary and changes
 --   the count), or packed (which keeps it). A writer's summary is of the events it sent, some of
 --   which Redis may have refused as duplicates while holding others: it checks the members
---   themselves, concatenated in (time, id) order, none of them packed yet.
+--   themselves, concatenated in (time, id) order, after the block holding some of the tile's
+--   events if one does (a writer's digest covers none: a tile partly packed refuses it;
+--   ``featurestore compact``'s covers the block).
 --   'P', block number, k, the SHA-1 of every member scored in the block's first k tiles (in
 --   sorted-set order: a block packed before, events), the block (featurestore/online/packed.py)
 --   holding exactly their events: it replaces them. The ids of the events that were plain go to
@@ -21,17 +23,19 @@ while i <= #ARGV do
   if ARGV[i] == 'S' then
     local no = tonumber(ARGV[i + 1])
     if (no + 1) * tile <= now_us then
-      local plain, packed = {}, 0
+      local plain, packed, block = {}, 0, ''
       for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(no * tile), fmt((no + 1) * tile - 1))) do
         if not is_block(m) then plain[#plain + 1] = m end
       end
       local first = math.floor(no / BLOCK_TILES) * BLOCK_TILES
       for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(first * tile), fmt(first * tile))) do
-        if is_block(m) then packed = packed + block_events(m, no - first) end
+        if is_block(m) and block_events(m, no - first) > 0 then
+          packed, block = packed + block_events(m, no - first), m
+        end
       end
       local same = #plain + packed == tonumber(ARGV[i + 2])
       if same and ARGV[i + 3] ~= '' then
-        same = packed == 0 and redis.sha1hex(table.concat(plain)) == ARGV[i + 3]
+        same = redis.sha1hex(block .. table.concat(plain)) == ARGV[i + 3]
       end
       if same then
         redis.call('HSET', events .. '|tiles', ARGV[i + 1], ARGV[i + 4])
