@@ -394,6 +394,32 @@ class FeatureStore:
                 )
         return report
 
+    def pack_online_entities(self, push_source_name: str, rows: pa.Table) -> dict[str, Compacted]:
+        """``pack_online`` for the entities of ``rows`` (rows of a push source) only, in the
+        aggregated views it feeds: a stream consumer runs it on the entities it wrote once their
+        tiles have ended (bounded work, no scan), so no lookup summarizes them."""
+        import pyarrow as pa
+
+        from featurestore.materialization.online_write import sealer
+
+        report = {}
+        for view in self.definitions.feature_views.values():
+            if not (view.is_aggregated and view.online and getattr(view.source, "name", None) == push_source_name):
+                continue
+            if not all(k in rows.column_names for k in view.join_keys):
+                continue
+            layout, schema = self.definitions.layout(view), self.definitions.history_schema(view)
+            keys = rows.select(view.join_keys).cast(pa.schema([schema.field(k) for k in view.join_keys]))
+            report[view.name] = self.online_store.pack_entities(
+                layout.online_field,
+                keys,
+                view.join_keys,
+                [(f.name, f.dtype) for f in view.schema],
+                tiles.tile_us(view),
+                sealer(view, layout.storage_id),
+            )
+        return report
+
     def statistics(
         self, view: str, since: datetime | None = None, until: datetime | None = None
     ) -> list[tuple[datetime, str, Summary]]:

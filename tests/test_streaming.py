@@ -208,3 +208,37 @@ def test_view_status_shows_the_consumer_groups_lag(stream_repo):
     (group,) = status["stream"]["groups"]
     assert status["stream"]["length"] == 50 and group["pending"] == 0 and group["lag"] == 30
     assert status["newest_online_event"] is not None and status["online_error"] is None
+
+
+def test_the_consumer_summarizes_the_tiles_it_wrote_once_they_have_ended(tmp_path, redis_url, monkeypatch):
+    """Entries pushed a few at a time never hold a tile whole, so no push summarizes it: the
+    consumer packs and summarizes the tiles of the entities it wrote, a tile after they end."""
+    from featurestore.online import packed
+
+    from .test_aggregations import _events_key
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    fast = FEATURES.replace("timedelta(hours=30)", "timedelta(minutes=2)")  # tiles of 1 s
+    with FeatureStore(write_repo(tmp_path / "fast", fast, url=redis_url)) as store:
+        store.apply()
+        source = store.definitions.push_source("payments")
+        consumer = StreamConsumer(store, "payments", batch=1, to="online")  # (one entry a push)
+        second = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)  # a whole second, ended
+        rows = [
+            {
+                "payment_id": i,
+                "card_id": 1,
+                "amount": float(i),
+                "event_timestamp": second + timedelta(milliseconds=60 * i),
+            }
+            for i in range(15)
+        ]
+        publish(store.online_store.client, stream_key(store.config.project, source), rows)
+        consumer.run(until_idle=True)
+        time.sleep(2.5)  # its tile ended, and the one after (for stragglers)
+        consumer.run(until_idle=True)
+        client, key = store.online_store.client, _events_key(store, 1)
+        assert client.hlen(key + b"|tiles") == 1
+        assert packed.event_count(client.zrange(key, 0, -1)) == 15  # (in a block where Redis keeps small ones compact)
+        counts = store.get_online_features({"card_id": [1]}, features=["activity:count_2m", "activity:amount_sum_2m"])
+        assert counts.to_dict()["count_2m"] == [15] and counts.to_dict()["amount_sum_2m"] == [105.0]

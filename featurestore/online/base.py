@@ -147,6 +147,18 @@ class OnlineWrites(Protocol):
         summaries of the ended tiles no writer sealed."""
         ...
 
+    def pack_entities(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        tile_us: int,
+        sealer: Sealer | None,
+    ) -> Compacted:
+        """``pack_ended`` for the entities of ``rows`` only."""
+        ...
+
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is recorded."""
         ...

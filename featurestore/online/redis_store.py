@@ -183,35 +183,55 @@ class RedisOnlineStore:
         ended tiles that have none (no writer held them whole), so no lookup pays for them.
         ``progress`` is told of each batch of keys scanned."""
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
-        span = tile_us * packed.BLOCK_TILES
-        least = self.pack_from()
-        packed_blocks = packed_events = summaries = 0
+        done = Compacted(0, 0, 0)
         with self._calling():
             scan = self.client.scan_iter(match=pattern, count=1000)
             for keys in iter(lambda: list(itertools.islice(scan, 256)), []):
-                before = (time.time_ns() // 1000 // tile_us) * tile_us - 1  # (the tiles that may have ended)
-                pipe = self.client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.zrangebyscore(key, "-inf", before)
-                    pipe.hkeys(key + b"|tiles")
-                replies = pipe.execute()
-                entries = {}
-                for key, members, sealed in zip(keys, replies[::2], replies[1::2]):
-                    entry = _unsealed(members, {int(t) for t in sealed}, sealer, features, tile_us) if sealer else []
-                    summaries += len(entry) // 5
-                    found = list(_ended_blocks(members, features, tile_us, span, least))
-                    packed_events += sum(events for _, _, events in found)
-                    packed_blocks += len(found)
-                    entry += [
-                        x for block, _, _ in found for x in block
-                    ]  # (after the summaries: they check plain members)
-                    if entry:
-                        entries[key] = entry
-                if entries:
-                    self._run(partial(_seal_calls, entries, tile_us), None)
+                done = Compacted(*map(sum, zip(done, self._pack_keys(keys, features, tile_us, sealer))))
                 if progress is not None:
                     progress(len(keys))
-        return Compacted(packed_blocks, packed_events, summaries)
+        return done
+
+    def pack_entities(
+        self,
+        view: str,
+        rows: pa.Table,
+        join_keys: Sequence[str],
+        features: Sequence,
+        tile_us: int,
+        sealer: Sealer | None,
+    ) -> Compacted:
+        """``pack_ended`` on the events of the entities of ``rows`` only (a stream consumer's, once
+        the tiles it wrote have ended): bounded work, no scan."""
+        keys = pc.unique(suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view))).to_pylist()
+        done = Compacted(0, 0, 0)
+        with self._calling():
+            for i in range(0, len(keys), 256):
+                done = Compacted(*map(sum, zip(done, self._pack_keys(keys[i : i + 256], features, tile_us, sealer))))
+        return done
+
+    def _pack_keys(self, keys: list[bytes], features: Sequence, tile_us: int, sealer: Sealer | None) -> Compacted:
+        span = tile_us * packed.BLOCK_TILES
+        least = self.pack_from()
+        before = (time.time_ns() // 1000 // tile_us) * tile_us - 1  # (the tiles that may have ended)
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrangebyscore(key, "-inf", before)
+            pipe.hkeys(key + b"|tiles")
+        replies = pipe.execute()
+        entries, blocks, events, summaries = {}, 0, 0, 0
+        for key, members, sealed in zip(keys, replies[::2], replies[1::2]):
+            entry = _unsealed(members, {int(t) for t in sealed}, sealer, features, tile_us) if sealer else []
+            summaries += len(entry) // 5
+            found = list(_ended_blocks(members, features, tile_us, span, least))
+            events += sum(n for _, _, n in found)
+            blocks += len(found)
+            entry += [x for block, _, _ in found for x in block]  # (after the summaries: they check plain members)
+            if entry:
+                entries[key] = entry
+        if entries:
+            self._run(partial(_seal_calls, entries, tile_us), None)
+        return Compacted(blocks, events, summaries)
 
     def pack_from(self) -> int:
         """Events a block needs on this Redis (``packed.pack_from`` of its sorted sets' compact value limit)."""
