@@ -118,6 +118,7 @@ class StreamConsumer:
         ]
         # the entities written in the current tile, and in the one before (sealed a tile after theirs end)
         self._tile_us = min((tile_us(v) for v in aggregated), default=None) if "online" in to else None
+        self._keys = sorted({k for v in aggregated for k in v.join_keys})
         self._tile = time.time_ns() // 1000 // self._tile_us if self._tile_us else 0
         self._written: list[pa.Table] = []
         self._waiting: list[pa.Table] = []
@@ -213,7 +214,7 @@ class StreamConsumer:
         table = entries_to_table(entries, self.source)
         self.store.push(self.source.name, table, to=self.to, arrival=arrival(self.stream, entries))
         if self._tile_us is not None and sum(t.num_rows for t in self._written) < SEAL_AT_MOST:
-            self._written.append(table)
+            self._written.append(table.select(self._keys))
 
     def _seal_ended(self) -> None:
         """Pack and summarize the tiles of the entities written a tile ago and more, once ended."""
