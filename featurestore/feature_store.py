@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from featurestore.materialization.push import PushTarget
     from featurestore.offline.buffer import PushBuffer
     from featurestore.offline.delta import DeltaOfflineStore
-    from featurestore.online.base import Compacted, OnlineStore
+    from featurestore.online.base import Compacted, OnlineStore, Sealer
     from featurestore.retrieval.historical import AsOf, JoinBuilder, RetrievalJob
     from featurestore.retrieval.online import OnlineReader, OnlineResponse
     from featurestore.statistics import Summary
@@ -378,20 +378,12 @@ class FeatureStore:
         """Pack the ended blocks of each aggregated view's online events that hold events streamed
         one by one, and store the summaries of their ended tiles (a write does both for what it
         holds whole): ``{view: (blocks, events, summaries)}``."""
-        from featurestore.materialization.online_write import sealer
-
         report = {}
         for name in views or list(self.definitions.feature_views):
             view = self.definitions.feature_views[name]
             if view.is_aggregated:
-                layout = self.definitions.layout(view)
-                report[name] = self.online_store.pack_ended(
-                    layout.online_field,
-                    [(f.name, f.dtype) for f in view.schema],
-                    tiles.tile_us(view),
-                    progress,
-                    sealer(view, layout.storage_id),
-                )
+                field, features, tile, sealer = self._packing(view)
+                report[name] = self.online_store.pack_ended(field, features, tile, progress, sealer)
         return report
 
     def pack_online_entities(self, push_source_name: str, rows: pa.Table) -> dict[str, Compacted]:
@@ -400,25 +392,29 @@ class FeatureStore:
         tiles have ended (bounded work, no scan), so no lookup summarizes them."""
         import pyarrow as pa
 
-        from featurestore.materialization.online_write import sealer
-
         report = {}
         for view in self.definitions.feature_views.values():
             if not (view.is_aggregated and view.online and getattr(view.source, "name", None) == push_source_name):
                 continue
             if not all(k in rows.column_names for k in view.join_keys):
                 continue
-            layout, schema = self.definitions.layout(view), self.definitions.history_schema(view)
+            schema = self.definitions.history_schema(view)
             keys = rows.select(view.join_keys).cast(pa.schema([schema.field(k) for k in view.join_keys]))
-            report[view.name] = self.online_store.pack_entities(
-                layout.online_field,
-                keys,
-                view.join_keys,
-                [(f.name, f.dtype) for f in view.schema],
-                tiles.tile_us(view),
-                sealer(view, layout.storage_id),
-            )
+            field, features, tile, sealer = self._packing(view)
+            report[view.name] = self.online_store.pack_entities(field, keys, view.join_keys, features, tile, sealer)
         return report
+
+    def _packing(self, view: FeatureView) -> tuple[str, list, int, Sealer | None]:
+        """What packing a view's online events takes: its online field, stored columns, tile µs and summarizer."""
+        from featurestore.materialization.online_write import sealer
+
+        layout = self.definitions.layout(view)
+        return (
+            layout.online_field,
+            [(f.name, f.dtype) for f in view.schema],
+            tiles.tile_us(view),
+            sealer(view, layout.storage_id),
+        )
 
     def statistics(
         self, view: str, since: datetime | None = None, until: datetime | None = None

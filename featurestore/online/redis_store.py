@@ -183,14 +183,10 @@ class RedisOnlineStore:
         ended tiles that have none (no writer held them whole), so no lookup pays for them.
         ``progress`` is told of each batch of keys scanned."""
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
-        done = Compacted(0, 0, 0)
-        with self._calling():
-            scan = self.client.scan_iter(match=pattern, count=1000)
-            for keys in iter(lambda: list(itertools.islice(scan, 256)), []):
-                done = Compacted(*map(sum, zip(done, self._pack_keys(keys, features, tile_us, sealer))))
-                if progress is not None:
-                    progress(len(keys))
-        return done
+        scan = self.client.scan_iter(match=pattern, count=1000)  # (lazy: it reads as the batches are taken)
+        return self._pack_batches(
+            iter(lambda: list(itertools.islice(scan, 256)), []), features, tile_us, sealer, progress
+        )
 
     def pack_entities(
         self,
@@ -204,10 +200,22 @@ class RedisOnlineStore:
         """``pack_ended`` on the events of the entities of ``rows`` only (a stream consumer's, once
         the tiles it wrote have ended): bounded work, no scan."""
         keys = pc.unique(suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view))).to_pylist()
+        return self._pack_batches((keys[i : i + 256] for i in range(0, len(keys), 256)), features, tile_us, sealer)
+
+    def _pack_batches(
+        self,
+        batches: Iterable[list[bytes]],
+        features: Sequence,
+        tile_us: int,
+        sealer: Sealer | None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Compacted:
         done = Compacted(0, 0, 0)
         with self._calling():
-            for i in range(0, len(keys), 256):
-                done = Compacted(*map(sum, zip(done, self._pack_keys(keys[i : i + 256], features, tile_us, sealer))))
+            for keys in batches:
+                done = Compacted(*map(sum, zip(done, self._pack_keys(keys, features, tile_us, sealer))))
+                if progress is not None:
+                    progress(len(keys))
         return done
 
     def _pack_keys(self, keys: list[bytes], features: Sequence, tile_us: int, sealer: Sealer | None) -> Compacted:
@@ -492,6 +500,7 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
 
 
 def _tile_of(member: bytes, tile_us: int) -> int:
+    """The tile (or, by a block's span, the block) of a plain event: its µs are its bytes 9-16, sign-flipped big-endian."""
     return (int.from_bytes(member[8:16], "big") - (1 << 63)) // tile_us
 
 
@@ -505,7 +514,7 @@ def _ended_blocks(
     def block(member: bytes) -> int:
         if packed.is_block(member):
             return packed.header(member)[0]
-        return (int.from_bytes(member[8:16], "big") - (1 << 63)) // span  # (its µs: sign-flipped big-endian)
+        return _tile_of(member, span)
 
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
