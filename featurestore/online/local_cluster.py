@@ -71,9 +71,8 @@ def start_local_cluster(
             capture_output=True,
             timeout=60,
         )
-        wait_until(
-            lambda: all(redis.Redis(host="127.0.0.1", port=p).cluster("info")["cluster_state"] == "ok" for p in ports)
-        )
+        # "create" returns before every node has heard which nodes are replicas: until then some see six masters
+        wait_until(lambda: all(_settled(port, masters, replicas) for port in ports))
     except BaseException:
         stop_local_cluster(procs)
         raise
@@ -100,6 +99,21 @@ def free_ports(n: int) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def _settled(port: int, masters: int, replicas: int) -> bool:
+    """This node's cluster is ok and it sees ``masters`` healthy masters and their replicas, each replica linked."""
+    client = redis.Redis(host="127.0.0.1", port=port)
+    if client.cluster("info")["cluster_state"] != "ok":
+        return False
+    healthy = [node["flags"].split(",") for node in client.cluster("nodes").values() if "fail" not in node["flags"]]
+    role = client.execute_command("ROLE")
+    linked = role[0] == b"master" or role[3] == b"connected"
+    return (
+        linked
+        and sum("master" in r for r in healthy) == masters
+        and sum("slave" in r for r in healthy) == masters * replicas
+    )
 
 
 def _ping(port: int) -> bool:
