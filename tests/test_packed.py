@@ -112,6 +112,32 @@ def test_members_of_two_blocks_are_refused():
         packed.pack(members, features, TILE)
 
 
+def test_decoded_blocks_stay_within_their_byte_bound(monkeypatch):
+    """A process keeps the blocks it decoded (a hot entity's lookups decode each once), but at
+    most ``DECODED_BLOCK_BYTES`` of them: one block may hold millions of events, so a count of
+    blocks bounds nothing. Each answer equals a fresh decode, cached or not."""
+    rng = np.random.default_rng(1)
+    blobs = []
+    for block in range(12):
+        start = block * packed.BLOCK_TILES * TILE
+        events = [
+            (start + int(t), int(i), int(i) % 1000, float(i) / 7, bool(i % 2))
+            for i, t in zip(rng.permutation(3000) + block * 10**6, rng.integers(0, packed.BLOCK_TILES * TILE, 3000))
+        ]
+        members, features = _members(events, "any", False)
+        blobs.append((packed.pack(members, features, TILE), members))
+    monkeypatch.setattr(packed, "DECODED_BLOCK_BYTES", 2 << 20)
+    packed.decoded_blocks.clear()
+    for _ in range(2):
+        for blob, members in blobs:
+            assert packed.unpack(blob, features) == members
+            assert 0 < packed.decoded_blocks.nbytes <= 2 << 20
+    assert len(packed.decoded_blocks._blocks) < len(blobs)  # (each block is over 200 KB decoded: some went)
+    monkeypatch.setattr(packed, "DECODED_BLOCK_BYTES", 1000)  # a block bigger than the bound is decoded, not kept
+    packed.decoded_blocks.clear()
+    assert packed.unpack(blobs[0][0], features) == blobs[0][1] and packed.decoded_blocks.nbytes == 0
+
+
 def test_typical_events_pack_small():
     """Money amounts (cents), sequential integer ids and times a few seconds apart: a few bytes an event."""
     rng = np.random.default_rng(0)

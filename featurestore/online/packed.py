@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -45,7 +47,7 @@ _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 64  # values up to which bit-unpacking runs in Python
-UNPACKED_BLOCKS = 512  # decoded blocks a process keeps, as head records and variable-width values
+DECODED_BLOCK_BYTES = 256 << 20  # what a process's decoded blocks may hold (blocks, head records, values)
 
 
 def pack_from(zset_value_limit: int) -> int:
@@ -201,7 +203,7 @@ def unpack(
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
     are built: a lookup reads a few tiles of the blocks at its window's edges."""
-    times, heads, var = _unpacked(blob, tuple(features))
+    times, heads, var = _decoded(blob, tuple(features))
     if within is None and not skip_tiles:
         return _members(heads, var, None)
     keep = np.ones(len(times), bool)
@@ -223,10 +225,53 @@ def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None)
     return [f + b"".join(v[i] for v in var) for f, i in zip(fixed, at)]
 
 
-@functools.lru_cache(maxsize=UNPACKED_BLOCKS)
-def _unpacked(blob: bytes, features: tuple[tuple[str, DType], ...]) -> tuple[np.ndarray, np.ndarray, list[list[bytes]]]:
-    """A block's event µs, its members' head records and the values of its variable-width
-    columns (a block never changes: a hot entity's lookups decode each once)."""
+_Decoded = tuple[np.ndarray, np.ndarray, list[list[bytes]]]
+
+
+class _DecodedBlocks:
+    """The blocks a process decoded last, by content (a block never changes: a hot entity's
+    lookups decode each once), at most ``DECODED_BLOCK_BYTES`` in all: a count would not bound
+    it, since one block holds from 8 to 2 M events."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[tuple[bytes, tuple[tuple[str, DType], ...]], tuple[_Decoded, int]] = OrderedDict()
+        self._lock = threading.Lock()  # (servers decode on several threads)
+        self.nbytes = 0
+
+    def get(self, blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
+        key = (blob, features)
+        with self._lock:
+            hit = self._blocks.get(key)
+            if hit is not None:
+                self._blocks.move_to_end(key)
+                return hit[0]
+        decoded = _decode(blob, features)
+        times, heads, var = decoded
+        # each value a bytes object (~33 bytes of its own) in a list (8 bytes a slot)
+        size = len(blob) + times.nbytes + heads.nbytes + sum(len(v) + 41 for values in var for v in values)
+        if size > DECODED_BLOCK_BYTES:
+            return decoded
+        with self._lock:
+            if key not in self._blocks:
+                self._blocks[key] = (decoded, size)
+                self.nbytes += size
+            while self.nbytes > DECODED_BLOCK_BYTES:
+                _, (_, freed) = self._blocks.popitem(last=False)
+                self.nbytes -= freed
+        return decoded
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.nbytes = 0
+
+
+decoded_blocks = _DecodedBlocks()
+_decoded = decoded_blocks.get
+
+
+def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
+    """A block's event µs, its members' head records and the values of its variable-width columns."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
