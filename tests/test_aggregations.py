@@ -1585,7 +1585,7 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
     a heavy card's first lookups summarized them on the request path; so did a card whose
     writer packed without sealing (an older featurestore). ``featurestore compact`` stores those
     summaries, plain or packed, and says so: the next lookups compute none, and answer bit for
-    bit as every event does."""
+    bit as every event does. So it does again after the view's aggregations change."""
     from featurestore.aggregation import tiles
     from featurestore.materialization import online_write
     from featurestore.online import packed
@@ -1648,3 +1648,27 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
             assert same(after[n][row], plainly[n][row], inexact=False), (n, row)
             assert same(before[n][row], plainly[n][row], inexact=False), (n, row)
         assert same(after[n][0], reference(events, card, at, AGGS[n]), inexact=True), n
+    # an aggregation added to the view changes no event (nothing to re-materialize) but the
+    # summaries' tag: the stored ones are not read any more, so compact stores them again
+    from featurestore import FeatureStore
+
+    added = 'Aggregation("max", H, "amount", name="amount_max_1h"),\n        Aggregation("count", H),'
+    (store.config.repo_path / "features.py").write_text(FEATURES.replace('Aggregation("count", H),', added, 1))
+    with FeatureStore(store.config.repo_path) as changed:
+        changed.apply()
+        assert changed.unfilled_views == set()
+        store = changed
+        reader = OnlineReader(changed.online_store, max_sealing=0)
+        monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 1)
+        stale, _ = lookup()
+        assert stale.seals  # the old summaries were not read
+        compact = subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", "compact", "--repo", str(changed.config.repo_path)],
+            capture_output=True,
+            text=True,
+        )
+        assert compact.returncode == 0, compact.stderr
+        assert "26 tile summaries stored" in compact.stdout, compact.stdout
+        resealed, again = lookup()
+        assert not resealed.seals
+        assert all(same(again[n][row], after[n][row], inexact=False) for n in TILED for row in (0, 1))

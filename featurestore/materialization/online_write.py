@@ -78,14 +78,17 @@ def write_online(
 def sealer(view: FeatureView, storage_id: str) -> Sealer | None:
     """Summaries of the view's tiles as a lookup computes them from the stored events (None:
     nothing tiled), for writes and for ``featurestore compact``."""
-    summarize = _summarizer(view, storage_id)
+    built = _summarizer(view, storage_id)
     # (a tile lighter than half the heavy threshold is mostly a light entity's, which reads events, not summaries)
     least = max(tiles.SEAL_FROM, tiles.HEAVY_PER_TILE // 2)
-    return Sealer(least, summarize) if summarize is not None else None
+    return Sealer(least, *built) if built is not None else None
 
 
 @lru_cache(maxsize=256)  # (building one costs more than a small push)
-def _summarizer(view: FeatureView, storage_id: str) -> Callable[[list[bytes]], list[tuple[int, int, bytes]]] | None:
+def _summarizer(
+    view: FeatureView, storage_id: str
+) -> tuple[Callable[[list[bytes]], list[tuple[int, int, bytes]]], bytes] | None:
+    """The view's summarizer and its summaries' tag (None: nothing tiled)."""
     spec = tiles.TileSpec.of(view, storage_id)
     if spec is None:
         return None
@@ -96,4 +99,4 @@ def _summarizer(view: FeatureView, storage_id: str) -> Callable[[list[bytes]], l
         times, columns = decode(members, -(1 << 62), 1 << 62)
         return tiles.seals(tiled, times, columns, set(), time.time_ns() // 1000, most=len(times))
 
-    return summarize
+    return summarize, spec.tag

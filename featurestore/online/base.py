@@ -47,10 +47,13 @@ class Compacted(NamedTuple):
 class Sealer:
     """How a writer summarizes the ended tiles it writes in full (``aggregation.tiles``), so that no
     lookup pays for it: ``summarize`` takes one entity's events (members in (time, id) order) of
-    tiles holding ``least`` of them or more, and returns ``(tile, events, summary)`` for those worth storing."""
+    tiles holding ``least`` of them or more, and returns ``(tile, events, summary)`` for those worth
+    storing; each summary starts with ``tag`` (one stored with another tag, as a change to the
+    view's aggregations leaves them, is not read: its tile has no summary)."""
 
     least: int
     summarize: Callable[[list[bytes]], list[tuple[int, int, bytes]]]
+    tag: bytes
 
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id

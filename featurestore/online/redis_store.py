@@ -225,11 +225,15 @@ class RedisOnlineStore:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.zrangebyscore(key, "-inf", before)
-            pipe.hkeys(key + b"|tiles")
-        replies = pipe.execute()
+            if sealer:
+                pipe.hgetall(key + b"|tiles")
+        replies = iter(pipe.execute())
         entries, blocks, events, summaries = {}, 0, 0, 0
-        for key, members, sealed in zip(keys, replies[::2], replies[1::2]):
-            entry = _unsealed(members, {int(t) for t in sealed}, sealer, features, tile_us) if sealer else []
+        for key, members in zip(keys, replies):
+            entry = []
+            if sealer:  # (a summary under another tag, of aggregations since changed, is none)
+                sealed = {int(t) for t, summary in next(replies).items() if summary.startswith(sealer.tag)}
+                entry = _unsealed(members, sealed, sealer, features, tile_us)
             summaries += len(entry) // 5
             found = list(_ended_blocks(members, features, tile_us, span, least))
             events += sum(n for _, _, n in found)
