@@ -1305,14 +1305,17 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     """The same pushes to two cards, one of them never packed (``online.packed``): every
     aggregation at any time is bit-identical between them and the reference's, after the blocks
     are packed, after late events land in packed tiles, after retried and changed writes of
-    packed ids (refused: the id index), read plainly and from tile summaries, and after a
-    whole-history resend (which unpacks, then packs again)."""
+    packed ids (refused: the id index), read plainly and from tile summaries (with the other
+    tiles' events read by the script, or held by the plain read that found the card heavy), and
+    after a whole-history resend (which unpacks, then packs again)."""
     import duckdb
 
     from featurestore.aggregation import tiles
     from featurestore.online import packed, redis_store
+    from featurestore.retrieval.online.plan import _WindowPlan
 
     store = activity_store
+    monkeypatch.undo()  # (hypothesis runs every example in one call: each starts from the originals)
     monkeypatch.setattr(packed, "PACK_FROM", 1)  # (a block of any size: few events here)
     offset = next(_cards) * 10 + 5_000_000
     cards = {"packed": offset, "plain": offset + 1}
@@ -1349,15 +1352,22 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
 
     def check(round_: str) -> None:
         for t in times:
-            for heavy in (False, True):  # (read from tile summaries: only tiled aggregations)
-                monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0 if heavy else 10**9)
-                names = TILED if heavy else list(AGGS)
-                got = {
-                    name: store.get_online_features(
-                        [{"card_id": card}], features=[f"activity:{n}" for n in names], at=t
-                    ).to_dict()
-                    for name, card in cards.items()
-                }
+            # read plainly; from tile summaries (only tiled aggregations), with the events of the
+            # other tiles read by the script; or found heavy by a plain read of fewer members than
+            # its limit, which then holds those events (its blocks hold enough to be heavy)
+            for heavy in ("events", "summaries", "found heavy"):
+                monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 10**9 if heavy == "events" else 0)
+                names = list(AGGS) if heavy == "events" else TILED
+                store.online_reader.heavy.clear()
+                with monkeypatch.context() as patched:  # (undone even when an example fails)
+                    if heavy == "found heavy":
+                        patched.setattr(_WindowPlan, "heavy_from", lambda self: 4)
+                    got = {
+                        name: store.get_online_features(
+                            [{"card_id": card}], features=[f"activity:{n}" for n in names], at=t
+                        ).to_dict()
+                        for name, card in cards.items()
+                    }
                 for n in names:
                     want = reference(pushed["plain"], cards["plain"], t, AGGS[n])
                     a, b = got["packed"][n][0], got["plain"][n][0]

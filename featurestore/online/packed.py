@@ -63,6 +63,19 @@ def is_block(member: bytes) -> bool:
     return member[8:16] == BLOCK_MARK[8:]
 
 
+def tile_of(member: bytes, tile_us: int) -> int:
+    """The tile (or, by a block's span, the block) of a plain event: its µs are its bytes 9-16, sign-flipped big-endian."""
+    return (int.from_bytes(member[8:16], "big") - (1 << 63)) // tile_us
+
+
+def tiles_of(member: bytes, tile_us: int) -> list[int]:
+    """The tiles a member holds events of: a plain event's one, a block's that count some."""
+    if not is_block(member):
+        return [tile_of(member, tile_us)]
+    number, counts = header(member)
+    return [number * BLOCK_TILES + i for i, count in enumerate(counts) if count]
+
+
 def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
     """The scores a range read of events in ``(low_us, high_us]`` asks for (exclusive low,
     inclusive high) so that it also returns the blocks holding any of them: a block is scored at

@@ -481,7 +481,7 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
                     counts[number * packed.BLOCK_TILES + i] += count
                     block_of[number * packed.BLOCK_TILES + i] = member
         else:
-            tile = _tile_of(member, tile_us)
+            tile = packed.tile_of(member, tile_us)
             counts[tile] += 1
             plain.setdefault(tile, []).append(member)
     wanted = {tile for tile, count in counts.items() if count >= sealer.least and tile not in sealed}
@@ -489,7 +489,7 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
         return []
     holding = [m for m in dict.fromkeys(block_of[t] for t in wanted if t in block_of)]
     holding += [m for t in sorted(wanted) for m in plain.get(t, [])]
-    events = [m for m in packed.expand(holding, features) if _tile_of(m, tile_us) in wanted]
+    events = [m for m in packed.expand(holding, features) if packed.tile_of(m, tile_us) in wanted]
     return [
         x
         for tile, count, summary in sealer.summarize(events)
@@ -503,11 +503,6 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
     ]
 
 
-def _tile_of(member: bytes, tile_us: int) -> int:
-    """The tile (or, by a block's span, the block) of a plain event: its µs are its bytes 9-16, sign-flipped big-endian."""
-    return (int.from_bytes(member[8:16], "big") - (1 << 63)) // tile_us
-
-
 def _ended_blocks(
     members: list[bytes], features: Sequence, tile_us: int, span: int, least: int
 ) -> Iterator[tuple[list, int, int]]:
@@ -518,7 +513,7 @@ def _ended_blocks(
     def block(member: bytes) -> int:
         if packed.is_block(member):
             return packed.header(member)[0]
-        return _tile_of(member, span)
+        return packed.tile_of(member, span)
 
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)

@@ -131,11 +131,13 @@ class _WindowPlan:
             return None
         return tiles.HEAVY_PER_TILE * -(-self.evaluator.longest_us // self.tiled.spec.tile_us)
 
-    def tiles_arguments(self, now_us: int) -> list[bytes | int]:
-        """``READ_WINDOW``'s arguments at ``now_us``: the window, and the tiles holding a cut."""
+    def tiles_arguments(self, now_us: int, with_events: bool = True) -> list[bytes | int]:
+        """``read_window.lua``'s arguments at ``now_us``: the window, whether to read the events of
+        its tiles without a summary (not if the reader holds them), and the tiles holding a cut."""
         assert self.tiled is not None
         spec = self.tiled.spec
-        return [now_us - self.evaluator.longest_us, now_us, spec.tile_us, spec.tag, *self.cuts(now_us)]
+        low = now_us - self.evaluator.longest_us
+        return [low, now_us, spec.tile_us, spec.tag, int(with_events), *self.cuts(now_us)]
 
     def cuts(self, now_us: int) -> list[int]:
         """The first µs of each window and the lookup time: the tiles holding them are read event by event."""
@@ -402,9 +404,35 @@ class OnlineQuery:
             and packed.holds_at_least(raw[n + pos], limit)
         ]
 
-    def tiles_read(self, pos: int) -> tuple[bytes, list[bytes | int]]:
+    def tiles_read(self, pos: int, with_events: bool = True) -> tuple[bytes, list[bytes | int]]:
         """Range ``pos`` as ``read_window.lua`` reads it: its events key and the script's arguments."""
-        return self.ranges[pos][0], self.template.windows[self.range_plans[pos]].tiles_arguments(self.now_us)
+        window = self.template.windows[self.range_plans[pos]]
+        return self.ranges[pos][0], window.tiles_arguments(self.now_us, with_events)
+
+    def heavy_reads(self, found: list[int], raw: list) -> list[tuple[bytes, list[bytes | int]]]:
+        """The second round trip, for the ranges ``found`` heavy: the tile summaries of each, and
+        the events of its other tiles where the plain read stopped at its limit (one that did not
+        holds every event of the window already: its blocks are what made it heavy)."""
+        n = len(self.lookups)
+        return [self.tiles_read(pos, with_events=not self._held_whole(pos, raw[n + pos])) for pos in found]
+
+    def _held_whole(self, pos: int, plain: list[bytes]) -> bool:
+        """Whether range ``pos``'s plain read returned every member of the range (fewer than its limit)."""
+        limit = self.ranges[pos][3]
+        return limit is None or len(plain) < limit
+
+    def place_heavy(self, found: list[int], raw: list, replies: list) -> None:
+        """``heavy_reads``' replies into ``raw`` as ``[summaries, runs of events]``; where the plain
+        read held the window, its events of the tiles without a summary are the run."""
+        n = len(self.lookups)
+        for pos, (summaries, runs) in zip(found, replies):
+            plain = raw[n + pos]
+            if self._held_whole(pos, plain):
+                window = self.template.windows[self.range_plans[pos]]
+                first = (self.now_us - window.evaluator.longest_us + 1) // window.tile_us
+                unsummarized = set(range(first, self.now_us // window.tile_us + 1)) - {int(t) for t in summaries[::2]}
+                runs = [[m for m in plain if unsummarized.intersection(packed.tiles_of(m, window.tile_us))]]
+            raw[n + pos] = [summaries, runs]
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:

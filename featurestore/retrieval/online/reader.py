@@ -2,7 +2,8 @@
 
 A lookup is one round trip: its ``OnlineQuery.lookups``, its ranges read plainly, and the
 windows of entities known heavy read from their tile summaries (``read_window.lua``); a second
-for the entities its plain reads found heavy (``heavy_from`` events or more: their summaries).
+for the entities its plain reads found heavy (``heavy_from`` events or more: their summaries, and
+their events only if the plain read stopped at its limit before holding them all).
 Then the assembly, then storing the tile summaries the lookup computed, so the next lookups of
 those entities read summaries, not events.
 """
@@ -81,8 +82,7 @@ class OnlineReader:
         raw = query.placed(self.store.read(query.lookups, plain, windows) if query.lookups or plain or windows else [])
         found = self._found_heavy(query, raw)
         if found:
-            for pos, reply in zip(found, self.store.read((), (), [query.tiles_read(pos) for pos in found])):
-                raw[len(query.lookups) + pos] = reply
+            query.place_heavy(found, raw, self.store.read((), (), query.heavy_reads(found, raw)))
         response = assemble(query, raw)
         if query.seals and self.max_sealing:
             try:
@@ -100,8 +100,7 @@ class OnlineReader:
             raw = query.placed([])
         found = self._found_heavy(query, raw)
         if found:
-            for pos, reply in zip(found, await self.store.read_async((), (), [query.tiles_read(pos) for pos in found])):
-                raw[len(query.lookups) + pos] = reply
+            query.place_heavy(found, raw, await self.store.read_async((), (), query.heavy_reads(found, raw)))
         if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
             response = await asyncio.to_thread(assemble, query, raw)
         else:
