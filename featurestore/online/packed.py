@@ -216,7 +216,7 @@ def unpack(
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
     are built: a lookup reads a few tiles of the blocks at its window's edges."""
-    times, heads, var = _decoded(blob, tuple(features))
+    times, heads, var = decoded_blocks.get(blob, tuple(features))
     if within is None and not skip_tiles:
         return _members(heads, var, None)
     keep = np.ones(len(times), bool)
@@ -280,7 +280,6 @@ class _DecodedBlocks:
 
 
 decoded_blocks = _DecodedBlocks()
-_decoded = decoded_blocks.get
 
 
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
