@@ -75,12 +75,14 @@ block_events = st.lists(
     block=st.integers(-3, 10**6),
     floats_kind=st.sampled_from(["any", "decimal", "steady"]),
     ids_from_column=st.booleans(),
+    grid=st.sampled_from([1, 1000, 10**6]),
 )
-def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind, ids_from_column):
-    """Every column type, nulls, NaN payloads, ±inf, -0.0, subnormals, equal times, any ids:
-    ``unpack(pack(members)) == members``, and the header counts each tile's events."""
+def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind, ids_from_column, grid):
+    """Every column type, nulls, NaN payloads, ±inf, -0.0, subnormals, equal times, any ids, times
+    in µs or whole ms or seconds: ``unpack(pack(members)) == members``, and the header counts each
+    tile's events."""
     start = block * packed.BLOCK_TILES * TILE
-    events = [(start + e[0], *e[1:]) for e in events]
+    events = [(start + e[0] // grid * grid, *e[1:]) for e in events]
     members, features = _members(events, floats_kind, ids_from_column)
     blob = packed.pack(members, features, TILE)
     assert packed.is_block(blob) and not any(packed.is_block(m) for m in members)
@@ -104,6 +106,50 @@ def test_bit_packed_values_read_back(width, n, data):
     blob = b"\x07" + packed._bits(array, width) + b"\x07"
     read, end = packed._read_bits(memoryview(blob), 1, n, width)
     assert read.tolist() == values and end == len(blob) - 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([1, 2, 3, 1000, 10**6, 2**40, 2**62]) | st.integers(1, 2**63),
+    st.lists(st.integers(0, 2**20) | st.sampled_from([0, 1, 2**63 - 1]), min_size=1, max_size=80),
+)
+def test_integers_sharing_a_factor_read_back_and_store_it_once(base, scale, steps):
+    """Integer sections (ids, times, integer columns): any int64 values read back, including values
+    that wrap around 2^64 in their frame; values on a grid (times in whole seconds) store the
+    grid's factor once, so they take no more room than their multiples of it would."""
+    values = np.array([(base + scale * k) % 2**64 for k in steps], np.uint64).view(np.int64)
+    blob = packed._ints(values) + b"\x07"
+    read, end = packed._read_ints(memoryview(blob), 0, len(values))
+    assert read.tolist() == values.tolist() and end == len(blob) - 1
+    if base + scale * max(steps) < 2**63:  # (no int64 wrap: the values are multiples of scale from base)
+        multiples = np.array(steps, np.int64)
+        assert len(blob) - 1 <= len(packed._ints(multiples)) + 8
+
+
+def test_blocks_packed_by_the_previous_version_read_back():
+    """A block stored by a featurestore before scaled integers (version 1) still reads back, byte
+    for byte: an upgrade needs no re-materialization."""
+    features = [("amount", from_name("Float64")), ("n", from_name("Int64")), ("s", from_name("String"))]
+    start = 1_700_000_000_000_000 // (packed.BLOCK_TILES * TILE) * packed.BLOCK_TILES * TILE
+    table = pa.table(
+        {
+            "event_timestamp": pa.array([start + i * 7_000_000 + (i % 3) * 1000 for i in range(10)]).cast(US),
+            "amount": pa.array([12.5, None, 3.25, 7.0, 1.0, 2.0, 99.99, 0.01, 5.5, 6.0]),
+            "n": pa.array([i * 3 for i in range(10)], pa.int64()),
+            "s": pa.array(["a", "b", None, "a", "b", "a", "c", "a", "b", "a"]),
+        }
+    )
+    members = encode_events(table, features, np.arange(100, 110, dtype=np.int64)).to_pylist()
+    version_1 = bytes.fromhex(
+        "0000000000000000ffffffffffffffff0100000000000039a4000a00000000000000000000000000000000000000000000000000"
+        "00000000000000000000000000000000000000000000000000000000000000000000000000ffff01800000000000006400000000"
+        "00000001000100060a0ac322000000000000006ac7f00cb88bbb0080bbb80b00b88bbb0000010001040000000000000064020000"
+        "000000000000000ee204005014f00a640032f0700600260296006901000000000000000000000000000000030064000000040000"
+        "00000000000000010b61626300000000000000000002243101"
+    )
+    assert packed.unpack(version_1, features) == members
+    assert packed.unpack(packed.pack(members, features, TILE), features) == members
 
 
 def test_members_of_two_blocks_are_refused():

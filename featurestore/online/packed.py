@@ -10,7 +10,8 @@ exactly the members it replaced: ``unpack`` gives them back byte for byte, so ev
 downstream of a read is unchanged. Inside, columns:
 
 - event ids, times, integers and timestamps: frame-of-reference bit packing of the values or of
-  their deltas, whichever is smaller (an id equal to an integer column is not stored twice);
+  their deltas, whichever is smaller, divided by their common factor (times in whole ms or
+  seconds take 10 or 20 bits less an event); an id equal to an integer column is not stored twice;
 - floats: as decimals (``v == k / 10**e`` exactly, for the smallest such ``e``) bit-packed, else
   XOR with the previous value's bits keeping the bytes between its leading and trailing zero
   bytes (Gorilla's idea, bytewise), else raw: NaN payloads, ±inf and -0.0 round-trip exactly;
@@ -42,7 +43,7 @@ MOST_PER_TILE = 65_535  # events of one tile a block counts (uint16): a tile wit
 PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
-_VERSION = 1
+_VERSION = 2  # (1: no scaled integers; still read)
 _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
@@ -285,7 +286,7 @@ decoded_blocks = _DecodedBlocks()
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     """A block's event µs, its members' head records and the values of its variable-width columns."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
-    if version != _VERSION:
+    if version not in (1, _VERSION):
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
     n = sum(counts)
     head = _head_dtype(features)
@@ -357,31 +358,44 @@ def _frame(values: np.ndarray) -> tuple[int, int, np.ndarray]:
 
 
 def _ints(values: np.ndarray) -> bytes:
-    """int64 values: kind 0 (frame of reference) or 1 (first value, then deltas' frame)."""
+    """int64 values as the smaller of their frame of reference (kind 0) and their first value then
+    their deltas' frame (kind 1); kind | 2 when the frame's offsets share a factor, stored once
+    (event times in whole milliseconds or seconds, ids stepping by more than one)."""
     values = np.ascontiguousarray(values, dtype=np.int64)
-    base, width, offsets = _frame(values)
-    plain = struct.pack(">Bqb", 0, base, width) + _bits(offsets, width)
+    plain = _framed(0, (), values)
     if len(values) < 2:
         return plain
-    deltas = np.diff(values.view(_U64)).view(np.int64)
-    dbase, dwidth, doffsets = _frame(deltas)
-    if dwidth >= width:
-        return plain
-    return struct.pack(">Bqqb", 1, int(values[0]), dbase, dwidth) + _bits(doffsets, dwidth)
+    deltas = _framed(1, (int(values[0]),), np.diff(values.view(_U64)).view(np.int64))
+    return deltas if len(deltas) < len(plain) else plain
+
+
+# an integer section's head by kind: kind, (deltas: the first value), base, (scaled: the factor), width
+_INT_HEADS = {kind: struct.Struct(f">B{kind & 1}qq{'Q' * (kind >> 1)}b") for kind in range(4)}
+
+
+def _framed(kind: int, lead: tuple[int, ...], values: np.ndarray) -> bytes:
+    base, width, offsets = _frame(values)
+    scale = int(np.gcd.reduce(offsets)) if width else 1
+    if scale == 1:
+        return _INT_HEADS[kind].pack(kind, *lead, base, width) + _bits(offsets, width)
+    offsets = offsets // _U64(scale)
+    width = int(offsets.max()).bit_length()
+    return _INT_HEADS[kind | 2].pack(kind | 2, *lead, base, scale, width) + _bits(offsets, width)
 
 
 def _read_ints(view: memoryview, at: int, n: int) -> tuple[np.ndarray, int]:
     kind = view[at]
-    if kind == 0:
-        _, base, width = struct.unpack_from(">Bqb", view, at)
-        offsets, at = _read_bits(view, at + 10, n, width)
-        return (offsets + np.array(base, np.int64).view(_U64)).view(np.int64), at
-    _, first, dbase, dwidth = struct.unpack_from(">Bqqb", view, at)
-    offsets, at = _read_bits(view, at + 18, n - 1, dwidth)
-    deltas = offsets + np.array(dbase, np.int64).view(_U64)
+    head = _INT_HEADS[kind]
+    fields, deltas = head.unpack_from(view, at), kind & 1
+    offsets, at = _read_bits(view, at + head.size, n - deltas, fields[-1])
+    if kind & 2:
+        offsets *= _U64(fields[-2])
+    framed = offsets + np.array(fields[1 + deltas], np.int64).view(_U64)
+    if not deltas:
+        return framed.view(np.int64), at
     values = np.empty(n, _U64)
-    values[0] = np.array(first, np.int64).view(_U64)
-    values[1:] = deltas
+    values[0] = np.array(fields[1], np.int64).view(_U64)
+    values[1:] = framed
     return np.cumsum(values, dtype=_U64).view(np.int64), at
 
 
