@@ -43,7 +43,7 @@ MOST_PER_TILE = 65_535  # events of one tile a block counts (uint16): a tile wit
 PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
-_VERSION = 2  # (1: no scaled integers; still read)
+_VERSION = 2
 _HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
@@ -98,16 +98,19 @@ def event_count(members: Sequence[bytes]) -> int:
 def index_entries(index: bytes) -> list[bytes]:
     """The entries of an id index (``events|seen``, written by ``scripts/_blocks.lua``), each an
     event's 8-byte id and 8-byte µs as its member starts, sorted. Stored: the length ``p`` of the
-    prefix all ids share, the prefix, the width ``w`` of a time, the earliest µs (8 bytes), then
-    per entry the id's last ``8 - p`` bytes and its µs less the earliest in ``w`` bytes."""
+    prefix all ids share, the prefix, the width ``w`` of a time, the exponent ``e`` of its unit
+    (10^e µs), the earliest µs (8 bytes), then per entry the id's last ``8 - p`` bytes and its µs
+    less the earliest, in units, in ``w`` bytes."""
     if not index:
         return []
     p = index[0]
-    prefix, w = index[1 : p + 1], index[p + 1]
-    base = int.from_bytes(index[p + 2 : p + 10], "big")
-    width, at = 8 - p + w, p + 10
+    prefix, w, unit = index[1 : p + 1], index[p + 1], 10 ** index[p + 2]
+    base = int.from_bytes(index[p + 3 : p + 11], "big")
+    width, at = 8 - p + w, p + 11
     return [
-        prefix + index[i : i + 8 - p] + (base + int.from_bytes(index[i + 8 - p : i + width], "big")).to_bytes(8, "big")
+        prefix
+        + index[i : i + 8 - p]
+        + (base + unit * int.from_bytes(index[i + 8 - p : i + width], "big")).to_bytes(8, "big")
         for i in range(at, len(index), width)
     ]
 
@@ -286,7 +289,7 @@ decoded_blocks = _DecodedBlocks()
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     """A block's event µs, its members' head records and the values of its variable-width columns."""
     _, version, _, *counts = _HEADER.unpack_from(blob)
-    if version not in (1, _VERSION):
+    if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
     n = sum(counts)
     head = _head_dtype(features)

@@ -7,9 +7,11 @@
 -- by id then µs: the duplicate rule finds an id's writes there by binary search once its event is
 -- packed (the ids hash then no longer holds it, unless the id has other writes). Entries are
 -- stored short and fixed in width (so the search stays a binary search): the header is the
--- length p of the prefix every id shares, that prefix, the width w of a time and the 8 bytes of
--- the earliest µs; each entry is then the id's last 8 - p bytes and its µs less the earliest, in w
--- bytes (5 at least: 12 days of room before a new entry makes the index be written anew).
+-- length p of the prefix every id shares, that prefix, the width w of a time, the exponent e of
+-- the unit of times (10^e µs: 6 when every time lies whole seconds from the earliest, 3 for whole
+-- ms, else 0) and the 8 bytes of the earliest µs; each entry is then the id's last 8 - p bytes and
+-- its µs less the earliest in units, in w bytes (12 days of room at least before a new entry makes
+-- the index be written anew, as one off the unit does).
 local BLOCK_TILES = 32
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
@@ -45,16 +47,19 @@ local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: 
   end
   return 0
 end
-local function layout(index)  -- {p, prefix, w, base µs, first entry's offset, entry width, entries}
+local function layout(index)  -- {p, prefix, w, e, unit µs, base µs, first entry's offset, entry width, entries}
   local p = string.byte(index, 1)
-  local w = string.byte(index, p + 2)
-  local at, width = p + 11, 8 - p + w
-  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, base = micros(index, p + 3), at = at,
-          width = width, n = (#index - at + 1) / width}
+  local w, e = string.byte(index, p + 2, p + 3)
+  local at, width = p + 12, 8 - p + w
+  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, e = e, unit = 10 ^ e, base = micros(index, p + 4),
+          at = at, width = width, n = (#index - at + 1) / width}
+end
+local function entry_us(index, l, at)  -- the µs of the entry at offset at
+  return l.base + l.unit * struct.unpack('>I' .. l.w, index, at + 8 - l.p)
 end
 local function entry(index, l, i)  -- entry i (from 0) as 16 bytes: id, then stamp
   local at = l.at + i * l.width
-  return l.prefix .. string.sub(index, at, at + 7 - l.p) .. stamp_of(l.base + struct.unpack('>I' .. l.w, index, at + 8 - l.p))
+  return l.prefix .. string.sub(index, at, at + 7 - l.p) .. stamp_of(entry_us(index, l, at))
 end
 local function entries_of(index)  -- every entry as 16 bytes, in order
   if index == '' then return {} end
@@ -64,9 +69,9 @@ local function entries_of(index)  -- every entry as 16 bytes, in order
 end
 local function short(l, e)  -- a 16-byte entry in layout l, or nil where it does not fit
   if string.sub(e, 1, l.p) ~= l.prefix then return nil end
-  local offset = micros(e, 9) - l.base
-  if offset < 0 or offset >= 256 ^ l.w then return nil end
-  return string.sub(e, l.p + 1, 8) .. string.sub(struct.pack('>I8', offset), 9 - l.w)
+  local offset = micros(e, 9) - l.base  -- (math.fmod is exact)
+  if offset < 0 or offset >= l.unit * 256 ^ l.w or math.fmod(offset, l.unit) ~= 0 then return nil end
+  return string.sub(e, l.p + 1, 8) .. string.sub(struct.pack('>I8', offset / l.unit), 9 - l.w)
 end
 local function index_of_entries(entries)  -- sorted, distinct 16-byte entries as an index
   if #entries == 0 then return '' end
@@ -79,10 +84,14 @@ local function index_of_entries(entries)  -- sorted, distinct 16-byte entries as
     if us < low then low = us end
     if us > high then high = us end
   end
-  local w = 5
-  while w < 8 and high - low >= 256 ^ w do w = w + 1 end
-  local l = {p = p, prefix = string.sub(first, 1, p), w = w, base = low}
-  local parts = {string.char(p) .. l.prefix .. string.char(w) .. stamp_of(low)}
+  local exponent = 6  -- (the unit: whole seconds, else ms, else µs)
+  for _, e in ipairs(entries) do
+    while exponent > 0 and math.fmod(micros(e, 9) - low, 10 ^ exponent) ~= 0 do exponent = exponent - 3 end
+  end
+  local unit, w = 10 ^ exponent, 1
+  while w < 8 and (unit * 256 ^ w < 2 ^ 40 or high - low >= unit * 256 ^ w) do w = w + 1 end
+  local l = {p = p, prefix = string.sub(first, 1, p), w = w, unit = unit, base = low}
+  local parts = {string.char(p) .. l.prefix .. string.char(w, exponent) .. stamp_of(low)}
   for _, e in ipairs(entries) do parts[#parts + 1] = short(l, e) end
   return table.concat(parts)
 end
@@ -153,9 +162,8 @@ local function with_entries(index, entries)  -- the index with entries (16 bytes
 end
 local function index_after(index, us)  -- the index without the entries at or before us
   local l, parts = layout(index), {}
-  local after = us - l.base
   for at = l.at, #index, l.width do
-    if struct.unpack('>I' .. l.w, index, at + 8 - l.p) > after then parts[#parts + 1] = string.sub(index, at, at + l.width - 1) end
+    if entry_us(index, l, at) > us then parts[#parts + 1] = string.sub(index, at, at + l.width - 1) end
   end
   if #parts == 0 then return '' end
   return string.sub(index, 1, l.at - 1) .. table.concat(parts)
