@@ -421,19 +421,21 @@ def online(args: argparse.Namespace) -> None:
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
 
 
-LAYOUTS = {  # how memory_by_layout writes a card: ids, Redis's compact value limit, packing
-    "packed": ("tx_id", 1024, True),
-    "random ids": ("random", 1024, True),
-    "Redis defaults": ("tx_id", 64, True),
-    "never packed": ("tx_id", 1024, False),
+LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis's compact value limit, packing
+    "packed": ("tx_id", 10**6, 1024, True),
+    "µs times": ("tx_id", 1, 1024, True),
+    "random ids": ("random", 10**6, 1024, True),
+    "Redis defaults": ("tx_id", 10**6, 64, True),
+    "never packed": ("tx_id", 10**6, 1024, False),
 }
 
 
 def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:
     """Bytes a card's events take for 10, 100, 1,000 and 50,000 events in the 7 d window (amounts
-    in cents, as the other cards), by ``LAYOUTS``: packed (the default: integer ids, the embedded
-    server's compact sorted sets up to 1 KB values), with random 64-bit ids (content hashes),
-    on a Redis with its default 64-byte limit, and never packed."""
+    in cents, as the other cards), by ``LAYOUTS``: packed (the default: integer ids, times whole
+    seconds apart, the embedded server's compact sorted sets up to 1 KB values), with times any µs
+    apart, with random 64-bit ids (content hashes), on a Redis with its default 64-byte limit, and
+    never packed."""
     from featurestore.online import packed, redis_store
 
     client, blocks, online = store.online_store.client, redis_store._blocks, store.online_store
@@ -443,7 +445,8 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
         ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
         amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
         out[n] = {}
-        for name, (ids, limit, packing) in LAYOUTS.items():
+        any_micros = pa.array(ts.cast(pa.int64()).to_numpy() + rng.integers(0, 10**6, n)).cast(TS)
+        for name, (ids, unit, limit, packing) in LAYOUTS.items():
             card += 1
             redis_store._blocks = blocks if packing else lambda *a: []
             for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
@@ -453,8 +456,9 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 tx_ids = np.arange(n, dtype=np.int64) + card * 10**6
                 if ids == "random":
                     tx_ids = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+                times = ts if unit == 10**6 else any_micros
                 table = pa.table(
-                    {"tx_id": tx_ids, "card_id": np.full(n, card), "amount": amounts, "event_timestamp": ts}
+                    {"tx_id": tx_ids, "card_id": np.full(n, card), "amount": amounts, "event_timestamp": times}
                 )
                 store.push("payments", table, to="online")
             finally:

@@ -55,6 +55,21 @@ def _members(events, floats_kind: str, ids_from_column: bool) -> tuple[list[byte
     return sorted(members, key=lambda m: (m[8:16], m[:8])), features
 
 
+BLOCK_EVENTS = """
+local out = {}
+for t = 0, BLOCK_TILES - 1 do out[#out + 1] = block_events(ARGV[1], t) end
+return out
+"""
+
+
+def _lua(redis_url: str, harness: str, *args):
+    """``harness`` run after ``_blocks.lua``'s functions, on ``args``."""
+    import redis
+
+    code = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text() + harness
+    return redis.Redis.from_url(redis_url).eval(code, 0, *args)
+
+
 block_events = st.lists(
     st.tuples(
         st.integers(0, packed.BLOCK_TILES * TILE - 1),  # µs inside block 0 (shifted below)
@@ -77,10 +92,10 @@ block_events = st.lists(
     ids_from_column=st.booleans(),
     grid=st.sampled_from([1, 1000, 10**6]),
 )
-def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind, ids_from_column, grid):
+def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, floats_kind, ids_from_column, grid):
     """Every column type, nulls, NaN payloads, ±inf, -0.0, subnormals, equal times, any ids, times
     in µs or whole ms or seconds: ``unpack(pack(members)) == members``, and the header counts each
-    tile's events."""
+    tile's events, as Python and the Lua scripts read it."""
     start = block * packed.BLOCK_TILES * TILE
     events = [(start + e[0] // grid * grid, *e[1:]) for e in events]
     members, features = _members(events, floats_kind, ids_from_column)
@@ -90,6 +105,7 @@ def test_a_block_gives_back_its_members_byte_for_byte(events, block, floats_kind
     number, counts = packed.header(blob)
     assert number == block
     assert counts == [sum(1 for e in events if (e[0] - start) // TILE == t) for t in range(packed.BLOCK_TILES)]
+    assert _lua(redis_url, BLOCK_EVENTS, blob) == counts
     assert packed.event_count([blob, members[0]]) == len(members) + 1
     assert packed.expand([members[-1], blob], features) == sorted(
         [*members, members[-1]], key=lambda m: (m[8:16], m[:8])
@@ -125,6 +141,18 @@ def test_integers_sharing_a_factor_read_back_and_store_it_once(base, scale, step
     if base + scale * max(steps) < 2**63:  # (no int64 wrap: the values are multiples of scale from base)
         multiples = np.array(steps, np.int64)
         assert len(blob) - 1 <= len(packed._ints(multiples)) + 8
+
+
+def test_counts_past_a_byte_read_back_in_python_and_lua(redis_url):
+    """A block's header counts each tile's events in one byte until a tile holds 256 or more."""
+    for many in (255, 256, 3000):
+        events = [(5 * TILE + i, i, i, 1.0, True) for i in range(many)] + [(31 * TILE, -1, 0, 2.0, False)]
+        members, features = _members(events, "any", False)
+        blob = packed.pack(members, features, TILE)
+        counts = [0] * packed.BLOCK_TILES
+        counts[5], counts[31] = many, 1
+        assert packed.header(blob) == (0, counts) and _lua(redis_url, BLOCK_EVENTS, blob) == counts
+        assert packed.unpack(blob, features) == members
 
 
 def test_members_of_two_blocks_are_refused():
@@ -228,11 +256,7 @@ def test_the_id_index_answers_as_the_sorted_entries_it_holds(redis_url, batches,
         [(i, t if last_off_grid and k == len(batches) - 1 else t - (t - GRID_ORIGIN) % grid) for i, t in batch]
         for k, batch in enumerate(batches)
     ]
-    import redis
-
-    code = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text() + INDEX_HARNESS
-    client = redis.Redis.from_url(redis_url)
-    run = lambda *args: client.eval(code, 0, *args)  # noqa: E731
+    run = lambda *args: _lua(redis_url, INDEX_HARNESS, *args)  # noqa: E731
     index, reference = b"", set()
     for batch in batches:
         entries = [_entry(i, t) for i, t in batch]

@@ -19,9 +19,9 @@ downstream of a read is unchanged. Inside, columns:
 - null bitmaps only when some value is null.
 
 Layout: ``BLOCK_MARK`` (16 bytes: an event's bytes 8–16 are its µs, never all ones), version,
-block number (int64), the events of each of its tiles (``BLOCK_TILES`` × uint16, read by
-``seal_tiles.lua``),
-then the sections. Redis never decodes the rest: a block's event ids and times are also in the
+block number (int64), which of its tiles hold events (uint32, bit i for tile i), the width of a
+count (1 or 2 bytes), the events of each tile holding some (read by ``seal_tiles.lua``), then
+the sections. Redis never decodes the rest: a block's event ids and times are also in the
 events' id index (``index_entries``), for the duplicate rule.
 """
 
@@ -44,7 +44,7 @@ PACK_FROM = 16  # events a block needs before it takes less memory than they do 
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
 _VERSION = 2
-_HEADER = struct.Struct(f">16sBq{BLOCK_TILES}H")
+_HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 64  # values up to which bit-unpacking runs in Python
@@ -86,8 +86,20 @@ def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
 
 def header(blob: bytes) -> tuple[int, list[int]]:
     """A block's number and the events of each of its tiles."""
-    _, _, block, *counts = _HEADER.unpack_from(blob)
+    _, block, counts, _ = _header(blob)
     return block, counts
+
+
+def _header(blob: bytes) -> tuple[int, int, list[int], int]:
+    """A block's version, number, events of each tile, and where its sections start."""
+    _, version, block, held, width = _HEAD.unpack_from(blob)
+    counts = iter(struct.unpack_from(f">{held.bit_count()}{'B' if width == 1 else 'H'}", blob, _HEAD.size))
+    return (
+        version,
+        block,
+        [next(counts) if held >> i & 1 else 0 for i in range(BLOCK_TILES)],
+        _HEAD.size + held.bit_count() * width,
+    )
 
 
 def event_count(members: Sequence[bytes]) -> int:
@@ -181,7 +193,11 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
     counts = np.bincount(tiles - block * BLOCK_TILES, minlength=BLOCK_TILES).tolist()
     if max(counts) > MOST_PER_TILE:
         raise ValueError(f"a tile of more than {MOST_PER_TILE:,} events stays plain")
-    out = [_HEADER.pack(BLOCK_MARK, _VERSION, block, *counts)]
+    held, width = sum(1 << i for i, count in enumerate(counts) if count), 1 if max(counts) < 256 else 2
+    out = [
+        _HEAD.pack(BLOCK_MARK, _VERSION, block, held, width),
+        struct.pack(f">{held.bit_count()}{'B' if width == 1 else 'H'}", *(c for c in counts if c)),
+    ]
     ids = heads["id"].astype(_U64)
     same = next(
         (
@@ -288,14 +304,13 @@ decoded_blocks = _DecodedBlocks()
 
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     """A block's event µs, its members' head records and the values of its variable-width columns."""
-    _, version, _, *counts = _HEADER.unpack_from(blob)
+    version, _, counts, at = _header(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
     n = sum(counts)
     head = _head_dtype(features)
     heads = np.zeros(n, dtype=head)
     view = memoryview(blob)
-    at = _HEADER.size
     (same,) = struct.unpack_from(">h", blob, at)
     at += 2
     if same < 0:

@@ -25,7 +25,11 @@ local function stamp_of(us)  -- micros's inverse
 end
 local function fmt(us) return string.format('%.0f', us) end
 local function block_events(member, tile_in_block)  -- a block's events in its tile 0..BLOCK_TILES-1
-  return (struct.unpack('>I2', member, 26 + 2 * tile_in_block))
+  local held, width = struct.unpack('>I4B', member, 26)  -- (bit i: tile i holds events; then their counts)
+  if math.floor(held / 2 ^ tile_in_block) % 2 == 0 then return 0 end
+  local before = 0  -- tiles holding events before this one
+  for i = 0, tile_in_block - 1 do before = before + math.floor(held / 2 ^ i) % 2 end
+  return (struct.unpack(width == 1 and '>I1' or '>I2', member, 31 + width * before))
 end
 local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: -1, 0 or 1
   local k = 0  -- (by 8 bytes, then 4, then 1: Lua compares strings by locale)
