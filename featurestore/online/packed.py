@@ -73,8 +73,8 @@ def tiles_of(member: bytes, tile_us: int) -> list[int]:
     """The tiles a member holds events of: a plain event's one, a block's that count some."""
     if not is_block(member):
         return [tile_of(member, tile_us)]
-    number, counts = header(member)
-    return [number * BLOCK_TILES + i for i, count in enumerate(counts) if count]
+    _, number, tiles, _, _ = _header(member)
+    return [number * BLOCK_TILES + i for i in tiles]
 
 
 def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
@@ -86,25 +86,30 @@ def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
 
 def header(blob: bytes) -> tuple[int, list[int]]:
     """A block's number and the events of each of its tiles."""
-    _, block, counts, _ = _header(blob)
-    return block, counts
+    _, number, tiles, held_counts, _ = _header(blob)
+    counts = [0] * BLOCK_TILES
+    for tile, count in zip(tiles, held_counts):
+        counts[tile] = count
+    return number, counts
 
 
-def _header(blob: bytes) -> tuple[int, int, list[int], int]:
-    """A block's version, number, events of each tile, and where its sections start."""
-    _, version, block, held, width = _HEAD.unpack_from(blob)
-    counts = iter(struct.unpack_from(f">{held.bit_count()}{'B' if width == 1 else 'H'}", blob, _HEAD.size))
-    return (
-        version,
-        block,
-        [next(counts) if held >> i & 1 else 0 for i in range(BLOCK_TILES)],
-        _HEAD.size + held.bit_count() * width,
-    )
+def _header(blob: bytes) -> tuple[int, int, list[int], tuple[int, ...], int]:
+    """A block's version, number, tiles holding events, their events, and where its sections start."""
+    _, version, number, held, width = _HEAD.unpack_from(blob)
+    tiles, layout = _held_tiles(held, width)
+    return version, number, tiles, layout.unpack_from(blob, _HEAD.size), _HEAD.size + layout.size
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_tiles(held: int, width: int) -> tuple[list[int], struct.Struct]:
+    """The tiles a header's map names, and the layout of their counts."""
+    tiles = [i for i in range(BLOCK_TILES) if held >> i & 1]
+    return tiles, struct.Struct(f">{len(tiles)}{'B' if width == 1 else 'H'}")
 
 
 def event_count(members: Sequence[bytes]) -> int:
     """Events in ``members``: one per plain member, a block's own count per block."""
-    return sum(sum(header(m)[1]) if is_block(m) else 1 for m in members)
+    return sum(sum(_header(m)[3]) if is_block(m) else 1 for m in members)
 
 
 def index_entries(index: bytes) -> list[bytes]:
@@ -196,7 +201,7 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
     held, width = sum(1 << i for i, count in enumerate(counts) if count), 1 if max(counts) < 256 else 2
     out = [
         _HEAD.pack(BLOCK_MARK, _VERSION, block, held, width),
-        struct.pack(f">{held.bit_count()}{'B' if width == 1 else 'H'}", *(c for c in counts if c)),
+        _held_tiles(held, width)[1].pack(*filter(None, counts)),
     ]
     ids = heads["id"].astype(_U64)
     same = next(
@@ -304,7 +309,7 @@ decoded_blocks = _DecodedBlocks()
 
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     """A block's event µs, its members' head records and the values of its variable-width columns."""
-    version, _, counts, at = _header(blob)
+    version, _, _, counts, at = _header(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
     n = sum(counts)
