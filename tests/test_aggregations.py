@@ -1468,6 +1468,68 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
     assert same(got["amount_sum_3h"][0], want, inexact=True)
 
 
+def test_a_card_with_a_long_block_packs_its_small_blocks_too(activity_store):
+    """A block longer than Redis's compact value limit moves a card's sorted set to the costly
+    encoding for good, where a plain member costs more than a block of two events: the write that
+    packs such a block packs the card's ended blocks of fewer events than ``pack_from`` too, and
+    ``featurestore compact`` packs the few events streamed since into another. Lookups unchanged."""
+    from featurestore.aggregation import tiles
+    from featurestore.online import packed
+
+    store = activity_store
+    online, client = store.online_store, store.online_store.client
+    tile = tiles.tile_us(store.get_feature_view("activity"))
+    span = tile * packed.BLOCK_TILES
+    first = (BASE - datetime.fromtimestamp(0, UTC)) // timedelta(microseconds=span) + 1
+    card = next(_cards) * 10 + 7_700_000
+    rng = random.Random(card)
+
+    def events(block: int, n: int, first_id: int) -> list[dict]:
+        return [
+            {
+                "payment_id": first_id + i,
+                "card_id": card,
+                "amount": round(rng.uniform(-50, 50), 2),
+                "kind": rng.choice(["web", "card", None]),
+                "event_timestamp": datetime.fromtimestamp(0, UTC)
+                + timedelta(microseconds=block * span + rng.randrange(span)),
+            }
+            for i in range(n)
+        ]
+
+    few = online.pack_from() - 1
+    long, small, streamed = (
+        events(first, max(400, online.compact_value_limit()), 0),
+        events(first + 1, few, 10**5),
+        events(first + 2, few, 10**6),
+    )
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    store.push("payments", _frame(long + small), to="online")
+    members = client.zrange(key, 0, -1)
+    assert max(len(m) for m in members) > online.compact_value_limit()
+    assert sorted(packed.header(m)[0] for m in members if packed.is_block(m)) == [first, first + 1]
+    assert all(packed.is_block(m) for m in members)
+    for e in streamed:
+        store.push("payments", _frame([e]), to="online")
+    assert sum(not packed.is_block(m) for m in client.zrange(key, 0, -1)) == few
+    assert store.pack_online(["activity"])["activity"].events >= few  # (and other tests' cards)
+    members = client.zrange(key, 0, -1)
+    assert all(packed.is_block(m) for m in members) and packed.event_count(members) == len(long) + 2 * few
+    everything = long + small + streamed
+    for e in rng.sample(everything, 12):
+        got = store.get_online_features(
+            [{"card_id": card}], features=[f"activity:{n}" for n in AGGS], at=e["event_timestamp"]
+        )
+        got = got.to_dict()
+        for name, agg in AGGS.items():
+            want = reference(everything, card, e["event_timestamp"], agg)
+            assert same(got[name][0], want, inexact=name in INEXACT), (name, got[name][0], want)
+
+
 def _plain_member(client, key: bytes) -> bytes:
     """The one plain event of an events key."""
     from featurestore.online import packed

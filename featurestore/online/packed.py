@@ -42,6 +42,7 @@ BLOCK_TILES = 32
 MOST_PER_TILE = 65_535  # events of one tile a block counts (uint16): a tile with more stays plain
 PACK_FROM = 16  # events a block needs before it takes less memory than they do (~200 bytes a member)
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
+SPARSE_PACK_FROM = 2  # events a block needs in a sorted set past its compact encoding (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
 _VERSION = 2
 _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
@@ -56,7 +57,9 @@ def pack_from(zset_value_limit: int) -> int:
     member longer than that leaves its compact encoding for one costing ~100 bytes more a member,
     so with the default (64) a block pays from ``PACK_FROM`` events; from ``COMPACT_SETS_FROM``
     (the embedded server's setting) small blocks stay compact and half as many pay. (Fewer would
-    save more still, but a light entity's lookup would then decode a block for its few events.)"""
+    save more still, but a light entity's lookup would then decode a block for its few events.)
+    A set holding a longer member (a block) has left the compact encoding for good: there a plain
+    member costs ~150 bytes, and a block pays from ``SPARSE_PACK_FROM`` events."""
     return PACK_FROM if zset_value_limit < COMPACT_SETS_FROM else max(1, PACK_FROM // 2)
 
 

@@ -123,7 +123,7 @@ class RedisOnlineStore:
         keys = suffixed(keys, events_key(b"", view))
         verdicts = accepted is not None
         adds = -(-rows.num_rows // CHUNK)
-        least = self.pack_from()
+        least, limit = self.pack_from(), self.compact_value_limit()
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
             for i in range(0, rows.num_rows, CHUNK):
@@ -148,7 +148,7 @@ class RedisOnlineStore:
                     if full:
                         summaries = _with_digests(sealer.summarize([m for _, m in full]), full, tile_us)
                         entries += itertools.chain.from_iterable(summaries)
-                entries += _blocks(events, features, tile_us, least)
+                entries += _blocks(events, features, tile_us, least, limit)
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
@@ -220,7 +220,7 @@ class RedisOnlineStore:
 
     def _pack_keys(self, keys: list[bytes], features: Sequence, tile_us: int, sealer: Sealer | None) -> Compacted:
         span = tile_us * packed.BLOCK_TILES
-        least = self.pack_from()
+        least, limit = self.pack_from(), self.compact_value_limit()
         before = (time.time_ns() // 1000 // tile_us) * tile_us - 1  # (the tiles that may have ended)
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
@@ -235,7 +235,7 @@ class RedisOnlineStore:
                 sealed = {int(t) for t, summary in next(replies).items() if summary.startswith(sealer.tag)}
                 entry = _unsealed(members, sealed, sealer, features, tile_us)
             summaries += len(entry) // 5
-            found = list(_ended_blocks(members, features, tile_us, span, least))
+            found = list(_ended_blocks(members, features, tile_us, span, least, limit))
             events += sum(n for _, _, n in found)
             blocks += len(found)
             entry += [x for block, _, _ in found for x in block]  # (after the summaries: they check plain members)
@@ -504,34 +504,57 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
 
 
 def _ended_blocks(
-    members: list[bytes], features: Sequence, tile_us: int, span: int, least: int
+    members: list[bytes], features: Sequence, tile_us: int, span: int, least: int, limit: int
 ) -> Iterator[tuple[list, int, int]]:
     """``seal_tiles.lua``'s entries packing the ended tiles among ``members`` (a range of one
     entity's events, in sorted-set order) that hold plain events, a block at a time (with the
-    block packed before, if any) of ``least`` events or more: ``(entry, block, events)``."""
+    block packed before, if any), as ``_pack_groups`` decides: ``(entry, block, events)``."""
 
     def block(member: bytes) -> int:
         if packed.is_block(member):
             return packed.header(member)[0]
         return packed.tile_of(member, span)
 
+    groups = []
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
         if not all(packed.is_block(m) for m in raw):
-            entry = _pack_entry(number, raw, packed.expand(raw, features), features, tile_us, least)
-            if entry:
-                yield entry, number, packed.event_count(raw)
+            groups.append((number, raw, packed.expand(raw, features)))
+    sparse = any(len(m) > limit for m in members)
+    for entry, (number, raw, _) in zip(_pack_groups(groups, features, tile_us, least, limit, sparse), groups):
+        if entry:
+            yield entry, number, packed.event_count(raw)
 
 
-def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, least: int) -> list:
+def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, least: int, limit: int) -> list:
     """``seal_tiles.lua``'s entries packing the ended tiles whose events (``(µs, member)`` in
-    (time, id) order) a write holds, a block at a time (of ``least`` events or more)."""
+    (time, id) order) a write holds, a block at a time, as ``_pack_groups`` decides."""
     span = tile_us * packed.BLOCK_TILES
-    out: list = []
+    groups = []
     for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
         members = [m for _, m in group]
-        out += _pack_entry(block, members, members, features, tile_us, least)
-    return out
+        groups.append((block, members, members))
+    return [x for entry in _pack_groups(groups, features, tile_us, least, limit) for x in entry]
+
+
+def _pack_groups(
+    groups: list[tuple[int, list[bytes], list[bytes]]],
+    features: Sequence,
+    tile_us: int,
+    least: int,
+    limit: int,
+    sparse: bool = False,
+) -> list[list]:
+    """The entry packing each group ``(block, members Redis holds, their events)`` of ``least``
+    events or more, or none; of ``packed.SPARSE_PACK_FROM`` where the sorted set holds
+    (``sparse``) or gets a member longer than ``limit``, Redis's compact value limit."""
+    entries = [_pack_entry(block, raw, events, features, tile_us, least) for block, raw, events in groups]
+    if sparse or any(entry and len(entry[-1]) > limit for entry in entries):
+        entries = [
+            entry or _pack_entry(block, raw, events, features, tile_us, packed.SPARSE_PACK_FROM)
+            for entry, (block, raw, events) in zip(entries, groups)
+        ]
+    return entries
 
 
 def _pack_entry(
