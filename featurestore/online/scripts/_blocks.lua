@@ -51,11 +51,11 @@ local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: 
   end
   return 0
 end
-local function layout(index)  -- {p, prefix, w, e, unit µs, base µs, first entry's offset, entry width, entries}
+local function layout(index)  -- {p, prefix, w, unit µs, base µs, first entry's offset, entry width, entries}
   local p = string.byte(index, 1)
   local w, e = string.byte(index, p + 2, p + 3)
   local at, width = p + 12, 8 - p + w
-  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, e = e, unit = 10 ^ e, base = micros(index, p + 4),
+  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, unit = 10 ^ e, base = micros(index, p + 4),
           at = at, width = width, n = (#index - at + 1) / width}
 end
 local function entry_us(index, l, at)  -- the µs of the entry at offset at
