@@ -24,7 +24,7 @@ from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
 from featurestore.online import packed
-from featurestore.online.codec import events_key, glob_escaped, key_prefix, key_value
+from featurestore.online.codec import event_columns, events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
 from featurestore.retrieval.online import OnlineQuery, OnlineReader
@@ -256,7 +256,7 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
     for key, view in held:
         if total >= MOST_PROBE_EVENTS:
             break
-        stored = [(f.name, f.dtype) for f in view.schema]
+        stored = event_columns(view)
         members = packed.expand(client.zrange(key, 0, -1), stored)[: MOST_PROBE_EVENTS - total]
         writes.append((probe + key[len(prefix) :], view, members))
         total += len(members)

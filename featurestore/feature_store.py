@@ -407,11 +407,12 @@ class FeatureStore:
     def _packing(self, view: FeatureView) -> tuple[str, list, int, Sealer | None]:
         """What packing a view's online events takes: its online field, stored columns, tile µs and summarizer."""
         from featurestore.materialization.online_write import sealer
+        from featurestore.online.codec import event_columns
 
         layout = self.definitions.layout(view)
         return (
             layout.online_field,
-            [(f.name, f.dtype) for f in view.schema],
+            event_columns(view),
             tiles.tile_us(view),
             sealer(view, layout.storage_id),
         )

@@ -52,6 +52,7 @@ activity = FeatureView(
         Aggregation("stddev", 3 * H, "amount"),
         Aggregation("variance", H, "amount"),
         Aggregation("last", 3 * H, "kind"),
+        Aggregation("last", 3 * H, "payment_id"),
         Aggregation("first", 3 * H, "amount"),
         Aggregation("last_n", 3 * H, "amount", n=2),
         Aggregation("count_distinct", 3 * H, "kind"),
@@ -117,6 +118,11 @@ AGGS = {
     "amount_stddev_3h": {"function": "stddev", "window": 3 * H, "column": "amount"},
     "amount_variance_1h": {"function": "variance", "window": H, "column": "amount"},
     "kind_last_3h": {"function": "last", "window": 3 * H, "column": "kind"},
+    "payment_id_last_3h": {
+        "function": "last",
+        "window": 3 * H,
+        "column": "payment_id",
+    },  # (the event id: online, its id bytes)
     "amount_first_3h": {"function": "first", "window": 3 * H, "column": "amount"},
     "amount_last_2_3h": {"function": "last_n", "window": 3 * H, "column": "amount"},
     "kind_count_distinct_3h": {"function": "count_distinct", "window": 3 * H, "column": "kind"},
@@ -343,7 +349,11 @@ def test_merged_tile_states_equal_the_events_evaluation(activity_store, values, 
     size, start = spec.tile_us, 10**15 // spec.tile_us * spec.tile_us
     events = sorted((start + slot * size // 2 + i, amount, kind) for i, (slot, amount, kind) in enumerate(values))
     columns_of = {f.name: i for i, f in enumerate(view.schema)}
-    columns = {columns_of["amount"]: [e[1] for e in events], columns_of["kind"]: [e[2] for e in events]}
+    columns = {
+        columns_of["amount"]: [e[1] for e in events],
+        columns_of["kind"]: [e[2] for e in events],
+        columns_of["payment_id"]: list(range(len(events))),
+    }
     times = [e[0] for e in events]
     now = start + now_slot * size // 2 + 3
     cut = {(now - w + 1) // size for w in plain.windows_us} | {now // size}
@@ -830,10 +840,11 @@ def test_bad_aggregations_are_reported(make_store, change, message):
 def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, high, with_text):
     """Online aggregations decode an entity's events at once (their heads as one numpy record
     array): the same events, order ((time, id), equal times included), values, nulls, NaN,
-    float32, bool, strings, bytes and arrays as the one-by-one decoder after ``events_between``."""
+    float32, bool, strings, bytes and arrays as the one-by-one decoder after ``events_between``;
+    an event-id column (stored as the id only) reads back as the ids on both."""
     import numpy as np
 
-    from featurestore.online.codec import encode_events, events_between, make_decoder, make_events_decoder
+    from featurestore.online.codec import EVENT_ID, encode_events, events_between, make_decoder, make_events_decoder
     from featurestore.types import from_name
 
     names = [
@@ -845,6 +856,8 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
         *(["String", "Bytes", "Array(Float64)"] if with_text else []),
     ]
     features = [(f"c{k}", from_name(n)) for k, n in enumerate(names)]
+    features.insert(2, ("cid", EVENT_ID))
+    names.insert(2, "EventId")
     us = pa.timestamp("us", tz="UTC")
     table = pa.table(
         {
@@ -852,6 +865,7 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
             "created_timestamp": pa.array([0] * len(events), pa.int64()).cast(us),
             "_run_id": pa.array([1] * len(events), pa.int64()),
             "_row_id": pa.array(range(len(events)), pa.int64()),
+            "cid": pa.array([e[1] for e in events], pa.int64()),
             "c0": pa.array([e[2] for e in events], pa.int32()),
             "c1": pa.array([e[3] for e in events], pa.float32()),
             "c2": pa.array([e[4] for e in events], pa.float64()),
@@ -873,8 +887,9 @@ def test_events_decoded_at_once_equal_events_decoded_one_by_one(events, low, hig
     members = encode_events(table, features, np.array([e[1] for e in events], dtype=np.int64)).to_pylist()
     wanted = list(range(len(features)))
     times, columns = make_events_decoder(features, wanted, at_once_from=0)(members, low, high)
-    one = make_decoder(features, wanted, order_bytes=8)
-    expected = [one(m[8:]) for m in events_between(members, low, high)]
+    one = make_decoder(features, wanted, event=True)
+    expected = [one(m) for m in events_between(members, low, high)]
+    assert [row[2] for _, row in expected] == [i for t, i, *_ in events if low < t <= high]
 
     def same(a, b) -> bool:  # NaN equals NaN, in arrays too
         if isinstance(a, list) and isinstance(b, list):
@@ -1528,6 +1543,29 @@ def test_a_card_with_a_long_block_packs_its_small_blocks_too(activity_store):
         for name, agg in AGGS.items():
             want = reference(everything, card, e["event_timestamp"], agg)
             assert same(got[name][0], want, inexact=name in INEXACT), (name, got[name][0], want)
+
+
+def test_an_integer_event_id_column_is_stored_once_online(activity_store):
+    """An event's id is its column's value (``payment_id``): an online event holds it once, as its
+    id (8 bytes less an event), and lookups read the column back from it."""
+    store = activity_store
+    card = next(_cards) * 10 + 7_800_000
+    at = BASE + timedelta(minutes=5)
+    store.push(
+        "payments",
+        _frame([{"payment_id": -(2**62) - 5, "card_id": card, "amount": 1.5, "kind": "web", "event_timestamp": at}]),
+        to="online",
+    )
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    member = _plain_member(store.online_store.client, key)
+    # id, µs, the null bitmap, amount, the length of kind, kind: no payment_id
+    assert len(member) == 8 + 8 + 1 + 8 + 4 + len(b"web")
+    got = store.get_online_features([{"card_id": card}], features=["activity:payment_id_last_3h"], at=at)
+    assert got.to_dict()["payment_id_last_3h"] == [-(2**62) - 5]
 
 
 def _plain_member(client, key: bytes) -> bytes:

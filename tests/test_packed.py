@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from featurestore.online import packed
-from featurestore.online.codec import encode_events
+from featurestore.online.codec import EVENT_ID, encode_events
 from featurestore.types import from_name
 
 TILE = 3_600_000_000
@@ -24,7 +24,11 @@ NAN_PAYLOAD = struct.unpack(">d", bytes.fromhex("7ff8000000000bad"))[0]
 
 
 def _members(events, floats_kind: str, ids_from_column: bool) -> tuple[list[bytes], list]:
+    """Members of ``events`` with every column type; ``ids_from_column``: the Int64 column is the
+    event id (``EVENT_ID``: no bytes of its own)."""
     features = [(f"c{k}", from_name(n)) for k, n in enumerate(NAMES)]
+    if ids_from_column:
+        features[1] = ("c1", EVENT_ID)
     n = len(events)
     cents = [None if e[3] is None else round(e[3] % 1000, 2) for e in events]
     floats = {

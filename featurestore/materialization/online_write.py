@@ -13,7 +13,7 @@ from featurestore.aggregation import dedup_us, tiles
 from featurestore.definitions import FeatureView
 from featurestore.materialization.compute import events_to_add, latest_per_entity, max_micros
 from featurestore.online.base import OnlineWrites, Sealer
-from featurestore.online.codec import datetime_to_micros, make_events_decoder
+from featurestore.online.codec import datetime_to_micros, event_columns, make_events_decoder
 from featurestore.registry import Definitions
 from featurestore.registry.layout import ViewLayout
 
@@ -50,7 +50,6 @@ def write_online(
     newest data is that old (views sharing the keys must all allow it: the caller's decision)."""
     if rows.num_rows == 0:
         return 0
-    stored = [(f.name, f.dtype) for f in view.schema]
     newest = (view.name, max_micros(rows["event_timestamp"]))  # per-view freshness
     if view.is_aggregated:
         horizon = view.longest_window + event_retention
@@ -60,7 +59,7 @@ def write_online(
             layout.online_field,
             writes.rows,
             view.join_keys,
-            stored,
+            event_columns(view),
             writes.ids,
             cutoff_us,
             horizon,
@@ -71,6 +70,7 @@ def write_online(
             sealer=sealer(view, layout.storage_id),
         )
     latest = latest_per_entity(rows, view.join_keys)
+    stored = [(f.name, f.dtype) for f in view.schema]
     online.write_latest(layout.online_field, latest, view.join_keys, stored, expire_after, newest)
     return latest.num_rows
 
@@ -93,7 +93,7 @@ def _summarizer(
     if spec is None:
         return None
     tiled = tiles.TiledEvaluator(view, spec)
-    decode = make_events_decoder([(f.name, f.dtype) for f in view.schema], tiled.needed)
+    decode = make_events_decoder(event_columns(view), tiled.needed)
 
     def summarize(members: list[bytes]) -> list[tuple[int, int, bytes]]:
         times, columns = decode(members, -(1 << 62), 1 << 62)

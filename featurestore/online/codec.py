@@ -30,7 +30,8 @@ Events of an aggregated view live beside the hash, under the same hash tag::
 
 An event is its 8-byte id (sign-flipped big-endian), its event µs (likewise), then the value
 layout above past the order key (null bitmap, fixed-width values, lengths, data) over the view's
-stored columns. Members of one score sort by their
+stored columns (``event_columns``: an integer event-id column is the id, so it takes no bytes of
+its own). Members of one score sort by their
 bytes, so a range of the sorted set comes in (time, id) order, the order offline uses: a
 lookup reads only its window, already sorted, and a tile's events are one range.
 """
@@ -41,13 +42,16 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from featurestore.types import DType
+
+if TYPE_CHECKING:
+    from featurestore.definitions import FeatureView
 
 ORDER_KEY_BYTES = 32
 _SIGN = np.uint64(1 << 63)
@@ -177,8 +181,26 @@ def entity_keys(project: str, table: pa.Table, join_keys: Sequence[str]) -> pa.A
 # ------------------------------------------------------------------ values
 
 
+# An event's column equal to its id (an integer event-id column): read from the id, never stored twice
+EVENT_ID = DType("EventId", pa.int64())
+
+
+def event_columns(view: FeatureView) -> list[tuple[str, DType]]:
+    """The columns an online event of ``view`` holds, by schema index: its schema, an integer
+    event-id column as ``EVENT_ID`` (the event's id is its value: 8 bytes an event less)."""
+    return [
+        (f.name, EVENT_ID if f.name == view.event_id and f.dtype.name in ("Int32", "Int64") else f.dtype)
+        for f in view.schema
+    ]
+
+
 def _is_fixed(dtype: DType) -> bool:
     return dtype.name in _FIXED
+
+
+def variable_width(dtype: DType) -> bool:
+    """Whether a column's values follow the fixed-width head (an ``EVENT_ID`` column has no bytes)."""
+    return dtype.name not in _FIXED and dtype != EVENT_ID
 
 
 def events_key(entity: bytes, view: str) -> bytes:
@@ -256,7 +278,7 @@ def _encode(table: pa.Table, features: Sequence[tuple[str, DType]], event_ids: n
     variable = [
         _encode_arrays(table[name], dtype) if dtype.is_array else _as_binary(table[name])
         for name, dtype in features
-        if not _is_fixed(dtype)
+        if variable_width(dtype)
     ]
     for data in variable:  # their lengths, then (joined below) their bytes
         offsets = np.frombuffer(data.buffers()[1], dtype=np.int32, count=n + 1, offset=data.offset * 4)
@@ -343,27 +365,33 @@ def _array_decoder(dtype: DType) -> Callable[[bytes], list[Any]]:
 
 
 def make_decoder(
-    features: Sequence[tuple[str, DType]], wanted: Sequence[int], order_bytes: int = ORDER_KEY_BYTES
+    features: Sequence[tuple[str, DType]], wanted: Sequence[int], event: bool = False
 ) -> Callable[[bytes], tuple[int, list[Any]]]:
     """A decoder for one view's values: ``decode(value) -> (event µs, values of the wanted features)``;
-    ``order_bytes``: 8 for an event after its id (its time only).
+    ``event``: the values are events (id, µs, then the values; ``EVENT_ID`` columns read the id).
 
     One ``struct.unpack_from`` reads the order key, bitmap, every fixed-width value and the
     variable-width lengths; only strings, bytes and arrays need further slicing.
     """
     nbytes = (len(features) + 7) // 8
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
-    var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
+    var = [i for i, (_, t) in enumerate(features) if variable_width(t)]
+    lead = 2 if event else 1  # (id and) µs, then the bitmap
     layout = struct.Struct(
-        f">q{order_bytes - 8}x" + f"{nbytes}s" + "".join(_FIXED[features[i][1].name][2] for i in fixed) + "I" * len(var)
+        (">qq" if event else f">q{ORDER_KEY_BYTES - 8}x")
+        + f"{nbytes}s"
+        + "".join(_FIXED[features[i][1].name][2] for i in fixed)
+        + "I" * len(var)
     )
-    head, first_len = layout.size, 2 + len(fixed)
+    head, first_len = layout.size, lead + 1 + len(fixed)
     plan = []  # per wanted feature: bitmap byte, bit mask, how to read it, where it is
     for i in wanted:
         dtype = features[i][1]
-        if _is_fixed(dtype):
+        if dtype == EVENT_ID:
+            plan.append((i >> 3, 1 << (i & 7), "id", 0))
+        elif _is_fixed(dtype):
             kind = "time" if dtype.name == "UnixTimestamp" else "fixed"
-            plan.append((i >> 3, 1 << (i & 7), kind, 2 + fixed.index(i)))
+            plan.append((i >> 3, 1 << (i & 7), kind, lead + 1 + fixed.index(i)))
         else:
             kind = "str" if dtype.name == "String" else "array" if dtype.is_array else "bytes"
             plan.append((i >> 3, 1 << (i & 7), kind, var.index(i)))
@@ -373,7 +401,7 @@ def make_decoder(
 
     def decode(value: bytes) -> tuple[int, list[Any]]:
         parts = layout.unpack_from(value)
-        bitmap = parts[1]
+        bitmap = parts[lead]
         if needs_var:
             offsets = [head]
             for length in parts[first_len:]:
@@ -386,10 +414,12 @@ def make_decoder(
                 out.append(parts[where])
             elif kind == "time":
                 out.append(micros_to_datetime(parts[where]))
+            elif kind == "id":
+                out.append(parts[0] ^ -(1 << 63))
             else:
                 raw = value[offsets[where] : offsets[where + 1]]
                 out.append(raw.decode() if kind == "str" else array_of[where](raw) if kind == "array" else raw)
-        return parts[0] ^ -(1 << 63), out  # undo the order key's sign flip
+        return parts[lead - 1] ^ -(1 << 63), out  # undo the order key's sign flip
 
     return decode
 
@@ -410,14 +440,14 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
     would outweigh it."""
     nbytes = (len(features) + 7) // 8
     fixed = [i for i, (_, t) in enumerate(features) if _is_fixed(t)]
-    var = [i for i, (_, t) in enumerate(features) if not _is_fixed(t)]
+    var = [i for i, (_, t) in enumerate(features) if variable_width(t)]
     head = np.dtype(
         [("id", ">u8"), ("time", ">u8"), ("nulls", "u1", (nbytes,))]
         + [(f"f{i}", _FIXED[features[i][1].name][0]) for i in fixed]
         + [(f"len{i}", ">u4") for i in var]
     )
     size = head.itemsize
-    one_by_one = make_decoder(features, wanted, order_bytes=8)
+    one_by_one = make_decoder(features, wanted, event=True)
     var_decoders = {
         i: (lambda raw: raw.decode())
         if features[i][1].name == "String"
@@ -430,7 +460,7 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
 
     def decode(members: list[bytes], low_us: int, high_us: int) -> tuple[list[int], dict[int, list[Any]]]:
         if not members or len(members) < at_once_from:
-            decoded = [one_by_one(m[8:]) for m in events_between(members, low_us, high_us)]
+            decoded = [one_by_one(m) for m in events_between(members, low_us, high_us)]
             return [t for t, _ in decoded], {i: [row[k] for _, row in decoded] for k, i in enumerate(wanted)}
         joined = b"".join(members)
         if len(joined) != len(members) * size:  # some strings, bytes or arrays: their heads only
@@ -453,6 +483,8 @@ def make_events_decoder(features: Sequence[tuple[str, DType]], wanted: Sequence[
                     None if k in skip else convert(members[m][a:b])
                     for k, (m, a, b) in enumerate(zip(kept.tolist(), start.tolist(), stop.tolist()))
                 ]
+            elif features[i][1] == EVENT_ID:
+                values = (table["id"][kept] ^ _SIGN).view(np.int64).tolist()
             else:
                 name, stored = features[i][1].name, table[f"f{i}"][kept]
                 values = (stored.astype(bool) if name == "Bool" else stored).tolist()

@@ -11,7 +11,7 @@ downstream of a read is unchanged. Inside, columns:
 
 - event ids, times, integers and timestamps: frame-of-reference bit packing of the values or of
   their deltas, whichever is smaller, divided by their common factor (times in whole ms or
-  seconds take 10 or 20 bits less an event); an id equal to an integer column is not stored twice;
+  seconds take 10 or 20 bits less an event);
 - floats: as decimals (``v == k / 10**e`` exactly, for the smallest such ``e``) bit-packed, else
   XOR with the previous value's bits keeping the bytes between its leading and trailing zero
   bytes (Gorilla's idea, bytewise), else raw: NaN payloads, ±inf and -0.0 round-trip exactly;
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from featurestore.online.codec import variable_width
 from featurestore.types import DType
 
 BLOCK_TILES = 32
@@ -44,7 +45,7 @@ PACK_FROM = 16  # events a block needs before it takes less memory than they do 
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 SPARSE_PACK_FROM = 2  # events a block needs in a sorted set past its compact encoding (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
-_VERSION = 2
+_VERSION = 3
 _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
@@ -184,7 +185,7 @@ def _order(member: bytes) -> tuple[bytes, bytes]:
 def _head_dtype(features: tuple[tuple[str, DType], ...]) -> np.dtype:
     nbytes = (len(features) + 7) // 8
     fixed = [(f"f{i}", _FIXED[t.name]) for i, (_, t) in enumerate(features) if t.name in _FIXED]
-    lengths = [(f"len{i}", ">u4") for i, (_, t) in enumerate(features) if t.name not in _FIXED]
+    lengths = [(f"len{i}", ">u4") for i, (_, t) in enumerate(features) if variable_width(t)]
     return np.dtype([("id", ">u8"), ("time", ">u8"), ("nulls", "u1", (nbytes,)), *fixed, *lengths])
 
 
@@ -206,28 +207,17 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
         _HEAD.pack(BLOCK_MARK, _VERSION, block, held, width),
         _held_tiles(held, width)[1].pack(*filter(None, counts)),
     ]
-    ids = heads["id"].astype(_U64)
-    same = next(
-        (
-            k
-            for k, (_, t) in enumerate(features)
-            if t.name == "Int64" and np.array_equal(heads[f"f{k}"].astype(np.int64).view(_U64) ^ _U64(1 << 63), ids)
-        ),
-        None,
-    )
-    out.append(struct.pack(">h", -1 if same is None else same))
-    if same is None:
-        out.append(_ints(ids.view(np.int64)))
+    out.append(_ints(heads["id"].astype(_U64).view(np.int64)))
     out.append(_ints(times))
     nulls = np.ascontiguousarray(heads["nulls"])
     out.append(b"\x01" + nulls.tobytes() if nulls.any() else b"\x00")
     for k, (_, dtype) in enumerate(features):
         if dtype.name in _FIXED:
             out.append(_fixed(heads[f"f{k}"], dtype.name))
-        else:
+        elif variable_width(dtype):
             lengths = heads[f"len{k}"].astype(np.int64)
             starts = size + sum(
-                (heads[f"len{j}"].astype(np.int64) for j in range(k) if features[j][1].name not in _FIXED),
+                (heads[f"len{j}"].astype(np.int64) for j in range(k) if variable_width(features[j][1])),
                 np.zeros(len(members), np.int64),
             )
             out.append(_variable([m[a : a + n] for m, a, n in zip(members, starts.tolist(), lengths.tolist())]))
@@ -319,10 +309,8 @@ def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     head = _head_dtype(features)
     heads = np.zeros(n, dtype=head)
     view = memoryview(blob)
-    (same,) = struct.unpack_from(">h", blob, at)
-    at += 2
-    if same < 0:
-        ids, at = _read_ints(view, at, n)
+    ids, at = _read_ints(view, at, n)
+    heads["id"] = ids.view(_U64)
     times, at = _read_ints(view, at, n)
     heads["time"] = times.view(_U64) ^ _U64(1 << 63)
     if blob[at]:
@@ -335,14 +323,10 @@ def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
     for k, (_, dtype) in enumerate(features):
         if dtype.name in _FIXED:
             heads[f"f{k}"], at = _read_fixed(view, at, n, dtype.name)
-        else:
+        elif variable_width(dtype):
             values, at = _read_variable(view, at, n)
             heads[f"len{k}"] = [len(v) for v in values]
             var.append(values)
-    if same >= 0:
-        heads["id"] = heads[f"f{same}"].astype(np.int64).view(_U64) ^ _U64(1 << 63)
-    else:
-        heads["id"] = ids.view(_U64)
     return times, heads, var
 
 

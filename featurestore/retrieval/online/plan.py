@@ -28,6 +28,7 @@ from featurestore.online.codec import (
     events_key,
     key_prefix,
     key_text,
+    event_columns,
     make_decoder,
     make_events_decoder,
 )
@@ -183,7 +184,7 @@ class QueryTemplate:
             keyset = tuple(sorted(req.view.join_keys))
             if req.view.is_aggregated:
                 by_name = {a.output_name: a for a in req.view.aggregations}
-                stored = [(f.name, f.dtype) for f in req.view.schema]
+                stored = event_columns(req.view)
                 entity_of = _key_builder(project, keyset, {k: t.name for k, t in defs.key_types[req.view.name].items()})
                 events_of = partial(_events_key_of, entity_of, req.layout.online_field)
                 evaluator = WindowEvaluator(req.view, [by_name[f] for f in req.features])
