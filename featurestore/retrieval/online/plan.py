@@ -25,10 +25,10 @@ from featurestore.online import packed
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
+    event_columns,
     events_key,
     key_prefix,
     key_text,
-    event_columns,
     make_decoder,
     make_events_decoder,
 )
