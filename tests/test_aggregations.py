@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -763,6 +764,8 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     client = store.online_store.client
     client.hset(key + b"|tiles", b"1", b"an old summary")
     assert _events_held(client, key) == 2 and _ids_held(client, key) == {1, 2}
+    # a light entity's events record its ids: they live a dedup window (30 h) past the newest's horizon
+    assert client.pttl(key) > (-5 + 30 + 30) * 3600 * 1000 - 60_000 and not client.exists(key + b"|ids")
     import duckdb
 
     con = duckdb.connect()
@@ -792,11 +795,13 @@ def _events_held(client, key: bytes) -> int:
 
 
 def _ids_held(client, key: bytes) -> set[int]:
-    """The event ids an events key keeps writes of: in its ids hash, or its index of packed events."""
+    """The event ids an events key keeps writes of: in its ids hash, its index of packed events, or
+    its plain events (a light entity's record of an id's one write)."""
     from featurestore.online import packed
 
     raw = {k for k in client.hkeys(key + b"|ids") if k}
     raw |= {entry[:8] for entry in packed.index_entries(client.get(key + b"|seen") or b"")}
+    raw |= {m[:8] for m in client.zrange(key, 0, -1) if not packed.is_block(m)}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}
 
 
@@ -1566,6 +1571,85 @@ def test_an_integer_event_id_column_is_stored_once_online(activity_store):
     assert len(member) == 8 + 8 + 1 + 8 + 4 + len(b"web")
     got = store.get_online_features([{"card_id": card}], features=["activity:payment_id_last_3h"], at=at)
     assert got.to_dict()["payment_id_last_3h"] == [-(2**62) - 5]
+
+
+def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(activity_store):
+    """A light entity (no packed events, at most ``LIGHT_MOST`` members) keeps no ids hash: its
+    events record their ids' one write each, so a retry or a copy at another time is still a
+    duplicate. Once it grows past ``LIGHT_MOST`` members, or a write packs some of its events, the
+    hash records every plain event: copies of its ids stay duplicates (a hash lacking them would
+    take them as new events). Lookups equal the reference throughout."""
+    from featurestore.aggregation import tiles
+    from featurestore.online import packed
+
+    store = activity_store
+    client = store.online_store.client
+    lua = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text()
+    most = int(re.search(r"local LIGHT_MOST = (\d+)", lua)[1])
+    span = tiles.tile_us(store.get_feature_view("activity")) * packed.BLOCK_TILES
+    first = (BASE - datetime.fromtimestamp(0, UTC)) // timedelta(microseconds=span) + 1
+    rng = random.Random(11)
+    written: list[dict] = []
+
+    def event(card: int, payment_id: int, block: int) -> dict:
+        at = datetime.fromtimestamp(0, UTC) + timedelta(microseconds=(first + block) * span + rng.randrange(span // 2))
+        return {
+            "payment_id": payment_id,
+            "card_id": card,
+            "amount": float(payment_id),
+            "kind": "web",
+            "event_timestamp": at,
+        }
+
+    def push(events: list[dict]) -> None:
+        store.push("payments", _frame(events), to="online")
+        written.extend(events)
+
+    def copies(events: list[dict]) -> list[dict]:  # the same ids an hour later, other amounts: duplicates
+        return [{**e, "amount": -1.0, "event_timestamp": e["event_timestamp"] + timedelta(hours=1)} for e in events]
+
+    def key_of(card: int) -> bytes:
+        online_field = store.layout("activity").online_field.encode()
+        return b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, online_field)
+
+    def hashed(key: bytes) -> set[int]:
+        return {int.from_bytes(k, "big") ^ (1 << 63) for k in client.hkeys(key + b"|ids") if k}
+
+    def check(card: int) -> None:
+        for e in rng.sample([e for e in written if e["card_id"] == card], 6):
+            got = store.get_online_features(
+                [{"card_id": card}], features=[f"activity:{n}" for n in AGGS], at=e["event_timestamp"]
+            ).to_dict()
+            for name, agg in AGGS.items():
+                want = reference(written, card, e["event_timestamp"], agg)
+                assert same(got[name][0], want, inexact=name in INEXACT), (name, got[name][0], want)
+
+    # one event a block (too few to pack): light up to `most` members
+    card = next(_cards) * 10 + 7_900_000
+    key = key_of(card)
+    light = [event(card, card * 100 + i, 2 * i) for i in range(most)]
+    push(light)
+    push(light)  # a retry: the same events
+    assert client.zcard(key) == most and not client.exists(key + b"|ids")
+    push(copies(light[:3]))  # an id with two writes is in the hash
+    assert client.zcard(key) == most and hashed(key) == {e["payment_id"] for e in light[:3]}
+    push([event(card, card * 100 + most, 2 * most)])  # light no more: the hash holds every plain event
+    assert client.zcard(key) == most + 1 and hashed(key) == {card * 100 + i for i in range(most + 1)}
+    push(copies(light[3:]))
+    assert client.zcard(key) == most + 1
+    check(card)
+
+    # a write that packs some of a light entity's events: its other events go into the hash
+    card = next(_cards) * 10 + 7_900_000
+    key = key_of(card)
+    block = [event(card, card * 100 + i, 0) for i in range(store.online_store.pack_from())]
+    plain = [event(card, card * 100 + 50 + i, 2 + 2 * i) for i in range(3)]
+    push(block + plain)
+    assert packed.event_count(client.zrange(key, 0, -1)) == len(block) + 3 and client.exists(key + b"|seen")
+    assert hashed(key) == {e["payment_id"] for e in plain}
+    push(copies(plain))
+    assert packed.event_count(client.zrange(key, 0, -1)) == len(block) + 3
+    check(card)
 
 
 def _plain_member(client, key: bytes) -> bytes:

@@ -12,7 +12,13 @@
 -- ms, else 0) and the 8 bytes of the earliest µs; each entry is then the id's last 8 - p bytes and
 -- its µs less the earliest in units, in w bytes (12 days of room at least before a new entry makes
 -- the index be written anew, as one off the unit does).
+--
+-- A light entity's events (none packed, at most LIGHT_MOST members) are the record of their ids'
+-- writes where an id has just the one: its ids hash holds only the ids with other writes (a key
+-- and ~20 bytes an event less). Every other entity's ids hash holds the ids of all its plain
+-- events (``heavier`` records them as an entity stops being light).
 local BLOCK_TILES = 32
+local LIGHT_MOST = 32
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
 local function micros(stamp, at)
@@ -181,4 +187,29 @@ local function index_where(index, keep)  -- the index with only the entries e (1
 end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end
+end
+local function has_stamp(times, stamp)  -- whether stamp is one of times' (8 bytes each)
+  for at = 1, #times, 8 do
+    if string.sub(times, at, at + 7) == stamp then return true end
+  end
+  return false
+end
+local function record_writes(ids, members)  -- the writes of the plain members into the ids hash
+  for _, m in ipairs(members) do
+    if not is_block(m) then
+      local id, stamp = string.sub(m, 1, 8), string.sub(m, 9, 16)
+      local held = redis.call('HGET', ids, id)
+      if not held then redis.call('HSET', ids, id, stamp)
+      elseif not has_stamp(held, stamp) then redis.call('HSET', ids, id, held .. stamp) end
+    end
+  end
+end
+local function heavier(events, expire_at_ms)  -- as an entity stops being light: every plain event's write into
+  local ids = events .. '|ids'                   -- the ids hash, which then lives until expire_at_ms (nil: ever) at least
+  record_writes(ids, redis.call('ZRANGE', events, 0, -1))
+  if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
+  local pttl, t = redis.call('PTTL', ids), redis.call('TIME')
+  if expire_at_ms and (pttl < 0 or tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + pttl < expire_at_ms) then
+    redis.call('PEXPIREAT', ids, string.format('%.0f', expire_at_ms))
+  end
 end

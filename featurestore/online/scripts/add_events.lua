@@ -11,7 +11,9 @@
 -- dedup window beyond the events, so the rule is decided here as writes arrive (retries and
 -- replays never count twice; an id reused further apart is a new event). Once an event is
 -- packed into a block its id and time are in the id index instead (events|seen, kept as long),
--- unless the id has other writes: an id the hash lacks is looked up there. A kept event goes into
+-- unless the id has other writes: an id the hash lacks is looked up there. A light entity
+-- (_blocks.lua) records an id's one write by its event alone: an id the hash lacks is looked up
+-- among its few events, which live as long as the ids would. A kept event goes into
 -- the events sorted set (score: its µs; members of one µs sort by id, so a range comes in (time,
 -- id) order); one in an ended tile drops that tile's sealed summary. With verdicts, the history
 -- decides instead: a kept write replaces any other event of its id less than the dedup window
@@ -28,14 +30,30 @@ local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local index_of = {}  -- events key -> its id index, read once a call
-local function packed_writes(events, id)  -- µs of id's packed events (8 bytes each)
+local index_of, size_of = {}, {}  -- events key -> its id index, its members: read once a call
+local function packed_index(events)
   local index = index_of[events]
   if index == nil then
     index = redis.call('GET', events .. '|seen') or ''
     index_of[events] = index
   end
+  return index
+end
+local function packed_writes(events, id)  -- µs of id's packed events (8 bytes each)
+  local index = packed_index(events)
   return index == '' and '' or id_writes(index, id)
+end
+local function is_light(events)  -- no packed events, few members (_blocks.lua)
+  if packed_index(events) ~= '' then return false end
+  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
+  return size_of[events] <= LIGHT_MOST
+end
+local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
+  local found = ''
+  for _, m in ipairs(redis.call('ZRANGE', events, 0, -1)) do
+    if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
+  end
+  return found
 end
 if verdicts then
   for k = 1, n do
@@ -57,14 +75,21 @@ end
 for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[6 + k]), ARGV[6 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
+  local expire_ms = math.floor(us / 1000) + horizon_ms
+  local ids_expire_ms = expire_ms + math.floor(within / 1000)
   local kept, times
+  local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = packed_writes(events, id)
-  if packed == '' then
-    kept = redis.call('HSETNX', ids, id, stamp) == 1
-    times = not kept and redis.call('HGET', ids, id) or stamp
-  else  -- written before: the hash has every write of the id if it has it, else its packed events do
+  if packed ~= '' then  -- written before: the hash has every write of the id if it has it, else its packed events do
     kept = false
     times = redis.call('HGET', ids, id) or packed
+  elseif light then  -- the hash has every write of the id if it has it, else its plain events do
+    times = redis.call('HGET', ids, id) or plain_writes(events, id)
+    kept = times == ''
+    if kept then times, unrecorded = stamp, true end
+  else
+    kept = redis.call('HSETNX', ids, id, stamp) == 1
+    times = not kept and redis.call('HGET', ids, id) or stamp
   end
   if not kept then
     local seen = false
@@ -74,14 +99,21 @@ for k = 1, n do
       if math.abs(other - us) < within then kept = false end
       if other == us then seen = true end
     end
-    if not seen then times = times .. stamp; redis.call('HSET', ids, id, times) end
+    if not seen or (light and verdicts) then  -- (a light entity's: a resend may remove the events recording them)
+      if not seen then times = times .. stamp end
+      redis.call('HSET', ids, id, times)
+      wrote_ids = light
+    end
   end
   if verdicts then kept = ARGV[6 + 2 * n + k] == '1' end
+  local placed = false
   if us >= cutoff then
     if kept and redis.call('ZADD', events, us, event) == 1 then
-      added = added + 1
+      added, placed = added + 1, true
+      size_of[events] = size_of[events] and size_of[events] + 1
       touched(events, us)
     elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
+      size_of[events] = nil
       touched(events, us)
     end
     if verdicts and kept then  -- the history's write is the id's event: drop others near it
@@ -92,6 +124,7 @@ for k = 1, n do
           for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, at_us, at_us)) do
             if member ~= event and string.sub(member, 1, 8) == id then
               redis.call('ZREM', events, member)
+              size_of[events] = nil
               touched(events, other)
             end
           end
@@ -99,18 +132,27 @@ for k = 1, n do
       end
     end
   end
-  local expire_ms = math.floor(us / 1000) + horizon_ms
-  local ids_expire_ms = expire_ms + math.floor(within / 1000)
-  if us < cutoff then
-    extend(ids, ids_expire_ms)
-  elseif extend(events, expire_ms) then  -- (the ids' and summaries' expiry move with the events')
+  if unrecorded and not placed then  -- a light entity's write that is no event: the hash records it
+    redis.call('HSET', ids, id, stamp)
+    wrote_ids = true
+  end
+  local light_now = is_light(events)
+  if light and not light_now then heavier(events, ids_expire_ms + slack_ms) end
+  if us < cutoff or wrote_ids then extend(ids, ids_expire_ms) end
+  if us >= cutoff and extend(events, light_now and ids_expire_ms or expire_ms) then
+    -- (a light entity's events live as long as its ids: they record them; the summaries' and the
+    -- ids' expiry move with the events')
+    local span = BLOCK_TILES * tile  -- (events, and blocks ended before the cutoff; then the events of the others)
+    if light_now then  -- the writes of the events trimmed below stay recorded a dedup window
+      record_writes(ids, redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - within), '(' .. ARGV[1]))
+    end
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
-    local span = BLOCK_TILES * tile  -- (events, and blocks ended before the cutoff; then the events of the others)
     redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(cutoff - span))
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - span), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
     end
+    size_of[events] = nil
     local seen = events .. '|seen'
     local index = redis.call('GET', seen)
     if index then  -- packed ids whose write left the dedup window go

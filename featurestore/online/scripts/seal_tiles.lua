@@ -12,12 +12,14 @@
 --   'P', block number, k, the SHA-1 of every member scored in the block's first k tiles (in
 --   sorted-set order: a block packed before, events), the block (featurestore/online/packed.py)
 --   holding exactly their events: it replaces them. The ids of the events that were plain go to
---   the index; an id whose only write is its event leaves the ids hash.
+--   the index; an id whose only write is its event leaves the ids hash. A light entity packed
+--   is light no more: the ids hash then records its plain events (``heavier``).
 local events, tile = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('EXISTS', events) == 0 then return 0 end
 local ids, seen = events .. '|ids', events .. '|seen'
+local was_light = redis.call('EXISTS', seen) == 0 and redis.call('ZCARD', events) <= LIGHT_MOST
 local done, i, removed, ids_removed = 0, 2, 0, 0
 while i <= #ARGV do
   if ARGV[i] == 'S' then
@@ -76,6 +78,7 @@ while i <= #ARGV do
           end
           redis.call('SET', seen, with_entries(redis.call('GET', seen) or '', entries))
           local ttl = redis.call('PTTL', ids)
+          if ttl <= 0 then ttl = redis.call('PTTL', events) end  -- (a light entity's events live as long as its ids)
           if ttl > 0 then redis.call('PEXPIRE', seen, ttl) end
         end
         done = done + 1
@@ -83,6 +86,10 @@ while i <= #ARGV do
     end
     i = i + 5
   end
+end
+if was_light and redis.call('EXISTS', seen) == 1 then
+  local ttl = redis.call('PTTL', events)
+  heavier(events, ttl > 0 and math.floor(now_us / 1000) + ttl or nil)
 end
 -- Redis keeps a set's or hash's table at its largest size until it shrinks it itself (not while
 -- it rewrites its append-only file): a set or hash that packing emptied is rewritten at its size.
