@@ -48,12 +48,21 @@ local function is_light(events)  -- no packed events, few members (_blocks.lua)
   if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
   return size_of[events] <= LIGHT_MOST
 end
+local members_of = {}  -- a light entity's events key -> its members, read once a call (a batch writes an entity's events together)
 local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
+  local members = members_of[events]
+  if members == nil then
+    members = redis.call('ZRANGE', events, 0, -1)
+    members_of[events] = members
+  end
   local found = ''
-  for _, m in ipairs(redis.call('ZRANGE', events, 0, -1)) do
+  for _, m in ipairs(members) do
     if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
   end
   return found
+end
+local function changed(events)  -- events were removed: what was read of them is stale
+  size_of[events], members_of[events] = nil, nil
 end
 if verdicts then
   for k = 1, n do
@@ -111,9 +120,11 @@ for k = 1, n do
     if kept and redis.call('ZADD', events, us, event) == 1 then
       added, placed = added + 1, true
       size_of[events] = size_of[events] and size_of[events] + 1
+      local members = members_of[events]
+      if members then members[#members + 1] = event end
       touched(events, us)
     elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
-      size_of[events] = nil
+      changed(events)
       touched(events, us)
     end
     if verdicts and kept then  -- the history's write is the id's event: drop others near it
@@ -124,7 +135,7 @@ for k = 1, n do
           for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, at_us, at_us)) do
             if member ~= event and string.sub(member, 1, 8) == id then
               redis.call('ZREM', events, member)
-              size_of[events] = nil
+              changed(events)
               touched(events, other)
             end
           end
@@ -152,7 +163,7 @@ for k = 1, n do
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - span), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
     end
-    size_of[events] = nil
+    changed(events)
     local seen = events .. '|seen'
     local index = redis.call('GET', seen)
     if index then  -- packed ids whose write left the dedup window go
