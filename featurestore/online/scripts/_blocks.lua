@@ -16,9 +16,11 @@
 -- A light entity's events (none packed, at most LIGHT_MOST members) are the record of their ids'
 -- writes where an id has just the one: its ids hash holds only the ids with other writes (a key
 -- and ~20 bytes an event less). Every other entity's ids hash holds the ids of all its plain
--- events (``heavier`` records them as an entity stops being light).
+-- events (``heavier`` records them as an entity stops being light). A write to a light entity
+-- reads all its members to find its id's writes: the bound keeps that read short, where the key
+-- a hash costs is most of a small entity's memory (``benchmarks/aggregations.py``).
 local BLOCK_TILES = 32
-local LIGHT_MOST = 32
+local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
 local function micros(stamp, at)
@@ -195,14 +197,28 @@ local function has_stamp(times, stamp)  -- whether stamp is one of times' (8 byt
   return false
 end
 local function record_writes(ids, members)  -- the writes of the plain members into the ids hash
+  local writes, order = {}, {}  -- id -> its members' stamps; ids in first-seen order
   for _, m in ipairs(members) do
     if not is_block(m) then
-      local id, stamp = string.sub(m, 1, 8), string.sub(m, 9, 16)
-      local held = redis.call('HGET', ids, id)
-      if not held then redis.call('HSET', ids, id, stamp)
-      elseif not has_stamp(held, stamp) then redis.call('HSET', ids, id, held .. stamp) end
+      local id = string.sub(m, 1, 8)
+      if writes[id] == nil then writes[id], order[#order + 1] = '', id end
+      writes[id] = writes[id] .. string.sub(m, 9, 16)
     end
   end
+  each_chunk(order, 1000, function(i, j)  -- (one read and one write of the hash a chunk)
+    local held, changes = redis.call('HMGET', ids, unpack(order, i, j)), {}
+    for k = i, j do
+      local id = order[k]
+      local times = held[k - i + 1] or ''
+      local recorded = times
+      for at = 1, #writes[id], 8 do
+        local stamp = string.sub(writes[id], at, at + 7)
+        if not has_stamp(times, stamp) then times = times .. stamp end
+      end
+      if times ~= recorded then changes[#changes + 1], changes[#changes + 2] = id, times end
+    end
+    if #changes > 0 then redis.call('HSET', ids, unpack(changes)) end
+  end)
 end
 local function heavier(events, expire_at_ms)  -- as an entity stops being light: every plain event's write into
   local ids = events .. '|ids'                   -- the ids hash, which then lives until expire_at_ms (nil: ever) at least
