@@ -355,11 +355,13 @@ def online(args: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 heavy[n][label] = percentiles(times)["p50"]
             tiles.HEAVY_PER_TILE = heavy_per_tile
-        memory = memory_by_layout(store, n_cards + 100, rng, now)
         stalls = loop_stalls(store, agg_refs, n_cards + 10, rng, now)
         from featurestore import capacity
 
+        # (before memory_by_layout's cards: a never-packed one of 50,000 events in the sample or
+        # not would double the figure)
         measured = capacity.measure(store.online_store, store.definitions, store.config.project)
+        memory = memory_by_layout(store, n_cards + 100, rng, now)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
