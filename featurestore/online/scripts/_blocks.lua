@@ -220,12 +220,8 @@ local function record_writes(ids, members)  -- the writes of the plain members i
     if #changes > 0 then redis.call('HSET', ids, unpack(changes)) end
   end)
 end
-local function heavier(events, expire_at_ms)  -- as an entity stops being light: every plain event's write into
-  local ids = events .. '|ids'                   -- the ids hash, which then lives until expire_at_ms (nil: ever) at least
+local function heavier(events)  -- as an entity stops being light: every plain event's write into the ids hash
+  local ids = events .. '|ids'       -- (its callers see that it lives as long as the events' writes need)
   record_writes(ids, redis.call('ZRANGE', events, 0, -1))
   if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
-  local pttl, t = redis.call('PTTL', ids), redis.call('TIME')
-  if expire_at_ms and (pttl < 0 or tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + pttl < expire_at_ms) then
-    redis.call('PEXPIREAT', ids, string.format('%.0f', expire_at_ms))
-  end
 end

@@ -148,8 +148,9 @@ for k = 1, n do
     wrote_ids = true
   end
   local light_now = is_light(events)
-  if light and not light_now then heavier(events, ids_expire_ms + slack_ms) end
-  if us < cutoff or wrote_ids then extend(ids, ids_expire_ms) end
+  local grew = light and not light_now
+  if grew then heavier(events) end
+  if us < cutoff or wrote_ids or grew then extend(ids, ids_expire_ms) end
   if us >= cutoff and extend(events, light_now and ids_expire_ms or expire_ms) then
     -- (a light entity's events live as long as its ids: they record them; the summaries' and the
     -- ids' expiry move with the events')

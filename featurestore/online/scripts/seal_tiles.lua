@@ -87,9 +87,10 @@ while i <= #ARGV do
     i = i + 5
   end
 end
-if was_light and redis.call('EXISTS', seen) == 1 then
+if was_light and redis.call('EXISTS', seen) == 1 then  -- (its ids then live as long as its events, as they did)
+  heavier(events)
   local ttl = redis.call('PTTL', events)
-  heavier(events, ttl > 0 and math.floor(now_us / 1000) + ttl or nil)
+  if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
 end
 -- Redis keeps a set's or hash's table at its largest size until it shrinks it itself (not while
 -- it rewrites its append-only file): a set or hash that packing emptied is rewritten at its size.
