@@ -173,8 +173,11 @@ def test_a_view_whose_recent_days_moved_is_flagged_and_thresholds_are_per_view(m
 
     store = make_store(FEATURES)
     rng = np.random.default_rng(11)
-    # an hour-long burst each day, ending an hour ago: never in the future, whatever the time of day
-    today = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=2)
+    # the monitor compares whole UTC event days, so each day's burst lies within its UTC day, and
+    # today's before now: at most an hour from midnight, less if the test runs just after it
+    now = datetime.now(UTC)
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    burst = int(min(3600, max(1, (now - today).total_seconds())))
 
     def day(offset: int, n: int, scale: float, first_id: int) -> pa.Table:
         return _frame(
@@ -184,7 +187,7 @@ def test_a_view_whose_recent_days_moved_is_flagged_and_thresholds_are_per_view(m
                     "card_id": int(rng.integers(1, 50)),
                     "amount": float(rng.lognormal(3, 0.5)) * scale,
                     "kind": str(rng.choice(["web", "pos"])),
-                    "event_timestamp": today - timedelta(days=offset) + timedelta(seconds=int(rng.integers(0, 3600))),
+                    "event_timestamp": today - timedelta(days=offset) + timedelta(seconds=int(rng.integers(0, burst))),
                 }
                 for i in range(n)
             ]
