@@ -117,9 +117,13 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 64), st.sampled_from([1, 2, packed.SMALL, packed.SMALL + 1, 1000]), st.data())
+@given(
+    st.integers(0, 64),
+    st.sampled_from([1, 2, packed.SMALL, packed.SMALL + 1, packed.BIT_ROWS_MOST, packed.BIT_ROWS_MOST + 1, 1000]),
+    st.data(),
+)
 def test_bit_packed_values_read_back(width, n, data):
-    """Every width, in Python (few values) and numpy (more), with values touching every bit."""
+    """Every width, in Python (few values), as rows of bits (more) and as words (many), with values touching every bit."""
     top = (1 << width) - 1
     values = data.draw(st.lists(st.sampled_from([0, top, top >> 1]) | st.integers(0, top), min_size=n, max_size=n))
     array = np.array(values, np.uint64)

@@ -49,7 +49,8 @@ _VERSION = 3
 _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
-SMALL = 64  # values up to which bit-unpacking runs in Python
+SMALL = 32  # values up to which bit-unpacking runs in Python
+BIT_ROWS_MOST = 512  # values up to which it spreads bits into rows (fewer numpy calls), past it shifts words
 DECODED_BLOCK_BYTES = 256 << 20  # what a process's decoded blocks may hold (blocks, head records, values)
 
 
@@ -249,11 +250,12 @@ def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None)
     """The members of a decoded block (at ``rows``, or all): each its head record, then its variable-width values."""
     if rows is not None and len(rows) < len(heads):
         heads = heads[rows]
+        picked = rows.tolist()
+        var = [[values[i] for i in picked] for values in var]
     fixed = struct.unpack(f"{heads.itemsize}s" * len(heads), heads.tobytes())  # (one C loop: slices cost 10x)
     if not var:
         return list(fixed)
-    at = range(len(heads)) if rows is None else rows.tolist()
-    return [f + b"".join(v[i] for v in var) for f, i in zip(fixed, at)]
+    return list(map(b"".join, zip(fixed, *var)))
 
 
 _Decoded = tuple[np.ndarray, np.ndarray, list[list[bytes]]]
@@ -279,7 +281,7 @@ class _DecodedBlocks:
         decoded = _decode(blob, features)
         times, heads, var = decoded
         # each value a bytes object (~33 bytes of its own) in a list (8 bytes a slot)
-        size = len(blob) + times.nbytes + heads.nbytes + sum(len(v) + 41 for values in var for v in values)
+        size = len(blob) + times.nbytes + heads.nbytes + sum(sum(map(len, values)) + 41 * len(values) for values in var)
         if size > DECODED_BLOCK_BYTES:
             return decoded
         with self._lock:
@@ -348,6 +350,11 @@ def _read_bits(view: memoryview, at: int, n: int, width: int) -> tuple[np.ndarra
     if n <= SMALL:  # one Python integer, shifted: numpy's per-call costs would outweigh it
         whole, mask = int.from_bytes(view[at : at + nbytes], "little"), (1 << width) - 1
         return np.array([(whole >> (i * width)) & mask for i in range(n)], _U64), at + nbytes
+    if n <= BIT_ROWS_MOST:  # each value's bits into a row of 64, packed back into a little-endian word
+        bits = np.unpackbits(np.frombuffer(view, np.uint8, nbytes, at), count=n * width, bitorder="little")
+        rows = np.zeros((n, 64), np.uint8)
+        rows[:, :width] = bits.reshape(n, width)
+        return np.packbits(rows, axis=1, bitorder="little").view("<u8").ravel(), at + nbytes
     padded = np.zeros((nbytes // 8 + 2) * 8, np.uint8)  # as little-endian words, one spare
     padded[:nbytes] = np.frombuffer(view[at : at + nbytes], np.uint8)
     words = padded.view("<u8")
