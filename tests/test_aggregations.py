@@ -627,6 +627,45 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
     assert b"e" not in hints
 
 
+def test_decoded_summaries_are_kept_within_their_byte_bound(activity_store, monkeypatch):
+    """A process keeps the tile summaries it decoded (a sealed tile's summary never changes, and
+    decoding a heavy card's was a quarter of its lookup), at most ``DECODED_SUMMARY_BYTES`` of
+    them: lookups share them, so each answer equals the events' however many are kept."""
+    from featurestore.aggregation import tiles
+
+    store = activity_store
+    card = next(_cards) * 10 + 8_000_000
+    events = [
+        {
+            "payment_id": card * 100 + i,
+            "card_id": card,
+            "amount": i / 3,
+            "kind": "web",
+            "event_timestamp": BASE + i * STEP / 3,
+        }
+        for i in range(60)
+    ]
+    store.push("payments", _frame(events), to="online")
+    refs = [f"activity:{n}" for n in TILED]
+    times = [BASE + k * STEP for k in range(4, 22, 3)]
+
+    def lookups(heavy_per_tile: int) -> list[dict]:
+        monkeypatch.setattr(tiles, "HEAVY_PER_TILE", heavy_per_tile)
+        store.online_reader.heavy.clear()
+        return [store.get_online_features([{"card_id": card}], features=refs, at=t).to_dict() for t in times]
+
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    expected = lookups(10**9)  # every event
+    for bound in (1 << 20, 2_000, 10):
+        monkeypatch.setattr(tiles.decoded_summaries, "most_bytes", bound)
+        tiles.decoded_summaries.clear()
+        for _ in range(2):  # decoded, then (within the bound) shared
+            assert lookups(0) == expected
+            assert tiles.decoded_summaries.nbytes <= bound
+        kept = len(tiles.decoded_summaries)
+        assert kept >= 10 if bound == 1 << 20 else kept < 10  # (dozens of summaries, ~1 KB each decoded)
+
+
 def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeypatch):
     """A cold heavy card's first lookups decode and aggregate its whole window (~25 ms at 50,000
     events), which held a server's event loop and every other request on it. Past

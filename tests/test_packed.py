@@ -183,14 +183,14 @@ def test_decoded_blocks_stay_within_their_byte_bound(monkeypatch):
         ]
         members, features = _members(events, "any", False)
         blobs.append((packed.pack(members, features, TILE), members))
-    monkeypatch.setattr(packed, "DECODED_BLOCK_BYTES", 2 << 20)
+    monkeypatch.setattr(packed.decoded_blocks, "most_bytes", 2 << 20)
     packed.decoded_blocks.clear()
     for _ in range(2):
         for blob, members in blobs:
             assert packed.unpack(blob, features) == members
             assert 0 < packed.decoded_blocks.nbytes <= 2 << 20
-    assert len(packed.decoded_blocks._blocks) < len(blobs)  # (each block is over 200 KB decoded: some went)
-    monkeypatch.setattr(packed, "DECODED_BLOCK_BYTES", 1000)  # a block bigger than the bound is decoded, not kept
+    assert len(packed.decoded_blocks) < len(blobs)  # (each block is over 200 KB decoded: some went)
+    monkeypatch.setattr(packed.decoded_blocks, "most_bytes", 1000)  # a block bigger than the bound is decoded, not kept
     packed.decoded_blocks.clear()
     assert packed.unpack(blobs[0][0], features) == blobs[0][1] and packed.decoded_blocks.nbytes == 0
 

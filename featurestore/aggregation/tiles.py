@@ -34,6 +34,7 @@ import orjson
 
 from featurestore.aggregation.evaluate import NOT_FOUND, NULL_VALUE, PRESENT, WindowEvaluator, checked, pick
 from featurestore.aggregation.functions import FUNCTIONS, Mergeable, Unsealable
+from featurestore.decoded_cache import DecodedCache
 from featurestore.definitions import Aggregation, FeatureView, content_hash
 
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
@@ -41,6 +42,7 @@ SEAL_FROM = 8  # events a tile needs before a summary pays for itself
 HEAVY_PER_TILE = 24  # events per tile of the longest window before a lookup reads summaries (its break-even)
 SEALS_PER_LOOKUP = 64  # tiles one lookup summarizes (~1 µs per event each): the rest, the next lookups
 TILES_PER_WINDOW = 64  # about how many tiles the longest window spans, at least
+DECODED_SUMMARY_BYTES = 64 << 20  # what a process's decoded summaries may hold
 _TILE_SIZES_US = [s * 1_000_000 for s in (1, 10, 60, 300, 900, 3600, 6 * 3600, 86400)]
 
 State = list  # [events passing the filter, non-null values, payload]
@@ -157,9 +159,22 @@ class TiledEvaluator:
             return None
 
     def decode(self, summary: bytes) -> tuple[int, list[State]]:
-        newest_us, stored = orjson.loads(memoryview(summary)[len(self.spec.tag) :])
-        states = [s if isinstance(s, list) else stored[s] for s in stored]
-        return newest_us, states
+        """A summary's newest µs and states, shared with the other lookups that read it (never changed)."""
+        return decoded_summaries.get((summary, len(self.spec.tag)))
+
+
+def _decode_summary(key: tuple[bytes, int]) -> tuple[int, list[State]]:
+    summary, tag_length = key
+    newest_us, stored = orjson.loads(memoryview(summary)[tag_length:])
+    return newest_us, [s if isinstance(s, list) else stored[s] for s in stored]
+
+
+# the summaries a process decoded last: a sealed tile's summary never changes, and decoding a heavy
+# card's (one a tile of its window) was a quarter of its lookup (``benchmarks/aggregations.py``);
+# decoded, one takes ~6 times its JSON's bytes in lists and numbers
+decoded_summaries: DecodedCache[tuple[bytes, int], tuple[int, list[State]]] = DecodedCache(
+    _decode_summary, lambda key, _: 8 * len(key[0]) + 100, DECODED_SUMMARY_BYTES
+)
 
 
 def evaluate_tiled(

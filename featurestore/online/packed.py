@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
+from featurestore.decoded_cache import DecodedCache
 from featurestore.online.codec import variable_width
 from featurestore.types import DType
 
@@ -235,7 +234,7 @@ def unpack(
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
     are built: a lookup reads a few tiles of the blocks at its window's edges."""
-    times, heads, var = decoded_blocks.get(blob, tuple(features))
+    times, heads, var = decoded_blocks.get((blob, tuple(features)))
     if within is None and not skip_tiles:
         return _members(heads, var, None)
     keep = np.ones(len(times), bool)
@@ -261,45 +260,19 @@ def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None)
 _Decoded = tuple[np.ndarray, np.ndarray, list[list[bytes]]]
 
 
-class _DecodedBlocks:
-    """The blocks a process decoded last, by content (a block never changes: a hot entity's
-    lookups decode each once), at most ``DECODED_BLOCK_BYTES`` in all: a count would not bound
-    it, since one block holds from 8 to 2 M events."""
-
-    def __init__(self) -> None:
-        self._blocks: OrderedDict[tuple[bytes, tuple[tuple[str, DType], ...]], tuple[_Decoded, int]] = OrderedDict()
-        self._lock = threading.Lock()  # (servers decode on several threads)
-        self.nbytes = 0
-
-    def get(self, blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
-        key = (blob, features)
-        with self._lock:
-            hit = self._blocks.get(key)
-            if hit is not None:
-                self._blocks.move_to_end(key)
-                return hit[0]
-        decoded = _decode(blob, features)
-        times, heads, var = decoded
-        # each value a bytes object (~33 bytes of its own) in a list (8 bytes a slot)
-        size = len(blob) + times.nbytes + heads.nbytes + sum(sum(map(len, values)) + 41 * len(values) for values in var)
-        if size > DECODED_BLOCK_BYTES:
-            return decoded
-        with self._lock:
-            if key not in self._blocks:
-                self._blocks[key] = (decoded, size)
-                self.nbytes += size
-            while self.nbytes > DECODED_BLOCK_BYTES:
-                _, (_, freed) = self._blocks.popitem(last=False)
-                self.nbytes -= freed
-        return decoded
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self.nbytes = 0
+_BlockKey = tuple[bytes, tuple[tuple[str, DType], ...]]
 
 
-decoded_blocks = _DecodedBlocks()
+def _decoded_size(key: _BlockKey, decoded: _Decoded) -> int:
+    times, heads, var = decoded
+    # each value a bytes object (~33 bytes of its own) in a list (8 bytes a slot)
+    return len(key[0]) + times.nbytes + heads.nbytes + sum(sum(map(len, values)) + 41 * len(values) for values in var)
+
+
+# the blocks a process decoded last (a block never changes): what they hold, not how many, is bounded
+decoded_blocks: DecodedCache[_BlockKey, _Decoded] = DecodedCache(
+    lambda key: _decode(*key), _decoded_size, DECODED_BLOCK_BYTES
+)
 
 
 def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
