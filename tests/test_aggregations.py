@@ -364,7 +364,7 @@ def test_merged_tile_states_equal_the_events_evaluation(activity_store, values, 
         states = tiled.states(columns, a, b, compact=True)
         summary = tiled.encode(times[b - 1], states) if states is not None else None
         if tile not in cut and tile % sealed_every == 0 and (tile + 1) * size <= now and summary is not None:
-            summaries[tile] = tiled.decode(summary)[1]
+            summaries[tile] = tiled.decode([summary])[0][1]
         else:
             kept += range(a, b)
     raw_columns = {i: [c[k] for k in kept] for i, c in columns.items()}

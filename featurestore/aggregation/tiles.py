@@ -158,9 +158,10 @@ class TiledEvaluator:
         except TypeError:  # an integer sum past 64 bits
             return None
 
-    def decode(self, summary: bytes) -> tuple[int, list[State]]:
-        """A summary's newest µs and states, shared with the other lookups that read it (never changed)."""
-        return decoded_summaries.get((summary, len(self.spec.tag)))
+    def decode(self, summaries: Sequence[bytes]) -> list[tuple[int, list[State]]]:
+        """Each summary's newest µs and states, shared with the other lookups that read it (never changed)."""
+        tag_length = len(self.spec.tag)
+        return decoded_summaries.get_many([(summary, tag_length) for summary in summaries])
 
 
 def _decode_summary(key: tuple[bytes, int]) -> tuple[int, list[State]]:

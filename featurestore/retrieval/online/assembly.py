@@ -124,7 +124,7 @@ def _tiled(query: OnlineQuery, plan: _WindowPlan, key: bytes, reply: list, low: 
     assert tiled is not None
     flat, runs = reply
     members = list(itertools.chain.from_iterable(runs))
-    summaries = {int(flat[i]): tiled.decode(flat[i + 1]) for i in range(0, len(flat), 2)}
+    summaries = dict(zip(map(int, flat[::2]), tiled.decode(flat[1::2])))
     times, columns = plan.events(
         members, low, now_us, skip_tiles=summaries.keys()
     )  # (blocks hold summarized tiles too)
