@@ -197,6 +197,22 @@ def _frame(events: list[dict]) -> pd.DataFrame:
     )
 
 
+def _ten_minutes_apart(card: int, n: int) -> pd.DataFrame:
+    """``n`` web payments of ``card`` from ``BASE``, ten minutes apart, the i-th of ``i / 3``."""
+    return _frame(
+        [
+            {
+                "payment_id": card * 100 + i,
+                "card_id": card,
+                "amount": i / 3,
+                "kind": "web",
+                "event_timestamp": BASE + i * STEP / 3,
+            }
+            for i in range(n)
+        ]
+    )
+
+
 @settings(
     max_examples=max(10, settings.default.max_examples // 4),
     deadline=None,
@@ -523,22 +539,7 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)
     monkeypatch.setattr(tiles, "SEAL_FROM", 1)
     monkeypatch.setattr(tiles, "SEALS_PER_LOOKUP", 8)  # fewer than the whole tiles: two lookups summarize them
-    store.push(
-        "payments",
-        _frame(
-            [
-                {
-                    "payment_id": card * 100 + i,
-                    "card_id": card,
-                    "amount": i / 3,
-                    "kind": "web",
-                    "event_timestamp": BASE + i * STEP / 3,
-                }
-                for i in range(30)
-            ]
-        ),
-        to="online",
-    )
+    store.push("payments", _ten_minutes_apart(card, 30), to="online")
     refs = [f"activity:{n}" for n in TILED]
     at = BASE + 10 * STEP + timedelta(minutes=7)
     client = store.online_store.client
@@ -578,22 +579,7 @@ def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypa
 
     store = activity_store
     card = next(_cards) * 10 + 7_000_000
-    store.push(
-        "payments",
-        _frame(
-            [
-                {
-                    "payment_id": card * 100 + i,
-                    "card_id": card,
-                    "amount": i / 3,
-                    "kind": "web",
-                    "event_timestamp": BASE + i * STEP / 3,
-                }
-                for i in range(30)
-            ]
-        ),
-        to="online",
-    )
+    store.push("payments", _ten_minutes_apart(card, 30), to="online")
     refs = [f"activity:{n}" for n in TILED]
     client = store.online_store.client
     reader = OnlineReader(store.online_store, max_sealing=0)  # (no summaries stored: the same reads each time)
@@ -635,17 +621,7 @@ def test_decoded_summaries_are_kept_within_their_byte_bound(activity_store, monk
 
     store = activity_store
     card = next(_cards) * 10 + 8_000_000
-    events = [
-        {
-            "payment_id": card * 100 + i,
-            "card_id": card,
-            "amount": i / 3,
-            "kind": "web",
-            "event_timestamp": BASE + i * STEP / 3,
-        }
-        for i in range(60)
-    ]
-    store.push("payments", _frame(events), to="online")
+    store.push("payments", _ten_minutes_apart(card, 60), to="online")
     refs = [f"activity:{n}" for n in TILED]
     times = [BASE + k * STEP for k in range(4, 22, 3)]
 
@@ -677,22 +653,7 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
 
     store = activity_store
     card = next(_cards) * 10 + 6_000_000
-    store.push(
-        "payments",
-        _frame(
-            [
-                {
-                    "payment_id": card * 100 + i,
-                    "card_id": card,
-                    "amount": i / 3,
-                    "kind": "web",
-                    "event_timestamp": BASE + i * STEP / 3,
-                }
-                for i in range(30)
-            ]
-        ),
-        to="online",
-    )
+    store.push("payments", _ten_minutes_apart(card, 30), to="online")
     refs = [f"activity:{n}" for n in TILED]
     at = BASE + 10 * STEP
 
