@@ -178,9 +178,10 @@ def test_a_view_whose_recent_days_moved_is_flagged_and_thresholds_are_per_view(m
     # today's before now: at most an hour from midnight, less if the test runs just after it
     now = datetime.now(UTC)
     today = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    if today + timedelta(days=1) - now < timedelta(minutes=2):  # the day would end mid-test
-        time.sleep((today + timedelta(days=1) - now).total_seconds() + 1)
-        now, today = datetime.now(UTC), today + timedelta(days=1)
+    midnight = today + timedelta(days=1)
+    if midnight - now < timedelta(minutes=2):  # the day would end mid-test
+        time.sleep((midnight - now).total_seconds() + 1)
+        now, today = datetime.now(UTC), midnight
     burst = int(min(3600, max(1, (now - today).total_seconds())))
 
     def day(offset: int, n: int, scale: float, first_id: int) -> pa.Table:
