@@ -15,10 +15,11 @@ V = TypeVar("V")
 
 
 class DecodedCache(Generic[K, V]):
-    """``decode(key)`` once per key, kept while the copies' ``size(key, value)`` sum to at most
-    ``most_bytes`` (a value bigger than that is decoded, not kept)."""
+    """Each key decoded once (``decode``: the values of keys, those a lookup lacks together), kept
+    while the copies' ``size(key, value)`` sum to at most ``most_bytes`` (a value bigger than that
+    is decoded, not kept)."""
 
-    def __init__(self, decode: Callable[[K], V], size: Callable[[K, V], int], most_bytes: int):
+    def __init__(self, decode: Callable[[list[K]], list[V]], size: Callable[[K, V], int], most_bytes: int):
         self.decode, self.size, self.most_bytes = decode, size, most_bytes
         self._values: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._lock = threading.Lock()  # (servers decode on several threads)
@@ -35,10 +36,12 @@ class DecodedCache(Generic[K, V]):
             for key, hit in zip(keys, kept):
                 if hit is not None:
                     values.move_to_end(key)
-        missing = [(i, *self._decoded(keys[i])) for i, hit in enumerate(kept) if hit is None]
+        missing = [i for i, hit in enumerate(kept) if hit is None]
         if missing:
+            decoded = self.decode([keys[i] for i in missing])
+            sizes = [self.size(keys[i], value) for i, value in zip(missing, decoded)]
             with self._lock:
-                for i, value, size in missing:
+                for i, value, size in zip(missing, decoded, sizes):
                     kept[i] = (value, size)
                     if size <= self.most_bytes and keys[i] not in values:
                         values[keys[i]] = (value, size)
@@ -47,10 +50,6 @@ class DecodedCache(Generic[K, V]):
                     _, (_, freed) = values.popitem(last=False)
                     self.nbytes -= freed
         return [hit[0] for hit in kept if hit is not None]
-
-    def _decoded(self, key: K) -> tuple[V, int]:
-        value = self.decode(key)
-        return value, self.size(key, value)
 
     def __len__(self) -> int:
         return len(self._values)

@@ -642,6 +642,20 @@ def test_decoded_summaries_are_kept_within_their_byte_bound(activity_store, monk
         assert kept >= 10 if bound == 1 << 20 else kept < 10  # (dozens of summaries, ~1 KB each decoded)
 
 
+def test_summaries_decoded_together_each_read_as_its_own():
+    """A lookup's summaries are decoded in one JSON array of their bodies: each gives its own
+    states, and a stored value that is not one summary's body is refused, never read as two."""
+    from featurestore.aggregation import tiles
+
+    one, other = b"[5,[[2,2,7.5],0]]", b"[9,[[1,0,null],[1,1,3]]]"
+    assert tiles._decode_summaries([(b"Tx:" + one, 3), (b"T:" + other, 2)]) == [
+        (5, [[2, 2, 7.5], [2, 2, 7.5]]),
+        (9, [[1, 0, None], [1, 1, 3]]),
+    ]
+    with pytest.raises(ValueError, match="malformed"):
+        tiles._decode_summaries([(b"T:" + one + b"," + other, 2)])
+
+
 def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeypatch):
     """A cold heavy card's first lookups decode and aggregate its whole window (~25 ms at 50,000
     events), which held a server's event loop and every other request on it. Past

@@ -283,7 +283,7 @@ def _decoded_size(key: _BlockKey, decoded: _Decoded) -> int:
 
 # the blocks a process decoded last (a block never changes): what they hold, not how many, is bounded
 decoded_blocks: DecodedCache[_BlockKey, _Decoded] = DecodedCache(
-    lambda key: _decode(*key), _decoded_size, DECODED_BLOCK_BYTES
+    lambda keys: [_decode(*key) for key in keys], _decoded_size, DECODED_BLOCK_BYTES
 )
 
 
