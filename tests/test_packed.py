@@ -128,7 +128,9 @@ def test_a_block_gives_the_members_of_the_tiles_asked_and_is_decoded_only_for_th
     card's first read holds every block of its window, most of them covered by summaries)."""
     members, features = _members(events, "any", False)
     blob = packed.pack(members, features, TILE)
-    low, high = sorted(tile * TILE + offset for tile, offset in bounds)  # (edges inside tiles, and either side of their starts)
+    low, high = sorted(
+        tile * TILE + offset for tile, offset in bounds
+    )  # (edges inside tiles, and either side of their starts)
     expected = [m for m in members if low < packed.tile_of(m, 1) <= high and packed.tile_of(m, TILE) not in skipped]
     packed.decoded_blocks.clear()
     assert packed.unpack(blob, features, (low, high), TILE, skipped) == expected
