@@ -320,11 +320,15 @@ def online(args: argparse.Namespace) -> None:
             ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
             amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
             heavy[n] = {}
-            # three sealed copies (a first lookup is one sample each: their median), one not sealed, and
-            # one not sealed by its write but by `featurestore compact` (``pack_online``) after it
+            # three sealed copies (a first lookup is one sample each: their median), three more whose first
+            # lookup follows a lookup of another card (as on a server under traffic, where the write came
+            # from another process: right after its own push, this process's caches hold the push's
+            # work), one not sealed, and one not sealed by its write but by `featurestore compact`
+            # (``pack_online``) after it
             copies = [(True, n_cards + 1 + k), (True, n_cards + 200 + 2 * k), (True, n_cards + 201 + 2 * k)]
+            serving = [("serving", n_cards + 300 + 3 * k + j) for j in range(3)]
             unsealed = [(False, n_cards + 21 + k), ("compacted", n_cards + 41 + k)]
-            for copy, (sealing, card) in enumerate([*copies, *unsealed]):
+            for copy, (sealing, card) in enumerate([*copies, *serving, *unsealed]):
                 table = pa.table(
                     {
                         "tx_id": np.arange(n, dtype=np.int64) + (10 * k + copy + 1) * 10**9,
@@ -333,12 +337,14 @@ def online(args: argparse.Namespace) -> None:
                         "event_timestamp": ts,
                     }
                 )
-                with write_sealing(sealing is True):
+                with write_sealing(sealing in (True, "serving")):
                     t0 = time.perf_counter()
                     store.push("payments", table, to="online")
                     heavy[n].setdefault(("push", sealing), (time.perf_counter() - t0) * 1000)
                 if sealing == "compacted":
                     store.pack_online(["activity"])
+                if sealing == "serving":
+                    store.get_online_features([{"card_id": copies[0][1]}], features=agg_refs)
                 t0 = time.perf_counter()
                 store.get_online_features([{"card_id": card}], features=agg_refs)
                 heavy[n].setdefault(("first", sealing), []).append((time.perf_counter() - t0) * 1000)
@@ -372,11 +378,12 @@ def online(args: argparse.Namespace) -> None:
     )
     for n, p in heavy.items():
         firsts = p[("first", True)]
-        first = float(np.median(firsts))
+        first, serving = float(np.median(firsts)), float(np.median(p[("first", "serving")]))
         print(
             f"    {n:>6,} events in 7 d: {p['tiles']:.2f} ms ({p['events']:.2f} ms, {p['events'] / p['tiles']:.1f}x); "
             f"first lookup {first:.1f} ms = {first / p['tiles']:.1f}x steady "
             f"(median of {len(firsts)} cards, {min(firsts):.1f}-{max(firsts):.1f} ms; "
+            f"after another card's lookup: {serving:.1f} ms = {serving / p['tiles']:.1f}x; "
             f"tiles not sealed by the write: {p[('first', False)][0]:.1f} ms, "
             f"then by `featurestore compact`: {p[('first', 'compacted')][0]:.1f} ms); "
             f"push {p[('push', True)]:.0f} ms ({p[('push', False)]:.0f} ms without sealing)"
