@@ -116,29 +116,6 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
     )
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    events=block_events,
-    bounds=st.lists(st.tuples(st.integers(-2, 34), st.sampled_from([0, -1, 1, TILE // 3])), min_size=2, max_size=2),
-    skipped=st.sets(st.integers(0, 31)),
-)
-def test_a_block_gives_the_members_of_the_tiles_asked_and_is_decoded_only_for_them(events, bounds, skipped):
-    """``unpack`` with a window and tiles to skip gives the members inside the window outside those
-    tiles, and does not decode a block none of whose tiles reaches into the window unskipped (a heavy
-    card's first read holds every block of its window, most of them covered by summaries)."""
-    members, features = _members(events, "any", False)
-    blob = packed.pack(members, features, TILE)
-    low, high = sorted(
-        tile * TILE + offset for tile, offset in bounds
-    )  # (edges inside tiles, and either side of their starts)
-    expected = [m for m in members if low < packed.tile_of(m, 1) <= high and packed.tile_of(m, TILE) not in skipped]
-    packed.decoded_blocks.clear()
-    assert packed.unpack(blob, features, (low, high), TILE, skipped) == expected
-    held = {packed.tile_of(m, TILE) for m in members}
-    reached = {t for t in held if t * TILE <= high and (t + 1) * TILE - 1 > low and t not in skipped}
-    assert len(packed.decoded_blocks) == (1 if reached else 0)
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 64),

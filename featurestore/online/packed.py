@@ -233,11 +233,7 @@ def unpack(
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
-    are built: a lookup reads a few tiles of the blocks at its window's edges. A block none of
-    whose tiles is wanted is not decoded (a heavy card's first read returns every block of its
-    window, and summaries cover most of them)."""
-    if tile_us and not _holds_wanted(blob, within, tile_us, skip_tiles):
-        return []
+    are built: a lookup reads a few tiles of the blocks at its window's edges."""
     times, heads, var = decoded_blocks.get((blob, tuple(features)))
     if within is None and not skip_tiles:
         return _members(heads, var, None)
@@ -247,14 +243,6 @@ def unpack(
     if skip_tiles:
         keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
     return _members(heads, var, np.flatnonzero(keep))
-
-
-def _holds_wanted(blob: bytes, within: tuple[int, int] | None, tile_us: int, skip_tiles: Collection[int]) -> bool:
-    """Whether a block holds events of a tile reaching into ``within`` outside ``skip_tiles`` (from its header)."""
-    _, number, tiles, _, _ = _header(blob)
-    first = number * BLOCK_TILES
-    low, high = ((within[0] + 1) // tile_us, within[1] // tile_us) if within is not None else (-(1 << 62), 1 << 62)
-    return any(low <= first + i <= high and first + i not in skip_tiles for i in tiles)
 
 
 def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None) -> list[bytes]:
