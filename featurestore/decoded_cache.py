@@ -54,6 +54,9 @@ class DecodedCache(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._values)
 
+    def __contains__(self, key: K) -> bool:
+        return key in self._values
+
     def clear(self) -> None:
         with self._lock:
             self._values.clear()

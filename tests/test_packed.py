@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from pathlib import Path
@@ -116,6 +117,35 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
     )
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    events=block_events,
+    floats_kind=st.sampled_from(["any", "decimal", "steady"]),
+    bounds=st.lists(st.tuples(st.integers(-2, 34), st.sampled_from([0, -1, 1, TILE // 3])), min_size=2, max_size=2),
+    skipped=st.sets(st.integers(0, 31)),
+)
+def test_a_block_gives_the_members_of_the_tiles_asked_decoding_their_rows_only(events, floats_kind, bounds, skipped):
+    """Every column type: ``unpack`` with a window and tiles to skip gives the members inside the
+    window outside those tiles, byte for byte, decoding only the rows of the tiles holding some
+    (none for a block holding none: a heavy card's first read returns every block of its window)."""
+    members, features = _members(events, floats_kind, False)
+    blob = packed.pack(members, features, TILE)
+    # (edges inside tiles, and either side of their starts)
+    low, high = sorted(tile * TILE + offset for tile, offset in bounds)
+    expected = [m for m in members if low < packed.tile_of(m, 1) <= high and packed.tile_of(m, TILE) not in skipped]
+    packed.decoded_blocks.clear()
+    assert packed.unpack(blob, features, (low, high), TILE, skipped) == expected
+    wanted = [  # rows of the tiles reaching into the window, not skipped
+        row
+        for row, m in enumerate(members)
+        if (tile := packed.tile_of(m, TILE)) not in skipped and tile * TILE <= high and (tile + 1) * TILE - 1 > low
+    ]
+    consecutive = [[row for _, row in run] for _, run in itertools.groupby(enumerate(wanted), lambda p: p[1] - p[0])]
+    runs = tuple((run[0], run[-1] + 1) for run in consecutive)
+    assert len(packed.decoded_blocks) == (1 if runs else 0)
+    assert not runs or (blob, tuple(features), runs) in packed.decoded_blocks
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 64),
@@ -124,7 +154,8 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
 )
 def test_bit_packed_values_read_back(width, n, seed):
     """Every width, in Python (few values), as rows of bits (more) and as words (many), with values
-    touching every bit (random ones drawn by numpy: hypothesis drawing a thousand took seconds)."""
+    touching every bit (random ones drawn by numpy: hypothesis drawing a thousand took seconds);
+    all of them, and a range of them starting at any bit (a lookup decodes a block's edge tiles)."""
     top = (1 << width) - 1
     rng = np.random.default_rng(seed)
     array = rng.integers(0, top, n, dtype=np.uint64, endpoint=True)
@@ -133,6 +164,10 @@ def test_bit_packed_values_read_back(width, n, seed):
     blob = b"\x07" + packed._bits(array, width) + b"\x07"
     read, end = packed._read_bits(memoryview(blob), 1, n, width)
     assert read.tolist() == values and end == len(blob) - 1
+    cuts = sorted(rng.integers(0, n, 4, endpoint=True).tolist())
+    runs = ((cuts[0], cuts[1]), (cuts[2], cuts[3]))
+    read, end = packed._read_bits(memoryview(blob), 1, n, width, runs)
+    assert read.tolist() == values[cuts[0] : cuts[1]] + values[cuts[2] : cuts[3]] and end == len(blob) - 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -149,6 +184,11 @@ def test_integers_sharing_a_factor_read_back_and_store_it_once(base, scale, step
     blob = packed._ints(values) + b"\x07"
     read, end = packed._read_ints(memoryview(blob), 0, len(values))
     assert read.tolist() == values.tolist() and end == len(blob) - 1
+    n = len(values)
+    for runs in (((0, 1),), ((n // 2, n),), ((0, n // 3), (n // 2, n)), ((n - 1, n),)):
+        read, end = packed._read_ints(memoryview(blob), 0, n, runs)  # (deltas: those before are summed too)
+        assert read.tolist() == [v for first, stop in runs for v in values.tolist()[first:stop]]
+        assert end == len(blob) - 1
     if base + scale * max(steps) < 2**63:  # (no int64 wrap: the values are multiples of scale from base)
         multiples = np.array(steps, np.int64)
         assert len(blob) - 1 <= len(packed._ints(multiples)) + 8

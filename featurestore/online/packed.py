@@ -233,8 +233,13 @@ def unpack(
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
-    are built: a lookup reads a few tiles of the blocks at its window's edges."""
-    times, heads, var = decoded_blocks.get((blob, tuple(features)))
+    are built, and with ``tile_us`` only the rows of the tiles holding them are decoded: a
+    lookup reads a few tiles of the blocks at its window's edges (the newest block of a heavy
+    card's window holds thousands of events, most of them in summarized tiles)."""
+    rows = _wanted_rows(blob, within, tile_us, skip_tiles) if tile_us else None
+    if rows == ():
+        return []
+    times, heads, var = decoded_blocks.get((blob, tuple(features), rows))
     if within is None and not skip_tiles:
         return _members(heads, var, None)
     keep = np.ones(len(times), bool)
@@ -243,6 +248,26 @@ def unpack(
     if skip_tiles:
         keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
     return _members(heads, var, np.flatnonzero(keep))
+
+
+Runs = tuple[tuple[int, int], ...]  # rows [first, stop) of a block, in order
+
+
+def _wanted_rows(blob: bytes, within: tuple[int, int] | None, tile_us: int, skip_tiles: Collection[int]) -> Runs:
+    """The rows of a block's tiles reaching into ``within`` outside ``skip_tiles``, as runs (a
+    tile's rows follow the tiles before it: rows are in time order)."""
+    _, number, tiles, counts, _ = _header(blob)
+    low, high = ((within[0] + 1) // tile_us, within[1] // tile_us) if within is not None else (-(1 << 62), 1 << 62)
+    runs: list[tuple[int, int]] = []
+    row = 0
+    for i, count in zip(tiles, counts):
+        tile = number * BLOCK_TILES + i
+        if low <= tile <= high and tile not in skip_tiles:
+            runs[-1:] = (
+                [(runs[-1][0], row + count)] if runs and runs[-1][1] == row else [*runs[-1:], (row, row + count)]
+            )
+        row += count
+    return tuple(runs)
 
 
 def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None) -> list[bytes]:
@@ -260,7 +285,7 @@ def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None)
 _Decoded = tuple[np.ndarray, np.ndarray, list[list[bytes]]]
 
 
-_BlockKey = tuple[bytes, tuple[tuple[str, DType], ...]]
+_BlockKey = tuple[bytes, tuple[tuple[str, DType], ...], Runs | None]  # (the rows decoded, or all)
 
 
 def _decoded_size(key: _BlockKey, decoded: _Decoded) -> int:
@@ -275,34 +300,44 @@ decoded_blocks: DecodedCache[_BlockKey, _Decoded] = DecodedCache(
 )
 
 
-def _decode(blob: bytes, features: tuple[tuple[str, DType], ...]) -> _Decoded:
-    """A block's event µs, its members' head records and the values of its variable-width columns."""
+def _decode(blob: bytes, features: tuple[tuple[str, DType], ...], rows: Runs | None = None) -> _Decoded:
+    """A block's event µs, its members' head records and the values of its variable-width columns:
+    of the rows in ``rows``, or all."""
     version, _, _, counts, at = _header(blob)
     if version != _VERSION:
         raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
     n = sum(counts)
     head = _head_dtype(features)
-    heads = np.zeros(n, dtype=head)
+    heads = np.zeros(n if rows is None else sum(stop - first for first, stop in rows), dtype=head)
     view = memoryview(blob)
-    ids, at = _read_ints(view, at, n)
+    ids, at = _read_ints(view, at, n, rows)
     heads["id"] = ids.view(_U64)
-    times, at = _read_ints(view, at, n)
+    times, at = _read_ints(view, at, n, rows)
     heads["time"] = times.view(_U64) ^ _U64(1 << 63)
     if blob[at]:
         width = head["nulls"].itemsize
-        heads["nulls"] = np.frombuffer(view[at + 1 : at + 1 + n * width], np.uint8).reshape(n, width)
+        heads["nulls"] = _take(np.frombuffer(view[at + 1 : at + 1 + n * width], np.uint8).reshape(n, width), rows)
         at += 1 + n * width
     else:
         at += 1
     var: list[list[bytes]] = []
     for k, (_, dtype) in enumerate(features):
         if dtype.name in _FIXED:
-            heads[f"f{k}"], at = _read_fixed(view, at, n, dtype.name)
+            heads[f"f{k}"], at = _read_fixed(view, at, n, dtype.name, rows)
         elif variable_width(dtype):
-            values, at = _read_variable(view, at, n)
+            values, at = _read_variable(view, at, n, rows)
             heads[f"len{k}"] = [len(v) for v in values]
             var.append(values)
     return times, heads, var
+
+
+def _take(values: np.ndarray, rows: Runs | None) -> np.ndarray:
+    """``values`` at ``rows`` (all if None)."""
+    if rows is None:
+        return values
+    if len(rows) == 1:
+        return values[rows[0][0] : rows[0][1]]
+    return np.concatenate([values[first:stop] for first, stop in rows])
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed
@@ -316,26 +351,40 @@ def _bits(values: np.ndarray, width: int) -> bytes:
     return np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
-def _read_bits(view: memoryview, at: int, n: int, width: int) -> tuple[np.ndarray, int]:
+def _read_bits(view: memoryview, at: int, n: int, width: int, rows: Runs | None = None) -> tuple[np.ndarray, int]:
+    """Values ``rows`` (all if None) of ``n`` packed at ``at``, and where the section ends."""
+    end = at + (n * width + 7) // 8
+    if rows is None:
+        return _bits_between(view, at, width, 0, n), end
+    if len(rows) == 1:
+        return _bits_between(view, at, width, *rows[0]), end
+    return np.concatenate([_bits_between(view, at, width, first, stop) for first, stop in rows]), end
+
+
+def _bits_between(view: memoryview, at: int, width: int, first: int, stop: int) -> np.ndarray:
+    """Values ``[first, stop)`` packed at ``at``."""
+    count = stop - first
     if width == 0:
-        return np.zeros(n, _U64), at
-    nbytes = (n * width + 7) // 8
-    if n <= SMALL:  # one Python integer, shifted: numpy's per-call costs would outweigh it
-        whole, mask = int.from_bytes(view[at : at + nbytes], "little"), (1 << width) - 1
-        return np.array([(whole >> (i * width)) & mask for i in range(n)], _U64), at + nbytes
-    if n <= BIT_ROWS_MOST:  # each value's bits into a row of 64, packed back into a little-endian word
-        bits = np.unpackbits(np.frombuffer(view, np.uint8, nbytes, at), count=n * width, bitorder="little")
-        rows = np.zeros((n, 64), np.uint8)
-        rows[:, :width] = bits.reshape(n, width)
-        return np.packbits(rows, axis=1, bitorder="little").view("<u8").ravel(), at + nbytes
+        return np.zeros(count, _U64)
+    shift, nbits = first * width % 8, count * width
+    at += first * width // 8
+    nbytes = (shift + nbits + 7) // 8
+    if count <= SMALL:  # one Python integer, shifted: numpy's per-call costs would outweigh it
+        whole, mask = int.from_bytes(view[at : at + nbytes], "little") >> shift, (1 << width) - 1
+        return np.array([(whole >> (i * width)) & mask for i in range(count)], _U64)
+    if count <= BIT_ROWS_MOST:  # each value's bits into a row of 64, packed back into a little-endian word
+        bits = np.unpackbits(np.frombuffer(view, np.uint8, nbytes, at), count=shift + nbits, bitorder="little")
+        rows = np.zeros((count, 64), np.uint8)
+        rows[:, :width] = bits[shift:].reshape(count, width)
+        return np.packbits(rows, axis=1, bitorder="little").view("<u8").ravel()
     padded = np.zeros((nbytes // 8 + 2) * 8, np.uint8)  # as little-endian words, one spare
     padded[:nbytes] = np.frombuffer(view[at : at + nbytes], np.uint8)
     words = padded.view("<u8")
-    starts = np.arange(n, dtype=_U64) * _U64(width)
-    index, shift = (starts >> _U64(6)).astype(np.intp), starts & _U64(63)
+    starts = np.arange(count, dtype=_U64) * _U64(width) + _U64(shift)
+    index, shifts = (starts >> _U64(6)).astype(np.intp), starts & _U64(63)
     # each value: its first word shifted down, or'd with the next shifted up (numpy's shift by 64 is 0)
-    high = words[index + 1] << (_U64(64) - shift)
-    return ((words[index] >> shift) | high) & _U64((1 << width) - 1), at + nbytes
+    high = words[index + 1] << (_U64(64) - shifts)
+    return ((words[index] >> shifts) | high) & _U64((1 << width) - 1)
 
 
 def _frame(values: np.ndarray) -> tuple[int, int, np.ndarray]:
@@ -373,20 +422,24 @@ def _framed(kind: int, lead: tuple[int, ...], values: np.ndarray) -> bytes:
     return _INT_HEADS[kind | 2].pack(kind | 2, *lead, base, scale, width) + _bits(offsets, width)
 
 
-def _read_ints(view: memoryview, at: int, n: int) -> tuple[np.ndarray, int]:
+def _read_ints(view: memoryview, at: int, n: int, rows: Runs | None = None) -> tuple[np.ndarray, int]:
+    """Values ``rows`` (all if None) of ``n`` in the section at ``at`` (deltas: those before are
+    summed too), and where the section ends."""
     kind = view[at]
     head = _INT_HEADS[kind]
     fields, deltas = head.unpack_from(view, at), kind & 1
-    offsets, at = _read_bits(view, at + head.size, n - deltas, fields[-1])
+    stop = n if rows is None else rows[-1][1]
+    # (delta i is row i + 1's)
+    offsets, at = _read_bits(view, at + head.size, n - deltas, fields[-1], ((0, stop - 1),) if deltas else rows)
     if kind & 2:
         offsets *= _U64(fields[-2])
     framed = offsets + np.array(fields[1 + deltas], np.int64).view(_U64)
     if not deltas:
         return framed.view(np.int64), at
-    values = np.empty(n, _U64)
+    values = np.empty(stop, _U64)
     values[0] = np.array(fields[1], np.int64).view(_U64)
     values[1:] = framed
-    return np.cumsum(values, dtype=_U64).view(np.int64), at
+    return _take(np.cumsum(values, dtype=_U64).view(np.int64), rows), at
 
 
 # fixed-width columns
@@ -403,17 +456,18 @@ def _fixed(column: np.ndarray, dtype: str) -> bytes:
     return b"i" + _ints(column.astype(np.int64))
 
 
-def _read_fixed(view: memoryview, at: int, n: int, dtype: str) -> tuple[np.ndarray, int]:
+def _read_fixed(view: memoryview, at: int, n: int, dtype: str, rows: Runs | None) -> tuple[np.ndarray, int]:
     if dtype in ("Float64", "Float32"):
-        return _read_floats(view, at, n, dtype)
+        return _read_floats(view, at, n, dtype, rows)
     kind = chr(view[at])
     at += 1
     if kind == "b":
         nbytes = (n + 7) // 8
-        return np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n, bitorder="little"), at + nbytes
+        bits = np.unpackbits(np.frombuffer(view[at : at + nbytes], np.uint8), count=n, bitorder="little")
+        return _take(bits, rows), at + nbytes
     if kind == "r":
-        return np.frombuffer(view[at : at + n], np.uint8), at + n
-    return _read_ints(view, at, n)
+        return _take(np.frombuffer(view[at : at + n], np.uint8), rows), at + n
+    return _read_ints(view, at, n, rows)
 
 
 def _floats(values: np.ndarray) -> bytes:
@@ -446,18 +500,19 @@ def _floats(values: np.ndarray) -> bytes:
     return min(candidates, key=len)
 
 
-def _read_floats(view: memoryview, at: int, n: int, dtype: str) -> tuple[np.ndarray, int]:
+def _read_floats(view: memoryview, at: int, n: int, dtype: str, rows: Runs | None) -> tuple[np.ndarray, int]:
     kind = chr(view[at])
     at += 1
     width = 8 if dtype == "Float64" else 4
     float_type = np.float64 if width == 8 else np.float32
     if kind == "r":
-        return np.frombuffer(view[at : at + n * width], f">f{width}").astype(float_type), at + n * width
+        raw = np.frombuffer(view[at : at + n * width], f">f{width}")
+        return _take(raw, rows).astype(float_type), at + n * width
     if kind == "d":
         exponent = view[at]
-        scaled, at = _read_ints(view, at + 1, n)
+        scaled, at = _read_ints(view, at + 1, n, rows)
         return scaled.astype(np.float64) / 10.0**exponent, at
-    shape = np.frombuffer(view[at : at + n], np.uint8)
+    shape = np.frombuffer(view[at : at + n], np.uint8)  # (each value XORs the one before: all are read)
     at += n
     lead, length = (shape >> 4).astype(np.int64), (shape & 15).astype(np.int64)
     mask = (np.arange(width) >= lead[:, None]) & (np.arange(width) < (lead + length)[:, None])
@@ -465,7 +520,7 @@ def _read_floats(view: memoryview, at: int, n: int, dtype: str) -> tuple[np.ndar
     grid = np.zeros((n, width), np.uint8)
     grid[mask] = np.frombuffer(view[at : at + total], np.uint8)
     xor = grid.view(f">u{width}").ravel().astype(np.uint64 if width == 8 else np.uint32)
-    return np.bitwise_xor.accumulate(xor).view(float_type), at + total
+    return _take(np.bitwise_xor.accumulate(xor).view(float_type), rows), at + total
 
 
 # strings, bytes and arrays: their bytes, dictionary-encoded when values repeat
@@ -482,7 +537,7 @@ def _variable(values: list[bytes]) -> bytes:
     return b"r" + _ints(lengths) + b"".join(values)
 
 
-def _read_variable(view: memoryview, at: int, n: int) -> tuple[list[bytes], int]:
+def _read_variable(view: memoryview, at: int, n: int, rows: Runs | None) -> tuple[list[bytes], int]:
     kind = chr(view[at])
     at += 1
     if kind == "d":
@@ -492,11 +547,11 @@ def _read_variable(view: memoryview, at: int, n: int) -> tuple[list[bytes], int]
         for length in lengths.tolist():
             dictionary.append(bytes(view[at : at + length]))
             at += length
-        codes, at = _read_ints(view, at, n)
+        codes, at = _read_ints(view, at, n, rows)
         return [dictionary[c] for c in codes.tolist()], at
     lengths, at = _read_ints(view, at, n)
+    starts = (at + np.cumsum(lengths) - lengths).tolist()
     out: list[Any] = []
-    for length in lengths.tolist():
-        out.append(bytes(view[at : at + length]))
-        at += length
-    return out, at
+    for first, stop in ((0, n),) if rows is None else rows:
+        out.extend(bytes(view[a : a + length]) for a, length in zip(starts[first:stop], lengths[first:stop].tolist()))
+    return out, at + int(lengths.sum())
