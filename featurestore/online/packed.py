@@ -233,10 +233,10 @@ def unpack(
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
-    are built, and with ``tile_us`` only the rows of the tiles holding them are decoded: a
-    lookup reads a few tiles of the blocks at its window's edges (the newest block of a heavy
-    card's window holds thousands of events, most of them in summarized tiles)."""
-    rows = _wanted_rows(blob, within, tile_us, skip_tiles) if tile_us else None
+    are built: a lookup reads a few tiles of the blocks at its window's edges. With tiles to skip
+    (a heavy card's summarized ones), only the rows of the others are decoded: the newest block
+    of a heavy card's window holds thousands of events, most of them in summarized tiles."""
+    rows = _wanted_rows(blob, within, tile_us, skip_tiles) if skip_tiles else None
     if rows == ():
         return []
     times, heads, var = decoded_blocks.get((blob, tuple(features), rows))
@@ -253,21 +253,21 @@ def unpack(
 Runs = tuple[tuple[int, int], ...]  # rows [first, stop) of a block, in order
 
 
-def _wanted_rows(blob: bytes, within: tuple[int, int] | None, tile_us: int, skip_tiles: Collection[int]) -> Runs:
+def _wanted_rows(blob: bytes, within: tuple[int, int] | None, tile_us: int, skip_tiles: Collection[int]) -> Runs | None:
     """The rows of a block's tiles reaching into ``within`` outside ``skip_tiles``, as runs (a
-    tile's rows follow the tiles before it: rows are in time order)."""
+    tile's rows follow the tiles before it: rows are in time order); None for all of them."""
     _, number, tiles, counts, _ = _header(blob)
+    first = number * BLOCK_TILES
     low, high = ((within[0] + 1) // tile_us, within[1] // tile_us) if within is not None else (-(1 << 62), 1 << 62)
     runs: list[tuple[int, int]] = []
     row = 0
     for i, count in zip(tiles, counts):
-        tile = number * BLOCK_TILES + i
-        if low <= tile <= high and tile not in skip_tiles:
+        if low <= first + i <= high and first + i not in skip_tiles:
             runs[-1:] = (
                 [(runs[-1][0], row + count)] if runs and runs[-1][1] == row else [*runs[-1:], (row, row + count)]
             )
         row += count
-    return tuple(runs)
+    return None if runs == [(0, row)] else tuple(runs)
 
 
 def _members(heads: np.ndarray, var: list[list[bytes]], rows: np.ndarray | None) -> list[bytes]:
