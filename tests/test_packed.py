@@ -151,6 +151,9 @@ def test_a_block_gives_the_members_of_the_tiles_asked_decoding_their_rows_only(e
         assert len(packed.decoded_blocks) == 0
         return
     assert len(packed.decoded_blocks) == 1 and (blob, tuple(features), runs) in packed.decoded_blocks
+    times, heads, _ = packed.decoded_blocks.get((blob, tuple(features), runs))
+    for array in (times, heads):  # (what the cache counts is what it keeps: no view of a larger array)
+        assert array.base is None or array.base.nbytes == array.nbytes
 
 
 @settings(max_examples=200, deadline=None)

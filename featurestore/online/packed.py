@@ -332,11 +332,9 @@ def _decode(blob: bytes, features: tuple[tuple[str, DType], ...], rows: Runs | N
 
 
 def _take(values: np.ndarray, rows: Runs | None) -> np.ndarray:
-    """``values`` at ``rows`` (all if None)."""
+    """``values`` at ``rows`` (all if None), a copy: a view would keep all of them alive in the cache."""
     if rows is None:
         return values
-    if len(rows) == 1:
-        return values[rows[0][0] : rows[0][1]]
     return np.concatenate([values[first:stop] for first, stop in rows])
 
 
