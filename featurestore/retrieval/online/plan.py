@@ -432,8 +432,16 @@ class OnlineQuery:
                 window = self.template.windows[self.range_plans[pos]]
                 first = (self.now_us - window.evaluator.longest_us + 1) // window.tile_us
                 unsummarized = set(range(first, self.now_us // window.tile_us + 1)) - {int(t) for t in summaries[::2]}
-                runs = [[m for m in plain if unsummarized.intersection(packed.tiles_of(m, window.tile_us))]]
+                runs = [[m for m in plain if _holds_any(m, unsummarized, window.tile_us)]]
             raw[n + pos] = [summaries, runs]
+
+
+def _holds_any(member: bytes, tiles: set[int], tile_us: int) -> bool:
+    """Whether a member holds events of ``tiles``: a block of some of them, a plain event of its own
+    (a heavy card's first lookup asks this of each member of its window)."""
+    if packed.is_block(member):
+        return not tiles.isdisjoint(packed.tiles_of(member, tile_us))
+    return packed.tile_of(member, tile_us) in tiles
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:
