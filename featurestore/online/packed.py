@@ -240,14 +240,9 @@ def unpack(
     if rows == ():
         return []
     times, heads, var = decoded_blocks.get((blob, tuple(features), rows))
-    if within is None and not skip_tiles:
+    if within is None:  # (the rows decoded are of tiles not skipped already)
         return _members(heads, var, None)
-    keep = np.ones(len(times), bool)
-    if within is not None:
-        keep &= (times > within[0]) & (times <= within[1])
-    if skip_tiles:
-        keep &= ~np.isin(times // tile_us, np.fromiter(skip_tiles, np.int64))
-    return _members(heads, var, np.flatnonzero(keep))
+    return _members(heads, var, np.flatnonzero((times > within[0]) & (times <= within[1])))
 
 
 Runs = tuple[tuple[int, int], ...]  # rows [first, stop) of a block, in order
@@ -263,9 +258,10 @@ def _wanted_rows(blob: bytes, within: tuple[int, int] | None, tile_us: int, skip
     row = 0
     for i, count in zip(tiles, counts):
         if low <= first + i <= high and first + i not in skip_tiles:
-            runs[-1:] = (
-                [(runs[-1][0], row + count)] if runs and runs[-1][1] == row else [*runs[-1:], (row, row + count)]
-            )
+            if runs and runs[-1][1] == row:  # (a tile right after the last run's: one run)
+                runs[-1] = (runs[-1][0], row + count)
+            else:
+                runs.append((row, row + count))
         row += count
     return None if runs == [(0, row)] else tuple(runs)
 
@@ -351,12 +347,8 @@ def _bits(values: np.ndarray, width: int) -> bytes:
 
 def _read_bits(view: memoryview, at: int, n: int, width: int, rows: Runs | None = None) -> tuple[np.ndarray, int]:
     """Values ``rows`` (all if None) of ``n`` packed at ``at``, and where the section ends."""
-    end = at + (n * width + 7) // 8
-    if rows is None:
-        return _bits_between(view, at, width, 0, n), end
-    if len(rows) == 1:
-        return _bits_between(view, at, width, *rows[0]), end
-    return np.concatenate([_bits_between(view, at, width, first, stop) for first, stop in rows]), end
+    parts = [_bits_between(view, at, width, first, stop) for first, stop in rows or ((0, n),)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts), at + (n * width + 7) // 8
 
 
 def _bits_between(view: memoryview, at: int, width: int, first: int, stop: int) -> np.ndarray:
