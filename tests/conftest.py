@@ -31,6 +31,12 @@ settings.register_profile("thorough", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def examples(at_ci: int) -> int:
+    """A property's random cases: ``at_ci`` under the ci profile, in proportion under another, so a
+    property sized apart from the rest (costlier or cheaper cases) still grows with ``thorough``."""
+    return max(10, at_ci * settings.default.max_examples // 150)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory) -> str:
     url = os.environ.get("REDIS_URL")

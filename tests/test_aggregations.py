@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 from featurestore.errors import DefinitionError
 
+from .conftest import examples
+
 BASE = datetime(2024, 3, 10, tzinfo=UTC)
 TS = pa.timestamp("us", tz="UTC")
 STEP = timedelta(minutes=30)  # event and query times sit on this grid (± 1 µs), so edges coincide
@@ -214,7 +216,7 @@ def _ten_minutes_apart(card: int, n: int) -> pd.DataFrame:
 
 
 @settings(
-    max_examples=max(10, settings.default.max_examples // 4),
+    max_examples=examples(37),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -278,7 +280,7 @@ TILED = [
 
 
 @settings(
-    max_examples=max(10, settings.default.max_examples // 4),
+    max_examples=examples(37),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
@@ -337,7 +339,7 @@ def test_lookups_from_tile_summaries_equal_lookups_from_events(activity_store, m
                 assert same(tiled[name][0], want, name in INEXACT), (round_, name, t, tiled[name][0], want)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     values=st.lists(
         st.tuples(
@@ -838,7 +840,7 @@ def test_bad_aggregations_are_reported(make_store, change, message):
         store.definitions
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     events=st.lists(
         st.tuples(
@@ -1206,7 +1208,7 @@ def test_variance_at_a_large_offset_is_accurate_and_the_same_on_both_paths(make_
 
 
 @settings(
-    max_examples=max(10, settings.default.max_examples // 5),
+    max_examples=examples(30),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -1315,7 +1317,7 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
 
 
 @settings(
-    max_examples=max(10, settings.default.max_examples // 4),
+    max_examples=examples(37),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )

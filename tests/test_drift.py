@@ -25,7 +25,7 @@ from featurestore.drift import histograms, jensen_shannon, population_stability
 from featurestore.feature_logging import log_path, read_log, served_statistics
 from featurestore.statistics import merged
 
-from .conftest import demo_repo
+from .conftest import demo_repo, examples
 
 
 def test_psi_and_js_distance_equal_hand_computed_values():
@@ -44,7 +44,7 @@ def test_psi_and_js_distance_equal_hand_computed_values():
 numbers = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True, width=64), st.integers(-5, 5).map(float))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(numbers, min_size=1, max_size=60), st.lists(numbers, max_size=60))
 def test_numeric_histograms_count_every_value_once_in_its_decile(train, served):
     t, s = histograms(pa.array(train, pa.float64()), pa.array(served, pa.float64()))

@@ -15,7 +15,7 @@ from featurestore.online.embedded import EmbeddedRedis
 from serving.feature_server import create_app
 from serving.metrics import FLUSH_SECONDS
 
-from .conftest import free_port, write_repo
+from .conftest import examples, free_port, write_repo
 
 NOW = datetime.now(UTC)
 
@@ -404,7 +404,7 @@ near_valid = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.one_of(near_valid, json_values))
 def test_no_request_body_gets_a_500(client, body):
     response = client.post("/get-online-features", json=body)
@@ -413,7 +413,7 @@ def test_no_request_body_gets_a_500(client, body):
         assert response.json()["detail"]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     body=st.one_of(
         st.fixed_dictionaries(
@@ -543,7 +543,7 @@ def test_nan_and_infinity_are_told_apart_from_missing(tmp_path, redis_url, monke
     assert body["results"][1]["statuses"] == ["PRESENT"] * 3 + ["NULL_VALUE", "NOT_FOUND"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     columns=st.lists(
         st.lists(
@@ -581,7 +581,7 @@ def test_the_fast_rest_encoding_equals_the_reference(columns, missing_times):
     assert response.to_rest_json(dumps) == dumps(response.to_rest())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     durations=st.lists(
         st.one_of(

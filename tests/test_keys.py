@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from featurestore.errors import RequestError
 
+from .conftest import examples
+
 NOW = datetime.now(UTC).replace(microsecond=0)
 TS = pa.timestamp("us", tz="UTC")
 WHEN = datetime(2024, 5, 1, 12, 30, 0, 123456, tzinfo=UTC)
@@ -134,7 +136,7 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
     )
 
     @settings(
-        max_examples=max(10, settings.default.max_examples // 6),
+        max_examples=examples(25),
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
@@ -191,7 +193,7 @@ def test_random_keys_values_and_corrections_agree_online_and_offline(pushed_stor
     check()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.one_of(
         st.tuples(

@@ -199,14 +199,18 @@ def test_concurrent_writers_store_every_row_exactly_once(backend, trial, tmp_pat
 
 
 _CREATE = """
-import json, sys, time
+import json, sys
 from pathlib import Path
 import pyarrow as pa
 from featurestore.offline.delta import DeltaOfflineStore
 from featurestore.storage import Location
 
-url, options, tables, at = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+url, options, tables, meet = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 store = DeltaOfflineStore(Location.parse(url, Path("."), options))
+def together(step):  # a barrier of files: both writers go on the instant the second arrives
+    (meet / f"{step}-{sys.argv[5]}").touch()
+    while len(list(meet.glob(f"{step}-*"))) < 2:
+        pass
 rows = pa.table({
     "k": pa.array(range(10), pa.int64()),
     "event_timestamp": pa.array([1_700_000_000_000_000] * 10, pa.timestamp("us", tz="UTC")),
@@ -216,8 +220,7 @@ rows = pa.table({
 })
 for t in range(tables):  # ``append``'s steps, both writers committing at the same instant
     actions = store.write_files(f"t{t}", store.new_rows(f"t{t}", rows, None))
-    while time.time() < at + t:
-        pass
+    together(t)
     store.commit(f"t{t}", actions, rows.schema, None)
 """
 
@@ -228,11 +231,12 @@ def test_writers_creating_a_table_at_once_store_each_row_once(backend, tmp_path,
     retries a creation that lost the race as the next version (both creations landed, every row
     twice, in 29 of 30 tries); the loser must instead dedupe against the winner."""
     url, options = _history_at(backend, tmp_path, request)
-    tables, at = 3, time.time() + 4  # (past both interpreters' imports)
-    _run_writers(_CREATE, tmp_path, [[url, options, str(tables), str(at)]] * 2)
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    _run_writers(_CREATE, tmp_path, [[url, options, "3", str(meet), str(writer)] for writer in range(2)])
     store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
     schema = pa.schema([("_row_id", pa.int64())])
-    for t in range(tables):
+    for t in range(3):
         con = duckdb.connect()
         store.register(con, f"t{t}", "t", schema)
         assert sorted(r[0] for r in con.execute("SELECT _row_id FROM t").fetchall()) == list(range(10)), t

@@ -17,6 +17,8 @@ from featurestore.online import packed
 from featurestore.online.codec import EVENT_ID, encode_events
 from featurestore.types import from_name
 
+from .conftest import examples
+
 TILE = 3_600_000_000
 NAMES = ["Int32", "Int64", "Float32", "Float64", "Bool", "UnixTimestamp", "String", "Bytes", "Array(Float64)"]
 US = pa.timestamp("us", tz="UTC")
@@ -89,7 +91,7 @@ block_events = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     events=block_events,
     block=st.integers(-3, 10**6),
@@ -117,7 +119,7 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     events=block_events,
     floats_kind=st.sampled_from(["any", "decimal", "steady"]),
@@ -156,7 +158,7 @@ def test_a_block_gives_the_members_of_the_tiles_asked_decoding_their_rows_only(e
         assert array.base is None or array.base.nbytes == array.nbytes
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.integers(0, 64),
     st.sampled_from([1, 2, packed.SMALL, packed.SMALL + 1, packed.BIT_ROWS_MOST, packed.BIT_ROWS_MOST + 1, 1000]),
@@ -180,7 +182,7 @@ def test_bit_packed_values_read_back(width, n, seed):
     assert read.tolist() == values[cuts[0] : cuts[1]] + values[cuts[2] : cuts[3]] and end == len(blob) - 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.integers(-(2**63), 2**63 - 1),
     st.sampled_from([1, 2, 3, 1000, 10**6, 2**40, 2**62]) | st.integers(1, 2**63),
@@ -300,7 +302,7 @@ _times = st.one_of(
 GRID_ORIGIN = 1_700_000_000_123_456
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.lists(st.tuples(_ids, _times), min_size=1, max_size=30), min_size=1, max_size=5),
     st.sampled_from([1, 1000, 10**6]),

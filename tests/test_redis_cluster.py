@@ -21,7 +21,7 @@ from featurestore import FeatureStore
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster, wait_until
 
-from .conftest import write_repo
+from .conftest import examples, write_repo
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 
@@ -289,7 +289,7 @@ def test_hash_slots_are_redis_pys_for_any_key():
     pieces = st.sampled_from([b"{", b"}", b"{}", b"card_id=7", b"\xff\x00", b"x", b""])
     keys = st.lists(st.lists(pieces | st.binary(max_size=6), max_size=6).map(b"".join), min_size=1, max_size=40)
 
-    @settings(max_examples=200, deadline=None)
+    @settings(max_examples=examples(200), deadline=None)
     @given(keys=keys, cut=st.integers(0, 5))
     def check(keys, cut):
         array = pa.array([b"pad"] * cut + keys, pa.binary()).slice(cut)

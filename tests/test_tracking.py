@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from featurestore.tracking import MetricWriter, Run, compare, curve, lttb, read_metrics, read_run
 
+from .conftest import examples
+
 
 def reference_lttb(data: list[tuple[float, float]], threshold: int) -> list[tuple[float, float]]:
     """The algorithm as published (Steinarsson 2013, fig. 4.4), one point at a time."""
@@ -38,7 +40,7 @@ def reference_lttb(data: list[tuple[float, float]], threshold: int) -> list[tupl
     return sampled
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=3, max_size=400), st.integers(3, 60))
 def test_lttb_matches_the_published_algorithm(values, points):
     xs = list(range(len(values)))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import examples
+
 _RANK = """
 import json, sys
 from datetime import timedelta
@@ -133,7 +135,7 @@ def test_a_gpu_digest_is_the_same_bytes_wherever_they_lie_and_any_changed_word_s
 
     from featurestore.sum64 import copy_sum64, multipliers, sum64
 
-    @settings(max_examples=100, deadline=None)
+    @settings(max_examples=examples(100), deadline=None)
     @given(data=st.binary(min_size=0, max_size=300), flip=st.integers(0, 299), mask=st.integers(1, 255))
     def check(data, flip, mask):
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
@@ -164,7 +166,7 @@ def test_the_plan_cuts_one_aligned_stream_into_buckets_no_larger_than_asked():
 
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
 
-    @settings(max_examples=60, deadline=None)
+    @settings(max_examples=examples(60), deadline=None)
     @given(
         shapes=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, len(dtypes) - 1)), min_size=1, max_size=12),
         bucket=st.sampled_from([16, 48, 1024, 4096]),
