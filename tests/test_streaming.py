@@ -164,15 +164,20 @@ def test_consumers_killed_under_their_default_names_lose_nothing_and_log_each_en
     ]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     rnd = random.Random(7)
-    for _ in range(3):  # killed at random moments, each time under a new default name
+
+    def joined() -> set[bytes]:
+        return {c["name"] for c in client.xinfo_consumers(stream, GROUP)} if client.xinfo_groups(stream) else set()
+
+    for _ in range(3):  # killed at random moments once it has joined, each time under a new default name
+        before = joined()
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.time() + 60
-        while time.time() < deadline and not client.xinfo_groups(stream):
+        deadline = time.time() + 120  # (on a busy machine its start alone may take seconds)
+        while time.time() < deadline and joined() <= before and process.poll() is None:
             time.sleep(0.05)
-        time.sleep(rnd.uniform(1.0, 2.5))
+        time.sleep(rnd.uniform(0.1, 1.0))
         process.send_signal(signal.SIGKILL)
         process.wait()
-    consumers = {c["name"] for c in client.xinfo_consumers(stream, GROUP)}
+    consumers = joined()
     assert len(consumers) >= 2  # every restart joined under another name
     final = subprocess.run([*command, "--until-idle"], env=env, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr[-3000:]

@@ -8,6 +8,12 @@ ahead of its arguments (``EVALSHA sha 0 n key1 … keyn arg1 …``). A cluster n
 over keys of every slot it holds, where declared keys must share one slot (one call per node,
 not per slot); the script body sees ``KEYS`` and ``ARGV`` as if they had been declared. A script
 whose first line is ``-- needs: _<library>.lua`` gets that library's text next (shared functions).
+
+A script that writes ends with ``return garbage_taken_out(result)``: Redis's Lua collects garbage
+incrementally, as later scripts allocate, so the megabytes a large write leaves would be swept
+during the next scripts to run, a lookup's among them (its Redis time several times over, measured
+by ``benchmarks/aggregations.py``'s first lookups after a push). The writer collects instead, once
+the heap holds more than the little a read leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: s
   for i = 1, n do keys[i] = ARGV[i + 1] end
   for i = n + 2, #ARGV do args[i - n - 1] = ARGV[i] end
   KEYS, ARGV = keys, args
+end
+local function garbage_taken_out(result)  -- (a writer's last step: see featurestore/online/lua.py)
+  if collectgarbage('count') > 256 then collectgarbage() end
+  return result
 end
 """
 

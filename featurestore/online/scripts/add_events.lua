@@ -193,4 +193,4 @@ for k = 1, n do
     end
   end
 end
-return added
+return garbage_taken_out(added)

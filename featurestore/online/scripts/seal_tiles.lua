@@ -107,4 +107,4 @@ rewritten(ids, ids_removed, redis.call('HLEN', ids), function()
   redis.call('DEL', ids)
   each_chunk(fields, 4000, function(a, b) redis.call('HSET', ids, unpack(fields, a, b)) end)
 end)
-return done
+return garbage_taken_out(done)

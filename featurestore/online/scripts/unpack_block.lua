@@ -20,4 +20,4 @@ if index then
   index = index_where(index, function(e) return not gone[e] end)
   if index == '' then redis.call('DEL', seen) else redis.call('SET', seen, index, 'KEEPTTL') end
 end
-return 1
+return garbage_taken_out(1)

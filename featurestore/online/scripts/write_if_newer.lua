@@ -35,4 +35,4 @@ for i, key in ipairs(KEYS) do
     end
   end
 end
-return written
+return garbage_taken_out(written)
