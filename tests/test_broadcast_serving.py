@@ -236,6 +236,12 @@ class Requests:
                 score = body["predictions"][0]["score"] if body else 0.0
                 self.seen.append(Answer(index, r.status_code, version, score, sent, time.monotonic()))
 
+    def answered(self, version: int) -> bool:
+        """Whether every replica has answered a request with ``version``."""
+        return all(
+            any(a.replica == i and a.version == version for a in list(self.seen)) for i in range(len(self.threads))
+        )
+
     def finish(self) -> list[Answer]:
         self.stop.set()
         for t in self.threads:
@@ -291,9 +297,9 @@ def test_promotions_reach_every_replica_in_memory_and_a_damaged_bucket_flips_nob
     try:
         _until(lambda: len(source.coordinator._seen) == 2, processes)  # both seated
         load = Requests(replicas)
-        time.sleep(0.5)
+        _until(lambda: load.answered(v1), processes)
         source.promote(v2)
-        _until(lambda: all(r.version() == v2 for r in replicas), processes)
+        _until(lambda: all(r.version() == v2 for r in replicas) and load.answered(v2), processes)
         # a stall shorter than the round's timeout fails nothing (the source's own side had 1 s)
         source.coordinator.tamper = pause
         source.promote(v3)

@@ -380,7 +380,7 @@ from featurestore import Entity, FeatureView, Field, FileSource
 from featurestore.types import Int64
 user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
 item = Entity(name="item", join_keys=["item_id"], value_type=Int64)
-short = FeatureView(name="short", entities=[user], ttl=timedelta(seconds=2),
+short = FeatureView(name="short", entities=[user], ttl=timedelta(seconds=3),
                     source=FileSource(path="data/u.parquet", timestamp_field="ts"), schema=[Field("x", Int64)])
 forever = FeatureView(name="forever", entities=[item], source=FileSource(path="data/i.parquet", timestamp_field="ts"),
                       schema=[Field("x", Int64)])
@@ -405,9 +405,13 @@ forever = FeatureView(name="forever", entities=[item], source=FileSource(path="d
     store.materialize(None, now + timedelta(seconds=1))
     client = store.online_store.client
     user_key = f"fs:{store.config.project}:{{user_id=1}}"
-    assert 0 < client.pttl(user_key) <= 1000
+    expires = (now + timedelta(seconds=2)).timestamp()  # the value's time (now - 1 s) + its ttl
+    before = time.time()
+    left = client.pttl(user_key)
+    after = time.time()
+    assert (expires - after) * 1000 - 5 <= left <= (expires - before) * 1000 + 5  # expires with the value
     assert client.pttl(f"fs:{store.config.project}:{{item_id=1}}") == -1  # no ttl: kept
-    time.sleep(1.2)
+    time.sleep(max(0.0, expires - time.time()) + 0.2)
     assert not client.exists(user_key)
     assert store.get_online_features({"user_id": [1]}, features=["short:x"]).to_rest()["results"][1]["statuses"] == [
         "NOT_FOUND"

@@ -333,7 +333,7 @@ def test_promotion_is_broadcast_to_every_replica(trained):
 
         loop = threading.Thread(target=requests)
         loop.start()
-        time.sleep(0.5)
+        _wait_for(lambda: len(seen) >= 3, servers)  # requests flowing before the swap
         registry.promote("fraud", new, "production")
         for port in ports:
             _wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health").json()["version"] == new, servers)
@@ -341,7 +341,7 @@ def test_promotion_is_broadcast_to_every_replica(trained):
                 f"http://127.0.0.1:{port}/predict", json={"card_id": 1, "merchant_id": 1, "amount": 1.0}
             ).json()
             assert body["model"]["version"] == new
-        time.sleep(0.3)
+        _wait_for(lambda: seen[-1][1] == new, servers)  # and after it
         stop.set()
         loop.join()
         # no request failed during the swap, and none went back to the old version after the new one
