@@ -26,7 +26,8 @@ from featurestore.online.embedded import EmbeddedRedis
 _projects = itertools.count()
 
 # CI runs a few hundred random cases per property; HYPOTHESIS_PROFILE=thorough runs thousands.
-settings.register_profile("ci", max_examples=150)
+CI_EXAMPLES = 150
+settings.register_profile("ci", max_examples=CI_EXAMPLES)
 settings.register_profile("thorough", max_examples=3000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -34,7 +35,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def examples(at_ci: int) -> int:
     """A property's random cases: ``at_ci`` under the ci profile, in proportion under another, so a
     property sized apart from the rest (costlier or cheaper cases) still grows with ``thorough``."""
-    return max(10, at_ci * settings.default.max_examples // 150)
+    return max(10, at_ci * settings.default.max_examples // CI_EXAMPLES)
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ whose first line is ``-- needs: _<library>.lua`` gets that library's text next (
 
 A script that writes ends with ``return garbage_taken_out(result)``: Redis's Lua collects garbage
 incrementally, as later scripts allocate, so the megabytes a large write leaves would be swept
-during the next scripts to run, a lookup's among them (its Redis time several times over, measured
-by ``benchmarks/aggregations.py``'s first lookups after a push). The writer collects instead, once
-the heap holds more than the little a read leaves.
+during the next scripts to run, a lookup's among them (the slowest of them several times their
+usual Redis time). The writer collects instead, once the heap holds more than the little a read
+leaves.
 """
 
 from __future__ import annotations
