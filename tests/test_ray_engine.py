@@ -14,6 +14,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from datetime import UTC
 from pathlib import Path
 
@@ -34,7 +35,7 @@ if importlib.util.find_spec("ray") is None:  # the test extra installs it
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """`ray start` a head and one worker node (separate processes), then attach this process."""
     port = free_port()
     # token authentication, as a shared cluster should run: head, worker and this driver share the token
@@ -45,7 +46,9 @@ def cluster(tmp_path_factory):
 
     env = dict(os.environ)
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    temp = str(tmp_path_factory.mktemp("ray"))
+    # (not under pytest's temp folder: Ray's sockets go in session_<time>_<pid>/sockets/ below it, and a
+    # Unix socket's path has 107 bytes at most, which a worker's folder under xdist went past)
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     head = subprocess.run(
         [
             ray_bin,
@@ -74,6 +77,7 @@ def cluster(tmp_path_factory):
     finally:
         ray.shutdown()
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, env=env)
+        shutil.rmtree(temp, ignore_errors=True)
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
