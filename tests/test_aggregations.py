@@ -840,7 +840,7 @@ def test_bad_aggregations_are_reported(make_store, change, message):
         store.definitions
 
 
-@settings(max_examples=examples(150), deadline=None)
+@settings(deadline=None)
 @given(
     events=st.lists(
         st.tuples(

@@ -231,12 +231,12 @@ def test_writers_creating_a_table_at_once_store_each_row_once(backend, tmp_path,
     retries a creation that lost the race as the next version (both creations landed, every row
     twice, in 29 of 30 tries); the loser must instead dedupe against the winner."""
     url, options = _history_at(backend, tmp_path, request)
-    meet = tmp_path / "meet"
+    tables, meet = 3, tmp_path / "meet"
     meet.mkdir()
-    _run_writers(_CREATE, tmp_path, [[url, options, "3", str(meet), str(writer)] for writer in range(2)])
+    _run_writers(_CREATE, tmp_path, [[url, options, str(tables), str(meet), str(writer)] for writer in range(2)])
     store = DeltaOfflineStore(Location.parse(url, Path("."), json.loads(options)))
     schema = pa.schema([("_row_id", pa.int64())])
-    for t in range(3):
+    for t in range(tables):
         con = duckdb.connect()
         store.register(con, f"t{t}", "t", schema)
         assert sorted(r[0] for r in con.execute("SELECT _row_id FROM t").fetchall()) == list(range(10)), t

@@ -91,7 +91,7 @@ block_events = st.lists(
 )
 
 
-@settings(max_examples=examples(150), deadline=None)
+@settings(deadline=None)
 @given(
     events=block_events,
     block=st.integers(-3, 10**6),
@@ -119,7 +119,7 @@ def test_a_block_gives_back_its_members_byte_for_byte(redis_url, events, block, 
     )
 
 
-@settings(max_examples=examples(150), deadline=None)
+@settings(deadline=None)
 @given(
     events=block_events,
     floats_kind=st.sampled_from(["any", "decimal", "steady"]),

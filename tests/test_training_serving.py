@@ -32,7 +32,7 @@ from featurestore.training.preprocessing import Preprocessor
 from featurestore.training.trainer import TrainConfig, split_time, train
 from serving.inference_server import create_app, load_checked, model_registry
 
-from .conftest import examples, free_port
+from .conftest import free_port
 
 DEFINITIONS = Path(__file__).resolve().parents[1] / "definitions"
 
@@ -408,9 +408,7 @@ def test_no_predict_body_gets_a_500(trained):
 
     with TestClient(create_app(DEFINITIONS, "fraud", "production", log_features=False)) as client:
 
-        @settings(
-            max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-        )
+        @settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
         @given(body=bodies)
         def check(body):
             response = client.post("/predict", json=body)

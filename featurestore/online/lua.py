@@ -23,6 +23,7 @@ import hashlib
 from dataclasses import dataclass
 from importlib import resources
 
+GARBAGE_KB = 256  # the Lua heap a writer may leave for the scripts after it to sweep (``garbage_taken_out``)
 PROLOGUE = """\
 local KEYS, ARGV = KEYS, ARGV
 if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: see featurestore/online/lua.py)
@@ -32,10 +33,10 @@ if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: s
   KEYS, ARGV = keys, args
 end
 local function garbage_taken_out(result)  -- (a writer's last step: see featurestore/online/lua.py)
-  if collectgarbage('count') > 256 then collectgarbage() end
+  if collectgarbage('count') > GARBAGE_KB then collectgarbage() end
   return result
 end
-"""
+""".replace("GARBAGE_KB", str(GARBAGE_KB))
 
 
 @dataclass(frozen=True)
