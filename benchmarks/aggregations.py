@@ -430,8 +430,7 @@ def online(args: argparse.Namespace) -> None:
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
     print(
-        "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids, tile summaries "
-        "and id index):"
+        "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids and tile summaries):"
     )
     print("    events  " + "".join(f"{name:>16}" for name in LAYOUTS) + "   never packed / packed")
     for n, sizes in memory.items():
@@ -495,7 +494,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 store.layout("activity").online_field.encode(),
             )
             assert packed.event_count(client.zrange(key, 0, -1)) == n
-            parts = (key, key + b"|ids", key + b"|tiles", key + b"|seen")
+            parts = (key, key + b"|ids", key + b"|tiles")
             out[n][name] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
     return out
 

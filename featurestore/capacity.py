@@ -291,8 +291,8 @@ def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -
 
 def _parts(events: bytes) -> tuple[bytes, ...]:
     """The keys of an entity's events in one view (``online.codec``): events and blocks, the ids
-    hash, tile summaries, the index of packed ids."""
-    return (events, events + b"|ids", events + b"|tiles", events + b"|seen")
+    hash, tile summaries."""
+    return (events, events + b"|ids", events + b"|tiles")
 
 
 def _size(n: float) -> str:

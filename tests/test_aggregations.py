@@ -811,13 +811,13 @@ def _events_held(client, key: bytes) -> int:
 
 
 def _ids_held(client, key: bytes) -> set[int]:
-    """The event ids an events key keeps writes of: in its ids hash, its index of packed events, or
+    """The event ids an events key keeps writes of: in its ids hash, its blocks' directories, or
     its plain events (a light entity's record of an id's one write)."""
     from featurestore.online import packed
 
     raw = {k for k in client.hkeys(key + b"|ids") if k}
-    raw |= {entry[:8] for entry in packed.index_entries(client.get(key + b"|seen") or b"")}
-    raw |= {m[:8] for m in client.zrange(key, 0, -1) if not packed.is_block(m)}
+    for m in client.zrange(key, 0, -1):
+        raw |= {entry[:8] for entry in packed.recorded_writes(m)} if packed.is_block(m) else {m[:8]}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}
 
 
@@ -1436,6 +1436,71 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     check("resent whole")
 
 
+@settings(
+    max_examples=examples(30),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    batches=st.lists(
+        st.lists(st.tuples(st.integers(0, 4), st.integers(1, 4 * 60)), min_size=1, max_size=12), min_size=1, max_size=4
+    ),
+    pack_late=st.booleans(),
+)
+def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_either_side(
+    activity_store, monkeypatch, batches, pack_late
+):
+    """A packed event's write is recorded by its block's directory only (``_blocks.lua``): a later
+    write of its id less than the dedup window (the longest window, 30 h) from any earlier write
+    of the id is a duplicate, whether that write is packed, plain or itself a duplicate, and one
+    further from all of them a new event, in blocks on either side. Ids reused across 60 h, in
+    batches that pack what they hold whole, then (``pack_late``) packing the late events too:
+    the card holds exactly the events the rule keeps, as a never-packed card does."""
+    from featurestore.online import packed, redis_store
+
+    store = activity_store
+    monkeypatch.undo()  # (hypothesis runs every example in one call: each starts from the originals)
+    monkeypatch.setattr(packed, "PACK_FROM", 1)
+    offset = next(_cards) * 10 + 8_100_000
+    cards = {"packed": offset, "plain": offset + 1}
+    never_pack, client, now = redis_store._blocks, store.online_store.client, datetime.now(UTC).replace(microsecond=0)
+    field = store.layout("activity").online_field.encode()
+    window = timedelta(hours=30)
+    kept: set[tuple[int, datetime]] = set()
+    written: dict[int, list[datetime]] = {}
+    for batch in batches:
+        writes = [(i, now - timedelta(minutes=15 * q)) for i, q in batch]
+        for i, t in writes:
+            if all(abs(t - other) >= window for other in written.get(i, [])):
+                kept.add((i, t))
+            written.setdefault(i, []).append(t)
+        for name, card in cards.items():
+            monkeypatch.setattr(redis_store, "_blocks", never_pack if name == "packed" else lambda *a: [])
+            rows = _frame(
+                [
+                    {"payment_id": i, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": t}
+                    for i, t in writes
+                ]
+            )
+            store.push("payments", rows, to="online")
+            if pack_late and name == "packed":
+                store.pack_online_entities("payments", rows)
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    for name, card in cards.items():
+        held = []
+        for m in client.zrange(b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field), 0, -1):
+            held += packed.recorded_writes(m) if packed.is_block(m) else [m[:16]]
+        as_events = {
+            (
+                int.from_bytes(w[:8], "big") ^ (1 << 63),
+                epoch + timedelta(microseconds=int.from_bytes(w[8:], "big") - (1 << 63)),
+            )
+            for w in held
+        }
+
+        assert len(held) == len(as_events) and as_events == kept, name
+
+
 def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write(activity_store, monkeypatch):
     """Events pushed one at a time into the same ended blocks stay plain (no write holds a whole
     block); ``pack_online`` (``featurestore compact``) packs them, lookups unchanged, and packs
@@ -1661,7 +1726,8 @@ def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(
     block = [event(card, card * 100 + i, 0) for i in range(store.online_store.pack_from())]
     plain = [event(card, card * 100 + 50 + i, 2 + 2 * i) for i in range(3)]
     push(block + plain)
-    assert packed.event_count(client.zrange(key, 0, -1)) == len(block) + 3 and client.exists(key + b"|seen")
+    members = client.zrange(key, 0, -1)
+    assert packed.event_count(members) == len(block) + 3 and any(packed.is_block(m) for m in members)
     assert hashed(key) == {e["payment_id"] for e in plain}
     push(copies(plain))
     assert packed.event_count(client.zrange(key, 0, -1)) == len(block) + 3

@@ -79,8 +79,7 @@ def test_capacity_measures_each_layout_of_the_repos_own_keys(repo):
         hashes = [k for k in keys_before if k.endswith(b"}")]
         hash_bytes = sum(client.memory_usage(k, samples=0) for k in hashes) / len(hashes)
         event_bytes = sum(
-            sum(client.memory_usage(part, samples=0) or 0 for part in (k, k + b"|ids", k + b"|tiles", k + b"|seen"))
-            for k in events
+            sum(client.memory_usage(part, samples=0) or 0 for part in (k, k + b"|ids", k + b"|tiles")) for k in events
         ) / len(events)
     layouts = {c.name: c for c in measured.layouts}
     assert set(layouts) == {"latest values (card_id)", "activity events"}

@@ -270,23 +270,9 @@ def test_typical_events_pack_small():
     members = encode_events(table, features, ids).to_pylist()
     blob = packed.pack(members, features, TILE)
     assert packed.unpack(blob, features) == members
-    assert len(blob) / n < 10, len(blob) / n  # against 33 bytes a plain member
-
-
-INDEX_HARNESS = """
-local op, index = ARGV[1], ARGV[2]
-if op == 'add' then
-  local entries = {}
-  for at = 1, #ARGV[3], 16 do entries[#entries + 1] = string.sub(ARGV[3], at, at + 15) end
-  return with_entries(index, entries)
-elseif op == 'writes' then return id_writes(index, ARGV[3])
-elseif op == 'after' then return index_after(index, tonumber(ARGV[3]))
-else
-  local gone = {}
-  for at = 1, #ARGV[3], 16 do gone[string.sub(ARGV[3], at, at + 15)] = true end
-  return index_where(index, function(e) return not gone[e] end)
-end
-"""
+    # against 33 bytes a plain member (and its id's record in the ids hash): the directory takes
+    # 2 bytes of id and 5 of µs an event, the amount about 2
+    assert len(blob) / n < 11, len(blob) / n
 
 
 def _entry(event_id: int, us: int) -> bytes:
@@ -294,43 +280,27 @@ def _entry(event_id: int, us: int) -> bytes:
 
 
 _ids = st.one_of(st.integers(0, 300), st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 2**32, 2**40 + 7]))
-_times = st.one_of(
-    st.integers(1_700_000_000_000_000, 1_700_000_000_000_000 + 2**41),  # wider than 5 bytes of room
-    st.integers(-(2**52), 2**52),
-    st.just(1_700_000_000_000_000),
-)
-GRID_ORIGIN = 1_700_000_000_123_456
 
 
 @settings(max_examples=examples(60), deadline=None)
 @given(
-    st.lists(st.lists(st.tuples(_ids, _times), min_size=1, max_size=30), min_size=1, max_size=5),
+    st.lists(st.tuples(_ids, st.integers(0, packed.BLOCK_TILES * TILE - 1)), min_size=1, max_size=40, unique=True),
+    st.integers(-(2**16), 2**16),  # (µs within ±2^53: Lua numbers are doubles)
     st.sampled_from([1, 1000, 10**6]),
-    st.booleans(),
-    st.data(),
+    st.lists(_ids, max_size=5),
 )
-def test_the_id_index_answers_as_the_sorted_entries_it_holds(redis_url, batches, grid, last_off_grid, data):
-    """``_blocks.lua``'s id index (ids with a shared prefix, times from a base in whole seconds, ms
-    or µs, in as few bytes as fit) against a plain sorted set of 16-byte entries: adds that fit
-    its layout and adds that make it be written anew (an id outside the prefix, a time before the
-    base, past its room or off its unit), the writes of an id (known, unknown, sharing a prefix),
-    trimming by time, removing entries."""
-    batches = [
-        [(i, t if last_off_grid and k == len(batches) - 1 else t - (t - GRID_ORIGIN) % grid) for i, t in batch]
-        for k, batch in enumerate(batches)
-    ]
-    run = lambda *args: _lua(redis_url, INDEX_HARNESS, *args)  # noqa: E731
-    index, reference = b"", set()
-    for batch in batches:
-        entries = [_entry(i, t) for i, t in batch]
-        index = run("add", index, b"".join(entries))
-        reference |= set(entries)
-        assert packed.index_entries(index) == sorted(reference)
-    ids = {e[:8] for e in reference} | {_entry(i, 0)[:8] for i in data.draw(st.lists(_ids, max_size=5))}
-    for event_id in ids:
-        assert run("writes", index, event_id) == b"".join(e[8:] for e in sorted(reference) if e[:8] == event_id)
-    cut = data.draw(st.sampled_from(sorted(int.from_bytes(e[8:], "big") - (1 << 63) for e in reference)))
-    after = run("after", index, cut)
-    assert packed.index_entries(after) == sorted(e for e in reference if int.from_bytes(e[8:], "big") - (1 << 63) > cut)
-    gone = data.draw(st.sets(st.sampled_from(sorted(reference))))
-    assert packed.index_entries(run("where", index, b"".join(gone))) == sorted(reference - gone)
+def test_a_blocks_directory_gives_the_writes_of_each_id(redis_url, writes, block, grid, others):
+    """``_blocks.lua`` finds an id's writes in a block's directory (ids sharing a prefix or not, one
+    id written at several times, equal times, times in whole seconds, ms or µs, blocks before and
+    after 1970), as the events the block holds say, and none for an id it lacks; the block still
+    gives its members back byte for byte."""
+    start = block * packed.BLOCK_TILES * TILE
+    writes = sorted({(i, start + t // grid * grid) for i, t in writes})
+    events = [(t, i, None, None, None) for i, t in writes]
+    members, features = _members(events, "any", False)
+    blob = packed.pack(members, features, TILE)
+    assert packed.unpack(blob, features) == members
+    entries = sorted(_entry(i, t) for i, t in writes)
+    for event_id in {e[:8] for e in entries} | {_entry(i, 0)[:8] for i in others}:
+        found = _lua(redis_url, "return id_writes(block_directory(ARGV[1]), ARGV[2])", blob, event_id)
+        assert found == b"".join(e[8:] for e in entries if e[:8] == event_id)

@@ -24,9 +24,8 @@ Events of an aggregated view live beside the hash, under the same hash tag::
     fs:<project>:{card_id=42}:ev:<view>         sorted set: events scored by event µs, and blocks
                                                 packing ended tiles' events (``online.packed``)
     fs:<project>:{card_id=42}:ev:<view>|ids     hash: event id (8 bytes) → the µs of its writes; a light
-                                                entity's events record their own (``_blocks.lua``)
-    fs:<project>:{card_id=42}:ev:<view>|seen    string: the ids and µs of packed events, sorted, each stored
-                                                short (``online.packed.index_entries``)
+                                                entity's events and a block's directory record their
+                                                own (``_blocks.lua``)
     fs:<project>:{card_id=42}:ev:<view>|tiles   hash: tile number → sealed summary (``aggregation.tiles``)
 
 An event is its 8-byte id (sign-flipped big-endian), its event µs (likewise), then the value

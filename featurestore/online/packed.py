@@ -7,11 +7,13 @@ Redis, most of it Redis's own bookkeeping per member. Tiles are grouped in block
 the block's first tile, so a range read that reaches any of its tiles returns it
 (``block_range``); as more of its tiles end it is packed again with their events. A block holds
 exactly the members it replaced: ``unpack`` gives them back byte for byte, so everything
-downstream of a read is unchanged. Inside, columns:
+downstream of a read is unchanged. Inside:
 
-- event ids, times, integers and timestamps: frame-of-reference bit packing of the values or of
-  their deltas, whichever is smaller, divided by their common factor (times in whole ms or
-  seconds take 10 or 20 bits less an event);
+- a directory of the events' ids and µs, sorted by id (``directory``): it is also the record the
+  duplicate rule reads (``scripts/_blocks.lua``), so an id is stored once; the rows of the other
+  sections are its entries in (µs, id) order;
+- integers and timestamps: frame-of-reference bit packing of the values or of their deltas,
+  whichever is smaller, divided by their common factor;
 - floats: as decimals (``v == k / 10**e`` exactly, for the smallest such ``e``) bit-packed, else
   XOR with the previous value's bits keeping the bytes between its leading and trailing zero
   bytes (Gorilla's idea, bytewise), else raw: NaN payloads, ±inf and -0.0 round-trip exactly;
@@ -20,9 +22,8 @@ downstream of a read is unchanged. Inside, columns:
 
 Layout: ``BLOCK_MARK`` (16 bytes: an event's bytes 8–16 are its µs, never all ones), version,
 block number (int64), which of its tiles hold events (uint32, bit i for tile i), the width of a
-count (1 or 2 bytes), the events of each tile holding some (read by ``seal_tiles.lua``), then
-the sections. Redis never decodes the rest: a block's event ids and times are also in the
-events' id index (``index_entries``), for the duplicate rule.
+count (1 or 2 bytes), the events of each tile holding some (read by ``seal_tiles.lua``), the
+directory (read by ``add_events.lua``), then the other sections, which Redis never decodes.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ PACK_FROM = 16  # events a block needs before it takes less memory than they do 
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 SPARSE_PACK_FROM = 2  # events a block needs in a sorted set past its compact encoding (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
-_VERSION = 3
+_VERSION = 4
 _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
@@ -116,24 +117,13 @@ def event_count(members: Sequence[bytes]) -> int:
     return sum(sum(_header(m)[3]) if is_block(m) else 1 for m in members)
 
 
-def index_entries(index: bytes) -> list[bytes]:
-    """The entries of an id index (``events|seen``, written by ``scripts/_blocks.lua``), each an
-    event's 8-byte id and 8-byte µs as its member starts, sorted. Stored: the length ``p`` of the
-    prefix all ids share, the prefix, the width ``w`` of a time, the exponent ``e`` of its unit
-    (10^e µs), the earliest µs (8 bytes), then per entry the id's last ``8 - p`` bytes and its µs
-    less the earliest, in units, in ``w`` bytes."""
-    if not index:
-        return []
-    p = index[0]
-    prefix, w, unit = index[1 : p + 1], index[p + 1], 10 ** index[p + 2]
-    base = int.from_bytes(index[p + 3 : p + 11], "big")
-    width, at = 8 - p + w, p + 11
-    return [
-        prefix
-        + index[i : i + 8 - p]
-        + (base + unit * int.from_bytes(index[i + 8 - p : i + width], "big")).to_bytes(8, "big")
-        for i in range(at, len(index), width)
-    ]
+def recorded_writes(blob: bytes) -> list[bytes]:
+    """The writes a block's directory records, as the duplicate rule reads them: each event's
+    8-byte id and 8-byte µs as its member starts, in (time, id) order."""
+    _, _, _, counts, at = _header(blob)
+    ids, times, _ = _read_directory(memoryview(blob), at, sum(counts))
+    stamps = times.view(_U64) ^ _U64(1 << 63)
+    return [i.to_bytes(8, "big") + t.to_bytes(8, "big") for i, t in zip(ids.tolist(), stamps.tolist())]
 
 
 def holds_at_least(members: Sequence[bytes], events: int) -> bool:
@@ -207,8 +197,7 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
         _HEAD.pack(BLOCK_MARK, _VERSION, block, held, width),
         _held_tiles(held, width)[1].pack(*filter(None, counts)),
     ]
-    out.append(_ints(heads["id"].astype(_U64).view(np.int64)))
-    out.append(_ints(times))
+    out.append(directory(heads["id"].astype(_U64), times))
     nulls = np.ascontiguousarray(heads["nulls"])
     out.append(b"\x01" + nulls.tobytes() if nulls.any() else b"\x00")
     for k, (_, dtype) in enumerate(features):
@@ -306,9 +295,9 @@ def _decode(blob: bytes, features: tuple[tuple[str, DType], ...], rows: Runs | N
     head = _head_dtype(features)
     heads = np.zeros(n if rows is None else sum(stop - first for first, stop in rows), dtype=head)
     view = memoryview(blob)
-    ids, at = _read_ints(view, at, n, rows)
-    heads["id"] = ids.view(_U64)
-    times, at = _read_ints(view, at, n, rows)
+    ids, times, at = _read_directory(view, at, n)
+    times = _take(times, rows)
+    heads["id"] = _take(ids, rows)
     heads["time"] = times.view(_U64) ^ _U64(1 << 63)
     if blob[at]:
         width = head["nulls"].itemsize
@@ -332,6 +321,56 @@ def _take(values: np.ndarray, rows: Runs | None) -> np.ndarray:
     if rows is None:
         return values
     return np.concatenate([values[first:stop] for first, stop in rows])
+
+
+# the directory: each event's id and µs, sorted by id (Redis finds an id's writes in it)
+
+_LENGTH = struct.Struct(">I")
+
+
+def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
+    """The directory of events with ``ids`` (uint64: their 8 bytes big-endian) at ``times`` (µs),
+    as ``scripts/_blocks.lua`` reads it: its length (4 bytes), the length ``p`` of the prefix all
+    ids share, the prefix, the width ``w`` of a time, the exponent ``e`` of its unit (10^e µs:
+    whole seconds, ms, else µs), the earliest µs (8 bytes, sign-flipped), then per event sorted
+    by (id, µs) the id's last ``8 - p`` bytes and its µs less the earliest, in units, in ``w``
+    bytes. Fixed-width entries, so a script finds an id by binary search; the rows of the other
+    sections are the entries in (µs, id) order."""
+    order = np.lexsort((times, ids))  # (stable: rows of equal id and µs keep their order)
+    ids, times = ids[order], times[order]
+    n, low = len(ids), int(times.min())
+    p = 8 - ((int(ids[0]) ^ int(ids[-1])).bit_length() + 7) // 8
+    offsets = (times - low).view(_U64)
+    exponent = next(e for e in (6, 3, 0) if not (offsets % _U64(10**e)).any())
+    units = offsets // _U64(10**exponent)
+    w = max(1, (int(units.max()).bit_length() + 7) // 8)
+    entries = np.hstack([_big_endian(ids)[:, p:], _big_endian(units)[:, 8 - w :]])
+    head = bytes([p]) + int(ids[0]).to_bytes(8, "big")[:p] + bytes([w, exponent]) + (low + (1 << 63)).to_bytes(8, "big")
+    body = head + entries.tobytes()
+    return _LENGTH.pack(len(body)) + body
+
+
+def _big_endian(values: np.ndarray) -> np.ndarray:
+    return values.astype(">u8").view(np.uint8).reshape(-1, 8)
+
+
+def _read_directory(view: memoryview, at: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The ids (uint64) and µs (int64) of a block's ``n`` rows, in row order, and where its directory ends."""
+    (length,) = _LENGTH.unpack_from(view, at)
+    at += _LENGTH.size
+    p = view[at]
+    w, exponent = view[at + 1 + p], view[at + 2 + p]
+    low = int.from_bytes(view[at + 3 + p : at + 11 + p], "big") - (1 << 63)
+    grid = np.frombuffer(view, np.uint8, n * (8 - p + w), at + 11 + p).reshape(n, 8 - p + w)
+    id_bytes = np.zeros((n, 8), np.uint8)
+    id_bytes[:, :p] = np.frombuffer(view, np.uint8, p, at + 1)
+    id_bytes[:, p:] = grid[:, : 8 - p]
+    unit_bytes = np.zeros((n, 8), np.uint8)
+    unit_bytes[:, 8 - w :] = grid[:, 8 - p :]
+    ids = id_bytes.view(">u8").ravel().astype(_U64)
+    times = unit_bytes.view(">u8").ravel().astype(np.int64) * 10**exponent + low
+    rows = np.lexsort((ids, times))
+    return ids[rows], times[rows], at + length
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed

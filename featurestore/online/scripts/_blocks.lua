@@ -1,19 +1,17 @@
--- Shared by the scripts that say they need it: packed blocks (featurestore/online/packed.py) and
--- the id index of their events. A block is one sorted-set member holding the events of the
--- ended tiles among the BLOCK_TILES tiles it covers, scored at its first tile's start; bytes 9-16
--- of an event are its µs, of a block all ones.
+-- Shared by the scripts that say they need it: packed blocks (featurestore/online/packed.py). A
+-- block is one sorted-set member holding the events of the ended tiles among the BLOCK_TILES
+-- tiles it covers, scored at its first tile's start; bytes 9-16 of an event are its µs, of a
+-- block all ones.
 --
--- The index (key events|seen) lists each packed event's id and µs (an event's bytes 1-16), sorted
--- by id then µs: the duplicate rule finds an id's writes there by binary search once its event is
--- packed (the ids hash then no longer holds it, unless the id has other writes). Entries are
--- stored short and fixed in width (so the search stays a binary search): the header is the
+-- A block's directory lists each of its events' id and µs (an event's bytes 1-16), sorted by id
+-- then µs: the duplicate rule finds an id's packed writes there by binary search (the ids hash
+-- then no longer holds an id whose one write is a packed event), so a block lives as long as its
+-- events' writes are needed. Entries are stored short and fixed in width: the header is the
 -- length p of the prefix every id shares, that prefix, the width w of a time, the exponent e of
--- the unit of times (10^e µs: 6 when every time lies whole seconds from the earliest, 3 for whole
--- ms, else 0) and the 8 bytes of the earliest µs; each entry is then the id's last 8 - p bytes and
--- its µs less the earliest in units, in w bytes (12 days of room at least before a new entry makes
--- the index be written anew, as one off the unit does).
+-- the unit of times (10^e µs) and the 8 bytes of the earliest µs; each entry is then the id's
+-- last 8 - p bytes and its µs less the earliest in units, in w bytes.
 --
--- A light entity's events (none packed, at most LIGHT_MOST members) are the record of their ids'
+-- A light entity's events (no block, at most LIGHT_MOST members) are the record of their ids'
 -- writes where an id has just the one: its ids hash holds only the ids with other writes (a key
 -- and ~20 bytes an event less). Every other entity's ids hash holds the ids of all its plain
 -- events (``heavier`` records them as an entity stops being light). A write to a light entity
@@ -38,6 +36,13 @@ local function block_events(member, tile_in_block)  -- a block's events in its t
   local before = 0  -- tiles holding events before this one
   for i = 0, tile_in_block - 1 do before = before + math.floor(held / 2 ^ i) % 2 end
   return (struct.unpack(width == 1 and '>I1' or '>I2', member, 31 + width * before))
+end
+local function block_directory(member)  -- a block's directory of its events' ids and µs
+  local held, width = struct.unpack('>I4B', member, 26)
+  local tiles = 0
+  for i = 0, BLOCK_TILES - 1 do tiles = tiles + math.floor(held / 2 ^ i) % 2 end
+  local at = 31 + width * tiles
+  return string.sub(member, at + 4, at + 3 + struct.unpack('>I4', member, at))
 end
 local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: -1, 0 or 1
   local k = 0  -- (by 8 bytes, then 4, then 1: Lua compares strings by locale)
@@ -73,41 +78,7 @@ local function entry(index, l, i)  -- entry i (from 0) as 16 bytes: id, then sta
   local at = l.at + i * l.width
   return l.prefix .. string.sub(index, at, at + 7 - l.p) .. stamp_of(entry_us(index, l, at))
 end
-local function entries_of(index)  -- every entry as 16 bytes, in order
-  if index == '' then return {} end
-  local l, out = layout(index), {}
-  for i = 0, l.n - 1 do out[#out + 1] = entry(index, l, i) end
-  return out
-end
-local function short(l, e)  -- a 16-byte entry in layout l, or nil where it does not fit
-  if string.sub(e, 1, l.p) ~= l.prefix then return nil end
-  local offset = micros(e, 9) - l.base  -- (math.fmod is exact)
-  if offset < 0 or offset >= l.unit * 256 ^ l.w or math.fmod(offset, l.unit) ~= 0 then return nil end
-  return string.sub(e, l.p + 1, 8) .. string.sub(struct.pack('>I8', offset / l.unit), 9 - l.w)
-end
-local function index_of_entries(entries)  -- sorted, distinct 16-byte entries as an index
-  if #entries == 0 then return '' end
-  local first, last = entries[1], entries[#entries]
-  local p = 0
-  while p < 8 and string.byte(first, p + 1) == string.byte(last, p + 1) do p = p + 1 end
-  local low, high = micros(first, 9), micros(first, 9)
-  for _, e in ipairs(entries) do
-    local us = micros(e, 9)
-    if us < low then low = us end
-    if us > high then high = us end
-  end
-  local exponent = 6  -- (the unit: whole seconds, else ms, else µs)
-  for _, e in ipairs(entries) do
-    while exponent > 0 and math.fmod(micros(e, 9) - low, 10 ^ exponent) ~= 0 do exponent = exponent - 3 end
-  end
-  local unit, w = 10 ^ exponent, 1
-  while w < 8 and (unit * 256 ^ w < 2 ^ 40 or high - low >= unit * 256 ^ w) do w = w + 1 end
-  local l = {p = p, prefix = string.sub(first, 1, p), w = w, unit = unit, base = low}
-  local parts = {string.char(p) .. l.prefix .. string.char(w, exponent) .. stamp_of(low)}
-  for _, e in ipairs(entries) do parts[#parts + 1] = short(l, e) end
-  return table.concat(parts)
-end
-local function id_writes(index, id)  -- the µs (8 bytes each) of id's packed events
+local function id_writes(index, id)  -- the µs (8 bytes each) of id's events in a directory
   local l = layout(index)
   if string.sub(id, 1, l.p) ~= l.prefix then return '' end
   local tail, length = string.sub(id, l.p + 1), 8 - l.p
@@ -123,69 +94,11 @@ local function id_writes(index, id)  -- the µs (8 bytes each) of id's packed ev
   end
   return out
 end
-local function sorted_entries(entries)  -- 16-byte entries sorted (on their numbers: a comparator unpacking them costs 3x)
-  local keyed = {}
-  for k, e in ipairs(entries) do
-    local a1, a2, a3, a4 = struct.unpack('>I4I4I4I4', e)
-    keyed[k] = {a1, a2, a3, a4, e}
+local function any_block(members)
+  for _, m in ipairs(members) do
+    if is_block(m) then return true end
   end
-  table.sort(keyed, function(x, y)
-    if x[1] ~= y[1] then return x[1] < y[1] end
-    if x[2] ~= y[2] then return x[2] < y[2] end
-    if x[3] ~= y[3] then return x[3] < y[3] end
-    return x[4] < y[4]
-  end)
-  local out = {}
-  for k, x in ipairs(keyed) do out[k] = x[5] end
-  return out
-end
-local function with_entries(index, entries)  -- the index with entries (16 bytes each) added
-  entries = sorted_entries(entries)
-  local l = index ~= '' and layout(index)
-  local shorts, fit = {}, l and true
-  for _, e in ipairs(entries) do
-    local e_short = fit and short(l, e)
-    if e_short then shorts[#shorts + 1] = e_short else fit = false end
-  end
-  if not fit then  -- (one does not fit, or the index is new: it is written anew)
-    local all, distinct = entries_of(index), {}
-    for _, e in ipairs(entries) do all[#all + 1] = e end
-    all = sorted_entries(all)
-    for _, e in ipairs(all) do
-      if e ~= distinct[#distinct] then distinct[#distinct + 1] = e end
-    end
-    return index_of_entries(distinct)
-  end
-  local parts, from, last = {string.sub(index, 1, l.at - 1)}, 0, nil
-  for _, e in ipairs(shorts) do  -- (sorted as their entries: the same order)
-    local lo, hi = from, l.n
-    while lo < hi do
-      local mid = math.floor((lo + hi) / 2)
-      if compare(index, l.at + mid * l.width, e, 1, l.width) < 0 then lo = mid + 1 else hi = mid end
-    end
-    parts[#parts + 1] = string.sub(index, l.at + from * l.width, l.at + lo * l.width - 1)
-    if (lo == l.n or compare(index, l.at + lo * l.width, e, 1, l.width) ~= 0) and e ~= last then
-      parts[#parts + 1] = e
-    end
-    from, last = lo, e
-  end
-  parts[#parts + 1] = string.sub(index, l.at + from * l.width)
-  return table.concat(parts)
-end
-local function index_after(index, us)  -- the index without the entries at or before us
-  local l, parts = layout(index), {}
-  for at = l.at, #index, l.width do
-    if entry_us(index, l, at) > us then parts[#parts + 1] = string.sub(index, at, at + l.width - 1) end
-  end
-  if #parts == 0 then return '' end
-  return string.sub(index, 1, l.at - 1) .. table.concat(parts)
-end
-local function index_where(index, keep)  -- the index with only the entries e (16 bytes) where keep(e)
-  local kept = {}
-  for _, e in ipairs(entries_of(index)) do
-    if keep(e) then kept[#kept + 1] = e end
-  end
-  return index_of_entries(kept)
+  return false
 end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end

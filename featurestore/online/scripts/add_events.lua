@@ -10,18 +10,19 @@
 -- the times of its writes (8 bytes each, sign-flipped big-endian: bytes 9-16 of the event), kept a
 -- dedup window beyond the events, so the rule is decided here as writes arrive (retries and
 -- replays never count twice; an id reused further apart is a new event). Once an event is
--- packed into a block its id and time are in the id index instead (events|seen, kept as long),
--- unless the id has other writes: an id the hash lacks is looked up there. A light entity
--- (_blocks.lua) records an id's one write by its event alone: an id the hash lacks is looked up
--- among its few events, which live as long as the ids would. A kept event goes into
+-- packed into a block, the block's directory records its write (_blocks.lua) and the hash drops
+-- the id unless it has other writes: an id's writes are those in the hash and in the directories
+-- of the blocks less than a dedup window away. A light entity (_blocks.lua) records an id's one
+-- write by its event alone: an id the hash lacks is looked up among its few events. Events live
+-- as long as the ids would: they record them. A kept event goes into
 -- the events sorted set (score: its µs; members of one µs sort by id, so a range comes in (time,
 -- id) order); one in an ended tile drops that tile's sealed summary. With verdicts, the history
 -- decides instead: a kept write replaces any other event of its id less than the dedup window
 -- away, a duplicate is removed. Expiry is pushed out to newest + horizon (+ the dedup window for
 -- the ids) + slack whenever newest + horizon passes it, so a stream of events refreshes it (and
 -- trims old events, blocks, write times and summaries) once per slack, not per event. A block
--- goes once its last tile ends before the cutoff, its ids when their writes leave the dedup
--- window. With verdicts, no write may concern a packed event: the writer unpacks first
+-- goes once its last tile ends a dedup window before the cutoff (its directory records writes).
+-- With verdicts, no write may concern a packed event: the writer unpacks first
 -- (``unpack_block.lua``); one that does fails the call before it changes anything.
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -30,43 +31,50 @@ local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local index_of, size_of = {}, {}  -- events key -> its id index, its members: read once a call
-local function packed_index(events)
-  local index = index_of[events]
-  if index == nil then
-    index = redis.call('GET', events .. '|seen') or ''
-    index_of[events] = index
+local span = BLOCK_TILES * tile
+local size_of, members_of = {}, {}  -- events key -> its members' count, its members: read once a call
+local function members(events)
+  if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
+  return members_of[events]
+end
+local directories = {}  -- events key -> block number -> the block's directory ('' for none), read once a call
+local function directory(events, number)
+  local of = directories[events] or {}
+  directories[events] = of
+  if of[number] == nil then
+    local score = fmt(number * span)
+    of[number] = ''
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
+      if is_block(m) then of[number] = block_directory(m) end
+    end
   end
-  return index
+  return of[number]
 end
-local function packed_writes(events, id)  -- µs of id's packed events (8 bytes each)
-  local index = packed_index(events)
-  return index == '' and '' or id_writes(index, id)
-end
-local function is_light(events)  -- no packed events, few members (_blocks.lua)
-  if packed_index(events) ~= '' then return false end
-  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
-  return size_of[events] <= LIGHT_MOST
-end
-local members_of = {}  -- a light entity's events key -> its members, read once a call (a batch writes an entity's events together)
-local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
-  local members = members_of[events]
-  if members == nil then
-    members = redis.call('ZRANGE', events, 0, -1)
-    members_of[events] = members
-  end
+local function packed_writes(events, id, us)  -- µs of id's packed events less than the dedup window from us (8 bytes each)
   local found = ''
-  for _, m in ipairs(members) do
+  for number = math.floor((us - within) / span), math.floor((us + within) / span) do
+    local listed = directory(events, number)
+    if listed ~= '' then found = found .. id_writes(listed, id) end
+  end
+  return found
+end
+local function is_light(events)  -- no block, few members (_blocks.lua)
+  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
+  return size_of[events] <= LIGHT_MOST and not any_block(members(events))
+end
+local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
+  local found = ''
+  for _, m in ipairs(members(events)) do
     if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
   end
   return found
 end
 local function changed(events)  -- events were removed: what was read of them is stale
-  size_of[events], members_of[events] = nil, nil
+  size_of[events], members_of[events], directories[events] = nil, nil, nil
 end
 if verdicts then
   for k = 1, n do
-    if packed_writes(KEYS[k], string.sub(ARGV[6 + n + k], 1, 8)) ~= '' then
+    if packed_writes(KEYS[k], string.sub(ARGV[6 + n + k], 1, 8), tonumber(ARGV[6 + k])) ~= '' then
       return redis.error_reply('PACKED a whole-history write concerns packed events of ' .. KEYS[k] .. ': unpack them first')
     end
   end
@@ -86,12 +94,12 @@ for k = 1, n do
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
   local expire_ms = math.floor(us / 1000) + horizon_ms
   local ids_expire_ms = expire_ms + math.floor(within / 1000)
-  local kept, times
+  local kept, times, hashed
   local light, unrecorded, wrote_ids = is_light(events), false, false
-  local packed = packed_writes(events, id)
-  if packed ~= '' then  -- written before: the hash has every write of the id if it has it, else its packed events do
-    kept = false
-    times = redis.call('HGET', ids, id) or packed
+  local packed = light and '' or packed_writes(events, id, us)
+  if packed ~= '' then  -- written before: its writes are those packed and those in the hash
+    kept, hashed = false, redis.call('HGET', ids, id) or ''
+    times = hashed .. packed
   elseif light then  -- the hash has every write of the id if it has it, else its plain events do
     times = redis.call('HGET', ids, id) or plain_writes(events, id)
     kept = times == ''
@@ -109,7 +117,7 @@ for k = 1, n do
       if other == us then seen = true end
     end
     if not seen or (light and verdicts) then  -- (a light entity's: a resend may remove the events recording them)
-      if not seen then times = times .. stamp end
+      if not seen then times = (hashed or times) .. stamp end  -- (packed writes stay recorded by their blocks)
       redis.call('HSET', ids, id, times)
       wrote_ids = light
     end
@@ -120,8 +128,8 @@ for k = 1, n do
     if kept and redis.call('ZADD', events, us, event) == 1 then
       added, placed = added + 1, true
       size_of[events] = size_of[events] and size_of[events] + 1
-      local members = members_of[events]
-      if members then members[#members + 1] = event end
+      local held = members_of[events]
+      if held then held[#held + 1] = event end
       touched(events, us)
     elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
       changed(events)
@@ -151,31 +159,21 @@ for k = 1, n do
   local grew = light and not light_now
   if grew then heavier(events) end
   if us < cutoff or wrote_ids or grew then extend(ids, ids_expire_ms) end
-  if us >= cutoff and extend(events, light_now and ids_expire_ms or expire_ms) then
-    -- (a light entity's events live as long as its ids: they record them; the summaries' and the
-    -- ids' expiry move with the events')
-    local span = BLOCK_TILES * tile  -- (events, and blocks ended before the cutoff; then the events of the others)
+  if us >= cutoff and extend(events, ids_expire_ms) then
+    -- (events live as long as the ids: a light entity's and the blocks record them; the
+    -- summaries' and the ids' expiry move with the events')
     if light_now then  -- the writes of the events trimmed below stay recorded a dedup window
       record_writes(ids, redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - within), '(' .. ARGV[1]))
     end
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
-    redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(cutoff - span))
-    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - span), '(' .. ARGV[1])) do
+    -- (events and blocks ended a dedup window before the cutoff; then the events before it)
+    local kept_from = cutoff - within - span
+    redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
     end
     changed(events)
-    local seen = events .. '|seen'
-    local index = redis.call('GET', seen)
-    if index then  -- packed ids whose write left the dedup window go
-      index = index_after(index, cutoff - within)
-      index_of[events] = index
-      if index == '' then redis.call('DEL', seen)
-      else
-        redis.call('SET', seen, index)
-        redis.call('PEXPIREAT', seen, string.format('%.0f', ids_expire_ms + slack_ms))
-      end
-    end
     local first_tile = math.floor(cutoff / tile)
     for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
       if tonumber(name) < first_tile then redis.call('HDEL', events .. '|tiles', name) end

@@ -11,16 +11,16 @@
 --   ``featurestore compact``'s covers the block).
 --   'P', block number, k, the SHA-1 of every member scored in the block's first k tiles (in
 --   sorted-set order: a block packed before, events), the block (featurestore/online/packed.py)
---   holding exactly their events: it replaces them. The ids of the events that were plain go to
---   the index; an id whose only write is its event leaves the ids hash. A light entity packed
---   is light no more: the ids hash then records its plain events (``heavier``).
+--   holding exactly their events: it replaces them, and its directory records their writes: an
+--   id whose only write is its event leaves the ids hash. A light entity packed is light no
+--   more: the ids hash then records its plain events (``heavier``).
 local events, tile = KEYS[1], tonumber(ARGV[1])
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('EXISTS', events) == 0 then return 0 end
-local ids, seen = events .. '|ids', events .. '|seen'
-local was_light = redis.call('EXISTS', seen) == 0 and redis.call('ZCARD', events) <= LIGHT_MOST
-local done, i, removed, ids_removed = 0, 2, 0, 0
+local ids = events .. '|ids'
+local was_light = redis.call('ZCARD', events) <= LIGHT_MOST and not any_block(redis.call('ZRANGE', events, 0, -1))
+local done, i, removed, ids_removed, packed_any = 0, 2, 0, 0, false
 while i <= #ARGV do
   if ARGV[i] == 'S' then
     local no = tonumber(ARGV[i + 1])
@@ -54,21 +54,22 @@ while i <= #ARGV do
     if last < now_us then
       local members = redis.call('ZRANGEBYSCORE', events, fmt(first), fmt(last))
       if redis.sha1hex(table.concat(members)) == ARGV[i + 3] then
-        local entries, plain_ids = {}, {}
+        local stamps, plain_ids = {}, {}
         for _, m in ipairs(members) do
           if not is_block(m) then
-            entries[#entries + 1] = string.sub(m, 1, 16)
+            stamps[#stamps + 1] = string.sub(m, 9, 16)
             plain_ids[#plain_ids + 1] = string.sub(m, 1, 8)
           end
         end
         removed = removed + redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
         redis.call('ZADD', events, fmt(first), ARGV[i + 4])
-        if #entries > 0 then
-          local alone = {}  -- ids whose one write is their event: the index holds it now
+        packed_any = true
+        if #plain_ids > 0 then
+          local alone = {}  -- ids whose one write is their event: the block's directory holds it now
           each_chunk(plain_ids, 4000, function(a, b)
             local stored = redis.call('HMGET', ids, unpack(plain_ids, a, b))
             for k = a, b do
-              if stored[k - a + 1] == string.sub(entries[k], 9, 16) then alone[#alone + 1] = plain_ids[k] end
+              if stored[k - a + 1] == stamps[k] then alone[#alone + 1] = plain_ids[k] end
             end
           end)
           if #alone > 0 then
@@ -76,10 +77,6 @@ while i <= #ARGV do
             each_chunk(alone, 4000, function(a, b) redis.call('HDEL', ids, unpack(alone, a, b)) end)
             ids_removed = ids_removed + #alone
           end
-          redis.call('SET', seen, with_entries(redis.call('GET', seen) or '', entries))
-          local ttl = redis.call('PTTL', ids)
-          if ttl <= 0 then ttl = redis.call('PTTL', events) end  -- (a light entity's events live as long as its ids)
-          if ttl > 0 then redis.call('PEXPIRE', seen, ttl) end
         end
         done = done + 1
       end
@@ -87,7 +84,7 @@ while i <= #ARGV do
     i = i + 5
   end
 end
-if was_light and redis.call('EXISTS', seen) == 1 then  -- (its ids then live as long as its events, as they did)
+if was_light and packed_any then  -- (its ids then live as long as its events, as they did)
   heavier(events)
   local ttl = redis.call('PTTL', events)
   if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
