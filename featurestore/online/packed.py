@@ -338,7 +338,7 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
     sections are the entries in (µs, id) order."""
     order = np.lexsort((times, ids))  # (stable: rows of equal id and µs keep their order)
     ids, times = ids[order], times[order]
-    n, low = len(ids), int(times.min())
+    low = int(times.min())
     p = 8 - ((int(ids[0]) ^ int(ids[-1])).bit_length() + 7) // 8
     offsets = (times - low).view(_U64)
     exponent = next(e for e in (6, 3, 0) if not (offsets % _U64(10**e)).any())
