@@ -1446,16 +1446,19 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
         st.lists(st.tuples(st.integers(0, 4), st.integers(1, 4 * 60)), min_size=1, max_size=12), min_size=1, max_size=4
     ),
     pack_late=st.booleans(),
+    open_tile=st.sampled_from([0, 70]),
 )
 def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_either_side(
-    activity_store, monkeypatch, batches, pack_late
+    activity_store, monkeypatch, batches, pack_late, open_tile
 ):
     """A packed event's write is recorded by its block's directory only (``_blocks.lua``): a later
     write of its id less than the dedup window (the longest window, 30 h) from any earlier write
     of the id is a duplicate, whether that write is packed, plain or itself a duplicate, and one
     further from all of them a new event, in blocks on either side. Ids reused across 60 h, in
-    batches that pack what they hold whole, then (``pack_late``) packing the late events too:
-    the card holds exactly the events the rule keeps, as a never-packed card does."""
+    batches that pack what they hold whole, then (``pack_late``) packing the late events too,
+    with or without ``open_tile`` events in the tile not yet ended (a set of many members, whose
+    blocks the script finds one by one): the card holds exactly the events the rule keeps, as a
+    never-packed card does."""
     from featurestore.online import packed, redis_store
 
     store = activity_store
@@ -1468,8 +1471,8 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
     window = timedelta(hours=30)
     kept: set[tuple[int, datetime]] = set()
     written: dict[int, list[datetime]] = {}
-    for batch in batches:
-        writes = [(i, now - timedelta(minutes=15 * q)) for i, q in batch]
+    opening = [(10**6 + k, now + timedelta(microseconds=k)) for k in range(open_tile)]  # (ids of their own)
+    for writes in [opening, *([(i, now - timedelta(minutes=15 * q)) for i, q in batch] for batch in batches)]:
         for i, t in writes:
             if all(abs(t - other) >= window for other in written.get(i, [])):
                 kept.add((i, t))

@@ -32,20 +32,38 @@ local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local span = BLOCK_TILES * tile
+local FEW = 4 * LIGHT_MOST  -- members up to which reading them all costs Redis less than finding blocks one by one
 local size_of, members_of = {}, {}  -- events key -> its members' count, its members: read once a call
+local function size(events)
+  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
+  return size_of[events]
+end
 local function members(events)
   if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
   return members_of[events]
 end
 local directories = {}  -- events key -> block number -> the block's directory ('' for none), read once a call
 local function directory(events, number)
-  local of = directories[events] or {}
-  directories[events] = of
+  local of = directories[events]
+  if of == nil then
+    of = {every = size(events) <= FEW}  -- (every: its blocks are all listed, from all its members)
+    directories[events] = of
+    if of.every then
+      for _, m in ipairs(members(events)) do
+        if is_block(m) then
+          local high, low = struct.unpack('>i4I4', m, 18)
+          of[high * 4294967296 + low] = block_directory(m)
+        end
+      end
+    end
+  end
   if of[number] == nil then
-    local score = fmt(number * span)
     of[number] = ''
-    for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
-      if is_block(m) then of[number] = block_directory(m) end
+    if not of.every then
+      local score = fmt(number * span)
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
+        if is_block(m) then of[number] = block_directory(m) end
+      end
     end
   end
   return of[number]
@@ -59,8 +77,7 @@ local function packed_writes(events, id, us)  -- µs of id's packed events less 
   return found
 end
 local function is_light(events)  -- no block, few members (_blocks.lua)
-  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
-  return size_of[events] <= LIGHT_MOST and not any_block(members(events))
+  return size(events) <= LIGHT_MOST and not any_block(members(events))
 end
 local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
   local found = ''
