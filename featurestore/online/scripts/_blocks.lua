@@ -6,7 +6,9 @@
 -- A block's directory lists each of its events' id and µs (an event's bytes 1-16), sorted by id
 -- then µs: the duplicate rule finds an id's packed writes there by binary search (the ids hash
 -- then no longer holds an id whose one write is a packed event), so a block lives as long as its
--- events' writes are needed. Entries are stored short and fixed in width: the header is the
+-- events' writes are needed. The ids hash's field '' lists the numbers of the entity's blocks
+-- (int64, as in their headers), so a write finds the blocks near its time without reading the sorted set; it also
+-- keeps the hash, and its expiry, once its ids are packed. Entries are stored short and fixed in width: the header is the
 -- length p of the prefix every id shares, that prefix, the width w of a time, the exponent e of
 -- the unit of times (10^e µs) and the 8 bytes of the earliest µs; each entry is then the id's
 -- last 8 - p bytes and its µs less the earliest in units, in w bytes.
@@ -37,6 +39,7 @@ local function block_events(member, tile_in_block)  -- a block's events in its t
   for i = 0, tile_in_block - 1 do before = before + math.floor(held / 2 ^ i) % 2 end
   return (struct.unpack(width == 1 and '>I1' or '>I2', member, 31 + width * before))
 end
+local function block_number(member) return string.sub(member, 18, 25) end  -- (int64: its header's)
 local function block_directory(member)  -- a block's directory of its events' ids and µs
   local held, width = struct.unpack('>I4B', member, 26)
   local tiles = 0
@@ -103,11 +106,23 @@ end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end
 end
-local function has_stamp(times, stamp)  -- whether stamp is one of times' (8 bytes each)
-  for at = 1, #times, 8 do
-    if string.sub(times, at, at + 7) == stamp then return true end
+local function holds(list, item)  -- whether item is one of list's (each as long as it)
+  for at = 1, #list, #item do
+    if string.sub(list, at, at + #item - 1) == item then return true end
   end
   return false
+end
+local function without(list, keep)  -- list (8 bytes an item) with only the items keep(item) is true of
+  local kept = {}
+  for at = 1, #list, 8 do
+    if keep(string.sub(list, at, at + 7)) then kept[#kept + 1] = string.sub(list, at, at + 7) end
+  end
+  return table.concat(kept)
+end
+local function listed_block(events, member)  -- the ids hash lists the block member of events
+  local ids, number = events .. '|ids', block_number(member)
+  local listed = redis.call('HGET', ids, '') or ''
+  if not holds(listed, number) then redis.call('HSET', ids, '', listed .. number) end
 end
 local function record_writes(ids, members)  -- the writes of the plain members into the ids hash
   local writes, order = {}, {}  -- id -> its members' stamps; ids in first-seen order
@@ -126,7 +141,7 @@ local function record_writes(ids, members)  -- the writes of the plain members i
       local recorded = times
       for at = 1, #writes[id], 8 do
         local stamp = string.sub(writes[id], at, at + 7)
-        if not has_stamp(times, stamp) then times = times .. stamp end
+        if not holds(times, stamp) then times = times .. stamp end
       end
       if times ~= recorded then changes[#changes + 1], changes[#changes + 2] = id, times end
     end

@@ -32,7 +32,6 @@ local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local span = BLOCK_TILES * tile
-local FEW = 4 * LIGHT_MOST  -- members up to which reading them all costs Redis less than finding blocks one by one
 local size_of, members_of = {}, {}  -- events key -> its members' count, its members: read once a call
 local function size(events)
   if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
@@ -42,37 +41,28 @@ local function members(events)
   if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
   return members_of[events]
 end
-local directories = {}  -- events key -> block number -> the block's directory ('' for none), read once a call
+local blocks_of, directories = {}, {}  -- events key -> its blocks' numbers (_blocks.lua), number -> directory: read once a call
 local function directory(events, number)
-  local of = directories[events]
-  if of == nil then
-    of = {every = size(events) <= FEW}  -- (every: its blocks are all listed, from all its members)
-    directories[events] = of
-    if of.every then
-      for _, m in ipairs(members(events)) do
-        if is_block(m) then
-          local high, low = struct.unpack('>i4I4', m, 18)
-          of[high * 4294967296 + low] = block_directory(m)
-        end
-      end
-    end
-  end
+  local of = directories[events] or {}
+  directories[events] = of
   if of[number] == nil then
+    local score = fmt(number * span)
     of[number] = ''
-    if not of.every then
-      local score = fmt(number * span)
-      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
-        if is_block(m) then of[number] = block_directory(m) end
-      end
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
+      if is_block(m) then of[number] = block_directory(m) end
     end
   end
   return of[number]
 end
 local function packed_writes(events, id, us)  -- µs of id's packed events less than the dedup window from us (8 bytes each)
+  if blocks_of[events] == nil then blocks_of[events] = redis.call('HGET', events .. '|ids', '') or '' end
   local found = ''
-  for number = math.floor((us - within) / span), math.floor((us + within) / span) do
-    local listed = directory(events, number)
-    if listed ~= '' then found = found .. id_writes(listed, id) end
+  for at = 1, #blocks_of[events], 8 do
+    local number = struct.unpack('>i8', blocks_of[events], at)
+    if (number + 1) * span >= us - within and number * span <= us + within then
+      local listed = directory(events, number)
+      if listed ~= '' then found = found .. id_writes(listed, id) end
+    end
   end
   return found
 end
@@ -87,7 +77,7 @@ local function plain_writes(events, id)  -- µs of id's plain events, in a light
   return found
 end
 local function changed(events)  -- events were removed: what was read of them is stale
-  size_of[events], members_of[events], directories[events] = nil, nil, nil
+  size_of[events], members_of[events], blocks_of[events], directories[events] = nil, nil, nil, nil
 end
 if verdicts then
   for k = 1, n do
@@ -189,6 +179,10 @@ for k = 1, n do
     redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
+    end
+    local listed = redis.call('HGET', ids, '')
+    if listed and listed ~= '' then
+      redis.call('HSET', ids, '', without(listed, function(item) return struct.unpack('>i8', item) * span > kept_from end))
     end
     changed(events)
     local first_tile = math.floor(cutoff / tile)

@@ -63,6 +63,7 @@ while i <= #ARGV do
         end
         removed = removed + redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
         redis.call('ZADD', events, fmt(first), ARGV[i + 4])
+        listed_block(events, ARGV[i + 4])  -- (before its ids leave the hash: the field keeps it)
         packed_any = true
         if #plain_ids > 0 then
           local alone = {}  -- ids whose one write is their event: the block's directory holds it now
@@ -73,7 +74,6 @@ while i <= #ARGV do
             end
           end)
           if #alone > 0 then
-            if #alone == redis.call('HLEN', ids) then redis.call('HSET', ids, '', '') end  -- (the hash keeps its expiry)
             each_chunk(alone, 4000, function(a, b) redis.call('HDEL', ids, unpack(alone, a, b)) end)
             ids_removed = ids_removed + #alone
           end

@@ -5,13 +5,14 @@
 local events, block = KEYS[1], ARGV[1]
 if not redis.call('ZSCORE', events, block) then return 0 end
 redis.call('ZREM', events, block)
-local ids = events .. '|ids'
+local ids, number = events .. '|ids', block_number(block)
+redis.call('HSET', ids, '', without(redis.call('HGET', ids, '') or '', function(item) return item ~= number end))
 for i = 2, #ARGV do
   local event = ARGV[i]
   redis.call('ZADD', events, fmt(micros(event, 9)), event)
   local id, stamp = string.sub(event, 1, 8), string.sub(event, 9, 16)
   local times = redis.call('HGET', ids, id) or ''
-  if not has_stamp(times, stamp) then redis.call('HSET', ids, id, times .. stamp) end
+  if not holds(times, stamp) then redis.call('HSET', ids, id, times .. stamp) end
 end
 local ttl = redis.call('PTTL', events)
 if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
