@@ -1456,9 +1456,8 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
     of the id is a duplicate, whether that write is packed, plain or itself a duplicate, and one
     further from all of them a new event, in blocks on either side. Ids reused across 60 h, in
     batches that pack what they hold whole, then (``pack_late``) packing the late events too,
-    with or without ``open_tile`` events in the tile not yet ended (a set of many members, whose
-    blocks the script finds one by one): the card holds exactly the events the rule keeps, as a
-    never-packed card does."""
+    with or without ``open_tile`` events in the tile not yet ended (plain members beside the
+    blocks): the card holds exactly the events the rule keeps, as a never-packed card does."""
     from featurestore.online import packed, redis_store
 
     store = activity_store

@@ -302,5 +302,5 @@ def test_a_blocks_directory_gives_the_writes_of_each_id(redis_url, writes, block
     assert packed.unpack(blob, features) == members
     entries = sorted(_entry(i, t) for i, t in writes)
     for event_id in {e[:8] for e in entries} | {_entry(i, 0)[:8] for i in others}:
-        found = _lua(redis_url, "return id_writes(block_directory(ARGV[1]), ARGV[2])", blob, event_id)
+        found = _lua(redis_url, "return id_writes(directory(ARGV[1]), ARGV[2])", blob, event_id)
         assert found == b"".join(e[8:] for e in entries if e[:8] == event_id)

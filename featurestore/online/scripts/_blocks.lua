@@ -40,13 +40,6 @@ local function block_events(member, tile_in_block)  -- a block's events in its t
   return (struct.unpack(width == 1 and '>I1' or '>I2', member, 31 + width * before))
 end
 local function block_number(member) return string.sub(member, 18, 25) end  -- (int64: its header's)
-local function block_directory(member)  -- a block's directory of its events' ids and µs
-  local held, width = struct.unpack('>I4B', member, 26)
-  local tiles = 0
-  for i = 0, BLOCK_TILES - 1 do tiles = tiles + math.floor(held / 2 ^ i) % 2 end
-  local at = 31 + width * tiles
-  return string.sub(member, at + 4, at + 3 + struct.unpack('>I4', member, at))
-end
 local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: -1, 0 or 1
   local k = 0  -- (by 8 bytes, then 4, then 1: Lua compares strings by locale)
   while k + 8 <= length do
@@ -67,32 +60,36 @@ local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: 
   end
   return 0
 end
-local function layout(index)  -- {p, prefix, w, unit µs, base µs, first entry's offset, entry width, entries}
-  local p = string.byte(index, 1)
-  local w, e = string.byte(index, p + 2, p + 3)
-  local at, width = p + 12, 8 - p + w
-  return {p = p, prefix = string.sub(index, 2, p + 1), w = w, unit = 10 ^ e, base = micros(index, p + 4),
-          at = at, width = width, n = (#index - at + 1) / width}
+local function directory(block)  -- its directory's layout, read in place: {block, p, prefix, w, unit µs, base µs, first entry's offset, entry width, entries}
+  local held, count_width = struct.unpack('>I4B', block, 26)
+  local tiles = 0
+  for i = 0, BLOCK_TILES - 1 do tiles = tiles + math.floor(held / 2 ^ i) % 2 end
+  local from = 31 + count_width * tiles + 4  -- (past the directory's length)
+  local length, p = struct.unpack('>I4', block, from - 4), string.byte(block, from)
+  local w, e = string.byte(block, from + p + 1, from + p + 2)
+  local at, width = from + p + 11, 8 - p + w
+  return {block = block, p = p, prefix = string.sub(block, from + 1, from + p), w = w, unit = 10 ^ e,
+          base = micros(block, from + p + 3), at = at, width = width, n = (from + length - at) / width}
 end
-local function entry_us(index, l, at)  -- the µs of the entry at offset at
-  return l.base + l.unit * struct.unpack('>I' .. l.w, index, at + 8 - l.p)
+local function entry_us(block, l, at)  -- the µs of the entry at offset at
+  return l.base + l.unit * struct.unpack('>I' .. l.w, block, at + 8 - l.p)
 end
-local function entry(index, l, i)  -- entry i (from 0) as 16 bytes: id, then stamp
+local function entry(block, l, i)  -- entry i (from 0) as 16 bytes: id, then stamp
   local at = l.at + i * l.width
-  return l.prefix .. string.sub(index, at, at + 7 - l.p) .. stamp_of(entry_us(index, l, at))
+  return l.prefix .. string.sub(block, at, at + 7 - l.p) .. stamp_of(entry_us(block, l, at))
 end
-local function id_writes(index, id)  -- the µs (8 bytes each) of id's events in a directory
-  local l = layout(index)
+local function id_writes(l, id)  -- the µs (8 bytes each) of id's events in a directory
+  local block = l.block
   if string.sub(id, 1, l.p) ~= l.prefix then return '' end
   local tail, length = string.sub(id, l.p + 1), 8 - l.p
   local lo, hi = 0, l.n
   while lo < hi do
     local mid = math.floor((lo + hi) / 2)
-    if compare(index, l.at + mid * l.width, tail, 1, length) < 0 then lo = mid + 1 else hi = mid end
+    if compare(block, l.at + mid * l.width, tail, 1, length) < 0 then lo = mid + 1 else hi = mid end
   end
   local out = ''
-  while lo < l.n and compare(index, l.at + lo * l.width, tail, 1, length) == 0 do
-    out = out .. string.sub(entry(index, l, lo), 9, 16)
+  while lo < l.n and compare(block, l.at + lo * l.width, tail, 1, length) == 0 do
+    out = out .. string.sub(entry(block, l, lo), 9, 16)
     lo = lo + 1
   end
   return out

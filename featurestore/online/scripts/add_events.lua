@@ -42,14 +42,14 @@ local function members(events)
   return members_of[events]
 end
 local blocks_of, directories = {}, {}  -- events key -> its blocks' numbers (_blocks.lua), number -> directory: read once a call
-local function directory(events, number)
+local function directory_of(events, number)
   local of = directories[events] or {}
   directories[events] = of
   if of[number] == nil then
     local score = fmt(number * span)
-    of[number] = ''
+    of[number] = false
     for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, score, score)) do
-      if is_block(m) then of[number] = block_directory(m) end
+      if is_block(m) then of[number] = directory(m) end
     end
   end
   return of[number]
@@ -60,8 +60,8 @@ local function packed_writes(events, id, us)  -- µs of id's packed events less 
   for at = 1, #blocks_of[events], 8 do
     local number = struct.unpack('>i8', blocks_of[events], at)
     if (number + 1) * span >= us - within and number * span <= us + within then
-      local listed = directory(events, number)
-      if listed ~= '' then found = found .. id_writes(listed, id) end
+      local listed = directory_of(events, number)
+      if listed then found = found .. id_writes(listed, id) end
     end
   end
   return found
