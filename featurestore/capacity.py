@@ -4,10 +4,10 @@ From a sample of the entities Redis holds: the bytes each layout takes per entit
 (``MEMORY USAGE`` of the entity's keys: its hash of latest values, and per aggregated view its
 events and blocks, event ids and tile summaries), the Redis process's CPU time (``INFO cpu``:
 commands and their network handling) per lookup of one entity (every feature of its views, a
-round trip each, read as a server reads it) and per event written (the sampled events written again under a scratch
-project, then deleted); and what N entities × E events need in memory and nodes. Redis runs
-commands on one core: a node serves about 10⁶ / µs of them a second. Other clients' traffic
-while it measures counts too: measure on a quiet moment.
+round trip each, read as a server reads it) and per event written (the sampled events written
+again under a scratch project, then deleted); and what N entities × E events need in memory and
+nodes. Redis runs commands on one core: a node serves about 10⁶ / µs of them a second. Other
+clients' traffic while it measures counts too: measure on a quiet moment.
 """
 
 from __future__ import annotations

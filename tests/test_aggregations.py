@@ -1499,7 +1499,6 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
             )
             for w in held
         }
-
         assert len(held) == len(as_events) and as_events == kept, name
 
 

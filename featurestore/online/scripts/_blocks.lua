@@ -7,11 +7,12 @@
 -- then µs: the duplicate rule finds an id's packed writes there by binary search (the ids hash
 -- then no longer holds an id whose one write is a packed event), so a block lives as long as its
 -- events' writes are needed. The ids hash's field '' lists the numbers of the entity's blocks
--- (int64, as in their headers), so a write finds the blocks near its time without reading the sorted set; it also
--- keeps the hash, and its expiry, once its ids are packed. Entries are stored short and fixed in width: the header is the
--- length p of the prefix every id shares, that prefix, the width w of a time, the exponent e of
--- the unit of times (10^e µs) and the 8 bytes of the earliest µs; each entry is then the id's
--- last 8 - p bytes and its µs less the earliest in units, in w bytes.
+-- (int64, as in their headers), so a write finds the blocks near its time without reading the
+-- sorted set; it also keeps the hash, and its expiry, once its ids are packed. Entries are
+-- stored short and fixed in width: the header is the length p of the prefix every id shares,
+-- that prefix, the width w of a time, the exponent e of the unit of times (10^e µs) and the 8
+-- bytes of the earliest µs; each entry is then the id's last 8 - p bytes and its µs less the
+-- earliest in units, in w bytes.
 --
 -- A light entity's events (no block, at most LIGHT_MOST members) are the record of their ids'
 -- writes where an id has just the one: its ids hash holds only the ids with other writes (a key
@@ -60,7 +61,9 @@ local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: 
   end
   return 0
 end
-local function directory(block)  -- its directory's layout, read in place: {block, p, prefix, w, unit µs, base µs, first entry's offset, entry width, entries}
+-- a block's directory, read in place: {block, p, prefix, w, unit µs, base µs, first entry's
+-- offset, entry width, entries}
+local function directory(block)
   local held, count_width = struct.unpack('>I4B', block, 26)
   local tiles = 0
   for i = 0, BLOCK_TILES - 1 do tiles = tiles + math.floor(held / 2 ^ i) % 2 end

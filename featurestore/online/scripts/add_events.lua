@@ -41,7 +41,8 @@ local function members(events)
   if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
   return members_of[events]
 end
-local blocks_of, directories = {}, {}  -- events key -> its blocks' numbers (_blocks.lua), number -> directory: read once a call
+-- events key -> its blocks' numbers (_blocks.lua); events key -> block number -> its directory: read once a call
+local blocks_of, directories = {}, {}
 local function directory_of(events, number)
   local of = directories[events] or {}
   directories[events] = of
@@ -54,7 +55,7 @@ local function directory_of(events, number)
   end
   return of[number]
 end
-local function packed_writes(events, id, us)  -- µs of id's packed events less than the dedup window from us (8 bytes each)
+local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's packed events near us
   if blocks_of[events] == nil then blocks_of[events] = redis.call('HGET', events .. '|ids', '') or '' end
   local found = ''
   for at = 1, #blocks_of[events], 8 do
@@ -182,7 +183,8 @@ for k = 1, n do
     end
     local listed = redis.call('HGET', ids, '')
     if listed and listed ~= '' then
-      redis.call('HSET', ids, '', without(listed, function(item) return struct.unpack('>i8', item) * span > kept_from end))
+      local kept_blocks = without(listed, function(item) return struct.unpack('>i8', item) * span > kept_from end)
+      redis.call('HSET', ids, '', kept_blocks)
     end
     changed(events)
     local first_tile = math.floor(cutoff / tile)
