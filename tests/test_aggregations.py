@@ -1447,9 +1447,10 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     ),
     pack_late=st.booleans(),
     open_tile=st.sampled_from([0, 70]),
+    filtered=st.booleans(),
 )
 def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_either_side(
-    activity_store, monkeypatch, batches, pack_late, open_tile
+    activity_store, monkeypatch, batches, pack_late, open_tile, filtered
 ):
     """A packed event's write is recorded by its block's directory only (``_blocks.lua``): a later
     write of its id less than the dedup window (the longest window, 30 h) from any earlier write
@@ -1457,12 +1458,15 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
     further from all of them a new event, in blocks on either side. Ids reused across 60 h, in
     batches that pack what they hold whole, then (``pack_late``) packing the late events too,
     with or without ``open_tile`` events in the tile not yet ended (plain members beside the
-    blocks): the card holds exactly the events the rule keeps, as a never-packed card does."""
+    blocks), with an id filter for every block (``filtered``: a write reads only the blocks whose
+    filter lets its id through) or for none: the card holds exactly the events the rule keeps, as
+    a never-packed card does."""
     from featurestore.online import packed, redis_store
 
     store = activity_store
     monkeypatch.undo()  # (hypothesis runs every example in one call: each starts from the originals)
     monkeypatch.setattr(packed, "PACK_FROM", 1)
+    monkeypatch.setattr(packed, "FILTER_FROM", 1 if filtered else 10**9)
     offset = next(_cards) * 10 + 8_100_000
     cards = {"packed": offset, "plain": offset + 1}
     never_pack, client, now = redis_store._blocks, store.online_store.client, datetime.now(UTC).replace(microsecond=0)
@@ -1500,6 +1504,50 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
             for w in held
         }
         assert len(held) == len(as_events) and as_events == kept, name
+
+
+def test_a_write_reads_only_the_blocks_whose_id_filter_lets_its_id_through(activity_store):
+    """A write reads the blocks near it (``add_events.lua``) only where a block's id filter lets
+    its id through (``packed.id_filter``): new ids that no filter lets through read no block and
+    are added; a retry of a packed event, which its block's filter lets through, is refused."""
+    import numpy as np
+
+    from featurestore.online import packed
+
+    store, client = activity_store, activity_store.online_store.client
+    card = next(_cards) * 10 + 8_300_000
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    now = datetime.now(UTC).replace(microsecond=0)
+
+    def event(i: int, t: datetime) -> dict:
+        return {"payment_id": i, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": t}
+
+    def block_reads() -> int:  # (the script reads a block with ZRANGEBYSCORE at its score)
+        return client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
+
+    old = [event(card * 1000 + i, now - timedelta(hours=29) + i * timedelta(minutes=5)) for i in range(300)]
+    store.push("payments", _frame(old), to="online")
+    store.push("payments", _frame([event(card * 1000 + 300, now)]), to="online")  # (moves expiry: a trim)
+    listed, filters = client.hget(key + b"|ids", b""), []
+    while listed:
+        length = int.from_bytes(listed[8:12], "big")
+        filters.append(np.unpackbits(np.frombuffer(listed[12 : 12 + length], dtype=np.uint8), bitorder="little"))
+        listed = listed[12 + length :]
+    assert len(filters) >= 2 and all(len(f) for f in filters)
+    candidates = np.arange(card * 1000 + 10_000, card * 1000 + 10_200, dtype=np.int64)
+    hashes = packed.filter_hashes(candidates.astype(np.uint64) ^ np.uint64(1 << 63))
+    through = np.any([f[hashes % np.uint64(len(f))].all(axis=1) for f in filters], axis=0)
+    new = [event(int(i), now + timedelta(microseconds=k + 1)) for k, i in enumerate(candidates[~through][:50])]
+    assert len(new) == 50
+    held, before = _events_held(client, key), block_reads()
+    store.push("payments", _frame(new), to="online")
+    assert block_reads() == before and _events_held(client, key) == held + 50
+    store.push("payments", _frame(old[:1]), to="online")
+    assert _events_held(client, key) == held + 50
 
 
 def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write(activity_store, monkeypatch):

@@ -304,3 +304,52 @@ def test_a_blocks_directory_gives_the_writes_of_each_id(redis_url, writes, block
     for event_id in {e[:8] for e in entries} | {_entry(i, 0)[:8] for i in others}:
         found = _lua(redis_url, "return id_writes(directory(ARGV[1]), ARGV[2])", blob, event_id)
         assert found == b"".join(e[8:] for e in entries if e[:8] == event_id)
+
+
+_FILTER_CHECK = """
+local out = {}
+for i = 2, #ARGV do
+  out[#out + 1] = {may_hold(ARGV[1], 1, #ARGV[1], {id_hashes(ARGV[i])}) and 1 or 0, id_hashes(ARGV[i])}
+end
+return out"""
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(_ids, max_size=300), st.lists(_ids, max_size=40))
+def test_a_blocks_id_filter_lets_each_of_its_ids_through(redis_url, ids, others):
+    """A block's id filter (``packed.id_filter``, read by ``_blocks.lua``'s ``may_hold``) lets
+    through every id the block holds, whatever the ids (repeated, sharing a prefix or not, signed
+    extremes), so a write never misses a packed write of its id; Lua hashes an id as Python does,
+    and lets an id through exactly where the filter's bits say so."""
+    held = np.array([(i + (1 << 63)) % (1 << 64) for i in ids], dtype=np.uint64)
+    asked = np.concatenate([held, np.array([(i + (1 << 63)) % (1 << 64) for i in others], dtype=np.uint64)])
+    id_filter = packed.id_filter(held)
+    if not asked.size:
+        return
+    answers = _lua(redis_url, _FILTER_CHECK, id_filter, *(int(i).to_bytes(8, "big") for i in asked))
+    hashes = packed.filter_hashes(asked)
+    assert [a[1:] for a in answers] == hashes.tolist()
+    if len(held) < packed.FILTER_FROM:
+        assert id_filter == b"" and all(a[0] == 1 for a in answers)  # (no filter: every block is read)
+        return
+    bits = np.unpackbits(np.frombuffer(id_filter, dtype=np.uint8), bitorder="little")
+    through = bits[hashes % np.uint64(len(bits))].all(axis=1)
+    assert [a[0] for a in answers] == through.astype(int).tolist()
+    assert through[: len(held)].all()
+
+
+@pytest.mark.parametrize("ids", ["sequential", "random"])
+def test_a_blocks_id_filter_lets_few_new_ids_through(redis_url, ids):
+    """Ids a block lacks get through its filter rarely (a byte an id, three bits set: a few in a
+    hundred), for sequential ids (a new one past all the block holds) as for random ones, so a
+    write of a new id reads few blocks."""
+    rng = np.random.default_rng(7)
+    for n in (packed.FILTER_FROM, 100, 3000):
+        if ids == "sequential":
+            held, new = np.arange(10**6, 10**6 + n), np.arange(10**6 + n, 10**6 + n + 2000)
+        else:
+            held, new = rng.integers(0, 2**62, n), rng.integers(0, 2**62, 2000)
+        id_filter = packed.id_filter(held.astype(np.uint64) ^ np.uint64(1 << 63))
+        asked = (new.astype(np.uint64) ^ np.uint64(1 << 63)).tolist()
+        answers = _lua(redis_url, _FILTER_CHECK, id_filter, *(int(i).to_bytes(8, "big") for i in asked))
+        assert sum(a[0] for a in answers) / len(asked) < 0.08, (n, ids)

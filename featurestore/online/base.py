@@ -57,7 +57,7 @@ class Sealer:
 
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
-EVENTS_LAYOUT = 9  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+EVENTS_LAYOUT = 10  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
 
 EMBEDDED = "embedded"
 CLUSTER_SCHEME = "redis+cluster://"

@@ -350,6 +350,33 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+# the id filter: which ids a block may hold, so that a write of a new id need not read the block
+
+FILTER_FROM = 8  # ids a block needs to get a filter: a smaller one costs a write little more to read
+_FILTER_PRIME = 2**31 - 1
+_FILTER_FACTORS = np.array([[648_113, 521_387], [797_473, 938_351], [574_831, 1_003_441]], dtype=_U64)
+
+
+def filter_hashes(ids: np.ndarray) -> np.ndarray:
+    """Three hashes of each id (uint64: its 8 bytes big-endian), as ``scripts/_blocks.lua``'s
+    ``id_hashes``: (hi · A + lo · B) mod 2^31 − 1 over its 32-bit halves, every product and sum
+    below 2^53 (exact in Lua's doubles)."""
+    halves = ids.astype(">u8").view(">u4").reshape(-1, 2).astype(_U64)
+    return (halves[:, :1] * _FILTER_FACTORS[:, 0] + halves[:, 1:] * _FILTER_FACTORS[:, 1]) % _U64(_FILTER_PRIME)
+
+
+def id_filter(ids: np.ndarray) -> bytes:
+    """A block's id filter, a byte an id (uint64, as ``filter_hashes`` takes them): a Bloom filter
+    setting the bit each hash picks, so an id the block lacks gets through about one time in
+    thirty; none (``b""``) under ``FILTER_FROM`` ids."""
+    if len(ids) < FILTER_FROM:
+        return b""
+    bits = len(ids) * 8
+    held = np.zeros(bits, dtype=bool)
+    held[filter_hashes(ids) % _U64(bits)] = True
+    return np.packbits(held, bitorder="little").tobytes()
+
+
 def _big_endian(values: np.ndarray) -> np.ndarray:
     return values.astype(">u8").view(np.uint8).reshape(-1, 8)
 

@@ -549,7 +549,7 @@ def _pack_groups(
     events or more, or none; of ``packed.SPARSE_PACK_FROM`` where the sorted set holds
     (``sparse``) or gets a member longer than ``limit``, Redis's compact value limit."""
     entries = [_pack_entry(block, raw, events, features, tile_us, least) for block, raw, events in groups]
-    if sparse or any(entry and len(entry[-1]) > limit for entry in entries):
+    if sparse or any(entry and len(entry[4]) > limit for entry in entries):
         entries = [
             entry or _pack_entry(block, raw, events, features, tile_us, packed.SPARSE_PACK_FROM)
             for entry, (block, raw, events) in zip(entries, groups)
@@ -561,7 +561,7 @@ def _pack_entry(
     block: int, raw: list[bytes], events: list[bytes], features: Sequence, tile_us: int, least: int
 ) -> list:
     """The entry packing ``events`` (``least`` or more), which Redis holds as the members ``raw``
-    in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block]``."""
+    in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block, its id filter]``."""
     if len(events) < least:
         return []
     ended = min(packed.BLOCK_TILES, time.time_ns() // 1000 // tile_us - block * packed.BLOCK_TILES)
@@ -569,7 +569,8 @@ def _pack_entry(
         blob = packed.pack(events, features, tile_us)
     except ValueError:  # (a tile too full to count in a block)
         return []
-    return ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob]
+    id_filter = packed.id_filter(np.frombuffer(b"".join(m[:8] for m in events), dtype=">u8"))
+    return ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob, id_filter]
 
 
 def _ended_rows(

@@ -6,9 +6,11 @@
 -- A block's directory lists each of its events' id and µs (an event's bytes 1-16), sorted by id
 -- then µs: the duplicate rule finds an id's packed writes there by binary search (the ids hash
 -- then no longer holds an id whose one write is a packed event), so a block lives as long as its
--- events' writes are needed. The ids hash's field '' lists the numbers of the entity's blocks
--- (int64, as in their headers), so a write finds the blocks near its time without reading the
--- sorted set; it also keeps the hash, and its expiry, once its ids are packed. Entries are
+-- events' writes are needed. The ids hash's field '' lists the entity's blocks, each as its number
+-- (int64, as in its header), the length of its id filter (uint32) and the filter
+-- (``packed.id_filter``), so a write finds the blocks near its time without reading the sorted
+-- set, and reads only those whose filter may hold its id (a new id: about one in thirty). The
+-- field also keeps the hash, and its expiry, once its ids are packed. Entries are
 -- stored short and fixed in width: the header is the length p of the prefix every id shares,
 -- that prefix, the width w of a time, the exponent e of the unit of times (10^e µs) and the 8
 -- bytes of the earliest µs; each entry is then the id's last 8 - p bytes and its µs less the
@@ -41,6 +43,23 @@ local function block_events(member, tile_in_block)  -- a block's events in its t
   return (struct.unpack(width == 1 and '>I1' or '>I2', member, 31 + width * before))
 end
 local function block_number(member) return string.sub(member, 18, 25) end  -- (int64: its header's)
+local FILTER_PRIME = 2147483647
+local function id_hashes(id)  -- packed.filter_hashes: (hi * A + lo * B) mod FILTER_PRIME, exact (< 2^53)
+  local hi, lo = struct.unpack('>I4I4', id)
+  return math.fmod(hi * 648113 + lo * 521387, FILTER_PRIME), math.fmod(hi * 797473 + lo * 938351, FILTER_PRIME),
+         math.fmod(hi * 574831 + lo * 1003441, FILTER_PRIME)
+end
+local function filter_bit(list, at, k)  -- bit k (from 0, least significant first) of the bytes from at
+  return math.floor(string.byte(list, at + math.floor(k / 8)) / 2 ^ (k % 8)) % 2 == 1
+end
+-- whether the filter of `length` bytes at list[at..] may hold an id of these hashes (none: it may)
+local function may_hold(list, at, length, hashes)
+  local bits = length * 8
+  for _, h in ipairs(hashes) do
+    if length > 0 and not filter_bit(list, at, math.fmod(h, bits)) then return false end
+  end
+  return true
+end
 local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: -1, 0 or 1
   local k = 0  -- (by 8 bytes, then 4, then 1: Lua compares strings by locale)
   while k + 8 <= length do
@@ -65,8 +84,8 @@ end
 -- offset, entry width, entries}
 local function directory(block)
   local held, count_width = struct.unpack('>I4B', block, 26)
-  local tiles = 0
-  for i = 0, BLOCK_TILES - 1 do tiles = tiles + math.floor(held / 2 ^ i) % 2 end
+  local tiles = 0  -- (tiles holding events: bits set in held)
+  while held ~= 0 do held, tiles = bit.band(held, held - 1), tiles + 1 end
   local from = 31 + count_width * tiles + 4  -- (past the directory's length)
   local length, p = struct.unpack('>I4', block, from - 4), string.byte(block, from)
   local w, e = string.byte(block, from + p + 1, from + p + 2)
@@ -112,17 +131,19 @@ local function holds(list, item)  -- whether item is one of list's (each as long
   end
   return false
 end
-local function without(list, keep)  -- list (8 bytes an item) with only the items keep(item) is true of
-  local kept = {}
-  for at = 1, #list, 8 do
-    if keep(string.sub(list, at, at + 7)) then kept[#kept + 1] = string.sub(list, at, at + 7) end
+local function unlisted(list, keep)  -- the block list with only the blocks keep(number) is true of
+  local kept, at = {}, 1
+  while at <= #list do
+    local next_at = at + 12 + struct.unpack('>I4', list, at + 8)
+    if keep(string.sub(list, at, at + 7)) then kept[#kept + 1] = string.sub(list, at, next_at - 1) end
+    at = next_at
   end
   return table.concat(kept)
 end
-local function listed_block(events, member)  -- the ids hash lists the block member of events
+local function listed_block(events, member, filter)  -- the ids hash lists the block member of events, with its filter
   local ids, number = events .. '|ids', block_number(member)
-  local listed = redis.call('HGET', ids, '') or ''
-  if not holds(listed, number) then redis.call('HSET', ids, '', listed .. number) end
+  local listed = unlisted(redis.call('HGET', ids, '') or '', function(other) return other ~= number end)
+  redis.call('HSET', ids, '', listed .. number .. struct.pack('>I4', #filter) .. filter)
 end
 local function record_writes(ids, members)  -- the writes of the plain members into the ids hash
   local writes, order = {}, {}  -- id -> its members' stamps; ids in first-seen order

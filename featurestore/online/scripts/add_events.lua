@@ -41,7 +41,7 @@ local function members(events)
   if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
   return members_of[events]
 end
--- events key -> its blocks' numbers (_blocks.lua); events key -> block number -> its directory: read once a call
+-- events key -> its block list (_blocks.lua); events key -> block number -> its directory: read once a call
 local blocks_of, directories = {}, {}
 local function directory_of(events, number)
   local of = directories[events] or {}
@@ -55,20 +55,25 @@ local function directory_of(events, number)
   end
   return of[number]
 end
-local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's packed events near us
+local function block_list(events)
   if blocks_of[events] == nil then blocks_of[events] = redis.call('HGET', events .. '|ids', '') or '' end
-  local found = ''
-  for at = 1, #blocks_of[events], 8 do
-    local number = struct.unpack('>i8', blocks_of[events], at)
+  return blocks_of[events]
+end
+local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's packed events near us
+  local list, found, at, hashes = block_list(events), '', 1, nil
+  while at <= #list do
+    local number, length = struct.unpack('>i8I4', list, at)
     if (number + 1) * span >= us - within and number * span <= us + within then
-      local listed = directory_of(events, number)
+      hashes = hashes or {id_hashes(id)}
+      local listed = may_hold(list, at + 12, length, hashes) and directory_of(events, number)
       if listed then found = found .. id_writes(listed, id) end
     end
+    at = at + 12 + length
   end
   return found
 end
-local function is_light(events)  -- no block, few members (_blocks.lua)
-  return size(events) <= LIGHT_MOST and not any_block(members(events))
+local function is_light(events)  -- no block, few members (_blocks.lua): the list first, so as not to read blocks
+  return block_list(events) == '' and size(events) <= LIGHT_MOST and not any_block(members(events))
 end
 local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
   local found = ''
@@ -183,7 +188,7 @@ for k = 1, n do
     end
     local listed = redis.call('HGET', ids, '')
     if listed and listed ~= '' then
-      local kept_blocks = without(listed, function(item) return struct.unpack('>i8', item) * span > kept_from end)
+      local kept_blocks = unlisted(listed, function(number) return struct.unpack('>i8', number) * span > kept_from end)
       redis.call('HSET', ids, '', kept_blocks)
     end
     changed(events)
@@ -193,7 +198,7 @@ for k = 1, n do
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      if stored[i] ~= '' then  -- ('' is a field that keeps the hash, and its expiry, once its ids are packed)
+      if stored[i] ~= '' then  -- ('' lists the blocks)
         local kept_times = ''
         for at = 1, #stored[i + 1], 8 do
           if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end

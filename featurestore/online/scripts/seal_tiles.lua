@@ -11,7 +11,8 @@
 --   ``featurestore compact``'s covers the block).
 --   'P', block number, k, the SHA-1 of every member scored in the block's first k tiles (in
 --   sorted-set order: a block packed before, events), the block (featurestore/online/packed.py)
---   holding exactly their events: it replaces them, and its directory records their writes: an
+--   holding exactly their events, and its id filter (``packed.id_filter``): the block replaces
+--   them, the ids hash lists it with its filter, and its directory records their writes: an
 --   id whose only write is its event leaves the ids hash. A light entity packed is light no
 --   more: the ids hash then records its plain events (``heavier``).
 local events, tile = KEYS[1], tonumber(ARGV[1])
@@ -63,7 +64,7 @@ while i <= #ARGV do
         end
         removed = removed + redis.call('ZREMRANGEBYSCORE', events, fmt(first), fmt(last))
         redis.call('ZADD', events, fmt(first), ARGV[i + 4])
-        listed_block(events, ARGV[i + 4])  -- (before its ids leave the hash: the field keeps it)
+        listed_block(events, ARGV[i + 4], ARGV[i + 5])  -- (before its ids leave the hash: it keeps it)
         packed_any = true
         if #plain_ids > 0 then
           local alone = {}  -- ids whose one write is their event: the block's directory holds it now
@@ -81,7 +82,7 @@ while i <= #ARGV do
         done = done + 1
       end
     end
-    i = i + 5
+    i = i + 6
   end
 end
 if was_light and packed_any then  -- (its ids then live as long as its events, as they did)

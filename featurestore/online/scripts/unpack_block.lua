@@ -6,7 +6,7 @@ local events, block = KEYS[1], ARGV[1]
 if not redis.call('ZSCORE', events, block) then return 0 end
 redis.call('ZREM', events, block)
 local ids, number = events .. '|ids', block_number(block)
-redis.call('HSET', ids, '', without(redis.call('HGET', ids, '') or '', function(item) return item ~= number end))
+redis.call('HSET', ids, '', unlisted(redis.call('HGET', ids, '') or '', function(other) return other ~= number end))
 for i = 2, #ARGV do
   local event = ARGV[i]
   redis.call('ZADD', events, fmt(micros(event, 9)), event)
