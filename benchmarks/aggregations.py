@@ -380,6 +380,7 @@ def online(args: argparse.Namespace) -> None:
         # not would double the figure)
         measured = capacity.measure(store.online_store, store.definitions, store.config.project)
         memory = memory_by_layout(store, n_cards + 100, rng, now)
+        into_blocks = ingest_into_blocks(store, n_cards + 1000, rng, now)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
@@ -430,6 +431,14 @@ def online(args: argparse.Namespace) -> None:
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
     print(
+        f"  sustained ingest into {INTO_BLOCKS[0]} cards of {INTO_BLOCKS[1]} events packed in blocks, pushes of 1,000 new "
+        "events to online, 4 rounds of 5,000: "
+        + " / ".join(
+            f"{rate:,.0f} events/s ({us:.1f} µs of Redis script CPU, {reads:.2f} block reads an event)"
+            for rate, us, reads in into_blocks
+        )
+    )
+    print(
         "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids and tile summaries):"
     )
     print("    events  " + "".join(f"{name:>16}" for name in LAYOUTS) + "   never packed / packed")
@@ -450,6 +459,54 @@ LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis
     "Redis defaults": ("tx_id", 10**6, 64, True),
     "never packed": ("tx_id", 10**6, 1024, False),
 }
+
+
+INTO_BLOCKS = (200, 400)  # cards, events each over the past 7 d (packed into ~6 blocks a card)
+
+
+def ingest_into_blocks(store, first_card: int, rng, now: datetime) -> list[tuple[float, float, float]]:
+    """New events streamed into cards whose events are packed (a write checks the blocks a dedup
+    window either side, where their id filters let its id through): per round, events/s, Redis's
+    script CPU per event (``INFO commandstats``) and block reads (``ZRANGEBYSCORE``) per event."""
+    client = store.online_store.client
+    cards, per = INTO_BLOCKS
+    n = cards * per
+    ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
+    store.push(
+        "payments",
+        pa.table(
+            {
+                "tx_id": np.arange(n, dtype=np.int64) + 10**12,
+                "card_id": np.repeat(np.arange(first_card, first_card + cards), per),
+                "amount": np.round(rng.lognormal(3.5, 1.1, n), 2),
+                "event_timestamp": ts,
+            }
+        ),
+        to="online",
+    )
+    out = []
+    for k in range(4):
+        first = 10**12 + n + k * 5000
+        table = pa.table(
+            {
+                "tx_id": np.arange(first, first + 5000, dtype=np.int64),
+                "card_id": rng.integers(first_card, first_card + cards, 5000),
+                "amount": np.round(rng.lognormal(3.5, 1.1, 5000), 2),
+                "event_timestamp": pa.array([datetime.now(UTC)] * 5000, TS),
+            }
+        )
+        before = client.info("commandstats")
+        t0 = time.perf_counter()
+        for b in range(5):
+            store.push("payments", table.slice(b * 1000, 1000), to="online")
+        rate = 5000 / (time.perf_counter() - t0)
+        after = client.info("commandstats")
+
+        def grew(name: str, field: str) -> float:
+            return (after.get(name, {}).get(field, 0) - before.get(name, {}).get(field, 0)) / 5000
+
+        out.append((rate, grew("cmdstat_evalsha", "usec"), grew("cmdstat_zrangebyscore", "calls")))
+    return out
 
 
 def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:

@@ -352,7 +352,10 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
 
 # the id filter: which ids a block may hold, so that a write of a new id need not read the block
 
-FILTER_FROM = 8  # ids a block needs to get a filter: a smaller one costs a write little more to read
+# ids a block needs to get a filter: an entity of smaller blocks is written to rarely, and its
+# memory, not its writes, is what it costs; an entity written to often has blocks this full, its
+# newest one included most of the time (``benchmarks/aggregations.py``)
+FILTER_FROM = 32
 _FILTER_PRIME = 2**31 - 1
 _FILTER_FACTORS = np.array([[648_113, 521_387], [797_473, 938_351], [574_831, 1_003_441]], dtype=_U64)
 
