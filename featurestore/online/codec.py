@@ -25,7 +25,8 @@ Events of an aggregated view live beside the hash, under the same hash tag::
                                                 packing ended tiles' events (``online.packed``)
     fs:<project>:{card_id=42}:ev:<view>|ids     hash: event id (8 bytes) → the µs of its writes; a light
                                                 entity's events and a block's directory record their
-                                                own (``_blocks.lua``)
+                                                own; field '' lists the blocks and their id filters
+                                                (``_blocks.lua``)
     fs:<project>:{card_id=42}:ev:<view>|tiles   hash: tile number → sealed summary (``aggregation.tiles``)
 
 An event is its 8-byte id (sign-flipped big-endian), its event µs (likewise), then the value
