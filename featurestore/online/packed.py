@@ -295,9 +295,8 @@ def _decode(blob: bytes, features: tuple[tuple[str, DType], ...], rows: Runs | N
     head = _head_dtype(features)
     heads = np.zeros(n if rows is None else sum(stop - first for first, stop in rows), dtype=head)
     view = memoryview(blob)
-    ids, times, at = _read_directory(view, at, n)
-    times = _take(times, rows)
-    heads["id"] = _take(ids, rows)
+    ids, times, at = _read_directory(view, at, n, rows)
+    heads["id"] = ids
     heads["time"] = times.view(_U64) ^ _U64(1 << 63)
     if blob[at]:
         width = head["nulls"].itemsize
@@ -380,27 +379,40 @@ def id_filter(ids: np.ndarray) -> bytes:
     return np.packbits(held, bitorder="little").tobytes()
 
 
+def _from_bytes(columns: np.ndarray) -> np.ndarray:
+    """Each row of bytes (up to 8) as one big-endian unsigned integer."""
+    out = np.zeros(len(columns), dtype=_U64)
+    for k in range(columns.shape[1]):
+        out = (out << _U64(8)) | columns[:, k]
+    return out
+
+
 def _big_endian(values: np.ndarray) -> np.ndarray:
     return values.astype(">u8").view(np.uint8).reshape(-1, 8)
 
 
-def _read_directory(view: memoryview, at: int, n: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """The ids (uint64) and µs (int64) of a block's ``n`` rows, in row order, and where its directory ends."""
+def _read_directory(view: memoryview, at: int, n: int, rows: Runs | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """The ids (uint64) and µs (int64) of a block's ``n`` rows (those in ``rows``), in row order,
+    and where its directory ends."""
     (length,) = _LENGTH.unpack_from(view, at)
     at += _LENGTH.size
     p = view[at]
     w, exponent = view[at + 1 + p], view[at + 2 + p]
     low = int.from_bytes(view[at + 3 + p : at + 11 + p], "big") - (1 << 63)
     grid = np.frombuffer(view, np.uint8, n * (8 - p + w), at + 11 + p).reshape(n, 8 - p + w)
-    id_bytes = np.zeros((n, 8), np.uint8)
-    id_bytes[:, :p] = np.frombuffer(view, np.uint8, p, at + 1)
-    id_bytes[:, p:] = grid[:, : 8 - p]
-    unit_bytes = np.zeros((n, 8), np.uint8)
-    unit_bytes[:, 8 - w :] = grid[:, 8 - p :]
-    ids = id_bytes.view(">u8").ravel().astype(_U64)
-    times = unit_bytes.view(">u8").ravel().astype(np.int64) * 10**exponent + low
-    rows = np.lexsort((ids, times))
-    return ids[rows], times[rows], at + length
+    times = _from_bytes(grid[:, 8 - p :]).astype(np.int64) * 10**exponent + low
+    if rows is not None:  # (a run is whole tiles, so its entries are those whose µs lie between
+        # its first and last row's: found by selection, and only they are decoded and sorted)
+        edges = np.partition(times, sorted({k for first, stop in rows for k in (first, stop - 1)}))
+        wanted = np.zeros(n, dtype=bool)
+        for first, stop in rows:
+            wanted |= (times >= edges[first]) & (times <= edges[stop - 1])
+        picked = np.flatnonzero(wanted)
+        grid, times = grid[picked], times[picked]
+    prefix = int.from_bytes(view[at + 1 : at + 1 + p], "big") << (8 * (8 - p)) if p else 0
+    ids = _from_bytes(grid[:, : 8 - p]) | _U64(prefix)
+    order = np.lexsort((ids, times))
+    return ids[order], times[order], at + length
 
 
 # integers: frame of reference over the values or their deltas (mod 2^64), bit-packed
