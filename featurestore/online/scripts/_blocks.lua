@@ -54,9 +54,9 @@ local function filter_bit(list, at, k)  -- bit k (from 0, least significant firs
 end
 -- whether the filter of `length` bytes at list[at..] may hold an id of these hashes (none: it may)
 local function may_hold(list, at, length, hashes)
-  local bits = length * 8
+  if length == 0 then return true end
   for _, h in ipairs(hashes) do
-    if length > 0 and not filter_bit(list, at, math.fmod(h, bits)) then return false end
+    if not filter_bit(list, at, math.fmod(h, length * 8)) then return false end
   end
   return true
 end
@@ -140,7 +140,8 @@ local function unlisted(list, keep)  -- the block list with only the blocks keep
   end
   return table.concat(kept)
 end
-local function listed_block(events, member, filter)  -- the ids hash lists the block member of events, with its filter
+-- the ids hash lists the block member of events, with its id filter
+local function listed_block(events, member, filter)
   local ids, number = events .. '|ids', block_number(member)
   local listed = unlisted(redis.call('HGET', ids, '') or '', function(other) return other ~= number end)
   redis.call('HSET', ids, '', listed .. number .. struct.pack('>I4', #filter) .. filter)

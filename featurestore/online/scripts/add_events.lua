@@ -198,7 +198,7 @@ for k = 1, n do
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      if stored[i] ~= '' then  -- ('' lists the blocks)
+      if stored[i] ~= '' then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
         local kept_times = ''
         for at = 1, #stored[i + 1], 8 do
           if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
