@@ -122,6 +122,12 @@ local function any_block(members)
   end
   return false
 end
+-- whether an entity is light: no block listed, at most LIGHT_MOST members, none a block (its count
+-- and members read by count(events) and all_members(events), only as needed: the list first
+-- spares reading a heavier entity's blocks)
+local function is_light_entity(list, events, count, all_members)
+  return list == '' and count(events) <= LIGHT_MOST and not any_block(all_members(events))
+end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end
 end

@@ -72,9 +72,7 @@ local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's pack
   end
   return found
 end
-local function is_light(events)  -- no block, few members (_blocks.lua): the list first, so as not to read blocks
-  return block_list(events) == '' and size(events) <= LIGHT_MOST and not any_block(members(events))
-end
+local function is_light(events) return is_light_entity(block_list(events), events, size, members) end
 local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
   local found = ''
   for _, m in ipairs(members(events)) do
@@ -186,8 +184,8 @@ for k = 1, n do
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
       if not is_block(member) then redis.call('ZREM', events, member) end
     end
-    local listed = redis.call('HGET', ids, '')
-    if listed and listed ~= '' then
+    local listed = block_list(events)
+    if listed ~= '' then
       local kept_blocks = unlisted(listed, function(number) return struct.unpack('>i8', number) * span > kept_from end)
       redis.call('HSET', ids, '', kept_blocks)
     end
