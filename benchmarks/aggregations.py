@@ -354,7 +354,7 @@ def online(args: argparse.Namespace) -> None:
                 store.get_online_features([{"card_id": card}], features=agg_refs)
             for label, per_tile in (("tiles", heavy_per_tile), ("events", 10**9)):
                 tiles.HEAVY_PER_TILE = per_tile
-                store.online_reader.heavy.clear()  # (else the card, known heavy, would read its summaries at once)
+                store.online_reader.heavy.clear()  # (a card whose plain read stopped at its limit reads summaries at once)
                 times = []
                 for _ in range(max(50, 20_000 // n)):
                     t0 = time.perf_counter()

@@ -571,40 +571,53 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
     assert first["count_1h"] == [5, 0] and first["not_card_count_30h"] == [30, 0]
 
 
-def test_a_card_known_heavy_reads_its_summaries_at_once(activity_store, monkeypatch):
-    """A heavy card's lookup first read its window plainly up to the threshold (~1,500 events,
-    ~1 ms of Redis), dropped that and read its tile summaries. Once found heavy, its next lookups
-    skip the plain read, and read its summaries in the one round trip of the lookup; the answer
-    is the same. The hints are bounded and expire."""
+def test_a_heavy_cards_first_lookup_is_one_round_trip_once_its_events_are_packed(activity_store, monkeypatch):
+    """A heavy card's first lookup read its window plainly, found it heavy, then read its tile
+    summaries in a second round trip. Its summaries now come with the plain read: a read holding
+    the whole window that is heavy (its blocks counting their events) is answered from them in
+    the one trip. A read that stops at its limit (events not packed) still takes a second, and the
+    card's next lookups read its summaries at once (``HeavyKeys``: bounded, expiring). The answer
+    is the events' every way."""
     from featurestore.aggregation import tiles
+    from featurestore.online import packed
     from featurestore.retrieval.online import HeavyKeys, OnlineQuery, OnlineReader
+    from featurestore.retrieval.online.plan import _WindowPlan
 
     store = activity_store
     card = next(_cards) * 10 + 7_000_000
-    store.push("payments", _ten_minutes_apart(card, 30), to="online")
+    rows = _ten_minutes_apart(card, 100)
+    store.push("payments", rows, to="online")
+    store.pack_online_entities("payments", rows)
+    members = store.online_store.client.zrange(_events_key(store, card), 0, -1)
+    assert any(packed.is_block(m) for m in members) and 2 < len(members) < 100  # (100 events, fewer members)
     refs = [f"activity:{n}" for n in TILED]
-    client = store.online_store.client
-    reader = OnlineReader(store.online_store, max_sealing=0)  # (no summaries stored: the same reads each time)
-    trips: list[int] = []
+    trips: list[tuple] = []
     read = store.online_store.read
-    monkeypatch.setattr(store.online_store, "read", lambda *a: trips.append(1) or read(*a))
+    monkeypatch.setattr(store.online_store, "read", lambda *a: trips.append(a) or read(*a))
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    reading = OnlineReader(store.online_store, max_sealing=0)  # (stores no summary)
 
-    def lookup():
-        query = OnlineQuery.prepare(
-            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 10 * STEP
-        )
-        before = client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
-        trips.clear()
-        response = reader.read(query).to_dict()
-        return query, response, client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0) - before
+    def lookup(heavy_from: int, reader: OnlineReader = reading) -> tuple[dict, int, bool]:
+        """The answer, its round trips, and whether it was evaluated from tiles (it then has
+        tiles to summarize: every ended one is, from one event)."""
+        with monkeypatch.context() as patched:
+            patched.setattr(_WindowPlan, "heavy_from", lambda self: heavy_from)
+            query = OnlineQuery.prepare(
+                store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 40 * STEP
+            )
+            trips.clear()
+            response = reader.read(query).to_dict()
+        return response, len(trips), bool(query.seals)
 
-    expected = lookup()[1]  # every event (the default threshold: 30 events are light)
-    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card is heavy
-    first, found, range_reads = lookup()  # (READ_WINDOW reads ranges too: Redis counts those)
-    assert not first.known_heavy and found == expected and len(trips) == 2
-    again, found, fewer_range_reads = lookup()
-    assert again.known_heavy == {0} and fewer_range_reads == range_reads - 1 and found == expected
-    assert len(trips) == 1
+    expected = lookup(10**9)
+    assert expected[1:] == (1, False)  # light: its events
+    assert lookup(101) == expected  # 100 events: still light
+    assert lookup(100) == (expected[0], 1, True)  # heavy, its blocks' events counted: one trip
+    sealing = OnlineReader(store.online_store)  # (stores the summaries it computed: up to SEALS_PER_LOOKUP a lookup)
+    assert lookup(100, sealing) == lookup(100, sealing) == (expected[0], 1, True)
+    assert lookup(100) == (expected[0], 1, False)  # its summaries, nothing left to summarize
+    assert lookup(2) == (expected[0], 2, False)  # stopped at 2 members: a second trip
+    assert lookup(2) == (expected[0], 1, False)  # known heavy: its summaries at once
 
     hints = HeavyKeys(size=3, seconds=60)
     for key in (b"a", b"b", b"c", b"d"):
@@ -1966,7 +1979,7 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
         r"activity: online, 200 events packed into [12] blocks, 26 tile summaries stored", compact.stdout
     ), compact.stdout
     sealed, after = lookup()
-    assert not sealed.seals and sealed.known_heavy == {0, 1}
+    assert not sealed.seals
     monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 10**9)  # every event, read plainly
     _, plainly = lookup()
     for n in TILED:

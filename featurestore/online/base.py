@@ -31,6 +31,8 @@ Lookup = tuple[bytes, Sequence[str]]
 Range = tuple[bytes, int, int, "int | None"]
 # A heavy entity's window, read from tile summaries: its events key and ``read_window.lua``'s arguments.
 TiledRange = tuple[bytes, Sequence[bytes | int]]
+# The hash holding an events key's tile summaries (``aggregation.tiles``): tile number -> summary.
+SUMMARIES_SUFFIX = b"|tiles"
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 
@@ -168,14 +170,25 @@ class OnlineWrites(Protocol):
 
 
 class OnlineReads(Protocol):
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()) -> list:
+    def read(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range] = (),
+        windows: Sequence[TiledRange] = (),
+        summaries: Sequence[bytes] = (),
+    ) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
         then for each range, the encoded events in it, in (time, id) order; then for each heavy
-        entity's window, ``[tile summaries, events of the other tiles]``."""
+        entity's window, ``[tile summaries, events of the other tiles]``; then for each events key
+        in ``summaries``, its tile summaries (its hash, as HGETALL replies)."""
         ...
 
     async def read_async(
-        self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range] = (),
+        windows: Sequence[TiledRange] = (),
+        summaries: Sequence[bytes] = (),
     ) -> list: ...
 
     def seal(self, seals: Sequence[Seal]) -> None:

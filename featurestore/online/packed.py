@@ -74,14 +74,6 @@ def tile_of(member: bytes, tile_us: int) -> int:
     return (int.from_bytes(member[8:16], "big") - (1 << 63)) // tile_us
 
 
-def tiles_of(member: bytes, tile_us: int) -> list[int]:
-    """The tiles a member holds events of: a plain event's one, a block's that count some."""
-    if not is_block(member):
-        return [tile_of(member, tile_us)]
-    _, number, tiles, _, _ = _header(member)
-    return [number * BLOCK_TILES + i for i in tiles]
-
-
 def block_range(low_us: int, high_us: int, tile_us: int) -> tuple[int, int]:
     """The scores a range read of events in ``(low_us, high_us]`` asks for (exclusive low,
     inclusive high) so that it also returns the blocks holding any of them: a block is scored at

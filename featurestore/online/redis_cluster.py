@@ -35,7 +35,7 @@ from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
 from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range, TiledRange
 from featurestore.online.lua import scripts
-from featurestore.online.transport import UNAVAILABLE, Call, as_binary, listen, redact
+from featurestore.online.transport import UNAVAILABLE, Call, as_binary, listen, redact, summary_keys
 
 SCHEME = CLUSTER_SCHEME
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
@@ -54,9 +54,12 @@ MOVING = (
 )
 
 
-def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]):
-    """An HMGET per lookup, each range's events, then ``read_window.lua`` on each window (by
-    command: redis-py blocks its EVALSHA method in cluster pipelines; the command routes by key)."""
+def _queue(
+    pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange], summaries: Sequence[bytes]
+):
+    """An HMGET per lookup, each range's events, ``read_window.lua`` on each window (by command:
+    redis-py blocks its EVALSHA method in cluster pipelines; the command routes by key), then the
+    tile summaries of each events key in ``summaries``."""
     for key, fields in lookups:
         pipe.hmget(key, fields)
     for key, low, high, limit in ranges:
@@ -67,6 +70,8 @@ def _queue(pipe, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Se
     sha = scripts()["read_window"].sha
     for key, arguments in windows:
         pipe.execute_command("EVALSHA", sha, 1, key, *arguments)
+    for key in summary_keys(summaries):
+        pipe.hgetall(key)
     return pipe
 
 
@@ -130,18 +135,29 @@ class ClusterRedis:
         a few (a script call each); stable, so each entity's writes keep their order."""
         return np.argsort(_slots(keys), kind="stable")
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
+    def read(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
+    ) -> list:
         """Through redis-py's cluster pipeline: one batch per node, request order kept."""
         try:
-            return _queue(self.client.pipeline(transaction=False), lookups, ranges, windows).execute()
+            return _queue(self.client.pipeline(transaction=False), lookups, ranges, windows, summaries).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
     async def read_async(
-        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
     ) -> list:
         try:
-            return await _queue(self.async_client.pipeline(transaction=False), lookups, ranges, windows).execute()
+            pipe = _queue(self.async_client.pipeline(transaction=False), lookups, ranges, windows, summaries)
+            return await pipe.execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 

@@ -22,7 +22,7 @@ from featurestore.online import resp
 from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.embedded import EmbeddedRedis
-from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact, window_reads
+from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact, summary_keys, window_reads
 
 
 class SingleRedis:
@@ -79,9 +79,15 @@ class SingleRedis:
         finally:
             pool.release(connection)
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
-        packed = resp.reads(lookups, ranges) + window_reads(windows)
-        count = len(lookups) + len(ranges) + len(windows)
+    def read(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
+    ) -> list:
+        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.reads((), (), summary_keys(summaries))
+        count = len(lookups) + len(ranges) + len(windows) + len(summaries)
         if self._readers is None:
             pool = self.client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
@@ -114,7 +120,11 @@ class SingleRedis:
         raise AssertionError("unreachable")
 
     async def read_async(
-        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
     ) -> list:
         """``read``, batched with the other lookups of the same loop turn."""
         loop = asyncio.get_running_loop()
@@ -127,8 +137,8 @@ class SingleRedis:
             )
             self._batched_loop = loop
         batched = self._batched
-        packed = resp.reads(lookups, ranges) + window_reads(windows)
-        count = len(lookups) + len(ranges) + len(windows)
+        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.reads((), (), summary_keys(summaries))
+        count = len(lookups) + len(ranges) + len(windows) + len(summaries)
         for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:
                 return await batched.read(packed, count)

@@ -273,29 +273,40 @@ class RedisOnlineStore:
             None,
         )
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()) -> list:
+    def read(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range] = (),
+        windows: Sequence[TiledRange] = (),
+        summaries: Sequence[bytes] = (),
+    ) -> list:
         """One round trip: for each lookup, the encoded value of each wanted view (None if absent);
         then for each range, the encoded events in it, in (time, id) order; then for each heavy
-        entity's window, ``[tile summaries, events of the other tiles]`` (``read_window.lua``). A
-        Redis that lost its scripts (a restart) gets them, and the read goes again."""
+        entity's window, ``[tile summaries, events of the other tiles]`` (``read_window.lua``);
+        then for each events key in ``summaries``, its tile summaries (its hash, as HGETALL replies).
+        A Redis that lost its scripts (a restart) gets them, and the read goes again."""
         try:
-            return self.transport.read(lookups, ranges, windows)
+            return self.transport.read(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             self._load_scripts()
-            return self.transport.read(lookups, ranges, windows)
+            return self.transport.read(lookups, ranges, windows, summaries)
 
     async def read_async(
-        self, lookups: Sequence[Lookup], ranges: Sequence[Range] = (), windows: Sequence[TiledRange] = ()
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range] = (),
+        windows: Sequence[TiledRange] = (),
+        summaries: Sequence[bytes] = (),
     ) -> list:
         """``read`` on the event loop (on one node, batched with the other lookups of the loop turn)."""
         try:
-            return await self.transport.read_async(lookups, ranges, windows)
+            return await self.transport.read_async(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             try:
                 await self.transport.async_client.script_load(scripts()["read_window"].code)
             except self.transport.failures as exc:
                 raise self.transport.error(exc) from exc
-            return await self.transport.read_async(lookups, ranges, windows)
+            return await self.transport.read_async(lookups, ranges, windows, summaries)
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed (``seal_tiles.lua``: only where the tile still holds as many events)."""

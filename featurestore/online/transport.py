@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
-from featurestore.online.base import Lookup, Range, TiledRange
+from featurestore.online.base import SUMMARIES_SUFFIX, Lookup, Range, TiledRange
 from featurestore.online.lua import scripts
 
 # A script call: the script's name, its keys, its arguments, then its per-key argument columns.
@@ -57,13 +57,24 @@ class Transport(Protocol):
         scripts return counts)."""
         ...
 
-    def read(self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]) -> list:
+    def read(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
+    ) -> list:
         """One round trip: an HMGET per lookup, then the events of each range, then ``read_window.lua``
-        on each window. A Redis that lost its scripts answers ``NoScriptError``."""
+        on each window, then the tile summaries of each events key in ``summaries`` (its
+        hash, as HGETALL replies). A Redis that lost its scripts answers ``NoScriptError``."""
         ...
 
     async def read_async(
-        self, lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange]
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
     ) -> list:
         """``read`` on the event loop."""
         ...
@@ -95,6 +106,11 @@ def window_reads(windows: Sequence[TiledRange]) -> bytes:
     """``read_window.lua`` on each window, packed as EVALSHA commands."""
     sha = scripts()["read_window"].sha
     return b"".join(resp.command("EVALSHA", sha, 1, key, *arguments) for key, arguments in windows)
+
+
+def summary_keys(events_keys: Sequence[bytes]) -> list[bytes]:
+    """The hashes holding these events keys' tile summaries."""
+    return [key + SUMMARIES_SUFFIX for key in events_keys]
 
 
 def evalsha(call: Call) -> bytes:

@@ -1,7 +1,6 @@
 -- needs: _blocks.lua
--- KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs, the summaries' tag, '1' to
--- read the events too ('0': the reader holds them, from its plain read of the whole window), then
--- the window starts and the lookup time (the tiles holding them are read event by event).
+-- KEYS[1]: an events key; ARGV: low µs (exclusive), high µs, tile µs, the summaries' tag, then the
+-- window starts and the lookup time (the tiles holding them are read event by event).
 -- Returns {summaries, runs}: the sealed summary of each tile inside (low, high] holding no cut
 -- (``tile number, summary`` pairs), and the events of the other tiles in (low, high], in order,
 -- as one array per run of such tiles (not copied into one: Lua pays per element), each with the
@@ -10,9 +9,8 @@
 local events, low, high = KEYS[1], ARGV[1], ARGV[2]
 local tile = tonumber(ARGV[3])
 local tag = ARGV[4]
-local with_events = ARGV[5] == '1'
 local cut = {}
-for i = 6, #ARGV do cut[math.floor(tonumber(ARGV[i]) / tile)] = true end
+for i = 5, #ARGV do cut[math.floor(tonumber(ARGV[i]) / tile)] = true end
 local sealed = {}
 local stored = redis.call('HGETALL', events .. '|tiles')
 for i = 1, #stored, 2 do
@@ -28,20 +26,18 @@ for t = first, last + 1 do
     summaries[#summaries + 1] = summary
   end
   if (summary or t > last) and run then
-    if with_events then
-      local from = math.max(tonumber(low) + 1, run * tile)
-      local to = math.min(tonumber(high), t * tile - 1)
-      local kept = redis.call('ZRANGEBYSCORE', events, fmt(from), fmt(to))
-      for block = math.floor(run / BLOCK_TILES), math.floor((t - 1) / BLOCK_TILES) do  -- blocks scored outside
-        local score = block * BLOCK_TILES * tile
-        if score < from or score > to then
-          for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(score), fmt(score))) do
-            if is_block(m) then kept[#kept + 1] = m end
-          end
+    local from = math.max(tonumber(low) + 1, run * tile)
+    local to = math.min(tonumber(high), t * tile - 1)
+    local kept = redis.call('ZRANGEBYSCORE', events, fmt(from), fmt(to))
+    for block = math.floor(run / BLOCK_TILES), math.floor((t - 1) / BLOCK_TILES) do  -- blocks scored outside
+      local score = block * BLOCK_TILES * tile
+      if score < from or score > to then
+        for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, fmt(score), fmt(score))) do
+          if is_block(m) then kept[#kept + 1] = m end
         end
       end
-      read[#read + 1] = kept
     end
+    read[#read + 1] = kept
     run = nil
   elseif not summary and not run then
     run = t

@@ -18,7 +18,7 @@ from featurestore.aggregation import tiles
 from featurestore.online import packed
 from featurestore.online.codec import micros_to_datetime
 from featurestore.retrieval.on_demand import finish_columns
-from featurestore.retrieval.online.plan import OnlineQuery, _ViewPlan, _WindowPlan
+from featurestore.retrieval.online.plan import OnlineQuery, _ViewPlan, _WindowPlan, is_tiled
 from featurestore.retrieval.online.response import NULL_VALUE, PRESENT, OnlineResponse
 
 
@@ -97,7 +97,7 @@ def _window_columns(query: OnlineQuery, plan: _WindowPlan, slots: list[int], eve
         result = results.get(pos)
         if result is None:
             reply = events[pos]
-            if reply and isinstance(reply[0], list):  # a heavy entity: [summaries, events]
+            if is_tiled(reply):  # a heavy entity: [summaries, runs of events]
                 result = results[pos] = _tiled(query, plan, query.ranges[pos][0], reply, low, now_us)
             else:
                 limit = query.ranges[pos][3]

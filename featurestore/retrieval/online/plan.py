@@ -132,13 +132,31 @@ class _WindowPlan:
             return None
         return tiles.HEAVY_PER_TILE * -(-self.evaluator.longest_us // self.tiled.spec.tile_us)
 
-    def tiles_arguments(self, now_us: int, with_events: bool = True) -> list[bytes | int]:
-        """``read_window.lua``'s arguments at ``now_us``: the window, whether to read the events of
-        its tiles without a summary (not if the reader holds them), and the tiles holding a cut."""
+    def tiles_arguments(self, now_us: int) -> list[bytes | int]:
+        """``read_window.lua``'s arguments at ``now_us``: the window and the tiles holding a cut."""
         assert self.tiled is not None
         spec = self.tiled.spec
         low = now_us - self.evaluator.longest_us
-        return [low, now_us, spec.tile_us, spec.tag, int(with_events), *self.cuts(now_us)]
+        return [low, now_us, spec.tile_us, spec.tag, *self.cuts(now_us)]
+
+    def held_tiled(self, stored: dict[bytes, bytes] | list[bytes], members: list[bytes], now_us: int) -> list:
+        """A heavy entity's window read whole (``members``) with its stored tile summaries
+        (HGETALL's reply: a map, or in RESP2 ``[tile, summary, ...]``), as ``read_window.lua``
+        returns it at ``now_us``: the summaries of the tiles inside the window holding no cut,
+        written with this view's tag, in tile order; then as one run, the members but the plain
+        events of those tiles (a block's events of them are skipped as it is unpacked)."""
+        assert self.tiled is not None
+        spec = self.tiled.spec
+        size, tag = spec.tile_us, spec.tag
+        first, last = (now_us - self.evaluator.longest_us + 1) // size, now_us // size
+        cut = {c // size for c in self.cuts(now_us)}
+        read: list[bytes | int] = []
+        pairs = stored.items() if isinstance(stored, dict) else zip(stored[::2], stored[1::2])
+        for tile, summary in sorted((int(t), s) for t, s in pairs):
+            if first <= tile <= last and tile not in cut and summary.startswith(tag):
+                read += [tile, summary]
+        summarized = set(read[::2])
+        return [read, [[m for m in members if packed.is_block(m) or packed.tile_of(m, size) not in summarized]]]
 
     def cuts(self, now_us: int) -> list[int]:
         """The first µs of each window and the lookup time: the tiles holding them are read event by event."""
@@ -253,7 +271,7 @@ class OnlineQuery:
     seals: list[tuple[bytes, int, list[tuple[int, int, bytes]]]] = field(
         default_factory=list
     )  # tile summaries to store
-    known_heavy: set[int] = field(default_factory=set)  # ranges read through tile summaries at once (``HeavyKeys``)
+    known_heavy: set[int] = field(default_factory=set)  # ranges read by ``read_window.lua`` at once (``HeavyKeys``)
     unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
 
@@ -363,38 +381,53 @@ class OnlineQuery:
         views = {plan.request.view.name: plan.request.layout.version for plan in plans}
         return [{"name": name, "version": version} for name, version in views.items()]
 
-    def reads(self) -> tuple[list[tuple[bytes, int, int, int | None]], list[tuple[bytes, list[bytes | int]]]]:
+    def reads(
+        self,
+    ) -> tuple[list[tuple[bytes, int, int, int | None]], list[tuple[bytes, list[bytes | int]]], list[bytes]]:
         """What the first round trip reads besides the lookups: the ranges read plainly (up to
-        ``heavy_from`` events where tile summaries may answer), and the windows of entities known
-        heavy, read from their tile summaries at once (``read_window.lua``); nothing of an unread
-        range."""
+        ``heavy_from`` members where tile summaries may answer), the windows of entities known to
+        hold more members than that, read by ``read_window.lua`` at once, and the events keys whose
+        tile summaries come with their plain read; nothing of an unread range."""
         plain: list[tuple[bytes, int, int, int | None]] = []
         windows: list[tuple[bytes, list[bytes | int]]] = []
+        summaries: list[bytes] = []
         for pos, r in enumerate(self.ranges):
+            if pos in self.unread:
+                continue
             if pos in self.known_heavy:
                 windows.append(self.tiles_read(pos))
-            elif pos not in self.unread:
-                plain.append(r)
-        return plain, windows
+                continue
+            plain.append(r)
+            if r[3] is not None:
+                summaries.append(r[0])
+        return plain, windows, summaries
 
     def placed(self, replies: list) -> list:
-        """The first round trip's replies (lookups, then ``reads``' ranges, then its windows) laid
-        out as ``assemble`` takes them: a reply per lookup, then per range (unread ones without events)."""
-        if not self.known_heavy and not self.unread:
-            return replies
+        """The first round trip's replies (lookups, ``reads``' ranges, its windows, its summaries)
+        laid out as ``assemble`` takes them: a reply per lookup, then per range its events (none
+        if unread), or a heavy entity's ``[summaries, runs of events]``. A plain read that holds
+        its whole window and is heavy (blocks count their events) is answered from the summaries
+        read with it: no second round trip; one that stopped at its limit is left to ``found_heavy``."""
         n = len(self.lookups)
         raw: list = replies[:n] + [[] for _ in self.ranges]
         answers = iter(replies[n:])
-        for pos in range(len(self.ranges)):  # the plain ranges, then the windows
-            if pos not in self.known_heavy and pos not in self.unread:
-                raw[n + pos] = next(answers)
-        for pos in sorted(self.known_heavy):
+        plain = [pos for pos in range(len(self.ranges)) if pos not in self.unread and pos not in self.known_heavy]
+        for pos in plain:
             raw[n + pos] = next(answers)
+        for pos in sorted(self.known_heavy - self.unread):
+            raw[n + pos] = next(answers)
+        for pos in plain:
+            limit = self.ranges[pos][3]
+            if limit is None:
+                continue
+            stored, members = next(answers), raw[n + pos]
+            if len(members) < limit and packed.event_count(members) >= limit:
+                raw[n + pos] = self.template.windows[self.range_plans[pos]].held_tiled(stored, members, self.now_us)
         return raw
 
     def found_heavy(self, raw: list) -> list[int]:
-        """The ranges whose plain read stopped at ``heavy_from`` events (a block counting its own):
-        their entities answer from tile summaries (``tiles_read``)."""
+        """The ranges whose plain read stopped at ``heavy_from`` members: their entities answer from
+        tile summaries and the events of their other tiles (``tiles_read``)."""
         n = len(self.lookups)
         return [
             pos
@@ -402,46 +435,25 @@ class OnlineQuery:
             if limit is not None
             and pos not in self.known_heavy
             and pos not in self.unread
-            and packed.holds_at_least(raw[n + pos], limit)
+            and not is_tiled(raw[n + pos])
+            and len(raw[n + pos]) >= limit
         ]
 
-    def tiles_read(self, pos: int, with_events: bool = True) -> tuple[bytes, list[bytes | int]]:
+    def tiles_read(self, pos: int) -> tuple[bytes, list[bytes | int]]:
         """Range ``pos`` as ``read_window.lua`` reads it: its events key and the script's arguments."""
         window = self.template.windows[self.range_plans[pos]]
-        return self.ranges[pos][0], window.tiles_arguments(self.now_us, with_events)
-
-    def heavy_reads(self, found: list[int], raw: list) -> list[tuple[bytes, list[bytes | int]]]:
-        """The second round trip, for the ranges ``found`` heavy: the tile summaries of each, and
-        the events of its other tiles where the plain read stopped at its limit (one that did not
-        holds every event of the window already: its blocks are what made it heavy)."""
-        n = len(self.lookups)
-        return [self.tiles_read(pos, with_events=not self._held_whole(pos, raw[n + pos])) for pos in found]
-
-    def _held_whole(self, pos: int, plain: list[bytes]) -> bool:
-        """Whether range ``pos``'s plain read returned every member of the range (fewer than its limit)."""
-        limit = self.ranges[pos][3]
-        return limit is None or len(plain) < limit
+        return self.ranges[pos][0], window.tiles_arguments(self.now_us)
 
     def place_heavy(self, found: list[int], raw: list, replies: list) -> None:
-        """``heavy_reads``' replies into ``raw`` as ``[summaries, runs of events]``; where the plain
-        read held the window, its events of the tiles without a summary are the run."""
+        """The second round trip's replies (``tiles_read`` of the ranges ``found``) into ``raw``."""
         n = len(self.lookups)
-        for pos, (summaries, runs) in zip(found, replies):
-            plain = raw[n + pos]
-            if self._held_whole(pos, plain):
-                window = self.template.windows[self.range_plans[pos]]
-                first = (self.now_us - window.evaluator.longest_us + 1) // window.tile_us
-                unsummarized = set(range(first, self.now_us // window.tile_us + 1)) - {int(t) for t in summaries[::2]}
-                runs = [[m for m in plain if _holds_any(m, unsummarized, window.tile_us)]]
-            raw[n + pos] = [summaries, runs]
+        for pos, reply in zip(found, replies):
+            raw[n + pos] = reply
 
 
-def _holds_any(member: bytes, tiles: set[int], tile_us: int) -> bool:
-    """Whether a member holds events of ``tiles``: a block of some of them, a plain event of its own
-    (a heavy card's first lookup asks this of each member of its window)."""
-    if packed.is_block(member):
-        return not tiles.isdisjoint(packed.tiles_of(member, tile_us))
-    return packed.tile_of(member, tile_us) in tiles
+def is_tiled(reply: list) -> bool:
+    """Whether a range's reply is a heavy entity's ``[summaries, runs of events]`` (not its events)."""
+    return bool(reply) and isinstance(reply[0], list)
 
 
 def _as_columns(entities: Sequence[dict[str, Any]] | dict[str, Sequence[Any]]) -> dict[str, list[Any]]:

@@ -1,9 +1,11 @@
 """Online lookups end to end: the façade and both servers read through an ``OnlineReader``.
 
-A lookup is one round trip: its ``OnlineQuery.lookups``, its ranges read plainly, and the
-windows of entities known heavy read from their tile summaries (``read_window.lua``); a second
-for the entities its plain reads found heavy (``heavy_from`` events or more: their summaries, and
-their events only if the plain read stopped at its limit before holding them all).
+A lookup is one round trip: its ``OnlineQuery.lookups``, its ranges read plainly with the tile
+summaries of those that summaries may answer, and the windows of entities known to hold more
+members than a plain read's limit, read by ``read_window.lua`` (their summaries and the events of
+their other tiles). A plain read that holds a heavy entity's whole window (``heavy_from`` events
+or more, its blocks counting theirs) is answered from the summaries read with it; a second round
+trip only for one that stopped at its limit (events not packed in blocks).
 Then the assembly, then storing the tile summaries the lookup computed, so the next lookups of
 those entities read summaries, not events.
 """
@@ -19,7 +21,7 @@ from collections import OrderedDict
 from featurestore.online import packed
 from featurestore.online.base import OnlineReads
 from featurestore.retrieval.online.assembly import assemble
-from featurestore.retrieval.online.plan import OnlineQuery
+from featurestore.retrieval.online.plan import OnlineQuery, is_tiled
 from featurestore.retrieval.online.response import OnlineResponse
 
 log = logging.getLogger(__name__)
@@ -30,11 +32,11 @@ OFF_LOOP_EVENTS = 2_000
 
 
 class HeavyKeys:
-    """Events keys of entities found heavy lately. Their next lookups read tile summaries at once, in
-    the round trip of the other reads, skipping the plain range read: up to the heavy threshold's
-    events, read only to be dropped, cost a heavy card ~1 ms of Redis and a round trip. A hint
-    only saves time (summaries answer exactly for any entity), and it is bounded and expires, so
-    an entity gone light returns to the plain read."""
+    """Events keys of entities whose plain read stopped at its limit lately (heavy, their events
+    not packed in blocks). Their next lookups read through ``read_window.lua`` at once, skipping
+    the plain read: up to the limit's members, read only to be dropped, cost Redis ~1 ms and a
+    round trip. A hint only saves time (summaries answer exactly for any entity), and it is
+    bounded and expires, so an entity packed or gone light returns to the plain read."""
 
     def __init__(self, size: int = 10_000, seconds: float = 60.0):
         self.size, self.seconds = size, seconds
@@ -78,11 +80,13 @@ class OnlineReader:
 
     def read(self, query: OnlineQuery) -> OnlineResponse:
         """``query`` answered, its tile summaries stored before returning."""
-        plain, windows = self._reads(query)
-        raw = query.placed(self.store.read(query.lookups, plain, windows) if query.lookups or plain or windows else [])
+        plain, windows, summaries = self._reads(query)
+        raw = query.placed(
+            self.store.read(query.lookups, plain, windows, summaries) if query.lookups or plain or windows else []
+        )
         found = self._found_heavy(query, raw)
         if found:
-            query.place_heavy(found, raw, self.store.read((), (), query.heavy_reads(found, raw)))
+            query.place_heavy(found, raw, self.store.read((), (), [query.tiles_read(pos) for pos in found]))
         response = assemble(query, raw)
         if query.seals and self.max_sealing:
             try:
@@ -93,14 +97,15 @@ class OnlineReader:
 
     async def read_async(self, query: OnlineQuery) -> OnlineResponse:
         """``read`` on the event loop; the tile summaries are stored in the background."""
-        plain, windows = self._reads(query)
+        plain, windows, summaries = self._reads(query)
         if query.lookups or plain or windows:
-            raw = query.placed(await self.store.read_async(query.lookups, plain, windows))
+            raw = query.placed(await self.store.read_async(query.lookups, plain, windows, summaries))
         else:
             raw = query.placed([])
         found = self._found_heavy(query, raw)
         if found:
-            query.place_heavy(found, raw, await self.store.read_async((), (), query.heavy_reads(found, raw)))
+            windows = [query.tiles_read(pos) for pos in found]
+            query.place_heavy(found, raw, await self.store.read_async((), (), windows))
         if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
             response = await asyncio.to_thread(assemble, query, raw)
         else:
@@ -112,7 +117,7 @@ class OnlineReader:
         """Wait for the tile summaries being stored in the background."""
         await asyncio.gather(*self._sealing, return_exceptions=True)
 
-    def _reads(self, query: OnlineQuery) -> tuple[list, list]:
+    def _reads(self, query: OnlineQuery) -> tuple[list, list, list]:
         query.known_heavy = {
             pos for pos, (key, _, _, limit) in enumerate(query.ranges) if limit is not None and key in self.heavy
         }
@@ -140,6 +145,4 @@ class OnlineReader:
 def _events_in(replies: list) -> int:
     """Events in range replies: a plain one is its events, a heavy one ``[summaries, runs of events]``
     (a block counts its events)."""
-    return sum(
-        sum(map(packed.event_count, r[1])) if r and isinstance(r[0], list) else packed.event_count(r) for r in replies
-    )
+    return sum(sum(map(packed.event_count, r[1])) if is_tiled(r) else packed.event_count(r) for r in replies)
