@@ -38,7 +38,23 @@ JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_UTC_Z  # datetimes as 202
 
 
 def dumps(body: Any) -> bytes:
-    return orjson.dumps(body, default=_default, option=JSON_OPTIONS)
+    try:
+        return orjson.dumps(body, default=_default, option=JSON_OPTIONS)
+    except TypeError as exc:  # (orjson writes integers of 64 bits; JSON, and so a request, carries any)
+        if "64-bit" not in str(exc):
+            raise
+        return orjson.dumps(_wide_integers_as_written(body), default=_default, option=JSON_OPTIONS)
+
+
+def _wide_integers_as_written(value: Any) -> Any:
+    """``value`` with each integer past 64 bits as its JSON text (a join key sent so is echoed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < 1 << 64:
+        return orjson.Fragment(b"%d" % value)
+    if isinstance(value, dict):
+        return {k: _wide_integers_as_written(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_wide_integers_as_written(v) for v in value]
+    return value
 
 
 def json_response(body: Any, status: int = 200) -> Response:
