@@ -518,40 +518,52 @@ def test_storage_failures_are_one_line_saying_what_to_do(where, case, guarded_s3
 
 
 def test_a_server_answers_503_saying_why_while_object_storage_is_down(tmp_path, redis_url):
-    """The UI server over a repo on S3: the models list reads the bucket; with the S3 server gone it
-    answers 503 with the cause, not a 500, and keeps running."""
+    """The UI server over a repo on S3: the models list reads the bucket; with the endpoint down
+    (every connection dropped) it answers 503 with the cause, not a 500, and keeps running. (The
+    outage is a proxy's: a stopped S3 server frees its port, and a server another test started
+    took it once and answered in its place.)"""
     import httpx
 
     from .conftest import free_port, moto_server
+    from .s3_faults import FaultyProxy
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/ui/api/models"
     with moto_server(tmp_path) as endpoint:
         bucket, options = s3_bucket(endpoint)
-        storage = f"data_dir: s3://{bucket}/data\nstorage_options: {json.dumps(options)}\n"
-        root = write_repo(tmp_path / "repo", STATS_DEFS, {"stats": _stats()}, url=redis_url, storage=storage)
+        outage = {"on": False}
+        proxy = FaultyProxy(endpoint, lambda request: "drop" if outage["on"] else "forward")
+        root = write_repo(
+            tmp_path / "repo",
+            STATS_DEFS,
+            {"stats": _stats()},
+            url=redis_url,
+            storage=_through(proxy.url, bucket, options),
+        )
         subprocess.run(
             [sys.executable, "-m", "featurestore", "apply", "--repo", str(root)], check=True, capture_output=True
         )
         command = [sys.executable, "-m", "featurestore", "ui", "--repo", str(root), "--port", str(port)]
         quick = {**os.environ, "AWS_MAX_ATTEMPTS": "2"}  # the standard setting: fewer retries before the 503
         ui = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=quick)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                assert httpx.get(url, timeout=5).status_code == 200
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and ui.poll() is None, "the UI server did not start"
-                time.sleep(0.1)
-    try:
-        down = httpx.get(url, timeout=120)
-        assert down.status_code == 503, down.text
-        assert "object storage could not be reached" in down.json()["detail"]
-        assert ui.poll() is None
-    finally:
-        ui.terminate()
-        ui.wait(10)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert httpx.get(url, timeout=5).status_code == 200
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline and ui.poll() is None, "the UI server did not start"
+                    time.sleep(0.1)
+            outage["on"] = True
+            down = httpx.get(url, timeout=120)
+            assert down.status_code == 503, down.text
+            assert "object storage could not be reached" in down.json()["detail"]
+            assert ui.poll() is None
+        finally:
+            ui.terminate()
+            ui.wait(10)
+            proxy.close()
 
 
 def _through(proxy_url: str, bucket: str, options: dict[str, str]) -> str:

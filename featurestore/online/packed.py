@@ -45,6 +45,7 @@ PACK_FROM = 16  # events a block needs before it takes less memory than they do 
 COMPACT_SETS_FROM = 1024  # a Redis value limit for compact sorted sets at which small blocks pay (``pack_from``)
 SPARSE_PACK_FROM = 2  # events a block needs in a sorted set past its compact encoding (``pack_from``)
 BLOCK_MARK = b"\x00" * 8 + b"\xff" * 8
+_MARK_TIME = BLOCK_MARK[8:]  # (where an event has its µs)
 _VERSION = 4
 _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events (``_header``)
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
@@ -66,7 +67,7 @@ def pack_from(zset_value_limit: int) -> int:
 
 
 def is_block(member: bytes) -> bool:
-    return member[8:16] == BLOCK_MARK[8:]
+    return member[8:16] == _MARK_TIME
 
 
 def tile_of(member: bytes, tile_us: int) -> int:

@@ -86,7 +86,7 @@ class SingleRedis:
         windows: Sequence[TiledRange],
         summaries: Sequence[bytes],
     ) -> list:
-        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.reads((), (), summary_keys(summaries))
+        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
         count = len(lookups) + len(ranges) + len(windows) + len(summaries)
         if self._readers is None:
             pool = self.client.connection_pool
@@ -137,7 +137,7 @@ class SingleRedis:
             )
             self._batched_loop = loop
         batched = self._batched
-        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.reads((), (), summary_keys(summaries))
+        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
         count = len(lookups) + len(ranges) + len(windows) + len(summaries)
         for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:

@@ -76,6 +76,11 @@ def sliced(
     return out
 
 
+def whole_hashes(keys: Sequence[bytes]) -> bytes:
+    """An HGETALL per key, as one buffer."""
+    return b"".join([b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(key), key) for key in keys])
+
+
 def _one(value: Argument) -> bytes:
     data = value if isinstance(value, bytes) else str(value).encode()
     return b"$%d\r\n%b\r\n" % (len(data), data)
@@ -95,12 +100,10 @@ def _framed(values: pa.Array) -> tuple[bytes, list[int]]:
 
 
 def reads(
-    lookups: Sequence[tuple[bytes, Sequence[str]]],
-    ranges: Sequence[tuple[bytes, int, int, int | None]] = (),
-    hashes: Sequence[bytes] = (),
+    lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
 ) -> bytes:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
-    limit)`` (low exclusive), then an HGETALL per hash key, as one buffer.
+    limit)`` (low exclusive), as one buffer.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument
     of every command, ~3 µs a command)."""
     framed: dict[int, tuple[bytes, bytes]] = {}
@@ -121,5 +124,4 @@ def reads(
             b"*%d\r\n$13\r\nZRANGEBYSCORE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
             % (7 if limit is not None else 4, len(key), key, len(bounds[0]), bounds[0], len(bounds[1]), bounds[1], tail)
         )
-    chunks += [b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(key), key) for key in hashes]
     return b"".join(chunks)
