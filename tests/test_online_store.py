@@ -147,6 +147,8 @@ def test_heavy_entities_read_tile_summaries_sync_and_async_with_the_events_value
     """A lookup reading two or more heavy windows failed on Redis Cluster's async path: the store
     used the single Redis's ``read_tiles_async``, whose ``evalsha`` redis-py blocks in cluster
     pipelines, outside the ``try`` that maps store errors to 503."""
+    from featurestore.retrieval.online.plan import _WindowPlan
+
     events = _payments(range(0, 2000))
     backend.push("payments", events, to="online")
     cards = list(range(0, 40))
@@ -172,6 +174,13 @@ def test_heavy_entities_read_tile_summaries_sync_and_async_with_the_events_value
     assert any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*|tiles"))
     for _ in range(2):  # the SDK's path, on those summaries
         assert reader.read(query()).to_dict() == want
+    # heavy from 20 events: a card of fewer members (its events packed) is read whole, its
+    # summaries beside its plain read (HGETALL: RESP3's map on one node, a dict from the cluster's pipeline)
+    monkeypatch.setattr(_WindowPlan, "heavy_from", lambda self: 20)
+    reader.heavy.clear()
+    members = [backend.online_store.client.zcard(key) for key, *_ in query().ranges]
+    assert any(n < 20 for n in members)
+    assert reader.read(query()).to_dict() == want  # (the servers' path places replies alike)
 
 
 def test_a_redis_that_lost_its_scripts_gets_them_again_sync_and_async(backend, monkeypatch):
