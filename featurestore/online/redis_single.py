@@ -18,11 +18,10 @@ import redis
 import redis.asyncio as aioredis
 
 from featurestore.errors import OnlineStoreUnavailable
-from featurestore.online import resp
 from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.embedded import EmbeddedRedis
-from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, redact, summary_keys, window_reads
+from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, packed_reads, redact
 
 
 class SingleRedis:
@@ -86,8 +85,7 @@ class SingleRedis:
         windows: Sequence[TiledRange],
         summaries: Sequence[bytes],
     ) -> list:
-        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
-        count = len(lookups) + len(ranges) + len(windows) + len(summaries)
+        packed, count = packed_reads(lookups, ranges, windows, summaries)
         if self._readers is None:
             pool = self.client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
@@ -137,8 +135,7 @@ class SingleRedis:
             )
             self._batched_loop = loop
         batched = self._batched
-        packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
-        count = len(lookups) + len(ranges) + len(windows) + len(summaries)
+        packed, count = packed_reads(lookups, ranges, windows, summaries)
         for attempt in (1, 2):  # as ``read``: a connection Redis dropped fails once
             try:
                 return await batched.read(packed, count)

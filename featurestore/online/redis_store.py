@@ -27,7 +27,7 @@ import redis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import packed
-from featurestore.online.base import Compacted, Lookup, Range, Seal, Sealer, TiledRange
+from featurestore.online.base import SUMMARIES_SUFFIX, Compacted, Lookup, Range, Seal, Sealer, TiledRange
 from featurestore.online.codec import (
     encode_events,
     encode_values,
@@ -226,7 +226,7 @@ class RedisOnlineStore:
         for key in keys:
             pipe.zrangebyscore(key, "-inf", before)
             if sealer:
-                pipe.hgetall(key + b"|tiles")
+                pipe.hgetall(key + SUMMARIES_SUFFIX)
         replies = iter(pipe.execute())
         entries, blocks, events, summaries = {}, 0, 0, 0
         for key, members in zip(keys, replies):

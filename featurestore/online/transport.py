@@ -108,6 +108,14 @@ def window_reads(windows: Sequence[TiledRange]) -> bytes:
     return b"".join(resp.command("EVALSHA", sha, 1, key, *arguments) for key, arguments in windows)
 
 
+def packed_reads(
+    lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange], summaries: Sequence[bytes]
+) -> tuple[bytes, int]:
+    """``Transport.read``'s commands in one buffer, and how many replies they get."""
+    packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
+    return packed, len(lookups) + len(ranges) + len(windows) + len(summaries)
+
+
 def summary_keys(events_keys: Sequence[bytes]) -> list[bytes]:
     """The hashes holding these events keys' tile summaries."""
     return [key + SUMMARIES_SUFFIX for key in events_keys]
