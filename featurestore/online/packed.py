@@ -119,10 +119,6 @@ def recorded_writes(blob: bytes) -> list[bytes]:
     return [i.to_bytes(8, "big") + t.to_bytes(8, "big") for i, t in zip(ids.tolist(), stamps.tolist())]
 
 
-def holds_at_least(members: Sequence[bytes], events: int) -> bool:
-    return len(members) >= events or event_count(members) >= events
-
-
 def expand(
     members: list[bytes],
     features: Sequence[tuple[str, DType]],

@@ -388,19 +388,17 @@ class OnlineQuery:
         ``heavy_from`` members where tile summaries may answer), the windows of entities known to
         hold more members than that, read by ``read_window.lua`` at once, and the events keys whose
         tile summaries come with their plain read; nothing of an unread range."""
-        plain: list[tuple[bytes, int, int, int | None]] = []
-        windows: list[tuple[bytes, list[bytes | int]]] = []
-        summaries: list[bytes] = []
-        for pos, r in enumerate(self.ranges):
-            if pos in self.unread:
-                continue
-            if pos in self.known_heavy:
-                windows.append(self.tiles_read(pos))
-                continue
-            plain.append(r)
-            if r[3] is not None:
-                summaries.append(r[0])
-        return plain, windows, summaries
+        plain = self._plain()
+        summaries = [self.ranges[pos][0] for pos in plain if self.ranges[pos][3] is not None]
+        return [self.ranges[pos] for pos in plain], [self.tiles_read(pos) for pos in self._scripted()], summaries
+
+    def _plain(self) -> list[int]:
+        """The ranges the first round trip reads plainly."""
+        return [pos for pos in range(len(self.ranges)) if pos not in self.unread and pos not in self.known_heavy]
+
+    def _scripted(self) -> list[int]:
+        """The ranges the first round trip reads by ``read_window.lua``, in order."""
+        return sorted(self.known_heavy - self.unread)
 
     def placed(self, replies: list) -> list:
         """The first round trip's replies (lookups, ``reads``' ranges, its windows, its summaries)
@@ -411,10 +409,8 @@ class OnlineQuery:
         n = len(self.lookups)
         raw: list = replies[:n] + [[] for _ in self.ranges]
         answers = iter(replies[n:])
-        plain = [pos for pos in range(len(self.ranges)) if pos not in self.unread and pos not in self.known_heavy]
-        for pos in plain:
-            raw[n + pos] = next(answers)
-        for pos in sorted(self.known_heavy - self.unread):
+        plain = self._plain()
+        for pos in [*plain, *self._scripted()]:
             raw[n + pos] = next(answers)
         for pos in plain:
             limit = self.ranges[pos][3]
