@@ -20,7 +20,27 @@ from featurestore.definitions import StreamSource, window_label
 from featurestore.errors import FeatureStoreError
 from featurestore.launch import ServerLaunch
 
-app = typer.Typer(
+
+class _WrappingHelpCommand(typer.core.TyperCommand):
+    """A command whose ``--help`` is click's plain layout, which wraps at any width: typer's rich
+    table cut option names and their help at 80 columns (``--shard-group-s…``)."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # (typer bundles its own click)
+        mode, self.rich_markup_mode = self.rich_markup_mode, None
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = mode
+
+
+class _App(typer.Typer):
+    """A typer app whose commands' ``--help`` wraps (the command list keeps its rich panels)."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        return super().command(*args, cls=_WrappingHelpCommand, **kwargs)
+
+
+app = _App(
     help="featurestore: one Python definition per feature, point-in-time-correct training data, Redis serving.",
     epilog=(
         "Examples:\n\n"
@@ -735,7 +755,7 @@ def checkpoint_engine(
     ),
     models_from: str | None = typer.Option(
         None,
-        help="The source repo's data_dir on object storage (s3://…): versions are fetched from there "
+        help="The source repo's data_dir on object storage (s3://bucket/prefix): versions are fetched from there "
         "before the source is asked (after the upstream, when it has them).",
     ),
     broadcast: bool = typer.Option(
@@ -806,8 +826,8 @@ def checkpoint_engine(
     )
 
 
-runs_app = typer.Typer(help="Tracked training runs.", no_args_is_help=True)
-models_app = typer.Typer(help="The model registry: versions and stage aliases.", no_args_is_help=True)
+runs_app = _App(help="Tracked training runs.", no_args_is_help=True)
+models_app = _App(help="The model registry: versions and stage aliases.", no_args_is_help=True)
 app.add_typer(runs_app, name="runs", rich_help_panel="Training and models")
 app.add_typer(models_app, name="models", rich_help_panel="Training and models")
 

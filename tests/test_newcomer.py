@@ -152,6 +152,32 @@ def test_a_users_repo_passes_mypy_strict(tmp_path):
     assert out.returncode == 0, out.stdout
 
 
+def test_every_help_keeps_its_words_at_80_columns():
+    """At 80 columns (a default terminal) typer's rich option tables cut option names and their
+    help (``--shard-group-s…``, ``featurestore.yam…``): every ``--help`` must show each option
+    whole, cut nothing and fit the width."""
+    import typer.main
+    from typer.testing import CliRunner
+
+    from featurestore.cli import app
+
+    def commands(command, path: list[str]):  # (typer's groups are not click's)
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from commands(sub, [*path, name])
+
+    found = list(commands(typer.main.get_command(app), []))
+    assert len(found) > 25
+    for path, command in found:
+        out = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert out.exit_code == 0, out.output
+        assert "…" not in out.output, f"{path}: {out.output}"
+        assert max(map(len, out.output.splitlines())) <= 80, path
+        for param in command.params:
+            for name in (*param.opts, *param.secondary_opts):
+                assert name.startswith("-") is False or name in out.output, (path, name)
+
+
 def test_the_cli_reads_well(tmp_path, redis_url):
     """Small things an independent first hour found: ``--help`` showed a ``<bool>`` type beside
     every flag (``--help`` too) and one flat list of commands with no examples; ``list`` left out
