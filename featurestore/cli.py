@@ -374,7 +374,7 @@ def export(
 def serve(
     repo: Path = RepoOption,
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    port: int = typer.Option(6566, help="Port (Feast's default)."),
+    port: int = typer.Option(6566, help="Port (Feast's default).", min=1, max=65535),
     workers: int = typer.Option(
         1,
         min=1,
@@ -407,7 +407,7 @@ def serve(
 def ui(
     repo: Path = RepoOption,
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    port: int = typer.Option(8765, help="Port."),
+    port: int = typer.Option(8765, help="Port.", min=1, max=65535),
     log_level: str = LogLevelOption,
 ) -> None:
     """Run the web UI: catalogue, view freshness, runs and curves, models and lineage (at /ui/)."""
@@ -559,7 +559,7 @@ def serve_model(
     model: str = typer.Option(..., help="Registered model name."),
     stage: str = typer.Option("production", help="Stage alias to serve (follows promotions)."),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    port: int = typer.Option(8000, help="Port."),
+    port: int = typer.Option(8000, help="Port.", min=1, max=65535),
     workers: int = typer.Option(
         1, min=1, help="Worker processes (replicas all follow promotions; `kill -HUP` replaces them one by one)."
     ),
@@ -609,7 +609,7 @@ def train_command(
     nnodes: int = typer.Option(1, help="Machines in the run (each runs this command with its --node-rank)."),
     node_rank: int = typer.Option(0, help="This machine's rank among --nnodes."),
     master_addr: str = typer.Option("127.0.0.1", help="Address of node 0 (with --nnodes > 1)."),
-    master_port: int = typer.Option(29500, help="Port on node 0 (with --nnodes > 1)."),
+    master_port: int = typer.Option(29500, help="Port on node 0 (with --nnodes > 1).", min=1, max=65535),
     shard_group_size: int = typer.Option(
         1, help="Ranks sharing one sharded model replica (FSDP); the world is sync groups x this."
     ),
@@ -771,7 +771,7 @@ def checkpoint_engine(
         "(auto: when every member of a round is), or over the network.",
     ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
-    port: int = typer.Option(8600, help="Port."),
+    port: int = typer.Option(8600, help="Port.", min=1, max=65535),
     repo: Path = RepoOption,
 ) -> None:
     """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it.
@@ -1125,6 +1125,11 @@ def main() -> None:
             raise
     except FeatureStoreError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        # (a path the user gave, or a file a command needs first: one line says which)
+        said = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
+        err_console.print(f"[bold red]error:[/] {escape(said)}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except ModuleNotFoundError as exc:
         if exc.name not in TRAINING_MODULES:

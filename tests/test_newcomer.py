@@ -216,6 +216,14 @@ def test_the_cli_reads_well(tmp_path, redis_url):
     for command in (("serve-model",), ("checkpoint-engine",)):
         assert "Missing option '--model'" in cli(*command, code=2)
     assert "--model NAME" in cli("check-consistency", code=1)
+    # a missing path is one error line saying what to do (both were tracebacks), a port out of range a usage error
+    for args, said in (
+        (("train", "-d", str(tmp_path / "none")), "no exported dataset at"),
+        (("check-consistency", "--model", "nobody"), "serve some predictions first"),
+    ):
+        out = cli(*args, code=1)
+        assert said in out and "Traceback" not in out and out.count("error:") == 1, out
+    assert "65535" in cli("serve", "--port", "99999", code=2)
     (repo / "features.py").write_text(
         (repo / "features.py")
         .read_text()

@@ -31,7 +31,12 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def load_manifest(dataset_dir: Path) -> dict:
-    return json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    manifest = Path(dataset_dir) / "manifest.json"
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"no exported dataset at {dataset_dir} (no manifest.json): make one with `featurestore export`"
+        )
+    return json.loads(manifest.read_text())
 
 
 Unit = tuple[Path, int, int, int]  # file, row group, first row in the group, row count
