@@ -217,7 +217,8 @@ def materialize_incremental(
     end: str | None = typer.Argument(None, help="Up to this time (default: now)."),
     views: list[str] = typer.Option(None, "--view", "-v", help="Only these views (repeatable)."),
     rebuild_online: bool = typer.Option(
-        False, help="Also refill Redis from the history store (after Redis lost data)."
+        False,
+        help="Also refill Redis from the history store (after Redis lost some keys; an emptied or replaced Redis is refilled anyway).",
     ),
     engine: str | None = EngineOption,
     ray_address: str | None = RayAddressOption,

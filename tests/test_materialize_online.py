@@ -555,18 +555,49 @@ def test_concurrent_materializations_never_duplicate_history(users_store):
     assert total == distinct > 0
 
 
-def test_rebuild_online_refills_an_emptied_redis(users_store):
-    """Issue #11: an emptied Redis could not be refilled (materialize-incremental skips rows history has)."""
+def test_an_emptied_replaced_or_restored_redis_is_refilled_by_the_next_materialization(users_store):
+    """A view's registry mark said Redis held its whole history, so a materialization sent only the
+    rows history lacked: to an emptied Redis, another Redis (a new cluster, a failover to an
+    empty replica) or one restored from an older copy it sent nothing, and lookups kept answering
+    NOT_FOUND or old values. The write that fills Redis now leaves a token there and in the
+    registry; a store without it gets the whole history again. A partial loss (keys deleted, the
+    token kept) is what ``rebuild_online`` is for."""
     store = users_store(random_users(10, 100, seed=18))
     store.materialize(None, NOW)
-    client = store.online_store.client
-    for key in client.scan_iter(match=store.online_store.prefix + b"*"):
+    client, prefix = store.online_store.client, store.online_store.prefix
+
+    def online_equals_history() -> bool:
+        online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
+        return online.to_dict()["i64"] == offline["i64"].to_pylist()
+
+    for key in client.scan_iter(match=prefix + b"*"):  # emptied (or another Redis): refilled
+        client.delete(key)
+    assert store.materialize_incremental(NOW).views[0].online_rows == 10
+    assert online_equals_history()
+    assert store.materialize_incremental(NOW).views[0].online_rows == 0  # (in sync: nothing re-sent)
+
+    older = {key: client.dump(key) for key in client.scan_iter(match=prefix + b"*")}
+    newer = random_users(10, 100, seed=19).set_column(1, "ts", pa.array([NOW - timedelta(minutes=30)] * 100, TS))
+    newer = newer.set_column(2, "created", newer["ts"])
+    pq.write_table(newer, store.config.repo_path / "data" / "users.parquet")
+    store.materialize_incremental(NOW)
+    for key in client.scan_iter(match=prefix + b"*"):  # restored from the copy taken before that run
+        client.delete(key)
+    for key, dumped in older.items():
+        client.restore(key, 0, dumped)
+    assert not online_equals_history()
+    store.materialize_incremental(NOW)
+    assert online_equals_history()
+
+    for key in [k for k in client.scan_iter(match=prefix + b"*") if b"user_id=" in k][:5]:  # partly lost
         client.delete(key)
     store.materialize_incremental(NOW)
-    assert store.get_online_features([{"user_id": 1}], features=["users:i64"]).statuses[1] == ["NOT_FOUND"]
+    assert (
+        "NOT_FOUND"
+        in store.get_online_features([{"user_id": i} for i in range(1, 11)], features=["users:i64"]).statuses[1]
+    )
     store.materialize_incremental(NOW, rebuild_online=True)
-    online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
-    assert online.to_dict()["i64"] == offline["i64"].to_pylist()
+    assert online_equals_history()
 
 
 def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(users_store, monkeypatch):

@@ -219,6 +219,8 @@ def test_freshness_health_broadcast_and_idempotency(backend):
     assert store.ping()
     assert store.first_use("retry-1", "a", 10, 60) == (10, "a")
     assert store.first_use("retry-1", "b", 20, 60) == (10, "a")  # a retry gets the first attempt's
+    token = backend.registry.watermark("stats").online_token  # the materialization's sync token, on both sides
+    assert token is not None and store.sync_token("stats") == token and store.sync_token("nope") is None
 
     async def served():  # (one event loop, as a server's: the async clients belong to it)
         newest, healthy = await store.newest_async(), await store.ping_async()
@@ -253,7 +255,9 @@ def test_writes_leave_no_lua_garbage_for_the_scripts_after_them(backend, request
 def test_dropping_a_view_removes_its_values_and_events_only(backend):
     backend.materialize(None, NOW)
     backend.push("payments", _payments(range(0, 200)), to="online")
+    assert backend.online_store.sync_token("activity") is not None
     backend.online_store.drop_view("activity")
+    assert backend.online_store.sync_token("activity") is None and backend.online_store.sync_token("stats") is not None
     got = backend.get_online_features({"card_id": [1, 2]}, features=["stats:score", *REFS], at=NOW).to_dict()
     assert got["score"] == [0.25, 0.5]
     assert got["count_1h"] == [0, 0] and got["amount_max_6h"] == [None, None]

@@ -113,7 +113,7 @@ class Materializer:
     ):
         self.defs, self.registry, self.offline, self.online, self.config = defs, registry, offline, online, config
         self.progress, self.distributed = progress, distributed
-        self.stores = Stores(defs, registry, offline, self.write_online)
+        self.stores = Stores(defs, registry, offline, self.write_online, online)
 
     def run(
         self,

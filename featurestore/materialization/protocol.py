@@ -10,10 +10,12 @@
    and the commit retried, ``HistoryWriter.commit``; no lock, so writers on other machines are
    safe too); a crash before it leaves files no version lists: invisible, and a re-run writes
    them again;
-4. **online**: when the mark was true, each partition's rows (the executor); when it was false,
-   the latest of the view's *whole history* (plus what was computed), as authority, whatever the
-   run's window;
-5. **finish**: the mark set true, the history watermark moved.
+4. **online**: when the mark was true and the online store still holds the token the last run
+   left there, each partition's rows (the executor); otherwise (history changed meanwhile, or the
+   online store was emptied, replaced or restored from an older copy) the latest of the view's
+   *whole history* (plus what was computed), as authority, whatever the run's window;
+5. **finish**: a new token left in the online store, then the mark set true with it, the
+   history watermark moved.
 
 Both writes are idempotent (history dedupes by ``_row_id``; the online store keeps the larger
 order key or the first event id), so whatever ran in between (a crash, offline-only pushes,
@@ -22,6 +24,7 @@ windowed runs), a re-run converges.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +37,7 @@ from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError
 from featurestore.materialization.compute import latest_sql
 from featurestore.offline.base import OfflineStore
+from featurestore.online.base import OnlineWrites
 from featurestore.registry import Definitions, RegistryStore
 from featurestore.sources import connection
 
@@ -91,12 +95,14 @@ class ViewExecutor(Protocol):
 
 @dataclass
 class Stores:
-    """What the protocol writes to: the registry's marks, history, and the online write."""
+    """What the protocol writes to: the registry's marks, history, the online write, and the
+    online store's sync tokens."""
 
     defs: Definitions
     registry: RegistryStore
     offline: OfflineStore
     write_online: OnlineWrite
+    online: OnlineWrites
 
 
 def write_view(
@@ -116,7 +122,7 @@ def write_view(
     run_id = registry.next_run_id() if run_id is None else run_id
     now = datetime.now(UTC)
     write_offline, write_online = offline and view.offline, online and view.online
-    synced = begin_history_write(stores, view, write_offline)
+    synced = begin_history_write(stores, view, write_offline, write_online)
     table = stores.defs.layout(view).history_table
     read = history.version(table) if write_offline else None
     run = executor.compute(view, run_id, now, start, end, write_offline, read)
@@ -149,16 +155,21 @@ def keep_rejects(stores: Stores, view: FeatureView, rejects: pa.Table, report: V
     stores.offline.write_rejects(view.name, rejects)
 
 
-def begin_history_write(stores: Stores, view: FeatureView, write_offline: bool) -> bool:
+def begin_history_write(stores: Stores, view: FeatureView, write_offline: bool, write_online: bool) -> bool:
     """Whether the online store holds the view's whole history now (else the next online write
     sends it all); marks it not so before history changes."""
     layout = stores.defs.layout(view)
-    # a new storage layout starts with nothing online: everything is re-sent; with no history
-    # yet, this run's rows are the whole of it
+    mark = stores.registry.watermark(view.name)
+    # a new storage layout starts with nothing online: everything is re-sent, as it is to an online
+    # store without the token the last write left (emptied, another one, an older copy); with no
+    # history yet, this run's rows are the whole of it
     synced = (
-        stores.registry.watermark(view.name).synced_under(layout.storage_id)
-        or stores.offline.version(layout.history_table) is None
-    )
+        mark.synced_under(layout.storage_id)
+        and (
+            not write_online
+            or (mark.online_token is not None and stores.online.sync_token(view.name) == mark.online_token)
+        )
+    ) or stores.offline.version(layout.history_table) is None
     if view.online and write_offline:
         stores.registry.set_watermark(view.name, online_synced=False)
     return synced
@@ -177,7 +188,9 @@ def finish_run(
     """Record what the run wrote: the online store in sync, history up to ``end``."""
     marks: dict[str, Any] = {}
     if wrote_online:
-        marks.update(online_synced=True, online_layout=stores.defs.layout(view).storage_id)
+        token = secrets.token_hex(8)
+        stores.online.set_sync_token(view.name, token)  # (a crash before the mark: a re-run re-sends)
+        marks.update(online_synced=True, online_layout=stores.defs.layout(view).storage_id, online_token=token)
     if wrote_offline:
         marks.update(last_run_id=run_id, materialized_at=now.isoformat())
         if end is not None:

@@ -168,6 +168,17 @@ class OnlineWrites(Protocol):
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is recorded."""
         ...
 
+    def sync_token(self, view: str) -> str | None:
+        """The token ``set_sync_token`` last left for ``view`` in this store; None if none (a new,
+        emptied or replaced store)."""
+        ...
+
+    def set_sync_token(self, view: str, token: str) -> None:
+        """Leave ``token`` for ``view``: the registry records it too once a write made this store
+        hold the view's whole history, and a later write sends the whole history again unless
+        this store still has it."""
+        ...
+
 
 class OnlineReads(Protocol):
     def read(

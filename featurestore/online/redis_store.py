@@ -42,6 +42,8 @@ from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
 
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
+# the hash of each view's sync token (``set_sync_token``): an emptied or replaced Redis lacks it
+SYNC_TOKENS = b"synced"
 PACKED_RETRIES = 3  # a whole-history write unpacks its entities' blocks, and again if a writer packed some meanwhile
 
 
@@ -340,6 +342,16 @@ class RedisOnlineStore:
         first, _, recorded_fingerprint = recorded.partition(":")
         return int(first), recorded_fingerprint
 
+    def sync_token(self, view: str) -> str | None:
+        """The token ``set_sync_token`` last left for ``view`` here; None if none (a new, emptied or replaced Redis)."""
+        with self._calling():
+            token = self.client.hget(self.prefix + SYNC_TOKENS, view)
+        return None if token is None else token.decode()
+
+    def set_sync_token(self, view: str, token: str) -> None:
+        with self._calling():
+            self.client.hset(self.prefix + SYNC_TOKENS, view, token)
+
     def publish(self, channel: bytes, message: str) -> None:
         """Broadcast to every subscribed server (model promotions)."""
         with self._calling():
@@ -365,6 +377,7 @@ class RedisOnlineStore:
         """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
         marker = view.encode() + b"#"
         with self._calling():
+            self.client.hdel(self.prefix + SYNC_TOKENS, view)
             for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
                 if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
                     continue

@@ -36,6 +36,9 @@ class Watermark:
 
     online_synced: bool = False  # the online store holds the view's whole history, under ``online_layout``
     online_layout: str | None = None  # the layout id (``ViewLayout.storage_id``) the online store was filled under
+    # the token the write that left the online store in sync left there too (``OnlineWrites.set_sync_token``):
+    # a store without it (emptied, replaced, restored from an older copy) lacks rows of the history
+    online_token: str | None = None
     last_run_id: int | None = None  # the last write run that committed history
     materialized_at: str | None = None  # when it did (ISO, UTC)
     end: str | None = None  # the end of the last materialized interval (ISO)
