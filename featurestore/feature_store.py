@@ -248,6 +248,7 @@ class FeatureStore:
             from featurestore.online.base import open_online_store
 
             self._online = open_online_store(self.config.online_store_settings)
+            _warn_if_evicting(self._online)
         return self._online
 
     @property
@@ -672,3 +673,21 @@ def _feast_order(first: Any, second: Any) -> bool:
             isinstance(second, dict) or (isinstance(second, (list, tuple)) and all(isinstance(r, dict) for r in second))
         )
     )
+
+
+def _warn_if_evicting(online: OnlineStore) -> None:
+    """Say so when Redis may delete keys once full: a view's value would read NOT_FOUND, and an
+    aggregate that lost its events key or its ids would count part of its window, or a retried
+    event twice; nothing here could tell."""
+    try:
+        policy = online.eviction_policy()
+    except Exception:  # (a Redis down now: the first real call says so)
+        return
+    if policy is not None:
+        log.warning(
+            "Redis at %s deletes keys once full (maxmemory-policy %s): lookups could miss values and "
+            "aggregates count part of their windows; set `maxmemory-policy noeviction` (a full Redis then "
+            "refuses writes, and materialization says so) and size it with `featurestore capacity`",
+            online.url,
+            policy,
+        )

@@ -600,6 +600,58 @@ def test_an_emptied_replaced_or_restored_redis_is_refilled_by_the_next_materiali
     assert online_equals_history()
 
 
+def test_a_redis_that_evicts_is_named_and_a_full_one_refuses_saying_so_and_loses_nothing(tmp_path, caplog):
+    """A Redis that may delete keys once full (``maxmemory-policy`` allkeys-lru) would make values
+    vanish and aggregates count part of their windows: opening the store says so. A full one under
+    ``noeviction`` refused the write scripts and the CLI printed a traceback; it is now one line
+    saying what to do, and a re-run after it has room converges."""
+    import logging
+    import os
+    import subprocess
+    import sys
+
+    import redis
+
+    from featurestore import FeatureStore
+    from featurestore.errors import OnlineStoreUnavailable
+    from featurestore.online.embedded import EmbeddedRedis
+
+    from .conftest import write_repo
+
+    server = EmbeddedRedis(tmp_path / "own-redis")
+    url = server.ensure_running()
+    try:
+        client = redis.Redis.from_url(url)
+        client.config_set("maxmemory", "256mb")
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        root = write_repo(
+            tmp_path / "repo", ALL_TYPES.replace("{ttl_days}", "30"), {"users": random_users(10, 100, 20)}, url=url
+        )
+        with caplog.at_level(logging.WARNING, logger="featurestore.feature_store"), FeatureStore(root) as store:
+            store.apply()
+            assert store.online_store.eviction_policy() == "allkeys-lru"
+            assert "maxmemory-policy allkeys-lru" in caplog.text and "noeviction" in caplog.text
+            client.config_set("maxmemory-policy", "noeviction")
+            assert store.online_store.eviction_policy() is None
+            client.config_set("maxmemory", "1")  # (past it at once: every write refused)
+            with pytest.raises(OnlineStoreUnavailable, match="is full .* refuses writes"):
+                store.materialize(None, NOW)
+            cli = subprocess.run(
+                [sys.executable, "-m", "featurestore", "materialize-incremental", "-r", str(root)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "COLUMNS": "200"},
+                timeout=120,
+            )
+            assert cli.returncode == 1 and "is full" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
+            client.config_set("maxmemory", "0")
+            store.materialize_incremental(NOW)
+            online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
+            assert online.to_dict()["i64"] == offline["i64"].to_pylist()
+    finally:
+        server.stop()
+
+
 def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(users_store, monkeypatch):
     """The servers send the lookups of one event-loop turn to Redis together (``BatchedReads``):
     every lookup must still get exactly its own replies, and one lookup's error stays its own."""

@@ -232,6 +232,11 @@ class OnlineStore(OnlineWrites, OnlineReads, Protocol):
 
     async def ping_async(self) -> bool: ...
 
+    def eviction_policy(self) -> str | None:
+        """How this store deletes keys once full (Redis's ``maxmemory-policy`` with ``maxmemory``
+        set, other than ``noeviction``); None if it never does, or cannot say."""
+        ...
+
     def publish(self, channel: bytes, message: str) -> None:
         """Broadcast to every subscribed server."""
         ...

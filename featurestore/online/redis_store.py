@@ -263,6 +263,17 @@ class RedisOnlineStore:
             self._zset_value_limit = max((int(v) for v in limits.values()), default=64)
         return self._zset_value_limit
 
+    def eviction_policy(self) -> str | None:
+        """How this Redis deletes keys once full (``maxmemory`` set, ``maxmemory-policy`` other than
+        ``noeviction``); None if it never does, or CONFIG is disabled (a managed service's)."""
+        with self._calling():
+            try:
+                config = self.client.config_get("maxmemory*")
+            except redis.ResponseError:
+                return None
+        policy = config.get("maxmemory-policy", "noeviction")
+        return policy if int(config.get("maxmemory", 0)) > 0 and policy != "noeviction" else None
+
     def unpack(self, keys: Sequence[bytes], features: Sequence) -> None:
         """Replace the blocks of these events keys by the events they hold (``unpack_block.lua``)."""
         blocks = self._run(lambda: (("blocks", [key], [], []) for key in keys), None)
@@ -397,12 +408,31 @@ class RedisOnlineStore:
     def close(self) -> None:
         self.transport.close()
 
+    def refused(self, exc: BaseException) -> OnlineStoreUnavailable | None:
+        """The store's error when Redis is up but takes no writes (full, under ``noeviction``; or it
+        cannot save its snapshots); None for any other error."""
+        text = str(exc)  # (a script's command refused: its error carries the refusal, "-OOM …")
+        if isinstance(exc, redis.exceptions.OutOfMemoryError) or "-OOM " in text:
+            why = "is full (used memory past its maxmemory) and refuses writes: raise maxmemory or add nodes"
+            return OnlineStoreUnavailable(
+                f"Redis at {self.transport.safe_url} {why} (`featurestore capacity` sizes it)"
+            )
+        if isinstance(exc, redis.ResponseError) and (text.startswith("MISCONF") or "-MISCONF " in text):
+            why = "refuses writes: it cannot save its snapshots (MISCONF; its log says why)"
+            return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
+        return None
+
     @contextlib.contextmanager
     def _calling(self) -> Iterator[None]:
         try:
             yield
         except UNAVAILABLE as exc:
             raise self.unavailable(exc) from exc
+        except redis.ResponseError as exc:
+            refused = self.refused(exc)
+            if refused is None:
+                raise
+            raise refused from exc
 
     def _run(self, calls: Callable[[], Iterable[Call]], newest: tuple[str, int] | None) -> list:
         """Run script calls in one round trip (per node), then note the view's newest event time
@@ -420,7 +450,7 @@ class RedisOnlineStore:
                 continue
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
-                raise errors[0]
+                raise self.refused(errors[0]) or errors[0]
             return results[: len(results) - len(noted)]
         raise AssertionError("unreachable")
 
