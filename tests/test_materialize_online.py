@@ -636,6 +636,9 @@ def test_a_redis_that_evicts_is_named_and_a_full_one_refuses_saying_so_and_loses
             client.config_set("maxmemory", "1")  # (past it at once: every write refused)
             with pytest.raises(OnlineStoreUnavailable, match="is full .* refuses writes"):
                 store.materialize(None, NOW)
+            pushed = {"user_id": [1], "score": [0.5], "event_timestamp": [NOW]}
+            with pytest.raises(OnlineStoreUnavailable, match="is full"):
+                store.push("user_push", pa.table(pushed), to="online")
             cli = subprocess.run(
                 [sys.executable, "-m", "featurestore", "materialize-incremental", "-r", str(root)],
                 capture_output=True,
