@@ -603,8 +603,8 @@ def test_an_emptied_replaced_or_restored_redis_is_refilled_by_the_next_materiali
 def test_a_redis_that_evicts_is_named_and_a_full_one_refuses_saying_so_and_loses_nothing(tmp_path, caplog):
     """A Redis that may delete keys once full (``maxmemory-policy`` allkeys-lru) would make values
     vanish and aggregates count part of their windows: opening the store says so. A full one under
-    ``noeviction`` refused the write scripts and the CLI printed a traceback; it is now one line
-    saying what to do, and a re-run after it has room converges."""
+    ``noeviction``, or a replica, refused the write scripts and the CLI printed a traceback; it is
+    now one line saying what to do, and a re-run after it takes writes converges."""
     import logging
     import os
     import subprocess
@@ -614,9 +614,9 @@ def test_a_redis_that_evicts_is_named_and_a_full_one_refuses_saying_so_and_loses
 
     from featurestore import FeatureStore
     from featurestore.errors import OnlineStoreUnavailable
-    from featurestore.online.embedded import EmbeddedRedis
+    from featurestore.online.embedded import EmbeddedRedis, redis_server_binary
 
-    from .conftest import write_repo
+    from .conftest import free_port, write_repo
 
     server = EmbeddedRedis(tmp_path / "own-redis")
     url = server.ensure_running()
@@ -648,6 +648,19 @@ def test_a_redis_that_evicts_is_named_and_a_full_one_refuses_saying_so_and_loses
             )
             assert cli.returncode == 1 and "is full" in cli.stderr and "Traceback" not in cli.stderr, cli.stderr
             client.config_set("maxmemory", "0")
+            port = free_port()  # a primary on TCP (the embedded one listens on a unix socket only)
+            primary = subprocess.Popen(
+                [redis_server_binary(), "--port", str(port), "--save", "", "--dir", str(tmp_path)],
+                stdout=subprocess.DEVNULL,
+            )
+            try:
+                client.replicaof("127.0.0.1", port)  # (a replica: its writes refused too)
+                with pytest.raises(OnlineStoreUnavailable, match="read-only replica: point `online_store.url` at"):
+                    store.materialize(None, NOW)
+                client.replicaof("NO", "ONE")
+            finally:
+                primary.terminate()
+                primary.wait(30)
             store.materialize_incremental(NOW)
             online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
             assert online.to_dict()["i64"] == offline["i64"].to_pylist()

@@ -409,14 +409,17 @@ class RedisOnlineStore:
         self.transport.close()
 
     def refused(self, exc: BaseException) -> OnlineStoreUnavailable | None:
-        """The store's error when Redis is up but takes no writes (full, under ``noeviction``; or it
-        cannot save its snapshots); None for any other error."""
+        """The store's error when Redis is up but takes no writes (full, under ``noeviction``; a
+        replica; or it cannot save its snapshots); None for any other error."""
         text = str(exc)  # (a script's command refused: its error carries the refusal, "-OOM …")
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or "-OOM " in text:
             why = "is full (used memory past its maxmemory) and refuses writes: raise maxmemory or add nodes"
             return OnlineStoreUnavailable(
                 f"Redis at {self.transport.safe_url} {why} (`featurestore capacity` sizes it)"
             )
+        if isinstance(exc, redis.exceptions.ReadOnlyError) or "-READONLY " in text:
+            why = "is a read-only replica: point `online_store.url` at its master"
+            return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
         if isinstance(exc, redis.ResponseError) and (text.startswith("MISCONF") or "-MISCONF " in text):
             why = "refuses writes: it cannot save its snapshots (MISCONF; its log says why)"
             return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
