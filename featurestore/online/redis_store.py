@@ -408,22 +408,20 @@ class RedisOnlineStore:
     def close(self) -> None:
         self.transport.close()
 
-    def refused(self, exc: BaseException) -> OnlineStoreUnavailable | None:
+    def _refused(self, exc: BaseException) -> OnlineStoreUnavailable | None:
         """The store's error when Redis is up but takes no writes (full, under ``noeviction``; a
         replica; or it cannot save its snapshots); None for any other error."""
         text = str(exc)  # (a script's command refused: its error carries the refusal, "-OOM …")
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or "-OOM " in text:
-            why = "is full (used memory past its maxmemory) and refuses writes: raise maxmemory or add nodes"
-            return OnlineStoreUnavailable(
-                f"Redis at {self.transport.safe_url} {why} (`featurestore capacity` sizes it)"
-            )
-        if isinstance(exc, redis.exceptions.ReadOnlyError) or "-READONLY " in text:
+            why = "is full (used memory past maxmemory) and refuses writes: raise maxmemory or add nodes"
+            why += " (`featurestore capacity` sizes it)"
+        elif isinstance(exc, redis.exceptions.ReadOnlyError) or "-READONLY " in text:
             why = "is a read-only replica: point `online_store.url` at its master"
-            return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
-        if isinstance(exc, redis.ResponseError) and (text.startswith("MISCONF") or "-MISCONF " in text):
+        elif isinstance(exc, redis.ResponseError) and (text.startswith("MISCONF") or "-MISCONF " in text):
             why = "refuses writes: it cannot save its snapshots (MISCONF; its log says why)"
-            return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
-        return None
+        else:
+            return None
+        return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
 
     @contextlib.contextmanager
     def _calling(self) -> Iterator[None]:
@@ -432,7 +430,7 @@ class RedisOnlineStore:
         except UNAVAILABLE as exc:
             raise self.unavailable(exc) from exc
         except redis.ResponseError as exc:
-            refused = self.refused(exc)
+            refused = self._refused(exc)
             if refused is None:
                 raise
             raise refused from exc
@@ -453,7 +451,7 @@ class RedisOnlineStore:
                 continue
             errors = [r for r in results if isinstance(r, Exception)]
             if errors:
-                raise self.refused(errors[0]) or errors[0]
+                raise self._refused(errors[0]) or errors[0]
             return results[: len(results) - len(noted)]
         raise AssertionError("unreachable")
 
