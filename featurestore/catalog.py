@@ -16,7 +16,7 @@ from featurestore.definitions import Entity, StreamSource
 from featurestore.errors import NotFoundError, OnlineStoreUnavailable
 from featurestore.registry.layout import layout_of
 from featurestore.registry.snapshot import from_name, value_hash, view_from_spec
-from featurestore.registry.store import RegistryStore
+from featurestore.registry.store import RegistryStore, Watermark
 from featurestore.streaming import stream_key
 
 if TYPE_CHECKING:
@@ -179,14 +179,17 @@ def view_status(
     layout = layout_of(view, state.get("history_versions", {}).get(name, 1))
     table = layout.history_table
     mark = registry.watermark(name)
+    history = offline.stats(table)
+    behind = _behind(mark, layout.storage_id) if history["table_version"] is not None else None
     status: dict[str, Any] = {
         "view": name,
         "last_materialized_at": mark.materialized_at,
         "max_event_timestamp": mark.max_event_timestamp,
-        # Redis holds the view's history under its current layout (an upgrade that changes a layout: not until materialized)
-        "online_synced": mark.synced_under(layout.storage_id),
+        # whether the online store holds the whole history (none: nothing to hold), and if not, why
+        "online_synced": behind is None,
+        "online_behind": behind,
         "history_table": table,
-        **offline.stats(table),
+        **history,
         "rejected_rows": offline.rejected_rows(name),
         "newest_online_event": None,
         "online_age_seconds": None,
@@ -201,9 +204,24 @@ def view_status(
                 status["online_age_seconds"] = round(now - newest / 1e6, 3)
             if isinstance(view.source, StreamSource):
                 status["stream"] = stream_lag(online.client, stream_key(project, view.source))
+            if history["table_version"] is not None and behind is None and online.sync_token(name) != mark.online_token:
+                status["online_synced"] = False
+                status["online_behind"] = (
+                    "the online store lacks the token its last fill left there (emptied, replaced or restored "
+                    "from an older copy): run `featurestore materialize`"
+                )
         except (OnlineStoreUnavailable, redis.RedisError, OSError) as exc:
             status["online_error"] = f"online store unreachable: {exc}"
     return status
+
+
+def _behind(mark: Watermark, storage_id: str) -> str | None:
+    """Why the online store may lack rows of the view's history, as the registry knows it; None if it holds all."""
+    if mark.synced_under(storage_id):
+        return None
+    if mark.online_synced:
+        return "written under another layout (an upgrade or a changed definition): run `featurestore materialize`"
+    return "history holds rows the online store lacks (never materialized, a crash, an offline-only push): run `featurestore materialize`"
 
 
 def stream_lag(client: Any, key: str) -> dict[str, Any]:

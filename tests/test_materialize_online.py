@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from featurestore.catalog import view_status
 from featurestore.errors import BadRowsError, RequestError
 
 NOW = datetime.now(UTC).replace(microsecond=0)
@@ -272,7 +273,6 @@ def test_recovery_converges_whatever_ran_in_between(users_store):
         "score"
     ] == [1.0, 2.0]
     assert store.registry.watermark("scores").online_synced is True
-    from featurestore.catalog import view_status
 
     status = lambda: view_status(store.registry, store.offline_store, None, store.config.project, "scores")[
         "online_synced"
@@ -570,10 +570,16 @@ def test_an_emptied_replaced_or_restored_redis_is_refilled_by_the_next_materiali
         online, offline = online_vs_offline(store, list(range(1, 11)), NOW)
         return online.to_dict()["i64"] == offline["i64"].to_pylist()
 
+    def status() -> dict:  # what the web UI shows of the view
+        return view_status(store.registry, store.offline_store, store.online_store, store.config.project, "users")
+
+    assert status()["online_synced"] is True and status()["online_behind"] is None
     for key in client.scan_iter(match=prefix + b"*"):  # emptied (or another Redis): refilled
         client.delete(key)
+    assert status()["online_synced"] is False and "emptied" in status()["online_behind"]  # (it said in sync)
     assert store.materialize_incremental(NOW).views[0].online_rows == 10
     assert online_equals_history()
+    assert status()["online_synced"] is True
     assert store.materialize_incremental(NOW).views[0].online_rows == 0  # (in sync: nothing re-sent)
 
     older = {key: client.dump(key) for key in client.scan_iter(match=prefix + b"*")}

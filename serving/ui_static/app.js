@@ -216,6 +216,7 @@ async function viewPage(name) {
       card("Delta version", fmt.num(s.table_version)),
       card("rejected rows", fmt.num(s.rejected_rows), s.rejected_rows ? "bad" : ""),
       ...(s.stream ? s.stream.groups.map((g) => card(`stream ${g.name}`, `${fmt.num(g.lag)} entries behind · ${fmt.num(g.pending)} unacknowledged`)) : [])));
+    if (s.online_behind) out.push(h("p", { class: "muted", id: "behind" }, `online store behind history: ${s.online_behind}`));
     if (s.online_error) out.push(h("p", { class: "error" }, s.online_error));
   }
   const stats = v.kind === "feature_view" ? await api(`views/${encodeURIComponent(name)}/statistics?points=200`) : null;
