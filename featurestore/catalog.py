@@ -204,7 +204,7 @@ def view_status(
                 status["online_age_seconds"] = round(now - newest / 1e6, 3)
             if isinstance(view.source, StreamSource):
                 status["stream"] = stream_lag(online.client, stream_key(project, view.source))
-            if history["table_version"] is not None and behind is None and online.sync_token(name) != mark.online_token:
+            if history["table_version"] is not None and behind is None and not mark.token_kept(online.sync_token(name)):
                 status["online_synced"] = False
                 status["online_behind"] = (
                     "the online store lacks the token its last fill left there (emptied, replaced or restored "
@@ -213,6 +213,16 @@ def view_status(
         except (OnlineStoreUnavailable, redis.RedisError, OSError) as exc:
             status["online_error"] = f"online store unreachable: {exc}"
     return status
+
+
+def online_behind(registry: RegistryStore, online: OnlineStore, layouts: dict[str, str]) -> dict[str, bool]:
+    """Of the views in ``layouts`` (name -> storage id) materialized before: whether the online store
+    lacks rows of the view's history (the next materialization re-sends it), by watermark and sync token."""
+    return {
+        name: not (mark.synced_under(layouts[name]) and mark.token_kept(online.sync_token(name)))
+        for name, mark in registry.watermarks().items()
+        if name in layouts
+    }
 
 
 def _behind(mark: Watermark, storage_id: str) -> str | None:

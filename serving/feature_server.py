@@ -24,7 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StringConstraints
 
+from featurestore import FeatureStore
 from featurestore.auth import Authenticator
+from featurestore.catalog import online_behind
 from featurestore.definitions import PushSource
 from featurestore.drift import read_drift
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
@@ -428,7 +430,18 @@ def _health_routes(app: FastAPI, watcher: RegistryWatcher, metrics: Metrics) -> 
         except (OnlineStoreUnavailable, redis.RedisError, OSError):
             metrics.redis_errors.inc()
             newest = None  # the request metrics still answer during an outage
-        return metrics.response(newest, await asyncio.to_thread(read_drift, watcher.current.config.data_dir))
+        current = watcher.current
+        drift = await asyncio.to_thread(read_drift, current.config.data_dir)
+        return metrics.response(newest, drift, await asyncio.to_thread(_online_behind, current))
+
+
+def _online_behind(store: FeatureStore) -> dict[str, bool] | None:
+    """Whether each materialized view's online store lacks rows of its history (``catalog.online_behind``)."""
+    layouts = {name: store.layout(name).storage_id for name, v in store.definitions.feature_views.items() if v.online}
+    try:
+        return online_behind(store.registry, store.online_store, layouts)
+    except (FeatureStoreError, redis.RedisError, OSError):
+        return None  # (the registry or Redis out of reach: the other metrics still answer)
 
 
 def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:

@@ -115,9 +115,15 @@ class Metrics:
                 self.object_requests.labels(kind).inc(n)
         self._objects_counted = now
 
-    def response(self, newest_events: dict[str, int] | None = None, drift: list[dict] | None = None) -> Response:
+    def response(
+        self,
+        newest_events: dict[str, int] | None = None,
+        drift: list[dict] | None = None,
+        behind: dict[str, bool] | None = None,
+    ) -> Response:
         """The metrics text; ``newest_events`` (view -> newest event time online, µs) adds per-view
-        freshness, ``drift`` (``featurestore.drift.read_drift``) each feature's last measured drift."""
+        freshness, ``drift`` (``featurestore.drift.read_drift``) each feature's last measured drift,
+        ``behind`` (``featurestore.catalog.online_behind``) whether each view's online store lacks history."""
         self.flush()
         registry = self.registry
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -135,6 +141,18 @@ class Metrics:
                 freshness.add_metric([view], max(0.0, now - us / 1e6))
             extra = CollectorRegistry()
             extra.register(_Fixed([freshness]))
+            body += generate_latest(extra)
+        if behind:
+            lacking = GaugeMetricFamily(
+                f"{self.prefix}_view_online_behind",
+                "1 while the online store lacks rows of the view's history (a crash between the stores, an "
+                "offline-only push, a changed layout, an emptied or replaced Redis): run featurestore materialize.",
+                labels=["view"],
+            )
+            for view, is_behind in sorted(behind.items()):
+                lacking.add_metric([view], float(is_behind))
+            extra = CollectorRegistry()
+            extra.register(_Fixed([lacking]))
             body += generate_latest(extra)
         if drift:
             body += generate_latest(_drift_registry(self.prefix, drift))

@@ -144,6 +144,37 @@ def test_health_metrics_and_openapi(client):
     assert "examples" in str(spec["paths"]["/get-online-features"]) or "example" in str(spec)
 
 
+def test_metrics_say_while_a_views_online_store_lacks_history(client, tmp_path):
+    """An emptied or replaced Redis (or an offline-only push, a crash between the stores) left every
+    gauge as it was: the registry said Redis held the history, and lookups answered NOT_FOUND with
+    nothing to alert on. ``view_online_behind`` is 1 until the next materialization re-sends it."""
+    import re
+
+    def behind() -> str | None:
+        found = re.search(
+            r'featurestore_feature_server_view_online_behind\{view="spend"\} (\S+)', client.get("/metrics").text
+        )
+        return found.group(1) if found else None
+
+    assert behind() is None  # (never materialized: nothing recorded of it)
+    push(client, [5], [1.0], [NOW - timedelta(minutes=5)], to="offline")
+    assert client.post("/materialize-incremental", json={}).status_code == 200
+    assert behind() == "0.0"
+    push(client, [6], [2.0], [NOW - timedelta(minutes=5)], to="offline")  # history has a row Redis lacks
+    assert behind() == "1.0"
+    assert client.post("/materialize-incremental", json={}).status_code == 200
+    assert behind() == "0.0"
+    with FeatureStore(tmp_path / "repo") as store:
+        client_, prefix = store.online_store.client, store.online_store.prefix
+        for key in client_.scan_iter(match=prefix + b"*"):  # emptied (or the server pointed at another Redis)
+            client_.delete(key)
+    assert behind() == "1.0"
+    assert client.post("/materialize-incremental", json={}).status_code == 200
+    assert behind() == "0.0"
+    body = client.post("/get-online-features", json={"features": ["spend:amount"], "entities": {"card_id": [5, 6]}})
+    assert body.json()["results"][1]["values"] == [1.0, 2.0]
+
+
 def test_materialize_runs_as_a_background_job(client):
     """Issue #11: materializations ran inside the request (three at once: 2 M duplicate rows, 1.8 GB
     in the serving process). Now: 202 with a job id at once, one job at a time, a status route."""

@@ -39,7 +39,6 @@ from featurestore.materialization.compute import latest_sql
 from featurestore.offline.base import OfflineStore
 from featurestore.online.base import OnlineWrites
 from featurestore.registry import Definitions, RegistryStore
-from featurestore.registry.store import Watermark
 from featurestore.sources import connection
 
 # (view, rows, now, whole_history) -> rows written online
@@ -164,16 +163,12 @@ def begin_history_write(stores: Stores, view: FeatureView, write_offline: bool, 
     # a new storage layout starts with nothing online: everything is re-sent, as it is to an online
     # store without the token the last write left (emptied, another one, an older copy); with no
     # history yet, this run's rows are the whole of it
-    synced = mark.synced_under(layout.storage_id) and (not write_online or _token_kept(stores, view, mark))
+    synced = mark.synced_under(layout.storage_id)
+    synced = synced and (not write_online or mark.token_kept(stores.online.sync_token(view.name)))
     synced = synced or stores.offline.version(layout.history_table) is None
     if view.online and write_offline:
         stores.registry.set_watermark(view.name, online_synced=False)
     return synced
-
-
-def _token_kept(stores: Stores, view: FeatureView, mark: Watermark) -> bool:
-    """Whether the online store still holds the token the write that filled it left there."""
-    return mark.online_token is not None and stores.online.sync_token(view.name) == mark.online_token
 
 
 def finish_run(

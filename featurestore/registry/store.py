@@ -48,6 +48,11 @@ class Watermark:
         """Whether the online store holds the whole history in this layout (another layout: nothing of it)."""
         return self.online_synced and self.online_layout == storage_id
 
+    def token_kept(self, stored: str | None) -> bool:
+        """Whether an online store holding ``stored`` as the view's sync token is the one this mark's
+        fill left it in (an emptied, replaced or restored one lacks it; a mark older than tokens has none)."""
+        return self.online_token is not None and stored == self.online_token
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Watermark:
         known = {f.name for f in fields(cls)}
