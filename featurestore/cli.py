@@ -452,7 +452,10 @@ def _run_server(
 
     import uvicorn
 
+    from featurestore import serve_workers
+
     _SERVING.append(what)
+    serve_workers.raise_open_files_limit()
     repo = launch.repo_path
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
@@ -500,8 +503,6 @@ def _run_server(
         "timeout_keep_alive": keep_alive,
         **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {}),
     }
-    from featurestore import serve_workers
-
     if workers > 1 and serve_workers.supported():  # a listening socket per worker: connections spread evenly
         serve_workers.serve(factory, workers=workers, host=host, port=port, **options)
     else:
@@ -784,6 +785,7 @@ def checkpoint_engine(
     import uvicorn
 
     from featurestore.broadcast_rounds import Transport
+    from featurestore.serve_workers import raise_open_files_limit
 
     _one_of(transport, Transport, "--transport")
     store = _store(repo)
@@ -817,6 +819,7 @@ def checkpoint_engine(
         broadcast_transport=transport,
     ).export()
     _SERVING.append("checkpoint engine")
+    raise_open_files_limit()
     uvicorn.run(
         "serving.checkpoint_engine:app_factory",
         factory=True,

@@ -1066,6 +1066,56 @@ def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
         server.wait(30)
 
 
+def test_a_burst_of_connections_past_the_soft_open_files_limit_is_still_served(tmp_path, redis_url, monkeypatch):
+    """Under a soft open-files limit (1,024 is a common default), connections past it could not
+    be accepted: with them held open, a lookup's connection was reset until they went away. The
+    servers raise their soft limit to the hard one when they start."""
+    import resource
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    soft, hard = 256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-files limit ({hard}) leaves no room above a soft one to test")
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+    )
+    url = f"http://127.0.0.1:{port}"
+    held = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
+                time.sleep(0.2)
+        for _ in range(2 * soft):  # each held by a client that has not finished its request yet
+            held.append(socket.create_connection(("127.0.0.1", port)))
+            held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+        assert httpx.post(url + "/get-online-features", json=lookup, timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        server.terminate()
+        server.wait(30)
+
+
 def test_check_consistency_reads_each_vector_as_it_was_served(tmp_path, redis_url, monkeypatch):
     """``featurestore check-consistency`` on the demo's data said 15.6 % right after the demo said
     100 %: the demo replays the past (lookups ``at`` simulated times), which only an event-time
