@@ -103,6 +103,20 @@ def castable(source: pa.DataType, target: DType) -> bool:
     return False
 
 
+def pushable(source: pa.DataType, target: DType) -> bool:
+    """Whether pushed values of ``source`` convert to ``target`` keeping their meaning: values of
+    the same kind (numbers to numbers, where Arrow's safe cast refuses fractions and overflow), and
+    what clients send for want of a type (JSON has no int64, bytes or times): an integer's text for
+    an integer, an integer for its text, text for bytes or a time, an epoch number for a time. A
+    bool as a number, a number as a bool, a float as text or text as a float is refused."""
+    src, dst = _kind(source), _kind(target.arrow)
+    if src == dst or pa.types.is_null(source) or (src == "list:null" and dst.startswith("list:")):
+        return True  # (a list's values convert only to values of their kind: no epoch numbers, no text)
+    if (src, dst) in (("string", "bytes"), ("string", "time"), ("number", "time")):
+        return True
+    return (src == "string" and pa.types.is_integer(target.arrow)) or (pa.types.is_integer(source) and dst == "string")
+
+
 def is_timestamp_like(t: pa.DataType) -> bool:
     return pa.types.is_timestamp(t) or pa.types.is_date(t)
 

@@ -203,6 +203,49 @@ def test_push_rejects_bad_input_and_loses_nothing(users_store):
         store.push("no_such_source", {"x": [1]})
 
 
+def test_pushed_values_convert_only_where_their_meaning_is_kept(users_store):
+    """Pushed columns were cast by Arrow's rules: epoch seconds in a DataFrame's integer column
+    became µs (an event in January 1970, served OUTSIDE_MAX_AGE and joined as such), a bool key
+    became entity 1, 2 a true flag, "1.5" a score, 2.5 a name. Now epoch numbers are read in the
+    unit their size says, as over REST, and only conversions that keep a value's meaning are made."""
+    store = users_store(random_users(2, 5, seed=5))
+    when = NOW - timedelta(minutes=3)
+    epoch_s, epoch_ms = int(when.timestamp()), int(when.timestamp() * 1000)
+    store.push("user_push", {"user_id": [7, 8], "score": [1.0, 2.0], "event_timestamp": [epoch_s, epoch_ms]})
+    store.push("user_push", {"user_id": ["9"], "score": [3], "event_timestamp": [when.timestamp()]})  # (text, int)
+    online = store.get_online_features([{"user_id": i} for i in (7, 8, 9)], features=["scores:score"]).to_rest()
+    assert online["results"][1]["values"] == [1.0, 2.0, 3.0]
+    assert online["results"][1]["event_timestamps"] == [when] * 3
+    history = store.get_historical_features(
+        pd.DataFrame({"user_id": [7, 8, 9], "event_timestamp": [NOW] * 3}), features=["scores:score"]
+    ).to_df()
+    assert history["score"].tolist() == [1.0, 2.0, 3.0]
+    row = {"user_id": [10], "score": [1.0], "event_timestamp": [when]}
+    for column, values, message in [
+        ("user_id", [True], "holds bool values, not Int64"),
+        ("user_id", ["010"], "not an integer's own"),
+        ("score", ["1.5"], "holds string values, not Float64"),
+        ("score", [False], "holds bool values"),
+        ("event_timestamp", [float("nan")], "NaN"),
+    ]:
+        with pytest.raises(RequestError, match=message):
+            store.push("user_push", {**row, column: values})
+    assert store.get_online_features([{"user_id": 10}], features=["scores:score"]).statuses[1] == ["NOT_FOUND"]
+    # Feast's write_to_online_store went through SQL's casts: a key of 10.5 was rounded to entity 11
+    with pytest.raises(RequestError, match="truncated"):
+        store.write_to_online_store("scores", {**row, "user_id": [10.5]})
+    with pytest.raises(RequestError, match="holds bool values"):
+        store.write_to_online_store("scores", {**row, "user_id": [True]})
+    assert (
+        store.get_online_features([{"user_id": i} for i in (1, 10, 11)], features=["scores:score"]).statuses[1]
+        == ["NOT_FOUND"] * 3
+    )
+    store.write_to_online_store("scores", {**row, "event_timestamp": [epoch_ms]})
+    assert store.get_online_features([{"user_id": 10}], features=["scores:score"]).to_rest()["results"][1][
+        "event_timestamps"
+    ] == [when]
+
+
 def test_bad_source_rows_go_to_rejects_or_fail_the_run(users_store):
     table = random_users(3, 6, seed=6)
     ids = table["user_id"].to_pylist()
