@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from featurestore.errors import RequestError
+from featurestore.timestamps import epoch_column
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,32 @@ def pushable(source: pa.DataType, target: DType) -> bool:
     if (src, dst) in (("string", "bytes"), ("string", "time"), ("number", "time")):
         return True
     return (src == "string" and pa.types.is_integer(target.arrow)) or (pa.types.is_integer(source) and dst == "string")
+
+
+def as_declared(
+    name: str, column: pa.ChunkedArray | pa.Array, dtype: DType, what: str = "column"
+) -> pa.ChunkedArray | pa.Array:
+    """Values a client sent (a pushed column, a request field) as their declared type (``pushable``):
+    epoch numbers as times in the unit their size says (as over REST), text as an integer only where
+    it is the integer's own text (as lookups take keys); anything that would change a value's
+    meaning is a ``RequestError`` naming the column, never a cast."""
+    if column.type == dtype.arrow:
+        return column
+    if not pushable(column.type, dtype):
+        raise RequestError(f"{what} {name!r} holds {column.type} values, not {dtype!r}: convert them first")
+    number = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
+    text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    try:
+        if pa.types.is_timestamp(dtype.arrow) and number:
+            return epoch_column(column)
+        converted = column.cast(dtype.arrow)
+        # ("017", "+17", " 17" name no integer plainly: refused, as lookups refuse them)
+        if text and pa.types.is_integer(dtype.arrow):
+            if not pc.all(pc.equal(converted.cast(pa.string()), column.cast(pa.string())), min_count=0).as_py():
+                raise RequestError(f"{what} {name!r} holds text that is not an integer's own (such as '17')")
+        return converted
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError) as exc:
+        raise RequestError(f"{what} {name!r} does not convert to {dtype!r}: {exc}") from exc
 
 
 def is_timestamp_like(t: pa.DataType) -> bool:

@@ -186,3 +186,50 @@ def test_on_demand_edge_cases_behave_alike_on_both_paths(make_store):
             OnDemandError, match=r"on-demand view 'over_the_whole_view' .*raised ArrowInvalid: .*divide by zero"
         ):
             lookup()
+
+
+CONVERSION_DEFS = """
+from featurestore import Entity, FeatureView, Field, PushSource, RequestSource, on_demand_feature_view
+from featurestore.types import Float64, Int64, UnixTimestamp
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+events = PushSource(name="events", schema=[Field("card_id", Int64), Field("avg", Float64), Field("event_timestamp", UnixTimestamp)])
+stats = FeatureView(name="stats", entities=[card], source=events, schema=[Field("avg", Float64)])
+req = RequestSource(name="req", schema=[Field("n", Int64), Field("x", Float64)])
+
+@on_demand_feature_view(sources=[stats, req], schema=[Field("half", Int64), Field("scaled", Float64)])
+def halves(inputs):
+    n = inputs["n"].to_pylist()
+    return {"half": [None if v is None else v / 2 for v in n], "scaled": [a * b for a, b in zip(n, inputs["x"].to_pylist())]}
+"""
+
+
+def test_request_fields_and_outputs_convert_alike_on_both_paths_or_fail_alike(make_store):
+    """Values given as lists were built by ``pa.array(values, type)``, which makes 1.5 an Int64 1
+    and True a Float64 1.0: online a request field of 1.5 answered as if 1, while offline (an
+    Arrow column, cast) refused it; a function's 1.5 for an Int64 output was served as 1 on both.
+    Both paths now convert by the rule pushes follow, and fail alike."""
+    from featurestore.errors import OnDemandError
+
+    store = make_store(CONVERSION_DEFS)
+    store.push("events", {"card_id": [1], "avg": [2.0], "event_timestamp": [NOW]})
+    refs = ["halves:half", "halves:scaled"]
+
+    def both(n, x):
+        rows = pd.DataFrame({"card_id": [1], "event_timestamp": [NOW + timedelta(seconds=1)], "n": [n], "x": [x]})
+        return (
+            lambda: store.get_online_features({"card_id": [1], "n": [n], "x": [x]}, features=refs).to_dict(),
+            lambda: store.get_historical_features(rows, features=refs).to_arrow().to_pydict(),
+        )
+
+    online, offline = (call() for call in both(4, 0.5))
+    assert online["half"] == offline["half"] == [2] and online["scaled"] == offline["scaled"] == [2.0]
+    for n, x, error, message in [
+        (1.5, 1.0, RequestError, "request field 'n' does not convert to Int64"),
+        (True, 1.0, RequestError, "request field 'n' holds bool values"),
+        (4, True, RequestError, "request field 'x' holds bool values"),
+        (3, 1.0, OnDemandError, "output 'half' does not convert to Int64"),  # (the function's 1.5)
+    ]:
+        for call in both(n, x):
+            with pytest.raises(error, match=message):
+                call()

@@ -34,8 +34,7 @@ from featurestore.offline.compaction import compact
 from featurestore.online.codec import datetime_to_micros, micros_to_datetime
 from featurestore.sources import INGESTED_AT, PUSH_ID, connection, open_push_log
 from featurestore.storage import Location
-from featurestore.timestamps import epoch_column
-from featurestore.types import DType, UnixTimestamp, pushable
+from featurestore.types import UnixTimestamp, as_declared
 
 if TYPE_CHECKING:
     from featurestore.config import RepoConfig
@@ -45,29 +44,6 @@ logger = logging.getLogger("featurestore.push")
 PushTarget = Literal["online", "offline", "online_and_offline"]
 TARGETS: tuple[str, ...] = get_args(PushTarget)
 TIMESTAMP = pa.timestamp("us", tz="UTC")
-
-
-def _as_declared(name: str, column: pa.ChunkedArray, dtype: DType) -> pa.ChunkedArray | pa.Array:
-    """A pushed column as its declared type (``types.pushable``): epoch numbers as times in the unit
-    their size says (as over REST), text as an integer only where it is the integer's own text (as
-    lookups take keys); anything that would change a value's meaning is an error, never a cast."""
-    if column.type == dtype.arrow:
-        return column
-    if not pushable(column.type, dtype):
-        raise RequestError(f"column {name!r} holds {column.type} values, not {dtype!r}: convert them first")
-    number = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
-    text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-    try:
-        if pa.types.is_timestamp(dtype.arrow) and number:
-            return epoch_column(column)
-        converted = column.cast(dtype.arrow)
-        # ("017", "+17", " 17" name no integer plainly: refused, as lookups refuse them)
-        if text and pa.types.is_integer(dtype.arrow):
-            if not pc.all(pc.equal(converted.cast(pa.string()), column.cast(pa.string())), min_count=0).as_py():
-                raise RequestError(f"column {name!r} holds text that is not an integer's own (such as '17')")
-        return converted
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError) as exc:
-        raise RequestError(f"column {name!r} does not convert to {dtype!r}: {exc}") from exc
 
 
 def _as_table(df: Any) -> pa.Table:
@@ -108,7 +84,7 @@ def push(
     missing = [c for c in expected if c not in table.column_names]
     if missing:
         raise RequestError(f"push to {source_name!r} lacks column(s) {missing}; its schema is {expected}")
-    columns = [_as_declared(f.name, table[f.name], f.dtype) for f in source.schema]
+    columns = [as_declared(f.name, table[f.name], f.dtype) for f in source.schema]
     now = ingested = datetime.now(UTC)
     if idempotency_key is not None:
         ingested = _first_attempt(materializer, idempotency_key, pa.table(columns, names=expected), now)
@@ -195,7 +171,7 @@ def write_online_only(materializer: Materializer, view: FeatureView, df: Any) ->
         **{f.name: f.dtype for f in view.schema},
     }
     for name, dtype in declared.items():  # (as a push converts them: SQL's casts would round 1.5 to key 2)
-        table = table.set_column(table.column_names.index(name), name, _as_declared(name, table[name], dtype))
+        table = table.set_column(table.column_names.index(name), name, as_declared(name, table[name], dtype))
     con = connection()
     con.register("view_rows", table)
     try:

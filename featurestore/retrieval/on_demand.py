@@ -19,6 +19,7 @@ import pyarrow as pa
 from featurestore.definitions import FeatureService, OnDemandFeatureView
 from featurestore.errors import NotFoundError, OnDemandError, RequestError
 from featurestore.registry.loader import Definitions
+from featurestore.types import DType, as_declared
 
 
 def requested_refs(
@@ -107,10 +108,7 @@ class OnDemandPlan:
                         f"on-demand view {odfv.name!r} needs the request field {f.name!r}; "
                         "send it with the entities (online) or as an entity_df column (offline)"
                     )
-                try:
-                    inputs[f.name] = _array(columns[f.name], f.dtype.arrow)
-                except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                    raise RequestError(f"request field {f.name!r} takes {f.dtype.name} values: {exc}") from exc
+                inputs[f.name] = _declared("request field", f.name, columns[f.name], f.dtype)
             try:
                 result = odfv.udf(inputs)
             except Exception as exc:  # the user's function: one clear line, on both paths
@@ -128,17 +126,28 @@ class OnDemandPlan:
                         f"on-demand view {odfv.name!r} returned no {f.name!r}; its function must return every field of its schema"
                     )
                 try:
-                    values = _array(result[f.name], f.dtype.arrow)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-                    raise OnDemandError(
-                        f"on-demand view {odfv.name!r} returned {f.name!r} values that are not {f.dtype.name}: {exc}"
-                    ) from exc
+                    values = _declared("output", f.name, result[f.name], f.dtype)
+                except RequestError as exc:
+                    raise OnDemandError(f"on-demand view {odfv.name!r}: {exc}") from exc
                 if len(values) != n:
                     raise OnDemandError(
                         f"on-demand view {odfv.name!r} returned {len(values)} values of {f.name!r} for {n} rows"
                     )
                 out[f"{odfv.name}__{f.name}"] = values
         return out
+
+
+def _declared(what: str, name: str, values: Any, dtype: DType) -> pa.Array:
+    """Values (an Arrow array, or a list from JSON or a function) as ``dtype`` by the rule pushes
+    follow (``types.as_declared``), the same on both paths: Arrow would make 1.5 an Int64 1 from a
+    list, while an array's cast refuses it."""
+    try:
+        array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+        array = array if isinstance(array, pa.Array) else pa.array(list(array))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+        raise RequestError(f"{what} {name!r} takes {dtype.name} values: {exc}") from exc
+    converted = as_declared(name, array, dtype, what)
+    return converted.combine_chunks() if isinstance(converted, pa.ChunkedArray) else converted
 
 
 def _array(values: Any, arrow_type: pa.DataType | None) -> pa.Array:
