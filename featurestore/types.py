@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from featurestore.errors import RequestError
-from featurestore.timestamps import epoch_column
+from featurestore.timestamps import epoch_column, micros_column
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ def as_declared(
     name: str, column: pa.ChunkedArray | pa.Array, dtype: DType, what: str = "column"
 ) -> pa.ChunkedArray | pa.Array:
     """Values a client sent (a pushed column, a request field) as their declared type (``pushable``):
-    epoch numbers as times in the unit their size says (as over REST), text as an integer only where
+    epoch numbers as times in the unit their size says (as over REST), nanoseconds truncated to the
+    µs (as everywhere), text as an integer only where
     it is the integer's own text (as lookups take keys); anything that would change a value's
     meaning is a ``RequestError`` naming the column, never a cast."""
     if column.type == dtype.arrow:
@@ -137,6 +138,8 @@ def as_declared(
     try:
         if pa.types.is_timestamp(dtype.arrow) and number:
             return epoch_column(column)
+        if pa.types.is_timestamp(dtype.arrow) and pa.types.is_timestamp(column.type) and column.type.unit == "ns":
+            return micros_column(column)
         converted = column.cast(dtype.arrow)
         # ("017", "+17", " 17" name no integer plainly: refused, as lookups refuse them)
         if text and pa.types.is_integer(dtype.arrow):

@@ -213,13 +213,16 @@ def test_pushed_values_convert_only_where_their_meaning_is_kept(users_store):
     epoch_s, epoch_ms = int(when.timestamp()), int(when.timestamp() * 1000)
     store.push("user_push", {"user_id": [7, 8], "score": [1.0, 2.0], "event_timestamp": [epoch_s, epoch_ms]})
     store.push("user_push", {"user_id": ["9"], "score": [3], "event_timestamp": [when.timestamp()]})  # (text, int)
-    online = store.get_online_features([{"user_id": i} for i in (7, 8, 9)], features=["scores:score"]).to_rest()
-    assert online["results"][1]["values"] == [1.0, 2.0, 3.0]
-    assert online["results"][1]["event_timestamps"] == [when] * 3
+    # nanoseconds are truncated, as everywhere (Arrow's cast refused them: "would lose data")
+    late_ns = pd.Timestamp(when) + pd.Timedelta(nanoseconds=700)
+    store.push("user_push", pd.DataFrame({"user_id": [6], "score": [0.5], "event_timestamp": [late_ns]}))
+    online = store.get_online_features([{"user_id": i} for i in (7, 8, 9, 6)], features=["scores:score"]).to_rest()
+    assert online["results"][1]["values"] == [1.0, 2.0, 3.0, 0.5]
+    assert online["results"][1]["event_timestamps"] == [when] * 4
     history = store.get_historical_features(
-        pd.DataFrame({"user_id": [7, 8, 9], "event_timestamp": [NOW] * 3}), features=["scores:score"]
+        pd.DataFrame({"user_id": [7, 8, 9, 6], "event_timestamp": [when] * 4}), features=["scores:score"]
     ).to_df()
-    assert history["score"].tolist() == [1.0, 2.0, 3.0]
+    assert history["score"].tolist() == [1.0, 2.0, 3.0, 0.5]
     row = {"user_id": [10], "score": [1.0], "event_timestamp": [when]}
     for column, values, message in [
         ("user_id", [True], "holds bool values, not Int64"),
