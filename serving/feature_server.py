@@ -457,6 +457,8 @@ def _frame(df: dict[str, list[Any]], timestamp_columns: list[str]) -> pa.Table:
             columns[name] = _timestamps(name, values) if name in timestamp_columns else pa.array(values)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise RequestError(f"column {name!r} mixes values of different types: {exc}") from exc
+        except OverflowError as exc:  # (an integer past 64 bits: JSON has no bound)
+            raise RequestError(f"column {name!r} holds an integer too large for 64 bits: {exc}") from exc
     return pa.table(columns)
 
 

@@ -420,6 +420,7 @@ json_scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**70), 2**70),
+    st.sampled_from([2**63, 2**64 - 1, -(2**63) - 1]),  # (just past 64 bits, which JSON's parsers read apart)
     st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=8),
 )
@@ -468,6 +469,24 @@ def test_no_request_body_gets_a_500(client, body):
                 ),
                 "to": st.sampled_from(["online", "offline", "online_and_offline", "moon"]),
             }
+        ),
+        st.integers(1, 2).flatmap(  # every column, each value valid or any JSON value (past 64 bits too)
+            lambda n: st.fixed_dictionaries(
+                {
+                    "push_source_name": st.just("events"),
+                    "df": st.fixed_dictionaries(
+                        {
+                            column: st.lists(st.one_of(valid, json_scalars), min_size=n, max_size=n)
+                            for column, valid in {
+                                "card_id": st.integers(1, 5),
+                                "amount": st.floats(-10, 10),
+                                "country": st.sampled_from(["FR", "DE"]),
+                                "event_timestamp": st.just(NOW.isoformat()),
+                            }.items()
+                        }
+                    ),
+                }
+            )
         ),
         json_values,
     )

@@ -144,7 +144,7 @@ def _declared(what: str, name: str, values: Any, dtype: DType) -> pa.Array:
     try:
         array = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
         array = array if isinstance(array, pa.Array) else pa.array(list(array))
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         raise RequestError(f"{what} {name!r} takes {dtype.name} values: {exc}") from exc
     converted = as_declared(name, array, dtype, what)
     return converted.combine_chunks() if isinstance(converted, pa.ChunkedArray) else converted
