@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -85,6 +86,23 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
             raise RequestError("run_id is required")
         return str(found)
 
+    def objects(fields: dict[str, Any], name: str) -> list[dict[str, Any]]:
+        """A field holding a list of objects (metrics, params, tags); absent: none."""
+        found = fields.get(name) or []
+        if not isinstance(found, list) or not all(isinstance(entry, dict) for entry in found):
+            raise RequestError(f"{name} is a list of objects, not {str(found)[:80]!r}")
+        return found
+
+    def tag_map(fields: dict[str, Any]) -> dict[str, str]:
+        return {str(t.get("key")): str(t.get("value", "")) for t in objects(fields, "tags")}
+
+    def text(fields: dict[str, Any], name: str) -> str | None:
+        """A text field; absent or null: None."""
+        found = fields.get(name)
+        if found is not None and not isinstance(found, str):
+            raise RequestError(f"{name} is text, not {str(found)[:80]!r}")
+        return found
+
     def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return asyncio.to_thread(fn, *args, **kwargs)  # (files and object storage: off the event loop)
 
@@ -93,8 +111,9 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
     @app.post("/mlflow/experiments/create")
     async def create_experiment(request: Request) -> Response:
         fields = await body(request)
-        tags = {t["key"]: t.get("value", "") for t in fields.get("tags") or []}
-        return json_response({"experiment_id": await call(tracking().create_experiment, fields.get("name"), tags)})
+        return json_response(
+            {"experiment_id": await call(tracking().create_experiment, fields.get("name"), tag_map(fields))}
+        )
 
     @app.get("/mlflow/experiments/get")
     async def get_experiment(experiment_id: str) -> Response:
@@ -113,14 +132,13 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
     @app.post("/mlflow/runs/create")
     async def create_run(request: Request) -> Response:
         fields = await body(request)
-        tags = {t["key"]: t.get("value", "") for t in fields.get("tags") or []}
         run = await call(
             tracking().create_run,
             str(fields.get("experiment_id") or DEFAULT_EXPERIMENT),
-            fields.get("run_name"),
+            text(fields, "run_name"),
             fields.get("start_time"),
-            tags,
-            fields.get("user_id") or "",
+            tag_map(fields),
+            text(fields, "user_id") or "",
         )
         return json_response({"run": run})
 
@@ -128,7 +146,11 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
     async def update_run(request: Request) -> Response:
         fields = await body(request)
         info = await call(
-            tracking().update_run, run_id(fields), fields.get("status"), fields.get("end_time"), fields.get("run_name")
+            tracking().update_run,
+            run_id(fields),
+            text(fields, "status"),
+            fields.get("end_time"),
+            text(fields, "run_name"),
         )
         return json_response({"run_info": info})
 
@@ -176,9 +198,9 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
         await call(
             tracking().log_batch,
             run_id(fields),
-            fields.get("metrics") or [],
-            fields.get("params") or [],
-            fields.get("tags") or [],
+            objects(fields, "metrics"),
+            objects(fields, "params"),
+            objects(fields, "tags"),
         )
         return json_response({})
 
@@ -196,17 +218,25 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
             await call(store().runs_folder)
         try:
             max_results = int(fields.get("max_results") or 1000)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise RequestError("max_results is an integer") from None
-        experiments = fields.get("experiment_ids") or []
+        experiments, order_by = (fields.get(name) or [] for name in ("experiment_ids", "order_by"))
+        experiments = [experiments] if isinstance(experiments, (str, int)) else experiments
+        order_by = [order_by] if isinstance(order_by, str) else order_by
+        if (
+            not isinstance(experiments, list)
+            or not isinstance(order_by, list)
+            or not all(map(isinstance, order_by, repeat(str)))
+        ):
+            raise RequestError("experiment_ids is a list of experiment ids, order_by a list of texts")
         runs, token = await call(
             tracking().search_runs,
-            [experiments] if isinstance(experiments, str) else list(experiments),
-            str(fields.get("filter") or ""),
-            list(fields.get("order_by") or []),
+            experiments,
+            text(fields, "filter") or "",
+            order_by,
             max_results,
-            fields.get("page_token"),
-            str(fields.get("run_view_type") or "ACTIVE_ONLY"),
+            text(fields, "page_token"),
+            text(fields, "run_view_type") or "ACTIVE_ONLY",
         )
         return json_response({"runs": runs, **({"next_page_token": token} if token else {})})
 

@@ -151,7 +151,7 @@ class MlflowTracking:
                 raise RequestError(f"status {status!r} is none of {', '.join(STATUSES)}")
             meta["status"] = status
         if end_time is not None:
-            meta["end_time"] = int(end_time)
+            meta["end_time"] = _int(end_time, "end_time")
         if run_name:
             meta["run_name"] = run_name
             set_tags(run_dir, {"mlflow.runName": run_name})
@@ -464,10 +464,11 @@ def _text(value: Any, what: str) -> str:
 
 
 def _int(value: Any, what: str) -> int:
-    try:  # (protobuf's JSON writes int64 as text)
-        return int(value)
-    except (TypeError, ValueError):
-        raise RequestError(f"{what} must be an integer, not {str(value)[:80]!r}") from None
+    """An integer, as a number or (protobuf's JSON writes int64 as text) its text; nothing else."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not (whole or (isinstance(value, str) and value.strip().lstrip("-").isdigit())):
+        raise RequestError(f"{what} must be an integer, not {str(value)[:80]!r}")
+    return int(value)
 
 
 def _float(value: Any) -> float:
