@@ -142,6 +142,30 @@ def test_each_status_and_ttl_enforced_online(users_store):
     assert offline["i64"].to_pylist() == [5, None, None]
 
 
+def test_a_lookup_at_a_time_before_the_stored_value_does_not_see_it(users_store):
+    """A lookup ``at`` a time before the stored row's event time (a replay, a backtest, a row
+    stamped a little ahead within ``future_tolerance``) answered PRESENT with that later value,
+    which a historical query at that time cannot see (a leak from its future). It is NOT_FOUND:
+    Redis keeps only the latest row, so what held then is not known online."""
+    store = users_store(random_users(2, 5, seed=5))
+    t0 = NOW - timedelta(hours=3)
+    store.push("user_push", {"user_id": [4], "score": [5.0], "event_timestamp": [t0]})
+    for at, status in [
+        (t0, "PRESENT"),
+        (t0 - timedelta(microseconds=1), "NOT_FOUND"),
+        (t0 - timedelta(days=1), "NOT_FOUND"),
+    ]:
+        online = store.get_online_features([{"user_id": 4}], features=["scores:score"], at=at).to_rest()["results"][1]
+        offline = store.get_historical_features(
+            pd.DataFrame({"user_id": [4], "event_timestamp": [at]}), features=["scores:score"]
+        ).to_df()["score"]
+        assert online["statuses"] == [status], at
+        assert (online["values"] == [5.0]) == (offline.tolist() == [5.0])
+        if status == "NOT_FOUND":  # (as for an entity never written, the time included)
+            unknown = store.get_online_features([{"user_id": 99}], features=["scores:score"], at=at).to_rest()
+            assert online == unknown["results"][1]
+
+
 def test_same_event_time_correction_wins_online_and_offline(users_store, tmp_path):
     event = NOW - timedelta(hours=2)
     first = random_users(1, 1, seed=3)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -245,9 +245,8 @@ def test_consistency_catches_planted_skew(trained):
     forged = pa.table(
         {
             "card_id": pa.array([7], pa.int64()),
-            "event_timestamp": pa.array(
-                [trained["data"].transactions["event_timestamp"][-1].as_py() + timedelta(days=1)],
-                pa.timestamp("us", tz="UTC"),
+            "event_timestamp": pa.array(  # newer than any row history has, not after now (then unseen)
+                [datetime.now(UTC) - timedelta(seconds=1)], pa.timestamp("us", tz="UTC")
             ),
             "created_timestamp": pa.array(
                 [trained["data"].transactions["event_timestamp"][-1].as_py()], pa.timestamp("us", tz="UTC")

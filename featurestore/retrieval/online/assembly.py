@@ -1,6 +1,7 @@
 """The assembly of an online lookup: Redis replies decoded into the response.
 
-Latest values get their statuses (``NOT_FOUND``, ``OUTSIDE_MAX_AGE`` past the view's ttl,
+Latest values get their statuses (``NOT_FOUND``, also for a value stamped after the lookup's
+time, which a historical query at that time cannot see; ``OUTSIDE_MAX_AGE`` past the view's ttl,
 ``NULL_VALUE``); windowed aggregates are evaluated at the lookup time from the events read, or
 for a heavy entity from its tile summaries and edge events (whose whole tiles it summarizes for
 the next lookups: ``query.seals``); request-time features are computed last.
@@ -160,6 +161,11 @@ def _view_columns(query: OnlineQuery, plan: _ViewPlan, raw: list, now_us: int):
             row_times.append(None)
             continue
         event_us, decoded = decode(blob)
+        if event_us > now_us:  # written after the lookup's time (a replay's `at`, a clock ahead): unknown then
+            row_values.append(blank)
+            row_statuses.append(not_found)
+            row_times.append(None)
+            continue
         row_times.append(micros_to_datetime(event_us))
         if cutoff is not None and event_us < cutoff:
             row_values.append(blank)
