@@ -143,10 +143,10 @@ def test_each_status_and_ttl_enforced_online(users_store):
 
 
 def test_a_lookup_at_a_time_before_the_stored_value_does_not_see_it(users_store):
-    """A lookup ``at`` a time before the stored row's event time (a replay, a backtest, a row
-    stamped a little ahead within ``future_tolerance``) answered PRESENT with that later value,
-    which a historical query at that time cannot see (a leak from its future). It is NOT_FOUND:
-    Redis keeps only the latest row, so what held then is not known online."""
+    """A lookup ``at`` a time before the stored row's event time (a replay, a backtest) answered
+    PRESENT with that later value, which a historical query at that time cannot see (a leak from
+    its future). It is NOT_FOUND: Redis keeps only the latest row, so what held then is not known
+    online. (Without ``at``, a row stamped ahead within ``future_tolerance`` is served.)"""
     store = users_store(random_users(2, 5, seed=5))
     t0 = NOW - timedelta(hours=3)
     store.push("user_push", {"user_id": [4], "score": [5.0], "event_timestamp": [t0]})
@@ -164,6 +164,9 @@ def test_a_lookup_at_a_time_before_the_stored_value_does_not_see_it(users_store)
         if status == "NOT_FOUND":  # (as for an entity never written, the time included)
             unknown = store.get_online_features([{"user_id": 99}], features=["scores:score"], at=at).to_rest()
             assert online == unknown["results"][1]
+    soon = datetime.now(UTC) + timedelta(seconds=2)  # a producer's clock ahead, within the tolerance
+    store.push("user_push", {"user_id": [5], "score": [6.0], "event_timestamp": [soon]})
+    assert store.get_online_features([{"user_id": 5}], features=["scores:score"]).to_dict()["score"] == [6.0]
 
 
 def test_same_event_time_correction_wins_online_and_offline(users_store, tmp_path):

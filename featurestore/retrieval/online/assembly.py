@@ -1,8 +1,8 @@
 """The assembly of an online lookup: Redis replies decoded into the response.
 
-Latest values get their statuses (``NOT_FOUND``, also for a value stamped after the lookup's
-time, which a historical query at that time cannot see; ``OUTSIDE_MAX_AGE`` past the view's ttl,
-``NULL_VALUE``); windowed aggregates are evaluated at the lookup time from the events read, or
+Latest values get their statuses (``NOT_FOUND``, also for a value stamped after a lookup's
+``at``, which a historical query at that time cannot see; ``OUTSIDE_MAX_AGE`` past the view's
+ttl, ``NULL_VALUE``); windowed aggregates are evaluated at the lookup time from the events read, or
 for a heavy entity from its tile summaries and edge events (whose whole tiles it summarizes for
 the next lookups: ``query.seals``); request-time features are computed last.
 """
@@ -161,7 +161,8 @@ def _view_columns(query: OnlineQuery, plan: _ViewPlan, raw: list, now_us: int):
             row_times.append(None)
             continue
         event_us, decoded = decode(blob)
-        if event_us > now_us:  # written after the lookup's time (a replay's `at`, a clock ahead): unknown then
+        if event_us > now_us and query.replayed:  # stamped after a replay's `at`: not known then
+            # (at now, a row stamped ahead within future_tolerance, the clocks' skew, is served)
             row_values.append(blank)
             row_statuses.append(not_found)
             row_times.append(None)
