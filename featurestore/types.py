@@ -83,11 +83,13 @@ _FAMILIES = [
 
 
 def _kind(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):  # (pandas' categoricals): the kind of its values
+        return _kind(t.value_type)
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
         return "number"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return "string"
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
         return "bytes"
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
         return "time"
@@ -131,10 +133,12 @@ def as_declared(
     meaning is a ``RequestError`` naming the column, never a cast."""
     if column.type == dtype.arrow:
         return column
+    if pa.types.is_dictionary(column.type):  # (a categorical: its values)
+        return as_declared(name, column.cast(column.type.value_type), dtype, what)
     if not pushable(column.type, dtype):
         raise RequestError(f"{what} {name!r} holds {column.type} values, not {dtype!r}: convert them first")
     number = pa.types.is_integer(column.type) or pa.types.is_floating(column.type)
-    text = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    text = _kind(column.type) == "string"
     try:
         if pa.types.is_timestamp(dtype.arrow) and number:
             return epoch_column(column)

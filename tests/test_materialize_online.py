@@ -243,6 +243,9 @@ def test_pushed_values_convert_only_where_their_meaning_is_kept(users_store):
     # nanoseconds are truncated, as everywhere (Arrow's cast refused them: "would lose data")
     late_ns = pd.Timestamp(when) + pd.Timedelta(nanoseconds=700)
     store.push("user_push", pd.DataFrame({"user_id": [6], "score": [0.5], "event_timestamp": [late_ns]}))
+    categorical = pd.DataFrame({"user_id": pd.Categorical([12]), "score": [1.5], "event_timestamp": [when]})
+    store.push("user_push", categorical)  # (pandas' categoricals are their values)
+    assert store.get_online_features([{"user_id": 12}], features=["scores:score"]).to_dict()["score"] == [1.5]
     online = store.get_online_features([{"user_id": i} for i in (7, 8, 9, 6)], features=["scores:score"]).to_rest()
     assert online["results"][1]["values"] == [1.0, 2.0, 3.0, 0.5]
     assert online["results"][1]["event_timestamps"] == [when] * 4
