@@ -185,7 +185,9 @@ class RepoConfig:
 def _online_section(online: dict, file: Path) -> OnlineSection:
     where = f"{file}: online_store"
     return OnlineSection(
-        url=os.environ.get("REDIS_URL") or _online_url(online, file),
+        url=_redis_url(os.environ["REDIS_URL"], "REDIS_URL")
+        if os.environ.get("REDIS_URL")
+        else _redis_url(_online_url(online, file), f"{where}.url"),
         read_timeout_ms=_positive_int(online.get("read_timeout_ms", 500), f"{where}.read_timeout_ms"),
         read_from_replicas=bool(online.get("read_from_replicas", False)),
         max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{where}.max_request_entities"),
@@ -249,6 +251,20 @@ def _server_section(server: dict, file: Path) -> ServerSection:
             server.get("max_request_bytes", 16 * 1024 * 1024), f"{file}: server.max_request_bytes"
         ),
     )
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+
+
+def _redis_url(url: str, where: str) -> str:
+    if url != EMBEDDED and not url.startswith(REDIS_SCHEMES):
+        from featurestore.online.transport import redact
+
+        raise FeatureStoreError(
+            f"{where}: {redact(url, url)!r} is not a Redis URL; write redis://host:port (rediss:// with TLS, "
+            "unix:///path/redis.sock, redis+cluster://host:port,host:port), or leave it out for the embedded Redis"
+        )
+    return url
 
 
 def _online_url(online: dict, file: Path) -> str:

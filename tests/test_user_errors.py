@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 
 from featurestore import FeatureStore
-from featurestore.errors import FeatureStoreError, RequestError
+from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
 
-from .conftest import write_repo
+from .conftest import free_port, write_repo
 from .test_registry import GOOD, STATS
 
 
@@ -98,6 +98,22 @@ def test_config_mistakes_name_the_key(tmp_path, yaml, message):
     (tmp_path / "featurestore.yaml").write_text(yaml)
     with pytest.raises(FeatureStoreError, match=message.replace("(", r"\(").replace("?", r"\?").replace("`", "`")):
         FeatureStore(tmp_path)
+
+
+def test_a_url_that_is_no_redis_url_is_one_error_naming_where_it_came_from(tmp_path, monkeypatch):
+    """``online_store.url: http://...`` (or such a REDIS_URL) was a traceback from redis-py's URL
+    parser at the first write; an unreachable cluster a traceback from its client. Each is now
+    one error saying what to write, the URL's password hidden."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    (tmp_path / "featurestore.yaml").write_text("project: p\nonline_store: {url: 'http://u:secret@x:1'}\n")
+    with pytest.raises(FeatureStoreError, match=r"online_store.url: 'http://u:\*\*\*@x:1' is not a Redis URL"):
+        FeatureStore(tmp_path)
+    monkeypatch.setenv("REDIS_URL", "localhost:6379")
+    with pytest.raises(FeatureStoreError, match="REDIS_URL: 'localhost:6379' is not a Redis URL; write redis://"):
+        FeatureStore(tmp_path)
+    monkeypatch.setenv("REDIS_URL", f"redis+cluster://127.0.0.1:{free_port()}")
+    with pytest.raises(OnlineStoreUnavailable, match="Redis Cluster at .* is unreachable"):
+        FeatureStore(tmp_path).online_store.ping()
 
 
 def test_modules_as_a_string_is_one_module(tmp_path):

@@ -107,12 +107,15 @@ class ClusterRedis:
         self._balancing = balancing
         # One attempt (Retry(NoBackoff(), 1)): during a failover a request answers 503 at once
         # rather than retrying past its timeout.
-        self.client = RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
-            socket_timeout=30,
-            retry=Retry(NoBackoff(), 1),
-            load_balancing_strategy=balancing,
-        )
+        try:  # (it reads the slot map from a node now)
+            self.client = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
+                socket_timeout=30,
+                retry=Retry(NoBackoff(), 1),
+                load_balancing_strategy=balancing,
+            )
+        except UNAVAILABLE as exc:
+            raise self.error(exc) from exc
         self._async: aiocluster.RedisCluster | None = None
         self._threads: ThreadPoolExecutor | None = None
         self._master_of: tuple[object, np.ndarray, list[str]] | None = None  # (slot map it was read from, table, names)
