@@ -37,20 +37,19 @@ RESTART_DELAY_SECONDS = 1.0  # a worker that keeps dying does not spin the super
 _spawn = multiprocessing.get_context("spawn")
 
 
-def raise_open_files_limit() -> int:
+def raise_open_files_limit() -> None:
     """Let this process (and the workers it starts) open as many files as the hard limit allows:
     every connection holds one, and at a soft limit of 1,024 (a common default) a burst of
-    connections left none for accepting lookups or for Redis. Returns the soft limit now."""
+    connections left none for accepting lookups or for Redis."""
     try:
         import resource
     except ImportError:  # (not on Windows)
-        return -1
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def supported() -> bool:

@@ -130,6 +130,7 @@ class Metrics:
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
         body = generate_latest(registry)
+        families: list[GaugeMetricFamily] = []
         if newest_events:
             now = time.time()
             freshness = GaugeMetricFamily(
@@ -139,9 +140,7 @@ class Metrics:
             )
             for view, us in sorted(newest_events.items()):
                 freshness.add_metric([view], max(0.0, now - us / 1e6))
-            extra = CollectorRegistry()
-            extra.register(_Fixed([freshness]))
-            body += generate_latest(extra)
+            families.append(freshness)
         if behind:
             lacking = GaugeMetricFamily(
                 f"{self.prefix}_view_online_behind",
@@ -151,8 +150,10 @@ class Metrics:
             )
             for view, is_behind in sorted(behind.items()):
                 lacking.add_metric([view], float(is_behind))
+            families.append(lacking)
+        if families:
             extra = CollectorRegistry()
-            extra.register(_Fixed([lacking]))
+            extra.register(_Fixed(families))
             body += generate_latest(extra)
         if drift:
             body += generate_latest(_drift_registry(self.prefix, drift))

@@ -94,7 +94,10 @@ def mlflow_app(store: Callable[[], FeatureStore]) -> FastAPI:
         return found
 
     def tag_map(fields: dict[str, Any]) -> dict[str, str]:
-        return {str(t.get("key")): str(t.get("value", "")) for t in objects(fields, "tags")}
+        tags = objects(fields, "tags")
+        if not all(isinstance(t.get("key"), str) and t["key"] for t in tags):
+            raise RequestError("each of tags is {key: text, value: text}")
+        return {t["key"]: str(t.get("value", "")) for t in tags}
 
     def text(fields: dict[str, Any], name: str) -> str | None:
         """A text field; absent or null: None."""
