@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import duckdb
@@ -1025,95 +1027,23 @@ def test_a_stalled_body_gets_408(monkeypatch):
     assert replies[1]["status"] == 408
 
 
-@pytest.mark.slow
-def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
-    """300 slowloris connections (headers sent a line at a time, never finished) were all still
-    held after 40 s. A request's head now has ``serving.protocol.HEAD_SECONDS`` to arrive."""
-    import socket
+@contextlib.contextmanager
+def served(tmp_path, redis_url, monkeypatch, *args: str, **popen) -> Iterator[str]:
+    """``featurestore serve`` over a repo of ``DEFS`` in a process of its own: its URL, once healthy."""
     import subprocess
     import sys
     import time
 
     import httpx
 
-    from serving.protocol import HEAD_SECONDS
-
     monkeypatch.delenv("REDIS_URL", raising=False)
     root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
     with FeatureStore(root) as store:
         store.apply()
     port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "featurestore.cli",
-            "serve",
-            "--repo",
-            str(root),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
-                time.sleep(0.2)
-        slow = []
-        for _ in range(20):
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-            slow.append(s)
-        time.sleep(HEAD_SECONDS + 2)
-        for s in slow:
-            s.settimeout(5)
-            assert s.recv(100) == b""  # closed by the server
-            s.close()
-        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200  # others still served
-    finally:
-        server.terminate()
-        server.wait(30)
-
-
-def test_a_burst_of_connections_past_the_soft_open_files_limit_is_still_served(tmp_path, redis_url, monkeypatch):
-    """Under a soft open-files limit (1,024 is a common default), connections past it could not
-    be accepted: with them held open, a lookup's connection was reset until they went away. The
-    servers raise their soft limit to the hard one when they start."""
-    import resource
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
-    soft, hard = 256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard != resource.RLIM_INFINITY and hard < 2048:
-        pytest.skip(f"the hard open-files limit ({hard}) leaves no room above a soft one to test")
-    monkeypatch.delenv("REDIS_URL", raising=False)
-    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
-    with FeatureStore(root) as store:
-        store.apply()
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
-    )
+    command = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port), *args]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen)
     url = f"http://127.0.0.1:{port}"
-    held = []
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -1123,16 +1053,61 @@ def test_a_burst_of_connections_past_the_soft_open_files_limit_is_still_served(t
             except httpx.HTTPError:
                 assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
                 time.sleep(0.2)
-        for _ in range(2 * soft):  # each held by a client that has not finished its request yet
-            held.append(socket.create_connection(("127.0.0.1", port)))
-            held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
-        assert httpx.post(url + "/get-online-features", json=lookup, timeout=10).status_code == 200
+        yield url
     finally:
-        for s in held:
-            s.close()
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.slow
+def test_slow_request_heads_are_dropped(tmp_path, redis_url, monkeypatch):
+    """300 slowloris connections (headers sent a line at a time, never finished) were all still
+    held after 40 s. A request's head now has ``serving.protocol.HEAD_SECONDS`` to arrive."""
+    import socket
+    import time
+
+    import httpx
+
+    from serving.protocol import HEAD_SECONDS
+
+    with served(tmp_path, redis_url, monkeypatch, "--log-level", "warning") as url:
+        slow = []
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            slow.append(s)
+        time.sleep(HEAD_SECONDS + 2)
+        for s in slow:
+            s.settimeout(5)
+            assert s.recv(100) == b""  # closed by the server
+            s.close()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # others still served
+
+
+def test_a_burst_of_connections_past_the_soft_open_files_limit_is_still_served(tmp_path, redis_url, monkeypatch):
+    """Under a soft open-files limit (1,024 is a common default), connections past it could not
+    be accepted: with them held open, a lookup's connection was reset until they went away. The
+    servers raise their soft limit to the hard one when they start."""
+    import resource
+    import socket
+
+    import httpx
+
+    soft, hard = 256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-files limit ({hard}) leaves no room above a soft one to test")
+    held = []
+    limited = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # noqa: E731
+    with served(tmp_path, redis_url, monkeypatch, preexec_fn=limited) as url:
+        try:
+            for _ in range(2 * soft):  # each held by a client that has not finished its request yet
+                held.append(socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))))
+                held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            lookup = {"features": ["spend:amount"], "entities": {"card_id": [1]}}
+            assert httpx.post(url + "/get-online-features", json=lookup, timeout=10).status_code == 200
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_check_consistency_reads_each_vector_as_it_was_served(tmp_path, redis_url, monkeypatch):
