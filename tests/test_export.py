@@ -93,3 +93,31 @@ def test_reproduction_refuses_changed_definitions(make_store, tmp_path):
     (tmp_path / "v1" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FeatureStoreError, match=r"definitions of \['spend'\] changed"):
         store.reproduce_training_dataset(tmp_path / "v1" / "manifest.json", tmp_path / "v2")
+
+
+def test_entity_rows_timed_by_another_column_export_and_train(make_store, tmp_path):
+    """A join takes entity rows timed by any one timestamp column (``ts``); their export crashed
+    in summarizing the dataset (a ``KeyError`` for ``event_timestamp``), and the trainer read
+    only ``event_timestamp``. The manifest now names the time column, and both use it."""
+    from featurestore.training.preprocessing import Preprocessor
+    from featurestore.training.dataset import ExportedDataset
+    from featurestore.training.trainer import split_time
+
+    store = make_store(DEFS)
+    push(store, 0, 300)
+    labels = pd.DataFrame(
+        {
+            "card_id": [i % 9 for i in range(200)],
+            "ts": [NOW + timedelta(minutes=i, seconds=30) for i in range(200)],
+            "label": [i % 2 for i in range(200)],
+        }
+    )
+    manifest = store.export_training_dataset(labels, "svc", tmp_path / "v1")
+    assert manifest["time_column"] == "ts" and manifest["row_count"] == 200
+    assert pq.read_table(tmp_path / "v1" / manifest["statistics"]).num_rows > 0
+    split = split_time(tmp_path / "v1", 0.25)
+    assert NOW.timestamp() * 1e6 < split < (NOW + timedelta(minutes=200)).timestamp() * 1e6
+    rows = pq.read_table(tmp_path / "v1" / manifest["files"][0]["path"])
+    pre = Preprocessor.fit(rows, ["amount"], [], hashed={})
+    early = ExportedDataset(tmp_path / "v1", pre, "label", batch_size=64, time_range=(None, split))
+    assert early.rows() == sum(1 for t in rows["ts"].to_pylist() if t.timestamp() * 1e6 < split)

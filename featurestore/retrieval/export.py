@@ -32,7 +32,7 @@ from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
 from featurestore.registry.snapshot import applied_definitions, applied_hashes, value_hash
 from featurestore.registry.store import RegistryStore
-from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_table
+from featurestore.retrieval.historical import JoinBuilder, RetrievalJob, entity_table, entity_time_column
 from featurestore.storage import Location
 
 DATA_FILE = "data-00000.parquet"
@@ -60,15 +60,16 @@ def _written_to(out: Location, scratch: Path | None) -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def summarize_dataset(data: Path, out: Path) -> None:
-    """The training distribution a model saw, per entity event day, beside the dataset: what the
-    UI overlays on served values (a row group at a time: memory stays bounded)."""
+def summarize_dataset(data: Path, out: Path, time_column: str) -> None:
+    """The training distribution a model saw, per entity event day (``time_column``: the entity
+    rows' time), beside the dataset: what the UI overlays on served values (a row group at a time:
+    memory stays bounded)."""
     from featurestore.statistics import DAY, summarize
 
     parts, file = [], pq.ParquetFile(data)
-    columns = [c for c in file.schema_arrow.names if c != "event_timestamp"]
+    columns = [c for c in file.schema_arrow.names if c != time_column]
     for i in range(file.num_row_groups):
-        parts.append(summarize(file.read_row_group(i), columns, "event_timestamp", DAY))
+        parts.append(summarize(file.read_row_group(i), columns, time_column, DAY))
     if parts:
         pq.write_table(pa.concat_tables(parts), out)
 
@@ -134,7 +135,8 @@ def _export(
         task = bar.add_task(f"exporting {feature_service}", total=total)
         rows = job.to_parquet(out / DATA_FILE, on_batch=lambda n: bar.advance(task, n))
     schema = pq.read_schema(out / DATA_FILE)
-    summarize_dataset(out / DATA_FILE, out / STATISTICS_FILE)
+    time_column = entity_time_column(pq.read_schema(entities_path))
+    summarize_dataset(out / DATA_FILE, out / STATISTICS_FILE, time_column)
     manifest = {
         "feature_service": feature_service,
         "features": refs,
@@ -143,6 +145,7 @@ def _export(
         "history_tables": job.history_tables,
         "table_versions": job.table_versions,
         "entities": {"file": ENTITIES_FILE, "sha256": sha256_file(entities_path), "rows": total},
+        "time_column": time_column,  # (the entity rows': the trainer splits by it)
         "row_count": rows,
         "schema": [{"name": f.name, "type": str(f.type)} for f in schema],
         "files": [{"path": DATA_FILE, "sha256": sha256_file(out / DATA_FILE), "rows": rows}],

@@ -275,6 +275,18 @@ def _time_column(columns: list[str], con: duckdb.DuckDBPyConnection) -> str:
     )
 
 
+def entity_time_column(schema: pa.Schema) -> str:
+    """The entity rows' time column: ``event_timestamp``, else their one timestamp (or date) column."""
+    timestamps = [f.name for f in schema if pa.types.is_timestamp(f.type) or pa.types.is_date(f.type)]
+    if "event_timestamp" in schema.names:
+        return "event_timestamp"
+    if len(timestamps) == 1:
+        return timestamps[0]
+    raise RequestError(
+        f"entity rows need an 'event_timestamp' column (or exactly one timestamp column); found timestamp columns {timestamps}"
+    )
+
+
 def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[list[str], str]:
     """Expose entity rows as ``__entities`` with ``__fs_row`` (input order) and ``__fs_ts`` (naive UTC)."""
     if isinstance(entity_df, (str, Path)):
@@ -300,17 +312,7 @@ def _register_entities(con: duckdb.DuckDBPyConnection, entity_df: Any) -> tuple[
         row_expr = ROW
     schema = con.sql("SELECT * FROM __raw LIMIT 0").to_arrow_table().schema
     columns = [n for n in schema.names if n not in (ROW, "file_row_number")]
-    timestamps = [
-        f.name for f in schema if f.name in columns and (pa.types.is_timestamp(f.type) or pa.types.is_date(f.type))
-    ]
-    if "event_timestamp" in columns:
-        ts = "event_timestamp"
-    elif len(timestamps) == 1:
-        ts = timestamps[0]
-    else:
-        raise RequestError(
-            f"entity rows need an 'event_timestamp' column (or exactly one timestamp column); found timestamp columns {timestamps}"
-        )
+    ts = entity_time_column(pa.schema([schema.field(n) for n in columns]))
     ts_type = schema.field(ts).type
     if not (pa.types.is_timestamp(ts_type) or pa.types.is_date(ts_type)):
         raise RequestError(f"entity column {ts!r} is {ts_type}, not a timestamp; convert it (pd.to_datetime)")

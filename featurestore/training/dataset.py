@@ -39,6 +39,11 @@ def load_manifest(dataset_dir: Path) -> dict:
     return json.loads(manifest.read_text())
 
 
+def time_column(manifest: dict) -> str:
+    """The exported rows' time column: the entity rows' (``event_timestamp`` before manifests said)."""
+    return str(manifest.get("time_column", "event_timestamp"))
+
+
 Unit = tuple[Path, int, int, int]  # file, row group, first row in the group, row count
 
 
@@ -60,7 +65,7 @@ def share(rows: int, world: int, rank: int) -> tuple[int, int]:
 
 class ExportedDataset(IterableDataset):
     """Yields this rank's part (x_num, x_cat, label) of each global batch of the rows with
-    ``lo <= event_timestamp < hi``, one per step (a part may have no rows): see the module docstring."""
+    ``lo <= time < hi`` (the entity rows' time), one per step (a part may have no rows): see the module docstring."""
 
     def __init__(
         self,
@@ -76,7 +81,9 @@ class ExportedDataset(IterableDataset):
         unit_rows: int = 16_384,
     ):
         self.dir = Path(dataset_dir)
-        self.files = [self.dir / f["path"] for f in load_manifest(self.dir)["files"]]
+        manifest = load_manifest(self.dir)
+        self.files = [self.dir / f["path"] for f in manifest["files"]]
+        self.time_column = time_column(manifest)
         self.pre, self.label, self.batch_size = preprocessor, label, batch_size
         self.time_range, self.buffer, self.seed = time_range, shuffle_buffer_batches, seed
         self.rank, self.world = rank, world
@@ -87,7 +94,7 @@ class ExportedDataset(IterableDataset):
     def counts(self) -> list[int]:
         """Rows in the time range, per unit (read once: the timestamps only)."""
         if self._counts is None:
-            self._counts = [t.num_rows for t in self._read(self.units, ["event_timestamp"])]
+            self._counts = [t.num_rows for t in self._read(self.units, [self.time_column])]
         return self._counts
 
     def rows(self) -> int:
@@ -103,7 +110,7 @@ class ExportedDataset(IterableDataset):
 
     def _in_range(self, table: pa.Table) -> pa.Table:
         lo, hi = self.time_range
-        ts = pc.cast(table["event_timestamp"], pa.int64())
+        ts = pc.cast(table[self.time_column], pa.int64())
         mask = pc.and_(
             pc.greater_equal(ts, lo if lo is not None else -(2**63)), pc.less(ts, hi if hi is not None else 2**63 - 1)
         )

@@ -29,7 +29,7 @@ from featurestore.errors import FeatureStoreError
 from featurestore.progress import progress_bar
 from featurestore.tracking.runs import Run, curve
 from featurestore.training import checkpoints, distributed
-from featurestore.training.dataset import Batch, ExportedDataset, load_manifest, share
+from featurestore.training.dataset import Batch, ExportedDataset, load_manifest, share, time_column
 from featurestore.training.metrics import rmse, roc_auc
 from featurestore.training.model import TabularMLP, score
 from featurestore.training.preprocessing import Preprocessor
@@ -96,12 +96,9 @@ def input_columns(config: TrainConfig) -> tuple[list[str], list[str]]:
 
 def split_time(dataset_dir: Path, validation_fraction: float) -> int:
     """Event time (µs) splitting training from validation: validation is the latest rows."""
-    ts = pc.cast(
-        pq.read_table(dataset_dir / load_manifest(dataset_dir)["files"][0]["path"], columns=["event_timestamp"])[
-            "event_timestamp"
-        ],
-        pa.int64(),
-    )
+    manifest = load_manifest(dataset_dir)
+    column = time_column(manifest)
+    ts = pc.cast(pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=[column])[column], pa.int64())
     return int(np.quantile(ts.to_numpy(), 1 - validation_fraction))
 
 
@@ -139,10 +136,9 @@ def _train(config: TrainConfig, layout: distributed.Layout, run_dir: Path, resum
     ]
     if missing:
         raise FeatureStoreError(f"entity key(s) {missing} are not columns of the dataset {dataset_dir}")
-    train_rows = pq.read_table(
-        dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + ["event_timestamp"]
-    )
-    train_rows = train_rows.filter(pc.less(pc.cast(train_rows["event_timestamp"], pa.int64()), split))
+    when = time_column(manifest)
+    train_rows = pq.read_table(dataset_dir / manifest["files"][0]["path"], columns=numeric + categorical + [when])
+    train_rows = train_rows.filter(pc.less(pc.cast(train_rows[when], pa.int64()), split))
     pre = Preprocessor.fit(
         train_rows, numeric, categorical, hashed={k: config.entity_buckets for k in config.entity_keys}
     )
