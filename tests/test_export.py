@@ -99,8 +99,8 @@ def test_entity_rows_timed_by_another_column_export_and_train(make_store, tmp_pa
     """A join takes entity rows timed by any one timestamp column (``ts``); their export crashed
     in summarizing the dataset (a ``KeyError`` for ``event_timestamp``), and the trainer read
     only ``event_timestamp``. The manifest now names the time column, and both use it."""
-    from featurestore.training.preprocessing import Preprocessor
     from featurestore.training.dataset import ExportedDataset
+    from featurestore.training.preprocessing import Preprocessor
     from featurestore.training.trainer import split_time
 
     store = make_store(DEFS)
