@@ -40,16 +40,21 @@ def push(store, start: int, n: int):
     )
 
 
+def entity_rows(n: int, time_column: str = "event_timestamp") -> pd.DataFrame:
+    """``n`` labelled entity rows, a minute apart, timed by ``time_column``."""
+    return pd.DataFrame(
+        {
+            "card_id": [i % 9 for i in range(n)],
+            time_column: [NOW + timedelta(minutes=i, seconds=30) for i in range(n)],
+            "label": [i % 2 for i in range(n)],
+        }
+    )
+
+
 def test_export_manifest_and_byte_identical_reproduction(make_store, tmp_path):
     store = make_store(DEFS)
     push(store, 0, 300)
-    labels = pd.DataFrame(
-        {
-            "card_id": [i % 9 for i in range(500)],
-            "event_timestamp": [NOW + timedelta(minutes=i, seconds=30) for i in range(500)],
-            "label": [i % 2 for i in range(500)],
-        }
-    )
+    labels = entity_rows(500)
     manifest = store.export_training_dataset(labels, "svc", tmp_path / "v1")
     assert manifest["row_count"] == 500 and manifest["table_versions"] == {"spend": 0}
     assert set(manifest) >= {
@@ -105,14 +110,7 @@ def test_entity_rows_timed_by_another_column_export_and_train(make_store, tmp_pa
 
     store = make_store(DEFS)
     push(store, 0, 300)
-    labels = pd.DataFrame(
-        {
-            "card_id": [i % 9 for i in range(200)],
-            "ts": [NOW + timedelta(minutes=i, seconds=30) for i in range(200)],
-            "label": [i % 2 for i in range(200)],
-        }
-    )
-    manifest = store.export_training_dataset(labels, "svc", tmp_path / "v1")
+    manifest = store.export_training_dataset(entity_rows(200, "ts"), "svc", tmp_path / "v1")
     assert manifest["time_column"] == "ts" and manifest["row_count"] == 200
     assert pq.read_table(tmp_path / "v1" / manifest["statistics"]).num_rows > 0
     split = split_time(tmp_path / "v1", 0.25)

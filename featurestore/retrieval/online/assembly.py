@@ -155,14 +155,11 @@ def _view_columns(query: OnlineQuery, plan: _ViewPlan, raw: list, now_us: int):
     row_times: list[datetime | None] = []
     for pos in query.slots[plan.group]:
         blob = raw[pos][position]
-        if blob is None:
-            row_values.append(blank)
-            row_statuses.append(not_found)
-            row_times.append(None)
-            continue
-        event_us, decoded = decode(blob)
-        if event_us > now_us and query.replayed:  # stamped after a replay's `at`: not known then
-            # (at now, a row stamped ahead within future_tolerance, the clocks' skew, is served)
+        if blob is not None:
+            event_us, decoded = decode(blob)
+        # never written, or stamped after a replay's `at`: not known then (at now, a row stamped
+        # ahead within future_tolerance, the clocks' skew, is served)
+        if blob is None or (query.replayed and event_us > now_us):
             row_values.append(blank)
             row_statuses.append(not_found)
             row_times.append(None)

@@ -104,8 +104,7 @@ class OnlineReader:
             raw = query.placed([])
         found = self._found_heavy(query, raw)
         if found:
-            windows = [query.tiles_read(pos) for pos in found]
-            query.place_heavy(found, raw, await self.store.read_async((), (), windows))
+            query.place_heavy(found, raw, await self.store.read_async((), (), [query.tiles_read(pos) for pos in found]))
         if query.ranges and _events_in(raw[len(query.lookups) :]) > OFF_LOOP_EVENTS:
             response = await asyncio.to_thread(assemble, query, raw)
         else:
