@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from featurestore.errors import DefinitionError
+from featurestore.errors import DefinitionError, RequestError
 
 from .conftest import examples
 
@@ -483,7 +483,14 @@ def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity
     def lookup(heavy_per_tile: int):
         monkeypatch.setattr(tiles, "HEAVY_PER_TILE", heavy_per_tile)
         query = OnlineQuery.prepare(
-            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
+            store.definitions,
+            store.config.project,
+            {"card_id": [card]},
+            refs,
+            None,
+            False,
+            now=at,
+            event_retention=store.config.online.event_retention,
         )
         return query, OnlineReader(store.online_store).read(query).to_dict()
 
@@ -549,7 +556,14 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
 
     def query():
         return OnlineQuery.prepare(
-            store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at
+            store.definitions,
+            store.config.project,
+            {"card_id": [card, card + 1]},
+            refs,
+            None,
+            False,
+            now=at,
+            event_retention=store.config.online.event_retention,
         )
 
     reader = OnlineReader(store.online_store)
@@ -603,7 +617,14 @@ def test_a_heavy_cards_first_lookup_is_one_round_trip_once_its_events_are_packed
         with monkeypatch.context() as patched:
             patched.setattr(_WindowPlan, "heavy_from", lambda self: heavy_from)
             query = OnlineQuery.prepare(
-                store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 40 * STEP
+                store.definitions,
+                store.config.project,
+                {"card_id": [card]},
+                refs,
+                None,
+                False,
+                now=BASE + 40 * STEP,
+                event_retention=store.config.online.event_retention,
             )
             trips.clear()
             response = reader.read(query).to_dict()
@@ -688,7 +709,14 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
 
     def query():
         return OnlineQuery.prepare(
-            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
+            store.definitions,
+            store.config.project,
+            {"card_id": [card]},
+            refs,
+            None,
+            False,
+            now=at,
+            event_retention=store.config.online.event_retention,
         )
 
     threads = []
@@ -806,14 +834,95 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     store.materializer().write_online(view, third, now + timedelta(hours=8))  # the cutoff is now 22 h back
     assert _events_held(client, key) == 2 and not client.hexists(key + b"|tiles", b"1")  # the 25 h old event is gone
     assert _ids_held(client, key) == {1, 2, 3}  # its write time stays: within 30 h (the dedup window) of the cutoff
-    at = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now).to_dict()
-    assert at["not_card_count_30h"] == [2]
+    # a replay whose window reaches the trimmed event is refused (it counted 2; history counts 3)
+    with pytest.raises(RequestError, match="may lack this entity's events"):
+        store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now)
+    at = store.get_online_features([{"card_id": 1}], features=["activity:count_1h"], at=now).to_dict()
+    assert at["count_1h"] == [1]  # (a window after it is answered)
     fourth = third.set_column(third.schema.get_field_index("payment_id"), "payment_id", pa.array([4], pa.int64()))
     fourth = fourth.set_column(
         fourth.schema.get_field_index("event_timestamp"), "event_timestamp", pa.array([now + timedelta(hours=38)], TS)
     )
     store.materializer().write_online(view, fourth, now + timedelta(hours=39))  # cutoff 9 h ahead: ids before -21 h go
     assert _ids_held(client, key) == {2, 3, 4} and _events_held(client, key) == 1
+
+
+REPLAYED = ["activity:count_1h", "activity:amount_count_3h", "activity:amount_sum_3h", "activity:amount_max_3h"]
+
+
+@pytest.fixture(scope="module")
+def replay_store(tmp_path_factory, redis_url):
+    """``FEATURES`` with no retention past the longest window (30 h): Redis trims what a replay may need."""
+    from featurestore import FeatureStore
+    from tests.conftest import write_repo
+
+    store = FeatureStore(write_repo(tmp_path_factory.mktemp("replay"), FEATURES, url=redis_url))
+    store.apply()
+    yield store
+    store.close()
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    offsets_h=st.lists(st.floats(0, 70), min_size=1, max_size=12),
+    batches=st.integers(1, 3),
+    writers_ahead_h=st.lists(st.sampled_from([0.0, 0.0, 0.5, 3.0, 12.0]), min_size=3, max_size=3),
+    queries=st.lists(st.tuples(st.integers(0, 11), st.floats(0, 2)), min_size=1, max_size=6),
+)
+@example(offsets_h=[40.0, 20.0], batches=1, writers_ahead_h=[0.0] * 3, queries=[(0, 0.0), (1, 0.5)])
+@example(offsets_h=[0.0, 48.0], batches=2, writers_ahead_h=[0.0, 12.0, 0.0], queries=[(1, 0.0)])  # a writer ahead
+def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
+    replay_store, offsets_h, batches, writers_ahead_h, queries
+):
+    """Redis keeps an aggregated view's events for its longest window plus ``event_retention``.
+    A lookup ``at`` a past time whose window reached back past them answered from the events left:
+    a partial count or sum, PRESENT, or 0 as if the window were empty. Now every replay answers
+    exactly as history does at that time, or is refused (``RequestError``): never a partial
+    window. Events are written online in batches by writers whose clocks run ahead (their cutoffs
+    later: more is trimmed), and any replay at or after the last writer's time is answered."""
+    store = replay_store
+    offset = next(_cards) * 10
+    t0 = datetime.now(UTC)
+    events = [
+        {
+            "payment_id": offset * 100 + i,
+            "card_id": offset + i % 2,
+            "amount": float(i),
+            "kind": "web",
+            "event_timestamp": t0 - timedelta(hours=h),
+        }
+        for i, h in enumerate(offsets_h)
+    ]
+    store.push("payments", _frame(events), to="offline")
+    store.flush()
+    import duckdb
+
+    view = store.get_feature_view("activity")
+    schema = store.definitions.history_schema(view)
+    con = duckdb.connect()
+    store.offline_store.register(con, store.layout("activity").history_table, "history", schema)
+    ids = ", ".join(str(e["payment_id"]) for e in events)
+    history = con.sql(f"SELECT * FROM history WHERE payment_id IN ({ids}) ORDER BY payment_id").to_arrow_table()
+    last_writer = t0
+    for b in range(batches):  # each event written online once, by one of the writers
+        rows = history.filter(pa.array([i % batches == b for i in range(history.num_rows)])).cast(schema)
+        last_writer = max(last_writer, t0 + timedelta(hours=writers_ahead_h[b]))
+        store.materializer().write_online(view, rows, t0 + timedelta(hours=writers_ahead_h[b]))
+    queries = [  # (each an event's card, hours after the event: its windows hold it)
+        (i % len(events) % 2, events[i % len(events)]["event_timestamp"] + timedelta(hours=h)) for i, h in queries
+    ] + [(0, last_writer), (1, last_writer)]
+    for card, at in queries:
+        entity_df = pd.DataFrame({"card_id": [offset + card], "event_timestamp": [at]})
+        want = store.get_historical_features(entity_df, features=REPLAYED).to_arrow()
+        try:
+            got = store.get_online_features([{"card_id": offset + card}], features=REPLAYED, at=at).to_dict()
+        except RequestError as exc:
+            assert "may lack this entity's events" in str(exc)
+            assert at < last_writer, "a replay at or after every write is answered"
+            continue
+        for ref in REPLAYED:
+            name = ref.split(":")[1]
+            assert same(got[name][0], want[name][0].as_py(), False), (name, at, got, want)
 
 
 def _events_held(client, key: bytes) -> int:
@@ -828,7 +937,7 @@ def _ids_held(client, key: bytes) -> set[int]:
     its plain events (a light entity's record of an id's one write)."""
     from featurestore.online import packed
 
-    raw = {k for k in client.hkeys(key + b"|ids") if k}
+    raw = {k for k in client.hkeys(key + b"|ids") if len(k) == 8}  # ('' lists blocks; 'trimmed' is no id)
     for m in client.zrange(key, 0, -1):
         raw |= {entry[:8] for entry in packed.recorded_writes(m)} if packed.is_block(m) else {m[:8]}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}

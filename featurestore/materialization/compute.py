@@ -233,11 +233,12 @@ class EventWrites:
     accepted: np.ndarray | None = None  # per write, the offline rule's verdict (whole-history resends)
 
 
-def events_to_add(rows: pa.Table, view: FeatureView, cutoff_us: int, verdicts: bool = False) -> EventWrites:
-    """``rows``' writes to send online. Redis applies the duplicate rule as they arrive, so they go
-    in write order. ``verdicts``: ``rows`` are the view's whole history, and each write carries
+def events_to_add(rows: pa.Table, view: FeatureView, sent_from_us: int, verdicts: bool = False) -> EventWrites:
+    """``rows``' writes to send online: those after ``sent_from_us`` less the dedup window (the
+    duplicate rule needs no earlier). Redis applies the rule as they arrive, so they go in write order.
+    ``verdicts``: ``rows`` are the view's whole history, and each write carries
     whether the rule keeps it (``aggregation.sql.events_cte``): Redis then makes its events match."""
-    low = cutoff_us - dedup_us(view)
+    low = sent_from_us - dedup_us(view)
     ids = _plain_event_ids(rows, view) if view.event_id is not None else None
     if not verdicts and ids is not None and len(np.unique(ids)) == rows.num_rows:  # no id twice: any order, no query
         recent = numpy_values(rows["event_timestamp"]).view(np.int64) > low

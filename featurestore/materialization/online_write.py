@@ -54,7 +54,12 @@ def write_online(
     if view.is_aggregated:
         horizon = view.longest_window + event_retention
         cutoff_us = datetime_to_micros(now - horizon)
-        writes = events_to_add(rows, view, cutoff_us, verdicts=whole_history)
+        # Rows before the cutoff are sent from a bound by this machine's clock: Redis records that
+        # the entity lacks them (a replay's lookup refuses windows reaching them), while those
+        # older than every key kept are beyond what any replay reads (``OnlineQuery.require_retained``),
+        # even when ``now`` runs ahead (a later end) or Redis's clock runs behind (by less than 1/16).
+        sent_from_us = min(cutoff_us, time.time_ns() // 1000 - (horizon + horizon / 16) // timedelta(microseconds=1))
+        writes = events_to_add(rows, view, sent_from_us, verdicts=whole_history)
         return online.write_events(
             layout.online_field,
             writes.rows,

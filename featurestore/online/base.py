@@ -33,6 +33,10 @@ Range = tuple[bytes, int, int, "int | None"]
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # The hash holding an events key's tile summaries (``aggregation.tiles``): tile number -> summary.
 SUMMARIES_SUFFIX = b"|tiles"
+# The hash of an events key's event ids (``add_events.lua``), and its field holding the newest µs
+# of an event the entity lacks (not kept, being before the cutoff, or trimmed since).
+IDS_SUFFIX = b"|ids"
+TRIMMED_FIELD = "trimmed"
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 

@@ -24,6 +24,12 @@
 -- goes once its last tile ends a dedup window before the cutoff (its directory records writes).
 -- With verdicts, no write may concern a packed event: the writer unpacks first
 -- (``unpack_block.lua``); one that does fails the call before it changes anything.
+--
+-- The ids hash's field 'trimmed' holds the newest µs of an event the entity lacks: a write before
+-- the cutoff (not kept) or an event trimmed. A lookup at a past time (a replay) refuses a window
+-- reaching back to it. Past newest + horizon + dedup window, such an event is older than any
+-- key an entity keeps, so replays answer by that bound alone, and the field is not written (or
+-- lives no longer: ``featurestore.retrieval.online.plan``'s ``require_retained``).
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'
@@ -80,6 +86,11 @@ local function plain_writes(events, id)  -- µs of id's plain events, in a light
   end
   return found
 end
+local TRIMMED = 'trimmed'  -- (no event id: those are 8 bytes)
+local lacked = {}  -- events key -> the newest µs of an event this call did not keep or trimmed
+local function lacks(events, us)
+  if lacked[events] == nil or us > lacked[events] then lacked[events] = us end
+end
 local function changed(events)  -- events were removed: what was read of them is stale
   size_of[events], members_of[events], blocks_of[events], directories[events] = nil, nil, nil, nil
 end
@@ -135,6 +146,7 @@ for k = 1, n do
   end
   if verdicts then kept = ARGV[6 + 2 * n + k] == '1' end
   local placed = false
+  if us < cutoff then lacks(events, us) end
   if us >= cutoff then
     if kept and redis.call('ZADD', events, us, event) == 1 then
       added, placed = added + 1, true
@@ -180,13 +192,22 @@ for k = 1, n do
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     -- (events and blocks ended a dedup window before the cutoff; then the events before it)
     local kept_from = cutoff - within - span
+    local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
+    if newest_gone[1] and not is_block(newest_gone[1]) then lacks(events, micros(newest_gone[1], 9)) end
     redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
-      if not is_block(member) then redis.call('ZREM', events, member) end
+      if not is_block(member) then
+        redis.call('ZREM', events, member)
+        lacks(events, micros(member, 9))
+      end
     end
     local listed = block_list(events)
     if listed ~= '' then
-      local kept_blocks = unlisted(listed, function(number) return struct.unpack('>i8', number) * span > kept_from end)
+      local kept_blocks = unlisted(listed, function(number)
+        local first = struct.unpack('>i8', number) * span
+        if first <= kept_from then lacks(events, first + span - 1) end  -- (a block gone: its tiles' events)
+        return first > kept_from
+      end)
       redis.call('HSET', ids, '', kept_blocks)
     end
     changed(events)
@@ -196,7 +217,7 @@ for k = 1, n do
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      if stored[i] ~= '' then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
+      if stored[i] ~= '' and stored[i] ~= TRIMMED then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
         local kept_times = ''
         for at = 1, #stored[i + 1], 8 do
           if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
@@ -205,6 +226,14 @@ for k = 1, n do
         elseif kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
       end
     end
+  end
+end
+for events, us in pairs(lacked) do  -- recorded while a lookup's bound does not cover it yet
+  local ids, until_ms = events .. '|ids', math.floor(us / 1000) + horizon_ms + math.floor(within / 1000)
+  if until_ms + slack_ms > now_ms then  -- (the slack: clocks apart)
+    local held = redis.call('HGET', ids, TRIMMED)
+    if not held or tonumber(held) < us then redis.call('HSET', ids, TRIMMED, fmt(us)) end
+    if redis.call('PTTL', ids) >= 0 or redis.call('HLEN', ids) == 1 then extend(ids, until_ms) end
   end
 end
 return garbage_taken_out(added)

@@ -17,11 +17,12 @@ from numbers import Integral, Real
 from operator import is_
 from typing import Any
 
-from featurestore.aggregation import tiles
+from featurestore.aggregation import dedup_us, tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import RequestError
 from featurestore.online import packed
+from featurestore.online.base import IDS_SUFFIX, TRIMMED_FIELD
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
@@ -31,6 +32,7 @@ from featurestore.online.codec import (
     key_text,
     make_decoder,
     make_events_decoder,
+    micros_to_datetime,
 )
 from featurestore.registry.loader import Definitions
 from featurestore.retrieval.on_demand import OnDemandPlan
@@ -274,6 +276,8 @@ class OnlineQuery:
     known_heavy: set[int] = field(default_factory=set)  # ranges read by ``read_window.lua`` at once (``HeavyKeys``)
     unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
+    trimmed: list[int] = field(default_factory=list)  # a replay's: per range, its lookup of what the entity lacks
+    retained_from: list[int] = field(default_factory=list)  # a replay's: per window plan, ``require_retained``'s bound
 
     @property
     def key_names(self) -> list[str]:
@@ -292,9 +296,12 @@ class OnlineQuery:
         cache: dict | None = None,
         now: datetime | None = None,
         unfilled: Collection[str] = (),
+        event_retention: timedelta = timedelta(0),
     ) -> OnlineQuery:
         """The reads and assembly of a lookup; ``unfilled``: aggregated views whose events online
-        wait for a resend (``FeatureStore.unfilled_views``), answered NOT_FOUND, not read."""
+        wait for a resend (``FeatureStore.unfilled_views``), answered NOT_FOUND, not read;
+        ``event_retention``: ``online_store.event_retention``, which bounds how far back a replay
+        (``now``) finds every event of a window online (``require_retained``)."""
         signature = (
             tuple(features) if isinstance(features, (list, tuple)) else features,
             feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
@@ -356,6 +363,15 @@ class OnlineQuery:
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
+        trimmed, retained_from = [], []
+        if now is not None and ranges:  # a replay also reads what each entity's events lack
+            trimmed = list(range(len(lookups), len(lookups) + len(ranges)))
+            lookups += [(key + IDS_SUFFIX, [TRIMMED_FIELD]) for key, *_ in ranges]
+            wall_us = time.time_ns() // 1000
+            for window in template.windows:
+                view = window.request.view
+                horizon_us = (view.longest_window + event_retention) // timedelta(microseconds=1)
+                retained_from.append(wall_us - horizon_us - dedup_us(view))
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(
             template,
@@ -372,7 +388,32 @@ class OnlineQuery:
                 pos for pos, number in enumerate(range_plans) if template.windows[number].request.view.name in unfilled
             },
             replayed=now is not None,
+            trimmed=trimmed,
+            retained_from=retained_from,
         )
+
+    def require_retained(self, replies: list) -> None:
+        """Refuse a replay whose window reaches back to events Redis may lack: ones older than
+        every key an entity keeps (newest event + horizon + dedup window: ``retained_from``), or
+        ones the entity's ``add_events.lua`` did not keep or trimmed (its ``trimmed`` field).
+        Counted without them, the window's aggregates would be wrong, and look right."""
+        for pos, slot in enumerate(self.trimmed):
+            if pos in self.unread:
+                continue
+            plan_number = self.range_plans[pos]
+            window = self.template.windows[plan_number]
+            low = self.now_us - window.evaluator.longest_us  # (the window read holds events after it)
+            held = replies[slot][0]
+            lacked = max(int(held) if held is not None else -(1 << 63), self.retained_from[plan_number] - 1)
+            if lacked > low:
+                view = window.request.view.name
+                raise RequestError(
+                    f"view {view!r}: a lookup at {micros_to_datetime(self.now_us).isoformat()} needs events "
+                    f"from {micros_to_datetime(low).isoformat()} on, but Redis may lack this entity's events "
+                    f"up to {micros_to_datetime(lacked).isoformat()} (it keeps the longest window plus "
+                    "online_store.event_retention). Raise event_retention and re-materialize to replay that "
+                    "far back, or read the history (get_historical_features)"
+                )
 
     def view_versions(self) -> list[dict[str, Any]]:
         """The feature views the query reads, each once, with the history version read (Feast's

@@ -84,6 +84,7 @@ class OnlineReader:
         raw = query.placed(
             self.store.read(query.lookups, plain, windows, summaries) if query.lookups or plain or windows else []
         )
+        query.require_retained(raw)
         found = self._found_heavy(query, raw)
         if found:
             query.place_heavy(found, raw, self.store.read((), (), [query.tiles_read(pos) for pos in found]))
@@ -102,6 +103,7 @@ class OnlineReader:
             raw = query.placed(await self.store.read_async(query.lookups, plain, windows, summaries))
         else:
             raw = query.placed([])
+        query.require_retained(raw)
         found = self._found_heavy(query, raw)
         if found:
             query.place_heavy(found, raw, await self.store.read_async((), (), [query.tiles_read(pos) for pos in found]))
