@@ -44,5 +44,10 @@ class ConflictError(FeatureStoreError):
     """The request conflicts with an earlier one (an idempotency key reused for other rows, a job already running)."""
 
 
+class NotRetainedError(ConflictError):
+    """A replay (a lookup ``at`` a past time) reaches back to events the online store no longer
+    keeps (``online_store.event_retention``): history has them."""
+
+
 class OnDemandError(FeatureStoreError):
     """An on-demand view's function failed or returned something its schema does not allow."""

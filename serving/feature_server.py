@@ -179,7 +179,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     },
     404: {"description": "Unknown feature, view, service or push source."},
     409: {
-        "description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already running)."
+        "description": "Conflicts with an earlier request (an idempotency key reused for other rows, a job already "
+        "running), or a lookup `at` a past time needs events Redis no longer keeps (`online_store.event_retention`)."
     },
     422: {"description": "Malformed request: missing or mistyped keys, empty or oversized request."},
     503: {"description": "The online store (Redis) is unreachable; retry later."},

@@ -300,6 +300,7 @@ def create_app(
         summary="Score one or more instances",
         responses={
             404: {"description": "Unknown model or feature."},
+            409: {"description": "`at` is further back than the events Redis keeps (`online_store.event_retention`)."},
             422: {"description": "Missing or mistyped keys or inputs."},
             503: {"description": "Redis unreachable."},
         },

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from featurestore.errors import DefinitionError, RequestError
+from featurestore.errors import DefinitionError, NotRetainedError
 
 from .conftest import examples
 
@@ -835,8 +835,16 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     assert _events_held(client, key) == 2 and not client.hexists(key + b"|tiles", b"1")  # the 25 h old event is gone
     assert _ids_held(client, key) == {1, 2, 3}  # its write time stays: within 30 h (the dedup window) of the cutoff
     # a replay whose window reaches the trimmed event is refused (it counted 2; history counts 3)
-    with pytest.raises(RequestError, match="may lack this entity's events"):
+    with pytest.raises(NotRetainedError, match="may lack this entity's events"):
         store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now)
+    from fastapi.testclient import TestClient
+
+    from serving.feature_server import create_app
+
+    with TestClient(create_app(store.config.repo_path)) as http:  # (the servers: a 409 saying so)
+        body = {"features": ["activity:not_card_count_30h"], "entities": {"card_id": [1]}, "at": now.isoformat()}
+        answer = http.post("/get-online-features", json=body)
+        assert answer.status_code == 409 and "online_store.event_retention" in answer.json()["detail"]
     at = store.get_online_features([{"card_id": 1}], features=["activity:count_1h"], at=now).to_dict()
     assert at["count_1h"] == [1]  # (a window after it is answered)
     fourth = third.set_column(third.schema.get_field_index("payment_id"), "payment_id", pa.array([4], pa.int64()))
@@ -877,7 +885,7 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
     """Redis keeps an aggregated view's events for its longest window plus ``event_retention``.
     A lookup ``at`` a past time whose window reached back past them answered from the events left:
     a partial count or sum, PRESENT, or 0 as if the window were empty. Now every replay answers
-    exactly as history does at that time, or is refused (``RequestError``): never a partial
+    exactly as history does at that time, or is refused (``NotRetainedError``): never a partial
     window. Events are written online in batches by writers whose clocks run ahead (their cutoffs
     later: more is trimmed), and any replay at or after the last writer's time is answered."""
     store = replay_store
@@ -916,7 +924,7 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
         want = store.get_historical_features(entity_df, features=REPLAYED).to_arrow()
         try:
             got = store.get_online_features([{"card_id": offset + card}], features=REPLAYED, at=at).to_dict()
-        except RequestError as exc:
+        except NotRetainedError as exc:
             assert "may lack this entity's events" in str(exc)
             assert at < last_writer, "a replay at or after every write is answered"
             continue

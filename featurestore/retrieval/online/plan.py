@@ -20,7 +20,7 @@ from typing import Any
 from featurestore.aggregation import dedup_us, tiles
 from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
-from featurestore.errors import RequestError
+from featurestore.errors import NotRetainedError, RequestError
 from featurestore.online import packed
 from featurestore.online.base import IDS_SUFFIX, TRIMMED_FIELD
 from featurestore.online.codec import (
@@ -407,7 +407,7 @@ class OnlineQuery:
             lacked = max(int(held) if held is not None else -(1 << 63), self.retained_from[plan_number] - 1)
             if lacked > low:
                 view = window.request.view.name
-                raise RequestError(
+                raise NotRetainedError(
                     f"view {view!r}: a lookup at {micros_to_datetime(self.now_us).isoformat()} needs events "
                     f"from {micros_to_datetime(low).isoformat()} on, but Redis may lack this entity's events "
                     f"up to {micros_to_datetime(lacked).isoformat()} (it keeps the longest window plus "
