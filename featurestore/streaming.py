@@ -35,8 +35,9 @@ import redis
 
 from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import StreamSource
-from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable
+from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable, RequestError
 from featurestore.online.codec import key_prefix
+from featurestore.types import as_declared
 
 if TYPE_CHECKING:
     from featurestore.feature_store import FeatureStore
@@ -267,8 +268,6 @@ def _ms(entry_id: bytes | str) -> int:
 
 def entries_to_table(entries: list[tuple[bytes, dict[bytes, bytes]]], source: StreamSource) -> pa.Table:
     """Stream entries -> a table of the source's schema (raises RequestError naming the bad column)."""
-    from featurestore.errors import RequestError
-
     columns = {}
     for f in source.schema:
         key = f.name.encode()
@@ -281,7 +280,9 @@ def entries_to_table(entries: list[tuple[bytes, dict[bytes, bytes]]], source: St
                 columns[f.name] = pa.array(pd.to_datetime(text, utc=True, format="ISO8601"), f.dtype.arrow)
             else:
                 text = pa.array([v.decode() if v is not None else None for v in raw], pa.string())
-                columns[f.name] = pc.cast(text, f.dtype.arrow)
+                # (an integer only from its own text, as pushes and lookups take it: "017" is refused)
+                integer = pa.types.is_integer(f.dtype.arrow)
+                columns[f.name] = as_declared(f.name, text, f.dtype) if integer else pc.cast(text, f.dtype.arrow)
         except (ValueError, TypeError, UnicodeDecodeError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             raise RequestError(f"column {f.name!r} does not parse as {f.dtype!r}: {str(exc).splitlines()[0]}") from exc
     return pa.table(columns)

@@ -247,3 +247,28 @@ def test_the_consumer_summarizes_the_tiles_it_wrote_once_they_have_ended(tmp_pat
         assert packed.event_count(client.zrange(key, 0, -1)) == 15  # (in a block where Redis keeps small ones compact)
         counts = store.get_online_features({"card_id": [1]}, features=["activity:count_2m", "activity:amount_sum_2m"])
         assert counts.to_dict()["count_2m"] == [15] and counts.to_dict()["amount_sum_2m"] == [105.0]
+
+
+def test_stream_text_is_an_integer_only_when_it_is_the_integers_own():
+    """A stream carries every value as text. An integer column took any text Arrow parses:
+    "017" became key 17 (and "+17", " 17" the same), which lookups and pushes refuse as no
+    integer's own text. Now such an entry is refused (dead-lettered, naming the column); numbers
+    with a fraction, times and text parse as before."""
+    from featurestore import Field, StreamSource
+    from featurestore.errors import RequestError
+    from featurestore.streaming import entries_to_table
+    from featurestore.types import Float64, Int64, UnixTimestamp
+
+    source = StreamSource(
+        name="s",
+        schema=[Field("card_id", Int64), Field("amount", Float64), Field("event_timestamp", UnixTimestamp)],
+    )
+
+    def entry(card: bytes) -> tuple[bytes, dict[bytes, bytes]]:
+        return b"1-0", {b"card_id": card, b"amount": b"1.5", b"event_timestamp": b"2024-05-01T10:00:00Z"}
+
+    table = entries_to_table([entry(b"17"), entry(b"-3")], source)
+    assert table["card_id"].to_pylist() == [17, -3] and table["amount"].to_pylist() == [1.5, 1.5]
+    for bad in (b"017", b"+17", b" 17", b"1.0", b"1e3"):
+        with pytest.raises(RequestError, match="card_id"):
+            entries_to_table([entry(b"17"), entry(bad)], source)
