@@ -615,7 +615,6 @@ class FeatureStore:
             self.config.online.max_request_entities,
             now=at,
             unfilled=self.unfilled_views,
-            event_retention=self.config.online.event_retention,
         )
         response = self.online_reader.read(query)
         if include_feature_view_version_metadata:  # (Feast's flag)

@@ -254,7 +254,6 @@ class Lookups:
             store.config.online.max_request_entities,
             now=request_time(body),
             unfilled=store.unfilled_views,
-            event_retention=store.config.online.event_retention,
         )
         response = await store.online_reader.read_async(query)
         if body.get("include_feature_view_version_metadata"):

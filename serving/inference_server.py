@@ -381,7 +381,6 @@ async def _predict(
         current.config.online.max_request_entities,
         now=request_time(body),
         unfilled=current.unfilled_views,
-        event_retention=current.config.online.event_retention,
     )
     response = await current.online_reader.read_async(query)
     n = len(instances)

@@ -490,7 +490,6 @@ def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity
             None,
             False,
             now=at,
-            event_retention=store.config.online.event_retention,
         )
         return query, OnlineReader(store.online_store).read(query).to_dict()
 
@@ -563,7 +562,6 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
             None,
             False,
             now=at,
-            event_retention=store.config.online.event_retention,
         )
 
     reader = OnlineReader(store.online_store)
@@ -624,7 +622,6 @@ def test_a_heavy_cards_first_lookup_is_one_round_trip_once_its_events_are_packed
                 None,
                 False,
                 now=BASE + 40 * STEP,
-                event_retention=store.config.online.event_retention,
             )
             trips.clear()
             response = reader.read(query).to_dict()
@@ -716,7 +713,6 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
             None,
             False,
             now=at,
-            event_retention=store.config.online.event_retention,
         )
 
     threads = []
@@ -931,6 +927,39 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
         for ref in REPLAYED:
             name = ref.split(":")[1]
             assert same(got[name][0], want[name][0].as_py(), False), (name, at, got, want)
+
+
+def test_a_replay_after_raising_the_retention_is_refused_where_the_old_one_trimmed(make_store):
+    """Raising ``online_store.event_retention`` keeps events longer from then on; those trimmed
+    under the old retention are gone. A replay reckoned with the retention configured, so right
+    after the raise it answered from the trimmed window (count 0 where history counts 2). Writes
+    now record the horizons they use in Redis (``keep_horizon.lua``), and a replay reckons with
+    every one: refused until the trimmed events are resent (``--rebuild-online``), exact after."""
+    from featurestore import FeatureStore
+
+    store = make_store(FEATURES)
+    now = datetime.now(UTC)
+    events = [
+        {"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - timedelta(hours=h)}
+        for i, h in ((1, 62.2), (2, 62.1))
+    ]
+    store.push("payments", _frame(events), to="online_and_offline")  # beyond 30 h (and the dedup window): not sent
+    root = store.config.repo_path
+    config = root / "featurestore.yaml"
+    config.write_text(config.read_text().replace("}\n", ", event_retention: 10d}\n"))
+    at, refs = now - timedelta(hours=62), ["activity:count_1h"]
+    with FeatureStore(root) as raised:
+        assert raised.config.online.event_retention == timedelta(days=10)
+        history = raised.get_historical_features(
+            pd.DataFrame({"card_id": [1], "event_timestamp": [at]}), features=refs
+        ).to_df()
+        assert history["count_1h"].tolist() == [2]
+        with pytest.raises(NotRetainedError):
+            raised.get_online_features([{"card_id": 1}], features=refs, at=at)
+        raised.materialize(None, now, rebuild_online=True)  # the next write resends history, under the new retention
+        raised.push("payments", _frame([{**events[0], "payment_id": 3, "event_timestamp": now}]))
+        online = raised.get_online_features([{"card_id": 1}], features=refs, at=at).to_dict()
+        assert online["count_1h"] == [2]
 
 
 def _events_held(client, key: bytes) -> int:

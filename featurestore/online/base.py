@@ -37,6 +37,9 @@ SUMMARIES_SUFFIX = b"|tiles"
 # of an event the entity lacks (not kept, being before the cutoff, or trimmed since).
 IDS_SUFFIX = b"|ids"
 TRIMMED_FIELD = "trimmed"
+# The hash (under the project's key prefix) of the horizons each aggregated view's events are held
+# under: events field -> "horizon ms:until ms" pairs (``keep_horizon.lua``).
+HORIZONS = b"horizons"
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 

@@ -27,7 +27,16 @@ import redis
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import packed
-from featurestore.online.base import SUMMARIES_SUFFIX, Compacted, Lookup, Range, Seal, Sealer, TiledRange
+from featurestore.online.base import (
+    HORIZONS,
+    SUMMARIES_SUFFIX,
+    Compacted,
+    Lookup,
+    Range,
+    Seal,
+    Sealer,
+    TiledRange,
+)
 from featurestore.online.codec import (
     encode_events,
     encode_values,
@@ -112,10 +121,22 @@ class RedisOnlineStore:
         summarized in the same round trip, after the adds; then the ended blocks they hold in full
         are packed (``seal_tiles.lua``: only where Redis holds exactly the events summarized or
         packed: ``online.packed``). A whole-history write (``accepted``) first unpacks the blocks
-        of its entities: it may replace or remove their events. Returns how many events were added."""
-        if rows.num_rows == 0:
-            return 0
+        of its entities (it may replace or remove their events) and forgets what they lacked; it
+        then lists its horizon alone (``keep_horizon.lua``). Returns how many events were added."""
         horizon_ms = horizon // timedelta(milliseconds=1)
+        slack_ms = horizon_ms // 16
+        times = numpy_values(rows["event_timestamp"]).view(np.int64)
+        # (a key lives until its newest event + horizon + dedup window + slack: ``add_events.lua``)
+        newest_ms = max(time.time_ns() // 1000, int(times.max()) if len(times) else 0) // 1000
+        kept_for: Call = (
+            "keep_horizon",
+            [self.prefix + HORIZONS],
+            [view, horizon_ms, newest_ms + horizon_ms + dedup_us // 1000 + slack_ms, int(accepted is not None)],
+            [],
+        )
+        if rows.num_rows == 0:  # (none to send, all before the cutoff: they are not held, under this horizon)
+            self._run(lambda: [kept_for], None)
+            return 0
         if accepted is not None:
             rows, event_ids, accepted = _without_copies_of_kept(rows, join_keys, features, event_ids, accepted)
         keys, order = self._keys(rows, join_keys)
@@ -127,7 +148,10 @@ class RedisOnlineStore:
         adds = -(-rows.num_rows // CHUNK)
         least, limit = self.pack_from(), self.compact_value_limit()
 
+        times = numpy_values(rows["event_timestamp"]).view(np.int64)
+
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
+            yield kept_for  # (ahead of the events)
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
@@ -137,11 +161,10 @@ class RedisOnlineStore:
                 yield (
                     "add_events",
                     keys.slice(i, CHUNK),
-                    [cutoff_us, horizon_ms, horizon_ms // 16, tile_us, dedup_us, int(verdicts)],
+                    [cutoff_us, horizon_ms, slack_ms, tile_us, dedup_us, int(verdicts)],
                     columns,
                 )
             # (summarized and packed while Redis adds the last chunks)
-            times = numpy_values(rows["event_timestamp"]).view(np.int64)
             ended = _ended_rows(keys, times, accepted, cutoff_us, tile_us)
             for key, events in _tile_members(keys, rows, times, features, event_ids, ended):
                 entries: list = []
@@ -155,11 +178,13 @@ class RedisOnlineStore:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
         if not verdicts:
-            return sum(self._run(calls, newest)[:adds])
+            return sum(self._run(calls, newest)[1 : 1 + adds])  # (after the horizon's)
+        entities = pc.unique(keys).to_pylist()
+        self._run(lambda: [("forget_trimmed", entities, [], [])], None)
         for attempt in range(1, PACKED_RETRIES + 1):
-            self.unpack(pc.unique(keys).to_pylist(), features)
+            self.unpack(entities, features)
             try:
-                return sum(self._run(calls, newest)[:adds])  # (verdicts converge: the calls may run again)
+                return sum(self._run(calls, newest)[1 : 1 + adds])  # (verdicts converge: the calls may run again)
             except redis.exceptions.ResponseError as exc:  # a concurrent writer packed some again
                 if not str(exc).startswith("PACKED") or attempt == PACKED_RETRIES:
                     raise
@@ -389,6 +414,9 @@ class RedisOnlineStore:
         marker = view.encode() + b"#"
         with self._calling():
             self.client.hdel(self.prefix + SYNC_TOKENS, view)
+            held = [f for f in self.client.hkeys(self.prefix + HORIZONS) if f.startswith(marker)]
+            if held:
+                self.client.hdel(self.prefix + HORIZONS, *held)
             for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
                 if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
                     continue

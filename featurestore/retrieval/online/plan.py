@@ -22,7 +22,7 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import NotRetainedError, RequestError
 from featurestore.online import packed
-from featurestore.online.base import IDS_SUFFIX, TRIMMED_FIELD
+from featurestore.online.base import HORIZONS, IDS_SUFFIX, TRIMMED_FIELD
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
@@ -276,8 +276,8 @@ class OnlineQuery:
     known_heavy: set[int] = field(default_factory=set)  # ranges read by ``read_window.lua`` at once (``HeavyKeys``)
     unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
-    trimmed: list[int] = field(default_factory=list)  # a replay's: per range, its lookup of what the entity lacks
-    retained_from: list[int] = field(default_factory=list)  # a replay's: per window plan, ``require_retained``'s bound
+    # a replay's: per range, its lookup of what the entity lacks (then one of the views' horizons)
+    trimmed: list[int] = field(default_factory=list)
 
     @property
     def key_names(self) -> list[str]:
@@ -296,12 +296,9 @@ class OnlineQuery:
         cache: dict | None = None,
         now: datetime | None = None,
         unfilled: Collection[str] = (),
-        event_retention: timedelta = timedelta(0),
     ) -> OnlineQuery:
         """The reads and assembly of a lookup; ``unfilled``: aggregated views whose events online
-        wait for a resend (``FeatureStore.unfilled_views``), answered NOT_FOUND, not read;
-        ``event_retention``: ``online_store.event_retention``, which bounds how far back a replay
-        (``now``) finds every event of a window online (``require_retained``)."""
+        wait for a resend (``FeatureStore.unfilled_views``), answered NOT_FOUND, not read."""
         signature = (
             tuple(features) if isinstance(features, (list, tuple)) else features,
             feature_service if isinstance(feature_service, str) or feature_service is None else feature_service.name,
@@ -363,15 +360,11 @@ class OnlineQuery:
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
-        trimmed, retained_from = [], []
-        if now is not None and ranges:  # a replay also reads what each entity's events lack
+        trimmed: list[int] = []
+        if now is not None and ranges:  # a replay also reads what each entity's events lack, and the horizons
             trimmed = list(range(len(lookups), len(lookups) + len(ranges)))
             lookups += [(key + IDS_SUFFIX, [TRIMMED_FIELD]) for key, *_ in ranges]
-            wall_us = time.time_ns() // 1000
-            for window in template.windows:
-                view = window.request.view
-                horizon_us = (view.longest_window + event_retention) // timedelta(microseconds=1)
-                retained_from.append(wall_us - horizon_us - dedup_us(view))
+            lookups.append((key_prefix(project) + HORIZONS, [w.request.layout.online_field for w in template.windows]))
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(
             template,
@@ -389,14 +382,17 @@ class OnlineQuery:
             },
             replayed=now is not None,
             trimmed=trimmed,
-            retained_from=retained_from,
         )
 
     def require_retained(self, replies: list) -> None:
-        """Refuse a replay whose window reaches back to events Redis may lack: ones older than
-        every key an entity keeps (newest event + horizon + dedup window: ``retained_from``), or
-        ones the entity's ``add_events.lua`` did not keep or trimmed (its ``trimmed`` field).
-        Counted without them, the window's aggregates would be wrong, and look right."""
+        """Refuse a replay whose window reaches back to events Redis may lack: those the entity's
+        writes did not keep or trimmed (its ``trimmed`` field), and those of keys expired (a key
+        lives until its newest event + horizon + dedup window, under the horizons writes have used:
+        ``keep_horizon.lua``). Counted without them, a window's aggregates would be wrong, and look right."""
+        if not self.trimmed:
+            return
+        wall_us = time.time_ns() // 1000
+        horizons = replies[self.trimmed[-1] + 1]
         for pos, slot in enumerate(self.trimmed):
             if pos in self.unread:
                 continue
@@ -404,7 +400,11 @@ class OnlineQuery:
             window = self.template.windows[plan_number]
             low = self.now_us - window.evaluator.longest_us  # (the window read holds events after it)
             held = replies[slot][0]
-            lacked = max(int(held) if held is not None else -(1 << 63), self.retained_from[plan_number] - 1)
+            expired = _expired_up_to_us(horizons[plan_number], wall_us)
+            lacked = max(
+                int(held) if held is not None else -(1 << 63),
+                expired - dedup_us(window.request.view) if expired is not None else -(1 << 63),
+            )
             if lacked > low:
                 view = window.request.view.name
                 raise NotRetainedError(
@@ -486,6 +486,19 @@ class OnlineQuery:
         n = len(self.lookups)
         for pos, reply in zip(found, replies):
             raw[n + pos] = reply
+
+
+def _expired_up_to_us(listed: bytes | None, wall_us: int) -> int | None:
+    """The newest µs an event may have whose key has expired, from the ``keep_horizon.lua`` pairs
+    of its view (None: no write recorded). A key written under a horizon lives until its newest
+    event + horizon + dedup window (less the dedup window here, added by the caller) and no longer
+    than the pair's until; its events are no newer than either bound less the horizon."""
+    newest = None
+    for pair in (listed or b"").split():
+        horizon_ms, until_ms = map(int, pair.split(b":"))
+        bound = min(until_ms * 1000, wall_us) - horizon_ms * 1000
+        newest = bound if newest is None else max(newest, bound)
+    return newest
 
 
 def is_tiled(reply: list) -> bool:
