@@ -24,6 +24,7 @@ from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
 from featurestore.online import packed
+from featurestore.online.base import PROJECT_HASHES
 from featurestore.online.codec import event_columns, events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
@@ -169,12 +170,13 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         for name, sizes in groups.items()
     ]
     keys = int(client.dbsize())
+    own = int(client.exists(*(prefix + name for name in PROJECT_HASHES)))  # (no entity's)
     keys_per_entity = sum(held_keys) / len(held_keys) if held_keys and sum(held_keys) else 1.0
     return Capacity(
         url=online.transport.safe_url,
         keys=keys,
         used_memory=int(client.info("memory")["used_memory"]),
-        entities_now=round(keys * _project_share(client, prefix) / keys_per_entity) if entities else 0,
+        entities_now=round(max(0, keys * _project_share(client, prefix) - own) / keys_per_entity) if entities else 0,
         sampled=len(entities),
         layouts=sorted(layouts, key=lambda c: c.name),
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,

@@ -37,9 +37,11 @@ SUMMARIES_SUFFIX = b"|tiles"
 # of an event the entity lacks (not kept, being before the cutoff, or trimmed since).
 IDS_SUFFIX = b"|ids"
 TRIMMED_FIELD = "trimmed"
-# The hash (under the project's key prefix) of the horizons each aggregated view's events are held
-# under: events field -> "horizon ms:until ms" pairs (``keep_horizon.lua``).
-HORIZONS = b"horizons"
+# The project's hashes beside its entities' keys (under its key prefix): each view's newest event
+# time written; its sync token (an emptied or replaced Redis lacks it); the horizons each aggregated
+# view's events are held under (events field -> "horizon ms:until ms" pairs: ``keep_horizon.lua``).
+NEWEST, SYNC_TOKENS, HORIZONS = b"newest", b"synced", b"horizons"
+PROJECT_HASHES = (NEWEST, SYNC_TOKENS, HORIZONS)
 # Tile summaries to store for an events key: (key, tile µs, [(tile, events, summary)]).
 Seal = tuple[bytes, int, Sequence[tuple[int, int, bytes]]]
 

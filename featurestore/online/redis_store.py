@@ -29,7 +29,9 @@ from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import packed
 from featurestore.online.base import (
     HORIZONS,
+    NEWEST,
     SUMMARIES_SUFFIX,
+    SYNC_TOKENS,
     Compacted,
     Lookup,
     Range,
@@ -51,8 +53,6 @@ from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
 
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
-# the hash of each view's sync token (``set_sync_token``): an emptied or replaced Redis lacks it
-SYNC_TOKENS = b"synced"
 PACKED_RETRIES = 3  # a whole-history write unpacks its entities' blocks, and again if a writer packed some meanwhile
 
 
@@ -357,12 +357,12 @@ class RedisOnlineStore:
     def newest(self) -> dict[str, int]:
         """``{view: newest event time written online, µs since the epoch}``."""
         with self._calling():
-            return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + b"newest").items()}
+            return {k.decode(): int(v) for k, v in self.client.hgetall(self.prefix + NEWEST).items()}
 
     async def newest_async(self) -> dict[str, int]:
         """``newest`` on the event loop."""
         try:
-            stored = await self.transport.async_client.hgetall(self.prefix + b"newest")
+            stored = await self.transport.async_client.hgetall(self.prefix + NEWEST)
         except self.transport.failures as exc:
             raise self.transport.error(exc) from exc
         return {k.decode(): int(v) for k, v in stored.items()}
@@ -469,7 +469,7 @@ class RedisOnlineStore:
         freshness); returns the calls' results. EVALSHA straight away (redis-py's scripts ask
         SCRIPT EXISTS first: a round trip more per write); a Redis that lost its scripts (a
         restart) gets them, and the calls, all idempotent, run again."""
-        noted: list[Call] = [("keep_max", [self.prefix + b"newest"], list(newest), [])] if newest is not None else []
+        noted: list[Call] = [("keep_max", [self.prefix + NEWEST], list(newest), [])] if newest is not None else []
         if not self._scripts_sent:  # (else the first calls all fail with NOSCRIPT and go again)
             self._load_scripts()
         for attempt in (1, 2):
