@@ -64,6 +64,9 @@ class RedisOnlineStore:
         self.project = project
         self.prefix = key_prefix(project)
         self._scripts_sent = False  # sent once before the first write: a cluster write of 100k rows is ~16k calls
+        self._horizons_noted: dict[
+            tuple[str, int], int
+        ] = {}  # (view, horizon ms) -> until ms recorded (``_horizon_call``)
         self._zset_value_limit: int | None = None
 
     @property
@@ -128,14 +131,13 @@ class RedisOnlineStore:
         times = numpy_values(rows["event_timestamp"]).view(np.int64)
         # (a key lives until its newest event + horizon + dedup window + slack: ``add_events.lua``)
         newest_ms = max(time.time_ns() // 1000, int(times.max()) if len(times) else 0) // 1000
-        kept_for: Call = (
-            "keep_horizon",
-            [self.prefix + HORIZONS],
-            [view, horizon_ms, newest_ms + horizon_ms + dedup_us // 1000 + slack_ms, int(accepted is not None)],
-            [],
+        horizon_noted = self._horizon_call(
+            view, horizon_ms, newest_ms + horizon_ms + dedup_us // 1000 + slack_ms, slack_ms, accepted is not None
         )
         if rows.num_rows == 0:  # (none to send, all before the cutoff: they are not held, under this horizon)
-            self._run(lambda: [kept_for], None)
+            if horizon_noted is not None:
+                self._run(lambda: [horizon_noted[0]], None)
+                self._horizons_noted[horizon_noted[1]] = horizon_noted[2]
             return 0
         if accepted is not None:
             rows, event_ids, accepted = _without_copies_of_kept(rows, join_keys, features, event_ids, accepted)
@@ -151,7 +153,8 @@ class RedisOnlineStore:
         times = numpy_values(rows["event_timestamp"]).view(np.int64)
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
-            yield kept_for  # (ahead of the events)
+            if horizon_noted is not None:
+                yield horizon_noted[0]  # (ahead of the events)
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
@@ -177,18 +180,43 @@ class RedisOnlineStore:
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
+        first = 0 if horizon_noted is None else 1  # (the adds' replies follow the horizon's)
         if not verdicts:
-            return sum(self._run(calls, newest)[1 : 1 + adds])  # (after the horizon's)
+            added = sum(self._run(calls, newest)[first : first + adds])
+            if horizon_noted is not None:
+                self._horizons_noted[horizon_noted[1]] = horizon_noted[2]
+            return added
         entities = pc.unique(keys).to_pylist()
         self._run(lambda: [("forget_trimmed", entities, [], [])], None)
         for attempt in range(1, PACKED_RETRIES + 1):
             self.unpack(entities, features)
             try:
-                return sum(self._run(calls, newest)[1 : 1 + adds])  # (verdicts converge: the calls may run again)
+                return sum(
+                    self._run(calls, newest)[first : first + adds]
+                )  # (verdicts converge: the calls may run again)
             except redis.exceptions.ResponseError as exc:  # a concurrent writer packed some again
                 if not str(exc).startswith("PACKED") or attempt == PACKED_RETRIES:
                     raise
         raise AssertionError("unreachable")
+
+    def _horizon_call(
+        self, view: str, horizon_ms: int, until_ms: int, slack_ms: int, whole_history: bool
+    ) -> tuple[Call, tuple[str, int], int] | None:
+        """The ``keep_horizon.lua`` call a write of ``view`` makes ahead of its events, with what to
+        remember once it ran; None when this store recorded it lately enough. It records a slack
+        beyond ``until_ms`` (a later bound only counts more as missing), so a stream of writes
+        sends one a slack of time, not one per write; a whole-history write always sends its own."""
+        noted = (view, horizon_ms)
+        if not whole_history and self._horizons_noted.get(noted, 0) >= until_ms:
+            return None
+        if len(self._horizons_noted) > 1024:  # (views x retentions: a few; bounded all the same)
+            self._horizons_noted.clear()
+        ahead = until_ms + slack_ms
+        return (
+            ("keep_horizon", [self.prefix + HORIZONS], [view, horizon_ms, ahead, int(whole_history)], []),
+            noted,
+            ahead,
+        )
 
     def _keys(self, rows: pa.Table, join_keys: Sequence[str]) -> tuple[pa.Array, np.ndarray | None]:
         """The rows' entity keys, in the order the transport wants them written (None: as given)."""
@@ -417,6 +445,7 @@ class RedisOnlineStore:
             held = [f for f in self.client.hkeys(self.prefix + HORIZONS) if f.startswith(marker)]
             if held:
                 self.client.hdel(self.prefix + HORIZONS, *held)
+            self._horizons_noted.clear()
             for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
                 if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
                     continue
