@@ -27,9 +27,9 @@
 --
 -- The ids hash's field 'trimmed' holds the newest µs of an event the entity lacks: a write before
 -- the cutoff (not kept) or an event trimmed. A lookup at a past time (a replay) refuses a window
--- reaching back to it. Past newest + horizon + dedup window, such an event is older than any
--- key an entity keeps, so replays answer by that bound alone, and the field is not written (or
--- lives no longer: ``featurestore.retrieval.online.plan``'s ``require_retained``).
+-- reaching back to it. Once now is past that µs + horizon + dedup window (+ slack), the view's
+-- horizons (``keep_horizon.lua``) bound it for every entity, so the field is not written then
+-- and lives no longer (``OnlineQuery.require_retained``).
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'

@@ -489,10 +489,10 @@ class OnlineQuery:
 
 
 def _expired_up_to_us(listed: bytes | None, wall_us: int) -> int | None:
-    """The newest µs an event may have whose key has expired, from the ``keep_horizon.lua`` pairs
-    of its view (None: no write recorded). A key written under a horizon lives until its newest
-    event + horizon + dedup window (less the dedup window here, added by the caller) and no longer
-    than the pair's until; its events are no newer than either bound less the horizon."""
+    """The newest µs (less the view's dedup window, which the caller subtracts) an event may have
+    whose key has expired, from the ``keep_horizon.lua`` pairs of its view; None: no write
+    recorded. A key written under a horizon lives until its newest event + horizon + dedup window,
+    so an expired one held no event newer than now, or the pair's until, less those."""
     newest = None
     for pair in (listed or b"").split():
         horizon_ms, until_ms = map(int, pair.split(b":"))
