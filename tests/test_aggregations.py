@@ -929,6 +929,33 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
             assert same(got[name][0], want[name][0].as_py(), False), (name, at, got, want)
 
 
+def test_a_replay_at_the_edges_of_time_is_answered_or_refused_never_a_500(replay_store):
+    """A replay near year 1 starts its window before the first time a datetime holds: the refusal's
+    message raised ``OverflowError`` formatting it (a 500 over REST). Now: a 409 naming the view."""
+    from fastapi.testclient import TestClient
+
+    from serving.feature_server import create_app
+
+    store = replay_store
+    card = next(_cards) * 10
+    now = datetime.now(UTC)
+    store.push(
+        "payments",
+        _frame([{"payment_id": card, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": now}]),
+    )
+    refs = ["activity:count_1h", "activity:not_card_count_30h"]
+    with TestClient(create_app(store.config.repo_path)) as http:
+        for at in ("0001-01-01T00:00:00+00:00", "0001-01-02T00:00:00+00:00", "9999-12-31T23:59:59+00:00"):
+            body = {"features": refs, "entities": {"card_id": [card]}, "at": at}
+            answer = http.post("/get-online-features", json=body)
+            if at.startswith("9999"):  # (no event then, nor any trimmed: history says 0 too)
+                assert answer.status_code == 200 and answer.json()["results"][1]["values"] == [0]
+            else:
+                assert answer.status_code == 409 and "before 0001-01-01" in answer.json()["detail"], answer.text
+                with pytest.raises(NotRetainedError, match="'activity'"):
+                    store.get_online_features([{"card_id": card}], features=refs, at=datetime.fromisoformat(at))
+
+
 def test_a_replay_after_raising_the_retention_is_refused_where_the_old_one_trimmed(make_store):
     """Raising ``online_store.event_retention`` keeps events longer from then on; those trimmed
     under the old retention are gone. A replay reckoned with the retention configured, so right

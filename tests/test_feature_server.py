@@ -445,6 +445,11 @@ near_valid = st.fixed_dictionaries(
     optional={
         "full_feature_names": json_values,
         "feature_service": st.one_of(st.sampled_from(["svc", "nope"]), json_values),
+        "at": st.one_of(  # (a replay's time: the range's edges included)
+            st.datetimes(timezones=st.just(UTC)).map(lambda t: t.isoformat()),
+            st.sampled_from(["0001-01-01T00:00:00Z", "9999-12-31T23:59:59.999999Z", "2024-13-01", "now"]),
+            json_values,
+        ),
     },
 )
 

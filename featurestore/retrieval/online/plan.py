@@ -408,9 +408,8 @@ class OnlineQuery:
             if lacked > low:
                 view = window.request.view.name
                 raise NotRetainedError(
-                    f"view {view!r}: a lookup at {micros_to_datetime(self.now_us).isoformat()} needs events "
-                    f"from {micros_to_datetime(low).isoformat()} on, but Redis may lack this entity's events "
-                    f"up to {micros_to_datetime(lacked).isoformat()} (it keeps the longest window plus "
+                    f"view {view!r}: a lookup at {_iso(self.now_us)} needs events from {_iso(low)} on, but "
+                    f"Redis may lack this entity's events up to {_iso(lacked)} (it keeps the longest window plus "
                     "online_store.event_retention). Raise event_retention and re-materialize to replay that "
                     "far back, or read the history (get_historical_features)"
                 )
@@ -486,6 +485,14 @@ class OnlineQuery:
         n = len(self.lookups)
         for pos, reply in zip(found, replies):
             raw[n + pos] = reply
+
+
+def _iso(us: int) -> str:
+    """µs since the epoch as ISO 8601 (a window may start before the first time a datetime holds)."""
+    try:
+        return micros_to_datetime(us).isoformat()
+    except OverflowError:
+        return "before 0001-01-01" if us < 0 else "after 9999-12-31"
 
 
 def _expired_up_to_us(listed: bytes | None, wall_us: int) -> int | None:
