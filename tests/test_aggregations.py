@@ -483,13 +483,7 @@ def test_a_write_seals_the_tiles_it_holds_whole_so_no_lookup_summarizes(activity
     def lookup(heavy_per_tile: int):
         monkeypatch.setattr(tiles, "HEAVY_PER_TILE", heavy_per_tile)
         query = OnlineQuery.prepare(
-            store.definitions,
-            store.config.project,
-            {"card_id": [card]},
-            refs,
-            None,
-            False,
-            now=at,
+            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
         )
         return query, OnlineReader(store.online_store).read(query).to_dict()
 
@@ -555,13 +549,7 @@ def test_servers_read_and_seal_tiles_on_the_event_loop(activity_store, monkeypat
 
     def query():
         return OnlineQuery.prepare(
-            store.definitions,
-            store.config.project,
-            {"card_id": [card, card + 1]},
-            refs,
-            None,
-            False,
-            now=at,
+            store.definitions, store.config.project, {"card_id": [card, card + 1]}, refs, None, False, now=at
         )
 
     reader = OnlineReader(store.online_store)
@@ -615,13 +603,7 @@ def test_a_heavy_cards_first_lookup_is_one_round_trip_once_its_events_are_packed
         with monkeypatch.context() as patched:
             patched.setattr(_WindowPlan, "heavy_from", lambda self: heavy_from)
             query = OnlineQuery.prepare(
-                store.definitions,
-                store.config.project,
-                {"card_id": [card]},
-                refs,
-                None,
-                False,
-                now=BASE + 40 * STEP,
+                store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=BASE + 40 * STEP
             )
             trips.clear()
             response = reader.read(query).to_dict()
@@ -706,13 +688,7 @@ def test_servers_assemble_many_events_off_the_event_loop(activity_store, monkeyp
 
     def query():
         return OnlineQuery.prepare(
-            store.definitions,
-            store.config.project,
-            {"card_id": [card]},
-            refs,
-            None,
-            False,
-            now=at,
+            store.definitions, store.config.project, {"card_id": [card]}, refs, None, False, now=at
         )
 
     threads = []

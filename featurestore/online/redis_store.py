@@ -64,9 +64,8 @@ class RedisOnlineStore:
         self.project = project
         self.prefix = key_prefix(project)
         self._scripts_sent = False  # sent once before the first write: a cluster write of 100k rows is ~16k calls
-        self._horizons_noted: dict[
-            tuple[str, int], int
-        ] = {}  # (view, horizon ms) -> until ms recorded (``_horizon_call``)
+        # (view, horizon ms) -> until when (ms) this store recorded it in Redis (``_horizon_call``)
+        self._horizons_noted: dict[tuple[str, int], int] = {}
         self._zset_value_limit: int | None = None
 
     @property
@@ -128,16 +127,14 @@ class RedisOnlineStore:
         then lists its horizon alone (``keep_horizon.lua``). Returns how many events were added."""
         horizon_ms = horizon // timedelta(milliseconds=1)
         slack_ms = horizon_ms // 16
-        times = numpy_values(rows["event_timestamp"]).view(np.int64)
+        newest_us = int(numpy_values(rows["event_timestamp"]).view(np.int64).max()) if rows.num_rows else 0
         # (a key lives until its newest event + horizon + dedup window + slack: ``add_events.lua``)
-        newest_ms = max(time.time_ns() // 1000, int(times.max()) if len(times) else 0) // 1000
-        horizon_noted = self._horizon_call(
-            view, horizon_ms, newest_ms + horizon_ms + dedup_us // 1000 + slack_ms, slack_ms, accepted is not None
-        )
+        until_ms = max(time.time_ns() // 1000, newest_us) // 1000 + horizon_ms + dedup_us // 1000 + slack_ms
+        horizon_noted = self._horizon_call(view, horizon_ms, until_ms, slack_ms, accepted is not None)
         if rows.num_rows == 0:  # (none to send, all before the cutoff: they are not held, under this horizon)
             if horizon_noted is not None:
                 self._run(lambda: [horizon_noted[0]], None)
-                self._horizons_noted[horizon_noted[1]] = horizon_noted[2]
+                self._noted(horizon_noted)
             return 0
         if accepted is not None:
             rows, event_ids, accepted = _without_copies_of_kept(rows, join_keys, features, event_ids, accepted)
@@ -183,17 +180,17 @@ class RedisOnlineStore:
         first = 0 if horizon_noted is None else 1  # (the adds' replies follow the horizon's)
         if not verdicts:
             added = sum(self._run(calls, newest)[first : first + adds])
-            if horizon_noted is not None:
-                self._horizons_noted[horizon_noted[1]] = horizon_noted[2]
+            self._noted(horizon_noted)
             return added
         entities = pc.unique(keys).to_pylist()
         self._run(lambda: [("forget_trimmed", entities, [], [])], None)
         for attempt in range(1, PACKED_RETRIES + 1):
             self.unpack(entities, features)
             try:
-                return sum(
-                    self._run(calls, newest)[first : first + adds]
-                )  # (verdicts converge: the calls may run again)
+                # (verdicts converge: the calls may run again)
+                added = sum(self._run(calls, newest)[first : first + adds])
+                self._noted(horizon_noted)
+                return added
             except redis.exceptions.ResponseError as exc:  # a concurrent writer packed some again
                 if not str(exc).startswith("PACKED") or attempt == PACKED_RETRIES:
                     raise
@@ -217,6 +214,14 @@ class RedisOnlineStore:
             noted,
             ahead,
         )
+
+    def _noted(self, horizon_noted: tuple[Call, tuple[str, int], int] | None) -> None:
+        """Remember a ``_horizon_call`` that ran (a whole-history write's replaced the view's others)."""
+        if horizon_noted is not None:
+            call, (view, horizon_ms), until_ms = horizon_noted
+            if call[2][-1]:
+                self._horizons_noted = {k: v for k, v in self._horizons_noted.items() if k[0] != view}
+            self._horizons_noted[view, horizon_ms] = until_ms
 
     def _keys(self, rows: pa.Table, join_keys: Sequence[str]) -> tuple[pa.Array, np.ndarray | None]:
         """The rows' entity keys, in the order the transport wants them written (None: as given)."""
