@@ -130,11 +130,11 @@ class RedisOnlineStore:
         newest_us = int(numpy_values(rows["event_timestamp"]).view(np.int64).max()) if rows.num_rows else 0
         # (a key lives until its newest event + horizon + dedup window + slack: ``add_events.lua``)
         until_ms = max(time.time_ns() // 1000, newest_us) // 1000 + horizon_ms + dedup_us // 1000 + slack_ms
-        horizon_noted = self._horizon_call(view, horizon_ms, until_ms, slack_ms, accepted is not None)
+        horizon_call = self._horizon_call(view, horizon_ms, until_ms, accepted is not None)
         if rows.num_rows == 0:  # (none to send, all before the cutoff: they are not held, under this horizon)
-            if horizon_noted is not None:
-                self._run(lambda: [horizon_noted[0]], None)
-                self._noted(horizon_noted)
+            if horizon_call is not None:
+                self._run(lambda: [horizon_call], None)
+                self._noted(horizon_call)
             return 0
         if accepted is not None:
             rows, event_ids, accepted = _without_copies_of_kept(rows, join_keys, features, event_ids, accepted)
@@ -150,8 +150,8 @@ class RedisOnlineStore:
         times = numpy_values(rows["event_timestamp"]).view(np.int64)
 
         def calls() -> Iterator[Call]:  # encoded a chunk at a time: Redis runs one while the next is encoded
-            if horizon_noted is not None:
-                yield horizon_noted[0]  # (ahead of the events)
+            if horizon_call is not None:
+                yield horizon_call  # (ahead of the events)
             for i in range(0, rows.num_rows, CHUNK):
                 part = rows.slice(i, CHUNK)
                 scores = decimal(numpy_values(part["event_timestamp"]).view(np.int64))
@@ -177,10 +177,10 @@ class RedisOnlineStore:
                 if entries:
                     yield ("seal_tiles", [key], [tile_us, *entries], [])
 
-        first = 0 if horizon_noted is None else 1  # (the adds' replies follow the horizon's)
+        first = 0 if horizon_call is None else 1  # (the adds' replies follow the horizon's)
         if not verdicts:
             added = sum(self._run(calls, newest)[first : first + adds])
-            self._noted(horizon_noted)
+            self._noted(horizon_call)
             return added
         entities = pc.unique(keys).to_pylist()
         self._run(lambda: [("forget_trimmed", entities, [], [])], None)
@@ -189,39 +189,33 @@ class RedisOnlineStore:
             try:
                 # (verdicts converge: the calls may run again)
                 added = sum(self._run(calls, newest)[first : first + adds])
-                self._noted(horizon_noted)
+                self._noted(horizon_call)
                 return added
             except redis.exceptions.ResponseError as exc:  # a concurrent writer packed some again
                 if not str(exc).startswith("PACKED") or attempt == PACKED_RETRIES:
                     raise
         raise AssertionError("unreachable")
 
-    def _horizon_call(
-        self, view: str, horizon_ms: int, until_ms: int, slack_ms: int, whole_history: bool
-    ) -> tuple[Call, tuple[str, int], int] | None:
-        """The ``keep_horizon.lua`` call a write of ``view`` makes ahead of its events, with what to
-        remember once it ran; None when this store recorded it lately enough. It records a slack
-        beyond ``until_ms`` (a later bound only counts more as missing), so a stream of writes
-        sends one a slack of time, not one per write; a whole-history write always sends its own."""
-        noted = (view, horizon_ms)
-        if not whole_history and self._horizons_noted.get(noted, 0) >= until_ms:
+    def _horizon_call(self, view: str, horizon_ms: int, until_ms: int, whole_history: bool) -> Call | None:
+        """The ``keep_horizon.lua`` call a write of ``view`` makes ahead of its events; None when this
+        store recorded it lately enough (``_noted``). It records a slack beyond ``until_ms`` (a later
+        bound only counts more as missing), so a stream of writes sends one a slack of time, not one
+        per write; a whole-history write always sends its own."""
+        if not whole_history and self._horizons_noted.get((view, horizon_ms), 0) >= until_ms:
             return None
-        if len(self._horizons_noted) > 1024:  # (views x retentions: a few; bounded all the same)
-            self._horizons_noted.clear()
-        ahead = until_ms + slack_ms
-        return (
-            ("keep_horizon", [self.prefix + HORIZONS], [view, horizon_ms, ahead, int(whole_history)], []),
-            noted,
-            ahead,
-        )
+        ahead = until_ms + horizon_ms // 16
+        return ("keep_horizon", [self.prefix + HORIZONS], [view, horizon_ms, ahead, int(whole_history)], [])
 
-    def _noted(self, horizon_noted: tuple[Call, tuple[str, int], int] | None) -> None:
+    def _noted(self, call: Call | None) -> None:
         """Remember a ``_horizon_call`` that ran (a whole-history write's replaced the view's others)."""
-        if horizon_noted is not None:
-            call, (view, horizon_ms), until_ms = horizon_noted
-            if call[2][-1]:
-                self._horizons_noted = {k: v for k, v in self._horizons_noted.items() if k[0] != view}
-            self._horizons_noted[view, horizon_ms] = until_ms
+        if call is None:
+            return
+        view, horizon_ms, until_ms, whole_history = call[2]
+        if whole_history:
+            self._horizons_noted = {k: v for k, v in self._horizons_noted.items() if k[0] != view}
+        elif len(self._horizons_noted) > 1024:  # (views x retentions: a few; bounded all the same)
+            self._horizons_noted.clear()
+        self._horizons_noted[view, horizon_ms] = until_ms
 
     def _keys(self, rows: pa.Table, join_keys: Sequence[str]) -> tuple[pa.Array, np.ndarray | None]:
         """The rows' entity keys, in the order the transport wants them written (None: as given)."""

@@ -276,8 +276,8 @@ class OnlineQuery:
     known_heavy: set[int] = field(default_factory=set)  # ranges read by ``read_window.lua`` at once (``HeavyKeys``)
     unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
-    # a replay's: per range, its lookup of what the entity lacks (then one of the views' horizons)
-    trimmed: list[int] = field(default_factory=list)
+    # a replay's: where its lookups of what each range's entity lacks start (then one of the views' horizons)
+    trimmed_from: int | None = None
 
     @property
     def key_names(self) -> list[str]:
@@ -360,9 +360,9 @@ class OnlineQuery:
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
-        trimmed: list[int] = []
+        trimmed_from = None
         if now is not None and ranges:  # a replay also reads what each entity's events lack, and the horizons
-            trimmed = list(range(len(lookups), len(lookups) + len(ranges)))
+            trimmed_from = len(lookups)
             lookups += [(key + IDS_SUFFIX, [TRIMMED_FIELD]) for key, *_ in ranges]
             lookups.append((key_prefix(project) + HORIZONS, [w.request.layout.online_field for w in template.windows]))
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
@@ -381,7 +381,7 @@ class OnlineQuery:
                 pos for pos, number in enumerate(range_plans) if template.windows[number].request.view.name in unfilled
             },
             replayed=now is not None,
-            trimmed=trimmed,
+            trimmed_from=trimmed_from,
         )
 
     def require_retained(self, replies: list) -> None:
@@ -389,22 +389,20 @@ class OnlineQuery:
         writes did not keep or trimmed (its ``trimmed`` field), and those of keys expired (a key
         lives until its newest event + horizon + dedup window, under the horizons writes have used:
         ``keep_horizon.lua``). Counted without them, a window's aggregates would be wrong, and look right."""
-        if not self.trimmed:
+        if self.trimmed_from is None:
             return
         wall_us = time.time_ns() // 1000
-        horizons = replies[self.trimmed[-1] + 1]
-        for pos, slot in enumerate(self.trimmed):
+        horizons = replies[self.trimmed_from + len(self.ranges)]
+        expired = [
+            _expired_up_to_us(listed, wall_us, window) for listed, window in zip(horizons, self.template.windows)
+        ]
+        for pos in range(len(self.ranges)):
             if pos in self.unread:
                 continue
-            plan_number = self.range_plans[pos]
-            window = self.template.windows[plan_number]
+            window = self.template.windows[self.range_plans[pos]]
             low = self.now_us - window.evaluator.longest_us  # (the window read holds events after it)
-            held = replies[slot][0]
-            expired = _expired_up_to_us(horizons[plan_number], wall_us)
-            lacked = max(
-                int(held) if held is not None else -(1 << 63),
-                expired - dedup_us(window.request.view) if expired is not None else -(1 << 63),
-            )
+            held = replies[self.trimmed_from + pos][0]
+            lacked = max(int(held) if held is not None else _NONE, expired[self.range_plans[pos]])
             if lacked > low:
                 view = window.request.view.name
                 raise NotRetainedError(
@@ -495,17 +493,19 @@ def _iso(us: int) -> str:
         return "before 0001-01-01" if us < 0 else "after 9999-12-31"
 
 
-def _expired_up_to_us(listed: bytes | None, wall_us: int) -> int | None:
-    """The newest µs (less the view's dedup window, which the caller subtracts) an event may have
-    whose key has expired, from the ``keep_horizon.lua`` pairs of its view; None: no write
-    recorded. A key written under a horizon lives until its newest event + horizon + dedup window,
-    so an expired one held no event newer than now, or the pair's until, less those."""
-    newest = None
-    for pair in (listed or b"").split():
-        horizon_ms, until_ms = map(int, pair.split(b":"))
-        bound = min(until_ms * 1000, wall_us) - horizon_ms * 1000
-        newest = bound if newest is None else max(newest, bound)
-    return newest
+_NONE = -(1 << 63)  # (no event lacked)
+
+
+def _expired_up_to_us(listed: bytes | None, wall_us: int, window: _WindowPlan) -> int:
+    """The newest µs an event of the window's view may have whose key has expired, from the view's
+    ``keep_horizon.lua`` pairs (``_NONE``: no write recorded). A key written under a horizon lives
+    until its newest event + horizon + dedup window, so an expired one held no event newer than
+    now, or the pair's until, less those."""
+    bounds = [
+        min(int(until_ms) * 1000, wall_us) - int(horizon_ms) * 1000
+        for horizon_ms, until_ms in (pair.split(b":") for pair in (listed or b"").split())
+    ]
+    return max(bounds) - dedup_us(window.request.view) if bounds else _NONE
 
 
 def is_tiled(reply: list) -> bool:
