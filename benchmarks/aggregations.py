@@ -452,12 +452,14 @@ def online(args: argparse.Namespace) -> None:
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
 
 
-LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis's compact value limit, packing
-    "packed": ("tx_id", 10**6, 1024, True),
-    "µs times": ("tx_id", 1, 1024, True),
-    "random ids": ("random", 10**6, 1024, True),
-    "Redis defaults": ("tx_id", 10**6, 64, True),
-    "never packed": ("tx_id", 10**6, 1024, False),
+LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis's compact value limit, packing,
+    # and whether it also lacks an event (as an active card, whose writes trim its old events, does)
+    "packed": ("tx_id", 10**6, 1024, True, False),
+    "lacks one": ("tx_id", 10**6, 1024, True, True),
+    "µs times": ("tx_id", 1, 1024, True, False),
+    "random ids": ("random", 10**6, 1024, True, False),
+    "Redis defaults": ("tx_id", 10**6, 64, True, False),
+    "never packed": ("tx_id", 10**6, 1024, False, False),
 }
 
 
@@ -512,10 +514,11 @@ def ingest_into_blocks(store, first_card: int, rng, now: datetime) -> list[tuple
 def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:
     """Bytes a card's events take for 10, 100, 1,000 and 50,000 events in the 7 d window (amounts
     in cents, as the other cards), by ``LAYOUTS``: packed (the default: integer ids, times whole
-    seconds apart, the embedded server's compact sorted sets up to 1 KB values), with times any µs
-    apart, with random 64-bit ids (content hashes), on a Redis with its default 64-byte limit, and
-    never packed."""
+    seconds apart, the embedded server's compact sorted sets up to 1 KB values), with the record of
+    an event it lacks (one older than the window: ``add_events.lua``), with times any µs apart, with
+    random 64-bit ids (content hashes), on a Redis with its default 64-byte limit, and never packed."""
     from featurestore.online import packed, redis_store
+    from featurestore.online.base import EVENT_SCORES
 
     client, blocks, online = store.online_store.client, redis_store._blocks, store.online_store
     out: dict[int, dict[str, int]] = {}
@@ -525,7 +528,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
         amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
         out[n] = {}
         any_micros = pa.array(ts.cast(pa.int64()).to_numpy() + rng.integers(0, 10**6, n)).cast(TS)
-        for name, (ids, unit, limit, packing) in LAYOUTS.items():
+        for name, (ids, unit, limit, packing, lacks) in LAYOUTS.items():
             card += 1
             redis_store._blocks = blocks if packing else lambda *a: []
             for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
@@ -539,6 +542,11 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 table = pa.table(
                     {"tx_id": tx_ids, "card_id": np.full(n, card), "amount": amounts, "event_timestamp": times}
                 )
+                if lacks:  # (an event just past the window: not kept, recorded as lacked)
+                    old = table.slice(0, 1).set_column(
+                        3, "event_timestamp", pa.array([now - timedelta(days=7, hours=1)], TS)
+                    )
+                    store.push("payments", old.set_column(0, "tx_id", pa.array([-1], pa.int64())), to="online")
                 store.push("payments", table, to="online")
             finally:
                 redis_store._blocks = blocks
@@ -550,7 +558,8 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 card,
                 store.layout("activity").online_field.encode(),
             )
-            assert packed.event_count(client.zrange(key, 0, -1)) == n
+            assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) == n
+            assert client.zcount(key, "+inf", "+inf") == lacks
             parts = (key, key + b"|ids", key + b"|tiles")
             out[n][name] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
     return out

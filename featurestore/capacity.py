@@ -24,7 +24,7 @@ from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
 from featurestore.online import packed
-from featurestore.online.base import PROJECT_HASHES
+from featurestore.online.base import EVENT_SCORES, PROJECT_HASHES
 from featurestore.online.codec import event_columns, events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
@@ -142,7 +142,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         for _, key in aggregated:
             for part in _parts(key):
                 pipe.memory_usage(part, samples=0)
-            pipe.zrange(key, 0, -1)
+            pipe.zrangebyscore(key, *EVENT_SCORES)
         replies = pipe.execute()
         width = len(_parts(b"")) + 1
         sizes = [replies[0], *(r for k, r in enumerate(replies[1:]) if k % width != width - 1)]  # (the events aside)
@@ -259,7 +259,7 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
         if total >= MOST_PROBE_EVENTS:
             break
         stored = event_columns(view)
-        members = packed.expand(client.zrange(key, 0, -1), stored)[: MOST_PROBE_EVENTS - total]
+        members = packed.expand(client.zrangebyscore(key, *EVENT_SCORES), stored)[: MOST_PROBE_EVENTS - total]
         writes.append((probe + key[len(prefix) :], view, members))
         total += len(members)
     if not total:

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from featurestore.errors import DefinitionError, NotRetainedError
+from featurestore.online.base import EVENT_SCORES
 
 from .conftest import examples
 
@@ -588,7 +589,7 @@ def test_a_heavy_cards_first_lookup_is_one_round_trip_once_its_events_are_packed
     rows = _ten_minutes_apart(card, 100)
     store.push("payments", rows, to="online")
     store.pack_online_entities("payments", rows)
-    members = store.online_store.client.zrange(_events_key(store, card), 0, -1)
+    members = store.online_store.client.zrangebyscore(_events_key(store, card), *EVENT_SCORES)
     assert any(packed.is_block(m) for m in members) and 2 < len(members) < 100  # (100 events, fewer members)
     refs = [f"activity:{n}" for n in TILED]
     trips: list[tuple] = []
@@ -769,7 +770,8 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
         "payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}])
     )
     key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.layout("activity").online_field.encode()
-    assert store.online_store.client.zcard(key) == 0
+    client = store.online_store.client  # (not kept: the key holds only its record of lacking it, scored +inf)
+    assert client.zcount(key, "-inf", "(inf") == 0 and client.zcount(key, "+inf", "+inf") == 1
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 
@@ -969,7 +971,7 @@ def _events_held(client, key: bytes) -> int:
     """An events key's events, plain or packed in blocks."""
     from featurestore.online import packed
 
-    return packed.event_count(client.zrange(key, 0, -1))
+    return packed.event_count(client.zrangebyscore(key, *EVENT_SCORES))
 
 
 def _ids_held(client, key: bytes) -> set[int]:
@@ -977,8 +979,8 @@ def _ids_held(client, key: bytes) -> set[int]:
     its plain events (a light entity's record of an id's one write)."""
     from featurestore.online import packed
 
-    raw = {k for k in client.hkeys(key + b"|ids") if len(k) == 8}  # ('' lists blocks; 'trimmed' is no id)
-    for m in client.zrange(key, 0, -1):
+    raw = {k for k in client.hkeys(key + b"|ids") if len(k) == 8}  # ('' lists blocks)
+    for m in client.zrangebyscore(key, *EVENT_SCORES):
         raw |= {entry[:8] for entry in packed.recorded_writes(m)} if packed.is_block(m) else {m[:8]}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}
 
@@ -1545,7 +1547,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     for name, card in cards.items():
         pushed[name] = events_of(raw, card, 0)
         push(name, pushed[name])
-    assert any(packed.is_block(m) for m in client.zrange(key, 0, -1))  # (every slot's block has ended)
+    assert any(packed.is_block(m) for m in client.zrangebyscore(key, *EVENT_SCORES))  # (every slot's block has ended)
     times = [BASE + slot * STEP / 2 + timedelta(microseconds=n) for slot, n in queries]
 
     def check(round_: str) -> None:
@@ -1594,7 +1596,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     store.materializer().write_online(
         view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
     )
-    assert any(packed.is_block(m) for m in client.zrange(key, 0, -1))
+    assert any(packed.is_block(m) for m in client.zrangebyscore(key, *EVENT_SCORES))
     check("resent whole")
 
 
@@ -1656,7 +1658,8 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
     epoch = datetime(1970, 1, 1, tzinfo=UTC)
     for name, card in cards.items():
         held = []
-        for m in client.zrange(b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field), 0, -1):
+        key = b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field)
+        for m in client.zrangebyscore(key, *EVENT_SCORES):
             held += packed.recorded_writes(m) if packed.is_block(m) else [m[:16]]
         as_events = {
             (
@@ -1754,9 +1757,9 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
         ]
 
     before = lookups()
-    assert sum(not packed.is_block(m) for m in client.zrange(key, 0, -1)) > 0
+    assert sum(not packed.is_block(m) for m in client.zrangebyscore(key, *EVENT_SCORES)) > 0
     blocks, count, _ = store.pack_online(["activity"])["activity"]
-    members = client.zrange(key, 0, -1)
+    members = client.zrangebyscore(key, *EVENT_SCORES)
     assert all(packed.is_block(m) for m in members) and count >= 40 - len(members)
     assert packed.event_count(members) == 40
     after = lookups()
@@ -1774,7 +1777,7 @@ def test_compact_packs_events_streamed_one_by_one_and_never_loses_a_racing_write
     in_block = [m for m in stale if packed.is_block(m) and packed.header(m)[0] == number]
     entry = ["P", number, packed.BLOCK_TILES, hashlib.sha1(b"".join(in_block)).hexdigest(), in_block[0]]
     store.online_store._run(lambda: iter([("seal_tiles", [key], [tile, *entry], [])]), None)
-    assert packed.event_count(client.zrange(key, 0, -1)) == 41
+    assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) == 41
     t = late["event_timestamp"]
     got = store.get_online_features([{"card_id": card}], features=["activity:amount_sum_3h"], at=t).to_dict()
     want = reference([*events, late], card, t, AGGS["amount_sum_3h"])
@@ -1822,15 +1825,15 @@ def test_a_card_with_a_long_block_packs_its_small_blocks_too(activity_store):
         store.layout("activity").online_field.encode(),
     )
     store.push("payments", _frame(long + small), to="online")
-    members = client.zrange(key, 0, -1)
+    members = client.zrangebyscore(key, *EVENT_SCORES)
     assert max(len(m) for m in members) > online.compact_value_limit()
     assert sorted(packed.header(m)[0] for m in members if packed.is_block(m)) == [first, first + 1]
     assert all(packed.is_block(m) for m in members)
     for e in streamed:
         store.push("payments", _frame([e]), to="online")
-    assert sum(not packed.is_block(m) for m in client.zrange(key, 0, -1)) == few
+    assert sum(not packed.is_block(m) for m in client.zrangebyscore(key, *EVENT_SCORES)) == few
     assert store.pack_online(["activity"])["activity"].events >= few  # (and other tests' cards)
-    members = client.zrange(key, 0, -1)
+    members = client.zrangebyscore(key, *EVENT_SCORES)
     assert all(packed.is_block(m) for m in members) and packed.event_count(members) == len(long) + 2 * few
     everything = long + small + streamed
     for e in rng.sample(everything, 12):
@@ -1938,11 +1941,11 @@ def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(
     block = [event(card, card * 100 + i, 0) for i in range(store.online_store.pack_from())]
     plain = [event(card, card * 100 + 50 + i, 2 + 2 * i) for i in range(3)]
     push(block + plain)
-    members = client.zrange(key, 0, -1)
+    members = client.zrangebyscore(key, *EVENT_SCORES)
     assert packed.event_count(members) == len(block) + 3 and any(packed.is_block(m) for m in members)
     assert hashed(key) == {e["payment_id"] for e in plain}
     push(copies(plain))
-    assert packed.event_count(client.zrange(key, 0, -1)) == len(block) + 3
+    assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) == len(block) + 3
     check(card)
 
 
@@ -1950,7 +1953,7 @@ def _plain_member(client, key: bytes) -> bytes:
     """The one plain event of an events key."""
     from featurestore.online import packed
 
-    return next(m for m in client.zrange(key, 0, -1) if not packed.is_block(m))
+    return next(m for m in client.zrangebyscore(key, *EVENT_SCORES) if not packed.is_block(m))
 
 
 def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_store, monkeypatch):
@@ -1970,7 +1973,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
     ]
     store.push("payments", _frame(events), to="online_and_offline")
     key = _events_key(store, card)
-    assert any(packed.is_block(m) for m in store.online_store.client.zrange(key, 0, -1))
+    assert any(packed.is_block(m) for m in store.online_store.client.zrangebyscore(key, *EVENT_SCORES))
     unpack, calls = redis_store.RedisOnlineStore.unpack, []
 
     def late_first_time(self, keys, features):  # the first unpack is overtaken: nothing unpacked
@@ -2099,7 +2102,9 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
     with monkeypatch.context() as unsealed_writes:  # card 8: the same events, in one write that packs, seals nothing
         unsealed_writes.setattr(online_write, "sealer", lambda view, storage_id: None)
         store.push("payments", _frame([{**e, "card_id": 8} for e in events]), to="online")
-    assert any(packed.is_block(m) for m in store.online_store.client.zrange(_events_key(store, 8), 0, -1))
+    assert any(
+        packed.is_block(m) for m in store.online_store.client.zrangebyscore(_events_key(store, 8), *EVENT_SCORES)
+    )
     reader = OnlineReader(store.online_store, max_sealing=0)  # (the lookups store nothing themselves)
     at = first + 7 * STEP
 

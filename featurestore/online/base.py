@@ -28,15 +28,16 @@ if TYPE_CHECKING:
 Lookup = tuple[bytes, Sequence[str]]
 # One entity's window: its events key, the event-time bounds in µs (low exclusive, high inclusive)
 # and the most events to read (None: all).
-Range = tuple[bytes, int, int, "int | None"]
+Range = tuple[bytes, int, "int | float", "int | None"]
 # A heavy entity's window, read from tile summaries: its events key and ``read_window.lua``'s arguments.
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # The hash holding an events key's tile summaries (``aggregation.tiles``): tile number -> summary.
 SUMMARIES_SUFFIX = b"|tiles"
-# The hash of an events key's event ids (``add_events.lua``), and its field holding the newest µs
-# of an event the entity lacks (not kept, being before the cutoff, or trimmed since).
-IDS_SUFFIX = b"|ids"
-TRIMMED_FIELD = "trimmed"
+# An events key's member scored +inf holds the newest µs of an event the entity lacks (not kept,
+# being before the cutoff, or trimmed since: ``add_events.lua``), 8 bytes sign-flipped big-endian;
+# a range from LACKED_FROM (above every event's µs) to ``math.inf`` reads it.
+LACKED_FROM = 1 << 62
+EVENT_SCORES = ("-inf", "(inf")  # ZRANGEBYSCORE's bounds reading an events key's events (and blocks) only
 # The project's hashes beside its entities' keys (under its key prefix): each view's newest event
 # time written; its sync token (an emptied or replaced Redis lacks it); the horizons each aggregated
 # view's events are held under (events field -> "horizon ms:until ms" pairs: ``keep_horizon.lua``).

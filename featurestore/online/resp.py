@@ -8,6 +8,7 @@ costs ~30 µs however short its input, which a one-event push would feel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -103,7 +104,7 @@ def reads(
     lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
 ) -> bytes:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
-    limit)`` (low exclusive), as one buffer.
+    limit)`` (low exclusive; high may be ``math.inf``), as one buffer.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument
     of every command, ~3 µs a command)."""
     framed: dict[int, tuple[bytes, bytes]] = {}
@@ -118,7 +119,7 @@ def reads(
             )
         chunks.append(b"%b$%d\r\n%b\r\n%b" % (frame[0], len(key), key, frame[1]))
     for key, low, high, limit in ranges:
-        bounds = b"(%d" % low, b"%d" % high
+        bounds = b"(%d" % low, b"+inf" if high == math.inf else b"%d" % high
         tail = (b"$5\r\nLIMIT\r\n$1\r\n0\r\n$%d\r\n%d\r\n" % (len(str(limit)), limit)) if limit is not None else b""
         chunks.append(
             b"*%d\r\n$13\r\nZRANGEBYSCORE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b"

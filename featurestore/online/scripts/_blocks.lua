@@ -26,6 +26,10 @@ local BLOCK_TILES = 32
 local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
+-- An entity's record of the newest event it lacks (add_events.lua) is one member of its events
+-- key: that µs as 8 bytes (an event is 16 bytes and more), scored +inf, outside every window, trim
+-- and block. Whatever reads or counts all of an entity's events reads them up to it (EVENTS_TO).
+local LACKED_SCORE, EVENTS_TO = '+inf', '(inf'
 local function micros(stamp, at)
   local hi, lo = struct.unpack('>I4I4', stamp, at)
   return (hi - 2147483648) * 4294967296 + lo
@@ -178,6 +182,6 @@ local function record_writes(ids, members)  -- the writes of the plain members i
 end
 local function heavier(events)  -- as an entity stops being light: every plain event's write into the ids hash
   local ids = events .. '|ids'       -- (its callers see that it lives as long as the events' writes need)
-  record_writes(ids, redis.call('ZRANGE', events, 0, -1))
+  record_writes(ids, redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO))
   if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
 end

@@ -25,11 +25,12 @@
 -- With verdicts, no write may concern a packed event: the writer unpacks first
 -- (``unpack_block.lua``); one that does fails the call before it changes anything.
 --
--- The ids hash's field 'trimmed' holds the newest µs of an event the entity lacks: a write before
--- the cutoff (not kept) or an event trimmed. A lookup at a past time (a replay) refuses a window
--- reaching back to it. Once now is past that µs + horizon + dedup window (+ slack), the view's
--- horizons (``keep_horizon.lua``) bound it for every entity, so the field is not written then
--- and lives no longer (``OnlineQuery.require_retained``).
+-- The events key's member scored +inf (_blocks.lua) holds the newest µs of an event the entity
+-- lacks: a write before the cutoff (not kept) or an event trimmed. A lookup at a past time (a
+-- replay) refuses a window reaching back to it. Once now is past that µs + horizon + dedup window
+-- (+ slack), the view's horizons (``keep_horizon.lua``) bound it for every entity, so it is not
+-- written then, and a trim drops it (``OnlineQuery.require_retained``). It costs a light entity
+-- a few bytes, where a field of the ids hash would cost it a key.
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'
@@ -40,11 +41,11 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local span = BLOCK_TILES * tile
 local size_of, members_of = {}, {}  -- events key -> its members' count, its members: read once a call
 local function size(events)
-  if size_of[events] == nil then size_of[events] = redis.call('ZCARD', events) end
+  if size_of[events] == nil then size_of[events] = redis.call('ZCOUNT', events, '-inf', EVENTS_TO) end
   return size_of[events]
 end
 local function members(events)
-  if members_of[events] == nil then members_of[events] = redis.call('ZRANGE', events, 0, -1) end
+  if members_of[events] == nil then members_of[events] = redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO) end
   return members_of[events]
 end
 -- events key -> its block list (_blocks.lua); events key -> block number -> its directory: read once a call
@@ -86,7 +87,6 @@ local function plain_writes(events, id)  -- µs of id's plain events, in a light
   end
   return found
 end
-local TRIMMED = 'trimmed'  -- (no event id: those are 8 bytes)
 local lacked = {}  -- events key -> the newest µs of an event this call did not keep or trimmed
 local function lacks(events, us)
   if lacked[events] == nil or us > lacked[events] then lacked[events] = us end
@@ -104,6 +104,9 @@ end
 local function touched(events, us)  -- an event changed in an ended tile: its summary is stale
   local tile_no = math.floor(us / tile)
   if (tile_no + 1) * tile <= now_ms * 1000 then redis.call('HDEL', events .. '|tiles', tile_no) end
+end
+local function lacked_until_ms(us)  -- until when a lookup needs an entity's record of lacking us
+  return math.floor(us / 1000) + horizon_ms + math.floor(within / 1000)
 end
 local function extend(key, expire_at)  -- keys live until expire_at (ms) at least; true if moved
   local pttl = redis.call('PTTL', key)
@@ -192,6 +195,8 @@ for k = 1, n do
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     -- (events and blocks ended a dedup window before the cutoff; then the events before it)
     local kept_from = cutoff - within - span
+    local mark = redis.call('ZRANGEBYSCORE', events, LACKED_SCORE, LACKED_SCORE)[1]
+    if mark and lacked_until_ms(micros(mark, 1)) + slack_ms <= now_ms then redis.call('ZREM', events, mark) end
     local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
     if newest_gone[1] and not is_block(newest_gone[1]) then lacks(events, micros(newest_gone[1], 9)) end
     redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
@@ -217,7 +222,7 @@ for k = 1, n do
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      if stored[i] ~= '' and stored[i] ~= TRIMMED then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
+      if stored[i] ~= '' then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
         local kept_times = ''
         for at = 1, #stored[i + 1], 8 do
           if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
@@ -229,11 +234,14 @@ for k = 1, n do
   end
 end
 for events, us in pairs(lacked) do  -- recorded while a lookup's bound does not cover it yet
-  local ids, until_ms = events .. '|ids', math.floor(us / 1000) + horizon_ms + math.floor(within / 1000)
+  local until_ms = lacked_until_ms(us)
   if until_ms + slack_ms > now_ms then  -- (the slack: clocks apart)
-    local held = redis.call('HGET', ids, TRIMMED)
-    if not held or tonumber(held) < us then redis.call('HSET', ids, TRIMMED, fmt(us)) end
-    if redis.call('PTTL', ids) >= 0 or redis.call('HLEN', ids) == 1 then extend(ids, until_ms) end
+    local held = redis.call('ZRANGEBYSCORE', events, LACKED_SCORE, LACKED_SCORE)[1]
+    if not held or micros(held, 1) < us then
+      if held then redis.call('ZREM', events, held) end
+      redis.call('ZADD', events, LACKED_SCORE, stamp_of(us))
+    end
+    extend(events, until_ms)
   end
 end
 return garbage_taken_out(added)

@@ -7,6 +7,7 @@ and coerced as Feast's clients send them, Redis keys built, repeated entities re
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import NotRetainedError, RequestError
 from featurestore.online import packed
-from featurestore.online.base import HORIZONS, IDS_SUFFIX, TRIMMED_FIELD
+from featurestore.online.base import HORIZONS, LACKED_FROM
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
@@ -276,8 +277,9 @@ class OnlineQuery:
     known_heavy: set[int] = field(default_factory=set)  # ranges read by ``read_window.lua`` at once (``HeavyKeys``)
     unread: set[int] = field(default_factory=set)  # ranges of views whose events online wait for a resend: none
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
-    # a replay's: where its lookups of what each range's entity lacks start (then one of the views' horizons)
-    trimmed_from: int | None = None
+    # a replay's: the lookup of the views' horizons, and a read of what each range's entity lacks
+    horizons_at: int | None = None
+    lacked: list[tuple[bytes, int, float, None]] = field(default_factory=list)
 
     @property
     def key_names(self) -> list[str]:
@@ -360,11 +362,11 @@ class OnlineQuery:
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
-        trimmed_from = None
-        if now is not None and ranges:  # a replay also reads what each entity's events lack, and the horizons
-            trimmed_from = len(lookups)
-            lookups += [(key + IDS_SUFFIX, [TRIMMED_FIELD]) for key, *_ in ranges]
+        horizons_at, lacked = None, []
+        if now is not None and ranges:  # a replay also reads the horizons, and what each entity's events lack
+            horizons_at = len(lookups)
             lookups.append((key_prefix(project) + HORIZONS, [w.request.layout.online_field for w in template.windows]))
+            lacked = [(key, LACKED_FROM, math.inf, None) for key, *_ in ranges]
         request_columns = {f: columns[f] for f in on_demand.request_fields if f in columns} if on_demand else None
         return cls(
             template,
@@ -381,18 +383,20 @@ class OnlineQuery:
                 pos for pos, number in enumerate(range_plans) if template.windows[number].request.view.name in unfilled
             },
             replayed=now is not None,
-            trimmed_from=trimmed_from,
+            horizons_at=horizons_at,
+            lacked=lacked,
         )
 
     def require_retained(self, replies: list) -> None:
         """Refuse a replay whose window reaches back to events Redis may lack: those the entity's
-        writes did not keep or trimmed (its ``trimmed`` field), and those of keys expired (a key
+        writes did not keep or trimmed (``lacked``, after the ranges in ``raw``), and those of keys expired (a key
         lives until its newest event + horizon + dedup window, under the horizons writes have used:
         ``keep_horizon.lua``). Counted without them, a window's aggregates would be wrong, and look right."""
-        if self.trimmed_from is None:
+        if self.horizons_at is None:
             return
         wall_us = time.time_ns() // 1000
-        horizons = replies[self.trimmed_from + len(self.ranges)]
+        horizons = replies[self.horizons_at]
+        marks = replies[len(self.lookups) + len(self.ranges) :]
         expired = [
             _expired_up_to_us(listed, wall_us, window) for listed, window in zip(horizons, self.template.windows)
         ]
@@ -401,8 +405,8 @@ class OnlineQuery:
                 continue
             window = self.template.windows[self.range_plans[pos]]
             low = self.now_us - window.evaluator.longest_us  # (the window read holds events after it)
-            held = replies[self.trimmed_from + pos][0]
-            lacked = max(int(held) if held is not None else _NONE, expired[self.range_plans[pos]])
+            held = [int.from_bytes(mark, "big") - (1 << 63) for mark in marks[pos]]
+            lacked = max(*held, _NONE, expired[self.range_plans[pos]])
             if lacked > low:
                 view = window.request.view.name
                 raise NotRetainedError(
@@ -428,7 +432,8 @@ class OnlineQuery:
         tile summaries come with their plain read; nothing of an unread range."""
         plain = self._plain()
         summaries = [self.ranges[pos][0] for pos in plain if self.ranges[pos][3] is not None]
-        return [self.ranges[pos] for pos in plain], [self.tiles_read(pos) for pos in self._scripted()], summaries
+        ranges = [self.ranges[pos] for pos in plain] + self.lacked
+        return ranges, [self.tiles_read(pos) for pos in self._scripted()], summaries
 
     def _plain(self) -> list[int]:
         """The ranges the first round trip reads plainly."""
@@ -441,14 +446,18 @@ class OnlineQuery:
     def placed(self, replies: list) -> list:
         """The first round trip's replies (lookups, ``reads``' ranges, its windows, its summaries)
         laid out as ``assemble`` takes them: a reply per lookup, then per range its events (none
-        if unread), or a heavy entity's ``[summaries, runs of events]``. A plain read that holds
+        if unread), or a heavy entity's ``[summaries, runs of events]``, then a replay's ``lacked``
+        reads. A plain read that holds
         its whole window and is heavy (blocks count their events) is answered from the summaries
         read with it: no second round trip; one that stopped at its limit is left to ``found_heavy``."""
         n = len(self.lookups)
         raw: list = replies[:n] + [[] for _ in self.ranges]
         answers = iter(replies[n:])
         plain = self._plain()
-        for pos in [*plain, *self._scripted()]:
+        for pos in plain:
+            raw[n + pos] = next(answers)
+        raw += [next(answers) for _ in self.lacked]
+        for pos in self._scripted():
             raw[n + pos] = next(answers)
         for pos in plain:
             limit = self.ranges[pos][3]
