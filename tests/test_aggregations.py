@@ -808,6 +808,7 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
     store.materializer().write_online(view, third, now + timedelta(hours=8))  # the cutoff is now 22 h back
     assert _events_held(client, key) == 2 and not client.hexists(key + b"|tiles", b"1")  # the 25 h old event is gone
     assert _ids_held(client, key) == {1, 2, 3}  # its write time stays: within 30 h (the dedup window) of the cutoff
+    assert not client.exists(key + b"|ids")  # (in the light card's ledger: no key of its own)
     # a replay whose window reaches the trimmed event is refused (it counted 2; history counts 3)
     with pytest.raises(NotRetainedError, match="may lack this entity's events"):
         store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"], at=now)
@@ -907,6 +908,52 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
             assert same(got[name][0], want[name][0].as_py(), False), (name, at, got, want)
 
 
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(  # (ids spread over 20, most written once or twice: the ledger, not the hash, records them)
+    writes=st.lists(
+        st.tuples(st.integers(0, 19), st.integers(0, 40 * 60), st.sampled_from([0, 0, 2 * 60, 6 * 60])),
+        min_size=10,
+        max_size=40,
+    ).map(lambda drawn: [(i, minutes / 60, later / 60) for i, minutes, later in drawn]),
+    replays_h=st.lists(st.floats(-20, 45), max_size=4),
+)
+@example(writes=[(1, 35.0, 0.0), (1, 10.0, 0.0)], replays_h=[])  # a write before the cutoff
+@example(writes=[(1, 25.0, 0.0), (2, 13.0, 8.0), (1, 10.0, 0.0)], replays_h=[])  # an event trimmed
+@example(  # a write before the cutoff, then the card heavy: its ledger's writes go into the ids hash
+    writes=[(0, 35.0, 0.0), *((i, 1.0, 0.0) for i in range(1, 18)), (0, 10.0, 0.0)], replays_h=[]
+)
+def test_the_writes_of_events_an_entity_no_longer_holds_still_judge_duplicates(replay_store, writes, replays_h):
+    """An event trimmed, or written before the cutoff, leaves its write behind (a light entity's
+    ledger, a heavier one's ids hash: ``_blocks.lua``): a later write of its id less than the
+    dedup window (30 h) away is a duplicate. Each write (an id, hours before its writer's clock,
+    hours that clock moved on since the last) by a writer whose cutoff trims, the card light or
+    growing past ``LIGHT_MOST``: the 30 h count equals the rule's loop at the last writer's time,
+    and at the replays answered."""
+    store, card = replay_store, next(_cards) * 10
+    t0 = datetime.now(UTC).replace(microsecond=0)
+    view = store.get_feature_view("activity")
+    schema = store.definitions.history_schema(view)
+    kept: list[datetime] = []
+    written: dict[int, list[datetime]] = {}
+    last_writer = t0
+    for n, (i, h, later_h) in enumerate(writes):
+        last_writer += timedelta(hours=later_h)
+        t = last_writer - timedelta(hours=h)
+        if all(abs(t - other) >= 30 * H for other in written.get(i, [])):  # (the rule: any earlier write)
+            kept.append(t)
+        written.setdefault(i, []).append(t)
+        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": n, "_row_id": 0}
+        row |= {"payment_id": card * 100 + i, "amount": 1.0, "kind": "web"}
+        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), last_writer)
+    for at in [last_writer, *(t0 - timedelta(hours=h) for h in replays_h)]:
+        try:
+            got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
+        except NotRetainedError:
+            assert at < last_writer
+            continue
+        assert got.to_dict()["not_card_count_30h"] == [sum(at - 30 * H < t <= at for t in kept)], at
+
+
 def test_a_replay_at_the_edges_of_time_is_answered_or_refused_never_a_500(replay_store):
     """A replay near year 1 starts its window before the first time a datetime holds: the refusal's
     message raised ``OverflowError`` formatting it (a 500 over REST). Now: a 409 naming the view."""
@@ -976,12 +1023,14 @@ def _events_held(client, key: bytes) -> int:
 
 def _ids_held(client, key: bytes) -> set[int]:
     """The event ids an events key keeps writes of: in its ids hash, its blocks' directories, or
-    its plain events (a light entity's record of an id's one write)."""
+    its plain events and its ledger (a light entity's record of an id's one write)."""
     from featurestore.online import packed
 
     raw = {k for k in client.hkeys(key + b"|ids") if len(k) == 8}  # ('' lists blocks)
     for m in client.zrangebyscore(key, *EVENT_SCORES):
         raw |= {entry[:8] for entry in packed.recorded_writes(m)} if packed.is_block(m) else {m[:8]}
+    for ledger in client.zrangebyscore(key, "+inf", "+inf"):
+        raw |= {entry[:8] for entry in packed.ledger_writes(ledger)}
     return {int.from_bytes(k, "big") ^ (1 << 63) for k in raw}
 
 

@@ -33,9 +33,9 @@ Range = tuple[bytes, int, "int | float", "int | None"]
 TiledRange = tuple[bytes, Sequence[bytes | int]]
 # The hash holding an events key's tile summaries (``aggregation.tiles``): tile number -> summary.
 SUMMARIES_SUFFIX = b"|tiles"
-# An events key's member scored +inf holds the newest µs of an event the entity lacks (not kept,
-# being before the cutoff, or trimmed since: ``add_events.lua``), 8 bytes sign-flipped big-endian;
-# a range from LACKED_FROM (above every event's µs) to ``math.inf`` reads it.
+# An events key's member scored +inf, its ledger, starts with the newest µs of an event the entity
+# lacks (not kept, being before the cutoff, or trimmed since: ``add_events.lua``), 8 bytes
+# sign-flipped big-endian; a range from LACKED_FROM (above every event's µs) to ``math.inf`` reads it.
 LACKED_FROM = 1 << 62
 EVENT_SCORES = ("-inf", "(inf")  # ZRANGEBYSCORE's bounds reading an events key's events (and blocks) only
 # The project's hashes beside its entities' keys (under its key prefix): each view's newest event

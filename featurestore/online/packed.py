@@ -114,7 +114,22 @@ def recorded_writes(blob: bytes) -> list[bytes]:
     """The writes a block's directory records, as the duplicate rule reads them: each event's
     8-byte id and 8-byte µs as its member starts, in (time, id) order."""
     _, _, _, counts, at = _header(blob)
-    ids, times, _ = _read_directory(memoryview(blob), at, sum(counts))
+    return _writes(memoryview(blob), at, sum(counts))
+
+
+def ledger_writes(ledger: bytes) -> list[bytes]:
+    """The writes an entity's ledger (its member scored +inf: ``scripts/_blocks.lua``) records
+    of events it no longer holds, as ``recorded_writes``."""
+    if len(ledger) <= 8:
+        return []
+    view = memoryview(ledger)
+    (length,) = _LENGTH.unpack_from(view, 8)
+    p = view[12]
+    return _writes(view, 8, (length - 11 - p) // (8 - p + view[13 + p]))
+
+
+def _writes(view: memoryview, at: int, n: int) -> list[bytes]:
+    ids, times, _ = _read_directory(view, at, n)
     stamps = times.view(_U64) ^ _U64(1 << 63)
     return [i.to_bytes(8, "big") + t.to_bytes(8, "big") for i, t in zip(ids.tolist(), stamps.tolist())]
 

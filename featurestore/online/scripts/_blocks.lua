@@ -26,10 +26,13 @@ local BLOCK_TILES = 32
 local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
 local function is_block(member) return string.sub(member, 9, 16) == ONES end
--- An entity's record of the newest event it lacks (add_events.lua) is one member of its events
--- key: that µs as 8 bytes (an event is 16 bytes and more), scored +inf, outside every window, trim
--- and block. Whatever reads or counts all of an entity's events reads them up to it (EVENTS_TO).
-local LACKED_SCORE, EVENTS_TO = '+inf', '(inf'
+-- An entity's ledger is one member of its events key scored +inf, outside every window, trim and
+-- block (whatever reads or counts all of an entity's events reads them up to it: EVENTS_TO): the
+-- newest µs of an event the entity lacks (8 bytes, all zero for none: add_events.lua), then, for
+-- a light entity, the directory (as a block's) of the writes the duplicate rule still needs of
+-- events it no longer holds: trimmed, or written before the cutoff. A light entity keeps them
+-- there, not in an ids hash, whose key would cost more than its ~16 entries of ~5-11 bytes.
+local LEDGER_SCORE, EVENTS_TO, NO_LACK = '+inf', '(inf', string.rep('\0', 8)
 local function micros(stamp, at)
   local hi, lo = struct.unpack('>I4I4', stamp, at)
   return (hi - 2147483648) * 4294967296 + lo
@@ -84,18 +87,20 @@ local function compare(a, at, b, bt, length)  -- bytes a[at..] against b[bt..]: 
   end
   return 0
 end
--- a block's directory, read in place: {block, p, prefix, w, unit µs, base µs, first entry's
--- offset, entry width, entries}
-local function directory(block)
-  local held, count_width = struct.unpack('>I4B', block, 26)
-  local tiles = 0  -- (tiles holding events: bits set in held)
-  while held ~= 0 do held, tiles = bit.band(held, held - 1), tiles + 1 end
-  local from = 31 + count_width * tiles + 4  -- (past the directory's length)
+-- a directory, read in place from s[from] (past its length): {block (s), p, prefix, w, unit µs,
+-- base µs, first entry's offset, entry width, entries}
+local function directory_at(block, from)
   local length, p = struct.unpack('>I4', block, from - 4), string.byte(block, from)
   local w, e = string.byte(block, from + p + 1, from + p + 2)
   local at, width = from + p + 11, 8 - p + w
   return {block = block, p = p, prefix = string.sub(block, from + 1, from + p), w = w, unit = 10 ^ e,
           base = micros(block, from + p + 3), at = at, width = width, n = (from + length - at) / width}
+end
+local function directory(block)  -- a block's
+  local held, count_width = struct.unpack('>I4B', block, 26)
+  local tiles = 0  -- (tiles holding events: bits set in held)
+  while held ~= 0 do held, tiles = bit.band(held, held - 1), tiles + 1 end
+  return directory_at(block, 31 + count_width * tiles + 4)
 end
 local function entry_us(block, l, at)  -- the µs of the entry at offset at
   return l.base + l.unit * struct.unpack('>I' .. l.w, block, at + 8 - l.p)
@@ -117,6 +122,43 @@ local function id_writes(l, id)  -- the µs (8 bytes each) of id's events in a d
   while lo < l.n and compare(block, l.at + lo * l.width, tail, 1, length) == 0 do
     out = out .. string.sub(entry(block, l, lo), 9, 16)
     lo = lo + 1
+  end
+  return out
+end
+local function directory_of_writes(writes)  -- packed.directory of writes (16 bytes each: id, stamp)
+  table.sort(writes, function(x, y) return compare(x, 1, y, 1, 16) < 0 end)
+  local first, last = writes[1], writes[#writes]
+  local p = 0
+  while p < 8 and string.byte(first, p + 1) == string.byte(last, p + 1) do p = p + 1 end
+  local low, high = micros(first, 9), micros(first, 9)
+  for _, write in ipairs(writes) do
+    local us = micros(write, 9)
+    if us < low then low = us end
+    if us > high then high = us end
+  end
+  local e = 6
+  for _, write in ipairs(writes) do
+    while e > 0 and math.fmod(micros(write, 9) - low, 10 ^ e) ~= 0 do e = e - 3 end
+  end
+  local unit, w = 10 ^ e, 1
+  while (high - low) / unit >= 256 ^ w do w = w + 1 end
+  local parts = {string.char(p), string.sub(first, 1, p), string.char(w, e), stamp_of(low)}
+  for i, write in ipairs(writes) do
+    if i == 1 or write ~= writes[i - 1] then
+      parts[#parts + 1] = string.sub(write, p + 1, 8) .. struct.pack('>I' .. w, (micros(write, 9) - low) / unit)
+    end
+  end
+  local body = table.concat(parts)
+  return struct.pack('>I4', #body) .. body
+end
+local function ledger_of(events)  -- its ledger member, or nil
+  return redis.call('ZRANGEBYSCORE', events, LEDGER_SCORE, LEDGER_SCORE)[1]
+end
+local function ledger_writes(ledger)  -- a ledger's writes, 16 bytes each
+  local out = {}
+  if ledger and #ledger > 8 then
+    local l = directory_at(ledger, 13)
+    for i = 0, l.n - 1 do out[#out + 1] = entry(ledger, l, i) end
   end
   return out
 end
@@ -180,8 +222,19 @@ local function record_writes(ids, members)  -- the writes of the plain members i
     if #changes > 0 then redis.call('HSET', ids, unpack(changes)) end
   end)
 end
-local function heavier(events)  -- as an entity stops being light: every plain event's write into the ids hash
-  local ids = events .. '|ids'       -- (its callers see that it lives as long as the events' writes need)
+local function set_ledger(events, old, new)  -- old: the ledger member, if any; new: its bytes
+  if new == old then return end
+  if old then redis.call('ZREM', events, old) end
+  if new ~= NO_LACK then redis.call('ZADD', events, LEDGER_SCORE, new) end
+end
+-- as an entity stops being light: every plain event's write, and its ledger's, into the ids hash
+-- (its callers see that the hash lives as long as the events' writes need)
+local function heavier(events)
+  local ids, ledger = events .. '|ids', ledger_of(events)
   record_writes(ids, redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO))
+  if ledger and #ledger > 8 then
+    record_writes(ids, ledger_writes(ledger))
+    set_ledger(events, ledger, string.sub(ledger, 1, 8))
+  end
   if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
 end

@@ -13,7 +13,8 @@
 -- packed into a block, the block's directory records its write (_blocks.lua) and the hash drops
 -- the id unless it has other writes: an id's writes are those in the hash and in the directories
 -- of the blocks less than a dedup window away. A light entity (_blocks.lua) records an id's one
--- write by its event alone: an id the hash lacks is looked up among its few events. Events live
+-- write by its event alone, or once the event is gone by its ledger: an id the hash lacks is
+-- looked up among its few events and its ledger's writes. Events live
 -- as long as the ids would: they record them. A kept event goes into
 -- the events sorted set (score: its µs; members of one µs sort by id, so a range comes in (time,
 -- id) order); one in an ended tile drops that tile's sealed summary. With verdicts, the history
@@ -25,12 +26,11 @@
 -- With verdicts, no write may concern a packed event: the writer unpacks first
 -- (``unpack_block.lua``); one that does fails the call before it changes anything.
 --
--- The events key's member scored +inf (_blocks.lua) holds the newest µs of an event the entity
--- lacks: a write before the cutoff (not kept) or an event trimmed. A lookup at a past time (a
--- replay) refuses a window reaching back to it. Once now is past that µs + horizon + dedup window
--- (+ slack), the view's horizons (``keep_horizon.lua``) bound it for every entity, so it is not
--- written then, and a trim drops it (``OnlineQuery.require_retained``). It costs a light entity
--- a few bytes, where a field of the ids hash would cost it a key.
+-- An entity's ledger (_blocks.lua) holds the newest µs of an event it lacks: a write before the
+-- cutoff (not kept) or an event trimmed. A lookup at a past time (a replay) refuses a window
+-- reaching back to it. Once now is past that µs + horizon + dedup window (+ slack), the view's
+-- horizons (``keep_horizon.lua``) bound it for every entity, so it is not written then, and the
+-- next trim drops it (``OnlineQuery.require_retained``).
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'
@@ -80,14 +80,30 @@ local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's pack
   return found
 end
 local function is_light(events) return is_light_entity(block_list(events), events, size, members) end
-local function plain_writes(events, id)  -- µs of id's plain events, in a light entity
+-- events key -> its ledger (_blocks.lua; false: none), read once a call; -> writes this call adds to it
+local ledgers, ledger_adds = {}, {}
+local function ledger(events)
+  if ledgers[events] == nil then ledgers[events] = ledger_of(events) or false end
+  return ledgers[events] or nil
+end
+local function to_ledger(events, write)
+  ledger_adds[events] = ledger_adds[events] or {}
+  table.insert(ledger_adds[events], write)
+end
+local function plain_writes(events, id)  -- µs of id's writes in a light entity: its plain events' and its ledger's
   local found = ''
   for _, m in ipairs(members(events)) do
     if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
   end
+  local held = ledger(events)
+  if held and #held > 8 then found = found .. id_writes(directory_at(held, 13), id) end
+  for _, write in ipairs(ledger_adds[events] or {}) do
+    if string.sub(write, 1, 8) == id then found = found .. string.sub(write, 9, 16) end
+  end
   return found
 end
 local lacked = {}  -- events key -> the newest µs of an event this call did not keep or trimmed
+local trimmed = {}  -- events keys this call trimmed
 local function lacks(events, us)
   if lacked[events] == nil or us > lacked[events] then lacked[events] = us end
 end
@@ -177,26 +193,31 @@ for k = 1, n do
       end
     end
   end
-  if unrecorded and not placed then  -- a light entity's write that is no event: the hash records it
-    redis.call('HSET', ids, id, stamp)
-    wrote_ids = true
+  if unrecorded and not placed then  -- a light entity's write that is no event: its ledger records it
+    to_ledger(events, id .. stamp)
+    extend(events, ids_expire_ms)
   end
   local light_now = is_light(events)
   local grew = light and not light_now
-  if grew then heavier(events) end
+  if grew then  -- (the writes this call would add to its ledger go to the ids hash too)
+    heavier(events)
+    record_writes(ids, ledger_adds[events] or {})
+    ledgers[events], ledger_adds[events] = nil, nil
+  end
   if us < cutoff or wrote_ids or grew then extend(ids, ids_expire_ms) end
   if us >= cutoff and extend(events, ids_expire_ms) then
     -- (events live as long as the ids: a light entity's and the blocks record them; the
     -- summaries' and the ids' expiry move with the events')
-    if light_now then  -- the writes of the events trimmed below stay recorded a dedup window
-      record_writes(ids, redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - within), '(' .. ARGV[1]))
+    if light_now then  -- the writes of the events trimmed below stay recorded a dedup window, in its ledger
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - within), '(' .. ARGV[1])) do
+        to_ledger(events, string.sub(m, 1, 16))
+      end
     end
+    trimmed[events] = true
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     -- (events and blocks ended a dedup window before the cutoff; then the events before it)
     local kept_from = cutoff - within - span
-    local mark = redis.call('ZRANGEBYSCORE', events, LACKED_SCORE, LACKED_SCORE)[1]
-    if mark and lacked_until_ms(micros(mark, 1)) + slack_ms <= now_ms then redis.call('ZREM', events, mark) end
     local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
     if newest_gone[1] and not is_block(newest_gone[1]) then lacks(events, micros(newest_gone[1], 9)) end
     redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
@@ -233,15 +254,35 @@ for k = 1, n do
     end
   end
 end
-for events, us in pairs(lacked) do  -- recorded while a lookup's bound does not cover it yet
-  local until_ms = lacked_until_ms(us)
-  if until_ms + slack_ms > now_ms then  -- (the slack: clocks apart)
-    local held = redis.call('ZRANGEBYSCORE', events, LACKED_SCORE, LACKED_SCORE)[1]
-    if not held or micros(held, 1) < us then
-      if held then redis.call('ZREM', events, held) end
-      redis.call('ZADD', events, LACKED_SCORE, stamp_of(us))
+-- each ledger changed: the newest event lacked, while a lookup's bound does not cover it yet, and
+-- a light entity's writes the duplicate rule needs (a dedup window from the cutoff)
+local function rewrite_ledger(events)
+  local old = ledger(events)
+  local lack, us = old and string.sub(old, 1, 8) or NO_LACK, lacked[events]
+  if lack ~= NO_LACK and lacked_until_ms(micros(lack, 1)) + slack_ms <= now_ms then lack = NO_LACK end
+  if us and lacked_until_ms(us) + slack_ms > now_ms and (lack == NO_LACK or micros(lack, 1) < us) then
+    lack = stamp_of(us)  -- (the slack: clocks apart)
+    extend(events, lacked_until_ms(us))
+  end
+  local writes = {}
+  for _, from in ipairs({ledger_writes(old), ledger_adds[events] or {}}) do
+    for _, write in ipairs(from) do
+      if micros(write, 9) > cutoff - within then writes[#writes + 1] = write end
     end
-    extend(events, until_ms)
+  end
+  if #writes > 0 and not is_light(events) then  -- (a heavy entity's are in its ids hash)
+    record_writes(events .. '|ids', writes)
+    writes = {}
+  end
+  set_ledger(events, old, #writes > 0 and lack .. directory_of_writes(writes) or lack)
+end
+local rewritten = {}
+for _, changes in ipairs({lacked, ledger_adds, trimmed}) do
+  for events in pairs(changes) do
+    if not rewritten[events] then
+      rewritten[events] = true
+      rewrite_ledger(events)
+    end
   end
 end
 return garbage_taken_out(added)

@@ -396,7 +396,7 @@ class OnlineQuery:
             return
         wall_us = time.time_ns() // 1000
         horizons = replies[self.horizons_at]
-        marks = replies[len(self.lookups) + len(self.ranges) :]
+        ledgers = replies[len(self.lookups) + len(self.ranges) :]
         expired = [
             _expired_up_to_us(listed, wall_us, window) for listed, window in zip(horizons, self.template.windows)
         ]
@@ -405,7 +405,7 @@ class OnlineQuery:
                 continue
             window = self.template.windows[self.range_plans[pos]]
             low = self.now_us - window.evaluator.longest_us  # (the window read holds events after it)
-            held = [int.from_bytes(mark, "big") - (1 << 63) for mark in marks[pos]]
+            held = [int.from_bytes(ledger[:8], "big") - (1 << 63) for ledger in ledgers[pos]]
             lacked = max(*held, _NONE, expired[self.range_plans[pos]])
             if lacked > low:
                 view = window.request.view.name
