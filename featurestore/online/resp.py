@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from featurestore.online.base import Range
+
 Argument = bytes | str | int
 SHORT = 32  # arguments framed in Python below this many
 
@@ -100,9 +102,7 @@ def _framed(values: pa.Array) -> tuple[bytes, list[int]]:
     return framed.buffers()[2].to_pybytes()[offsets[0] : offsets[-1]], (offsets - offsets[0]).tolist()
 
 
-def reads(
-    lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[tuple[bytes, int, int, int | None]] = ()
-) -> bytes:
+def reads(lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[Range] = ()) -> bytes:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
     limit)`` (low exclusive; high may be ``math.inf``), as one buffer.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument

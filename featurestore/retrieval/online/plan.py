@@ -23,7 +23,7 @@ from featurestore.aggregation.evaluate import WindowEvaluator
 from featurestore.definitions import FeatureService
 from featurestore.errors import NotRetainedError, RequestError
 from featurestore.online import packed
-from featurestore.online.base import HORIZONS, LACKED_FROM
+from featurestore.online.base import HORIZONS, LACKED_FROM, Range
 from featurestore.online.codec import (
     datetime_to_micros,
     entity_key,
@@ -279,7 +279,7 @@ class OnlineQuery:
     replayed: bool = False  # evaluated at a time the caller gave (``at``), not at the lookup's own
     # a replay's: the lookup of the views' horizons, and a read of what each range's entity lacks
     horizons_at: int | None = None
-    lacked: list[tuple[bytes, int, float, None]] = field(default_factory=list)
+    lacked: list[Range] = field(default_factory=list)
 
     @property
     def key_names(self) -> list[str]:
@@ -362,7 +362,8 @@ class OnlineQuery:
                     range_plans.append(number)
                 rows.append(pos)
             range_slots.append(rows)
-        horizons_at, lacked = None, []
+        horizons_at: int | None = None
+        lacked: list[Range] = []
         if now is not None and ranges:  # a replay also reads the horizons, and what each entity's events lack
             horizons_at = len(lookups)
             lookups.append((key_prefix(project) + HORIZONS, [w.request.layout.online_field for w in template.windows]))
@@ -425,7 +426,7 @@ class OnlineQuery:
 
     def reads(
         self,
-    ) -> tuple[list[tuple[bytes, int, int, int | None]], list[tuple[bytes, list[bytes | int]]], list[bytes]]:
+    ) -> tuple[list[Range], list[tuple[bytes, list[bytes | int]]], list[bytes]]:
         """What the first round trip reads besides the lookups: the ranges read plainly (up to
         ``heavy_from`` members where tile summaries may answer), the windows of entities known to
         hold more members than that, read by ``read_window.lua`` at once, and the events keys whose
