@@ -380,6 +380,7 @@ def online(args: argparse.Namespace) -> None:
         # not would double the figure)
         measured = capacity.measure(store.online_store, store.definitions, store.config.project)
         memory = memory_by_layout(store, n_cards + 100, rng, now)
+        light = light_card_a_window_on(store, n_cards + 2000, rng)
         into_blocks = ingest_into_blocks(store, n_cards + 1000, rng, now)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
@@ -448,18 +449,20 @@ def online(args: argparse.Namespace) -> None:
             + "".join(f"{sizes[name] / n:>16.1f}" for name in LAYOUTS)
             + f"   {sizes['never packed'] / sizes['packed']:.1f}x"
         )
+    print(
+        f"  a card of 10 events a window on (its previous window's 10 events gone, their writes in its ledger): "
+        f"{light[1] / 10:.1f} bytes per event (fresh: {light[0] / 10:.1f})"
+    )
     print("featurestore capacity on this store (sizing 100M cards x 100 events):")
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
 
 
-LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis's compact value limit, packing,
-    # and whether it also lacks an event (as an active card, whose writes trim its old events, does)
-    "packed": ("tx_id", 10**6, 1024, True, False),
-    "lacks one": ("tx_id", 10**6, 1024, True, True),
-    "µs times": ("tx_id", 1, 1024, True, False),
-    "random ids": ("random", 10**6, 1024, True, False),
-    "Redis defaults": ("tx_id", 10**6, 64, True, False),
-    "never packed": ("tx_id", 10**6, 1024, False, False),
+LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis's compact value limit, packing
+    "packed": ("tx_id", 10**6, 1024, True),
+    "µs times": ("tx_id", 1, 1024, True),
+    "random ids": ("random", 10**6, 1024, True),
+    "Redis defaults": ("tx_id", 10**6, 64, True),
+    "never packed": ("tx_id", 10**6, 1024, False),
 }
 
 
@@ -511,12 +514,35 @@ def ingest_into_blocks(store, first_card: int, rng, now: datetime) -> list[tuple
     return out
 
 
+def light_card_a_window_on(store, card: int, rng) -> tuple[int, int]:
+    """Bytes a card of 10 events takes, fresh and a window on: once the events of its previous
+    window (10 more) are gone, their writes still recorded for the duplicate rule, a dedup window
+    (the longest window) past the cutoff, in its ledger (``scripts/_blocks.lua``). Written late, as
+    here, or trimmed: the same record."""
+    from featurestore.online.base import EVENT_SCORES
+
+    client, field, sizes = store.online_store.client, store.layout("activity").online_field.encode(), []
+    now = datetime.now(UTC)
+    for a_window_on in (False, True):
+        card += 1
+        key = b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field)
+        ends = [now - timedelta(days=7), now] if a_window_on else [now]
+        for k, end in enumerate(ends):
+            ts = pa.array([end - timedelta(seconds=int(s)) for s in rng.integers(3600, 7 * 86400 - 3600, 10)], TS)
+            ids = np.arange(10, dtype=np.int64) + card * 10**6 + 10 * k
+            rows = {"tx_id": ids, "card_id": np.full(10, card), "amount": np.round(rng.lognormal(3.5, 1.1, 10), 2)}
+            store.push("payments", pa.table({**rows, "event_timestamp": ts}), to="online")
+        assert client.zcount(key, *EVENT_SCORES) == 10
+        sizes.append(sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles")))
+    return sizes[0], sizes[1]
+
+
 def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:
     """Bytes a card's events take for 10, 100, 1,000 and 50,000 events in the 7 d window (amounts
     in cents, as the other cards), by ``LAYOUTS``: packed (the default: integer ids, times whole
-    seconds apart, the embedded server's compact sorted sets up to 1 KB values), with the record of
-    an event it lacks (one older than the window: ``add_events.lua``), with times any µs apart, with
-    random 64-bit ids (content hashes), on a Redis with its default 64-byte limit, and never packed."""
+    seconds apart, the embedded server's compact sorted sets up to 1 KB values), with times any µs
+    apart, with random 64-bit ids (content hashes), on a Redis with its default 64-byte limit, and
+    never packed."""
     from featurestore.online import packed, redis_store
     from featurestore.online.base import EVENT_SCORES
 
@@ -528,7 +554,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
         amounts = np.round(rng.lognormal(3.5, 1.1, n), 2)
         out[n] = {}
         any_micros = pa.array(ts.cast(pa.int64()).to_numpy() + rng.integers(0, 10**6, n)).cast(TS)
-        for name, (ids, unit, limit, packing, lacks) in LAYOUTS.items():
+        for name, (ids, unit, limit, packing) in LAYOUTS.items():
             card += 1
             redis_store._blocks = blocks if packing else lambda *a: []
             for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
@@ -542,11 +568,6 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 table = pa.table(
                     {"tx_id": tx_ids, "card_id": np.full(n, card), "amount": amounts, "event_timestamp": times}
                 )
-                if lacks:  # (an event just past the window: not kept, recorded as lacked)
-                    old = table.slice(0, 1).set_column(
-                        3, "event_timestamp", pa.array([now - timedelta(days=7, hours=1)], TS)
-                    )
-                    store.push("payments", old.set_column(0, "tx_id", pa.array([-1], pa.int64())), to="online")
                 store.push("payments", table, to="online")
             finally:
                 redis_store._blocks = blocks
@@ -559,7 +580,6 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 store.layout("activity").online_field.encode(),
             )
             assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) == n
-            assert client.zcount(key, "+inf", "+inf") == lacks
             parts = (key, key + b"|ids", key + b"|tiles")
             out[n][name] = sum(client.memory_usage(part, samples=0) or 0 for part in parts)
     return out

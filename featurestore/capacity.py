@@ -2,7 +2,7 @@
 
 From a sample of the entities Redis holds: the bytes each layout takes per entity and per event
 (``MEMORY USAGE`` of the entity's keys: its hash of latest values, and per aggregated view its
-events and blocks, event ids and tile summaries), the Redis process's CPU time (``INFO cpu``:
+events and blocks, event ids and tile summaries; per event in the view's longest window), the Redis process's CPU time (``INFO cpu``:
 commands and their network handling) per lookup of one entity (every feature of its views, a
 round trip each, read as a server reads it) and per event written (the sampled events written
 again under a scratch project, then deleted); and what N entities × E events need in memory and
@@ -18,6 +18,7 @@ import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from featurestore.aggregation import dedup_us
 from featurestore.aggregation.tiles import tile_us
@@ -44,7 +45,10 @@ class LayoutCost:
     name: str  # "latest values (card_id)", or "<view> events"
     entities: int
     bytes_per_entity: float
-    events_per_entity: float | None  # None: latest values
+    # events in the longest window (None: latest values); the bytes also hold what an entity keeps
+    # past it, the writes the duplicate rule needs a dedup window on, so a steady store's sample
+    # sizes a steady store
+    events_per_entity: float | None
 
     @property
     def bytes_per_event(self) -> float | None:
@@ -154,7 +158,8 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
             if parts[0] or parts[1]:
                 name = f"{view.name} events"
                 groups.setdefault(name, []).append(sum(size or 0 for size in parts))
-                events_of.setdefault(name, []).append(packed.event_count(members))
+                low_us = time.time_ns() // 1000 - view.longest_window // timedelta(microseconds=1)
+                events_of.setdefault(name, []).append(packed.events_after(members, low_us, tile_us(view)))
                 written.append((key, view))
         if mine and any(sizes):
             types = defs.key_types[mine[0].name]

@@ -147,3 +147,36 @@ def test_capacity_says_how_to_pack_from_fewer_events_on_a_redis_with_the_default
     report = default.describe(None, None, 25 * 10**9)
     assert default.compact_value_limit == 64
     assert "CONFIG SET zset-max-listpack-value 1024" in report and "from 8" in report, report
+
+
+def test_capacity_counts_the_events_in_the_window_and_the_bytes_of_what_is_kept_past_it(tmp_path):
+    """A card a window on keeps its previous window's blocks, whose directories record the writes
+    the duplicate rule needs for a dedup window (the longest window): its events per entity are
+    those of the window, its bytes all it holds, so a steady store's sample sizes a steady store.
+    Counting every event held, as before, halved such a card's bytes per event."""
+    from featurestore import capacity
+    from featurestore.online import packed
+    from featurestore.online.base import EVENT_SCORES
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    root = write_repo(tmp_path / "repo", FEATURES, url=server.ensure_running())
+    now = datetime.now(UTC).replace(microsecond=0)
+    try:
+        with FeatureStore(root) as store:
+            store.apply()
+            view = store.get_feature_view("activity")
+            schema = store.definitions.history_schema(view)
+            for k, writer in enumerate((now - timedelta(days=7), now)):  # the previous window, then this one
+                times = pa.array([writer - timedelta(hours=1 + 4 * i) for i in range(40)], TS)
+                rows = {"card_id": [1] * 40, "event_timestamp": times, "created_timestamp": times, "_run_id": [k] * 40}
+                rows |= {"_row_id": range(40), "payment_id": range(40 * k, 40 * k + 40), "amount": [1.0] * 40}
+                store.materializer().write_online(view, pa.table(rows).cast(schema), writer)
+            client, key = store.online_store.client, next(store.online_store.client.scan_iter(b"*:ev:*[^s]"))
+            held = client.zrangebyscore(key, *EVENT_SCORES)
+            assert packed.event_count(held) > 40 and any(packed.is_block(m) for m in held)  # (older blocks kept)
+            measured = capacity.measure(store.online_store, store.definitions, store.config.project, probe=False)
+            total = sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles"))
+    finally:
+        server.stop()
+    activity = next(c for c in measured.layouts if c.name == "activity events")
+    assert activity.events_per_entity == 40 and activity.bytes_per_entity == total

@@ -110,6 +110,19 @@ def event_count(members: Sequence[bytes]) -> int:
     return sum(sum(_header(m)[3]) if is_block(m) else 1 for m in members)
 
 
+def events_after(members: Sequence[bytes], low_us: int, tile_us: int) -> int:
+    """Events in ``members`` after ``low_us``: a plain member's by its µs, a block's by the tiles
+    ending after it (a window's events, where an entity also keeps older ones for their writes)."""
+    count = 0
+    for m in members:
+        if not is_block(m):
+            count += tile_of(m, 1) > low_us
+            continue
+        _, number, tiles, counts, _ = _header(m)
+        count += sum(n for i, n in zip(tiles, counts) if (number * BLOCK_TILES + i + 1) * tile_us > low_us)
+    return count
+
+
 def recorded_writes(blob: bytes) -> list[bytes]:
     """The writes a block's directory records, as the duplicate rule reads them: each event's
     8-byte id and 8-byte µs as its member starts, in (time, id) order."""
