@@ -185,7 +185,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         sampled=len(entities),
         layouts=sorted(layouts, key=lambda c: c.name),
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
-        event_write_us=_event_write_us(client, prefix, written) if probe else None,
+        event_write_us=_event_write_us(client, prefix, written, online.compact_value_limit()) if probe else None,
         compact_value_limit=online.compact_value_limit(),
     )
 
@@ -252,7 +252,7 @@ def _lookup_us(online, defs: Definitions, project: str, lookups: Sequence[tuple[
     return (_redis_usec(online.client) - before) / len(timed)
 
 
-def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]) -> float | None:
+def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]], limit: int) -> float | None:
     """Redis CPU per event: the sampled entities' events written again, as materialization writes
     them (``add_events.lua``, 256 a call), under ``PROBE_PROJECT``'s keys, deleted afterwards."""
     probe = key_prefix(PROBE_PROJECT)
@@ -272,7 +272,7 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
     now_ms = time.time_ns() // 1_000_000
     try:
         before = _redis_usec(client)
-        for calls in _chunks(writes, now_ms):
+        for calls in _chunks(writes, now_ms, limit):
             pipe = client.pipeline(transaction=False)
             for keys, arguments in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *arguments)
@@ -283,7 +283,9 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
             client.delete(*_parts(key))
 
 
-def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -> Iterator[list[tuple[list, list]]]:
+def _chunks(
+    writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int, limit: int
+) -> Iterator[list[tuple[list, list]]]:
     """``add_events.lua`` calls of 256 events, a pipeline of them per view: keys kept far longer than the probe takes."""
     for key, view, members in writes:
         stamps = [int.from_bytes(m[8:16], "big") - (1 << 63) for m in members]
@@ -291,7 +293,7 @@ def _chunks(writes: list[tuple[bytes, FeatureView, list[bytes]]], now_ms: int) -
         calls = []
         for i in range(0, len(members), 256):
             part, times = members[i : i + 256], stamps[i : i + 256]
-            head = [0, horizon_ms, horizon_ms // 16, tile_us(view), dedup_us(view), 0]
+            head = [0, horizon_ms, horizon_ms // 16, tile_us(view), dedup_us(view), 0, limit]
             calls.append(([key] * len(part), [*head, *times, *part]))
         yield calls
 

@@ -1998,6 +1998,51 @@ def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(
     check(card)
 
 
+@pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
+def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_hash(tmp_path, limit):
+    """A light entity's ledger is one member of its sorted set: longer than Redis's compact member
+    (``zset-max-listpack-value``), it would turn the whole set into Redis's large encoding, ~150
+    bytes a member. Past that bound its writes go into the ids hash: after 300 writes before the
+    cutoff the set is still compact, and a copy of each, 5 h later, is still a duplicate."""
+    from featurestore import FeatureStore
+    from featurestore.online.embedded import EmbeddedRedis
+    from tests.conftest import write_repo
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    url = server.ensure_running()
+    root = write_repo(tmp_path / "repo", FEATURES, url=url)
+    now = datetime.now(UTC).replace(microsecond=0)
+    try:
+        with FeatureStore(root) as store:
+            for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
+                store.online_store.client.config_set(setting, limit)
+            store.apply()
+            fresh = [
+                {"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - i * H}
+                for i in range(10)
+            ]
+            late = [
+                {**e, "payment_id": 1000 + i, "event_timestamp": now - 31 * H - timedelta(minutes=i)}
+                for i, e in enumerate([fresh[0]] * 300)
+            ]
+            store.push("payments", _frame(fresh + late), to="online")
+            key = b"fs:%s:{card_id=1}:ev:%s" % (
+                store.config.project.encode(),
+                store.layout("activity").online_field.encode(),
+            )
+            client = store.online_store.client
+            assert client.object("encoding", key) in (b"listpack", b"ziplist")
+            assert max(map(len, client.zrangebyscore(key, "+inf", "+inf"))) <= limit
+            assert _ids_held(client, key) >= {1000 + i for i in range(300)}
+            copies = [{**e, "event_timestamp": e["event_timestamp"] + 5 * H} for e in late]
+            store.push("payments", _frame(copies), to="online")
+            counted = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"])
+            assert counted.to_dict()["not_card_count_30h"] == [10]
+            assert client.object("encoding", key) in (b"listpack", b"ziplist")
+    finally:
+        server.stop()
+
+
 def _plain_member(client, key: bytes) -> bytes:
     """The one plain event of an events key."""
     from featurestore.online import packed

@@ -161,7 +161,7 @@ class RedisOnlineStore:
                 yield (
                     "add_events",
                     keys.slice(i, CHUNK),
-                    [cutoff_us, horizon_ms, slack_ms, tile_us, dedup_us, int(verdicts)],
+                    [cutoff_us, horizon_ms, slack_ms, tile_us, dedup_us, int(verdicts), limit],
                     columns,
                 )
             # (summarized and packed while Redis adds the last chunks)

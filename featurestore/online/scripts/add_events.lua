@@ -2,8 +2,10 @@
 -- KEYS: the events key of each write; ARGV[1]: cutoff µs (events before it are trimmed, and a
 -- write before it only records its time); ARGV[2]: horizon ms (keys expire that long after their
 -- newest event); ARGV[3]: slack ms; ARGV[4]: tile µs; ARGV[5]: dedup µs; ARGV[6]: '1' when the
--- writes carry the history's verdicts (a whole-history resend); then the n writes' µs as decimal
--- text, the n events (8-byte id, then the value), and with verdicts n of '1' (kept) or '0'.
+-- writes carry the history's verdicts (a whole-history resend); ARGV[7]: the longest a ledger
+-- may grow (Redis's compact sorted-set member: past it, the writes go into the ids hash); then the
+-- n writes' µs as decimal text, the n events (8-byte id, then the value), and with verdicts n of
+-- '1' (kept) or '0'.
 --
 -- The duplicate rule (``featurestore.aggregation``): a write of an id is a duplicate when an earlier
 -- write of the id lies less than the dedup window away in event time. The ids hash maps each id to
@@ -34,6 +36,7 @@
 local cutoff = tonumber(ARGV[1])
 local horizon_ms, slack_ms, tile, within = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local verdicts = ARGV[6] == '1'
+local ledger_most = tonumber(ARGV[7])
 local n = #KEYS
 local added = 0
 local t = redis.call('TIME')
@@ -112,7 +115,7 @@ local function changed(events)  -- events were removed: what was read of them is
 end
 if verdicts then
   for k = 1, n do
-    if packed_writes(KEYS[k], string.sub(ARGV[6 + n + k], 1, 8), tonumber(ARGV[6 + k])) ~= '' then
+    if packed_writes(KEYS[k], string.sub(ARGV[7 + n + k], 1, 8), tonumber(ARGV[7 + k])) ~= '' then
       return redis.error_reply('PACKED a whole-history write concerns packed events of ' .. KEYS[k] .. ': unpack them first')
     end
   end
@@ -131,7 +134,7 @@ local function extend(key, expire_at)  -- keys live until expire_at (ms) at leas
   return true
 end
 for k = 1, n do
-  local events, us, event = KEYS[k], tonumber(ARGV[6 + k]), ARGV[6 + n + k]
+  local events, us, event = KEYS[k], tonumber(ARGV[7 + k]), ARGV[7 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
   local expire_ms = math.floor(us / 1000) + horizon_ms
   local ids_expire_ms = expire_ms + math.floor(within / 1000)
@@ -163,7 +166,7 @@ for k = 1, n do
       wrote_ids = light
     end
   end
-  if verdicts then kept = ARGV[6 + 2 * n + k] == '1' end
+  if verdicts then kept = ARGV[7 + 2 * n + k] == '1' end
   local placed = false
   if us < cutoff then lacks(events, us) end
   if us >= cutoff then
@@ -270,11 +273,14 @@ local function rewrite_ledger(events)
       if micros(write, 9) > cutoff - within then writes[#writes + 1] = write end
     end
   end
-  if #writes > 0 and not is_light(events) then  -- (a heavy entity's are in its ids hash)
-    record_writes(events .. '|ids', writes)
-    writes = {}
+  local ledger = #writes > 0 and lack .. directory_of_writes(writes) or lack
+  if #ledger > ledger_most or (#writes > 0 and not is_light(events)) then  -- (a heavy entity's are in its ids hash)
+    local ids, ttl = events .. '|ids', redis.call('PTTL', events)
+    record_writes(ids, writes)
+    if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
+    ledger = lack
   end
-  set_ledger(events, old, #writes > 0 and lack .. directory_of_writes(writes) or lack)
+  set_ledger(events, old, ledger)
 end
 local rewritten = {}
 for _, changes in ipairs({lacked, ledger_adds, trimmed}) do
