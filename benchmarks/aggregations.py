@@ -380,7 +380,7 @@ def online(args: argparse.Namespace) -> None:
         # not would double the figure)
         measured = capacity.measure(store.online_store, store.definitions, store.config.project)
         memory = memory_by_layout(store, n_cards + 100, rng, now)
-        light = light_card_a_window_on(store, n_cards + 2000, rng)
+        steady = a_window_on(store, n_cards + 2000, rng)
         into_blocks = ingest_into_blocks(store, n_cards + 1000, rng, now)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
@@ -450,8 +450,9 @@ def online(args: argparse.Namespace) -> None:
             + f"   {sizes['never packed'] / sizes['packed']:.1f}x"
         )
     print(
-        f"  a card of 10 events a window on (its previous window's 10 events gone, their writes in its ledger): "
-        f"{light[1] / 10:.1f} bytes per event (fresh: {light[0] / 10:.1f})"
+        "  a card a window on (its previous window's events gone, their writes still recorded: a light card's in its "
+        "ledger, a heavy one's by its old blocks), bytes per event in the window: "
+        + ", ".join(f"{n:,} events {a / n:.1f} (fresh {f / n:.1f})" for n, (f, a) in steady.items())
     )
     print("featurestore capacity on this store (sizing 100M cards x 100 events):")
     print("  " + measured.describe(10**8, 100, capacity.parse_size("25GB")).replace("\n", "\n  "))
@@ -514,27 +515,38 @@ def ingest_into_blocks(store, first_card: int, rng, now: datetime) -> list[tuple
     return out
 
 
-def light_card_a_window_on(store, card: int, rng) -> tuple[int, int]:
-    """Bytes a card of 10 events takes, fresh and a window on: once the events of its previous
-    window (10 more) are gone, their writes still recorded for the duplicate rule, a dedup window
-    (the longest window) past the cutoff, in its ledger (``scripts/_blocks.lua``). Written late, as
-    here, or trimmed: the same record."""
+def a_window_on(store, first_card: int, rng) -> dict[int, tuple[int, int]]:
+    """Bytes a card of 10 and of 1,000 events takes, fresh and a window on: its previous window's
+    events written by a writer a window earlier, then this window's, then its ended tiles packed
+    (``pack_online``). The old events are gone from the window, but their writes stay recorded
+    for the duplicate rule a dedup window (the longest window): a light card's in its ledger
+    (``scripts/_blocks.lua``), a heavy one's by its old blocks."""
     from featurestore.online.base import EVENT_SCORES
 
-    client, field, sizes = store.online_store.client, store.layout("activity").online_field.encode(), []
-    now = datetime.now(UTC)
-    for a_window_on in (False, True):
-        card += 1
-        key = b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field)
-        ends = [now - timedelta(days=7), now] if a_window_on else [now]
-        for k, end in enumerate(ends):
-            ts = pa.array([end - timedelta(seconds=int(s)) for s in rng.integers(3600, 7 * 86400 - 3600, 10)], TS)
-            ids = np.arange(10, dtype=np.int64) + card * 10**6 + 10 * k
-            rows = {"tx_id": ids, "card_id": np.full(10, card), "amount": np.round(rng.lognormal(3.5, 1.1, 10), 2)}
-            store.push("payments", pa.table({**rows, "event_timestamp": ts}), to="online")
-        assert client.zcount(key, *EVENT_SCORES) == 10
-        sizes.append(sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles")))
-    return sizes[0], sizes[1]
+    client, view = store.online_store.client, store.get_feature_view("activity")
+    schema, field = store.definitions.history_schema(view), store.layout("activity").online_field.encode()
+    now, out, card = datetime.now(UTC), {}, first_card
+    for n in (10, 1_000):
+        sizes = []
+        for writers in ([now], [now - timedelta(days=7), now]):
+            card += 1
+            for k, writer in enumerate(writers):
+                ts = pa.array([writer - timedelta(seconds=int(s)) for s in rng.integers(3600, 7 * 86400 - 3600, n)], TS)
+                ids = pa.array(np.arange(n, dtype=np.int64) + card * 10**6 + n * k)
+                amounts = pa.array(np.round(rng.lognormal(3.5, 1.1, n), 2))
+                cards = pa.array(np.full(n, card))
+                rows = {"card_id": cards, "event_timestamp": ts, "created_timestamp": ts, "_run_id": pa.array([k] * n)}
+                rows |= {"_row_id": pa.array(np.arange(n)), "tx_id": ids, "amount": amounts}
+                store.materializer().write_online(view, pa.table(rows).cast(schema), writer)
+                pushed = pa.table({"tx_id": ids, "card_id": cards, "amount": amounts, "event_timestamp": ts})
+                store.pack_online_entities("payments", pushed)
+            key = b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, field)
+            assert client.zcount(key, *EVENT_SCORES) > 0
+            sizes.append(
+                sum(client.memory_usage(part, samples=0) or 0 for part in (key, key + b"|ids", key + b"|tiles"))
+            )
+        out[n] = (sizes[0], sizes[1])
+    return out
 
 
 def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, dict[str, int]]:
