@@ -919,6 +919,13 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
 )
 @example(writes=[(1, 35.0, 0.0), (1, 10.0, 0.0)], replays_h=[])  # a write before the cutoff
 @example(writes=[(1, 25.0, 0.0), (2, 13.0, 8.0), (1, 10.0, 0.0)], replays_h=[])  # an event trimmed
+@example(  # writes before the cutoff added to the ledger one by one, in no order of id: it stays sorted
+    writes=[
+        *((i, 35.0 + i / 10, 0.0) for i in (5, 2, 8, 1, 9, 3, 7)),
+        *((i, 10.0, 0.0) for i in (1, 2, 3, 5, 7, 8, 9)),
+    ],
+    replays_h=[],
+)
 @example(  # a write before the cutoff, then the card heavy: its ledger's writes go into the ids hash
     writes=[(0, 35.0, 0.0), *((i, 1.0, 0.0) for i in range(1, 18)), (0, 10.0, 0.0)], replays_h=[]
 )

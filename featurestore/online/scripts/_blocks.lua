@@ -125,8 +125,16 @@ local function id_writes(l, id)  -- the µs (8 bytes each) of id's events in a d
   end
   return out
 end
-local function directory_of_writes(writes)  -- packed.directory of writes (16 bytes each: id, stamp)
-  table.sort(writes, function(x, y) return compare(x, 1, y, 1, 16) < 0 end)
+local function before(x, y) return compare(x, 1, y, 1, 16) < 0 end  -- (writes: by id, then µs)
+local function merged(a, b)  -- two sorted lists of writes as one
+  local out, i, j = {}, 1, 1
+  while i <= #a or j <= #b do
+    if j > #b or (i <= #a and before(a[i], b[j])) then out[#out + 1], i = a[i], i + 1
+    else out[#out + 1], j = b[j], j + 1 end
+  end
+  return out
+end
+local function directory_of_writes(writes)  -- packed.directory of writes (16 bytes each: id, stamp), sorted
   local first, last = writes[1], writes[#writes]
   local p = 0
   while p < 8 and string.byte(first, p + 1) == string.byte(last, p + 1) do p = p + 1 end
@@ -154,10 +162,32 @@ end
 local function ledger_of(events)  -- its ledger member, or nil
   return redis.call('ZRANGEBYSCORE', events, LEDGER_SCORE, LEDGER_SCORE)[1]
 end
-local function ledger_writes(ledger)  -- a ledger's writes, 16 bytes each
+-- ledger with write (16 bytes: id, stamp) added to its directory l in place, or nil where the
+-- directory's header cannot hold it (another prefix, an earlier or longer time, another unit)
+local function inserted(ledger, l, write)
+  local offset = micros(write, 9) - l.base
+  if string.sub(write, 1, l.p) ~= l.prefix or offset < 0 or math.fmod(offset, l.unit) ~= 0
+     or offset / l.unit >= 256 ^ l.w then
+    return nil
+  end
+  local entry_bytes = string.sub(write, l.p + 1, 8) .. struct.pack('>I' .. l.w, offset / l.unit)
+  local lo, hi = 0, l.n  -- (entries sort by id, then µs: bytewise, as they are big-endian)
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if compare(ledger, l.at + mid * l.width, entry_bytes, 1, l.width) < 0 then lo = mid + 1 else hi = mid end
+  end
+  local at = l.at + lo * l.width
+  if lo < l.n and compare(ledger, at, entry_bytes, 1, l.width) == 0 then return ledger end
+  local length = struct.unpack('>I4', ledger, 9) + l.width
+  return string.sub(ledger, 1, 8) .. struct.pack('>I4', length) .. string.sub(ledger, 13, at - 1) .. entry_bytes
+         .. string.sub(ledger, at)
+end
+local function ledger_directory(ledger)  -- a ledger's directory, read in place, or nil
+  if ledger and #ledger > 8 then return directory_at(ledger, 13) end
+end
+local function ledger_writes(ledger, l)  -- a ledger's writes (l: its directory), 16 bytes each, sorted
   local out = {}
-  if ledger and #ledger > 8 then
-    local l = directory_at(ledger, 13)
+  if l then
     for i = 0, l.n - 1 do out[#out + 1] = entry(ledger, l, i) end
   end
   return out
@@ -233,7 +263,7 @@ local function heavier(events)
   local ids, ledger = events .. '|ids', ledger_of(events)
   record_writes(ids, redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO))
   if ledger and #ledger > 8 then
-    record_writes(ids, ledger_writes(ledger))
+    record_writes(ids, ledger_writes(ledger, ledger_directory(ledger)))
     set_ledger(events, ledger, string.sub(ledger, 1, 8))
   end
   if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)

@@ -83,11 +83,15 @@ local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's pack
   return found
 end
 local function is_light(events) return is_light_entity(block_list(events), events, size, members) end
--- events key -> its ledger (_blocks.lua; false: none), read once a call; -> writes this call adds to it
+-- events key -> its ledger (_blocks.lua) and the ledger's directory, read once a call; -> writes
+-- this call adds to it
 local ledgers, ledger_adds = {}, {}
-local function ledger(events)
-  if ledgers[events] == nil then ledgers[events] = ledger_of(events) or false end
-  return ledgers[events] or nil
+local function ledger(events)  -- its member (or nil), its directory (or nil)
+  if ledgers[events] == nil then
+    local held = ledger_of(events)
+    ledgers[events] = {held, ledger_directory(held)}
+  end
+  return ledgers[events][1], ledgers[events][2]
 end
 local function to_ledger(events, write)
   ledger_adds[events] = ledger_adds[events] or {}
@@ -98,8 +102,8 @@ local function plain_writes(events, id)  -- µs of id's writes in a light entity
   for _, m in ipairs(members(events)) do
     if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
   end
-  local held = ledger(events)
-  if held and #held > 8 then found = found .. id_writes(directory_at(held, 13), id) end
+  local _, l = ledger(events)
+  if l then found = found .. id_writes(l, id) end
   for _, write in ipairs(ledger_adds[events] or {}) do
     if string.sub(write, 1, 8) == id then found = found .. string.sub(write, 9, 16) end
   end
@@ -260,27 +264,48 @@ end
 -- each ledger changed: the newest event lacked, while a lookup's bound does not cover it yet, and
 -- a light entity's writes the duplicate rule needs (a dedup window from the cutoff)
 local function rewrite_ledger(events)
-  local old = ledger(events)
+  local old, l = ledger(events)
   local lack, us = old and string.sub(old, 1, 8) or NO_LACK, lacked[events]
   if lack ~= NO_LACK and lacked_until_ms(micros(lack, 1)) + slack_ms <= now_ms then lack = NO_LACK end
   if us and lacked_until_ms(us) + slack_ms > now_ms and (lack == NO_LACK or micros(lack, 1) < us) then
     lack = stamp_of(us)  -- (the slack: clocks apart)
     extend(events, lacked_until_ms(us))
   end
-  local writes = {}
-  for _, from in ipairs({ledger_writes(old), ledger_adds[events] or {}}) do
-    for _, write in ipairs(from) do
-      if micros(write, 9) > cutoff - within then writes[#writes + 1] = write end
+  local adds, body = ledger_adds[events] or {}, old and string.sub(old, 9) or ''
+  local heavy = (body ~= '' or #adds > 0) and not is_light(events)
+  local whole = heavy or (l and l.base <= cutoff - within)  -- (l.base: its earliest write)
+  if not whole and l and #adds > 0 then  -- (most often: the writes fit the directory, added in place)
+    local ledger, at = old, l
+    for _, write in ipairs(adds) do
+      if micros(write, 9) > cutoff - within then
+        local grown = inserted(ledger, at, write)
+        if not grown then whole = true break end
+        if grown ~= ledger then ledger, at = grown, directory_at(grown, 13) end
+      end
+    end
+    whole = whole or #lack + #ledger - 8 > ledger_most  -- (past the bound: into the ids hash)
+    if not whole then body, adds = string.sub(ledger, 9), {} end
+  end
+  if #adds > 0 or whole then
+    local function needed(writes)  -- (a dedup window from the cutoff)
+      local out = {}
+      for _, write in ipairs(writes) do
+        if micros(write, 9) > cutoff - within then out[#out + 1] = write end
+      end
+      return out
+    end
+    adds = needed(adds)
+    table.sort(adds, before)
+    local writes = merged(needed(ledger_writes(old, l)), adds)
+    body = #writes > 0 and directory_of_writes(writes) or ''
+    if heavy or #lack + #body > ledger_most then  -- (a heavy entity's are in its ids hash)
+      local ids, ttl = events .. '|ids', redis.call('PTTL', events)
+      record_writes(ids, writes)
+      if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
+      body = ''
     end
   end
-  local ledger = #writes > 0 and lack .. directory_of_writes(writes) or lack
-  if #ledger > ledger_most or (#writes > 0 and not is_light(events)) then  -- (a heavy entity's are in its ids hash)
-    local ids, ttl = events .. '|ids', redis.call('PTTL', events)
-    record_writes(ids, writes)
-    if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
-    ledger = lack
-  end
-  set_ledger(events, old, ledger)
+  set_ledger(events, old, lack .. body)
 end
 local rewritten = {}
 for _, changes in ipairs({lacked, ledger_adds, trimmed}) do
