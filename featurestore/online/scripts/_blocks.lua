@@ -134,11 +134,13 @@ local function merged(a, b)  -- two sorted lists of writes as one
   end
   return out
 end
-local function directory_of_writes(writes)  -- packed.directory of writes (16 bytes each: id, stamp), sorted
+-- packed.directory of writes (16 bytes each: id, stamp; sorted), its times counted from low (or
+-- the earliest write, if earlier) and wide enough for times up to reach: later writes fit in place
+local function directory_of_writes(writes, low, reach)
   local first, last = writes[1], writes[#writes]
   local p = 0
   while p < 8 and string.byte(first, p + 1) == string.byte(last, p + 1) do p = p + 1 end
-  local low, high = micros(first, 9), micros(first, 9)
+  local high = reach
   for _, write in ipairs(writes) do
     local us = micros(write, 9)
     if us < low then low = us end

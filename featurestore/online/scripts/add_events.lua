@@ -273,8 +273,9 @@ local function rewrite_ledger(events)
   end
   local adds, body = ledger_adds[events] or {}, old and string.sub(old, 9) or ''
   local heavy = (body ~= '' or #adds > 0) and not is_light(events)
-  local whole = heavy or (l and l.base <= cutoff - within)  -- (l.base: its earliest write)
-  if not whole and l and #adds > 0 then  -- (most often: the writes fit the directory, added in place)
+  -- (most often the writes fit the directory, added in place; a trim drops those no longer needed)
+  local whole = heavy or trimmed[events]
+  if not whole and l and #adds > 0 then
     local ledger, at = old, l
     for _, write in ipairs(adds) do
       if micros(write, 9) > cutoff - within then
@@ -297,7 +298,15 @@ local function rewrite_ledger(events)
     adds = needed(adds)
     table.sort(adds, before)
     local writes = merged(needed(ledger_writes(old, l)), adds)
-    body = #writes > 0 and directory_of_writes(writes) or ''
+    if #writes > 0 then  -- (times counted from near the earliest a needed write may have, in whole
+      -- seconds from the earliest write, with room for a horizon on: later writes fit in place)
+      local first = micros(writes[1], 9)
+      for _, write in ipairs(writes) do first = math.min(first, micros(write, 9)) end
+      local low = first - math.floor((first - (cutoff - within)) / 1e6) * 1e6
+      body = directory_of_writes(writes, low, cutoff + horizon_ms * 1000)
+    else
+      body = ''
+    end
     if heavy or #lack + #body > ledger_most then  -- (a heavy entity's are in its ids hash)
       local ids, ttl = events .. '|ids', redis.call('PTTL', events)
       record_writes(ids, writes)
