@@ -1,12 +1,12 @@
 """What the online store costs, measured on a repo's own data (``featurestore capacity``).
 
 From a sample of the entities Redis holds: the bytes each layout takes per entity and per event
-(``MEMORY USAGE`` of the entity's keys: its hash of latest values, and per aggregated view its
-events and blocks, event ids and tile summaries; per event in the view's longest window), the Redis process's CPU time (``INFO cpu``:
-commands and their network handling) per lookup of one entity (every feature of its views, a
-round trip each, read as a server reads it) and per event written (the sampled events written
-again under a scratch project, then deleted); and what N entities × E events need in memory and
-nodes. Redis runs commands on one core: a node serves about 10⁶ / µs of them a second. Other
+in the view's longest window (``MEMORY USAGE`` of the entity's keys: its hash of latest values,
+and per aggregated view its events and blocks, event ids and tile summaries), the Redis
+process's CPU time (``INFO cpu``: commands and their network handling) per lookup of one entity
+(every feature of its views, a round trip each, read as a server reads it) and per event
+written (the sampled events written again under a scratch project, then deleted); and what N
+entities × E events need in memory and nodes. Redis runs commands on one core: a node serves about 10⁶ / µs of them a second. Other
 clients' traffic while it measures counts too: measure on a quiet moment.
 """
 
@@ -132,6 +132,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     prefix = key_prefix(project)
     views = [v for v in defs.feature_views.values() if v.online]
     entities = _sample_entities(client, prefix, sample)
+    now_us = time.time_ns() // 1000
     groups: dict[str, list[float]] = {}
     events_of: dict[str, list[int]] = {}
     held_keys: list[int] = []  # keys of each sampled entity
@@ -158,7 +159,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
             if parts[0] or parts[1]:
                 name = f"{view.name} events"
                 groups.setdefault(name, []).append(sum(size or 0 for size in parts))
-                low_us = time.time_ns() // 1000 - view.longest_window // timedelta(microseconds=1)
+                low_us = now_us - view.longest_window // timedelta(microseconds=1)
                 events_of.setdefault(name, []).append(packed.events_after(members, low_us, tile_us(view)))
                 written.append((key, view))
         if mine and any(sizes):

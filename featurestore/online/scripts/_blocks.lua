@@ -31,7 +31,10 @@ local function is_block(member) return string.sub(member, 9, 16) == ONES end
 -- newest µs of an event the entity lacks (8 bytes, all zero for none: add_events.lua), then, for
 -- a light entity, the directory (as a block's) of the writes the duplicate rule still needs of
 -- events it no longer holds: trimmed, or written before the cutoff. A light entity keeps them
--- there, not in an ids hash, whose key would cost more than its ~16 entries of ~5-11 bytes.
+-- there, not in an ids hash, whose key would cost more than its ~16 entries of ~5-11 bytes; up
+-- to Redis's compact member length (past it they go into the hash, rather than turn the whole
+-- set into Redis's large encoding). A write is added in place where the directory's header can
+-- hold it; a trim, which drops those no longer needed, writes it anew.
 local LEDGER_SCORE, EVENTS_TO, NO_LACK = '+inf', '(inf', string.rep('\0', 8)
 local function micros(stamp, at)
   local hi, lo = struct.unpack('>I4I4', stamp, at)

@@ -390,9 +390,10 @@ class OnlineQuery:
 
     def require_retained(self, replies: list) -> None:
         """Refuse a replay whose window reaches back to events Redis may lack: those the entity's
-        writes did not keep or trimmed (``lacked``, after the ranges in ``raw``), and those of keys expired (a key
-        lives until its newest event + horizon + dedup window, under the horizons writes have used:
-        ``keep_horizon.lua``). Counted without them, a window's aggregates would be wrong, and look right."""
+        writes did not keep or trimmed (its ledger, read by ``lacked``), and those of keys expired
+        (a key lives until its newest event + horizon + dedup window, under the horizons writes have
+        used: ``keep_horizon.lua``). Counted without them, a window's aggregates would be wrong, and
+        look right."""
         if self.horizons_at is None:
             return
         wall_us = time.time_ns() // 1000
@@ -448,9 +449,9 @@ class OnlineQuery:
         """The first round trip's replies (lookups, ``reads``' ranges, its windows, its summaries)
         laid out as ``assemble`` takes them: a reply per lookup, then per range its events (none
         if unread), or a heavy entity's ``[summaries, runs of events]``, then a replay's ``lacked``
-        reads. A plain read that holds
-        its whole window and is heavy (blocks count their events) is answered from the summaries
-        read with it: no second round trip; one that stopped at its limit is left to ``found_heavy``."""
+        reads. A plain read that holds its whole window and is heavy (blocks count their events)
+        is answered from the summaries read with it: no second round trip; one that stopped at its
+        limit is left to ``found_heavy``."""
         n = len(self.lookups)
         raw: list = replies[:n] + [[] for _ in self.ranges]
         answers = iter(replies[n:])

@@ -107,10 +107,8 @@ class OnlineReader:
         found = self._found_heavy(query, raw)
         if found:
             query.place_heavy(found, raw, await self.store.read_async((), (), [query.tiles_read(pos) for pos in found]))
-        if (
-            query.ranges
-            and _events_in(raw[len(query.lookups) : len(query.lookups) + len(query.ranges)]) > OFF_LOOP_EVENTS
-        ):
+        n = len(query.lookups)
+        if query.ranges and _events_in(raw[n : n + len(query.ranges)]) > OFF_LOOP_EVENTS:
             response = await asyncio.to_thread(assemble, query, raw)
         else:
             response = assemble(query, raw)
