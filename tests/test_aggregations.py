@@ -770,8 +770,8 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
         "payments", _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": old}])
     )
     key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.layout("activity").online_field.encode()
-    client = store.online_store.client  # (not kept: the key holds only its record of lacking it, scored +inf)
-    assert client.zcount(key, "-inf", "(inf") == 0 and client.zcount(key, "+inf", "+inf") == 1
+    client = store.online_store.client  # (not kept: the key holds only its ledger, scored +inf, recording it)
+    assert client.zcount(key, *EVENT_SCORES) == 0 and client.zcount(key, "+inf", "+inf") == 1
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 
@@ -2024,13 +2024,11 @@ def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_h
             for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
                 store.online_store.client.config_set(setting, limit)
             store.apply()
-            fresh = [
-                {"payment_id": i, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": now - i * H}
-                for i in range(10)
-            ]
+            event = {"card_id": 1, "amount": 1.0, "kind": "web"}
+            fresh = [{**event, "payment_id": i, "event_timestamp": now - i * H} for i in range(10)]
             late = [
-                {**e, "payment_id": 1000 + i, "event_timestamp": now - 31 * H - timedelta(minutes=i)}
-                for i, e in enumerate([fresh[0]] * 300)
+                {**event, "payment_id": 1000 + i, "event_timestamp": now - 31 * H - timedelta(minutes=i)}
+                for i in range(300)
             ]
             store.push("payments", _frame(fresh + late), to="online")
             key = b"fs:%s:{card_id=1}:ev:%s" % (
