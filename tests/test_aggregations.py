@@ -772,6 +772,7 @@ def test_events_older_than_the_retention_are_not_kept_online(make_store):
     key = b"fs:" + store.config.project.encode() + b":{card_id=1}:ev:" + store.layout("activity").online_field.encode()
     client = store.online_store.client  # (not kept: the key holds only its ledger, scored +inf, recording it)
     assert client.zcount(key, *EVENT_SCORES) == 0 and client.zcount(key, "+inf", "+inf") == 1
+    assert client.pttl(key) > 0  # (it expires once no lookup or duplicate needs it)
     entity_df = pd.DataFrame({"card_id": [1], "event_timestamp": [old]})
     assert store.get_historical_features(entity_df, features=["activity:count_1h"]).to_df()["count_1h"].tolist() == [1]
 
@@ -959,6 +960,8 @@ def test_the_writes_of_events_an_entity_no_longer_holds_still_judge_duplicates(r
             assert at < last_writer
             continue
         assert got.to_dict()["not_card_count_30h"] == [sum(at - 30 * H < t <= at for t in kept)], at
+    client = store.online_store.client  # (every key the writes made expires)
+    assert all(client.pttl(key) > 0 for key in client.scan_iter(b"*{card_id=%d}*" % card))
 
 
 def test_a_replay_at_the_edges_of_time_is_answered_or_refused_never_a_500(replay_store):
@@ -2044,6 +2047,7 @@ def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_h
             counted = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"])
             assert counted.to_dict()["not_card_count_30h"] == [10]
             assert client.object("encoding", key) in (b"listpack", b"ziplist")
+            assert all(client.pttl(k) > 0 for k in client.scan_iter(b"*{card_id=1}*"))  # (every key expires)
     finally:
         server.stop()
 

@@ -202,7 +202,6 @@ for k = 1, n do
   end
   if unrecorded and not placed then  -- a light entity's write that is no event: its ledger records it
     to_ledger(events, id .. stamp)
-    extend(events, ids_expire_ms)
   end
   local light_now = is_light(events)
   local grew = light and not light_now
@@ -269,9 +268,8 @@ local function rewrite_ledger(events)
   if lack ~= NO_LACK and lacked_until_ms(micros(lack, 1)) + slack_ms <= now_ms then lack = NO_LACK end
   if us and lacked_until_ms(us) + slack_ms > now_ms and (lack == NO_LACK or micros(lack, 1) < us) then
     lack = stamp_of(us)  -- (the slack: clocks apart)
-    extend(events, lacked_until_ms(us))
   end
-  local adds, body = ledger_adds[events] or {}, old and string.sub(old, 9) or ''
+  local adds, body, spilled = ledger_adds[events] or {}, old and string.sub(old, 9) or '', nil
   local heavy = (body ~= '' or #adds > 0) and not is_light(events)
   -- (most often the writes fit the directory, added in place; a trim drops those no longer needed)
   local whole = heavy or trimmed[events]
@@ -298,23 +296,31 @@ local function rewrite_ledger(events)
     adds = needed(adds)
     table.sort(adds, before)
     local writes = merged(needed(ledger_writes(old, l)), adds)
+    body = ''
     if #writes > 0 then  -- (times counted from near the earliest a needed write may have, in whole
       -- seconds from the earliest write, with room for a horizon on: later writes fit in place)
       local first = micros(writes[1], 9)
       for _, write in ipairs(writes) do first = math.min(first, micros(write, 9)) end
       local low = first - math.floor((first - (cutoff - within)) / 1e6) * 1e6
       body = directory_of_writes(writes, low, cutoff + horizon_ms * 1000)
-    else
-      body = ''
     end
     if heavy or #lack + #body > ledger_most then  -- (a heavy entity's are in its ids hash)
-      local ids, ttl = events .. '|ids', redis.call('PTTL', events)
-      record_writes(ids, writes)
-      if ttl > 0 and redis.call('PTTL', ids) < ttl then redis.call('PEXPIRE', ids, ttl) end
-      body = ''
+      spilled, body = writes, ''
     end
   end
   set_ledger(events, old, lack .. body)
+  -- the keys live as long as what they now record is needed (a key the ledger made has no expiry yet)
+  local function newest(writes, from)
+    for _, write in ipairs(writes) do from = math.max(from or -math.huge, micros(write, 9)) end
+    return from
+  end
+  local recorded = newest(ledger_adds[events] or {}, lack ~= NO_LACK and micros(lack, 1) or nil)
+  if recorded and lack .. body ~= NO_LACK then extend(events, lacked_until_ms(recorded)) end
+  if spilled and #spilled > 0 then
+    local ids = events .. '|ids'
+    record_writes(ids, spilled)
+    extend(ids, lacked_until_ms(newest(spilled)))
+  end
 end
 local rewritten = {}
 for _, changes in ipairs({lacked, ledger_adds, trimmed}) do
