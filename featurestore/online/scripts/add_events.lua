@@ -131,11 +131,13 @@ end
 local function lacked_until_ms(us)  -- until when a lookup needs an entity's record of lacking us
   return math.floor(us / 1000) + horizon_ms + math.floor(within / 1000)
 end
-local function extend(key, expire_at)  -- keys live until expire_at (ms) at least; true if moved
+-- keys live until expire_at (ms) at least; true if moved, and whether the key had an expiry (one
+-- that has none is new: nothing in it to trim)
+local function extend(key, expire_at)
   local pttl = redis.call('PTTL', key)
-  if pttl >= 0 and now_ms + pttl >= expire_at then return false end
+  if pttl >= 0 and now_ms + pttl >= expire_at then return false, true end
   redis.call('PEXPIREAT', key, string.format('%.0f', expire_at + slack_ms))
-  return true
+  return true, pttl >= 0
 end
 for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[7 + k]), ARGV[7 + n + k]
@@ -211,7 +213,9 @@ for k = 1, n do
     ledgers[events], ledger_adds[events] = nil, nil
   end
   if us < cutoff or wrote_ids or grew then extend(ids, ids_expire_ms) end
-  if us >= cutoff and extend(events, ids_expire_ms) then
+  local moved, held = false, false
+  if us >= cutoff then moved, held = extend(events, ids_expire_ms) end
+  if moved then
     -- (events live as long as the ids: a light entity's and the blocks record them; the
     -- summaries' and the ids' expiry move with the events')
     if light_now then  -- the writes of the events trimmed below stay recorded a dedup window, in its ledger
@@ -219,7 +223,7 @@ for k = 1, n do
         to_ledger(events, string.sub(m, 1, 16))
       end
     end
-    trimmed[events] = true
+    if held then trimmed[events] = true end
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
     redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     -- (events and blocks ended a dedup window before the cutoff; then the events before it)
