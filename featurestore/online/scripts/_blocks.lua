@@ -112,15 +112,21 @@ local function entry(block, l, i)  -- entry i (from 0) as 16 bytes: id, then sta
   local at = l.at + i * l.width
   return l.prefix .. string.sub(block, at, at + 7 - l.p) .. stamp_of(entry_us(block, l, at))
 end
+-- the first entry (from 0) of directory l not before `bytes` (its first `length` bytes compared):
+-- entries sort by id, then µs, bytewise, as they are big-endian
+local function first_from(l, bytes, length)
+  local lo, hi = 0, l.n
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if compare(l.block, l.at + mid * l.width, bytes, 1, length) < 0 then lo = mid + 1 else hi = mid end
+  end
+  return lo
+end
 local function id_writes(l, id)  -- the µs (8 bytes each) of id's events in a directory
   local block = l.block
   if string.sub(id, 1, l.p) ~= l.prefix then return '' end
   local tail, length = string.sub(id, l.p + 1), 8 - l.p
-  local lo, hi = 0, l.n
-  while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
-    if compare(block, l.at + mid * l.width, tail, 1, length) < 0 then lo = mid + 1 else hi = mid end
-  end
+  local lo = first_from(l, tail, length)
   local out = ''
   while lo < l.n and compare(block, l.at + lo * l.width, tail, 1, length) == 0 do
     out = out .. string.sub(entry(block, l, lo), 9, 16)
@@ -167,20 +173,17 @@ end
 local function ledger_of(events)  -- its ledger member, or nil
   return redis.call('ZRANGEBYSCORE', events, LEDGER_SCORE, LEDGER_SCORE)[1]
 end
--- ledger with write (16 bytes: id, stamp) added to its directory l in place, or nil where the
+-- the ledger of directory l with write (16 bytes: id, stamp) added in place, or nil where the
 -- directory's header cannot hold it (another prefix, an earlier or longer time, another unit)
-local function inserted(ledger, l, write)
+local function inserted(l, write)
+  local ledger = l.block
   local offset = micros(write, 9) - l.base
   if string.sub(write, 1, l.p) ~= l.prefix or offset < 0 or math.fmod(offset, l.unit) ~= 0
      or offset / l.unit >= 256 ^ l.w then
     return nil
   end
   local entry_bytes = string.sub(write, l.p + 1, 8) .. struct.pack('>I' .. l.w, offset / l.unit)
-  local lo, hi = 0, l.n  -- (entries sort by id, then µs: bytewise, as they are big-endian)
-  while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
-    if compare(ledger, l.at + mid * l.width, entry_bytes, 1, l.width) < 0 then lo = mid + 1 else hi = mid end
-  end
+  local lo = first_from(l, entry_bytes, l.width)
   local at = l.at + lo * l.width
   if lo < l.n and compare(ledger, at, entry_bytes, 1, l.width) == 0 then return ledger end
   local length = struct.unpack('>I4', ledger, 9) + l.width
@@ -190,10 +193,10 @@ end
 local function ledger_directory(ledger)  -- a ledger's directory, read in place, or nil
   if ledger and #ledger > 8 then return directory_at(ledger, 13) end
 end
-local function ledger_writes(ledger, l)  -- a ledger's writes (l: its directory), 16 bytes each, sorted
+local function ledger_writes(l)  -- the writes of a ledger's directory l (if any), 16 bytes each, sorted
   local out = {}
   if l then
-    for i = 0, l.n - 1 do out[#out + 1] = entry(ledger, l, i) end
+    for i = 0, l.n - 1 do out[#out + 1] = entry(l.block, l, i) end
   end
   return out
 end
@@ -268,7 +271,7 @@ local function heavier(events)
   local ids, ledger = events .. '|ids', ledger_of(events)
   record_writes(ids, redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO))
   if ledger and #ledger > 8 then
-    record_writes(ids, ledger_writes(ledger, ledger_directory(ledger)))
+    record_writes(ids, ledger_writes(ledger_directory(ledger)))
     set_ledger(events, ledger, string.sub(ledger, 1, 8))
   end
   if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)

@@ -128,8 +128,20 @@ local function touched(events, us)  -- an event changed in an ended tile: its su
   local tile_no = math.floor(us / tile)
   if (tile_no + 1) * tile <= now_ms * 1000 then redis.call('HDEL', events .. '|tiles', tile_no) end
 end
-local function lacked_until_ms(us)  -- until when a lookup needs an entity's record of lacking us
+-- until when a write at us is needed: its ids (the duplicate rule), a lookup's record of lacking it
+local function needed_until_ms(us)
   return math.floor(us / 1000) + horizon_ms + math.floor(within / 1000)
+end
+local function needed(writes)  -- those the duplicate rule still needs (a dedup window from the cutoff)
+  local out = {}
+  for _, write in ipairs(writes) do
+    if micros(write, 9) > cutoff - within then out[#out + 1] = write end
+  end
+  return out
+end
+local function newest(writes, from)  -- the latest µs of writes (16 bytes each) and from (if any)
+  for _, write in ipairs(writes) do from = math.max(from or -math.huge, micros(write, 9)) end
+  return from
 end
 -- keys live until expire_at (ms) at least; true if moved, and whether the key had an expiry (one
 -- that has none is new: nothing in it to trim)
@@ -142,8 +154,7 @@ end
 for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[7 + k]), ARGV[7 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
-  local expire_ms = math.floor(us / 1000) + horizon_ms
-  local ids_expire_ms = expire_ms + math.floor(within / 1000)
+  local expire_ms, ids_expire_ms = math.floor(us / 1000) + horizon_ms, needed_until_ms(us)
   local kept, times, hashed
   local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = light and '' or packed_writes(events, id, us)
@@ -269,8 +280,8 @@ end
 local function rewrite_ledger(events)
   local old, l = ledger(events)
   local lack, us = old and string.sub(old, 1, 8) or NO_LACK, lacked[events]
-  if lack ~= NO_LACK and lacked_until_ms(micros(lack, 1)) + slack_ms <= now_ms then lack = NO_LACK end
-  if us and lacked_until_ms(us) + slack_ms > now_ms and (lack == NO_LACK or micros(lack, 1) < us) then
+  if lack ~= NO_LACK and needed_until_ms(micros(lack, 1)) + slack_ms <= now_ms then lack = NO_LACK end
+  if us and needed_until_ms(us) + slack_ms > now_ms and (lack == NO_LACK or micros(lack, 1) < us) then
     lack = stamp_of(us)  -- (the slack: clocks apart)
   end
   local adds, body, spilled = ledger_adds[events] or {}, old and string.sub(old, 9) or '', nil
@@ -281,7 +292,7 @@ local function rewrite_ledger(events)
     local ledger, at = old, l
     for _, write in ipairs(adds) do
       if micros(write, 9) > cutoff - within then
-        local grown = inserted(ledger, at, write)
+        local grown = inserted(at, write)
         if not grown then whole = true break end
         if grown ~= ledger then ledger, at = grown, directory_at(grown, 13) end
       end
@@ -290,16 +301,9 @@ local function rewrite_ledger(events)
     if not whole then body, adds = string.sub(ledger, 9), {} end
   end
   if #adds > 0 or whole then
-    local function needed(writes)  -- (a dedup window from the cutoff)
-      local out = {}
-      for _, write in ipairs(writes) do
-        if micros(write, 9) > cutoff - within then out[#out + 1] = write end
-      end
-      return out
-    end
     adds = needed(adds)
     table.sort(adds, before)
-    local writes = merged(needed(ledger_writes(old, l)), adds)
+    local writes = merged(needed(ledger_writes(l)), adds)
     body = ''
     if #writes > 0 then  -- (times counted from near the earliest a needed write may have, in whole
       -- seconds from the earliest write, with room for a horizon on: later writes fit in place)
@@ -314,16 +318,12 @@ local function rewrite_ledger(events)
   end
   set_ledger(events, old, lack .. body)
   -- the keys live as long as what they now record is needed (a key the ledger made has no expiry yet)
-  local function newest(writes, from)
-    for _, write in ipairs(writes) do from = math.max(from or -math.huge, micros(write, 9)) end
-    return from
-  end
   local recorded = newest(ledger_adds[events] or {}, lack ~= NO_LACK and micros(lack, 1) or nil)
-  if recorded and lack .. body ~= NO_LACK then extend(events, lacked_until_ms(recorded)) end
+  if recorded and lack .. body ~= NO_LACK then extend(events, needed_until_ms(recorded)) end
   if spilled and #spilled > 0 then
     local ids = events .. '|ids'
     record_writes(ids, spilled)
-    extend(ids, lacked_until_ms(newest(spilled)))
+    extend(ids, needed_until_ms(newest(spilled)))
   end
 end
 local rewritten = {}
