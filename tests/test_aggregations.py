@@ -2008,6 +2008,51 @@ def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(
     check(card)
 
 
+def test_a_light_entitys_ledger_is_no_event_it_counts_towards_light_most(tmp_path, redis_url):
+    """A write reads a light entity's events and its ledger together (``few_events``: the members
+    counted first, its ledger among them). An entity holding ``LIGHT_MOST`` events and a ledger is
+    still light; one more event makes it heavy, and its ids hash then records its plain events and
+    its ledger's writes. A copy of the write before the cutoff stays a duplicate throughout."""
+    from featurestore import FeatureStore
+    from featurestore.online import packed
+    from tests.conftest import write_repo
+
+    most = int(
+        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
+            1
+        ]
+    )
+    now = datetime.now(UTC).replace(microsecond=0)
+    event = {"card_id": 1, "amount": 1.0, "kind": "web"}
+    early = {**event, "payment_id": 999, "event_timestamp": now - 31 * H}  # (before the cutoff: its ledger records it)
+    copy = {**early, "event_timestamp": now - 29 * H}  # (a dedup window of it: a duplicate)
+    # (fewer than a block packs in any block's span: they stay plain events)
+    fresh = [{**event, "payment_id": i, "event_timestamp": now - i * 1.5 * H} for i in range(most + 1)]
+    with FeatureStore(write_repo(tmp_path / "repo", FEATURES, url=redis_url)) as store:
+        store.apply()
+        client = store.online_store.client
+        key = b"fs:%s:{card_id=1}:ev:%s" % (
+            store.config.project.encode(),
+            store.layout("activity").online_field.encode(),
+        )
+
+        def count() -> int:
+            got = store.get_online_features([{"card_id": 1}], features=["activity:not_card_count_30h"])
+            return got.to_dict()["not_card_count_30h"][0]
+
+        store.push("payments", _frame([early]), to="online")
+        store.push("payments", _frame(fresh[:most]), to="online")
+        assert client.zcard(key) == most + 1 and not client.exists(key + b"|ids")  # light: its events and ledger
+        store.push("payments", _frame([copy]), to="online")
+        assert count() == most
+        store.push("payments", _frame(fresh[most:]), to="online")  # heavy: its ids hash records every write
+        assert {int.from_bytes(k, "big") ^ (1 << 63) for k in client.hkeys(key + b"|ids") if k} == set(
+            range(most + 1)
+        ) | {999}
+        store.push("payments", _frame([{**copy, "event_timestamp": now - 28 * H}]), to="online")
+        assert count() == most + 1
+
+
 @pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
 def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_hash(tmp_path, limit):
     """A light entity's ledger is one member of its sorted set: longer than Redis's compact member

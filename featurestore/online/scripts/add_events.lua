@@ -42,14 +42,26 @@ local added = 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local span = BLOCK_TILES * tile
-local size_of, members_of = {}, {}  -- events key -> its members' count, its members: read once a call
-local function size(events)
-  if size_of[events] == nil then size_of[events] = redis.call('ZCOUNT', events, '-inf', EVENTS_TO) end
-  return size_of[events]
+-- events key -> its ledger (_blocks.lua) and the ledger's directory, read once a call; -> writes
+-- this call adds to it
+local ledgers, ledger_adds = {}, {}
+local function ledger(events)  -- its member (or nil), its directory (or nil)
+  if ledgers[events] == nil then
+    local held = ledger_of(events)
+    ledgers[events] = {held, ledger_directory(held)}
+  end
+  return ledgers[events][1], ledgers[events][2]
 end
-local function members(events)
-  if members_of[events] == nil then members_of[events] = redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO) end
-  return members_of[events]
+-- events key -> its events where it holds few (few_events: its ledger comes with them), else false:
+-- read once a call
+local few_of = {}
+local function few(events)
+  if few_of[events] == nil then
+    local held, with = few_events(events)
+    few_of[events] = held
+    if held and ledgers[events] == nil then ledgers[events] = {with, ledger_directory(with)} end
+  end
+  return few_of[events]
 end
 -- events key -> its block list (_blocks.lua); events key -> block number -> its directory: read once a call
 local blocks_of, directories = {}, {}
@@ -82,24 +94,14 @@ local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's pack
   end
   return found
 end
-local function is_light(events) return is_light_entity(block_list(events), events, size, members) end
--- events key -> its ledger (_blocks.lua) and the ledger's directory, read once a call; -> writes
--- this call adds to it
-local ledgers, ledger_adds = {}, {}
-local function ledger(events)  -- its member (or nil), its directory (or nil)
-  if ledgers[events] == nil then
-    local held = ledger_of(events)
-    ledgers[events] = {held, ledger_directory(held)}
-  end
-  return ledgers[events][1], ledgers[events][2]
-end
+local function is_light(events) return is_light_entity(block_list(events), events, few) end
 local function to_ledger(events, write)
   ledger_adds[events] = ledger_adds[events] or {}
   table.insert(ledger_adds[events], write)
 end
 local function plain_writes(events, id)  -- µs of id's writes in a light entity: its plain events' and its ledger's
   local found = ''
-  for _, m in ipairs(members(events)) do
+  for _, m in ipairs(few(events)) do
     if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
   end
   local _, l = ledger(events)
@@ -115,7 +117,7 @@ local function lacks(events, us)
   if lacked[events] == nil or us > lacked[events] then lacked[events] = us end
 end
 local function changed(events)  -- events were removed: what was read of them is stale
-  size_of[events], members_of[events], blocks_of[events], directories[events] = nil, nil, nil, nil
+  few_of[events], blocks_of[events], directories[events] = nil, nil, nil
 end
 if verdicts then
   for k = 1, n do
@@ -155,14 +157,19 @@ for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[7 + k]), ARGV[7 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
   local expire_ms, ids_expire_ms = math.floor(us / 1000) + horizon_ms, needed_until_ms(us)
-  local kept, times, hashed
+  local kept, times, hashed, fetched
+  if blocks_of[events] == nil then  -- (a key's first write in a call reads its id's writes with the block list)
+    local got = redis.call('HMGET', ids, '', id)
+    blocks_of[events], fetched = got[1] or '', got[2]
+  end
   local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = light and '' or packed_writes(events, id, us)
   if packed ~= '' then  -- written before: its writes are those packed and those in the hash
     kept, hashed = false, redis.call('HGET', ids, id) or ''
     times = hashed .. packed
   elseif light then  -- the hash has every write of the id if it has it, else its plain events do
-    times = redis.call('HGET', ids, id) or plain_writes(events, id)
+    if fetched == nil then fetched = redis.call('HGET', ids, id) end
+    times = fetched or plain_writes(events, id)
     kept = times == ''
     if kept then times, unrecorded = stamp, true end
   else
@@ -189,9 +196,8 @@ for k = 1, n do
   if us >= cutoff then
     if kept and redis.call('ZADD', events, us, event) == 1 then
       added, placed = added + 1, true
-      size_of[events] = size_of[events] and size_of[events] + 1
-      local held = members_of[events]
-      if held then held[#held + 1] = event end
+      local held = few_of[events]
+      if held then few_of[events] = #held < LIGHT_MOST and held or false; held[#held + 1] = event end
       touched(events, us)
     elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
       changed(events)
