@@ -2147,6 +2147,49 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
     assert got["amount_sum_3h"] == [reference(events, card, at, AGGS["amount_sum_3h"])]
 
 
+# EVENTS_LAYOUT -> the digest of the code that last wrote it (``_events_layout_digest``)
+EVENTS_LAYOUT_CODE = {10: "fc0b61ceef3b3157", 11: "6287595731c6dae0"}
+
+
+def _events_layout_digest(online: Path) -> str:
+    """A digest of the code that decides what Redis holds of an aggregated view's events: the Lua
+    scripts without their comments, ``codec`` and ``packed`` without their docstrings."""
+    import ast
+    import hashlib
+
+    digest = hashlib.sha256()
+    for script in sorted((online / "scripts").glob("*.lua")):
+        lines = (line.split("--", 1)[0].rstrip() for line in script.read_text().splitlines())
+        digest.update(script.name.encode() + b"\0" + "\n".join(line for line in lines if line).encode() + b"\0")
+    for name in ("codec.py", "packed.py"):
+        tree = ast.parse((online / name).read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+                if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+        digest.update(name.encode() + b"\0" + ast.dump(tree).encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def test_the_events_layout_changes_with_the_code_that_writes_it():
+    """Redis holds an aggregated view's events under a layout id that includes ``EVENTS_LAYOUT``, so
+    an upgrade that stores them differently finds nothing under its own id and waits for the
+    resend (the test below). That holds only if the version moves with the code: once, the record
+    of what an entity lacks moved from its ids hash into its events key under the same version,
+    and an upgraded store would have answered replays it must refuse. So the version is pinned to
+    a digest of the writing code: a change to that code fails here until it is recorded, as a
+    new version where what Redis holds changed, under the same one where it did not."""
+    from featurestore.online import base, packed
+
+    digest = _events_layout_digest(Path(packed.__file__).parent)
+    assert digest == EVENTS_LAYOUT_CODE.get(base.EVENTS_LAYOUT), (
+        f"the code that writes the online events layout changed (digest {digest}): if what Redis holds "
+        "changed, raise EVENTS_LAYOUT in featurestore/online/base.py and record the digest under the "
+        "new version in EVENTS_LAYOUT_CODE; if not, record it under the current one"
+    )
+
+
 def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the_resend(
     make_store, monkeypatch, caplog
 ):

@@ -69,7 +69,8 @@ class Sealer:
 
 
 KEY_ENCODING = 2  # how entity keys are written online (featurestore.online.codec.key_text); in every layout id
-EVENTS_LAYOUT = 10  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+EVENTS_LAYOUT = 11  # how an aggregated view's events are kept online (featurestore.online.codec); in its layout id
+# (tests/test_aggregations.py pins it to the code that writes it: change one, change the other)
 
 EMBEDDED = "embedded"
 CLUSTER_SCHEME = "redis+cluster://"
