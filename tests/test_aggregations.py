@@ -2185,8 +2185,9 @@ def test_the_events_layout_changes_with_the_code_that_writes_it():
     digest = _events_layout_digest(Path(packed.__file__).parent)
     assert digest == EVENTS_LAYOUT_CODE.get(base.EVENTS_LAYOUT), (
         f"the code that writes the online events layout changed (digest {digest}): if what Redis holds "
-        "changed, raise EVENTS_LAYOUT in featurestore/online/base.py and record the digest under the "
-        "new version in EVENTS_LAYOUT_CODE; if not, record it under the current one"
+        "of aggregated views changed, raise EVENTS_LAYOUT in featurestore/online/base.py (KEY_ENCODING "
+        "for how keys are written) and record the digest under the new version in EVENTS_LAYOUT_CODE; "
+        "if not, record it under the current one"
     )
 
 
