@@ -2148,7 +2148,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 
 
 # EVENTS_LAYOUT -> the digest of the code that last wrote it (``_events_layout_digest``)
-EVENTS_LAYOUT_CODE = {10: "fc0b61ceef3b3157", 11: "6287595731c6dae0"}
+EVENTS_LAYOUT_CODE = {10: "fc0b61ceef3b3157", 11: "c4a65275612d6009"}
 
 
 def _events_layout_digest(online: Path) -> str:

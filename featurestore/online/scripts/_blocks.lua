@@ -206,20 +206,20 @@ local function any_block(members)
   end
   return false
 end
--- an entity's events and its ledger (or nil), read in one go where it holds few enough to be
--- light (at most LIGHT_MOST, the ledger aside); false, unread, where it holds more
+-- a light entity's events (at most LIGHT_MOST, none a block) and its ledger (or nil), read in one
+-- go; false where it holds more or a block (more than LIGHT_MOST members, its ledger aside, are
+-- not read)
 local function few_events(events)
   local members = redis.call('ZCARD', events)  -- (its ledger counts too)
   if members > LIGHT_MOST + 1 then return false end
   local held = redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO)
-  return #held <= LIGHT_MOST and held, #held < members and ledger_of(events) or nil
+  if #held > LIGHT_MOST or any_block(held) then return false end
+  return held, #held < members and ledger_of(events) or nil
 end
--- whether an entity is light: no block listed, at most LIGHT_MOST events, none a block (read by
--- few(events), only as needed: the list first spares reading a heavier entity's members)
+-- whether an entity is light: no block listed, and few(events) (read only as needed: the list
+-- first spares reading a heavier entity's members)
 local function is_light_entity(list, events, few)
-  if list ~= '' then return false end
-  local held = few(events)
-  return held and not any_block(held) or false
+  return list == '' and few(events) ~= false
 end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end

@@ -52,8 +52,8 @@ local function ledger(events)  -- its member (or nil), its directory (or nil)
   end
   return ledgers[events][1], ledgers[events][2]
 end
--- events key -> its events where it holds few (few_events: its ledger comes with them), else false:
--- read once a call
+-- events key -> its events where it may be light (few_events: its ledger comes with them), else
+-- false: read once a call
 local few_of = {}
 local function few(events)
   if few_of[events] == nil then
@@ -102,7 +102,7 @@ end
 local function plain_writes(events, id)  -- µs of id's writes in a light entity: its plain events' and its ledger's
   local found = ''
   for _, m in ipairs(few(events)) do
-    if string.sub(m, 1, 8) == id and not is_block(m) then found = found .. string.sub(m, 9, 16) end
+    if string.sub(m, 1, 8) == id then found = found .. string.sub(m, 9, 16) end
   end
   local _, l = ledger(events)
   if l then found = found .. id_writes(l, id) end
