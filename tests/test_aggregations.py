@@ -2147,47 +2147,64 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
     assert got["amount_sum_3h"] == [reference(events, card, at, AGGS["amount_sum_3h"])]
 
 
-# EVENTS_LAYOUT -> the digest of the code that last wrote it (``_events_layout_digest``)
-EVENTS_LAYOUT_CODE = {10: "fc0b61ceef3b3157", 11: "c4a65275612d6009"}
+# a stored format's version (module, constant) -> the code that decides what Redis holds in it, and
+# each version's digest of that code as last released (``_code_digest``)
+PINNED_FORMATS = {
+    ("featurestore.online.base", "EVENTS_LAYOUT"): (
+        ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
+        {10: "52f43effbbcfe0ae", 11: "74168571698845c6"},
+    ),
+    ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
+        ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],
+        {2: "07705ba5aff3ffb0"},
+    ),
+}
 
 
-def _events_layout_digest(online: Path) -> str:
-    """A digest of the code that decides what Redis holds of an aggregated view's events: the Lua
-    scripts without their comments, ``codec`` and ``packed`` without their docstrings."""
+def _code_digest(package: Path, patterns: list[str]) -> str:
+    """A digest of code: Lua scripts without their comments, Python modules as syntax trees
+    without docstrings (rewording and formatting change nothing)."""
     import ast
     import hashlib
 
     digest = hashlib.sha256()
-    for script in sorted((online / "scripts").glob("*.lua")):
-        lines = (line.split("--", 1)[0].rstrip() for line in script.read_text().splitlines())
-        digest.update(script.name.encode() + b"\0" + "\n".join(line for line in lines if line).encode() + b"\0")
-    for name in ("codec.py", "packed.py"):
-        tree = ast.parse((online / name).read_text())
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-                if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-                    node.body = body[1:] or [ast.Pass()]
-        digest.update(name.encode() + b"\0" + ast.dump(tree).encode() + b"\0")
+    for path in sorted(p for pattern in patterns for p in package.glob(pattern)):
+        if path.suffix == ".lua":
+            lines = (line.split("--", 1)[0].rstrip() for line in path.read_text().splitlines())
+            code = "\n".join(line for line in lines if line)
+        else:
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                body = getattr(node, "body", None)
+                if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+                    if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                        node.body = body[1:] or [ast.Pass()]
+            code = ast.dump(tree)
+        digest.update(path.name.encode() + b"\0" + code.encode() + b"\0")
     return digest.hexdigest()[:16]
 
 
-def test_the_events_layout_changes_with_the_code_that_writes_it():
-    """Redis holds an aggregated view's events under a layout id that includes ``EVENTS_LAYOUT``, so
-    an upgrade that stores them differently finds nothing under its own id and waits for the
-    resend (the test below). That holds only if the version moves with the code: once, the record
-    of what an entity lacks moved from its ids hash into its events key under the same version,
-    and an upgraded store would have answered replays it must refuse. So the version is pinned to
-    a digest of the writing code: a change to that code fails here until it is recorded, as a
-    new version where what Redis holds changed, under the same one where it did not."""
-    from featurestore.online import base, packed
+@pytest.mark.parametrize("module, constant", PINNED_FORMATS)
+def test_a_stored_formats_version_changes_with_the_code_that_writes_it(module, constant):
+    """An aggregated view's events are stored under a layout id that includes ``EVENTS_LAYOUT``,
+    its tile summaries under a tag that includes ``SUMMARY_FORMAT``, so an upgrade that stores
+    them differently finds nothing under its own id (it waits for the resend: the test below) or
+    summarizes its tiles again. That holds only if the version moves with the code: once, the
+    record of what an entity lacks moved from its ids hash into its events key under the same
+    version, and an upgraded store would have answered replays it must refuse. So each version is
+    pinned to a digest of the code that writes it: a change to that code fails here until it is
+    recorded, as a new version where what Redis holds changed, under the same one where not."""
+    import importlib
 
-    digest = _events_layout_digest(Path(packed.__file__).parent)
-    assert digest == EVENTS_LAYOUT_CODE.get(base.EVENTS_LAYOUT), (
-        f"the code that writes the online events layout changed (digest {digest}): if what Redis holds "
-        "of aggregated views changed, raise EVENTS_LAYOUT in featurestore/online/base.py (KEY_ENCODING "
-        "for how keys are written) and record the digest under the new version in EVENTS_LAYOUT_CODE; "
-        "if not, record it under the current one"
+    import featurestore
+
+    patterns, released = PINNED_FORMATS[(module, constant)]
+    version = getattr(importlib.import_module(module), constant)
+    digest = _code_digest(Path(featurestore.__file__).parent, patterns)
+    assert digest == released.get(version), (
+        f"the code that writes {constant} changed (digest {digest}): if what Redis holds changed, raise "
+        f"{constant} in {module} (KEY_ENCODING in featurestore.online.base where keys changed) and record the digest under the new "
+        "version in PINNED_FORMATS; if not, record it under the current one"
     )
 
 

@@ -38,6 +38,7 @@ from featurestore.decoded_cache import DecodedCache
 from featurestore.definitions import Aggregation, FeatureView, content_hash
 
 TILED_TYPES = frozenset({"Int32", "Int64", "Float32", "Float64", "Bool", "String"})
+SUMMARY_FORMAT = 2  # how a tile's summary is stored (``encode``, the functions' states); in its tag (a test pins it)
 SEAL_FROM = 8  # events a tile needs before a summary pays for itself
 HEAVY_PER_TILE = 24  # events per tile of the longest window before a lookup reads summaries (its break-even)
 SEALS_PER_LOOKUP = 64  # tiles one lookup summarizes (~1 µs per event each): the rest, the next lookups
@@ -76,7 +77,12 @@ class TileSpec:
             return None
         size = tile_us(view)
         layout = content_hash(
-            {"storage": storage_id, "tile_us": size, "aggregations": [a.to_spec() for a in tiled], "summary": 2}
+            {
+                "storage": storage_id,
+                "tile_us": size,
+                "aggregations": [a.to_spec() for a in tiled],
+                "summary": SUMMARY_FORMAT,
+            }
         )
         return cls(size, tiled, b"T" + layout[:12].encode() + b":")
 
