@@ -314,6 +314,12 @@ def compact(
         help="Also delete files only versions older than this many hours use "
         "(exports from those versions can then no longer be reproduced).",
     ),
+    drop_old_layouts: bool = typer.Option(
+        False,
+        "--drop-old-layouts",
+        help="Also delete what views hold online under layouts no longer read (left by an upgrade or a "
+        "definition change). Servers of an earlier version still read them: once every server runs this one.",
+    ),
     repo: Path = RepoOption,
 ) -> None:
     """Merge small history files (pushes commit many); optionally vacuum old ones. Online, pack the
@@ -341,6 +347,9 @@ def compact(
                 f"{done.summaries:,} tile summaries stored",
                 markup=False,
             )
+        if drop_old_layouts:
+            for name, gone in store.drop_old_layouts(views or None).items():
+                console.print(f"{name}: online, {gone:,} keys and fields of earlier layouts deleted", markup=False)
 
 
 @app.command(rich_help_panel="Data")

@@ -5,6 +5,8 @@ must hold on both transports, the async paths and heavy entities' tile reads inc
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -250,6 +252,45 @@ def test_writes_leave_no_lua_garbage_for_the_scripts_after_them(backend, request
         nodes = [redis.Redis(port=port) for port in request.getfixturevalue("cluster_nodes")]
     for node in nodes:
         assert float(node.eval("return tostring(collectgarbage('count'))", 0)) < GARBAGE_KB + 32  # (+ this eval's own)
+
+
+def test_earlier_layouts_are_deleted_on_request_and_what_is_read_now_stays(backend):
+    """A definition change that changes how a view is stored (a column gone, a longer window) or
+    an upgrade that does leaves the earlier layout's fields and event keys behind, read by
+    nothing; a ttl-less view's never expire. ``featurestore compact --drop-old-layouts`` deletes
+    them, and only them: lookups answer the same before and after."""
+    backend.push("payments", _payments(range(0, 300)), to="online_and_offline")
+    backend.materialize(None, NOW)
+    client, prefix, root = backend.online_store.client, backend.online_store.prefix, backend.config.repo_path
+    old = {backend.layout(name).online_field.encode() for name in ("stats", "activity")}
+    changed = FEATURES.replace('Field("segment", String)])', "])").replace(
+        '"amount")])', '"amount"), Aggregation("count", timedelta(hours=48))])'
+    )
+    (root / "features.py").write_text(changed)
+    with FeatureStore(root) as edited:
+        edited.apply()
+        edited.materialize(None, NOW)  # (re-sends both views under their new layouts)
+        new = {edited.layout(name).online_field.encode() for name in ("stats", "activity")}
+        assert not new & old
+        refs, cards = ["stats:score", *REFS], {"card_id": [-1, *range(45)]}
+        before = edited.get_online_features(cards, features=refs).to_dict()
+
+        def layouts() -> set[bytes]:  # the view#layout names Redis holds
+            held = set()
+            for key in client.scan_iter(match=prefix + b"*"):
+                tail = key.rsplit(b":", 1)[-1].split(b"|")[0]
+                names = [tail] if b"#" in tail else client.hkeys(key) if key.endswith(b"}") else []
+                held |= {n for n in names if n.split(b"#")[0] in (b"stats", b"activity")}
+            return held
+
+        assert layouts() == old | new
+        command = [sys.executable, "-m", "featurestore.cli", "compact", "--drop-old-layouts", "--repo", str(root)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert "keys and fields of earlier layouts deleted" in result.stdout
+        assert layouts() == new
+        assert edited.get_online_features(cards, features=refs).to_dict() == before
+        assert before["score"][1:] == [i / 4 for i in range(45)] and sum(before["count_1h"][1:]) > 0
 
 
 def test_dropping_a_view_removes_its_values_and_events_only(backend):

@@ -256,8 +256,9 @@ class OnlineStore(OnlineWrites, OnlineReads, Protocol):
         """Messages published on ``channel``, as they come; raises when the store goes away."""
         ...
 
-    def drop_view(self, view: str) -> None:
-        """Delete every stored layout of the view."""
+    def drop_view(self, view: str, keep: str | None = None) -> int:
+        """Delete every stored layout of the view, or every one but the online field ``keep``
+        (what earlier versions or definitions left); returns how many keys and fields went."""
         ...
 
     def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:

@@ -436,25 +436,34 @@ class RedisOnlineStore:
             self.transport.recover_in_background()
             raise self.transport.error(exc) from exc
 
-    def drop_view(self, view: str) -> None:
-        """Delete every stored layout of the view (fields and event keys named ``view#<layout>``)."""
-        marker = view.encode() + b"#"
+    def drop_view(self, view: str, keep: str | None = None) -> int:
+        """Delete every stored layout of the view (fields and event keys named ``view#<layout>``),
+        or every one but the online field ``keep``; returns how many keys and fields went."""
+        marker, kept = view.encode() + b"#", (keep or "").encode()
+
+        def dropped(field: bytes) -> bool:  # (an events key's field is its name up to its suffix: |ids, |tiles)
+            return field.startswith(marker) and field.split(b"|", 1)[0] != kept
+
+        gone = 0
         with self._calling():
-            self.client.hdel(self.prefix + SYNC_TOKENS, view)
-            held = [f for f in self.client.hkeys(self.prefix + HORIZONS) if f.startswith(marker)]
+            if keep is None:
+                self.client.hdel(self.prefix + SYNC_TOKENS, view)
+            held = [f for f in self.client.hkeys(self.prefix + HORIZONS) if dropped(f)]
             if held:
-                self.client.hdel(self.prefix + HORIZONS, *held)
+                gone += self.client.hdel(self.prefix + HORIZONS, *held)
             self._horizons_noted.clear()
             for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
                 if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
                     continue
                 tail = key.rsplit(b":", 1)[-1]
-                if tail.startswith(marker):  # an events or event-ids key
-                    self.client.delete(key)
+                if tail.startswith(marker):  # an events key, its ids or its tiles
+                    if dropped(tail):
+                        gone += self.client.delete(key)
                 elif key.endswith(b"}"):
-                    fields = [f for f in self.client.hkeys(key) if f.startswith(marker)]
+                    fields = [f for f in self.client.hkeys(key) if dropped(f)]
                     if fields:
-                        self.client.hdel(key, *fields)
+                        gone += self.client.hdel(key, *fields)
+        return gone
 
     def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
         """The store's error for a failed call of redis-py's (an embedded server that died restarted first)."""
