@@ -348,7 +348,11 @@ def compact(
                 markup=False,
             )
         if drop_old_layouts:
-            for name, gone in store.drop_old_layouts(views or None).items():
+            bar = progress_bar("keys")
+            with bar:
+                task = bar.add_task("deleting earlier layouts", total=None)
+                dropped = store.drop_old_layouts(views or None, lambda keys: bar.advance(task, keys))
+            for name, gone in dropped.items():
                 console.print(f"{name}: online, {gone:,} keys and fields of earlier layouts deleted", markup=False)
 
 

@@ -373,13 +373,15 @@ class FeatureStore:
             }
         return report
 
-    def drop_old_layouts(self, views: Sequence[str] | None = None) -> dict[str, int]:
+    def drop_old_layouts(
+        self, views: Sequence[str] | None = None, progress: Callable[[int], None] | None = None
+    ) -> dict[str, int]:
         """Delete what each view holds online under a layout other than the one read now (what an
         upgrade or a definition change left behind, which lookups no longer read and, for views
         without a ttl, nothing expires): ``{view: keys and fields deleted}``. Servers of an earlier
         version still read those: run it once every server runs this one."""
         return {
-            name: self.online_store.drop_view(name, keep=self.definitions.layout(name).online_field)
+            name: self.online_store.drop_view(name, self.definitions.layout(name).online_field, progress)
             for name in views or list(self.definitions.feature_views)
             if self.definitions.feature_views[name].online
         }

@@ -256,9 +256,10 @@ class OnlineStore(OnlineWrites, OnlineReads, Protocol):
         """Messages published on ``channel``, as they come; raises when the store goes away."""
         ...
 
-    def drop_view(self, view: str, keep: str | None = None) -> int:
+    def drop_view(self, view: str, keep: str | None = None, progress: Callable[[int], None] | None = None) -> int:
         """Delete every stored layout of the view, or every one but the online field ``keep``
-        (what earlier versions or definitions left); returns how many keys and fields went."""
+        (what earlier versions or definitions left); returns how many keys and fields went.
+        ``progress`` is told of each batch of keys scanned."""
         ...
 
     def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:

@@ -436,9 +436,10 @@ class RedisOnlineStore:
             self.transport.recover_in_background()
             raise self.transport.error(exc) from exc
 
-    def drop_view(self, view: str, keep: str | None = None) -> int:
+    def drop_view(self, view: str, keep: str | None = None, progress: Callable[[int], None] | None = None) -> int:
         """Delete every stored layout of the view (fields and event keys named ``view#<layout>``),
-        or every one but the online field ``keep``; returns how many keys and fields went."""
+        or every one but the online field ``keep``; returns how many keys and fields went.
+        ``progress`` is told of each batch of keys scanned."""
         marker, kept = view.encode() + b"#", (keep or "").encode()
 
         def dropped(field: bytes) -> bool:  # (an events key's field is its name up to its suffix: |ids, |tiles)
@@ -452,17 +453,25 @@ class RedisOnlineStore:
             if held:
                 gone += self.client.hdel(self.prefix + HORIZONS, *held)
             self._horizons_noted.clear()
-            for key in self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000):
-                if not key.startswith(self.prefix):  # (exact: the pattern is escaped, this is the proof)
-                    continue
-                tail = key.rsplit(b":", 1)[-1]
-                if tail.startswith(marker):  # an events key, its ids or its tiles
-                    if dropped(tail):
-                        gone += self.client.delete(key)
-                elif key.endswith(b"}"):
-                    fields = [f for f in self.client.hkeys(key) if dropped(f)]
-                    if fields:
-                        gone += self.client.hdel(key, *fields)
+            scan = self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000)
+            for batch in iter(lambda: list(itertools.islice(scan, 1000)), []):  # (a round trip or two a batch)
+                mine = [
+                    k for k in batch if k.startswith(self.prefix)
+                ]  # (exact: the pattern is escaped, this is the proof)
+                events = [k for k in mine if dropped(k.rsplit(b":", 1)[-1])]  # an events key, its ids or its tiles
+                entities = [k for k in mine if k.endswith(b"}")]  # (their hashes of latest values)
+                reads = self.client.pipeline(transaction=False)
+                for key in entities:
+                    reads.hkeys(key)
+                writes = self.client.pipeline(transaction=False)
+                for key in events:
+                    writes.delete(key)
+                for key, fields in zip(entities, reads.execute() if entities else []):
+                    if stale := [f for f in fields if dropped(f)]:
+                        writes.hdel(key, *stale)
+                gone += sum(writes.execute()) if len(writes) else 0
+                if progress is not None:
+                    progress(len(batch))
         return gone
 
     def unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
