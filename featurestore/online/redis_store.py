@@ -455,9 +455,8 @@ class RedisOnlineStore:
             self._horizons_noted.clear()
             scan = self.client.scan_iter(match=glob_escaped(self.prefix) + b"*", count=1000)
             for batch in iter(lambda: list(itertools.islice(scan, 1000)), []):  # (a round trip or two a batch)
-                mine = [
-                    k for k in batch if k.startswith(self.prefix)
-                ]  # (exact: the pattern is escaped, this is the proof)
+                # (exact: the pattern is escaped, this is the proof)
+                mine = [k for k in batch if k.startswith(self.prefix)]
                 events = [k for k in mine if dropped(k.rsplit(b":", 1)[-1])]  # an events key, its ids or its tiles
                 entities = [k for k in mine if k.endswith(b"}")]  # (their hashes of latest values)
                 reads = self.client.pipeline(transaction=False)
