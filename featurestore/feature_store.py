@@ -295,10 +295,13 @@ class FeatureStore:
             log.warning(
                 "view %r: its events online were written under layout %s, this featurestore reads layout %s "
                 "(an upgrade or a changed definition); its aggregates read NOT_FOUND until "
-                "`featurestore materialize` re-sends its history",
+                "`featurestore materialize` re-sends its history (then, once every server reads layout %s, "
+                "`featurestore compact --drop-old-layouts` frees what layout %s holds)",
                 name,
                 marks[name].online_layout,
                 self.layout(name).storage_id,
+                self.layout(name).storage_id,
+                marks[name].online_layout,
             )
         self._unfilled = (time.monotonic(), unfilled)
         return unfilled

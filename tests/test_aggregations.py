@@ -2246,6 +2246,7 @@ def test_after_an_upgrade_that_changes_the_events_layout_aggregates_wait_for_the
         assert upgraded.layout("activity").storage_id != store.layout("activity").storage_id
         assert upgraded.unfilled_views == {"activity"}
         assert "'activity'" in caplog.text and "`featurestore materialize`" in caplog.text
+        assert "`featurestore compact --drop-old-layouts`" in caplog.text  # (what frees the earlier layout after)
         late = {**events[0], "payment_id": 99, "event_timestamp": now - timedelta(minutes=1)}
         upgraded.push("payments", _frame([late]), to="online_and_offline")
         refs = ["activity:count_1h", "activity:amount_sum_3h"]
