@@ -6,8 +6,10 @@ and per aggregated view its events and blocks, event ids and tile summaries), th
 process's CPU time (``INFO cpu``: commands and their network handling) per lookup of one entity
 (every feature of its views, a round trip each, read as a server reads it) and per event
 written (the sampled events written again under a scratch project, then deleted); and what N
-entities × E events need in memory and nodes. Redis runs commands on one core: a node serves about 10⁶ / µs of them a second. Other
-clients' traffic while it measures counts too: measure on a quiet moment.
+entities × E events need in memory and nodes; and how many sampled entities also hold values of
+layouts no longer read (``featurestore compact --drop-old-layouts``). Redis runs commands on one
+core: a node serves about 10⁶ / µs of them a second. Other clients' traffic while it measures
+counts too: measure on a quiet moment.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Capacity:
     lookup_us: float | None  # Redis CPU time per lookup of one entity, every view
     event_write_us: float | None  # Redis CPU time per event written
     compact_value_limit: int = packed.COMPACT_SETS_FROM  # the longest member Redis keeps a sorted set compact with
+    earlier_layouts: int = 0  # sampled entities whose hash also holds values of layouts no longer read
 
     def memory_for(self, entities: int, events_per_entity: float | None = None) -> float:
         """Bytes that ``entities`` entities of each layout need (``events_per_entity`` in each aggregated view)."""
@@ -90,6 +93,12 @@ class Capacity:
             events = f"{c.events_per_entity:,.1f}" if c.events_per_entity is not None else "-"
             per_event = f"{c.bytes_per_event:,.1f}" if c.bytes_per_event is not None else "-"
             lines.append(f"{c.name:<40} {c.entities:>9,} {events:>14} {c.bytes_per_entity:>13,.0f} {per_event:>12}")
+        if self.earlier_layouts:
+            lines.append(
+                f"{self.earlier_layouts:,} of the sampled entities also hold values of layouts no longer read (an "
+                "upgrade or a definition change left them; their bytes count above): once every server runs this "
+                "version, `featurestore compact --drop-old-layouts` deletes them"
+            )
         if self.lookup_us is not None:
             lines.append(
                 f"Redis CPU per lookup of 1 entity, every view: {self.lookup_us:.1f} µs"
@@ -131,7 +140,9 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     client = online.client
     prefix = key_prefix(project)
     views = [v for v in defs.feature_views.values() if v.online]
+    read_now = {defs.layout(v).online_field.encode() for v in views}
     entities = _sample_entities(client, prefix, sample)
+    earlier = 0  # sampled entities holding values of layouts no longer read
     now_us = time.time_ns() // 1000
     groups: dict[str, list[float]] = {}
     events_of: dict[str, list[int]] = {}
@@ -143,12 +154,14 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         mine = [v for v in views if sorted(v.join_keys) == sorted(values)]
         aggregated = [(v, events_key(entity, defs.layout(v).online_field)) for v in mine if v.is_aggregated]
         pipe = client.pipeline(transaction=False)
+        pipe.hkeys(entity)
         pipe.memory_usage(entity, samples=0)
         for _, key in aggregated:
             for part in _parts(key):
                 pipe.memory_usage(part, samples=0)
             pipe.zrangebyscore(key, *EVENT_SCORES)
-        replies = pipe.execute()
+        fields, *replies = pipe.execute()
+        earlier += any(b"#" in field and field not in read_now for field in fields)  # (fields are view#layout)
         width = len(_parts(b"")) + 1
         sizes = [replies[0], *(r for k, r in enumerate(replies[1:]) if k % width != width - 1)]  # (the events aside)
         held_keys.append(sum(1 for size in sizes if size))
@@ -188,6 +201,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
         event_write_us=_event_write_us(client, prefix, written, online.compact_value_limit()) if probe else None,
         compact_value_limit=online.compact_value_limit(),
+        earlier_layouts=earlier,
     )
 
 

@@ -180,3 +180,38 @@ def test_capacity_counts_the_events_in_the_window_and_the_bytes_of_what_is_kept_
         server.stop()
     activity = next(c for c in measured.layouts if c.name == "activity events")
     assert activity.events_per_entity == 40 and activity.bytes_per_entity == total
+
+
+def test_capacity_says_when_entities_hold_values_of_layouts_no_longer_read(tmp_path):
+    """After a definition change (or an upgrade) re-sent under a new layout, entities also hold
+    their values under the earlier one, read by nothing: capacity says how many of those it
+    sampled, and what deletes them; after ``drop_old_layouts``, nothing."""
+    from featurestore import capacity
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    root = write_repo(tmp_path / "repo", FEATURES, url=server.ensure_running())
+    now = datetime.now(UTC)
+    profiles = pa.table({"card_id": [1, 2, 3], "segment": ["s"] * 3, "event_timestamp": pa.array([now] * 3, TS)})
+    try:
+        with FeatureStore(root) as store:
+            store.apply()
+            store.push("profiles", profiles, to="online")
+        tier = 'Field("segment", String), Field("tier", String)'
+        changed = FEATURES.replace('Field("segment", String)', tier)
+        (root / "features.py").write_text(changed)
+        with FeatureStore(root) as store:
+            store.apply()  # (a column more: the profile view's values are written under a new layout)
+            store.push("profiles", profiles.slice(0, 2).append_column("tier", pa.array(["t"] * 2)), to="online")
+
+            def measured() -> capacity.Capacity:
+                return capacity.measure(store.online_store, store.definitions, store.config.project, probe=False)
+
+            report = measured()
+            assert report.earlier_layouts == 3  # (card 3 holds only the earlier layout's value)
+            assert "3 of the sampled entities" in report.describe(None, None, capacity.parse_size("25GB"))
+            assert "`featurestore compact --drop-old-layouts`" in report.describe(None, None, 10**9)
+            store.drop_old_layouts()
+            report = measured()
+            assert report.earlier_layouts == 0 and "--drop-old-layouts" not in report.describe(None, None, 10**9)
+    finally:
+        server.stop()
