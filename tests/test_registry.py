@@ -253,6 +253,7 @@ def test_plan_warnings_reach_the_terminal(tmp_path):
         "[new version v2: its history starts empty and its online values read NOT_FOUND until `featurestore backfill driver_stats`"
         in out
     )
+    assert "[Redis keeps its values of the earlier layout until `featurestore compact --drop-old-layouts`]" in out
     (root / "features.py").write_text("from featurestore import Entity\n")
     out = subprocess.run(
         [sys.executable, "-m", "featurestore.cli", "plan", "--repo", str(root)], capture_output=True, text=True

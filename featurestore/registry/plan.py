@@ -33,6 +33,7 @@ class Change:
     attributes: list[str] = field(default_factory=list)
     new_version: int | None = None  # a feature view's new history version, when it gets one
     relayout: bool = False  # an aggregated view's longest window changed: online read NOT_FOUND until re-sent
+    online: bool = False  # a view served online (what it holds there under its earlier layout stays)
     added_columns: list[str] = field(default_factory=list)
     removed_columns: list[str] = field(default_factory=list)
 
@@ -67,6 +68,8 @@ class Change:
                 "  [its longest window changed what Redis keeps and which writes of an event id are duplicates: "
                 "online values read NOT_FOUND until `featurestore materialize` re-sends its history]"
             )
+        if self.online and (self.needs_backfill or self.removed_columns or self.relayout):
+            text += "  [Redis keeps its values of the earlier layout until `featurestore compact --drop-old-layouts`]"
         if self.deletes_data:
             text += "  [its stored data will be deleted: needs --force]"
         return text
@@ -129,6 +132,7 @@ def make_plan(
             if _starts_new_version(change, before["spec"], entry["spec"], keys_changed):
                 version = change.new_version = version + 1
             change.relayout = _longest_window(before["spec"]) != _longest_window(entry["spec"])
+            change.online = bool(entry["spec"].get("online", True))
             if (
                 keys_changed and old_keys is not None
             ):  # (say which: the attributes show none when only a source's column type changed)
