@@ -465,10 +465,10 @@ class RedisOnlineStore:
                 writes = self.client.pipeline(transaction=False)
                 for key in events:
                     writes.delete(key)
-                for key, fields in zip(entities, reads.execute() if entities else []):
+                for key, fields in zip(entities, reads.execute()):  # (an empty pipeline sends nothing)
                     if stale := [f for f in fields if dropped(f)]:
                         writes.hdel(key, *stale)
-                gone += sum(writes.execute()) if len(writes) else 0
+                gone += sum(writes.execute())
                 if progress is not None:
                     progress(len(batch))
         return gone

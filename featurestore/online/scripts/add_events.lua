@@ -45,11 +45,9 @@ local span = BLOCK_TILES * tile
 -- events key -> its ledger (_blocks.lua) and the ledger's directory, read once a call; -> writes
 -- this call adds to it
 local ledgers, ledger_adds = {}, {}
+local function remember_ledger(events, member) ledgers[events] = {member, ledger_directory(member)} end
 local function ledger(events)  -- its member (or nil), its directory (or nil)
-  if ledgers[events] == nil then
-    local held = ledger_of(events)
-    ledgers[events] = {held, ledger_directory(held)}
-  end
+  if ledgers[events] == nil then remember_ledger(events, ledger_of(events)) end
   return ledgers[events][1], ledgers[events][2]
 end
 -- events key -> its events where it may be light (few_events: its ledger comes with them), else
@@ -59,7 +57,7 @@ local function few(events)
   if few_of[events] == nil then
     local held, with = few_events(events)
     few_of[events] = held
-    if held and ledgers[events] == nil then ledgers[events] = {with, ledger_directory(with)} end
+    if held and ledgers[events] == nil then remember_ledger(events, with) end
   end
   return few_of[events]
 end
@@ -157,18 +155,18 @@ for k = 1, n do
   local events, us, event = KEYS[k], tonumber(ARGV[7 + k]), ARGV[7 + n + k]
   local ids, id, stamp = events .. '|ids', string.sub(event, 1, 8), string.sub(event, 9, 16)
   local expire_ms, ids_expire_ms = math.floor(us / 1000) + horizon_ms, needed_until_ms(us)
-  local kept, times, hashed, fetched
+  local kept, times, hashed, fetched  -- (fetched: the id's writes in the ids hash, false for none; nil: unread)
   if blocks_of[events] == nil then  -- (a key's first write in a call reads its id's writes with the block list)
     local got = redis.call('HMGET', ids, '', id)
     blocks_of[events], fetched = got[1] or '', got[2]
   end
   local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = light and '' or packed_writes(events, id, us)
+  if (packed ~= '' or light) and fetched == nil then fetched = redis.call('HGET', ids, id) end
   if packed ~= '' then  -- written before: its writes are those packed and those in the hash
-    kept, hashed = false, redis.call('HGET', ids, id) or ''
+    kept, hashed = false, fetched or ''
     times = hashed .. packed
   elseif light then  -- the hash has every write of the id if it has it, else its plain events do
-    if fetched == nil then fetched = redis.call('HGET', ids, id) end
     times = fetched or plain_writes(events, id)
     kept = times == ''
     if kept then times, unrecorded = stamp, true end
