@@ -25,7 +25,9 @@
 local BLOCK_TILES = 32
 local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
-local function is_block(member) return string.sub(member, 9, 16) == ONES end
+-- (an event's byte 9 is its µs's sign-flipped top byte: 255 only past the year 290,000, so the
+-- cheap test spares nearly every member a copy of its bytes)
+local function is_block(member) return string.byte(member, 9) == 255 and string.sub(member, 9, 16) == ONES end
 -- An entity's ledger is one member of its events key scored +inf, outside every window, trim and
 -- block (whatever reads or counts all of an entity's events reads them up to it: EVENTS_TO): the
 -- newest µs of an event the entity lacks (8 bytes, all zero for none: add_events.lua), then, for

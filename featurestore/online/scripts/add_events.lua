@@ -100,7 +100,7 @@ end
 local function plain_writes(events, id)  -- µs of id's writes in a light entity: its plain events' and its ledger's
   local found = ''
   for _, m in ipairs(few(events)) do
-    if string.sub(m, 1, 8) == id then found = found .. string.sub(m, 9, 16) end
+    if string.find(m, id, 1, true) == 1 then found = found .. string.sub(m, 9, 16) end  -- (no copy of its id)
   end
   local _, l = ledger(events)
   if l then found = found .. id_writes(l, id) end
