@@ -6,7 +6,8 @@ and per aggregated view its events and blocks, event ids and tile summaries), th
 process's CPU time (``INFO cpu``: commands and their network handling) per lookup of one entity
 (every feature of its views, a round trip each, read as a server reads it) and per event
 written (the sampled events written again under a scratch project, then deleted); and what N
-entities × E events need in memory and nodes; and how many sampled entities also hold values of
+entities × E events need in memory and nodes, and a load of lookups and events a second in
+Redis cores and nodes; and how many sampled entities also hold values of
 layouts no longer read (``featurestore compact --drop-old-layouts``). Redis runs commands on one
 core: a node serves about 10⁶ / µs of them a second. Other clients' traffic while it measures
 counts too: measure on a quiet moment.
@@ -36,6 +37,9 @@ from featurestore.retrieval.online import OnlineQuery, OnlineReader
 PROBE_PROJECT = "capacity-probe"  # the scratch project the write probe writes under (and deletes)
 MOST_PROBE_EVENTS = 50_000  # events the write probe sends, at most
 LOOKUPS = 2000  # lookups timed (Redis counts CPU time in clock ticks: enough of them to be exact)
+# the share of its one core a node's commands are sized to take: the rest is room for peaks, a
+# node's replication streams and forks (snapshots, rewrites), and requests queue as a core fills
+BUSY_MOST = 0.5
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -82,8 +86,24 @@ class Capacity:
         """Bytes that ``entities`` entities of each layout need (``events_per_entity`` in each aggregated view)."""
         return entities * sum(layout.bytes_for(events_per_entity) for layout in self.layouts)
 
-    def describe(self, entities: int | None, events_per_entity: float | None, node_memory: int) -> str:
-        """The report ``featurestore capacity`` prints."""
+    def cores_for(self, lookups_per_second: float, events_per_second: float) -> float:
+        """Redis cores (CPU seconds a second) that load takes, at the measured cost of a lookup of one
+        entity and of an event written."""
+        if (lookups_per_second and self.lookup_us is None) or (events_per_second and self.event_write_us is None):
+            raise FeatureStoreError(
+                "the cost of a lookup or of a write was not measured (writes: leave out --no-probe-writes)"
+            )
+        return (lookups_per_second * (self.lookup_us or 0) + events_per_second * (self.event_write_us or 0)) / 1e6
+
+    def describe(
+        self,
+        entities: int | None,
+        events_per_entity: float | None,
+        node_memory: int,
+        lookups_per_second: float = 0,
+        events_per_second: float = 0,
+    ) -> str:
+        """The report ``featurestore capacity`` prints (the load, if any given, sized in nodes too)."""
         lines = [
             f"Online store {self.url}: {self.keys:,} keys, {_size(self.used_memory)} used; "
             f"about {self.entities_now:,} entities of this project, {self.sampled:,} sampled",
@@ -117,6 +137,15 @@ class Capacity:
             f"{n:,} entities per layout{profile}: {_size(need)} of data → {nodes} Redis node{'s' * (nodes > 1)} "
             f"of {_size(node_memory)} (each replica as much again; Redis needs headroom for forks and fragmentation)"
         )
+        if lookups_per_second or events_per_second:
+            cores = self.cores_for(lookups_per_second, events_per_second)
+            by_cpu = max(1, math.ceil(cores / BUSY_MOST))
+            lines.append(
+                f"{lookups_per_second:,g} lookups/s and {events_per_second:,g} events/s: {cores:,.2f} cores of Redis CPU "
+                f"→ {by_cpu} Redis node{'s' * (by_cpu > 1)} at most {BUSY_MOST:.0%} busy; size for "
+                f"{max(by_cpu, nodes)} (the {'load' if by_cpu > nodes else 'memory'} decides; a cluster spreads "
+                "entities over its masters by slot, so one hot entity stays on one core)"
+            )
         if events_per_entity is not None:
             lines.append(
                 "  (at the sampled cost per event: Redis packs a sorted set of 128 events or fewer more "

@@ -531,6 +531,12 @@ def capacity_command(
         None, min=0, help="Events per entity in each aggregated view's window (default: as sampled)."
     ),
     node_memory: str = typer.Option("25GB", help="Data one Redis node may hold (its maxmemory): 25GB, 64GiB."),
+    lookups_per_second: float = typer.Option(
+        0, min=0, help="Load to size for: lookups of one entity a second (a request of k entities is k)."
+    ),
+    events_per_second: float = typer.Option(
+        0, min=0, help="Load to size for: events a second written into aggregated views (pushes, streams)."
+    ),
     sample: int = typer.Option(1000, min=1, help="Entities to sample."),
     probe_writes: bool = typer.Option(
         True, help="Time writes by writing the sampled events again under a scratch project (deleted after)."
@@ -539,15 +545,19 @@ def capacity_command(
 ) -> None:
     """What the online store costs for this repo, measured on a sample of its data: bytes per entity
     and per event by layout, Redis CPU per lookup and per event written, and the memory and
-    nodes N entities need. Measure on a quiet moment: other clients' commands count too."""
+    nodes N entities and a load of lookups and writes need. Measure on a quiet moment: other
+    clients' commands count too."""
     from featurestore import capacity
 
     node_bytes = capacity.parse_size(node_memory)
+    if events_per_second and not probe_writes:
+        raise FeatureStoreError("--events-per-second needs the cost of a write: leave out --no-probe-writes")
     with _store(repo) as store:
         measured = capacity.measure(store.online_store, store.definitions, store.config.project, sample, probe_writes)
     if not measured.sampled:
         raise FeatureStoreError("Redis holds no entities of this project yet: materialize or push some, then measure")
-    console.print(measured.describe(entities, events_per_entity, node_bytes), markup=False, soft_wrap=True)
+    report = measured.describe(entities, events_per_entity, node_bytes, lookups_per_second, events_per_second)
+    console.print(report, markup=False, soft_wrap=True)
 
 
 @app.command("api-key", rich_help_panel="Serving")

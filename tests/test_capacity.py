@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
@@ -97,6 +99,8 @@ def test_capacity_measures_each_layout_of_the_repos_own_keys(repo):
     report = measured.describe(10**8, 100, capacity.parse_size("25GB"))
     nodes = -(-measured.memory_for(10**8, 100) // 25e9)
     assert f"→ {nodes:.0f} Redis nodes of 25.0 GB" in report and "lookups/s per Redis core" in report
+    light_load = measured.describe(10**8, 100, capacity.parse_size("25GB"), lookups_per_second=1)
+    assert f"size for {nodes:.0f} (the memory decides" in light_load
 
 
 def _cli(root, *args: str) -> subprocess.CompletedProcess:
@@ -125,6 +129,26 @@ def test_capacity_command_prints_the_model_and_refuses_bad_input(repo, tmp_path)
         server.stop()
     assert nothing.returncode != 0 and "holds no entities of this project" in nothing.stderr
     assert "Traceback" not in nothing.stderr
+
+
+def test_capacity_sizes_a_load_of_lookups_and_writes_in_redis_cores_and_nodes(repo):
+    """A load of lookups and events a second costs Redis cores at the measured cost of each; a
+    node is sized to be at most half busy, and the larger of what memory and load need decides."""
+    done = _cli(repo, "--entities", "1000", "--lookups-per-second", "300000", "--events-per-second", "400000")
+    assert done.returncode == 0, done.stderr
+    lookup_us = float(re.search(r"per lookup of 1 entity, every view: ([0-9.]+) µs", done.stdout).group(1))
+    write_us = float(re.search(r"per event written \(256 a call\): ([0-9.]+) µs", done.stdout).group(1))
+    line = re.search(
+        r"300,000 lookups/s and 400,000 events/s: ([0-9.,]+) cores of Redis CPU → (\d+) Redis node", done.stdout
+    )
+    assert line, done.stdout
+    cores, nodes = float(line.group(1).replace(",", "")), int(line.group(2))
+    # (the report's µs are rounded to 0.1 and 0.01: the cores it prints may differ by that much)
+    assert cores == pytest.approx((300_000 * lookup_us + 400_000 * write_us) / 1e6, abs=0.03)
+    assert nodes == math.ceil(cores / 0.5) and f"size for {nodes} (the load decides" in done.stdout
+    refused = _cli(repo, "--events-per-second", "10", "--no-probe-writes")
+    assert refused.returncode != 0 and "needs the cost of a write" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_capacity_says_how_to_pack_from_fewer_events_on_a_redis_with_the_default_compact_limit(repo):
