@@ -7,8 +7,9 @@ process's CPU time (``INFO cpu``: commands and their network handling) per looku
 (every feature of its views, a round trip each, read as a server reads it) and per event
 written (the sampled events written again under a scratch project, then deleted); and what N
 entities × E events need in memory and nodes, and a load of lookups and events a second in
-Redis cores and nodes; and how many sampled entities also hold values of
-layouts no longer read (``featurestore compact --drop-old-layouts``). Redis runs commands on one
+Redis cores and nodes; and what layouts no longer read still hold (``featurestore compact
+--drop-old-layouts``): how many sampled entities' hashes hold their values, and the share of the
+project's keys that are their events. Redis runs commands on one
 core: a node serves about 10⁶ / µs of them a second. Other clients' traffic while it measures
 counts too: measure on a quiet moment.
 """
@@ -19,7 +20,7 @@ import itertools
 import math
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,6 +37,7 @@ from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
 PROBE_PROJECT = "capacity-probe"  # the scratch project the write probe writes under (and deletes)
 MOST_PROBE_EVENTS = 50_000  # events the write probe sends, at most
+SCANNED_PER_SAMPLED = 100  # keys the sample's scan reads at most per entity sampled (a store of earlier layouts' keys)
 LOOKUPS = 2000  # lookups timed (Redis counts CPU time in clock ticks: enough of them to be exact)
 # the share of its one core a node's commands are sized to take: the rest is room for peaks, a
 # node's replication streams and forks (snapshots, rewrites), and requests queue as a core fills
@@ -81,6 +83,10 @@ class Capacity:
     event_write_us: float | None  # Redis CPU time per event written
     compact_value_limit: int = packed.COMPACT_SETS_FROM  # the longest member Redis keeps a sorted set compact with
     earlier_layouts: int = 0  # sampled entities whose hash also holds values of layouts no longer read
+    # events keys (with their ids and tiles) of layouts no longer read: estimated keys and bytes in the
+    # whole project, from their share of the keys the sample's scan met (not in the layouts above)
+    earlier_event_keys: int = 0
+    earlier_event_bytes: float = 0.0
 
     def memory_for(self, entities: int, events_per_entity: float | None = None) -> float:
         """Bytes that ``entities`` entities of each layout need (``events_per_entity`` in each aggregated view)."""
@@ -113,6 +119,13 @@ class Capacity:
             events = f"{c.events_per_entity:,.1f}" if c.events_per_entity is not None else "-"
             per_event = f"{c.bytes_per_event:,.1f}" if c.bytes_per_event is not None else "-"
             lines.append(f"{c.name:<40} {c.entities:>9,} {events:>14} {c.bytes_per_entity:>13,.0f} {per_event:>12}")
+        if self.earlier_event_keys:
+            lines.append(
+                f"About {self.earlier_event_keys:,} keys ({_size(self.earlier_event_bytes)}) hold aggregated views' "
+                "events of layouts no longer read (an upgrade or a definition change left them; not in the sizing "
+                "below): they expire a longest window and a dedup window after their newest event, or, once every "
+                "server runs this version, `featurestore compact --drop-old-layouts` deletes them"
+            )
         if self.earlier_layouts:
             lines.append(
                 f"{self.earlier_layouts:,} of the sampled entities also hold values of layouts no longer read (an "
@@ -170,7 +183,12 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     prefix = key_prefix(project)
     views = [v for v in defs.feature_views.values() if v.online]
     read_now = {defs.layout(v).online_field.encode() for v in views}
-    entities = _sample_entities(client, prefix, sample)
+
+    def earlier_events(key: bytes) -> bool:  # (an events key ends in :ev:view#layout, then |ids or |tiles)
+        _, ev, field = key.rpartition(b":ev:")
+        return bool(ev) and field.split(b"|", 1)[0] not in read_now
+
+    entities, scanned, earlier_met, earlier_keys = _sample_entities(client, prefix, sample, earlier_events)
     earlier = 0  # sampled entities holding values of layouts no longer read
     now_us = time.time_ns() // 1000
     groups: dict[str, list[float]] = {}
@@ -220,17 +238,25 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     keys = int(client.dbsize())
     own = int(client.exists(*(prefix + name for name in PROJECT_HASHES)))  # (no entity's)
     keys_per_entity = sum(held_keys) / len(held_keys) if held_keys and sum(held_keys) else 1.0
+    project_keys = max(0, keys * _project_share(client, prefix) - own)
+    earlier_share = earlier_met / scanned if scanned else 0.0
+    pipe = client.pipeline(transaction=False)
+    for key in earlier_keys:
+        pipe.memory_usage(key, samples=0)
+    earlier_bytes = sum(size or 0 for size in pipe.execute())  # (an empty pipeline sends nothing)
     return Capacity(
         url=online.transport.safe_url,
         keys=keys,
         used_memory=int(client.info("memory")["used_memory"]),
-        entities_now=round(max(0, keys * _project_share(client, prefix) - own) / keys_per_entity) if entities else 0,
+        entities_now=round(project_keys * (1 - earlier_share) / keys_per_entity) if entities else 0,
         sampled=len(entities),
         layouts=sorted(layouts, key=lambda c: c.name),
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
         event_write_us=_event_write_us(client, prefix, written, online.compact_value_limit()) if probe else None,
         compact_value_limit=online.compact_value_limit(),
         earlier_layouts=earlier,
+        earlier_event_keys=round(project_keys * earlier_share),
+        earlier_event_bytes=earlier_bytes / len(earlier_keys) * project_keys * earlier_share if earlier_keys else 0.0,
     )
 
 
@@ -245,15 +271,29 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def _sample_entities(client, prefix: bytes, sample: int) -> list[bytes]:
-    """Up to ``sample`` distinct entity keys (``fs:<project>:{...}``), in SCAN's order (the hash table's: no bias by key)."""
+def _sample_entities(
+    client, prefix: bytes, sample: int, earlier: Callable[[bytes], bool]
+) -> tuple[list[bytes], int, int, list[bytes]]:
+    """Up to ``sample`` distinct entity keys (``fs:<project>:{...}``), in SCAN's order (the hash
+    table's: no bias by key), from at most ``SCANNED_PER_SAMPLED`` × ``sample`` of the project's
+    keys; how many keys the scan met, how many of them ``earlier`` is true of (skipped), and up
+    to ``sample`` of those."""
     entities: dict[bytes, None] = {}
+    scanned, earlier_met = 0, 0
+    kept: list[bytes] = []
     for key in client.scan_iter(match=glob_escaped(prefix) + b"{*", count=1000):
-        if key.startswith(prefix + b"{"):  # (the pattern is escaped: this is the proof)
+        if not key.startswith(prefix + b"{"):  # (the pattern is escaped: this is the proof)
+            continue
+        scanned += 1
+        if earlier(key):
+            earlier_met += 1
+            if len(kept) < sample:
+                kept.append(key)
+        else:
             entities.setdefault(key[: key.index(b"}") + 1], None)
-            if len(entities) >= sample:
-                break
-    return list(entities)
+        if len(entities) >= sample or scanned >= SCANNED_PER_SAMPLED * sample:
+            break
+    return list(entities), scanned, earlier_met, kept
 
 
 def _project_share(client, prefix: bytes, draws: int = 200) -> float:

@@ -239,3 +239,51 @@ def test_capacity_says_when_entities_hold_values_of_layouts_no_longer_read(tmp_p
             assert report.earlier_layouts == 0 and "--drop-old-layouts" not in report.describe(None, None, 10**9)
     finally:
         server.stop()
+
+
+def test_capacity_counts_the_keys_and_bytes_of_events_of_layouts_no_longer_read(tmp_path):
+    """A longer window re-lays an aggregated view out: the earlier layout's events keys stay until
+    they expire. Capacity counts them (their share of the keys its scan met, of the project's keys:
+    here every key) and their bytes, apart from the layouts it sizes; after ``drop_old_layouts``,
+    none."""
+    from featurestore import capacity
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    root = write_repo(tmp_path / "repo", FEATURES, url=server.ensure_running())
+    now = datetime.now(UTC)
+
+    def payments(cards: list[int], first_id: int) -> pa.Table:
+        return pa.table(
+            {
+                "payment_id": list(range(first_id, first_id + len(cards))),
+                "card_id": cards,
+                "amount": [1.5] * len(cards),
+                "event_timestamp": pa.array([now - timedelta(minutes=i) for i in range(len(cards))], TS),
+            }
+        )
+
+    try:
+        with FeatureStore(root) as store:
+            store.apply()
+            store.push("payments", payments([1, 1, 2, 3, 4], 0), to="online")
+            client = store.online_store.client
+            earlier = set(client.keys(b"*:ev:*"))
+        (root / "features.py").write_text(FEATURES.replace("timedelta(days=7)", "timedelta(days=14)"))
+        with FeatureStore(root) as store:
+            store.apply()
+            store.push("payments", payments([1, 2], 100), to="online")
+            assert not earlier & set(client.keys(b"*:ev:*")) - earlier  # (the new layout's keys are others)
+
+            def measured() -> capacity.Capacity:
+                return capacity.measure(store.online_store, store.definitions, store.config.project, probe=False)
+
+            report = measured()
+            assert report.earlier_event_keys == len(earlier) > 0
+            assert report.earlier_event_bytes == sum(client.memory_usage(k, samples=0) for k in earlier)
+            assert {c.name: c.entities for c in report.layouts} == {"activity events": 2}  # (cards 1 and 2: now)
+            assert f"About {len(earlier):,} keys" in report.describe(None, None, 10**9)
+            store.drop_old_layouts()
+            report = measured()
+            assert report.earlier_event_keys == 0 and "About" not in report.describe(None, None, 10**9)
+    finally:
+        server.stop()
