@@ -2152,7 +2152,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "07e87b6410a4c07b"},
+        {10: "52f43effbbcfe0ae", 11: "ceb5f98aeb0fd53e"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

@@ -247,7 +247,8 @@ local function listed_block(events, member, filter)
   local listed = unlisted(redis.call('HGET', ids, '') or '', function(other) return other ~= number end)
   redis.call('HSET', ids, '', listed .. number .. struct.pack('>I4', #filter) .. filter)
 end
-local function record_writes(ids, members)  -- the writes of the plain members into the ids hash
+-- the writes of the plain members into the ids hash (fresh: the hash does not exist, nothing to read)
+local function record_writes(ids, members, fresh)
   local writes, order = {}, {}  -- id -> its members' stamps; ids in first-seen order
   for _, m in ipairs(members) do
     if not is_block(m) then
@@ -257,7 +258,7 @@ local function record_writes(ids, members)  -- the writes of the plain members i
     end
   end
   each_chunk(order, 1000, function(i, j)  -- (one read and one write of the hash a chunk)
-    local held, changes = redis.call('HMGET', ids, unpack(order, i, j)), {}
+    local held, changes = fresh and {} or redis.call('HMGET', ids, unpack(order, i, j)), {}
     for k = i, j do
       local id = order[k]
       local times = held[k - i + 1] or ''
@@ -277,13 +278,20 @@ local function set_ledger(events, old, new)  -- old: the ledger member, if any; 
   if new ~= NO_LACK then redis.call('ZADD', events, LEDGER_SCORE, new) end
 end
 -- as an entity stops being light: every plain event's write, and its ledger's, into the ids hash
--- (its callers see that the hash lives as long as the events' writes need)
-local function heavier(events)
-  local ids, ledger = events .. '|ids', ledger_of(events)
-  record_writes(ids, redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO))
+-- (its callers see that the hash lives as long as the events' writes need). Where the caller has
+-- read them this call: members, its plain events; ledger, its ledger member (false: none)
+local function heavier(events, members, ledger)
+  local ids = events .. '|ids'
+  if ledger == nil then ledger = ledger_of(events) end
+  local fresh = redis.call('EXISTS', ids) == 0
+  members = members or redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO)
+  record_writes(ids, members, fresh)
+  fresh = fresh and #members == 0
   if ledger and #ledger > 8 then
-    record_writes(ids, ledger_writes(ledger_directory(ledger)))
+    local writes = ledger_writes(ledger_directory(ledger))
+    record_writes(ids, writes, fresh)
+    fresh = fresh and #writes == 0
     set_ledger(events, ledger, string.sub(ledger, 1, 8))
   end
-  if redis.call('EXISTS', ids) == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
+  if fresh then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
 end

@@ -51,8 +51,8 @@ local function ledger(events)  -- its member (or nil), its directory (or nil)
   return ledgers[events][1], ledgers[events][2]
 end
 -- events key -> its events where it may be light (few_events: its ledger comes with them), else
--- false: read once a call
-local few_of = {}
+-- false: read once a call; -> its plain events as this call's write made it heavy (for ``heavier``)
+local few_of, grown = {}, {}
 local function few(events)
   if few_of[events] == nil then
     local held, with = few_events(events)
@@ -115,7 +115,7 @@ local function lacks(events, us)
   if lacked[events] == nil or us > lacked[events] then lacked[events] = us end
 end
 local function changed(events)  -- events were removed: what was read of them is stale
-  few_of[events], blocks_of[events], directories[events] = nil, nil, nil
+  few_of[events], grown[events], blocks_of[events], directories[events] = nil, nil, nil, nil
 end
 if verdicts then
   for k = 1, n do
@@ -195,7 +195,10 @@ for k = 1, n do
     if kept and redis.call('ZADD', events, us, event) == 1 then
       added, placed = added + 1, true
       local held = few_of[events]
-      if held then few_of[events] = #held < LIGHT_MOST and held or false; held[#held + 1] = event end
+      if held then
+        held[#held + 1] = event
+        if #held > LIGHT_MOST then few_of[events], grown[events] = false, held end
+      end
       touched(events, us)
     elseif verdicts and not kept and redis.call('ZREM', events, event) == 1 then
       changed(events)
@@ -223,7 +226,9 @@ for k = 1, n do
   local light_now = is_light(events)
   local grew = light and not light_now
   if grew then  -- (the writes this call would add to its ledger go to the ids hash too)
-    heavier(events)
+    local read = ledgers[events]
+    heavier(events, grown[events], read and (read[1] or false))
+    grown[events] = nil
     record_writes(ids, ledger_adds[events] or {})
     ledgers[events], ledger_adds[events] = nil, nil
   end
