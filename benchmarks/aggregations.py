@@ -381,7 +381,10 @@ def online(args: argparse.Namespace) -> None:
         measured = capacity.measure(store.online_store, store.definitions, store.config.project)
         memory = memory_by_layout(store, n_cards + 100, rng, now)
         steady = a_window_on(store, n_cards + 2000, rng)
-        into_blocks = ingest_into_blocks(store, n_cards + 1000, rng, now)
+        into_blocks = [
+            ingest_into_blocks(store, n_cards + 10_000 * (k + 1), cards, per, rng, now)
+            for k, (cards, per) in enumerate(INTO_BLOCKS)
+        ]
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
@@ -431,14 +434,15 @@ def online(args: argparse.Namespace) -> None:
         )
     for to, rate in ingest.items():
         print(f"  sustained ingest, pushes of 1,000 events to {to}: {rate:,.0f} events/s")
-    print(
-        f"  sustained ingest into {INTO_BLOCKS[0]} cards of {INTO_BLOCKS[1]} events packed in blocks, pushes of 1,000 new "
-        "events to online, 4 rounds of 5,000: "
-        + " / ".join(
-            f"{rate:,.0f} events/s ({us:.1f} µs of Redis script CPU, {reads:.2f} block reads an event)"
-            for rate, us, reads in into_blocks
+    for (cards, per), rounds in zip(INTO_BLOCKS, into_blocks, strict=True):
+        print(
+            f"  sustained ingest into {cards:,} cards of {per} events packed in blocks, pushes of 1,000 new "
+            "events to online, 4 rounds of 5,000: "
+            + " / ".join(
+                f"{rate:,.0f} events/s ({us:.1f} µs of Redis script CPU, {reads:.2f} block reads an event)"
+                for rate, us, reads in rounds
+            )
         )
-    )
     print(
         "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids and tile summaries):"
     )
@@ -468,15 +472,17 @@ LAYOUTS = {  # how memory_by_layout writes a card: ids, times' unit (µs), Redis
 }
 
 
-INTO_BLOCKS = (200, 400)  # cards, events each over the past 7 d (packed into ~6 blocks a card)
+# cards, events each over the past 7 d: packed into ~6 blocks a card, of ~60 and of ~15 events
+INTO_BLOCKS = [(200, 400), (2000, 100)]
 
 
-def ingest_into_blocks(store, first_card: int, rng, now: datetime) -> list[tuple[float, float, float]]:
+def ingest_into_blocks(
+    store, first_card: int, cards: int, per: int, rng, now: datetime
+) -> list[tuple[float, float, float]]:
     """New events streamed into cards whose events are packed (a write checks the blocks a dedup
     window either side, where their id filters let its id through): per round, events/s, Redis's
     script CPU per event (``INFO commandstats``) and block reads (``ZRANGEBYSCORE``) per event."""
     client = store.online_store.client
-    cards, per = INTO_BLOCKS
     n = cards * per
     ts = pa.array([now - timedelta(seconds=int(s)) for s in rng.integers(60, 7 * 86400 - 60, n)], TS)
     store.push(

@@ -329,8 +329,8 @@ def test_a_blocks_id_filter_lets_each_of_its_ids_through(redis_url, ids, others)
     answers = _lua(redis_url, _FILTER_CHECK, id_filter, *(int(i).to_bytes(8, "big") for i in asked))
     hashes = packed.filter_hashes(asked)
     assert [a[1:] for a in answers] == hashes.tolist()
-    if len(held) < packed.FILTER_FROM:
-        assert id_filter == b"" and all(a[0] == 1 for a in answers)  # (no filter: every block is read)
+    if not held.size:
+        assert id_filter == b"" and all(a[0] == 1 for a in answers)  # (no filter: a block without one is read)
         return
     bits = np.unpackbits(np.frombuffer(id_filter, dtype=np.uint8), bitorder="little")
     through = bits[hashes % np.uint64(len(bits))].all(axis=1)
@@ -344,7 +344,7 @@ def test_a_blocks_id_filter_lets_few_new_ids_through(redis_url, ids):
     hundred), for sequential ids (a new one past all the block holds) as for random ones, so a
     write of a new id reads few blocks."""
     rng = np.random.default_rng(7)
-    for n in (packed.FILTER_FROM, 100, 3000):
+    for n in (packed.SPARSE_PACK_FROM, 8, 32, 100, 3000):
         if ids == "sequential":
             held, new = np.arange(10**6, 10**6 + n), np.arange(10**6 + n, 10**6 + n + 2000)
         else:

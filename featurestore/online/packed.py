@@ -366,12 +366,11 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-# the id filter: which ids a block may hold, so that a write of a new id need not read the block
-
-# ids a block needs to get a filter: an entity of smaller blocks is written to rarely, and its
-# memory, not its writes, is what it costs; an entity written to often has blocks this full, its
-# newest one included most of the time (``benchmarks/aggregations.py``)
-FILTER_FROM = 32
+# the id filter: which ids a block may hold, so that a write of a new id need not read the block.
+# Every block has one: without, each write of an entity of small blocks (tens of events each, an
+# entity of ~100 events a window) read every block a dedup window either side of it
+# (``benchmarks/aggregations.py``: sustained ingest into such cards); blocks packed without one are
+# read (``may_hold``)
 _FILTER_PRIME = 2**31 - 1
 _FILTER_FACTORS = np.array([[648_113, 521_387], [797_473, 938_351], [574_831, 1_003_441]], dtype=_U64)
 
@@ -387,8 +386,8 @@ def filter_hashes(ids: np.ndarray) -> np.ndarray:
 def id_filter(ids: np.ndarray) -> bytes:
     """A block's id filter, a byte an id (uint64, as ``filter_hashes`` takes them): a Bloom filter
     setting the bit each hash picks, so an id the block lacks gets through about one time in
-    thirty; none (``b""``) under ``FILTER_FROM`` ids."""
-    if len(ids) < FILTER_FROM:
+    thirty (none for no ids)."""
+    if not len(ids):
         return b""
     bits = len(ids) * 8
     held = np.zeros(bits, dtype=bool)
