@@ -30,7 +30,7 @@ from featurestore.definitions import FeatureView
 from featurestore.errors import FeatureStoreError
 from featurestore.online import packed
 from featurestore.online.base import EVENT_SCORES, PROJECT_HASHES
-from featurestore.online.codec import event_columns, events_key, glob_escaped, key_prefix, key_value
+from featurestore.online.codec import event_columns, events_field, events_key, glob_escaped, key_prefix, key_value
 from featurestore.online.lua import scripts
 from featurestore.registry import Definitions
 from featurestore.retrieval.online import OnlineQuery, OnlineReader
@@ -184,9 +184,9 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     views = [v for v in defs.feature_views.values() if v.online]
     read_now = {defs.layout(v).online_field.encode() for v in views}
 
-    def earlier_events(key: bytes) -> bool:  # (an events key ends in :ev:view#layout, then |ids or |tiles)
-        _, ev, field = key.rpartition(b":ev:")
-        return bool(ev) and field.split(b"|", 1)[0] not in read_now
+    def earlier_events(key: bytes) -> bool:
+        field = events_field(key)
+        return field is not None and field not in read_now
 
     entities, scanned, earlier_met, earlier_keys = _sample_entities(client, prefix, sample, earlier_events)
     earlier = 0  # sampled entities holding values of layouts no longer read

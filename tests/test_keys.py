@@ -215,3 +215,20 @@ def test_a_key_text_reads_back_as_its_value(typed):
     type_name, value = typed
     back = key_value(key_text(value, type_name), type_name)
     assert back == (value + 0.0 if type_name == "Float64" else value) and type(back) is type(value)
+
+
+def test_key_texts_shaped_like_stored_names_are_entities_to_dropping_layouts_and_capacity(make_store):
+    """An entity's key text may read like the name of a view's values or events under another
+    layout (``x:by_text#old``, ``y:ev:by_text#old|ids``): it is still an entity's hash.
+    ``drop_old_layouts`` keeps it (it deleted the first: its key's last ``:`` part named an
+    earlier layout) and capacity samples it as an entity, not as an earlier layout's events."""
+    from featurestore import capacity
+
+    texts = ["x:by_text#old", "y:ev:by_text#old|ids", "z}:ev:by_text#old"]
+    only_text = DEFS.split("by_bytes =")[0] + 'by_text = view("by_text", ["s"], [String])\n'
+    store = make_store(only_text, {"by_text": _table(s=pa.array(texts))})
+    store.materialize(None, NOW)
+    store.drop_old_layouts()
+    assert store.get_online_features({"s": texts}, features=["by_text:x"]).to_dict()["x"] == [1, 2, 3]
+    measured = capacity.measure(store.online_store, store.definitions, store.config.project, probe=False)
+    assert measured.earlier_event_keys == 0 and measured.sampled == len(texts)

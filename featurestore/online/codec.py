@@ -208,6 +208,15 @@ def events_key(entity: bytes, view: str) -> bytes:
     return entity + b":ev:" + view.encode()
 
 
+def events_field(key: bytes) -> bytes | None:
+    """The view field (``view#layout``) naming an events key, or its ids or tiles hash; None for
+    any other key (an entity's hash: whatever its key text reads like, it ends at the first ``}``,
+    as braces inside are escaped)."""
+    end = key.find(b"}")
+    tail = key[end + 1 :] if end >= 0 else b""
+    return tail[4:].split(b"|", 1)[0] if tail.startswith(b":ev:") else None
+
+
 def events_between(events: list[bytes], low_us: int, high_us: int) -> list[bytes]:
     """The events with time in ``(low_us, high_us]``, in their order."""
     low, high = struct.pack(">Q", low_us + 1 + (1 << 63)), struct.pack(">Q", high_us + (1 << 63))  # sign-flipped

@@ -43,6 +43,7 @@ from featurestore.online.codec import (
     encode_events,
     encode_values,
     entity_keys,
+    events_field,
     events_key,
     glob_escaped,
     key_prefix,
@@ -442,8 +443,8 @@ class RedisOnlineStore:
         ``progress`` is told of each batch of keys scanned."""
         marker, kept = view.encode() + b"#", (keep or "").encode()
 
-        def dropped(field: bytes) -> bool:  # (an events key's field is its name up to its suffix: |ids, |tiles)
-            return field.startswith(marker) and field.split(b"|", 1)[0] != kept
+        def dropped(field: bytes | None) -> bool:
+            return field is not None and field.startswith(marker) and field != kept
 
         gone = 0
         with self._calling():
@@ -457,7 +458,7 @@ class RedisOnlineStore:
             for batch in iter(lambda: list(itertools.islice(scan, 1000)), []):  # (a round trip or two a batch)
                 # (exact: the pattern is escaped, this is the proof)
                 mine = [k for k in batch if k.startswith(self.prefix)]
-                events = [k for k in mine if dropped(k.rsplit(b":", 1)[-1])]  # an events key, its ids or its tiles
+                events = [k for k in mine if dropped(events_field(k))]  # an events key, its ids or its tiles
                 entities = [k for k in mine if k.endswith(b"}")]  # (their hashes of latest values)
                 reads = self.client.pipeline(transaction=False)
                 for key in entities:
