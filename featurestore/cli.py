@@ -108,8 +108,10 @@ def init(
     project: str = typer.Option("my_project", help="Project name."),
 ) -> None:
     """Scaffold a feature repo with an example entity, source and view."""
+    from featurestore.config import check_project_name
     from featurestore.scaffold import scaffold
 
+    check_project_name(project, "--project: ")
     scaffold(path, project)
     console.print(
         f"Created feature repo in [bold]{path}[/]. Next: [cyan]featurestore --help[/] or [cyan]featurestore plan -r {path}[/]"

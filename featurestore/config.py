@@ -151,6 +151,7 @@ class RepoConfig:
         if not isinstance(raw, dict) or "project" not in raw:
             raise FeatureStoreError(f"{file}: add a top-level `project: <name>` entry")
         _check_keys(file, raw)
+        check_project_name(str(raw["project"]), f"{file}: ")
         options = raw.get("storage_options") or {}
         if not isinstance(options, dict):
             raise FeatureStoreError(
@@ -349,6 +350,16 @@ _KEYS = {
         "ray_partitions",
     },
 }
+
+
+def check_project_name(project: str, where: str = "") -> None:
+    """A project names its Redis keys (``fs:<project>:{<entity>}``): a brace in it would be taken
+    for an entity's, so a cluster would put every key of the project in one slot."""
+    if "{" in project or "}" in project:
+        raise FeatureStoreError(
+            f"{where}project {project!r}: a project name may not hold braces (Redis Cluster reads them as the slot "
+            "of every key); rename it, then `featurestore materialize` fills Redis under the new name"
+        )
 
 
 def _check_keys(file: Path, raw: dict) -> None:

@@ -92,6 +92,7 @@ def test_api_entity_inputs_that_are_not_data_are_request_errors(repo):
             "unknown setting `online_store.urll`; did you mean `online_store.url`?",
         ),
         ("project: p\nmodules: 3\n", "`modules` must list Python files"),
+        ("project: 'shop{eu}'\n", "project 'shop{eu}': a project name may not hold braces"),
     ],
 )
 def test_config_mistakes_name_the_key(tmp_path, yaml, message):
