@@ -76,7 +76,7 @@ def key_headers(api_key: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def checked_state(body: Any, source: str) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def checked_state(body: Any, source: str) -> dict[str, Any]:
         if not (isinstance(version, str) and version.isdigit() and version == str(int(version)) and int(version) >= 1):
             raise bad(f"a version named {version!r}")
         if not isinstance(hashes, dict) or any(
-            not isinstance(hashes.get(f), str) or not _HEX64.match(hashes[f]) for f in MODEL_FILES
+            not isinstance(hashes.get(f), str) or not _HEX64.fullmatch(hashes[f]) for f in MODEL_FILES
         ):
             raise bad(f"version {version} without a SHA-256 for each of {list(MODEL_FILES)}")
     missing = [v for v in body["aliases"].values() if str(v) not in body["versions"]]

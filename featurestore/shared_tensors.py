@@ -28,7 +28,7 @@ import torch
 from featurestore.errors import FeatureStoreError
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_SHM_NAME = re.compile(r"^featurestore-broadcast-[0-9a-f]{32}$")
+_SHM_NAME = re.compile(r"featurestore-broadcast-[0-9a-f]{32}")
 
 
 def machine_id() -> str:
@@ -93,7 +93,7 @@ def attach(handle: dict[str, Any]) -> torch.Tensor:
     kind = handle.get("kind")
     if kind == "shm":
         name, nbytes = str(handle.get("name", "")), int(handle.get("nbytes", -1))
-        if not _SHM_NAME.match(name) or nbytes < 0:
+        if not _SHM_NAME.fullmatch(name) or nbytes < 0:
             raise FeatureStoreError(f"not a broadcast's shared memory: {handle!r}")
         fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDWR)
         try:

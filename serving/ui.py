@@ -39,14 +39,14 @@ from serving.responses import install_error_handlers, json_response
 
 STATIC = Path(__file__).parent / "ui_static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
-_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,200}$")
+_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,200}")
 RUNS_REFRESH_SECONDS = 5  # runs on object storage are pulled at most this often
 MAX_POINTS = 5000
 
 
 def _name(value: str, what: str) -> str:
     """A run id, model or view name as a path component: no traversal, no surprises."""
-    if not _NAME.match(value) or value in (".", ".."):
+    if not _NAME.fullmatch(value) or value in (".", ".."):
         raise RequestError(f"{what} {value[:80]!r} is not a valid name")
     return value
 

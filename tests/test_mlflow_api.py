@@ -331,3 +331,14 @@ def test_no_mlflow_body_gets_a_500(mlflow_client):
             assert response.json()["message"]
 
     check()
+
+
+def test_a_run_id_is_its_characters_the_whole_id(mlflow_client):
+    """A run id with a line break after a real one (which ``^…$`` let through, as every anchored
+    name check here did: run ids, artifact digests, the UI's names) is no run id: an error saying
+    so (INVALID_PARAMETER_VALUE), not a lookup of a folder by that name."""
+    client, run = mlflow_client
+    assert client.get("/api/2.0/mlflow/runs/get", params={"run_id": run}).status_code == 200
+    response = client.get("/api/2.0/mlflow/runs/get", params={"run_id": run + "\n"})
+    assert response.status_code == 422 and response.json()["error_code"] == "INVALID_PARAMETER_VALUE"
+    assert "is not a run id" in response.json()["message"]

@@ -113,6 +113,14 @@ def test_reserved_and_duplicate_feature_names(tmp_path):
     assert "appears twice" in str(info.value) and "reserved" in str(info.value)
 
 
+def test_a_name_ending_in_a_newline_is_no_name(tmp_path):
+    """Names are letters, digits and underscores, the whole name: ``driver_stats\\n`` (whose
+    line break ``^…$`` let through) names a view's keys and fields, and is refused."""
+    code = GOOD.replace('name="driver_stats"', 'name="driver_stats\\n"')
+    with pytest.raises(DefinitionError, match="names must be letters, digits and underscores"):
+        FeatureStore(write_repo(tmp_path, code, {"stats": STATS})).definitions
+
+
 def test_import_error_names_the_module(tmp_path):
     with pytest.raises(DefinitionError, match="importing .*features.py failed"):
         FeatureStore(write_repo(tmp_path, "import not_a_module\n")).definitions

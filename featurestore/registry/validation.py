@@ -22,7 +22,7 @@ from featurestore.registry.loader import Definitions
 from featurestore.sources import INGESTED_AT, view_output_schema
 from featurestore.types import String, castable, from_arrow, is_timestamp_like
 
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # (whole names: fullmatch, as `$` lets a newline end one)
 RESERVED = {*HISTORY_COLUMNS, PARTITION_COLUMN, INGESTED_AT}  # names the stores use themselves
 
 
@@ -30,7 +30,7 @@ def validate(defs: Definitions, config: RepoConfig) -> list[str]:
     problems: list[str] = []
     for kind, objects in defs.all().items():
         for name, obj in objects.items():
-            if not _NAME.match(name):
+            if not _NAME.fullmatch(name):
                 problems.append(
                     f"{kind.replace('_', ' ')} {name!r} ({obj.location}): names must be letters, digits and "
                     "underscores, not starting with a digit; rename it"

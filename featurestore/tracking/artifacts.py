@@ -20,7 +20,7 @@ from featurestore.errors import NotFoundError, RequestError
 from featurestore.retrieval.export import sha256_file
 from featurestore.storage import Location
 
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ArtifactStore:
@@ -54,7 +54,7 @@ class ArtifactStore:
         return sha
 
     def _checked(self, sha: str) -> str:
-        if not _HEX.match(sha):
+        if not _HEX.fullmatch(sha):
             raise RequestError(f"an artifact is named by its SHA-256 (64 lower-case hex digits), not {sha[:80]!r}")
         if self.objects.stamp(sha) is None:
             raise NotFoundError(f"no artifact {sha}")

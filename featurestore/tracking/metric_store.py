@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 SCHEMA = pa.schema(
     [("step", pa.int64()), ("wall_time", pa.float64()), ("metric", pa.string()), ("value", pa.float64())]
 )
-_SEGMENT = re.compile(r"^(\d{8})-(\d{8})\.parquet$")
+_SEGMENT = re.compile(r"(\d{8})-(\d{8})\.parquet")
 
 
 def _write(path: Path, table: pa.Table) -> None:
@@ -62,7 +62,9 @@ class MetricWriter:
         self.flush_rows, self.flush_seconds, self.max_segments = flush_rows, flush_seconds, max_segments
         self._columns: dict[str, list] = {name: [] for name in SCHEMA.names}
         self._flushed_at = time.monotonic()
-        self._seq = max((int(m.group(2)) for m in map(_SEGMENT.match, os.listdir(self.folder)) if m), default=-1) + 1
+        self._seq = (
+            max((int(m.group(2)) for m in map(_SEGMENT.fullmatch, os.listdir(self.folder)) if m), default=-1) + 1
+        )
 
     def log(self, step: int, values: Mapping[str, float], wall_time: float | None = None) -> None:
         """Record ``values`` (metric name -> number) at ``step``."""
@@ -110,7 +112,9 @@ def _segments(folder: Path) -> list[tuple[int, int, Path]]:
     """(first, last, path) of the segments to read, in order; a segment inside another's range is
     skipped (the parts of a merge not yet deleted)."""
     found = sorted(
-        (int(m.group(1)), -int(m.group(2)), folder / m.group(0)) for m in map(_SEGMENT.match, os.listdir(folder)) if m
+        (int(m.group(1)), -int(m.group(2)), folder / m.group(0))
+        for m in map(_SEGMENT.fullmatch, os.listdir(folder))
+        if m
     )
     kept: list[tuple[int, int, Path]] = []
     for first, neg_last, path in found:  # widest first at each start

@@ -42,7 +42,7 @@ WRITER = "mlflow"
 STATUSES = ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED")
 MAX_RESULTS = 50_000  # MLflow's own cap on a search page
 OPEN_WRITERS = 64  # metric writers of live runs kept (their segment numbers; each flushes every request)
-_RUN_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,99}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,99}")
 
 
 class MlflowTracking:
@@ -267,7 +267,7 @@ class MlflowTracking:
             raise RequestError(f"run_view_type {view_type!r} is none of ACTIVE_ONLY, DELETED_ONLY, ALL")
         found = []
         for run_dir in sorted(self.root.iterdir()) if self.root.exists() else []:
-            if not run_dir.is_dir() or not _RUN_ID.match(run_dir.name):
+            if not run_dir.is_dir() or not _RUN_ID.fullmatch(run_dir.name):
                 continue
             meta = self._meta(run_dir)
             if meta["experiment_id"] in wanted and meta["lifecycle_stage"] in stages:
@@ -317,7 +317,7 @@ class MlflowTracking:
     # ------------------------------------------------------------ internals
 
     def _run_dir(self, run_id: str) -> Path:
-        if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
             raise RequestError(f"{str(run_id)[:80]!r} is not a run id")
         run_dir = self.root / run_id
         if not run_dir.is_dir():
