@@ -248,7 +248,9 @@ class FeatureView:
     With ``aggregations`` the view stores events (``schema`` lists their columns) and serves
     windowed aggregates of them, exact at any moment online and offline. ``event_id`` names
     the column identifying an event, so a retried push never counts twice (default: the
-    event's whole content).
+    event's whole content). Two writes of an id less than ``dedup_window`` apart in event time
+    are one event (default: the longest window, so no window counts an id twice); a shorter one
+    keeps fewer past writes online (``featurestore.aggregation.dedup_us``).
     """
 
     name: str
@@ -264,6 +266,7 @@ class FeatureView:
     tags: dict[str, str] = field(default_factory=dict)
     aggregations: list[Aggregation] = field(default_factory=list)
     event_id: str | None = None
+    dedup_window: timedelta | None = None
     location: Location = field(default_factory=_location, repr=False)
 
     @property
@@ -331,6 +334,11 @@ class FeatureView:
             **(
                 {"aggregations": [a.to_spec() for a in self.aggregations], "event_id": self.event_id}
                 if self.aggregations
+                else {}
+            ),
+            **(
+                {"dedup_window_us": self.dedup_window // timedelta(microseconds=1)}
+                if self.dedup_window is not None
                 else {}
             ),
         }

@@ -1539,6 +1539,57 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
         assert changed.layout("activity").online_field != layout
 
 
+def test_a_shorter_dedup_window_keeps_fewer_past_writes_and_judges_alike_on_both_paths(make_store):
+    """``dedup_window`` (here 1 h; by default the longest window, 30 h): two writes of an id less
+    than it apart in event time are one event, further apart two, on both paths; online keeps an
+    id's writes that long past the cutoff, not a longest window (a card a window on holds less).
+    A change of it is a new online layout, and ``plan`` says so."""
+    from featurestore import FeatureStore
+    from featurestore.errors import DefinitionError
+
+    store = make_store(FEATURES.replace('event_id="payment_id",', 'event_id="payment_id", dedup_window=H,'))
+    now = datetime.now(UTC).replace(microsecond=0)
+    minutes = timedelta(minutes=1)
+
+    def event(i: int, card: int, before: timedelta) -> dict:
+        return {"payment_id": i, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": now - before}
+
+    # id 1 twice 2 h apart (two events), id 2 twice 15 minutes apart (one)
+    writes = [event(1, 1, 150 * minutes), event(2, 1, 120 * minutes), event(1, 1, 30 * minutes)]
+    store.push("payments", _frame(writes[:2]), to="online_and_offline")
+    store.push("payments", _frame([*writes[2:], event(2, 1, 105 * minutes)]), to="online_and_offline")
+    offline, online = _both(store, 1, now, ["amount_count_3h"], view="activity")
+    assert offline == online == {"amount_count_3h": 3}
+    client, field = store.online_store.client, store.layout("activity").online_field.encode()
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), 2, field)
+    store.push("payments", _frame([event(21, 2, 25 * H), event(22, 2, 5 * H)]), to="online_and_offline")
+    # (keys live a horizon, 30 h, and a dedup window past the newest event, not two horizons)
+    assert (-5 + 30 + 1) * 3_600_000 < client.pttl(key) < (-5 + 30 + 1 + 2) * 3_600_000
+    store.push("payments", _frame([event(23, 2, timedelta(0))]), to="offline")  # (written online below, "later")
+    store.flush()
+    import duckdb
+
+    view, con = store.get_feature_view("activity"), duckdb.connect()
+    schema = store.definitions.history_schema(view)
+    store.offline_store.register(con, store.layout("activity").history_table, "history", schema)
+    third = con.sql("SELECT * FROM history WHERE payment_id = 23").to_arrow_table().cast(schema)
+    store.materializer().write_online(view, third, now + timedelta(hours=8))
+    assert _ids_held(client, key) == {22, 23}  # (21, 25 h back, is 3 h before the cutoff: its write is not kept)
+    root = store.config.repo_path
+    (root / "features.py").write_text(
+        (root / "features.py").read_text().replace("dedup_window=H,", "dedup_window=2 * H,")
+    )
+    with FeatureStore(root) as changed:
+        text = changed.plan().describe()
+        assert "its dedup window changed" in text and "featurestore materialize" in text, text
+        changed.apply()
+        assert changed.layout("activity").online_field.encode() != field
+    for wrong in ("dedup_window=40 * H,", "dedup_window=timedelta(0),"):
+        (root / "features.py").write_text(FEATURES.replace('event_id="payment_id",', f'event_id="payment_id", {wrong}'))
+        with pytest.raises(DefinitionError, match="dedup_window must be a positive timedelta .* up to the longest"):
+            FeatureStore(root).definitions
+
+
 @settings(
     max_examples=examples(37),
     deadline=None,
@@ -2156,7 +2207,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "b5306f3df039dfaa"},
+        {10: "52f43effbbcfe0ae", 11: "cfcf349dc06cbb3c"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

@@ -121,6 +121,14 @@ def test_a_name_ending_in_a_newline_is_no_name(tmp_path):
         FeatureStore(write_repo(tmp_path, code, {"stats": STATS})).definitions
 
 
+def test_a_dedup_window_needs_aggregations(tmp_path):
+    """``dedup_window`` says which writes of an event id are one event: a view without
+    aggregations stores no events, and is told to remove it (not silently ignored)."""
+    code = GOOD.replace('name="driver_stats",', 'name="driver_stats", dedup_window=timedelta(hours=1),')
+    with pytest.raises(DefinitionError, match="dedup_window is for views with aggregations"):
+        FeatureStore(write_repo(tmp_path, code, {"stats": STATS})).definitions
+
+
 def test_import_error_names_the_module(tmp_path):
     with pytest.raises(DefinitionError, match="importing .*features.py failed"):
         FeatureStore(write_repo(tmp_path, "import not_a_module\n")).definitions

@@ -3,10 +3,12 @@
 The value of an ``Aggregation`` at time t aggregates the entity's events with event time in
 ``(t - window, t]``, each event counted once. **Event ids**: a write of an event id is a
 duplicate, and is dropped, when an earlier write of the same id for the entity lies less than
-the view's longest window away in event time (``dedup_us``); the first write wins. Two writes of
-one id further apart can never fall in one window, so no window counts an id twice, and an id
-reused after that long is a new event on both paths (online keeps the write times of ids that
-long beyond its events for this). Writes are ordered by run, then row id: a push's run is its
+the view's dedup window away in event time (``dedup_us``); the first write wins. By default
+that is its longest window: two writes of one id further apart can never fall in one window, so
+no window counts an id twice, and an id reused after that long is a new event on both paths
+(online keeps the write times of ids that long beyond its events for this). A shorter
+``dedup_window`` (retries and corrections arrive within it) keeps fewer past writes online; an
+id written again further apart counts in a window holding both. Writes are ordered by run, then row id: a push's run is its
 ingest time, kept when its rows are rewritten (backfills, new versions, compaction, Ray).
 
 - offline (``sql.py``): DuckDB over the view's event history. ``as_of="event"`` puts entity rows
@@ -57,8 +59,9 @@ def overflow_message(view: str, agg: Aggregation) -> str:
 
 
 def dedup_us(view: FeatureView) -> int:
-    """How far apart (µs of event time) two writes of one event id must be to be two events."""
-    return view.longest_window // timedelta(microseconds=1)
+    """How far apart (µs of event time) two writes of one event id must be to be two events: the
+    view's ``dedup_window``, by default its longest window."""
+    return (view.dedup_window or view.longest_window) // timedelta(microseconds=1)
 
 
 def event_id_sql(view: FeatureView, prefix: str = "") -> str:

@@ -9,7 +9,8 @@ Every change to a feature view has one defined outcome for its stored data:
 - an added column **evolves** the history (older rows read null until a backfill);
 - a removed column is no longer served; its stored data stays;
 - ttl, aggregations and metadata are applied at read time: stored data stays valid (a change of
-  an aggregated view's longest window changes its online layout: see ``Change.relayout``).
+  an aggregated view's longest window or dedup window changes its online layout: see
+  ``Change.relayout``).
 
 Whenever the online layout changes (any of the above but the read-time ones), values written
 before read NOT_FOUND until the next ``materialize``/``backfill`` re-sends them: bytes are
@@ -32,7 +33,9 @@ class Change:
     action: Literal["add", "change", "remove"]
     attributes: list[str] = field(default_factory=list)
     new_version: int | None = None  # a feature view's new history version, when it gets one
-    relayout: bool = False  # an aggregated view's longest window changed: online read NOT_FOUND until re-sent
+    # what changed an aggregated view's online layout ("longest window", "dedup window"): online reads
+    # NOT_FOUND until re-sent
+    relayout: str = ""
     online: bool = False  # a view served online (what it holds there under its earlier layout stays)
     added_columns: list[str] = field(default_factory=list)
     removed_columns: list[str] = field(default_factory=list)
@@ -65,7 +68,7 @@ class Change:
             text += f"  [{', '.join(self.removed_columns)} no longer served; stored data stays]"
         if self.relayout and self.new_version is None:
             text += (
-                "  [its longest window changed what Redis keeps and which writes of an event id are duplicates: "
+                f"  [its {self.relayout} changed what Redis keeps and which writes of an event id are duplicates: "
                 "online values read NOT_FOUND until `featurestore materialize` re-sends its history]"
             )
         if self.online and (self.needs_backfill or self.removed_columns or self.relayout):
@@ -131,7 +134,11 @@ def make_plan(
             )
             if _starts_new_version(change, before["spec"], entry["spec"], keys_changed):
                 version = change.new_version = version + 1
-            change.relayout = _longest_window(before["spec"]) != _longest_window(entry["spec"])
+            change.relayout = " and ".join(
+                what
+                for what, old, new in zip(WINDOWS, _windows(before["spec"]), _windows(entry["spec"]), strict=True)
+                if old != new
+            )
             change.online = bool(entry["spec"].get("online", True))
             if (
                 keys_changed and old_keys is not None
@@ -171,9 +178,13 @@ def _starts_new_version(change: Change, old: dict, new: dict, keys_changed: bool
     return False
 
 
-def _longest_window(spec: dict) -> int | None:
+WINDOWS = ("longest window", "dedup window")
+
+
+def _windows(spec: dict) -> tuple[int | None, int | None]:
+    """An aggregated view's longest window and dedup window (µs; None: none, or the longest)."""
     windows = [a["window_us"] for a in spec.get("aggregations") or []]
-    return max(windows) if windows else None
+    return max(windows) if windows else None, spec.get("dedup_window_us")
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

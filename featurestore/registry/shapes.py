@@ -108,6 +108,8 @@ def _view_problems(view: FeatureView, where: str) -> list[str]:
         problems.append(f"{where}: aggregations must be a list of Aggregation(...), got {_what(view.aggregations)}")
     if view.event_id is not None and not isinstance(view.event_id, str):
         problems.append(f"{where}: event_id must be a column name, got {_what(view.event_id)}")
+    if view.dedup_window is not None and not isinstance(view.dedup_window, timedelta):
+        problems.append(f"{where}: dedup_window must be a timedelta (or None), got {_what(view.dedup_window)}")
     return problems
 
 

@@ -94,6 +94,7 @@ def view_from_spec(spec: dict[str, Any], entities: dict[str, Entity]) -> Feature
         tags=spec.get("tags", {}),
         aggregations=[_aggregation(a) for a in spec.get("aggregations", [])],
         event_id=spec.get("event_id"),
+        dedup_window=timedelta(microseconds=spec["dedup_window_us"]) if "dedup_window_us" in spec else None,
     )
     return view
 

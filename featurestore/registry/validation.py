@@ -117,6 +117,8 @@ def _validate_view(
             problems.append(f"{where}: feature {f.name!r} uses a reserved or join-key name; rename it")
     if view.aggregations:
         problems += _validate_aggregations(view, where)
+    elif view.dedup_window is not None:
+        problems.append(f"{where}: dedup_window is for views with aggregations (their events); remove it")
     try:
         schema = view_output_schema(view, config.repo_path, config.push_logs, con)
     except Exception as exc:
@@ -182,6 +184,13 @@ def _validate_aggregations(view: FeatureView, where: str) -> list[str]:
     names = [a.output_name for a in view.aggregations]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         problems.append(f"{where}: two aggregations are named {dup!r}; give one a name=")
+    windows = [a.window for a in view.aggregations if isinstance(a.window, timedelta)]
+    dedup = view.dedup_window
+    if dedup is not None and (dedup <= timedelta(0) or dedup % timedelta(microseconds=1) or dedup > max(windows)):
+        problems.append(
+            f"{where}: dedup_window must be a positive timedelta of whole microseconds up to the longest window "
+            f"({max(windows)}), got {dedup!r}"
+        )
     for agg in view.aggregations:
         what = f"{where}: aggregation {agg.output_name!r}"
         if agg.function not in FUNCTIONS:
