@@ -61,11 +61,15 @@ latest = FeatureView(name="latest", entities=[card], source=PushSource(name="pro
 NAMES = [f"amount_{f}_{w}" for w in WINDOWS for f in FUNCTIONS]
 
 
-def write_repo(root: Path, retention: str = "") -> None:
+def write_repo(root: Path, retention: str = "", dedup_window: str = "") -> None:
+    """The benchmark's repo; ``dedup_window``: the activity view's, as Python (``timedelta(days=1)``)."""
     root.mkdir(parents=True, exist_ok=True)
     extra = f"online_store: {{event_retention: {retention}}}\n" if retention else ""
     (root / "featurestore.yaml").write_text(f"project: bench_agg\nmodules: [features.py]\n{extra}")
-    (root / "features.py").write_text(DEFS.replace("{windows}", repr(WINDOWS)).replace("{functions}", repr(FUNCTIONS)))
+    defs = DEFS.replace("{windows}", repr(WINDOWS)).replace("{functions}", repr(FUNCTIONS))
+    if dedup_window:
+        defs = defs.replace('event_id="tx_id",', f'event_id="tx_id", dedup_window={dedup_window},')
+    (root / "features.py").write_text(defs)
 
 
 def setup_offline(root: Path, cards: int, events: int, entity_rows: int, seed: int) -> None:
@@ -385,6 +389,13 @@ def online(args: argparse.Namespace) -> None:
             ingest_into_blocks(store, n_cards + 10_000 * (k + 1), cards, per, rng, now)
             for k, (cards, per) in enumerate(INTO_BLOCKS)
         ]
+    shorter = {}  # a card a window on where the activity view's dedup window is shorter than its longest window
+    for name, dedup_window in (("1 d", "timedelta(days=1)"), ("1 h", "timedelta(hours=1)")):
+        other = Path(tempfile.mkdtemp(prefix="bench-agg-dedup-"))
+        write_repo(other, dedup_window=dedup_window)
+        with FeatureStore(other) as deduped:
+            deduped.apply()
+            shorter[name] = a_window_on(deduped, 1, rng)
     agg, lat = percentiles(timings["aggregates"]), percentiles(timings["latest"])
     print(f"online (SDK, {n_cards:,} cards x {per_card} events in 7 d, alternating blocks):")
     print(f"  1 card x 5 aggregates     p50 {agg['p50']:.3f} ms  p99 {agg['p99']:.3f} ms  (n={agg['n']})")
@@ -458,6 +469,11 @@ def online(args: argparse.Namespace) -> None:
         "ledger, a heavy one's by its old blocks), bytes per event in the window: "
         + ", ".join(f"{n:,} events {a / n:.1f} (fresh {f / n:.1f})" for n, (f, a) in steady.items())
     )
+    for name, sizes in shorter.items():
+        print(
+            f"    with a dedup window of {name} (writes of an id further apart are two events): "
+            + ", ".join(f"{n:,} events {a / n:.1f} (fresh {f / n:.1f})" for n, (f, a) in sizes.items())
+        )
     print("featurestore capacity on this store (sizing 100M cards x 100 events, 20,000 lookups/s, 150,000 events/s):")
     report = measured.describe(10**8, 100, capacity.parse_size("25GB"), 20_000, 150_000)
     print("  " + report.replace("\n", "\n  "))
