@@ -834,13 +834,15 @@ def test_old_events_their_ids_and_summaries_are_trimmed_as_time_passes(make_stor
 REPLAYED = ["activity:count_1h", "activity:amount_count_3h", "activity:amount_sum_3h", "activity:amount_max_3h"]
 
 
-@pytest.fixture(scope="module")
-def replay_store(tmp_path_factory, redis_url):
-    """``FEATURES`` with no retention past the longest window (30 h): Redis trims what a replay may need."""
+@pytest.fixture(scope="module", params=["", "dedup_window=5 * H,"], ids=["dedup_30h", "dedup_5h"])
+def replay_store(tmp_path_factory, redis_url, request):
+    """``FEATURES`` with no retention past the longest window (30 h): Redis trims what a replay may
+    need; with the default dedup window (the longest window) and with one of 5 h."""
     from featurestore import FeatureStore
     from tests.conftest import write_repo
 
-    store = FeatureStore(write_repo(tmp_path_factory.mktemp("replay"), FEATURES, url=redis_url))
+    features = FEATURES.replace('event_id="payment_id",', f'event_id="payment_id", {request.param}')
+    store = FeatureStore(write_repo(tmp_path_factory.mktemp("replay"), features, url=redis_url))
     store.apply()
     yield store
     store.close()
@@ -933,13 +935,16 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
 def test_the_writes_of_events_an_entity_no_longer_holds_still_judge_duplicates(replay_store, writes, replays_h):
     """An event trimmed, or written before the cutoff, leaves its write behind (a light entity's
     ledger, a heavier one's ids hash: ``_blocks.lua``): a later write of its id less than the
-    dedup window (30 h) away is a duplicate. Each write (an id, hours before its writer's clock,
+    dedup window (30 h, or 5 h where set) away is a duplicate. Each write (an id, hours before its writer's clock,
     hours that clock moved on since the last) by a writer whose cutoff trims, the card light or
     growing past ``LIGHT_MOST``: the 30 h count equals the rule's loop at the last writer's time,
     and at the replays answered."""
+    from featurestore.aggregation import dedup_us
+
     store, card = replay_store, next(_cards) * 10
     t0 = datetime.now(UTC).replace(microsecond=0)
     view = store.get_feature_view("activity")
+    dedup = timedelta(microseconds=dedup_us(view))
     schema = store.definitions.history_schema(view)
     kept: list[datetime] = []
     written: dict[int, list[datetime]] = {}
@@ -947,7 +952,7 @@ def test_the_writes_of_events_an_entity_no_longer_holds_still_judge_duplicates(r
     for n, (i, h, later_h) in enumerate(writes):
         last_writer += timedelta(hours=later_h)
         t = last_writer - timedelta(hours=h)
-        if all(abs(t - other) >= 30 * H for other in written.get(i, [])):  # (the rule: any earlier write)
+        if all(abs(t - other) >= dedup for other in written.get(i, [])):  # (the rule: any earlier write)
             kept.append(t)
         written.setdefault(i, []).append(t)
         row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": n, "_row_id": 0}
