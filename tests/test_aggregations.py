@@ -1530,16 +1530,19 @@ def test_a_longer_longest_window_says_online_needs_a_resend(make_store):
     """The longest window bounds what Redis keeps and which writes of an id are duplicates: a change
     of it is a new online layout (NOT_FOUND until re-sent), and ``plan`` says so."""
     store = make_store(FEATURES)
-    layout = store.layout("activity").online_field
-    root = store.config.repo_path
-    (root / "features.py").write_text(
-        (root / "features.py").read_text().replace('Aggregation("count", 30 * H,', 'Aggregation("count", 40 * H,')
-    )
+    old, new = 'Aggregation("count", 30 * H,', 'Aggregation("count", 40 * H,'
+    _edit_relays_out(store.config.repo_path, old, new, "longest window", store.layout("activity").online_field)
+
+
+def _edit_relays_out(root, old: str, new: str, which: str, layout: str) -> None:
+    """``old`` replaced by ``new`` in the repo's definitions: ``plan`` says the activity view's
+    ``which`` changed and what re-sends it, and once applied its online layout is not ``layout``."""
     from featurestore import FeatureStore
 
+    (root / "features.py").write_text((root / "features.py").read_text().replace(old, new))
     with FeatureStore(root) as changed:
         text = changed.plan().describe()
-        assert "longest window changed" in text and "featurestore materialize" in text, text
+        assert f"its {which} changed" in text and "featurestore materialize" in text, text
         changed.apply()
         assert changed.layout("activity").online_field != layout
 
@@ -1581,14 +1584,7 @@ def test_a_shorter_dedup_window_keeps_fewer_past_writes_and_judges_alike_on_both
     store.materializer().write_online(view, third, now + timedelta(hours=8))
     assert _ids_held(client, key) == {22, 23}  # (21, 25 h back, is 3 h before the cutoff: its write is not kept)
     root = store.config.repo_path
-    (root / "features.py").write_text(
-        (root / "features.py").read_text().replace("dedup_window=H,", "dedup_window=2 * H,")
-    )
-    with FeatureStore(root) as changed:
-        text = changed.plan().describe()
-        assert "its dedup window changed" in text and "featurestore materialize" in text, text
-        changed.apply()
-        assert changed.layout("activity").online_field.encode() != field
+    _edit_relays_out(root, "dedup_window=H,", "dedup_window=2 * H,", "dedup window", field.decode())
     for wrong in ("dedup_window=40 * H,", "dedup_window=timedelta(0),"):
         (root / "features.py").write_text(FEATURES.replace('event_id="payment_id",', f'event_id="payment_id", {wrong}'))
         with pytest.raises(DefinitionError, match="dedup_window must be a positive timedelta .* up to the longest"):
