@@ -1551,7 +1551,8 @@ def test_a_shorter_dedup_window_keeps_fewer_past_writes_and_judges_alike_on_both
     """``dedup_window`` (here 1 h; by default the longest window, 30 h): two writes of an id less
     than it apart in event time are one event, further apart two, on both paths; online keeps an
     id's writes that long past the cutoff, not a longest window (a card a window on holds less).
-    A change of it is a new online layout, and ``plan`` says so."""
+    A change of it is a new online layout, and ``plan`` says so; set to the longest window, it is
+    the default's layout."""
     from featurestore import FeatureStore
     from featurestore.errors import DefinitionError
 
@@ -1585,6 +1586,10 @@ def test_a_shorter_dedup_window_keeps_fewer_past_writes_and_judges_alike_on_both
     assert _ids_held(client, key) == {22, 23}  # (21, 25 h back, is 3 h before the cutoff: its write is not kept)
     root = store.config.repo_path
     _edit_relays_out(root, "dedup_window=H,", "dedup_window=2 * H,", "dedup window", field.decode())
+    explicit = make_store(
+        FEATURES.replace('event_id="payment_id",', 'event_id="payment_id", dedup_window=30 * H,'), name="same"
+    )
+    assert explicit.layout("activity") == make_store(FEATURES, name="default").layout("activity")  # (the default's own)
     for wrong in ("dedup_window=40 * H,", "dedup_window=timedelta(0),"):
         (root / "features.py").write_text(FEATURES.replace('event_id="payment_id",', f'event_id="payment_id", {wrong}'))
         with pytest.raises(DefinitionError, match="dedup_window must be a positive timedelta .* up to the longest"):

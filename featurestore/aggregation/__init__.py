@@ -8,8 +8,9 @@ that is its longest window: two writes of one id further apart can never fall in
 no window counts an id twice, and an id reused after that long is a new event on both paths
 (online keeps the write times of ids that long beyond its events for this). A shorter
 ``dedup_window`` (retries and corrections arrive within it) keeps fewer past writes online; an
-id written again further apart counts in a window holding both. Writes are ordered by run, then row id: a push's run is its
-ingest time, kept when its rows are rewritten (backfills, new versions, compaction, Ray).
+id written again further apart counts in a window holding both. Writes are ordered by run,
+then row id: a push's run is its ingest time, kept when its rows are rewritten (backfills, new
+versions, compaction, Ray).
 
 - offline (``sql.py``): DuckDB over the view's event history. ``as_of="event"`` puts entity rows
   and events in one stream per entity and evaluates each window as a RANGE frame ending at the

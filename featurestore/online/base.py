@@ -90,13 +90,17 @@ def layout_id(view: FeatureView, version: int) -> str:
             "key_encoding": KEY_ENCODING,
             **({"version": version} if version > 1 else {}),
             # the longest window bounds what Redis keeps and how far apart two writes of an event id are duplicates
-            # (a dedup window, where set, the latter)
+            # (a dedup window, where set to another, the latter)
             **(
                 {"events": EVENTS_LAYOUT, "longest_us": view.longest_window // timedelta(microseconds=1)}
                 if view.aggregations
                 else {}
             ),
-            **({"dedup_us": view.dedup_window // timedelta(microseconds=1)} if view.dedup_window else {}),
+            **(
+                {"dedup_us": view.dedup_window // timedelta(microseconds=1)}
+                if view.dedup_window and view.dedup_window != view.longest_window
+                else {}
+            ),
         }
     )[:8]
 
