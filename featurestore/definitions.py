@@ -295,6 +295,14 @@ class FeatureView:
     def longest_window(self) -> timedelta:
         return max(a.window for a in self.aggregations)
 
+    @property
+    def own_dedup_window(self) -> timedelta | None:
+        """The dedup window where it is not the default (the longest window), else None: what the
+        spec and the online layout record, so setting the default changes neither."""
+        if self.dedup_window is None or not self.aggregations or self.dedup_window == self.longest_window:
+            return None
+        return self.dedup_window
+
     def field(self, name: str) -> Field:
         for f in self.features:
             if f.name == name:
@@ -337,8 +345,8 @@ class FeatureView:
                 else {}
             ),
             **(
-                {"dedup_window_us": self.dedup_window // timedelta(microseconds=1)}
-                if self.dedup_window is not None
+                {"dedup_window_us": self.own_dedup_window // timedelta(microseconds=1)}
+                if self.own_dedup_window is not None
                 else {}
             ),
         }

@@ -96,11 +96,7 @@ def layout_id(view: FeatureView, version: int) -> str:
                 if view.aggregations
                 else {}
             ),
-            **(
-                {"dedup_us": view.dedup_window // timedelta(microseconds=1)}
-                if view.dedup_window and view.dedup_window != view.longest_window
-                else {}
-            ),
+            **({"dedup_us": view.own_dedup_window // timedelta(microseconds=1)} if view.own_dedup_window else {}),
         }
     )[:8]
 

@@ -182,11 +182,9 @@ WINDOWS = ("longest window", "dedup window")
 
 
 def _windows(spec: dict) -> tuple[int | None, int | None]:
-    """An aggregated view's longest window and dedup window (µs; None: none, or the longest, as
-    ``layout_id`` keys them)."""
+    """An aggregated view's longest window and dedup window (µs; None: none, or the default)."""
     windows = [a["window_us"] for a in spec.get("aggregations") or []]
-    longest, dedup = max(windows) if windows else None, spec.get("dedup_window_us")
-    return longest, dedup if dedup != longest else None
+    return max(windows) if windows else None, spec.get("dedup_window_us")
 
 
 def _changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -247,7 +247,8 @@ local function listed_block(events, member, filter)
   local listed = unlisted(redis.call('HGET', ids, '') or '', function(other) return other ~= number end)
   redis.call('HSET', ids, '', listed .. number .. struct.pack('>I4', #filter) .. filter)
 end
--- the writes of the plain members into the ids hash (fresh: the hash does not exist, nothing to read)
+-- the writes of the plain members into the ids hash (fresh: the hash does not exist, nothing to
+-- read); how many ids they are of
 local function record_writes(ids, members, fresh)
   local writes, order = {}, {}  -- id -> its members' stamps; ids in first-seen order
   for _, m in ipairs(members) do
@@ -271,6 +272,7 @@ local function record_writes(ids, members, fresh)
     end
     if #changes > 0 then redis.call('HSET', ids, unpack(changes)) end
   end)
+  return #order
 end
 local function set_ledger(events, old, new)  -- old: the ledger member, if any; new: its bytes
   if new == old then return end
@@ -284,14 +286,10 @@ local function heavier(events, members, ledger)
   local ids = events .. '|ids'
   if ledger == nil then ledger = ledger_of(events) end
   local fresh = redis.call('EXISTS', ids) == 0
-  members = members or redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO)
-  record_writes(ids, members, fresh)
-  fresh = fresh and #members == 0
+  local recorded = record_writes(ids, members or redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO), fresh)
   if ledger and #ledger > 8 then
-    local writes = ledger_writes(ledger_directory(ledger))
-    record_writes(ids, writes, fresh)
-    fresh = fresh and #writes == 0
+    recorded = recorded + record_writes(ids, ledger_writes(ledger_directory(ledger)), fresh and recorded == 0)
     set_ledger(events, ledger, string.sub(ledger, 1, 8))
   end
-  if fresh then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
+  if fresh and recorded == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
 end
