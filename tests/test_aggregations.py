@@ -2114,6 +2114,108 @@ def test_a_light_entitys_ledger_is_no_event_it_counts_towards_light_most(tmp_pat
         assert count() == most + 1
 
 
+def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_store):
+    """An entity past ``LIGHT_MOST`` events has the field '' in its ids hash (``heavier`` sets it):
+    a write to it reads the hash alone, not its members (``ZCARD``, the lightness check: a Redis
+    command an event on the heaviest write path). A trim that leaves it few events removes the
+    field: it is light again, and the writes its hash recorded still make copies duplicates."""
+    from featurestore.aggregation import dedup_us
+    from featurestore.online import packed
+
+    store, card = replay_store, next(_cards) * 10
+    view = store.get_feature_view("activity")
+    dedup = timedelta(microseconds=dedup_us(view))
+    client = store.online_store.client
+    key = b"fs:%s:{card_id=%d}:ev:%s" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    most = int(
+        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
+            1
+        ]
+    )
+    schema = store.definitions.history_schema(view)
+    t0 = datetime.now(UTC).replace(microsecond=0)
+    written: list[tuple[int, datetime]] = []
+
+    def write(payment_id: int, t: datetime, writer: datetime) -> None:
+        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": len(written), "_row_id": 0}
+        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
+        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
+        written.append((payment_id, t))
+
+    def count(at: datetime) -> int:  # (the rule's loop: a write is an event unless an earlier one of its id is near)
+        kept = [t for n, (i, t) in enumerate(written) if all(abs(t - u) >= dedup for j, u in written[:n] if j == i)]
+        return sum(at - 30 * H < t <= at for t in kept)
+
+    def lookup(at: datetime) -> int:
+        got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
+        return got.to_dict()["not_card_count_30h"][0]
+
+    def zcards() -> int:
+        return client.info("commandstats").get("cmdstat_zcard", {}).get("calls", 0)
+
+    for i in range(most + 1):  # (fewer than a block packs in any block's span: they stay plain)
+        write(i, t0 - (most - i) * H, t0)
+    assert client.hget(key + b"|ids", b"") == b""  # heavy: marked
+    before = zcards()
+    write(100, t0 + timedelta(minutes=1), t0)
+    write(most - 1, t0 + timedelta(minutes=2), t0)  # (a copy: a duplicate)
+    assert zcards() == before and lookup(t0 + H) == count(t0 + H) == most + 2
+    later = t0 + 25 * H  # a writer a day on: its trim leaves the entity a few events
+    write(200, later, later)
+    assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) <= most
+    assert not client.hexists(key + b"|ids", b"")  # light again
+    write(most, t0 + 2 * H, later + H)  # (a copy of an event written while heavy: its hash recorded it)
+    write(201, later + 2 * H, later + 2 * H)
+    # (from t0 - 3 h: the last 3 of the first events, then 100, 200 and 201; the copy of `most` no event)
+    assert lookup(later + 2 * H) == count(later + 2 * H) == 6
+
+
+def test_a_heavy_entity_earlier_versions_left_unmarked_is_judged_by_its_count_and_marked_at_its_trim(replay_store):
+    """Earlier versions marked no heavy entity (the field '' only listed blocks): such an entity is
+    judged by its count, as before (its ids hash records its plain events), and the next trim that
+    leaves it heavy marks it."""
+    from featurestore.online import packed
+
+    store, card = replay_store, next(_cards) * 10
+    view = store.get_feature_view("activity")
+    client = store.online_store.client
+    key = b"fs:%s:{card_id=%d}:ev:%s|ids" % (
+        store.config.project.encode(),
+        card,
+        store.layout("activity").online_field.encode(),
+    )
+    most = int(
+        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
+            1
+        ]
+    )
+    schema = store.definitions.history_schema(view)
+    t0 = datetime.now(UTC).replace(microsecond=0)
+
+    def write(payment_id: int, t: datetime, writer: datetime) -> None:  # (one a call: nothing packs)
+        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": payment_id, "_row_id": 0}
+        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
+        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
+
+    def count(at: datetime) -> int:
+        got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
+        return got.to_dict()["not_card_count_30h"][0]
+
+    for i in range(most + 1):  # old events, then as many recent ones
+        write(i, t0 - 20 * H + i * timedelta(minutes=1), t0)
+        write(100 + i, t0 - i * timedelta(minutes=1), t0)
+    client.hdel(key, b"")  # (as earlier versions left it)
+    write(100, t0 + timedelta(minutes=1), t0)  # (a copy: a duplicate)
+    assert count(t0 + H) == 2 * (most + 1)
+    later = t0 + 12 * H  # its trim drops the old events: heavy still
+    write(200, later, later)
+    assert client.hget(key, b"") == b"" and count(later) == most + 2
+
+
 @pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
 def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_hash(tmp_path, limit):
     """A light entity's ledger is one member of its sorted set: longer than Redis's compact member
@@ -2213,7 +2315,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "cc27c19370a63b82"},
+        {10: "52f43effbbcfe0ae", 11: "69a11d2ed5609c75"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

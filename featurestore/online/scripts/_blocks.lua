@@ -10,7 +10,8 @@
 -- (int64, as in its header), the length of its id filter (uint32) and the filter
 -- (``packed.id_filter``), so a write finds the blocks near its time without reading the sorted
 -- set, and reads only those whose filter may hold its id (a new id: about one in thirty). The
--- field also keeps the hash, and its expiry, once its ids are packed. Entries are
+-- field is there for every entity that is not light (below), blocks or none: it marks it heavy,
+-- and keeps the hash, and its expiry, once its ids are packed. Entries are
 -- stored short and fixed in width: the header is the length p of the prefix every id shares,
 -- that prefix, the width w of a time, the exponent e of the unit of times (10^e µs) and the 8
 -- bytes of the earliest µs; each entry is then the id's last 8 - p bytes and its µs less the
@@ -19,9 +20,11 @@
 -- A light entity's events (no block, at most LIGHT_MOST members) are the record of their ids'
 -- writes where an id has just the one: its ids hash holds only the ids with other writes (a key
 -- and ~20 bytes an event less). Every other entity's ids hash holds the ids of all its plain
--- events (``heavier`` records them as an entity stops being light). A write to a light entity
--- reads all its members to find its id's writes: the bound keeps that read short, where the key
--- a hash costs is most of a small entity's memory (``benchmarks/aggregations.py``).
+-- events (``heavier`` records them, and sets the field '', as an entity stops being light; a trim
+-- that leaves it few events and no block removes the field). A write to a light entity reads all
+-- its members to find its id's writes: the bound keeps that read short, where the key a hash
+-- costs is most of a small entity's memory (``benchmarks/aggregations.py``); a write to a heavy
+-- one reads none (the field says so).
 local BLOCK_TILES = 32
 local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
@@ -218,10 +221,11 @@ local function few_events(events)
   if #held > LIGHT_MOST or any_block(held) then return false end
   return held, #held < members and ledger_of(events) or nil
 end
--- whether an entity is light: no block listed, and few(events) (read only as needed: the list
--- first spares reading a heavier entity's members)
-local function is_light_entity(list, events, few)
-  return list == '' and few(events) ~= false
+-- whether an entity is light: its ids hash lacks the field '' (which lists its blocks, and marks
+-- an entity heavy: ``heavier`` sets it, a trim that leaves few events and no block removes it),
+-- and few(events) (read only where the field is missing: a heavier entity's members are not read)
+local function is_light_entity(field, events, few)
+  return not field and few(events) ~= false
 end
 local function each_chunk(list, size, f)  -- f(i, j) over list[i..j], at most `size` at a time (unpack's stack limit)
   for i = 1, #list, size do f(i, math.min(i + size - 1, #list)) end
@@ -291,5 +295,5 @@ local function heavier(events, members, ledger)
     recorded = recorded + record_writes(ids, ledger_writes(ledger_directory(ledger)), fresh and recorded == 0)
     set_ledger(events, ledger, string.sub(ledger, 1, 8))
   end
-  if fresh and recorded == 0 then redis.call('HSET', ids, '', '') end  -- ('': a field that keeps the hash, and its expiry)
+  redis.call('HSETNX', ids, '', '')  -- (the mark of a heavy entity: is_light_entity)
 end

@@ -61,7 +61,8 @@ local function few(events)
   end
   return few_of[events]
 end
--- events key -> its block list (_blocks.lua); events key -> block number -> its directory: read once a call
+-- events key -> its ids hash's field '' (_blocks.lua: its block list, where it is heavy), false
+-- where the hash lacks it; events key -> block number -> its directory: read once a call
 local blocks_of, directories = {}, {}
 local function directory_of(events, number)
   local of = directories[events] or {}
@@ -75,10 +76,11 @@ local function directory_of(events, number)
   end
   return of[number]
 end
-local function block_list(events)
-  if blocks_of[events] == nil then blocks_of[events] = redis.call('HGET', events .. '|ids', '') or '' end
+local function listing(events)
+  if blocks_of[events] == nil then blocks_of[events] = redis.call('HGET', events .. '|ids', '') or false end
   return blocks_of[events]
 end
+local function block_list(events) return listing(events) or '' end
 local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's packed events near us
   local list, found, at, hashes = block_list(events), '', 1, nil
   while at <= #list do
@@ -92,7 +94,7 @@ local function packed_writes(events, id, us)  -- µs (8 bytes each) of id's pack
   end
   return found
 end
-local function is_light(events) return is_light_entity(block_list(events), events, few) end
+local function is_light(events) return is_light_entity(listing(events), events, few) end
 local function to_ledger(events, write)
   ledger_adds[events] = ledger_adds[events] or {}
   table.insert(ledger_adds[events], write)
@@ -158,7 +160,7 @@ for k = 1, n do
   local kept, times, hashed, fetched  -- (fetched: the id's writes in the ids hash, false for none; nil: unread)
   if blocks_of[events] == nil then  -- (a key's first write in a call reads its id's writes with the block list)
     local got = redis.call('HMGET', ids, '', id)
-    blocks_of[events], fetched = got[1] or '', got[2]
+    blocks_of[events], fetched = got[1] or false, got[2]
   end
   local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = light and '' or packed_writes(events, id, us)
@@ -245,7 +247,6 @@ for k = 1, n do
     end
     if held then trimmed[events] = true end
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
-    redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     -- (events and blocks ended a dedup window before the cutoff; then the events before it)
     local kept_from = cutoff - within - span
     local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
@@ -257,15 +258,20 @@ for k = 1, n do
         lacks(events, micros(member, 9))
       end
     end
-    local listed = block_list(events)
-    if listed ~= '' then
-      local kept_blocks = unlisted(listed, function(number)
-        local first = struct.unpack('>i8', number) * span
-        if first <= kept_from then lacks(events, first + span - 1) end  -- (a block gone: its tiles' events)
-        return first > kept_from
-      end)
+    local listed = listing(events)
+    local kept_blocks = listed and unlisted(listed, function(number)
+      local first = struct.unpack('>i8', number) * span
+      if first <= kept_from then lacks(events, first + span - 1) end  -- (a block gone: its tiles' events)
+      return first > kept_from
+    end) or ''
+    -- (the mark follows what is left: an entity of few events and no block is light again; what
+    -- its ids hash recorded stays there, as a light entity's duplicate writes do)
+    if kept_blocks == '' and few_events(events) then
+      if listed then redis.call('HDEL', ids, '') end
+    elseif kept_blocks ~= listed then
       redis.call('HSET', ids, '', kept_blocks)
     end
+    redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     changed(events)
     local first_tile = math.floor(cutoff / tile)
     for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
@@ -273,7 +279,7 @@ for k = 1, n do
     end
     local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
     for i = 1, #stored, 2 do
-      if stored[i] ~= '' then  -- ('' lists the blocks; it keeps the hash, and its expiry, once its ids are packed)
+      if stored[i] ~= '' then  -- ('' lists the blocks and marks the entity heavy: _blocks.lua)
         local kept_times = ''
         for at = 1, #stored[i + 1], 8 do
           if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end

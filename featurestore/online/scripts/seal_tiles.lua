@@ -20,7 +20,7 @@ local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('EXISTS', events) == 0 then return 0 end
 local ids = events .. '|ids'
-local was_light = is_light_entity(redis.call('HGET', ids, '') or '', events, few_events)
+local was_light = is_light_entity(redis.call('HGET', ids, ''), events, few_events)
 local done, i, removed, ids_removed, packed_any = 0, 2, 0, 0, false
 while i <= #ARGV do
   if ARGV[i] == 'S' then
