@@ -389,6 +389,7 @@ def online(args: argparse.Namespace) -> None:
             ingest_into_blocks(store, n_cards + 10_000 * (k + 1), cards, per, rng, now)
             for k, (cards, per) in enumerate(INTO_BLOCKS)
         ]
+        floor = write_path_floor(store.online_store.client, store.online_store.compact_value_limit(), args.seed)
     shorter = {}  # a card a window on where the activity view's dedup window is shorter than its longest window
     for name, dedup_window in (("1 d", "timedelta(days=1)"), ("1 h", "timedelta(hours=1)")):
         other = Path(tempfile.mkdtemp(prefix="bench-agg-dedup-"))
@@ -454,6 +455,14 @@ def online(args: argparse.Namespace) -> None:
                 for rate, us, reads in rounds
             )
         )
+    print(
+        "  Redis script CPU per new event, add_events.lua against its commands alone (HMGET, then ZRANGE of a "
+        "light entity's members or HSETNX of a heavy one's id, ZADD, PTTL: one Lua call of 1,000, no other work; "
+        "5,000 light entities, 2,000 heavy; 150,000 events/s on one core needs 6.7 µs): "
+        + ", ".join(
+            f"{shape} {ours:.1f} µs against {alone:.1f} ({ours / alone:.2f}x)" for shape, (ours, alone) in floor.items()
+        )
+    )
     print(
         "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids and tile summaries):"
     )
@@ -535,6 +544,72 @@ def ingest_into_blocks(
             return (after.get(name, {}).get(field, 0) - before.get(name, {}).get(field, 0)) / 5000
 
         out.append((rate, grew("cmdstat_evalsha", "usec"), grew("cmdstat_zrangebyscore", "calls")))
+    return out
+
+
+# the commands a new event's write cannot do without, from one Lua call and nothing else: its
+# entity's ids hash read (the mark and block list, the id's writes), a light entity's members or a
+# heavy one's id recorded, the event added, its key's expiry read
+FLOOR = """
+for k = 1, #KEYS do
+  local events, event = KEYS[k], ARGV[7 + #KEYS + k]
+  local ids, id = events .. '|ids', string.sub(event, 1, 8)
+  redis.call('HMGET', ids, '', id)
+  if LIGHT then redis.call('ZRANGE', events, 0, 17) else redis.call('HSETNX', ids, id, string.sub(event, 9, 16)) end
+  redis.call('ZADD', events, ARGV[7 + k], event)
+  redis.call('PTTL', events)
+end
+return #KEYS
+"""
+
+
+def write_path_floor(client, limit: int, seed: int) -> dict[str, tuple[float, float]]:
+    """Redis's script CPU per new event: ``add_events.lua`` against ``FLOOR`` (its commands alone),
+    each on its own entities (5,000 light ones of 8 plain events, 12 at the end; 2,000 heavy ones of
+    20), 20 calls of 1,000 events now; scratch keys, deleted afterwards."""
+    import random
+
+    from featurestore.online.lua import scripts
+
+    rnd, now_us = random.Random(seed), time.time_ns() // 1000
+    add = scripts()["add_events"].code
+    head = [0, 8 * 86_400_000, 8 * 86_400_000 // 16, 3_600_000_000, 8 * 86_400_000_000, 0, limit]
+    out, next_id = {}, 0
+
+    def call(code: str, writes: list[tuple[bytes, int]]) -> None:
+        nonlocal next_id
+        members = []
+        for _, us in writes:
+            members.append(next_id.to_bytes(8, "big") + (us + (1 << 63)).to_bytes(8, "big") + rnd.randbytes(9))
+            next_id += 1
+        client.eval(code, len(writes), *[k for k, _ in writes], *head, *[us for _, us in writes], *members)
+
+    def usec() -> int:
+        return client.info("commandstats").get("cmdstat_eval", {}).get("usec", 0)
+
+    for shape, entities, per in (("light", 5000, 8), ("heavy", 2000, 20)):
+        timed = {}
+        for name, code in (
+            ("add_events.lua", add),
+            ("its commands alone", FLOOR.replace("LIGHT", str(shape == "light").lower())),
+        ):
+            keys = [b"bench-floor:{%d}:ev" % i for i in range(entities)]
+            for i in range(0, entities, 100):  # (made by add_events.lua either way: the layout the writes meet)
+                call(
+                    add,
+                    [
+                        (key, now_us - rnd.randrange(60, 6 * 86400) * 10**6)
+                        for key in keys[i : i + 100]
+                        for _ in range(per)
+                    ],
+                )
+            before = usec()
+            for _ in range(20):
+                call(code, [(rnd.choice(keys), time.time_ns() // 1000) for _ in range(1000)])
+            timed[name] = (usec() - before) / 20_000
+            for i in range(0, entities, 500):
+                client.delete(*[k + suffix for k in keys[i : i + 500] for suffix in (b"", b"|ids", b"|tiles")])
+        out[shape] = (timed["add_events.lua"], timed["its commands alone"])
     return out
 
 

@@ -211,15 +211,18 @@ local function any_block(members)
   end
   return false
 end
+-- whether a member is a ledger: 8 bytes, or its bytes 9-12 a directory's length (under 2^24: its
+-- byte 9 is 0, where an event's is its µs's sign-flipped top byte: 0 only before the year -290,000)
+local function is_ledger(member) return #member == 8 or string.byte(member, 9) == 0 end
 -- a light entity's events (at most LIGHT_MOST, none a block) and its ledger (or nil), read in one
--- go; false where it holds more or a block (more than LIGHT_MOST members, its ledger aside, are
--- not read)
+-- command (the ledger, scored +inf, comes last); false where it holds more or a block (no more
+-- than LIGHT_MOST + 2 members are read)
 local function few_events(events)
-  local members = redis.call('ZCARD', events)  -- (its ledger counts too)
-  if members > LIGHT_MOST + 1 then return false end
-  local held = redis.call('ZRANGEBYSCORE', events, '-inf', EVENTS_TO)
+  local held = redis.call('ZRANGE', events, 0, LIGHT_MOST + 1)
+  if #held > LIGHT_MOST + 1 then return false end
+  local ledger = held[#held] and is_ledger(held[#held]) and table.remove(held) or nil
   if #held > LIGHT_MOST or any_block(held) then return false end
-  return held, #held < members and ledger_of(events) or nil
+  return held, ledger
 end
 -- whether an entity is light: its ids hash lacks the field '' (which lists its blocks, and marks
 -- an entity heavy: ``heavier`` sets it, a trim that leaves few events and no block removes it),

@@ -100,9 +100,11 @@ local function to_ledger(events, write)
   table.insert(ledger_adds[events], write)
 end
 local function plain_writes(events, id)  -- µs of id's writes in a light entity: its plain events' and its ledger's
-  local found = ''
-  for _, m in ipairs(few(events)) do
-    if string.find(m, id, 1, true) == 1 then found = found .. string.sub(m, 9, 16) end  -- (no copy of its id)
+  local found, held = '', few(events)
+  if string.find(table.concat(held), id, 1, true) then  -- (most ids are new: one search of all the members' bytes)
+    for _, m in ipairs(held) do
+      if string.sub(m, 1, 8) == id then found = found .. string.sub(m, 9, 16) end
+    end
   end
   local _, l = ledger(events)
   if l then found = found .. id_writes(l, id) end
@@ -266,7 +268,7 @@ for k = 1, n do
     end) or ''
     -- (the mark follows what is left: an entity of few events and no block is light again; what
     -- its ids hash recorded stays there, as a light entity's duplicate writes do)
-    if kept_blocks == '' and few_events(events) then
+    if kept_blocks == '' and (light_now or few_events(events)) then  -- (light_now: unmarked)
       if listed then redis.call('HDEL', ids, '') end
     elseif kept_blocks ~= listed then
       redis.call('HSET', ids, '', kept_blocks)
