@@ -205,23 +205,18 @@ local function ledger_writes(l)  -- the writes of a ledger's directory l (if any
   end
   return out
 end
-local function any_block(members)
-  for _, m in ipairs(members) do
-    if is_block(m) then return true end
-  end
-  return false
-end
 -- whether a member is a ledger: 8 bytes, or its bytes 9-12 a directory's length (under 2^24: its
 -- byte 9 is 0, where an event's is its µs's sign-flipped top byte: 0 only before the year -290,000)
 local function is_ledger(member) return #member == 8 or string.byte(member, 9) == 0 end
--- a light entity's events (at most LIGHT_MOST, none a block) and its ledger (or nil), read in one
--- command (the ledger, scored +inf, comes last); false where it holds more or a block (no more
--- than LIGHT_MOST + 2 members are read)
+-- the events of an entity whose ids hash lacks the field '' (so it holds no block: every block is
+-- listed there) where they are at most LIGHT_MOST, and its ledger (or nil), read in one command
+-- (the ledger, scored +inf, comes last); false where it holds more (no more than LIGHT_MOST + 2
+-- members are read)
 local function few_events(events)
   local held = redis.call('ZRANGE', events, 0, LIGHT_MOST + 1)
   if #held > LIGHT_MOST + 1 then return false end
   local ledger = held[#held] and is_ledger(held[#held]) and table.remove(held) or nil
-  if #held > LIGHT_MOST or any_block(held) then return false end
+  if #held > LIGHT_MOST then return false end
   return held, ledger
 end
 -- whether an entity is light: its ids hash lacks the field '' (which lists its blocks, and marks
