@@ -242,22 +242,30 @@ for k = 1, n do
   if moved then
     -- (events live as long as the ids: a light entity's and the blocks record them; the
     -- summaries' and the ids' expiry move with the events')
-    if light_now then  -- the writes of the events trimmed below stay recorded a dedup window, in its ledger
-      for _, m in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(cutoff - within), '(' .. ARGV[1])) do
-        to_ledger(events, string.sub(m, 1, 16))
-      end
-    end
     if held then trimmed[events] = true end
     redis.call('PEXPIREAT', events .. '|tiles', string.format('%.0f', expire_ms + slack_ms))
-    -- (events and blocks ended a dedup window before the cutoff; then the events before it)
     local kept_from = cutoff - within - span
-    local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
-    if newest_gone[1] and not is_block(newest_gone[1]) then lacks(events, micros(newest_gone[1], 9)) end
-    redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
-    for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
-      if not is_block(member) then
-        redis.call('ZREM', events, member)
-        lacks(events, micros(member, 9))
+    if light_now then  -- (its plain events, read this call, are all it holds: no block)
+      local gone = false
+      for _, m in ipairs(few_of[events]) do
+        local at_us = micros(m, 9)
+        if at_us < cutoff then
+          gone = true
+          lacks(events, at_us)
+          -- (the writes of the events trimmed stay recorded a dedup window, in its ledger)
+          if at_us > cutoff - within then to_ledger(events, string.sub(m, 1, 16)) end
+        end
+      end
+      if gone then redis.call('ZREMRANGEBYSCORE', events, '-inf', '(' .. ARGV[1]) end
+    else  -- (events and blocks ended a dedup window before the cutoff; then the events before it)
+      local newest_gone = redis.call('ZREVRANGEBYSCORE', events, fmt(kept_from), '-inf', 'LIMIT', 0, 1)
+      if newest_gone[1] and not is_block(newest_gone[1]) then lacks(events, micros(newest_gone[1], 9)) end
+      redis.call('ZREMRANGEBYSCORE', events, '-inf', fmt(kept_from))
+      for _, member in ipairs(redis.call('ZRANGEBYSCORE', events, '(' .. fmt(kept_from), '(' .. ARGV[1])) do
+        if not is_block(member) then
+          redis.call('ZREM', events, member)
+          lacks(events, micros(member, 9))
+        end
       end
     end
     local listed = listing(events)
