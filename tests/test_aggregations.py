@@ -932,6 +932,16 @@ def test_a_replay_answers_what_history_does_or_refuses_never_a_partial_window(
 @example(  # a write before the cutoff, then the card heavy: its ledger's writes go into the ids hash
     writes=[(0, 35.0, 0.0), *((i, 1.0, 0.0) for i in range(1, 18)), (0, 10.0, 0.0)], replays_h=[]
 )
+@example(  # the card heavy (marked), then a writer a day on trims it light again (unmarked): copies of
+    # ids its hash recorded while heavy, before the cutoff and after it, stay duplicates
+    writes=[
+        *((i, 1.0 + i / 10, 0.0) for i in range(18)),
+        *((18, 1.0, 6.0) for _ in range(5)),
+        (5, 31.0, 0.0),
+        (6, 29.0, 0.0),
+    ],
+    replays_h=[-29.0],
+)
 def test_the_writes_of_events_an_entity_no_longer_holds_still_judge_duplicates(replay_store, writes, replays_h):
     """An event trimmed, or written before the cutoff, leaves its write behind (a light entity's
     ledger, a heavier one's ids hash: ``_blocks.lua``): a later write of its id less than the
