@@ -1039,6 +1039,14 @@ def test_a_replay_after_raising_the_retention_is_refused_where_the_old_one_trimm
         assert online["count_1h"] == [2]
 
 
+def _light_most() -> int:
+    """``LIGHT_MOST`` of ``_blocks.lua``: the most plain events a light entity holds."""
+    from featurestore.online import packed
+
+    lua = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text()
+    return int(re.search(r"local LIGHT_MOST = (\d+)", lua)[1])
+
+
 def _events_held(client, key: bytes) -> int:
     """An events key's events, plain or packed in blocks."""
     from featurestore.online import packed
@@ -2010,8 +2018,7 @@ def test_a_light_entity_records_its_ids_by_its_events_until_it_is_light_no_more(
 
     store = activity_store
     client = store.online_store.client
-    lua = (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text()
-    most = int(re.search(r"local LIGHT_MOST = (\d+)", lua)[1])
+    most = _light_most()
     span = tiles.tile_us(store.get_feature_view("activity")) * packed.BLOCK_TILES
     first = (BASE - datetime.fromtimestamp(0, UTC)) // timedelta(microseconds=span) + 1
     rng = random.Random(11)
@@ -2085,14 +2092,9 @@ def test_a_light_entitys_ledger_is_no_event_it_counts_towards_light_most(tmp_pat
     still light; one more event makes it heavy, and its ids hash then records its plain events and
     its ledger's writes. A copy of the write before the cutoff stays a duplicate throughout."""
     from featurestore import FeatureStore
-    from featurestore.online import packed
     from tests.conftest import write_repo
 
-    most = int(
-        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
-            1
-        ]
-    )
+    most = _light_most()
     now = datetime.now(UTC).replace(microsecond=0)
     event = {"card_id": 1, "amount": 1.0, "kind": "web"}
     early = {**event, "payment_id": 999, "event_timestamp": now - 31 * H}  # (before the cutoff: its ledger records it)
@@ -2128,102 +2130,72 @@ def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_s
     """An entity past ``LIGHT_MOST`` events has the field '' in its ids hash (``heavier`` sets it):
     a write to it reads the hash alone, not its members (``ZCARD``, the lightness check: a Redis
     command an event on the heaviest write path). A trim that leaves it few events removes the
-    field: it is light again, and the writes its hash recorded still make copies duplicates."""
+    field: it is light again, and the writes its hash recorded still make copies duplicates.
+    Earlier versions marked no heavy entity (the field only listed blocks): such an entity is
+    judged by its count, as before, and the next trim that leaves it heavy marks it."""
     from featurestore.aggregation import dedup_us
     from featurestore.online import packed
 
-    store, card = replay_store, next(_cards) * 10
+    store, most = replay_store, _light_most()
     view = store.get_feature_view("activity")
     dedup = timedelta(microseconds=dedup_us(view))
     client = store.online_store.client
-    key = b"fs:%s:{card_id=%d}:ev:%s" % (
-        store.config.project.encode(),
-        card,
-        store.layout("activity").online_field.encode(),
-    )
-    most = int(
-        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
-            1
-        ]
-    )
     schema = store.definitions.history_schema(view)
     t0 = datetime.now(UTC).replace(microsecond=0)
-    written: list[tuple[int, datetime]] = []
+    written: list[tuple[int, int, datetime]] = []
 
-    def write(payment_id: int, t: datetime, writer: datetime) -> None:
+    def key(card: int) -> bytes:
+        online_field = store.layout("activity").online_field.encode()
+        return b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, online_field)
+
+    def write(card: int, payment_id: int, t: datetime, writer: datetime) -> None:  # (one a call: nothing packs)
         row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": len(written), "_row_id": 0}
         row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
         store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
-        written.append((payment_id, t))
+        written.append((card, payment_id, t))
 
-    def count(at: datetime) -> int:  # (the rule's loop: a write is an event unless an earlier one of its id is near)
-        kept = [t for n, (i, t) in enumerate(written) if all(abs(t - u) >= dedup for j, u in written[:n] if j == i)]
+    def count(
+        card: int, at: datetime
+    ) -> int:  # (the rule's loop: a write is an event unless an earlier one of its id is near)
+        mine = [(i, t) for c, i, t in written if c == card]
+        kept = [t for n, (i, t) in enumerate(mine) if all(abs(t - u) >= dedup for j, u in mine[:n] if j == i)]
         return sum(at - 30 * H < t <= at for t in kept)
 
-    def lookup(at: datetime) -> int:
+    def lookup(card: int, at: datetime) -> int:
         got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
         return got.to_dict()["not_card_count_30h"][0]
 
     def zcards() -> int:
         return client.info("commandstats").get("cmdstat_zcard", {}).get("calls", 0)
 
-    for i in range(most + 1):  # (fewer than a block packs in any block's span: they stay plain)
-        write(i, t0 - (most - i) * H, t0)
-    assert client.hget(key + b"|ids", b"") == b""  # heavy: marked
+    card = next(_cards) * 10
+    for i in range(most + 1):
+        write(card, i, t0 - (most - i) * H, t0)
+    assert client.hget(key(card) + b"|ids", b"") == b""  # heavy: marked
     before = zcards()
-    write(100, t0 + timedelta(minutes=1), t0)
-    write(most - 1, t0 + timedelta(minutes=2), t0)  # (a copy: a duplicate)
-    assert zcards() == before and lookup(t0 + H) == count(t0 + H) == most + 2
+    write(card, 100, t0 + timedelta(minutes=1), t0)
+    write(card, most - 1, t0 + timedelta(minutes=2), t0)  # (a copy: a duplicate)
+    assert zcards() == before and lookup(card, t0 + H) == count(card, t0 + H) == most + 2
     later = t0 + 25 * H  # a writer a day on: its trim leaves the entity a few events
-    write(200, later, later)
-    assert packed.event_count(client.zrangebyscore(key, *EVENT_SCORES)) <= most
-    assert not client.hexists(key + b"|ids", b"")  # light again
-    write(most, t0 + 2 * H, later + H)  # (a copy of an event written while heavy: its hash recorded it)
-    write(201, later + 2 * H, later + 2 * H)
+    write(card, 200, later, later)
+    assert packed.event_count(client.zrangebyscore(key(card), *EVENT_SCORES)) <= most
+    assert not client.hexists(key(card) + b"|ids", b"")  # light again
+    write(card, most, t0 + 2 * H, later + H)  # (a copy of an event written while heavy: its hash recorded it)
+    write(card, 201, later + 2 * H, later + 2 * H)
     # (from t0 - 3 h: the last 3 of the first events, then 100, 200 and 201; the copy of `most` no event)
-    assert lookup(later + 2 * H) == count(later + 2 * H) == 6
+    assert lookup(card, later + 2 * H) == count(card, later + 2 * H) == 6
 
-
-def test_a_heavy_entity_earlier_versions_left_unmarked_is_judged_by_its_count_and_marked_at_its_trim(replay_store):
-    """Earlier versions marked no heavy entity (the field '' only listed blocks): such an entity is
-    judged by its count, as before (its ids hash records its plain events), and the next trim that
-    leaves it heavy marks it."""
-    from featurestore.online import packed
-
-    store, card = replay_store, next(_cards) * 10
-    view = store.get_feature_view("activity")
-    client = store.online_store.client
-    key = b"fs:%s:{card_id=%d}:ev:%s|ids" % (
-        store.config.project.encode(),
-        card,
-        store.layout("activity").online_field.encode(),
-    )
-    most = int(
-        re.search(r"local LIGHT_MOST = (\d+)", (Path(packed.__file__).parent / "scripts" / "_blocks.lua").read_text())[
-            1
-        ]
-    )
-    schema = store.definitions.history_schema(view)
-    t0 = datetime.now(UTC).replace(microsecond=0)
-
-    def write(payment_id: int, t: datetime, writer: datetime) -> None:  # (one a call: nothing packs)
-        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": payment_id, "_row_id": 0}
-        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
-        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
-
-    def count(at: datetime) -> int:
-        got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
-        return got.to_dict()["not_card_count_30h"][0]
-
-    for i in range(most + 1):  # old events, then as many recent ones
-        write(i, t0 - 20 * H + i * timedelta(minutes=1), t0)
-        write(100 + i, t0 - i * timedelta(minutes=1), t0)
-    client.hdel(key, b"")  # (as earlier versions left it)
-    write(100, t0 + timedelta(minutes=1), t0)  # (a copy: a duplicate)
-    assert count(t0 + H) == 2 * (most + 1)
+    card = next(_cards) * 10  # heavy as earlier versions left it: old events, as many recent ones
+    for i in range(most + 1):
+        write(card, i, t0 - 20 * H + i * timedelta(minutes=1), t0)
+        write(card, 100 + i, t0 - i * timedelta(minutes=1), t0)
+    client.hdel(key(card) + b"|ids", b"")
+    write(card, 100, t0 + timedelta(minutes=1), t0)  # (a copy: a duplicate)
+    assert lookup(card, t0 + H) == count(card, t0 + H) == 2 * (most + 1)
     later = t0 + 12 * H  # its trim drops the old events: heavy still
-    write(200, later, later)
-    assert client.hget(key, b"") == b"" and count(later) == most + 2
+    write(card, 200, later, later)
+    assert client.hget(key(card) + b"|ids", b"") == b""
+    assert lookup(card, later) == count(card, later) == most + 2
 
 
 @pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
