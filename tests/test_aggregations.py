@@ -2198,6 +2198,71 @@ def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_s
     assert lookup(card, later) == count(card, later) == most + 2
 
 
+def test_the_ids_hash_is_read_whole_for_old_write_times_once_the_cutoff_moved_a_quarter_dedup_window(replay_store):
+    """A write that moves its entity's expiry (once per slack) trims its events; the write times in
+    its ids hash a dedup window before the cutoff go too, but reading the whole hash for them
+    waits until the cutoff has moved a quarter of the dedup window since the last time (the
+    hash's field 't'): times kept longer only keep more of the rule's record, so lookups still
+    equal the rule's loop. A hash left with no id goes, its 't' with it."""
+    from featurestore.aggregation import dedup_us
+
+    store = replay_store
+    view = store.get_feature_view("activity")
+    dedup = timedelta(microseconds=dedup_us(view))
+    client = store.online_store.client
+    schema = store.definitions.history_schema(view)
+    t0 = datetime.now(UTC).replace(microsecond=0)
+    written: list[tuple[int, int, datetime]] = []
+
+    def ids_key(card: int) -> bytes:
+        online_field = store.layout("activity").online_field.encode()
+        return b"fs:%s:{card_id=%d}:ev:%s|ids" % (store.config.project.encode(), card, online_field)
+
+    def write(card: int, payment_id: int, t: datetime, writer: datetime) -> None:
+        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": len(written), "_row_id": 0}
+        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
+        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
+        written.append((card, payment_id, t))
+
+    def count(card: int, at: datetime) -> int:  # (the rule's loop)
+        mine = [(i, t) for c, i, t in written if c == card]
+        kept = [t for n, (i, t) in enumerate(mine) if all(abs(t - u) >= dedup for j, u in mine[:n] if j == i)]
+        return sum(at - 30 * H < t <= at for t in kept)
+
+    def whole_reads() -> int:
+        return client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+
+    card = next(_cards) * 10
+    for i in range(_light_most() + 4):  # heavy: its ids hash records every write
+        write(card, i, t0 - i * timedelta(minutes=10), t0)
+    trims, last, reads = 0, None, 0
+    for step in range(1, 9):  # 2 h a step, past the slack (30 h / 16): every write moves the expiry
+        writer, before = t0 + step * 2 * H, whole_reads()
+        write(card, 100 + step, writer, writer)
+        write(card, step % 5, writer - H, writer)  # (a copy of an early id: a duplicate while its write is held)
+        reads += whole_reads() - before
+        cutoff = writer - 30 * H
+        if last is None or cutoff - last >= dedup / 4:
+            trims, last = trims + 1, cutoff
+        assert lookup_count(store, card, writer) == count(card, writer)
+    assert reads == trims
+    assert trims == (8 if dedup < 8 * H else 2)  # (a 30 h dedup window: at steps 1 and 5)
+
+    light = next(_cards) * 10  # a light card whose one duplicate id puts it in an ids hash
+    write(light, 1, t0, t0)
+    write(light, 1, t0 + H, t0 + H)
+    assert client.hlen(ids_key(light)) == 1
+    later = t0 + 2 * dedup + 40 * H  # its writes a dedup window before the cutoff: the hash goes
+    write(light, 2, later, later)
+    assert not client.exists(ids_key(light)) and lookup_count(store, light, later) == count(light, later) == 1
+
+
+def lookup_count(store, card: int, at: datetime) -> int:
+    """``not_card_count_30h`` online, at ``at``."""
+    got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
+    return got.to_dict()["not_card_count_30h"][0]
+
+
 @pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
 def test_a_light_entitys_ledger_stays_a_compact_member_and_spills_into_the_ids_hash(tmp_path, limit):
     """A light entity's ledger is one member of its sorted set: longer than Redis's compact member
@@ -2297,7 +2362,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "a7ba2448aa3e1fac"},
+        {10: "52f43effbbcfe0ae", 11: "819cefba1f38258a"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

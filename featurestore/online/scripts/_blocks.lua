@@ -25,7 +25,13 @@
 -- its members to find its id's writes: the bound keeps that read short, where the key a hash
 -- costs is most of a small entity's memory (``benchmarks/aggregations.py``); a write to a heavy
 -- one reads none (the field says so).
+-- The ids hash's field TRIMMED_AT holds the cutoff (8 bytes, as a stamp) at which its write times
+-- were last trimmed (``add_events.lua``): reading the whole hash to drop the few times a dedup
+-- window past is done once the cutoff has moved a quarter of the dedup window since, not at every
+-- move of an entity's expiry (once per slack). Times kept longer only keep more of the rule's
+-- record: nothing is judged otherwise than the rule does.
 local BLOCK_TILES = 32
+local TRIMMED_AT = 't'  -- (no id: ids are 8 bytes)
 local LIGHT_MOST = 16
 local ONES = string.rep('\255', 8)
 -- (an event's byte 9 is its µs's sign-flipped top byte: 255 only past the year 290,000, so the

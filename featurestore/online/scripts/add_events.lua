@@ -64,6 +64,7 @@ end
 -- events key -> its ids hash's field '' (_blocks.lua: its block list, where it is heavy), false
 -- where the hash lacks it; events key -> block number -> its directory: read once a call
 local blocks_of, directories = {}, {}
+local trims_of = {}  -- events key -> its ids hash's TRIMMED_AT (false: none), where read this call
 local function directory_of(events, number)
   local of = directories[events] or {}
   directories[events] = of
@@ -161,8 +162,8 @@ for k = 1, n do
   local expire_ms, ids_expire_ms = math.floor(us / 1000) + horizon_ms, needed_until_ms(us)
   local kept, times, hashed, fetched  -- (fetched: the id's writes in the ids hash, false for none; nil: unread)
   if blocks_of[events] == nil then  -- (a key's first write in a call reads its id's writes with the block list)
-    local got = redis.call('HMGET', ids, '', id)
-    blocks_of[events], fetched = got[1] or false, got[2]
+    local got = redis.call('HMGET', ids, '', id, TRIMMED_AT)
+    blocks_of[events], fetched, trims_of[events] = got[1] or false, got[2], got[3]
   end
   local light, unrecorded, wrote_ids = is_light(events), false, false
   local packed = light and '' or packed_writes(events, id, us)
@@ -281,23 +282,38 @@ for k = 1, n do
     elseif kept_blocks ~= listed then
       redis.call('HSET', ids, '', kept_blocks)
     end
-    redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
     changed(events)
     local first_tile = math.floor(cutoff / tile)
     for _, name in ipairs(redis.call('HKEYS', events .. '|tiles')) do
       if tonumber(name) < first_tile then redis.call('HDEL', events .. '|tiles', name) end
     end
-    local stored = redis.call('HGETALL', ids)  -- write times a dedup window before the cutoff are no longer needed
-    for i = 1, #stored, 2 do
-      if stored[i] ~= '' then  -- ('' lists the blocks and marks the entity heavy: _blocks.lua)
-        local kept_times = ''
-        for at = 1, #stored[i + 1], 8 do
-          if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
-        end
-        if kept_times == '' then redis.call('HDEL', ids, stored[i])
-        elseif kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
+    -- write times a dedup window before the cutoff are no longer needed: dropped once the cutoff
+    -- has moved a quarter of the dedup window since they last were (TRIMMED_AT, _blocks.lua)
+    local last = trims_of[events]
+    if last == nil then last = redis.call('HGET', ids, TRIMMED_AT) end
+    if not last or cutoff - micros(last, 1) >= within / 4 then
+      local stored, left = redis.call('HGETALL', ids), 0  -- (left: ids and '' the hash keeps)
+      for i = 1, #stored, 2 do
+        if #stored[i] == 8 then  -- (an id: '' and TRIMMED_AT are not)
+          local kept_times = ''
+          for at = 1, #stored[i + 1], 8 do
+            if micros(stored[i + 1], at) > cutoff - within then kept_times = kept_times .. string.sub(stored[i + 1], at, at + 7) end
+          end
+          if kept_times == '' then redis.call('HDEL', ids, stored[i])
+          else
+            left = left + 1
+            if kept_times ~= stored[i + 1] then redis.call('HSET', ids, stored[i], kept_times) end
+          end
+        elseif stored[i] == '' then left = left + 1 end
+      end
+      if left > 0 then
+        trims_of[events] = stamp_of(cutoff)
+        redis.call('HSET', ids, TRIMMED_AT, trims_of[events])
+      elseif last then  -- (its last field: the hash goes)
+        redis.call('HDEL', ids, TRIMMED_AT)
       end
     end
+    redis.call('PEXPIREAT', ids, string.format('%.0f', ids_expire_ms + slack_ms))
   end
 end
 -- each ledger changed: the newest event lacked, while a lookup's bound does not cover it yet, and
