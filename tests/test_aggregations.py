@@ -1039,6 +1039,11 @@ def test_a_replay_after_raising_the_retention_is_refused_where_the_old_one_trimm
         assert online["count_1h"] == [2]
 
 
+def _calls(client, command: str) -> int:
+    """How many times Redis has run ``command`` (``INFO commandstats``), scripts' calls included."""
+    return client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
 def _light_most() -> int:
     """``LIGHT_MOST`` of ``_blocks.lua``: the most plain events a light entity holds."""
     from featurestore.online import packed
@@ -1829,9 +1834,6 @@ def test_a_write_reads_only_the_blocks_whose_id_filter_lets_its_id_through(activ
     def event(i: int, t: datetime) -> dict:
         return {"payment_id": i, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": t}
 
-    def block_reads() -> int:  # (the script reads a block with ZRANGEBYSCORE at its score)
-        return client.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0)
-
     step = timedelta(hours=29) / old_events
     old = [event(card * 1000 + i, now - timedelta(hours=29) + i * step) for i in range(old_events)]
     store.push("payments", _frame(old), to="online")
@@ -1847,9 +1849,9 @@ def test_a_write_reads_only_the_blocks_whose_id_filter_lets_its_id_through(activ
     through = np.any([f[hashes % np.uint64(len(f))].all(axis=1) for f in filters], axis=0)
     new = [event(int(i), now + timedelta(microseconds=k + 1)) for k, i in enumerate(candidates[~through][:50])]
     assert len(new) == 50
-    held, before = _events_held(client, key), block_reads()
+    held, before = _events_held(client, key), _calls(client, "zrangebyscore")  # (a block read: at its score)
     store.push("payments", _frame(new), to="online")
-    assert block_reads() == before and _events_held(client, key) == held + 50
+    assert _calls(client, "zrangebyscore") == before and _events_held(client, key) == held + 50
     store.push("payments", _frame(old[:1]), to="online")
     assert _events_held(client, key) == held + 50
 
@@ -2126,6 +2128,40 @@ def test_a_light_entitys_ledger_is_no_event_it_counts_towards_light_most(tmp_pat
         assert count() == most + 1
 
 
+class _RowWriter:
+    """Single events written to ``activity`` online as a materializer at a given clock writes them
+    (one a call: nothing packs), and the duplicate rule's loop over them: the 30 h count."""
+
+    def __init__(self, store):
+        from featurestore.aggregation import dedup_us
+
+        self.store, self.view = store, store.get_feature_view("activity")
+        self.dedup = timedelta(microseconds=dedup_us(self.view))
+        self.schema = store.definitions.history_schema(self.view)
+        self.written: list[tuple[int, int, datetime]] = []
+
+    def write(self, card: int, payment_id: int, t: datetime, writer: datetime) -> None:
+        row = {
+            "card_id": card,
+            "event_timestamp": t,
+            "created_timestamp": t,
+            "_run_id": len(self.written),
+            "_row_id": 0,
+        }
+        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
+        self.store.materializer().write_online(self.view, pa.Table.from_pylist([row], schema=self.schema), writer)
+        self.written.append((card, payment_id, t))
+
+    def count(self, card: int, at: datetime) -> int:  # (a write is an event unless an earlier one of its id is near)
+        mine = [(i, t) for c, i, t in self.written if c == card]
+        kept = [t for n, (i, t) in enumerate(mine) if all(abs(t - u) >= self.dedup for j, u in mine[:n] if j == i)]
+        return sum(at - 30 * H < t <= at for t in kept)
+
+    def lookup(self, card: int, at: datetime) -> int:
+        got = self.store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
+        return got.to_dict()["not_card_count_30h"][0]
+
+
 def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_store):
     """An entity past ``LIGHT_MOST`` events has the field '' in its ids hash (``heavier`` sets it):
     a write to it reads the hash alone, not its members (``ZCARD``, the lightness check: a Redis
@@ -2133,53 +2169,25 @@ def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_s
     field: it is light again, and the writes its hash recorded still make copies duplicates.
     Earlier versions marked no heavy entity (the field only listed blocks): such an entity is
     judged by its count, as before, and the next trim that leaves it heavy marks it."""
-    from featurestore.aggregation import dedup_us
     from featurestore.online import packed
 
-    store, most = replay_store, _light_most()
-    view = store.get_feature_view("activity")
-    dedup = timedelta(microseconds=dedup_us(view))
+    store, most, rows = replay_store, _light_most(), _RowWriter(replay_store)
+    write, count, lookup = rows.write, rows.count, rows.lookup
     client = store.online_store.client
-    schema = store.definitions.history_schema(view)
     t0 = datetime.now(UTC).replace(microsecond=0)
-    written: list[tuple[int, int, datetime]] = []
-
-    def key(card: int) -> bytes:
-        online_field = store.layout("activity").online_field.encode()
-        return b"fs:%s:{card_id=%d}:ev:%s" % (store.config.project.encode(), card, online_field)
-
-    def write(card: int, payment_id: int, t: datetime, writer: datetime) -> None:  # (one a call: nothing packs)
-        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": len(written), "_row_id": 0}
-        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
-        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
-        written.append((card, payment_id, t))
-
-    def count(
-        card: int, at: datetime
-    ) -> int:  # (the rule's loop: a write is an event unless an earlier one of its id is near)
-        mine = [(i, t) for c, i, t in written if c == card]
-        kept = [t for n, (i, t) in enumerate(mine) if all(abs(t - u) >= dedup for j, u in mine[:n] if j == i)]
-        return sum(at - 30 * H < t <= at for t in kept)
-
-    def lookup(card: int, at: datetime) -> int:
-        got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
-        return got.to_dict()["not_card_count_30h"][0]
-
-    def zcards() -> int:
-        return client.info("commandstats").get("cmdstat_zcard", {}).get("calls", 0)
 
     card = next(_cards) * 10
     for i in range(most + 1):
         write(card, i, t0 - (most - i) * H, t0)
-    assert client.hget(key(card) + b"|ids", b"") == b""  # heavy: marked
-    before = zcards()
+    assert client.hget(_events_key(store, card) + b"|ids", b"") == b""  # heavy: marked
+    before = _calls(client, "zcard")
     write(card, 100, t0 + timedelta(minutes=1), t0)
     write(card, most - 1, t0 + timedelta(minutes=2), t0)  # (a copy: a duplicate)
-    assert zcards() == before and lookup(card, t0 + H) == count(card, t0 + H) == most + 2
+    assert _calls(client, "zcard") == before and lookup(card, t0 + H) == count(card, t0 + H) == most + 2
     later = t0 + 25 * H  # a writer a day on: its trim leaves the entity a few events
     write(card, 200, later, later)
-    assert packed.event_count(client.zrangebyscore(key(card), *EVENT_SCORES)) <= most
-    assert not client.hexists(key(card) + b"|ids", b"")  # light again
+    assert packed.event_count(client.zrangebyscore(_events_key(store, card), *EVENT_SCORES)) <= most
+    assert not client.hexists(_events_key(store, card) + b"|ids", b"")  # light again
     write(card, most, t0 + 2 * H, later + H)  # (a copy of an event written while heavy: its hash recorded it)
     write(card, 201, later + 2 * H, later + 2 * H)
     # (from t0 - 3 h: the last 3 of the first events, then 100, 200 and 201; the copy of `most` no event)
@@ -2189,12 +2197,12 @@ def test_a_heavy_entity_is_marked_so_its_writes_read_none_of_its_events(replay_s
     for i in range(most + 1):
         write(card, i, t0 - 20 * H + i * timedelta(minutes=1), t0)
         write(card, 100 + i, t0 - i * timedelta(minutes=1), t0)
-    client.hdel(key(card) + b"|ids", b"")
+    client.hdel(_events_key(store, card) + b"|ids", b"")
     write(card, 100, t0 + timedelta(minutes=1), t0)  # (a copy: a duplicate)
     assert lookup(card, t0 + H) == count(card, t0 + H) == 2 * (most + 1)
     later = t0 + 12 * H  # its trim drops the old events: heavy still
     write(card, 200, later, later)
-    assert client.hget(key(card) + b"|ids", b"") == b""
+    assert client.hget(_events_key(store, card) + b"|ids", b"") == b""
     assert lookup(card, later) == count(card, later) == most + 2
 
 
@@ -2204,63 +2212,34 @@ def test_the_ids_hash_is_read_whole_for_old_write_times_once_the_cutoff_moved_a_
     waits until the cutoff has moved a quarter of the dedup window since the last time (the
     hash's field 't'): times kept longer only keep more of the rule's record, so lookups still
     equal the rule's loop. A hash left with no id goes, its 't' with it."""
-    from featurestore.aggregation import dedup_us
-
-    store = replay_store
-    view = store.get_feature_view("activity")
-    dedup = timedelta(microseconds=dedup_us(view))
+    store, rows = replay_store, _RowWriter(replay_store)
+    write, count, lookup = rows.write, rows.count, rows.lookup
     client = store.online_store.client
-    schema = store.definitions.history_schema(view)
     t0 = datetime.now(UTC).replace(microsecond=0)
-    written: list[tuple[int, int, datetime]] = []
-
-    def ids_key(card: int) -> bytes:
-        online_field = store.layout("activity").online_field.encode()
-        return b"fs:%s:{card_id=%d}:ev:%s|ids" % (store.config.project.encode(), card, online_field)
-
-    def write(card: int, payment_id: int, t: datetime, writer: datetime) -> None:
-        row = {"card_id": card, "event_timestamp": t, "created_timestamp": t, "_run_id": len(written), "_row_id": 0}
-        row |= {"payment_id": payment_id, "amount": 1.0, "kind": "web"}
-        store.materializer().write_online(view, pa.Table.from_pylist([row], schema=schema), writer)
-        written.append((card, payment_id, t))
-
-    def count(card: int, at: datetime) -> int:  # (the rule's loop)
-        mine = [(i, t) for c, i, t in written if c == card]
-        kept = [t for n, (i, t) in enumerate(mine) if all(abs(t - u) >= dedup for j, u in mine[:n] if j == i)]
-        return sum(at - 30 * H < t <= at for t in kept)
-
-    def whole_reads() -> int:
-        return client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
 
     card = next(_cards) * 10
     for i in range(_light_most() + 4):  # heavy: its ids hash records every write
         write(card, i, t0 - i * timedelta(minutes=10), t0)
     trims, last, reads = 0, None, 0
     for step in range(1, 9):  # 2 h a step, past the slack (30 h / 16): every write moves the expiry
-        writer, before = t0 + step * 2 * H, whole_reads()
+        writer, before = t0 + step * 2 * H, _calls(client, "hgetall")
         write(card, 100 + step, writer, writer)
         write(card, step % 5, writer - H, writer)  # (a copy of an early id: a duplicate while its write is held)
-        reads += whole_reads() - before
+        reads += _calls(client, "hgetall") - before
         cutoff = writer - 30 * H
-        if last is None or cutoff - last >= dedup / 4:
+        if last is None or cutoff - last >= rows.dedup / 4:
             trims, last = trims + 1, cutoff
-        assert lookup_count(store, card, writer) == count(card, writer)
+        assert lookup(card, writer) == count(card, writer)
     assert reads == trims
-    assert trims == (8 if dedup < 8 * H else 2)  # (a 30 h dedup window: at steps 1 and 5)
+    assert trims == (8 if rows.dedup < 8 * H else 2)  # (a 30 h dedup window: at steps 1 and 5)
 
     light = next(_cards) * 10  # a light card whose one duplicate id puts it in an ids hash
     write(light, 1, t0, t0)
     write(light, 1, t0 + H, t0 + H)
-    assert client.hlen(ids_key(light)) == 1
-    later = t0 + 2 * dedup + 40 * H  # its writes a dedup window before the cutoff: the hash goes
+    assert client.hlen(_events_key(store, light) + b"|ids") == 1
+    later = t0 + 2 * rows.dedup + 40 * H  # its writes a dedup window before the cutoff: the hash goes
     write(light, 2, later, later)
-    assert not client.exists(ids_key(light)) and lookup_count(store, light, later) == count(light, later) == 1
-
-
-def lookup_count(store, card: int, at: datetime) -> int:
-    """``not_card_count_30h`` online, at ``at``."""
-    got = store.get_online_features([{"card_id": card}], features=["activity:not_card_count_30h"], at=at)
-    return got.to_dict()["not_card_count_30h"][0]
+    assert not client.exists(_events_key(store, light) + b"|ids") and lookup(light, later) == count(light, later) == 1
 
 
 @pytest.mark.parametrize("limit", [64, 1024])  # (Redis's default compact member; the embedded server's)
