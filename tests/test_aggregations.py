@@ -1306,6 +1306,14 @@ def test_a_where_value_of_another_type_is_a_definition_error(make_store):
         store.definitions
 
 
+def test_an_aggregation_window_of_another_type_is_a_definition_error(make_store):
+    """A window given as a number (``Aggregation("count", 3600)``) raised AttributeError naming the
+    output (a traceback from ``featurestore plan``); now one line saying it takes a timedelta."""
+    store = make_store(FEATURES.replace('Aggregation("count", H),', 'Aggregation("count", 3600),'), apply=False)
+    with pytest.raises(DefinitionError, match="aggregation 'count': window must be a timedelta, got 3600"):
+        store.definitions
+
+
 def test_an_event_id_reused_past_the_longest_window_is_a_new_event_on_both_paths(make_store):
     """Offline kept the first write of an id forever while Redis had forgotten it: an id reused 3 h
     later in a 1 h window counted online only. Writes of one id less than the longest window apart

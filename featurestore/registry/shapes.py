@@ -106,6 +106,12 @@ def _view_problems(view: FeatureView, where: str) -> list[str]:
         isinstance(a, Aggregation) for a in view.aggregations
     ):
         problems.append(f"{where}: aggregations must be a list of Aggregation(...), got {_what(view.aggregations)}")
+    else:  # (a window names its output: ``count_1h``)
+        problems += [
+            f"{where}: aggregation {a.function!r}: window must be a timedelta, got {_what(a.window)}"
+            for a in view.aggregations
+            if not isinstance(a.window, timedelta)
+        ]
     if view.event_id is not None and not isinstance(view.event_id, str):
         problems.append(f"{where}: event_id must be a column name, got {_what(view.event_id)}")
     if view.dedup_window is not None and not isinstance(view.dedup_window, timedelta):
