@@ -548,13 +548,13 @@ def ingest_into_blocks(
 
 
 # the commands a new event's write cannot do without, from one Lua call and nothing else: its
-# entity's ids hash read (the mark and block list, the id's writes), a light entity's members or a
-# heavy one's id recorded, the event added, its key's expiry read
+# entity's ids hash read (the mark and block list, the id's writes, when it was last trimmed), a
+# light entity's members or a heavy one's id recorded, the event added, its key's expiry read
 FLOOR = """
 for k = 1, #KEYS do
   local events, event = KEYS[k], ARGV[7 + #KEYS + k]
   local ids, id = events .. '|ids', string.sub(event, 1, 8)
-  redis.call('HMGET', ids, '', id)
+  redis.call('HMGET', ids, '', id, 't')
   if LIGHT then redis.call('ZRANGE', events, 0, 17) else redis.call('HSETNX', ids, id, string.sub(event, 9, 16)) end
   redis.call('ZADD', events, ARGV[7 + k], event)
   redis.call('PTTL', events)
