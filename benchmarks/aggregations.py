@@ -61,12 +61,16 @@ latest = FeatureView(name="latest", entities=[card], source=PushSource(name="pro
 NAMES = [f"amount_{f}_{w}" for w in WINDOWS for f in FUNCTIONS]
 
 
-def write_repo(root: Path, retention: str = "", dedup_window: str = "") -> None:
-    """The benchmark's repo; ``dedup_window``: the activity view's, as Python (``timedelta(days=1)``)."""
+def write_repo(
+    root: Path, retention: str = "", dedup_window: str = "", windows: dict = WINDOWS, online: str = ""
+) -> None:
+    """The benchmark's repo; ``dedup_window``: the activity view's, as Python (``timedelta(days=1)``);
+    ``online``: more ``online_store`` settings, as YAML (``pack_pushes: false``)."""
     root.mkdir(parents=True, exist_ok=True)
-    extra = f"online_store: {{event_retention: {retention}}}\n" if retention else ""
+    settings = ", ".join(x for x in (f"event_retention: {retention}" if retention else "", online) if x)
+    extra = f"online_store: {{{settings}}}\n" if settings else ""
     (root / "featurestore.yaml").write_text(f"project: bench_agg\nmodules: [features.py]\n{extra}")
-    defs = DEFS.replace("{windows}", repr(WINDOWS)).replace("{functions}", repr(FUNCTIONS))
+    defs = DEFS.replace("{windows}", repr(windows)).replace("{functions}", repr(FUNCTIONS))
     if dedup_window:
         defs = defs.replace('event_id="tx_id",', f'event_id="tx_id", dedup_window={dedup_window},')
     (root / "features.py").write_text(defs)
@@ -390,6 +394,7 @@ def online(args: argparse.Namespace) -> None:
             for k, (cards, per) in enumerate(INTO_BLOCKS)
         ]
         floor = write_path_floor(store.online_store.client, store.online_store.compact_value_limit(), args.seed)
+    packing = pushes_packing(args.seconds / 2, args.seed)
     shorter = {}  # a card a window on where the activity view's dedup window is shorter than its longest window
     for name, dedup_window in (("1 d", "timedelta(days=1)"), ("1 h", "timedelta(hours=1)")):
         other = Path(tempfile.mkdtemp(prefix="bench-agg-dedup-"))
@@ -463,6 +468,19 @@ def online(args: argparse.Namespace) -> None:
             f"{shape} {ours:.1f} µs against {alone:.1f} ({ours / alone:.2f}x)" for shape, (ours, alone) in floor.items()
         )
     )
+    print(
+        f"  pushes of 1,000 events for {args.seconds / 2:g} s into a view whose longest window is 5 min (tiles of 1 s, "
+        "so they end as it runs), the pushes packing and summarizing the tiles they wrote (the default) against "
+        "not (online_store.pack_pushes: false): events/s, Redis CPU and the pushing process's CPU an event, Redis "
+        "memory an event at the end:"
+    )
+    for cards in sorted({c for c, _ in packing}):
+        on, off = packing[cards, True], packing[cards, False]
+        print(
+            f"    {cards:,} cards: {on[0]:,.0f} against {off[0]:,.0f} events/s ({on[0] / off[0]:.2f}x), Redis "
+            f"{on[1]:.1f} against {off[1]:.1f} µs, the pusher {on[2]:.1f} against {off[2]:.1f} µs, "
+            f"{on[3]:.1f} against {off[3]:.1f} bytes"
+        )
     print(
         "  memory of a card's events, bytes per event (MEMORY USAGE of its events and blocks, ids and tile summaries):"
     )
@@ -544,6 +562,46 @@ def ingest_into_blocks(
             return (after.get(name, {}).get(field, 0) - before.get(name, {}).get(field, 0)) / 5000
 
         out.append((rate, grew("cmdstat_evalsha", "usec"), grew("cmdstat_zrangebyscore", "calls")))
+    return out
+
+
+def pushes_packing(seconds: float, seed: int) -> dict[tuple[int, bool], tuple[float, float, float, float]]:
+    """Pushes of 1,000 new events for ``seconds`` into 2,000 and into 20,000 cards of a view whose
+    longest window is 5 min (tiles of 1 s, so tiles end while it runs: ~20 and ~2 events a card a
+    tile), with the pushes' packing on and off (``online_store.pack_pushes``), each on its own
+    embedded Redis: ``{(cards, on): (events/s, Redis CPU µs an event, the pushing process's CPU µs
+    an event, Redis memory bytes an event at the end)}``."""
+    import tempfile
+
+    from featurestore import FeatureStore
+
+    out = {}
+    for cards in (2_000, 20_000):
+        for on in (False, True):
+            root = Path(tempfile.mkdtemp(prefix="bench-agg-packing-"))
+            write_repo(root, windows={"5m": 300}, online=f"pack_pushes: {str(on).lower()}")
+            rng = np.random.default_rng(seed)
+            with FeatureStore(root) as store:
+                store.apply()
+                client, n = store.online_store.client, 0
+                memory, cpu = client.info("memory")["used_memory"], client.info("cpu")
+                started, process = time.perf_counter(), time.process_time()
+                while time.perf_counter() - started < seconds:
+                    rows = {
+                        "tx_id": np.arange(n, n + 1000, dtype=np.int64),
+                        "card_id": rng.integers(1, cards + 1, 1000),
+                        "amount": np.round(rng.lognormal(3.5, 1.1, 1000), 2),
+                        "event_timestamp": pa.array([datetime.now(UTC)] * 1000, TS),
+                    }
+                    store.push("payments", pa.table(rows), to="online")
+                    n += 1000
+                rate = n / (time.perf_counter() - started)
+                store.pack_pushed(wait=True)
+                after = client.info("cpu")
+                redis_s = sum(after[k] - cpu[k] for k in ("used_cpu_user", "used_cpu_sys"))
+                pushing_s = time.process_time() - process
+                grown = client.info("memory")["used_memory"] - memory
+                out[cards, on] = (rate, redis_s / n * 1e6, pushing_s / n * 1e6, grown / n)
     return out
 
 

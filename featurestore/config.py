@@ -39,6 +39,9 @@ class OnlineSection:
     # how long events of aggregated views stay online beyond their longest window, so lookups
     # at past times (replays, backtests) stay exact
     event_retention: timedelta = timedelta(0)
+    # pushes pack and summarize the tiles they wrote once those have ended (off: `featurestore compact` does,
+    # when it runs; packing costs the pushing process CPU, and Redis some: see the README's capacity section)
+    pack_pushes: bool = True
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ def _online_section(online: dict, file: Path) -> OnlineSection:
         max_request_entities=_positive_int(online.get("max_request_entities", 10_000), f"{where}.max_request_entities"),
         expire_after_ttl=bool(online.get("expire_after_ttl", False)),
         event_retention=parse_duration(online.get("event_retention", 0), f"{where}.event_retention"),
+        pack_pushes=bool(online.get("pack_pushes", True)),
     )
 
 
@@ -336,6 +340,7 @@ _KEYS = {
         "expire_after_ttl",
         "event_retention",
         "read_timeout_ms",
+        "pack_pushes",
     },
     "offline_store": {
         "path",

@@ -15,6 +15,7 @@ from featurestore.config import RepoConfig
 from featurestore.definitions import Entity, FeatureService, FeatureView
 from featurestore.errors import ConflictError, DefinitionError, FeatureStoreError, OnlineStoreUnavailable
 from featurestore.files import private_dir
+from featurestore.materialization.pushed_entities import Due, PushedEntities
 from featurestore.registry import Definitions, Plan, RegistryStore, load_definitions, make_plan
 from featurestore.registry.layout import ViewLayout
 from featurestore.registry.snapshot import value_hash
@@ -57,6 +58,7 @@ class FeatureStore:
         self._online: OnlineStore | None = None
         self._reader: OnlineReader | None = None
         self._buffer: PushBuffer | None = None
+        self._pushed = PushedEntities()  # what pushes wrote to aggregated views, packed once their tiles end
         self._unapplied: dict[str, str] | None = None
         self._unfilled: tuple[float, frozenset[str]] | None = None  # (when read, views) for ``unfilled_views``
 
@@ -308,8 +310,9 @@ class FeatureStore:
 
     def share_online(self, other: FeatureStore) -> None:
         """Read and write through ``other``'s online store and reader (its open connections, the
-        heavy entities it knows): a server's registry reload swaps definitions, not connections."""
-        self._online, self._reader = other._online, other._reader
+        heavy entities it knows), and pack what its pushes wrote: a server's registry reload swaps
+        definitions, not connections."""
+        self._online, self._reader, self._pushed = other._online, other._reader, other._pushed
 
     @property
     def push_buffer(self) -> PushBuffer:
@@ -405,21 +408,36 @@ class FeatureStore:
 
     def pack_online_entities(self, push_source_name: str, rows: pa.Table) -> dict[str, Compacted]:
         """``pack_online`` for the entities of ``rows`` (rows of a push source) only, in the
-        aggregated views it feeds: a stream consumer runs it on the entities it wrote once their
-        tiles have ended (bounded work, no scan), so no lookup summarizes them."""
+        aggregated views it feeds (bounded work, no scan): what ``pack_pushed`` does for pushes."""
+        return {
+            view.name: self._pack_written(Due(view.name, rows, since_us=None))
+            for view in self.definitions.feature_views.values()
+            if view.is_aggregated and view.online and getattr(view.source, "name", None) == push_source_name
+            if all(k in rows.column_names for k in view.join_keys)
+        }
+
+    def pack_pushed(self, wait: bool = False) -> None:
+        """Pack and summarize the ended tiles of the entities this process's pushes wrote, once the
+        tile after theirs has ended too (``materialization.pushed_entities``), on a background
+        thread; pushes call it, and so do a server's and a stream consumer's loops (a tile may end
+        with no push after it). ``wait``: until that run has ended."""
+        self._pushed.pack_due(self._pack_written, least=self.online_store.pack_from())
+        if wait:
+            self._pushed.wait()
+
+    def _pack_written(self, due: Due) -> Compacted:
+        """Pack and summarize the ended tiles of the entities ``due.keys`` in view ``due.view``."""
         import pyarrow as pa
 
-        report = {}
-        for view in self.definitions.feature_views.values():
-            if not (view.is_aggregated and view.online and getattr(view.source, "name", None) == push_source_name):
-                continue
-            if not all(k in rows.column_names for k in view.join_keys):
-                continue
-            schema = self.definitions.history_schema(view)
-            keys = rows.select(view.join_keys).cast(pa.schema([schema.field(k) for k in view.join_keys]))
-            field, features, tile, sealer = self._packing(view)
-            report[view.name] = self.online_store.pack_entities(field, keys, view.join_keys, features, tile, sealer)
-        return report
+        from featurestore.online.base import Compacted
+
+        view = self.definitions.feature_views.get(due.view)
+        if view is None or not (view.is_aggregated and view.online):  # (definitions reloaded since)
+            return Compacted(0, 0, 0)
+        schema = self.definitions.history_schema(view)
+        keys = due.keys.select(view.join_keys).cast(pa.schema([schema.field(k) for k in view.join_keys]))
+        field, features, tile, sealer = self._packing(view)
+        return self.online_store.pack_entities(field, keys, view.join_keys, features, tile, sealer, due.since_us)
 
     def _packing(self, view: FeatureView) -> tuple[str, list, int, Sealer | None]:
         """What packing a view's online events takes: its online field, stored columns, tile µs and summarizer."""
@@ -454,6 +472,7 @@ class FeatureStore:
             except OnlineStoreUnavailable as exc:  # durable in the buffer: the next flush commits them
                 log.warning("buffered pushes stay in %s until the online store is back (%s)", self._buffer.root, exc)
             self._buffer.close()
+        self._pushed.close()  # (its run in flight ends; what is not due yet is left to compact)
         if self._offline is not None:  # (statistics not caught up yet: the next catch-up's, anywhere)
             self._offline.statistics.stop()
         if self._online is not None:
@@ -542,7 +561,10 @@ class FeatureStore:
             if getattr(v.source, "name", None) == push_source_name
         ]
         self.require_applied([push_source_name, *self._used_by(readers)])
-        return push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key, arrival)
+        written = self._pushed if self.config.online.pack_pushes else None
+        n = push(self.materializer(), self.push_buffer, push_source_name, df, to, idempotency_key, arrival, written)
+        self.pack_pushed()
+        return n
 
     def append_to_stream(self, source_name: str, rows: Iterable[dict[str, Any]]) -> list[str]:
         """Append rows to a ``StreamSource``'s Redis Stream, as a producer does (``featurestore stream``
@@ -567,7 +589,10 @@ class FeatureStore:
         from featurestore.materialization.push import write_online_only
 
         self.require_applied(self._used_by([feature_view_name]))
-        return write_online_only(self.materializer(), self.definitions.view(feature_view_name), df)
+        written = self._pushed if self.config.online.pack_pushes else None
+        n = write_online_only(self.materializer(), self.definitions.view(feature_view_name), df, written)
+        self.pack_pushed()
+        return n
 
     # ------------------------------------------------------------ retrieval
 

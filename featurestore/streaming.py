@@ -12,9 +12,9 @@ Entries map column names to text (``XADD s * card_id 17 amount 12.5 event_timest
 stream ``<stream>:dead`` with the reason, and is acknowledged: one bad entry never blocks the rest.
 
 Entries come a few at a time, so no push holds a tile of an aggregated view whole and none
-summarizes it: the consumer packs and summarizes the tiles of the entities it wrote once those
-tiles have ended (one tile later, for stragglers; ``FeatureStore.pack_online_entities``), so no
-lookup pays for it and no scan of the whole store is needed.
+summarizes it: the tiles of the entities written are packed and summarized once they have ended
+(one tile later, for stragglers), as for every push (``FeatureStore.pack_pushed``, which the
+consumer's loop also calls, so a tile ending while the stream is quiet is not left behind).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import redis
 
-from featurestore.aggregation.tiles import tile_us
 from featurestore.definitions import StreamSource
 from featurestore.errors import FeatureStoreError, NotFoundError, OnlineStoreUnavailable, RequestError
 from featurestore.online.codec import key_prefix
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
     from featurestore.materialization.push import PushTarget
 
 GROUP = "featurestore"
-SEAL_AT_MOST = 200_000  # rows whose entities a consumer keeps to seal; past it, `featurestore compact` seals the rest
 log = logging.getLogger(__name__)
 
 
@@ -112,17 +110,6 @@ class StreamConsumer:
             claim_idle_ms  # how long another consumer's entry waits unacknowledged before this one takes it
         )
         self._claimed_at = 0.0
-        aggregated = [
-            v
-            for v in store.definitions.feature_views.values()
-            if v.is_aggregated and v.online and getattr(v.source, "name", None) == source.name
-        ]
-        # the entities written in the current tile, and in the one before (sealed a tile after theirs end)
-        self._tile_us = min((tile_us(v) for v in aggregated), default=None) if "online" in to else None
-        self._keys = sorted({k for v in aggregated for k in v.join_keys})
-        self._tile = time.time_ns() // 1000 // self._tile_us if self._tile_us else 0
-        self._written: list[pa.Table] = []
-        self._waiting: list[pa.Table] = []
         try:
             self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -160,7 +147,7 @@ class StreamConsumer:
                 if entries:
                     self._handle(entries)
                 self._measure()
-                self._seal_ended()
+                self.store.pack_pushed()
                 retry = 0.1
             except (OnlineStoreUnavailable, redis.ConnectionError, redis.TimeoutError) as exc:
                 # an outage: nothing was acknowledged that is not stored; wait, then re-read our pending entries
@@ -214,24 +201,6 @@ class StreamConsumer:
     def _push(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         table = entries_to_table(entries, self.source)
         self.store.push(self.source.name, table, to=self.to, arrival=arrival(self.stream, entries))
-        if self._tile_us is not None and sum(t.num_rows for t in self._written) < SEAL_AT_MOST:
-            self._written.append(table.select(self._keys))
-
-    def _seal_ended(self) -> None:
-        """Pack and summarize the tiles of the entities written a tile ago and more, once ended."""
-        if self._tile_us is None:
-            return
-        tile = time.time_ns() // 1000 // self._tile_us
-        if tile == self._tile:
-            return
-        ready = self._waiting + (self._written if tile - self._tile >= 2 else [])
-        self._waiting = [] if tile - self._tile >= 2 else self._written
-        self._written, self._tile = [], tile
-        if ready:
-            try:
-                self.store.pack_online_entities(self.source.name, pa.concat_tables(ready))
-            except (OnlineStoreUnavailable, FeatureStoreError) as exc:  # summaries only save time: go on
-                log.warning("stream %s: summarizing the tiles written failed (%s); compact will", self.stream, exc)
 
     def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
         entry_id, fields = entry

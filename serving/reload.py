@@ -43,6 +43,7 @@ class RegistryWatcher:
         while True:
             await asyncio.sleep(self.interval)
             stamp = await asyncio.to_thread(self._stamped)
+            await asyncio.to_thread(self.current.pack_pushed)  # (the tiles ended since the last push, if any)
             if self.current.unfilled_views:  # views waiting for a resend another process may be sending
                 await asyncio.to_thread(self.current.recheck_unfilled)
             if stamp != self._stamp:

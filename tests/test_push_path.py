@@ -4,6 +4,7 @@ killed at random points that loses nothing and counts nothing twice."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -270,3 +271,112 @@ def test_a_writer_killed_while_it_seals_and_packs_leaves_exact_windows(make_stor
             for n in names:
                 want = reference(events, card, at, AGGS[n])
                 assert same(values[n][row], want, inexact=False), (at, card, n, values[n][row], want)
+
+
+def test_pushes_pack_and_summarize_the_tiles_they_wrote_once_the_tile_after_has_ended(make_store):
+    """A push of a few events holds no tile whole, so it packed and summarized none: cards fed one
+    event at a time kept every event plain (until ``featurestore compact``) and the first lookup
+    of a heavy one after each tile ended summarized it. Pushes now note the entities they wrote,
+    and once the tile after theirs has ended those are packed and summarized off the pushing call:
+    by the next push, or by a server's loop when no push comes. Lookups read the same before and
+    after."""
+    import asyncio
+
+    from serving.reload import RegistryWatcher
+
+    from featurestore.online import packed
+    from featurestore.online.base import EVENT_SCORES
+
+    from .test_aggregations import _events_key
+
+    fast = FEATURES.replace("H = timedelta(hours=1)", "H = timedelta(seconds=2)")  # tiles of 1 s
+    root = make_store(fast).config.repo_path
+    watcher = RegistryWatcher(root, interval=0.2)  # (a server's store, and the loop it runs)
+    store, names = watcher.current, ["not_card_count_30h", "amount_sum_6s", "amount_max_6s", "kind_last_6s"]
+
+    def push_one_by_one(card: int) -> datetime:
+        second = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)  # a whole second, ended
+        for i in range(20):
+            row = {"payment_id": card * 100 + i, "card_id": card, "amount": float(i), "kind": "web"}
+            store.push("payments", _frame([{**row, "event_timestamp": second + timedelta(milliseconds=40 * i)}]))
+        return second
+
+    def state(card: int, second: datetime) -> tuple[list[bytes], int, dict]:
+        client, key = store.online_store.client, _events_key(store, card)
+        at = second + timedelta(seconds=2)
+        lookup = store.get_online_features({"card_id": [card]}, features=[f"activity:{n}" for n in names], at=at)
+        return client.zrangebyscore(key, *EVENT_SCORES), client.hlen(key + b"|tiles"), lookup.to_dict()
+
+    def packed_and_summarized(card: int, second: datetime, before: dict) -> None:
+        members, summaries, after = state(card, second)
+        assert len(members) == 1 and packed.is_block(members[0]) and packed.event_count(members) == 20
+        assert summaries == 1 and after == before
+
+    second = push_one_by_one(1)
+    members, summaries, before = state(1, second)
+    if time.time() < second.timestamp() + 3:  # (else a late push of these may have packed the first ones)
+        assert len(members) == 20 and summaries == 0  # plain: no push held the tile whole
+    assert before["not_card_count_30h"] == [20] and before["amount_sum_6s"] == [190.0]
+    time.sleep(2.2)  # the tile of the pushes ended, and the one after
+    store.push("payments", _frame([{"payment_id": 1, "card_id": 3, "amount": 1.0, "kind": "pos", "event_timestamp": NOW}]))
+    store.pack_pushed(wait=True)  # (the push started it in the background)
+    packed_and_summarized(1, second, before)
+
+    second = push_one_by_one(2)
+    before = state(2, second)[2]
+
+    async def serve_a_while() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watcher.run(), timeout=3.0)
+
+    asyncio.run(serve_a_while())  # no push after these: the server's loop packs them
+    store.pack_pushed(wait=True)
+    packed_and_summarized(2, second, before)
+    store.close()
+
+
+def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog):
+    """What pushes wrote is kept to pack up to a bound of entities: an entity's rows are merged
+    (events added) before any is given up, and what is given up is logged (``featurestore
+    compact`` packs it). An entity is due once the tile after its own has ended and it was
+    written as many events as a block needs, or its first block has ended (its last repacking);
+    one written fewer is carried, and due once it has been."""
+    from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+    from featurestore.materialization.pushed_entities import PushedEntities
+    from featurestore.types import Int64, UnixTimestamp
+
+    card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+    source = PushSource(name="p", schema=[Field("card_id", Int64), Field("event_timestamp", UnixTimestamp)])
+    view = FeatureView(
+        name="v", entities=[card], source=source, schema=[], aggregations=[Aggregation("count", timedelta(seconds=30))]
+    )  # (tiles of 1 s, blocks of 32 s)
+
+    def note(cards: list[int], at: datetime) -> None:
+        rows = pa.table({"card_id": pa.array(cards, pa.int64()), "event_timestamp": pa.array([at] * len(cards), TS)})
+        pushed.note(view, rows, "event_timestamp")
+
+    def due() -> dict[int, int]:
+        """{card: the run's since µs} of what the next run packs."""
+        packs: list = []
+        pushed.pack_due(packs.append, least=3)
+        pushed.wait()
+        return {card: p.since_us for p in packs for card in p.keys["card_id"].to_pylist()}
+
+    pushed, now = PushedEntities(most=10), datetime.now(UTC)
+    early = now - timedelta(minutes=5)  # (its block has ended)
+    for _ in range(4):
+        note([1, 2, 3], now)  # 12 rows, merged to 3 entities of 4 events
+    note([4, 4, 5], now)  # 2 events and 1
+    note([6], early)  # 1 event, written in an ended block
+    note(list(range(10, 20)), now)  # past the bound: given up
+    assert due() == {}  # not due yet
+    time.sleep(2.1)
+    with caplog.at_level("WARNING", logger="featurestore.materialization.pushed_entities"):
+        taken = due()
+    assert "10 left to `featurestore compact`" in caplog.text
+    assert sorted(taken) == [1, 2, 3, 6] and set(taken.values()) == {datetime_to_micros(early)}
+    assert due() == {}  # taken once; 4 and 5 are carried
+    note([4, 5], now)
+    time.sleep(2.1)
+    assert due() == {4: datetime_to_micros(now)}  # 3 events now; 5 has 2
+    pushed.close()

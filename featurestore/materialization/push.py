@@ -28,6 +28,7 @@ from featurestore.definitions import FeatureView
 from featurestore.errors import BadRowsError, ConflictError, RequestError
 from featurestore.materialization.compute import pushed_rows
 from featurestore.materialization.engine import Materializer, push_run_id
+from featurestore.materialization.pushed_entities import PushedEntities
 from featurestore.object_requests import count_delta
 from featurestore.offline.buffer import APP_ID, PushBuffer
 from featurestore.offline.compaction import compact
@@ -62,8 +63,10 @@ def push(
     to: PushTarget = "online_and_offline",
     idempotency_key: str | None = None,
     arrival: tuple[pa.Array, pa.Array] | None = None,
+    written: PushedEntities | None = None,
 ) -> int:
-    """Validate rows against the push source and write them through ``materializer`` (history via ``buffer``).
+    """Validate rows against the push source and write them through ``materializer`` (history via
+    ``buffer``); ``written`` notes the entities written to aggregated views online, to pack.
 
     A re-push of the same rows is a new fact (a correction reverted must win again), so a client
     that *retries* passes the same ``idempotency_key``: every attempt then takes the first
@@ -141,6 +144,10 @@ def push(
         )
     else:
         write_online()
+    if written is not None and "online" in to:  # (views that read the source as is, typed or explained)
+        for view in defs.feature_views.values():
+            if view.online and getattr(view.source, "name", None) == source_name and view.transformation is None:
+                written.note(view, table, source.timestamp_field)
     if buffer.worth_looking():  # lanes past the bounds commit on the committing thread, not in this call
         buffer.in_background(lambda: flush(materializer, buffer, only_due=True))
     return table.num_rows
@@ -155,8 +162,11 @@ def _mark_behind(materializer: Materializer, views: list[FeatureView]) -> None:
             materializer.registry.set_watermark(view.name, online_synced=False)
 
 
-def write_online_only(materializer: Materializer, view: FeatureView, df: Any) -> int:
-    """A view's rows straight to Redis (Feast's ``write_to_online_store``); returns the row count."""
+def write_online_only(
+    materializer: Materializer, view: FeatureView, df: Any, written: PushedEntities | None = None
+) -> int:
+    """A view's rows straight to Redis (Feast's ``write_to_online_store``); returns the row count.
+    ``written`` notes the entities written, if the view is aggregated, to pack."""
     try:
         table = _as_table(df)
     except Exception as exc:
@@ -178,6 +188,8 @@ def write_online_only(materializer: Materializer, view: FeatureView, df: Any) ->
         materializer.write_view(con, view, start=None, end=None, online=True, offline=False, on_bad_rows="fail")
     except BadRowsError as exc:
         raise RequestError(str(exc)) from exc
+    if written is not None:
+        written.note(view, table, view.source.timestamp_field)
     return table.num_rows
 
 

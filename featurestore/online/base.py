@@ -173,8 +173,14 @@ class OnlineWrites(Protocol):
         features: Sequence,
         tile_us: int,
         sealer: Sealer | None,
+        since_us: int | None = None,
     ) -> Compacted:
-        """``pack_ended`` for the entities of ``rows`` only."""
+        """``pack_ended`` for the entities of ``rows`` only; with ``since_us``, for their blocks
+        from the one holding that time on (what was written since)."""
+        ...
+
+    def pack_from(self) -> int:
+        """Events a block needs on this store (fewer stay plain)."""
         ...
 
     def first_use(self, key: str, fingerprint: str, now_us: int, keep_seconds: int) -> tuple[int, str]:

@@ -251,11 +251,13 @@ class RedisOnlineStore:
         features: Sequence,
         tile_us: int,
         sealer: Sealer | None,
+        since_us: int | None = None,
     ) -> Compacted:
-        """``pack_ended`` on the events of the entities of ``rows`` only (a stream consumer's, once
-        the tiles it wrote have ended): bounded work, no scan."""
+        """``pack_ended`` on the events of the entities of ``rows`` only (those pushes wrote, once
+        their tiles have ended), from the block holding ``since_us`` on: bounded work, no scan."""
         keys = pc.unique(suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view))).to_pylist()
-        return self._pack_batches((keys[i : i + 256] for i in range(0, len(keys), 256)), features, tile_us, sealer)
+        batches = (keys[i : i + 256] for i in range(0, len(keys), 256))
+        return self._pack_batches(batches, features, tile_us, sealer, since_us=since_us)
 
     def _pack_batches(
         self,
@@ -264,22 +266,27 @@ class RedisOnlineStore:
         tile_us: int,
         sealer: Sealer | None,
         progress: Callable[[int], None] | None = None,
+        since_us: int | None = None,
     ) -> Compacted:
         done = Compacted(0, 0, 0)
         with self._calling():
             for keys in batches:
-                done = Compacted(*map(sum, zip(done, self._pack_keys(keys, features, tile_us, sealer))))
+                found = self._pack_keys(keys, features, tile_us, sealer, since_us)
+                done = Compacted(*map(sum, zip(done, found)))
                 if progress is not None:
                     progress(len(keys))
         return done
 
-    def _pack_keys(self, keys: list[bytes], features: Sequence, tile_us: int, sealer: Sealer | None) -> Compacted:
+    def _pack_keys(
+        self, keys: list[bytes], features: Sequence, tile_us: int, sealer: Sealer | None, since_us: int | None
+    ) -> Compacted:
         span = tile_us * packed.BLOCK_TILES
         least, limit = self.pack_from(), self.compact_value_limit()
         before = (time.time_ns() // 1000 // tile_us) * tile_us - 1  # (the tiles that may have ended)
+        start = "-inf" if since_us is None else since_us // span * span  # (whole blocks: a block's score is its start)
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.zrangebyscore(key, "-inf", before)
+            pipe.zrangebyscore(key, start, before)
             if sealer:
                 pipe.hgetall(key + SUMMARIES_SUFFIX)
         replies = iter(pipe.execute())

@@ -1,0 +1,178 @@
+"""The entities a process's pushes wrote to aggregated views, kept until they are worth packing.
+
+A push of a few events holds no tile whole, so it neither packs nor summarizes one (a write does
+both for what it holds whole: ``online_write``). Left so, cards fed one event at a time would keep
+every event as a plain member until ``featurestore compact``, and the first lookup of a heavy
+one after each tile ends would summarize it. So pushes note the entities they wrote, per view and
+tile of the wall clock, with how many events and from when. Once the tile after theirs has ended
+too (for stragglers), an entity written as many events as a block needs (``least``) is due: its
+ended blocks from the earliest one written are packed and summarized, one run at a time on this
+process's background thread, off the pushing call (``FeatureStore.pack_pushed``). One written
+fewer is carried until it has been, or until the block it was first written in has ended (its
+last repacking): re-packing a block for one new event costs many times its write.
+
+Held in memory and bounded: what is past the bound, noted by a process that stopped, or failed to
+pack (an outage) is left to ``featurestore compact``, which finds it by scanning. Nothing depends
+on it but memory and the first lookups' time: a plain event reads the same as a packed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from featurestore.aggregation.tiles import tile_us
+from featurestore.definitions import FeatureView
+from featurestore.online.packed import BLOCK_TILES
+
+log = logging.getLogger(__name__)
+
+NOTED_MOST = 200_000  # entities a process keeps to pack (a row each, per tile written in and carried)
+_EVENTS, _SINCE = "__events", "__since"  # (the columns beside an entity's keys)
+
+
+@dataclass
+class _View:
+    """What pushes wrote to one view: per tile of the wall clock, then carried."""
+
+    tile_us: int
+    tiles: dict[int, list[pa.Table]] = field(default_factory=dict)  # keys, events, since; per push
+    carried: pa.Table | None = None  # entities due by time, written fewer events than a block needs
+    taken: int = -1  # the tile taken last
+
+
+@dataclass(frozen=True)
+class Due:
+    """Entities of ``view`` to pack (their join-key columns), from the block holding ``since_us`` (None: all)."""
+
+    view: str
+    keys: pa.Table
+    since_us: int | None
+
+
+class PushedEntities:
+    """Notes what pushes wrote (``note``) and runs the packing of what is due (``pack_due``)."""
+
+    def __init__(self, most: int = NOTED_MOST):
+        self.most = most
+        self._lock = threading.Lock()
+        self._views: dict[str, _View] = {}
+        self._rows = 0
+        self._dropped = 0  # entities given up since last said (once a minute at most)
+        self._said_at = -60.0
+        self._executor: ThreadPoolExecutor | None = None
+        self._running: Future | None = None
+
+    def note(self, view: FeatureView, rows: pa.Table, time_column: str) -> None:
+        """Remember the entities of ``rows`` (their join keys, events at ``time_column``) written to
+        ``view`` online; an aggregated view's only (others store no tiles)."""
+        if not view.is_aggregated or rows.num_rows == 0 or not set(view.join_keys) <= set(rows.column_names):
+            return
+        times = pc.cast(rows[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64())
+        written = pa.table([*(rows[k] for k in view.join_keys), times], names=[*view.join_keys, _SINCE])
+        written = written.group_by(view.join_keys, use_threads=False).aggregate([(_SINCE, "count"), (_SINCE, "min")])
+        written = written.rename_columns([*view.join_keys, _EVENTS, _SINCE])
+        size = tile_us(view)
+        with self._lock:
+            if self._rows + written.num_rows > self.most:
+                self._merge()
+            if self._rows + written.num_rows > self.most:
+                self._dropped += written.num_rows
+                return
+            noted = self._views.setdefault(view.name, _View(size))
+            noted.tile_us = size
+            noted.tiles.setdefault(time.time_ns() // 1000 // size, []).append(written)
+            self._rows += written.num_rows
+
+    def take_due(self, least: int) -> list[Due]:
+        """Take out, per view, the entities written a tile before the one that has just ended or
+        earlier, ``least`` events or more (with those carried), or first written in a block that
+        has ended; carry the others."""
+        now_us, due = time.time_ns() // 1000, []
+        with self._lock:
+            for name, noted in self._views.items():
+                tile = now_us // noted.tile_us
+                ended = [t for t in noted.tiles if t + 2 <= tile]
+                if not ended and (noted.carried is None or tile == noted.taken):
+                    continue
+                noted.taken = tile
+                parts = [t for ended_tile in ended for t in noted.tiles.pop(ended_tile)]
+                parts += [noted.carried] if noted.carried is not None else []
+                written = _merged(parts)
+                self._rows -= sum(t.num_rows for t in parts) - written.num_rows
+                span = noted.tile_us * BLOCK_TILES  # (blocks before the one of the tile that has just ended: ended)
+                since = written[_SINCE].to_numpy()
+                ready = pa.array(
+                    (written[_EVENTS].to_numpy() >= least) | (since // span < (tile - 1) * noted.tile_us // span)
+                )
+                taking, noted.carried = written.filter(ready), written.filter(pc.invert(ready))
+                self._rows -= taking.num_rows
+                if taking.num_rows:
+                    since = pc.min(taking[_SINCE]).as_py()
+                    due.append(Due(name, taking.drop_columns([_EVENTS, _SINCE]), since))
+        return due
+
+    def pack_due(self, pack: Callable[[Due], object], least: int) -> None:
+        """Run ``pack`` on each view's due entities (``take_due``) on this process's background
+        thread, unless a run is still going (what is due then waits for the next call)."""
+        with self._lock:
+            if self._running is not None and not self._running.done():
+                return
+            dropped = self._dropped if time.monotonic() - self._said_at >= 60 else 0
+            if dropped:
+                self._dropped, self._said_at = 0, time.monotonic()
+        if dropped:
+            log.warning(
+                "pushes wrote more entities than the %d kept to pack: %d left to `featurestore compact`",
+                self.most,
+                dropped,
+            )
+        due = self.take_due(least)
+        if not due:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-pack")
+        self._running = self._executor.submit(_each, pack, due)
+
+    def wait(self) -> None:
+        """Until the run in flight, if any, has ended."""
+        running = self._running
+        if running is not None:
+            running.result()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _merge(self) -> None:
+        """Merge each tile's notes of an entity into one row (counts added, the earliest time kept)."""
+        for noted in self._views.values():
+            for tile, parts in noted.tiles.items():
+                merged = _merged(parts)
+                self._rows -= sum(t.num_rows for t in parts) - merged.num_rows
+                noted.tiles[tile] = [merged]
+
+
+def _merged(parts: list[pa.Table]) -> pa.Table:
+    """One row an entity: its events added, its earliest time kept."""
+    table = pa.concat_tables(parts, promote_options="permissive")  # (a push's and a view write's key types)
+    keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE)]
+    merged = table.group_by(keys, use_threads=False).aggregate([(_EVENTS, "sum"), (_SINCE, "min")])
+    return merged.rename_columns([*keys, _EVENTS, _SINCE])
+
+
+def _each(pack: Callable[[Due], object], due: list[Due]) -> None:
+    for one in due:
+        try:
+            pack(one)
+        except Exception as exc:  # packing only saves memory and lookup time: compact does it later
+            log.warning("packing what pushes wrote to %s failed (%s); `featurestore compact` packs it", one.view, exc)
