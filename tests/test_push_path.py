@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import random
 import signal
 import subprocess
@@ -380,3 +381,25 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     time.sleep(2.1)
     assert due() == {4: datetime_to_micros(now)}  # 3 events now; 5 has 2
     pushed.close()
+
+
+def test_a_servers_loop_goes_on_through_an_outage_of_the_online_store(make_store, caplog):
+    """A server's loop packs what pushes wrote (``pack_pushed``), which asks Redis how many events
+    a block needs: while Redis is unreachable that raised, ending the loop and with it the
+    server's registry reloads. It now says so and goes on."""
+    import asyncio
+
+    from serving.reload import RegistryWatcher
+
+    root = make_store(FEATURES).config.repo_path
+    config = root / "featurestore.yaml"
+    config.write_text(re.sub(r"url: '[^']*'", "url: 'redis://127.0.0.1:1/0'", config.read_text()))
+    watcher = RegistryWatcher(root, interval=0.1)
+
+    async def serve_a_while() -> None:
+        await asyncio.wait_for(watcher.run(), timeout=1.0)
+
+    with caplog.at_level("WARNING", logger="featurestore.feature_store"), pytest.raises(TimeoutError):
+        asyncio.run(serve_a_while())  # (runs until stopped: no other error)
+    assert "not packing what pushes wrote for now" in caplog.text and "127.0.0.1:1" in caplog.text
+    watcher.current.close()

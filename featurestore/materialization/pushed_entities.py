@@ -75,9 +75,15 @@ class PushedEntities:
         ``view`` online; an aggregated view's only (others store no tiles)."""
         if not view.is_aggregated or rows.num_rows == 0 or not set(view.join_keys) <= set(rows.column_names):
             return
-        times = pc.cast(rows[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64())
-        written = pa.table([*(rows[k] for k in view.join_keys), times], names=[*view.join_keys, _SINCE])
-        written = written.group_by(view.join_keys, use_threads=False).aggregate([(_SINCE, "count"), (_SINCE, "min")])
+        try:  # (the rows are written: whatever noting them meets, the push stands)
+            times = pc.cast(rows[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64())
+            written = pa.table([*(rows[k] for k in view.join_keys), times], names=[*view.join_keys, _SINCE])
+            written = written.group_by(view.join_keys, use_threads=False).aggregate(
+                [(_SINCE, "count"), (_SINCE, "min")]
+            )
+        except pa.ArrowException as exc:
+            log.warning("cannot note what a push wrote to %s to pack it (%s): compact will", view.name, exc)
+            return
         written = written.rename_columns([*view.join_keys, _EVENTS, _SINCE])
         size = tile_us(view)
         with self._lock:
