@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -283,10 +283,9 @@ def test_pushes_pack_and_summarize_the_tiles_they_wrote_once_the_tile_after_has_
     after."""
     import asyncio
 
-    from serving.reload import RegistryWatcher
-
     from featurestore.online import packed
     from featurestore.online.base import EVENT_SCORES
+    from serving.reload import RegistryWatcher
 
     from .test_aggregations import _events_key
 
@@ -319,7 +318,9 @@ def test_pushes_pack_and_summarize_the_tiles_they_wrote_once_the_tile_after_has_
         assert len(members) == 20 and summaries == 0  # plain: no push held the tile whole
     assert before["not_card_count_30h"] == [20] and before["amount_sum_6s"] == [190.0]
     time.sleep(2.2)  # the tile of the pushes ended, and the one after
-    store.push("payments", _frame([{"payment_id": 1, "card_id": 3, "amount": 1.0, "kind": "pos", "event_timestamp": NOW}]))
+    store.push(
+        "payments", _frame([{"payment_id": 1, "card_id": 3, "amount": 1.0, "kind": "pos", "event_timestamp": NOW}])
+    )
     store.pack_pushed(wait=True)  # (the push started it in the background)
     packed_and_summarized(1, second, before)
 

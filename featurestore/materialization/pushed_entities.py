@@ -101,51 +101,72 @@ class PushedEntities:
         """Take out, per view, the entities written a tile before the one that has just ended or
         earlier, ``least`` events or more (with those carried), or first written in a block that
         has ended; carry the others."""
-        now_us, due = time.time_ns() // 1000, []
+        now_us, taken = time.time_ns() // 1000, []
         with self._lock:
             for name, noted in self._views.items():
                 tile = now_us // noted.tile_us
-                ended = [t for t in noted.tiles if t + 2 <= tile]
-                if not ended and (noted.carried is None or tile == noted.taken):
+                if not self._due(noted, tile):
                     continue
-                noted.taken = tile
-                parts = [t for ended_tile in ended for t in noted.tiles.pop(ended_tile)]
+                parts = [t for ended in [t for t in noted.tiles if t + 2 <= tile] for t in noted.tiles.pop(ended)]
                 parts += [noted.carried] if noted.carried is not None else []
-                written = _merged(parts)
-                self._rows -= sum(t.num_rows for t in parts) - written.num_rows
-                span = noted.tile_us * BLOCK_TILES  # (blocks before the one of the tile that has just ended: ended)
-                since = written[_SINCE].to_numpy()
-                ready = pa.array(
-                    (written[_EVENTS].to_numpy() >= least) | (since // span < (tile - 1) * noted.tile_us // span)
-                )
-                taking, noted.carried = written.filter(ready), written.filter(pc.invert(ready))
-                self._rows -= taking.num_rows
-                if taking.num_rows:
-                    since = pc.min(taking[_SINCE]).as_py()
-                    due.append(Due(name, taking.drop_columns([_EVENTS, _SINCE]), since))
+                noted.carried, noted.taken = None, tile
+                self._rows -= sum(t.num_rows for t in parts)
+                taken.append((name, noted, tile, parts))
+        due = []
+        for name, noted, tile, parts in taken:  # (merged outside the lock: pushes note meanwhile)
+            written = _merged(parts)
+            span = noted.tile_us * BLOCK_TILES  # (blocks before the one of the tile that has just ended: ended)
+            since = written[_SINCE].to_numpy()
+            ready = (written[_EVENTS].to_numpy() >= least) | (since // span < (tile - 1) * noted.tile_us // span)
+            taking, carried = written.filter(pa.array(ready)), written.filter(pa.array(~ready))
+            with self._lock:
+                noted.carried = carried if carried.num_rows else None
+                self._rows += carried.num_rows
+            if taking.num_rows:
+                due.append(Due(name, taking.drop_columns([_EVENTS, _SINCE]), pc.min(taking[_SINCE]).as_py()))
         return due
 
     def pack_due(self, pack: Callable[[Due], object], least: int) -> None:
-        """Run ``pack`` on each view's due entities (``take_due``) on this process's background
-        thread, unless a run is still going (what is due then waits for the next call)."""
+        """Take the due entities (``take_due``) and run ``pack`` on each view's, on this process's
+        background thread, unless a run is still going (what is due then waits for the next call)."""
+        now_us = time.time_ns() // 1000
         with self._lock:
             if self._running is not None and not self._running.done():
                 return
             dropped = self._dropped if time.monotonic() - self._said_at >= 60 else 0
             if dropped:
                 self._dropped, self._said_at = 0, time.monotonic()
+            if any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values()):
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-pack")
+                self._running = self._executor.submit(self._pack_taken, pack, least)
         if dropped:
             log.warning(
                 "pushes wrote more entities than the %d kept to pack: %d left to `featurestore compact`",
                 self.most,
                 dropped,
             )
-        due = self.take_due(least)
-        if not due:
+
+    def _pack_taken(self, pack: Callable[[Due], object], least: int) -> None:
+        """``pack`` each view's due entities; a failure is said, not raised: packing only saves memory
+        and lookup time, and ``featurestore compact`` does it later."""
+        try:
+            due = self.take_due(least)
+        except Exception:
+            log.warning("taking what pushes wrote to pack failed; `featurestore compact` packs it", exc_info=True)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-pack")
-        self._running = self._executor.submit(_each, pack, due)
+        for one in due:
+            try:
+                pack(one)
+            except Exception as exc:
+                log.warning(
+                    "packing what pushes wrote to %s failed (%s); `featurestore compact` packs it", one.view, exc
+                )
+
+    @staticmethod
+    def _due(noted: _View, tile: int) -> bool:
+        """Whether a tile of ``noted`` has ended a tile ago, or it carries entities not looked at this tile."""
+        return any(t + 2 <= tile for t in noted.tiles) or (noted.carried is not None and tile != noted.taken)
 
     def wait(self) -> None:
         """Until the run in flight, if any, has ended."""
@@ -174,11 +195,3 @@ def _merged(parts: list[pa.Table]) -> pa.Table:
     keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE)]
     merged = table.group_by(keys, use_threads=False).aggregate([(_EVENTS, "sum"), (_SINCE, "min")])
     return merged.rename_columns([*keys, _EVENTS, _SINCE])
-
-
-def _each(pack: Callable[[Due], object], due: list[Due]) -> None:
-    for one in due:
-        try:
-            pack(one)
-        except Exception as exc:  # packing only saves memory and lookup time: compact does it later
-            log.warning("packing what pushes wrote to %s failed (%s); `featurestore compact` packs it", one.view, exc)
