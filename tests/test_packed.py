@@ -206,6 +206,42 @@ def test_integers_sharing_a_factor_read_back_and_store_it_once(base, scale, step
         assert len(blob) - 1 <= len(packed._ints(multiples)) + 8
 
 
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.lists(_INT64 | st.integers(-1000, 1000) | st.sampled_from([-(2**63), 2**63 - 1, 0]), max_size=packed.SMALL),
+    st.integers(1, 10**6),
+    st.lists(st.floats(width=64) | st.sampled_from(SPECIAL + [NAN_PAYLOAD, 2.0**53, 2.0**53 - 1]), max_size=32),
+    st.integers(0, 7),
+    st.lists(st.floats(width=32), max_size=32),
+)
+def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(ints, step, floats, decimals, floats32):
+    """Integer and float sections of up to ``SMALL`` values are packed in Python (numpy's per-call
+    costs made a float column most of a small block's packing): the bytes are numpy's, for any
+    int64 values (a grid's factor, wrapping deltas), floats that are decimals of any exponent and
+    those that are not, specials (NaN payloads, ±inf, -0.0, subnormals, 2^53) and float32."""
+
+    def both(pack, values: np.ndarray) -> tuple[bytes, bytes]:
+        few, small = pack(values), packed.SMALL
+        packed.SMALL = -1  # (numpy's path for any count)
+        try:
+            return few, pack(values)
+        finally:
+            packed.SMALL = small
+
+    start = ints[0] if ints else 0
+    grid = np.array([(start + step * k) % 2**64 for k in range(len(ints))], np.uint64).view(np.int64)
+    for values in (np.array(ints, np.int64), grid):
+        few, numpy = both(packed._ints, values)
+        assert few == numpy
+    cents = [round(f, decimals) if math.isfinite(f) and abs(f) < 1e12 else f for f in floats]
+    for values in (np.array(floats, np.float64), np.array(cents, np.float64), np.array(floats32, np.float32)):
+        few, numpy = both(packed._floats, values)
+        assert few == numpy
+
+
 def test_counts_past_a_byte_read_back_in_python_and_lua(redis_url):
     """A block's header counts each tile's events in one byte until a tile holds 256 or more."""
     for many in (255, 256, 3000):

@@ -29,6 +29,7 @@ directory (read by ``add_events.lua``), then the other sections, which Redis nev
 from __future__ import annotations
 
 import functools
+import math
 import struct
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -488,6 +489,8 @@ def _ints(values: np.ndarray) -> bytes:
     their deltas' frame (kind 1); kind | 2 when the frame's offsets share a factor, stored once
     (event times in whole milliseconds or seconds, ids stepping by more than one)."""
     values = np.ascontiguousarray(values, dtype=np.int64)
+    if len(values) <= SMALL:
+        return _few_ints(values.tolist())
     plain = _framed(0, (), values)
     if len(values) < 2:
         return plain
@@ -507,6 +510,36 @@ def _framed(kind: int, lead: tuple[int, ...], values: np.ndarray) -> bytes:
     offsets = offsets // _U64(scale)
     width = int(offsets.max()).bit_length()
     return _INT_HEADS[kind | 2].pack(kind | 2, *lead, base, scale, width) + _bits(offsets, width)
+
+
+def _few_ints(values: list[int]) -> bytes:
+    """``_ints`` of a few values, byte for byte, in Python (numpy's per-call costs outweighed the work)."""
+    plain = _few_framed(0, (), values)
+    if len(values) < 2:
+        return plain
+    wrapped = [(b - a) % 2**64 for a, b in zip(values, values[1:])]  # (mod 2^64, as signed int64)
+    deltas = _few_framed(1, (values[0],), [d - 2**64 if d >= 2**63 else d for d in wrapped])
+    return deltas if len(deltas) < len(plain) else plain
+
+
+def _few_framed(kind: int, lead: tuple[int, ...], values: list[int]) -> bytes:
+    base = min(values, default=0)
+    offsets = [v - base for v in values]
+    width = max(offsets, default=0).bit_length()
+    scale = math.gcd(*offsets) if width else 1
+    if scale == 1:
+        return _INT_HEADS[kind].pack(kind, *lead, base, width) + _few_bits(offsets, width)
+    offsets = [o // scale for o in offsets]
+    width = max(offsets).bit_length()
+    return _INT_HEADS[kind | 2].pack(kind | 2, *lead, base, scale, width) + _few_bits(offsets, width)
+
+
+def _few_bits(values: list[int], width: int) -> bytes:
+    """``_bits`` in Python: value i at bits ``[i · width, (i + 1) · width)``, little-endian."""
+    whole = 0
+    for i, value in enumerate(values):
+        whole |= value << (i * width)
+    return whole.to_bytes((len(values) * width + 7) // 8, "little") if width else b""
 
 
 def _read_ints(view: memoryview, at: int, n: int, rows: Runs | None = None) -> tuple[np.ndarray, int]:
@@ -559,6 +592,8 @@ def _read_fixed(view: memoryview, at: int, n: int, dtype: str, rows: Runs | None
 
 def _floats(values: np.ndarray) -> bytes:
     """The smallest of: decimals, XOR with the previous value's bits, raw."""
+    if len(values) <= SMALL:
+        return _few_floats(values)
     width = values.dtype.itemsize
     unsigned = np.uint64 if width == 8 else np.uint32
     bits = values.view(unsigned)
@@ -584,6 +619,38 @@ def _floats(values: np.ndarray) -> bytes:
     mask = (column >= lead[:, None]) & (column < (lead + length)[:, None])
     shape = ((lead << 4) | length).astype(np.uint8)
     candidates.append(b"x" + shape.tobytes() + grid[mask].tobytes())
+    return min(candidates, key=len)
+
+
+def _few_floats(values: np.ndarray) -> bytes:
+    """``_floats`` of a few values, byte for byte, in Python: numpy's per-call costs made it most of
+    a small block's packing."""
+    width, n = values.dtype.itemsize, len(values)
+    raw = values.astype(f">f{width}").tobytes()
+    candidates = [b"r" + raw]
+    floats = values.tolist()
+    if width == 8 and all(map(math.isfinite, floats)):
+        for exponent in range(7):
+            scale = 10.0**exponent
+            products = [v * scale for v in floats]
+            if max(map(abs, products), default=0) >= 2**53:  # (inf included)
+                break
+            scaled = [round(p) for p in products]  # (to even, as np.rint; exact below 2^53)
+            if struct.pack(f">{n}d", *(i / scale for i in scaled)) == raw:  # (bits: -0.0 is no decimal)
+                candidates.append(b"d" + bytes([exponent]) + _few_ints(scaled))
+                break
+    shapes, kept, previous = bytearray(), [], 0
+    for bits in struct.unpack(f">{n}{'Q' if width == 8 else 'I'}", raw):
+        xor, previous = bits ^ previous, bits
+        if not xor:
+            shapes.append(width << 4)
+            continue
+        trailing = ((xor & -xor).bit_length() - 1) // 8  # (zero bytes at the end)
+        lead = width - (xor.bit_length() + 7) // 8
+        length = width - lead - trailing
+        shapes.append(lead << 4 | length)
+        kept.append((xor >> (8 * trailing)).to_bytes(length, "big"))
+    candidates.append(b"x" + bytes(shapes) + b"".join(kept))
     return min(candidates, key=len)
 
 
