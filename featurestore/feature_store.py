@@ -421,12 +421,11 @@ class FeatureStore:
         tile after theirs has ended too (``materialization.pushed_entities``), on a background
         thread; pushes call it, and so do a server's and a stream consumer's loops (a tile may end
         with no push after it). ``wait``: until that run has ended."""
-        try:
-            least = self.online_store.pack_from()
-        except OnlineStoreUnavailable as exc:  # (packing only saves memory and lookup time: a later call packs)
-            log.warning("not packing what pushes wrote for now: %s", exc)
-            return
-        self._pushed.pack_due(self._pack_written, least)
+        if self._pushed.any_due():  # (else, as after an offline push, Redis is not asked)
+            try:
+                self._pushed.pack_due(self._pack_written, self.online_store.pack_from())
+            except OnlineStoreUnavailable as exc:  # (packing only saves memory and lookup time: a later call packs)
+                log.warning("not packing what pushes wrote for now: %s", exc)
         if wait:
             self._pushed.wait()
 

@@ -387,15 +387,23 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
 def test_a_servers_loop_goes_on_through_an_outage_of_the_online_store(make_store, caplog):
     """A server's loop packs what pushes wrote (``pack_pushed``), which asks Redis how many events
     a block needs: while Redis is unreachable that raised, ending the loop and with it the
-    server's registry reloads. It now says so and goes on."""
+    server's registry reloads. It now says so and goes on; a push to history alone, with nothing
+    to pack, does not ask Redis at all."""
     import asyncio
 
     from serving.reload import RegistryWatcher
 
-    root = make_store(FEATURES).config.repo_path
+    fast = FEATURES.replace("H = timedelta(hours=1)", "H = timedelta(seconds=2)")  # tiles of 1 s
+    root = make_store(fast).config.repo_path
     config = root / "featurestore.yaml"
     config.write_text(re.sub(r"url: '[^']*'", "url: 'redis://127.0.0.1:1/0'", config.read_text()))
     watcher = RegistryWatcher(root, interval=0.1)
+    rows = _frame([{"payment_id": 1, "card_id": 1, "amount": 1.0, "kind": "web", "event_timestamp": NOW}])
+    with caplog.at_level("WARNING", logger="featurestore.feature_store"):
+        assert watcher.current.push("payments", rows, to="offline") == 1  # (Redis is not asked)
+    assert "not packing" not in caplog.text
+    watcher.current._pushed.note(watcher.current.get_feature_view("activity"), rows, "event_timestamp")  # (as a push)
+    time.sleep(2.1)  # (due)
 
     async def serve_a_while() -> None:
         await asyncio.wait_for(watcher.run(), timeout=1.0)

@@ -126,6 +126,12 @@ class PushedEntities:
                 due.append(Due(name, taking.drop_columns([_EVENTS, _SINCE]), pc.min(taking[_SINCE]).as_py()))
         return due
 
+    def any_due(self) -> bool:
+        """Whether a run would find entities to look at (cheap: no merging, no store)."""
+        now_us = time.time_ns() // 1000
+        with self._lock:
+            return any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values())
+
     def pack_due(self, pack: Callable[[Due], object], least: int) -> None:
         """Take the due entities (``take_due``) and run ``pack`` on each view's, on this process's
         background thread, unless a run is still going (what is due then waits for the next call)."""
