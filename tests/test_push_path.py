@@ -341,10 +341,12 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     """What pushes wrote is kept to pack up to a bound of entities: an entity's rows are merged
     (events added) before any is given up, and what is given up is logged (``featurestore
     compact`` packs it). An entity is due once the tile after its own has ended and it was
-    written as many events as a block needs, or its first block has ended (its last repacking);
-    one written fewer is carried, and due once it has been."""
+    written as many events as a block needs and as were packed for it in the current block (a
+    block is re-packed about doubling, not once a tile), or its events' block has ended (their
+    last packing); one not due is carried, and what was packed is forgotten with its block."""
     from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
     from featurestore.materialization.pushed_entities import PushedEntities
+    from featurestore.online.packed import BLOCK_TILES
     from featurestore.types import Int64, UnixTimestamp
 
     card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
@@ -352,35 +354,49 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     view = FeatureView(
         name="v", entities=[card], source=source, schema=[], aggregations=[Aggregation("count", timedelta(seconds=30))]
     )  # (tiles of 1 s, blocks of 32 s)
+    second = 10**6
+    now = [(datetime_to_micros(NOW) // (BLOCK_TILES * second) + 1) * BLOCK_TILES * second]  # a block's start
 
-    def note(cards: list[int], at: datetime) -> None:
-        rows = pa.table({"card_id": pa.array(cards, pa.int64()), "event_timestamp": pa.array([at] * len(cards), TS)})
+    def note(cards: list[int], at: int | None = None) -> None:
+        stamp = micros_to_datetime(now[0] if at is None else at)
+        rows = pa.table({"card_id": pa.array(cards, pa.int64()), "event_timestamp": pa.array([stamp] * len(cards), TS)})
         pushed.note(view, rows, "event_timestamp")
 
-    def due() -> dict[int, int]:
-        """{card: the run's since µs} of what the next run packs."""
+    def due(after_seconds: int = 2) -> dict[int, int]:
+        """{card: the run's since µs} of what a run packs ``after_seconds`` on."""
+        now[0] += after_seconds * second
         packs: list = []
         pushed.pack_due(packs.append, least=3)
         pushed.wait()
         return {card: p.since_us for p in packs for card in p.keys["card_id"].to_pylist()}
 
-    pushed, now = PushedEntities(most=10), datetime.now(UTC)
-    early = now - timedelta(minutes=5)  # (its block has ended)
+    pushed = PushedEntities(most=10, clock=lambda: now[0])
+    start, early = now[0], now[0] - 5 * 60 * second  # (early: its block has ended)
     for _ in range(4):
-        note([1, 2, 3], now)  # 12 rows, merged to 3 entities of 4 events
-    note([4, 4, 5], now)  # 2 events and 1
-    note([6], early)  # 1 event, written in an ended block
-    note(list(range(10, 20)), now)  # past the bound: given up
-    assert due() == {}  # not due yet
-    time.sleep(2.1)
+        note([1, 2, 3])  # 12 rows, merged to 3 entities of 4 events
+    note([4, 4, 5])  # 2 events and 1
+    note([6], early)  # 1 event, in an ended block
+    note(list(range(10, 20)))  # past the bound: given up
+    assert due(after_seconds=1) == {}  # the tile after theirs has not ended
     with caplog.at_level("WARNING", logger="featurestore.materialization.pushed_entities"):
-        taken = due()
+        taken = due(after_seconds=1)
     assert "10 left to `featurestore compact`" in caplog.text
-    assert sorted(taken) == [1, 2, 3, 6] and set(taken.values()) == {datetime_to_micros(early)}
-    assert due() == {}  # taken once; 4 and 5 are carried
-    note([4, 5], now)
-    time.sleep(2.1)
-    assert due() == {4: datetime_to_micros(now)}  # 3 events now; 5 has 2
+    assert sorted(taken) == [1, 2, 3, 6] and set(taken.values()) == {early}
+    assert due() == {}  # taken once; 4 and 5 carried
+    note([4, 5])
+    assert due() == {4: start}  # 3 events now, from its first; 5 has 2
+    written_at = now[0]
+    note([1, 1, 1])
+    assert due() == {}  # 3 events, but 4 were packed for it in this block: it waits for 4
+    note([1])
+    assert due() == {1: written_at}
+    note([1] * 7)
+    assert due() == {}  # 7 < the 8 packed for it now
+    now[0] += BLOCK_TILES * second  # a block on: what was packed is forgotten
+    note([1, 1, 1])
+    # 1: 7 + 3 events, nothing packed in this block; 5: its events' block has ended (its last
+    # packing); one run reads from the earliest event written of those it packs (5's)
+    assert due() == {1: start, 5: start}
     pushed.close()
 
 

@@ -5,11 +5,13 @@ both for what it holds whole: ``online_write``). Left so, cards fed one event at
 every event as a plain member until ``featurestore compact``, and the first lookup of a heavy
 one after each tile ends would summarize it. So pushes note the entities they wrote, per view and
 tile of the wall clock, with how many events and from when. Once the tile after theirs has ended
-too (for stragglers), an entity written as many events as a block needs (``least``) is due: its
-ended blocks from the earliest one written are packed and summarized, one run at a time on this
-process's background thread, off the pushing call (``FeatureStore.pack_pushed``). One written
-fewer is carried until it has been, or until the block it was first written in has ended (its
-last repacking): re-packing a block for one new event costs many times its write.
+too (for stragglers), an entity is due once it was written as many events as a block needs
+(``least``) and as many as were packed for it in the current block (so a block is re-packed a
+few times as it fills, each time about doubling, not once a tile: re-packing a block costs many
+times an event's write, more as it grows), or once the block its events are in has ended (their
+last packing). Its ended blocks from the earliest one written are then packed and summarized,
+one run at a time on this process's background thread, off the pushing call
+(``FeatureStore.pack_pushed``). One not due yet is carried.
 
 Held in memory and bounded: what is past the bound, noted by a process that stopped, or failed to
 pack (an outage) is left to ``featurestore compact``, which finds it by scanning. Nothing depends
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -35,7 +38,10 @@ from featurestore.online.packed import BLOCK_TILES
 log = logging.getLogger(__name__)
 
 NOTED_MOST = 200_000  # entities a process keeps to pack (a row each, per tile written in and carried)
-_EVENTS, _SINCE = "__events", "__since"  # (the columns beside an entity's keys)
+# the columns beside an entity's keys: events written since it was last packed, the earliest of
+# their times, the events packed for it in the block of the wall clock ``_BLOCK`` (-1: none)
+_EVENTS, _SINCE, _PACKED, _BLOCK = "__events", "__since", "__packed", "__block"
+_NONE_SINCE = 1 << 62
 
 
 @dataclass
@@ -44,7 +50,7 @@ class _View:
 
     tile_us: int
     tiles: dict[int, list[pa.Table]] = field(default_factory=dict)  # keys, events, since; per push
-    carried: pa.Table | None = None  # entities due by time, written fewer events than a block needs
+    carried: pa.Table | None = None  # entities not due yet, and what was packed for those packed
     taken: int = -1  # the tile taken last
 
 
@@ -60,8 +66,8 @@ class Due:
 class PushedEntities:
     """Notes what pushes wrote (``note``) and runs the packing of what is due (``pack_due``)."""
 
-    def __init__(self, most: int = NOTED_MOST):
-        self.most = most
+    def __init__(self, most: int = NOTED_MOST, clock: Callable[[], int] = lambda: time.time_ns() // 1000):
+        self.most, self.clock = most, clock  # (µs of the wall clock)
         self._lock = threading.Lock()
         self._views: dict[str, _View] = {}
         self._rows = 0
@@ -85,6 +91,8 @@ class PushedEntities:
             log.warning("cannot note what a push wrote to %s to pack it (%s): compact will", view.name, exc)
             return
         written = written.rename_columns([*view.join_keys, _EVENTS, _SINCE])
+        written = written.append_column(_PACKED, pa.array(np.zeros(written.num_rows, np.int64)))
+        written = written.append_column(_BLOCK, pa.array(np.full(written.num_rows, -1, np.int64)))
         size = tile_us(view)
         with self._lock:
             if self._rows + written.num_rows > self.most:
@@ -94,14 +102,13 @@ class PushedEntities:
                 return
             noted = self._views.setdefault(view.name, _View(size))
             noted.tile_us = size
-            noted.tiles.setdefault(time.time_ns() // 1000 // size, []).append(written)
+            noted.tiles.setdefault(self.clock() // size, []).append(written)
             self._rows += written.num_rows
 
     def take_due(self, least: int) -> list[Due]:
         """Take out, per view, the entities written a tile before the one that has just ended or
-        earlier, ``least`` events or more (with those carried), or first written in a block that
-        has ended; carry the others."""
-        now_us, taken = time.time_ns() // 1000, []
+        earlier that are due; carry the others (and what was packed for those taken)."""
+        now_us, taken = self.clock(), []
         with self._lock:
             for name, noted in self._views.items():
                 tile = now_us // noted.tile_us
@@ -115,27 +122,38 @@ class PushedEntities:
         due = []
         for name, noted, tile, parts in taken:  # (merged outside the lock: pushes note meanwhile)
             written = _merged(parts)
-            span = noted.tile_us * BLOCK_TILES  # (blocks before the one of the tile that has just ended: ended)
-            since = written[_SINCE].to_numpy()
-            ready = (written[_EVENTS].to_numpy() >= least) | (since // span < (tile - 1) * noted.tile_us // span)
-            taking, carried = written.filter(pa.array(ready)), written.filter(pa.array(~ready))
+            span = noted.tile_us * BLOCK_TILES
+            block = (tile - 1) * noted.tile_us // span  # (of the tile that has just ended: those before ended)
+            events, since = written[_EVENTS].to_numpy(), written[_SINCE].to_numpy()
+            packed = np.where(written[_BLOCK].to_numpy() == block, written[_PACKED].to_numpy(), 0)
+            ready = (events > 0) & ((events >= np.maximum(least, packed)) | (since // span < block))
+            keys = written.drop_columns([_EVENTS, _SINCE, _PACKED, _BLOCK])
+            after = {  # (an entity packed now carries no events, and what was packed for it)
+                _EVENTS: np.where(ready, 0, events),
+                _SINCE: np.where(ready, _NONE_SINCE, since),
+                _PACKED: np.where(ready, packed + events, packed),
+                _BLOCK: np.full(len(events), block, np.int64),
+            }
+            carried = pa.Table.from_arrays(
+                [*keys.columns, *(pa.array(a) for a in after.values())], [*keys.column_names, *after]
+            ).filter(pa.array((after[_EVENTS] > 0) | (after[_PACKED] > 0)))
             with self._lock:
                 noted.carried = carried if carried.num_rows else None
                 self._rows += carried.num_rows
-            if taking.num_rows:
-                due.append(Due(name, taking.drop_columns([_EVENTS, _SINCE]), pc.min(taking[_SINCE]).as_py()))
+            if ready.any():
+                due.append(Due(name, keys.filter(pa.array(ready)), int(since[ready].min())))
         return due
 
     def any_due(self) -> bool:
         """Whether a run would find entities to look at (cheap: no merging, no store)."""
-        now_us = time.time_ns() // 1000
+        now_us = self.clock()
         with self._lock:
             return any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values())
 
     def pack_due(self, pack: Callable[[Due], object], least: int) -> None:
         """Take the due entities (``take_due``) and run ``pack`` on each view's, on this process's
         background thread, unless a run is still going (what is due then waits for the next call)."""
-        now_us = time.time_ns() // 1000
+        now_us = self.clock()
         with self._lock:
             if self._running is not None and not self._running.done():
                 return
@@ -187,17 +205,23 @@ class PushedEntities:
             self._executor = None
 
     def _merge(self) -> None:
-        """Merge each tile's notes of an entity into one row (counts added, the earliest time kept)."""
+        """Merge each tile's notes of an entity into one row, and forget what was packed for
+        entities written nothing since: the bound is for what is still to pack."""
         for noted in self._views.values():
             for tile, parts in noted.tiles.items():
                 merged = _merged(parts)
                 self._rows -= sum(t.num_rows for t in parts) - merged.num_rows
                 noted.tiles[tile] = [merged]
+            if noted.carried is not None:
+                kept = noted.carried.filter(pc.greater(noted.carried[_EVENTS], 0))
+                self._rows -= noted.carried.num_rows - kept.num_rows
+                noted.carried = kept if kept.num_rows else None
 
 
 def _merged(parts: list[pa.Table]) -> pa.Table:
-    """One row an entity: its events added, its earliest time kept."""
+    """One row an entity: its events and what was packed added, the earliest time and latest block kept."""
     table = pa.concat_tables(parts, promote_options="permissive")  # (a push's and a view write's key types)
-    keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE)]
-    merged = table.group_by(keys, use_threads=False).aggregate([(_EVENTS, "sum"), (_SINCE, "min")])
-    return merged.rename_columns([*keys, _EVENTS, _SINCE])
+    keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE, _PACKED, _BLOCK)]
+    aggregations = [(_EVENTS, "sum"), (_SINCE, "min"), (_PACKED, "sum"), (_BLOCK, "max")]
+    merged = table.group_by(keys, use_threads=False).aggregate(aggregations)
+    return merged.rename_columns([*keys, _EVENTS, _SINCE, _PACKED, _BLOCK])
