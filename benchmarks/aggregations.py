@@ -394,7 +394,7 @@ def online(args: argparse.Namespace) -> None:
             for k, (cards, per) in enumerate(INTO_BLOCKS)
         ]
         floor = write_path_floor(store.online_store.client, store.online_store.compact_value_limit(), args.seed)
-    packing = pushes_packing(args.seconds / 2, args.seed)
+    packing = pushes_packing(args.pack_seconds, args.seed)
     shorter = {}  # a card a window on where the activity view's dedup window is shorter than its longest window
     for name, dedup_window in (("1 d", "timedelta(days=1)"), ("1 h", "timedelta(hours=1)")):
         other = Path(tempfile.mkdtemp(prefix="bench-agg-dedup-"))
@@ -469,7 +469,7 @@ def online(args: argparse.Namespace) -> None:
         )
     )
     print(
-        f"  pushes of 1,000 events for {args.seconds / 2:g} s into a view whose longest window is 5 min (tiles of 1 s, "
+        f"  pushes of 1,000 events for {args.pack_seconds:g} s into a view whose longest window is 5 min (tiles of 1 s, "
         "so they end as it runs), the pushes packing and summarizing the tiles they wrote (the default) against "
         "not (online_store.pack_pushes: false): events/s, Redis CPU and the pushing process's CPU an event, Redis "
         "memory an event at the end:"
@@ -897,6 +897,9 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=1000, help="one-event pushes timed per target and path")
     parser.add_argument("--stream-seconds", type=float, default=12, help="how long the one-event push stream runs")
     parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument(
+        "--pack-seconds", type=float, default=60, help="how long pushes run, per shape, with their packing and without"
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--skip", choices=["offline", "online"])
     parser.add_argument("--data-dir", type=Path, default=HERE.parent / ".data" / "aggregations")

@@ -363,7 +363,7 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
         pushed.note(view, rows, "event_timestamp")
 
     def due(after_seconds: int = 2) -> dict[int, int]:
-        """{card: the run's since µs} of what a run packs ``after_seconds`` on."""
+        """{card: the µs its events are read from} of what a run packs ``after_seconds`` on."""
         now[0] += after_seconds * second
         packs: list = []
         pushed.pack_due(packs.append, least=3)
@@ -372,6 +372,9 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
 
     pushed = PushedEntities(most=10, clock=lambda: now[0])
     start, early = now[0], now[0] - 5 * 60 * second  # (early: its block has ended)
+
+    def block_of(us: int) -> int:
+        return us // (BLOCK_TILES * second) * BLOCK_TILES * second
     for _ in range(4):
         note([1, 2, 3])  # 12 rows, merged to 3 entities of 4 events
     note([4, 4, 5])  # 2 events and 1
@@ -381,7 +384,7 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     with caplog.at_level("WARNING", logger="featurestore.materialization.pushed_entities"):
         taken = due(after_seconds=1)
     assert "10 left to `featurestore compact`" in caplog.text
-    assert sorted(taken) == [1, 2, 3, 6] and set(taken.values()) == {early}
+    assert taken == {1: start, 2: start, 3: start, 6: block_of(early)}  # (each read from its earliest block)
     assert due() == {}  # taken once; 4 and 5 carried
     note([4, 5])
     assert due() == {4: start}  # 3 events now, from its first; 5 has 2
@@ -389,14 +392,13 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     note([1, 1, 1])
     assert due() == {}  # 3 events, but 4 were packed for it in this block: it waits for 4
     note([1])
-    assert due() == {1: written_at}
+    assert due() == {1: block_of(written_at)}
     note([1] * 7)
     assert due() == {}  # 7 < the 8 packed for it now
     now[0] += BLOCK_TILES * second  # a block on: what was packed is forgotten
     note([1, 1, 1])
-    # 1: 7 + 3 events, nothing packed in this block; 5: its events' block has ended (its last
-    # packing); one run reads from the earliest event written of those it packs (5's)
-    assert due() == {1: start, 5: start}
+    # 1: 7 + 3 events, nothing packed in this block; 5: its events' block has ended (their last packing)
+    assert due() == {1: block_of(written_at), 5: start}
     pushed.close()
 
 

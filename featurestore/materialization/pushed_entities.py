@@ -56,7 +56,7 @@ class _View:
 
 @dataclass(frozen=True)
 class Due:
-    """Entities of ``view`` to pack (their join-key columns), from the block holding ``since_us`` (None: all)."""
+    """Entities of ``view`` to pack (their join-key columns), from the block holding ``since_us`` on (None: all)."""
 
     view: str
     keys: pa.Table
@@ -140,8 +140,9 @@ class PushedEntities:
             with self._lock:
                 noted.carried = carried if carried.num_rows else None
                 self._rows += carried.num_rows
-            if ready.any():
-                due.append(Due(name, keys.filter(pa.array(ready)), int(since[ready].min())))
+            for first in np.unique(since[ready] // span).tolist():  # (each entity read from its own block on)
+                group = ready & (since // span == first)
+                due.append(Due(name, keys.filter(pa.array(group)), first * span))
         return due
 
     def any_due(self) -> bool:
