@@ -375,6 +375,7 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
 
     def block_of(us: int) -> int:
         return us // (BLOCK_TILES * second) * BLOCK_TILES * second
+
     for _ in range(4):
         note([1, 2, 3])  # 12 rows, merged to 3 entities of 4 events
     note([4, 4, 5])  # 2 events and 1
@@ -430,3 +431,38 @@ def test_a_servers_loop_goes_on_through_an_outage_of_the_online_store(make_store
         asyncio.run(serve_a_while())  # (runs until stopped: no other error)
     assert "not packing what pushes wrote for now" in caplog.text and "127.0.0.1:1" in caplog.text
     watcher.current.close()
+
+
+def test_a_forked_child_packs_what_its_own_pushes_wrote():
+    """A process forked while its parent packed in the background has none of the parent's
+    threads: the run it inherited never ends there, so the child waited on it for ever (closing
+    its store hung) and never packed. It now starts its own."""
+    from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+    from featurestore.materialization.pushed_entities import PushedEntities
+    from featurestore.types import Int64, UnixTimestamp
+
+    card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+    source = PushSource(name="p", schema=[Field("card_id", Int64), Field("event_timestamp", UnixTimestamp)])
+    view = FeatureView(
+        name="v", entities=[card], source=source, schema=[], aggregations=[Aggregation("count", timedelta(seconds=30))]
+    )
+    now = [datetime_to_micros(NOW)]
+    pushed = PushedEntities(clock=lambda: now[0])
+
+    def note_and_run(pack) -> None:
+        rows = pa.table({"card_id": pa.array([1] * 9, pa.int64()), "event_timestamp": pa.array([NOW] * 9, TS)})
+        pushed.note(view, rows, "event_timestamp")
+        now[0] += 3 * 10**6
+        pushed.pack_due(pack, least=3)
+
+    note_and_run(lambda due: time.sleep(3))  # the parent's run, still going when it forks
+    child = os.fork()
+    if child == 0:  # (the child: exits 0 only if its own run packs, and waiting for it ends)
+        signal.alarm(20)  # (a child that hangs is killed: a failure, not a hung suite)
+        packs: list = []
+        note_and_run(packs.append)
+        pushed.close()
+        os._exit(0 if [p.keys["card_id"].to_pylist() for p in packs] == [[1]] else 1)
+    _, status = os.waitpid(child, 0)
+    pushed.close()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -21,6 +21,7 @@ on it but memory and the first lookups' time: a plain event reads the same as a 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class PushedEntities:
         self._said_at = -60.0
         self._executor: ThreadPoolExecutor | None = None
         self._running: Future | None = None
+        self._pid = os.getpid()
 
     def note(self, view: FeatureView, rows: pa.Table, time_column: str) -> None:
         """Remember the entities of ``rows`` (their join keys, events at ``time_column``) written to
@@ -156,6 +158,8 @@ class PushedEntities:
         background thread, unless a run is still going (what is due then waits for the next call)."""
         now_us = self.clock()
         with self._lock:
+            if self._pid != os.getpid():  # (a forked child has none of its parent's threads)
+                self._executor, self._running, self._pid = None, None, os.getpid()
             if self._running is not None and not self._running.done():
                 return
             dropped = self._dropped if time.monotonic() - self._said_at >= 60 else 0
@@ -196,7 +200,7 @@ class PushedEntities:
     def wait(self) -> None:
         """Until the run in flight, if any, has ended."""
         running = self._running
-        if running is not None:
+        if running is not None and self._pid == os.getpid():  # (a forked child's copy never ends)
             running.result()
 
     def close(self) -> None:
