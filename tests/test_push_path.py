@@ -436,7 +436,8 @@ def test_a_servers_loop_goes_on_through_an_outage_of_the_online_store(make_store
 def test_a_forked_child_packs_what_its_own_pushes_wrote():
     """A process forked while its parent packed in the background has none of the parent's
     threads: the run it inherited never ends there, so the child waited on it for ever (closing
-    its store hung) and never packed. It now starts its own."""
+    its store hung) and never packed, and the lock a parent's thread held at the fork was never
+    released (its next push hung). It now drops both and starts its own run."""
     from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
     from featurestore.materialization.pushed_entities import PushedEntities
     from featurestore.types import Int64, UnixTimestamp

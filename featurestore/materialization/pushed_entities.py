@@ -96,6 +96,7 @@ class PushedEntities:
         written = written.append_column(_PACKED, pa.array(np.zeros(written.num_rows, np.int64)))
         written = written.append_column(_BLOCK, pa.array(np.full(written.num_rows, -1, np.int64)))
         size = tile_us(view)
+        self._after_fork()
         with self._lock:
             if self._rows + written.num_rows > self.most:
                 self._merge()
@@ -111,6 +112,7 @@ class PushedEntities:
         """Take out, per view, the entities written a tile before the one that has just ended or
         earlier that are due; carry the others (and what was packed for those taken)."""
         now_us, taken = self.clock(), []
+        self._after_fork()
         with self._lock:
             for name, noted in self._views.items():
                 tile = now_us // noted.tile_us
@@ -150,6 +152,7 @@ class PushedEntities:
     def any_due(self) -> bool:
         """Whether a run would find entities to look at (cheap: no merging, no store)."""
         now_us = self.clock()
+        self._after_fork()
         with self._lock:
             return any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values())
 
@@ -157,9 +160,8 @@ class PushedEntities:
         """Take the due entities (``take_due``) and run ``pack`` on each view's, on this process's
         background thread, unless a run is still going (what is due then waits for the next call)."""
         now_us = self.clock()
+        self._after_fork()
         with self._lock:
-            if self._pid != os.getpid():  # (a forked child has none of its parent's threads)
-                self._executor, self._running, self._pid = None, None, os.getpid()
             if self._running is not None and not self._running.done():
                 return
             dropped = self._dropped if time.monotonic() - self._said_at >= 60 else 0
@@ -192,6 +194,12 @@ class PushedEntities:
                     "packing what pushes wrote to %s failed (%s); `featurestore compact` packs it", one.view, exc
                 )
 
+    def _after_fork(self) -> None:
+        """In a forked child, drop what belonged to its parent's threads: the run in flight (it
+        never ends here) and the lock (a parent's thread may have held it at the fork)."""
+        if self._pid != os.getpid():
+            self._lock, self._executor, self._running, self._pid = threading.Lock(), None, None, os.getpid()
+
     @staticmethod
     def _due(noted: _View, tile: int) -> bool:
         """Whether a tile of ``noted`` has ended a tile ago, or it carries entities not looked at this tile."""
@@ -199,8 +207,9 @@ class PushedEntities:
 
     def wait(self) -> None:
         """Until the run in flight, if any, has ended."""
+        self._after_fork()
         running = self._running
-        if running is not None and self._pid == os.getpid():  # (a forked child's copy never ends)
+        if running is not None:
             running.result()
 
     def close(self) -> None:
