@@ -325,12 +325,14 @@ def compact(
     repo: Path = RepoOption,
 ) -> None:
     """Merge small history files (pushes commit many); optionally vacuum old ones. Online, pack the
-    ended blocks of aggregated views' events that were streamed one by one (a few bytes an event
+    ended blocks of aggregated views' events pushed a few at a time (a few bytes an event
     instead of ~100) and store their tiles' summaries, so no lookup pays for them (writes of
     whole tiles do both as they write).
 
     Pushes do the offline part on their own past offline_store.compact_after_files and
-    vacuum_after_hours (featurestore.yaml); run this from a scheduler for the online part."""
+    vacuum_after_hours (featurestore.yaml), and the online part for what they wrote once its
+    tiles end (online_store.pack_pushes); run this from a scheduler for what a stopped or
+    overloaded process left."""
     with _store(repo) as store:
         for name, r in store.compact(views or None, vacuum_hours).items():
             console.print(
