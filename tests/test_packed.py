@@ -218,12 +218,13 @@ _INT64 = st.integers(-(2**63), 2**63 - 1)
     st.lists(st.floats(width=32), max_size=32),
 )
 def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(ints, step, floats, decimals, floats32):
-    """Integer and float sections of up to ``SMALL`` values are packed in Python (numpy's per-call
-    costs made a float column most of a small block's packing): the bytes are numpy's, for any
-    int64 values (a grid's factor, wrapping deltas), floats that are decimals of any exponent and
-    those that are not, specials (NaN payloads, ±inf, -0.0, subnormals, 2^53) and float32."""
+    """Integer and float sections and directories of up to ``SMALL`` values are packed in Python
+    (numpy's per-call costs made a float column most of a small block's packing): the bytes are
+    numpy's, for any int64 values (a grid's factor, wrapping deltas), floats that are decimals of
+    any exponent and those that are not, specials (NaN payloads, ±inf, -0.0, subnormals, 2^53),
+    float32, and directories of any ids (repeated too) at times on any unit's grid."""
 
-    def both(pack, values: np.ndarray) -> tuple[bytes, bytes]:
+    def both(pack, values) -> tuple[bytes, bytes]:
         few, small = pack(values), packed.SMALL
         packed.SMALL = -1  # (numpy's path for any count)
         try:
@@ -235,6 +236,11 @@ def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(int
     grid = np.array([(start + step * k) % 2**64 for k in range(len(ints))], np.uint64).view(np.int64)
     for values in (np.array(ints, np.int64), grid):
         few, numpy = both(packed._ints, values)
+        assert few == numpy
+    if ints:  # a directory: ids (any 64 bits, repeated), times (whole s, ms or µs apart, before 1970 too)
+        ids = np.array([i % 2**64 for i in ints], np.uint64)
+        times = np.array([(i % 10**15 - 5 * 10**14) // 10**decimals * 10**decimals for i in ints], np.int64)
+        few, numpy = both(lambda rows: packed.directory(rows[0], rows[1]), (ids, times))
         assert few == numpy
     cents = [round(f, decimals) if math.isfinite(f) and abs(f) < 1e12 else f for f in floats]
     for values in (np.array(floats, np.float64), np.array(cents, np.float64), np.array(floats32, np.float32)):

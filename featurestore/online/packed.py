@@ -353,6 +353,8 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
     by (id, µs) the id's last ``8 - p`` bytes and its µs less the earliest, in units, in ``w``
     bytes. Fixed-width entries, so a script finds an id by binary search; the rows of the other
     sections are the entries in (µs, id) order."""
+    if len(ids) <= SMALL:
+        return _few_directory(ids.tolist(), times.tolist())
     order = np.lexsort((times, ids))  # (stable: rows of equal id and µs keep their order)
     ids, times = ids[order], times[order]
     low = int(times.min())
@@ -364,6 +366,21 @@ def directory(ids: np.ndarray, times: np.ndarray) -> bytes:
     entries = np.hstack([_big_endian(ids)[:, p:], _big_endian(units)[:, 8 - w :]])
     head = bytes([p]) + int(ids[0]).to_bytes(8, "big")[:p] + bytes([w, exponent]) + (low + (1 << 63)).to_bytes(8, "big")
     body = head + entries.tobytes()
+    return _LENGTH.pack(len(body)) + body
+
+
+def _few_directory(ids: list[int], times: list[int]) -> bytes:
+    """``directory`` of a few events, byte for byte, in Python."""
+    rows = sorted(zip(ids, times))
+    low = min(times)
+    p = 8 - ((rows[0][0] ^ rows[-1][0]).bit_length() + 7) // 8
+    offsets = [t - low for _, t in rows]
+    exponent = next(e for e in (6, 3, 0) if not any(o % 10**e for o in offsets))
+    units = [o // 10**exponent for o in offsets]
+    w = max(1, (max(units).bit_length() + 7) // 8)
+    entries = b"".join(i.to_bytes(8, "big")[p:] + u.to_bytes(8, "big")[8 - w :] for (i, _), u in zip(rows, units))
+    head = bytes([p]) + rows[0][0].to_bytes(8, "big")[:p] + bytes([w, exponent]) + (low + (1 << 63)).to_bytes(8, "big")
+    body = head + entries
     return _LENGTH.pack(len(body)) + body
 
 
