@@ -216,13 +216,17 @@ _INT64 = st.integers(-(2**63), 2**63 - 1)
     st.lists(st.floats(width=64) | st.sampled_from(SPECIAL + [NAN_PAYLOAD, 2.0**53, 2.0**53 - 1]), max_size=32),
     st.integers(0, 7),
     st.lists(st.floats(width=32), max_size=32),
+    st.lists(st.integers(0, 2**64 - 1), max_size=32),
 )
-def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(ints, step, floats, decimals, floats32):
+def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(
+    ints, step, floats, decimals, floats32, bit_patterns
+):
     """Integer and float sections and directories of up to ``SMALL`` values are packed in Python
     (numpy's per-call costs made a float column most of a small block's packing): the bytes are
     numpy's, for any int64 values (a grid's factor, wrapping deltas), floats that are decimals of
     any exponent and those that are not, specials (NaN payloads, ±inf, -0.0, subnormals, 2^53),
-    float32, and directories of any ids (repeated too) at times on any unit's grid."""
+    float32, any bit patterns of either width, and directories of any ids (repeated too) at times
+    on any unit's grid."""
 
     def both(pack, values) -> tuple[bytes, bytes]:
         few, small = pack(values), packed.SMALL
@@ -243,7 +247,10 @@ def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(int
         few, numpy = both(lambda rows: packed.directory(rows[0], rows[1]), (ids, times))
         assert few == numpy
     cents = [round(f, decimals) if math.isfinite(f) and abs(f) < 1e12 else f for f in floats]
-    for values in (np.array(floats, np.float64), np.array(cents, np.float64), np.array(floats32, np.float32)):
+    patterns = np.array(bit_patterns, np.uint64)  # (any bits: NaN payloads, signalling ones too)
+    in_32_bits = (patterns & np.uint64(2**32 - 1)).astype(np.uint32).view(np.float32)
+    every = [np.array(floats, np.float64), np.array(cents, np.float64), np.array(floats32, np.float32)]
+    for values in [*every, patterns.view(np.float64), in_32_bits]:
         few, numpy = both(packed._floats, values)
         assert few == numpy
 

@@ -643,7 +643,7 @@ def _few_floats(values: np.ndarray) -> bytes:
     """``_floats`` of a few values, byte for byte, in Python: numpy's per-call costs made it most of
     a small block's packing."""
     width, n = values.dtype.itemsize, len(values)
-    raw = values.astype(f">f{width}").tobytes()
+    raw = values.view(np.uint64 if width == 8 else np.uint32).astype(f">u{width}").tobytes()  # (bits as they are)
     candidates = [b"r" + raw]
     floats = values.tolist()
     if width == 8 and all(map(math.isfinite, floats)):
