@@ -9,9 +9,9 @@ too (for stragglers), an entity is due once it was written as many events as a b
 (``least``) and as many as were packed for it in the current block (so a block is re-packed a
 few times as it fills, each time about doubling, not once a tile: re-packing a block costs many
 times an event's write, more as it grows), or once the block its events are in has ended (their
-last packing). Its ended blocks from the earliest one written are then packed and summarized,
-one run at a time on this process's background thread, off the pushing call
-(``FeatureStore.pack_pushed``). One not due yet is carried.
+last packing). Its ended blocks, from the one holding the earliest event written on, are then
+packed and summarized, one run at a time on this process's background thread, off the pushing
+call (``FeatureStore.pack_pushed``). One not due yet is carried.
 
 Held in memory and bounded: what is past the bound, noted by a process that stopped, or failed to
 pack (an outage) is left to ``featurestore compact``, which finds it by scanning. Nothing depends
@@ -50,7 +50,7 @@ class _View:
     """What pushes wrote to one view: per tile of the wall clock, then carried."""
 
     tile_us: int
-    tiles: dict[int, list[pa.Table]] = field(default_factory=dict)  # keys, events, since; per push
+    tiles: dict[int, list[pa.Table]] = field(default_factory=dict)  # keys and the columns above, per push
     carried: pa.Table | None = None  # entities not due yet, and what was packed for those packed
     taken: int = -1  # the tile taken last
 
@@ -154,7 +154,7 @@ class PushedEntities:
         now_us = self.clock()
         self._after_fork()
         with self._lock:
-            return any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values())
+            return self._any_due(now_us)
 
     def pack_due(self, pack: Callable[[Due], object], least: int) -> None:
         """Take the due entities (``take_due``) and run ``pack`` on each view's, on this process's
@@ -167,7 +167,7 @@ class PushedEntities:
             dropped = self._dropped if time.monotonic() - self._said_at >= 60 else 0
             if dropped:
                 self._dropped, self._said_at = 0, time.monotonic()
-            if any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values()):
+            if self._any_due(now_us):
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="featurestore-pack")
                 self._running = self._executor.submit(self._pack_taken, pack, least)
@@ -199,6 +199,9 @@ class PushedEntities:
         never ends here) and the lock (a parent's thread may have held it at the fork)."""
         if self._pid != os.getpid():
             self._lock, self._executor, self._running, self._pid = threading.Lock(), None, None, os.getpid()
+
+    def _any_due(self, now_us: int) -> bool:
+        return any(self._due(noted, now_us // noted.tile_us) for noted in self._views.values())
 
     @staticmethod
     def _due(noted: _View, tile: int) -> bool:
