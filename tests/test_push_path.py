@@ -377,7 +377,7 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
         return us // (BLOCK_TILES * second) * BLOCK_TILES * second
 
     for _ in range(4):
-        note([1, 2, 3])  # 12 rows, merged to 3 entities of 4 events
+        note([1, 2, 3])  # 12 rows: merged to 3 entities of 4 events at the bound
     note([4, 4, 5])  # 2 events and 1
     note([6], early)  # 1 event, in an ended block
     note(list(range(10, 20)))  # past the bound: given up
@@ -387,6 +387,7 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     assert "10 left to `featurestore compact`" in caplog.text
     assert taken == {1: start, 2: start, 3: start, 6: block_of(early)}  # (each read from its earliest block)
     assert due() == {}  # taken once; 4 and 5 carried
+    pushed.most = 100  # (from here on, no bound: past it, what was packed is forgotten first)
     note([4, 5])
     assert due() == {4: start}  # 3 events now, from its first; 5 has 2
     written_at = now[0]

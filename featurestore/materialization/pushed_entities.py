@@ -38,7 +38,7 @@ from featurestore.online.packed import BLOCK_TILES
 
 log = logging.getLogger(__name__)
 
-NOTED_MOST = 200_000  # entities a process keeps to pack (a row each, per tile written in and carried)
+NOTED_MOST = 200_000  # rows a process keeps to pack (an event each as noted, an entity each once merged)
 # the columns beside an entity's keys: events written since it was last packed, the earliest of
 # their times, the events packed for it in the block of the wall clock ``_BLOCK`` (-1: none)
 _EVENTS, _SINCE, _PACKED, _BLOCK = "__events", "__since", "__packed", "__block"
@@ -83,30 +83,29 @@ class PushedEntities:
         ``view`` online; an aggregated view's only (others store no tiles)."""
         if not view.is_aggregated or rows.num_rows == 0 or not set(view.join_keys) <= set(rows.column_names):
             return
+        n = rows.num_rows
         try:  # (the rows are written: whatever noting them meets, the push stands)
             times = pc.cast(rows[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64())
-            written = pa.table([*(rows[k] for k in view.join_keys), times], names=[*view.join_keys, _SINCE])
-            written = written.group_by(view.join_keys, use_threads=False).aggregate(
-                [(_SINCE, "count"), (_SINCE, "min")]
-            )
         except pa.ArrowException as exc:
             log.warning("cannot note what a push wrote to %s to pack it (%s): compact will", view.name, exc)
             return
-        written = written.rename_columns([*view.join_keys, _EVENTS, _SINCE])
-        written = written.append_column(_PACKED, pa.array(np.zeros(written.num_rows, np.int64)))
-        written = written.append_column(_BLOCK, pa.array(np.full(written.num_rows, -1, np.int64)))
+        # a row an event, as written: merged per entity later, off the pushing call (or at the bound)
+        columns = [np.ones(n, np.int64), times, np.zeros(n, np.int64), np.full(n, -1, np.int64)]
+        written = pa.table(
+            [*(rows[k] for k in view.join_keys), *columns], names=[*view.join_keys, _EVENTS, _SINCE, _PACKED, _BLOCK]
+        )
         size = tile_us(view)
         self._after_fork()
         with self._lock:
-            if self._rows + written.num_rows > self.most:
+            if self._rows + n > self.most:
                 self._merge()
-            if self._rows + written.num_rows > self.most:
-                self._dropped += written.num_rows
+            if self._rows + n > self.most:
+                self._dropped += n
                 return
             noted = self._views.setdefault(view.name, _View(size))
             noted.tile_us = size
             noted.tiles.setdefault(self.clock() // size, []).append(written)
-            self._rows += written.num_rows
+            self._rows += n
 
     def take_due(self, least: int) -> list[Due]:
         """Take out, per view, the entities written a tile before the one that has just ended or
@@ -224,11 +223,16 @@ class PushedEntities:
     def _merge(self) -> None:
         """Merge each tile's notes of an entity into one row, and forget what was packed for
         entities written nothing since: the bound is for what is still to pack."""
-        for noted in self._views.values():
-            for tile, parts in noted.tiles.items():
-                merged = _merged(parts)
-                self._rows -= sum(t.num_rows for t in parts) - merged.num_rows
-                noted.tiles[tile] = [merged]
+        for name, noted in self._views.items():
+            for tile, parts in list(noted.tiles.items()):
+                rows = sum(t.num_rows for t in parts)
+                try:
+                    merged = [_merged(parts)]
+                except pa.ArrowException as exc:  # (keys Arrow cannot group: left to compact)
+                    log.warning("cannot merge what pushes wrote to %s to pack it (%s): compact will", name, exc)
+                    merged = []
+                self._rows -= rows - sum(t.num_rows for t in merged)
+                noted.tiles[tile] = merged
             if noted.carried is not None:
                 kept = noted.carried.filter(pc.greater(noted.carried[_EVENTS], 0))
                 self._rows -= noted.carried.num_rows - kept.num_rows
