@@ -72,6 +72,7 @@ class PushedEntities:
         self._lock = threading.Lock()
         self._views: dict[str, _View] = {}
         self._rows = 0
+        self._merged_to = 0  # rows left by the last merge at the bound
         self._dropped = 0  # entities given up since last said (once a minute at most)
         self._said_at = -60.0
         self._executor: ThreadPoolExecutor | None = None
@@ -97,8 +98,8 @@ class PushedEntities:
         size = tile_us(view)
         self._after_fork()
         with self._lock:
-            if self._rows + n > self.most:
-                self._merge()
+            if self._rows + n > self.most and self._rows - self._merged_to >= self.most // 4:
+                self._merge()  # (not again before a quarter of the bound is new: full of entities, it would each push)
             if self._rows + n > self.most:
                 self._dropped += n
                 return
@@ -121,6 +122,7 @@ class PushedEntities:
                 parts += [noted.carried] if noted.carried is not None else []
                 noted.carried, noted.taken = None, tile
                 self._rows -= sum(t.num_rows for t in parts)
+                self._merged_to = min(self._merged_to, self._rows)
                 taken.append((name, noted, tile, parts))
         due = []
         for name, noted, tile, parts in taken:  # (merged outside the lock: pushes note meanwhile)
@@ -227,16 +229,16 @@ class PushedEntities:
             for tile, parts in list(noted.tiles.items()):
                 rows = sum(t.num_rows for t in parts)
                 try:
-                    merged = [_merged(parts)]
+                    noted.tiles[tile] = [_merged(parts)]
                 except pa.ArrowException as exc:  # (keys Arrow cannot group: left to compact)
                     log.warning("cannot merge what pushes wrote to %s to pack it (%s): compact will", name, exc)
-                    merged = []
-                self._rows -= rows - sum(t.num_rows for t in merged)
-                noted.tiles[tile] = merged
+                    del noted.tiles[tile]
+                self._rows -= rows - sum(t.num_rows for t in noted.tiles.get(tile, []))
             if noted.carried is not None:
                 kept = noted.carried.filter(pc.greater(noted.carried[_EVENTS], 0))
                 self._rows -= noted.carried.num_rows - kept.num_rows
                 noted.carried = kept if kept.num_rows else None
+        self._merged_to = self._rows
 
 
 def _merged(parts: list[pa.Table]) -> pa.Table:
