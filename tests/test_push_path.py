@@ -337,6 +337,22 @@ def test_pushes_pack_and_summarize_the_tiles_they_wrote_once_the_tile_after_has_
     store.close()
 
 
+def _counted_per_card():
+    """A view counting each card's events over 30 s: tiles of 1 s, blocks of 32 s."""
+    from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
+    from featurestore.types import Int64, UnixTimestamp
+
+    card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+    source = PushSource(name="p", schema=[Field("card_id", Int64), Field("event_timestamp", UnixTimestamp)])
+    aggregations = [Aggregation("count", timedelta(seconds=30))]
+    return FeatureView(name="v", entities=[card], source=source, schema=[], aggregations=aggregations)
+
+
+def _cards_at(cards: list[int], at: datetime) -> pa.Table:
+    """Rows of ``_counted_per_card``'s source: an event of each card listed, at ``at``."""
+    return pa.table({"card_id": pa.array(cards, pa.int64()), "event_timestamp": pa.array([at] * len(cards), TS)})
+
+
 def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog):
     """What pushes wrote is kept to pack up to a bound of entities: an entity's rows are merged
     (events added) before any is given up, and what is given up is logged (``featurestore
@@ -344,23 +360,15 @@ def test_the_entities_kept_to_pack_are_bounded_and_due_once_worth_packing(caplog
     written as many events as a block needs and as were packed for it in the current block (a
     block is re-packed about doubling, not once a tile), or its events' block has ended (their
     last packing); one not due is carried, and what was packed is forgotten with its block."""
-    from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
     from featurestore.materialization.pushed_entities import PushedEntities
     from featurestore.online.packed import BLOCK_TILES
-    from featurestore.types import Int64, UnixTimestamp
 
-    card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
-    source = PushSource(name="p", schema=[Field("card_id", Int64), Field("event_timestamp", UnixTimestamp)])
-    view = FeatureView(
-        name="v", entities=[card], source=source, schema=[], aggregations=[Aggregation("count", timedelta(seconds=30))]
-    )  # (tiles of 1 s, blocks of 32 s)
+    view = _counted_per_card()  # (tiles of 1 s, blocks of 32 s)
     second = 10**6
     now = [(datetime_to_micros(NOW) // (BLOCK_TILES * second) + 1) * BLOCK_TILES * second]  # a block's start
 
     def note(cards: list[int], at: int | None = None) -> None:
-        stamp = micros_to_datetime(now[0] if at is None else at)
-        rows = pa.table({"card_id": pa.array(cards, pa.int64()), "event_timestamp": pa.array([stamp] * len(cards), TS)})
-        pushed.note(view, rows, "event_timestamp")
+        pushed.note(view, _cards_at(cards, micros_to_datetime(now[0] if at is None else at)), "event_timestamp")
 
     def due(after_seconds: int = 2) -> dict[int, int]:
         """{card: the µs its events are read from} of what a run packs ``after_seconds`` on."""
@@ -439,21 +447,14 @@ def test_a_forked_child_packs_what_its_own_pushes_wrote():
     threads: the run it inherited never ends there, so the child waited on it for ever (closing
     its store hung) and never packed, and the lock a parent's thread held at the fork was never
     released (its next push hung). It now drops both and starts its own run."""
-    from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
     from featurestore.materialization.pushed_entities import PushedEntities
-    from featurestore.types import Int64, UnixTimestamp
 
-    card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
-    source = PushSource(name="p", schema=[Field("card_id", Int64), Field("event_timestamp", UnixTimestamp)])
-    view = FeatureView(
-        name="v", entities=[card], source=source, schema=[], aggregations=[Aggregation("count", timedelta(seconds=30))]
-    )
+    view = _counted_per_card()
     now = [datetime_to_micros(NOW)]
     pushed = PushedEntities(clock=lambda: now[0])
 
     def note_and_run(pack) -> None:
-        rows = pa.table({"card_id": pa.array([1] * 9, pa.int64()), "event_timestamp": pa.array([NOW] * 9, TS)})
-        pushed.note(view, rows, "event_timestamp")
+        pushed.note(view, _cards_at([1] * 9, NOW), "event_timestamp")
         now[0] += 3 * 10**6
         pushed.pack_due(pack, least=3)
 
