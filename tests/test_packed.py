@@ -255,6 +255,44 @@ def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(
         assert few == numpy
 
 
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    st.lists(
+        st.tuples(block_events, st.integers(-3, 10**6), st.sampled_from([1, 1000, 10**6])), min_size=1, max_size=6
+    ),
+    st.sampled_from(["any", "decimal", "steady"]),
+    st.booleans(),
+    st.lists(st.integers(0, 5), max_size=3),
+)
+def test_many_blocks_are_packed_at_once_byte_for_byte_as_one_at_a_time(groups, floats_kind, ids_from_column, refused):
+    """``pack_many`` (a packing run's hundreds of small blocks at once) gives each block ``pack``'s
+    bytes: every column type, nulls, NaN payloads, ±inf, -0.0, decimals, blocks of one event and of
+    many, on any grid, before 1970; and None where ``pack`` refuses (empty, across two blocks)."""
+    blocks, expected = [], []
+    for events, block, grid in groups:
+        start = block * packed.BLOCK_TILES * TILE
+        members, features = _members(
+            [(start + e[0] // grid * grid, *e[1:]) for e in events], floats_kind, ids_from_column
+        )
+        blocks.append(members)
+        expected.append(packed.pack(members, features, TILE))
+    for at in refused:
+        last = blocks[at % len(blocks)][-1]
+        later = int.from_bytes(last[8:16], "big") + packed.BLOCK_TILES * TILE  # (in the next block)
+        crossing = [*blocks[at % len(blocks)], last[:8] + later.to_bytes(8, "big") + last[16:]]
+        blocks.insert(at % (len(blocks) + 1), crossing)
+        expected.insert(at % (len(expected) + 1), None)
+    blocks.append([])
+    expected.append(None)
+    few, packed.FEW_BLOCKS = packed.FEW_BLOCKS, 0  # (at once, however few)
+    try:
+        assert packed.pack_many(blocks, features, TILE) == expected
+    finally:
+        packed.FEW_BLOCKS = few
+    ids = [np.frombuffer(b"".join(m[:8] for m in members), ">u8").astype(np.uint64) for members in blocks]
+    assert packed.id_filters(np.concatenate(ids), [len(i) for i in ids]) == [packed.id_filter(i) for i in ids]
+
+
 def test_counts_past_a_byte_read_back_in_python_and_lua(redis_url):
     """A block's header counts each tile's events in one byte until a tile holds 256 or more."""
     for many in (255, 256, 3000):

@@ -28,6 +28,7 @@ directory (read by ``add_events.lua``), then the other sections, which Redis nev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import struct
@@ -52,6 +53,7 @@ _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 32  # values up to which bit-unpacking runs in Python
+FEW_BLOCKS = 8  # blocks below which ``pack_many`` packs one at a time (its passes cost ~5 blocks' packing)
 BIT_ROWS_MOST = 512  # values up to which it spreads bits into rows (fewer numpy calls), past it shifts words
 DECODED_BLOCK_BYTES = 256 << 20  # what a process's decoded blocks may hold (blocks, head records, values)
 
@@ -218,17 +220,25 @@ def pack(members: Sequence[bytes], features: Sequence[tuple[str, DType]], tile_u
     out.append(directory(heads["id"].astype(_U64), times))
     nulls = np.ascontiguousarray(heads["nulls"])
     out.append(b"\x01" + nulls.tobytes() if nulls.any() else b"\x00")
-    for k, (_, dtype) in enumerate(features):
-        if dtype.name in _FIXED:
-            out.append(_fixed(heads[f"f{k}"], dtype.name))
-        elif variable_width(dtype):
-            lengths = heads[f"len{k}"].astype(np.int64)
-            starts = size + sum(
-                (heads[f"len{j}"].astype(np.int64) for j in range(k) if variable_width(features[j][1])),
-                np.zeros(len(members), np.int64),
-            )
-            out.append(_variable([m[a : a + n] for m, a, n in zip(members, starts.tolist(), lengths.tolist())]))
+    out += [
+        _section(members, heads, features, k)
+        for k in range(len(features))
+        if features[k][1].name in _FIXED or variable_width(features[k][1])
+    ]
     return b"".join(out)
+
+
+def _section(members: Sequence[bytes], heads: np.ndarray, features: Sequence[tuple[str, DType]], k: int) -> bytes:
+    """Feature ``k``'s section of a block of ``members`` (their head records ``heads``)."""
+    dtype = features[k][1]
+    if dtype.name in _FIXED:
+        return _fixed(heads[f"f{k}"], dtype.name)
+    starts = heads.dtype.itemsize + sum(
+        (heads[f"len{j}"].astype(np.int64) for j in range(k) if variable_width(features[j][1])),
+        np.zeros(len(members), np.int64),
+    )
+    lengths = heads[f"len{k}"].astype(np.int64)
+    return _variable([m[a : a + n] for m, a, n in zip(members, starts.tolist(), lengths.tolist())])
 
 
 def unpack(
@@ -411,6 +421,18 @@ def id_filter(ids: np.ndarray) -> bytes:
     held = np.zeros(bits, dtype=bool)
     held[filter_hashes(ids) % _U64(bits)] = True
     return np.packbits(held, bitorder="little").tobytes()
+
+
+def id_filters(ids: np.ndarray, sizes: np.ndarray) -> list[bytes]:
+    """``id_filter`` of each run of ``ids`` (uint64), consecutive runs of ``sizes``, in one pass."""
+    starts, sizes, run = _rows_of(np.asarray(sizes, np.int64))
+    held = np.zeros(8 * len(ids), dtype=bool)
+    at = (
+        filter_hashes(ids) % (_U64(8) * sizes.astype(_U64))[run][:, None]
+        + (_U64(8) * starts.astype(_U64))[run][:, None]
+    )
+    held[at.ravel()] = True
+    return _split(np.packbits(held, bitorder="little").tobytes(), sizes)
 
 
 def _from_bytes(columns: np.ndarray) -> np.ndarray:
@@ -726,3 +748,264 @@ def _read_variable(view: memoryview, at: int, n: int, rows: Runs | None) -> tupl
     for first, stop in ((0, n),) if rows is None else rows:
         out.extend(bytes(view[a : a + length]) for a, length in zip(starts[first:stop], lengths[first:stop].tolist()))
     return out, at + int(lengths.sum())
+
+
+# many blocks at once: a writer or a packing run packs hundreds of small blocks (tens of events
+# each), where numpy's per-call costs, paid per block and section, were most of the work. The
+# bytes are ``pack``'s; each section is computed for all blocks in one pass over their rows,
+# ``starts`` and ``sizes`` saying where each block's rows are.
+
+
+def pack_many(
+    groups: Sequence[Sequence[bytes]], features: Sequence[tuple[str, DType]], tile_us: int
+) -> list[bytes | None]:
+    """``pack`` of each group (the plain members of one block's tiles, in (time, id) order), byte
+    for byte; None for a group ``pack`` refuses (empty, across blocks, a tile too full)."""
+    features = tuple(features)
+    out: list[bytes | None] = [None] * len(groups)
+    usable = [i for i, g in enumerate(groups) if g]
+    if len(usable) < max(1, FEW_BLOCKS):
+        for i in usable:
+            with contextlib.suppress(ValueError):
+                out[i] = pack(groups[i], features, tile_us)
+        return out
+    head = _head_dtype(features)
+    size = head.itemsize
+    rows = _rows_of(np.array([len(groups[i]) for i in usable], np.int64))
+    starts, sizes, segment = rows
+    heads = np.frombuffer(b"".join(m[:size] for i in usable for m in groups[i]), dtype=head)
+    times = (heads["time"] ^ _U64(1 << 63)).view(np.int64)
+    tiles = times // tile_us
+    blocks = tiles[starts] // BLOCK_TILES
+    local = tiles - blocks[segment] * BLOCK_TILES
+    within = np.logical_and.reduceat((local >= 0) & (local < BLOCK_TILES), starts)
+    local = np.where(within[segment], local, 0)
+    counts = np.bincount(segment * BLOCK_TILES + local, minlength=len(usable) * BLOCK_TILES).reshape(-1, BLOCK_TILES)
+    within &= counts.max(axis=1) <= MOST_PER_TILE
+    if not within.all():  # (rare: packed without them)
+        kept = [usable[k] for k in np.flatnonzero(within).tolist()]
+        for i, blob in zip(kept, pack_many([groups[i] for i in kept], features, tile_us)):
+            out[i] = blob
+        return out
+    held = (counts > 0).astype(np.int64) @ (np.int64(1) << np.arange(BLOCK_TILES, dtype=np.int64))
+    sections = [
+        [
+            _HEAD.pack(BLOCK_MARK, _VERSION, number, h, width) + _held_tiles(h, width)[1].pack(*filter(None, row))
+            for number, h, row, width in zip(
+                blocks.tolist(), held.tolist(), counts.tolist(), np.where(counts.max(axis=1) < 256, 1, 2).tolist()
+            )
+        ],
+        _directories(heads["id"].astype(_U64), times, rows),
+        _null_sections(np.ascontiguousarray(heads["nulls"]), rows),
+    ]
+    members = [m for i in usable for m in groups[i]]
+    for k, (_, dtype) in enumerate(features):
+        if dtype.name in ("Float64", "Float32"):
+            column = heads[f"f{k}"]
+            sections.append(_floats_many(column.astype(column.dtype.newbyteorder("=")), rows))
+        elif dtype.name in _FIXED and dtype.name != "Bool":
+            sections.append([b"i" + s for s in _ints_many(heads[f"f{k}"].astype(np.int64), rows)])
+        elif dtype.name in _FIXED or variable_width(dtype):  # (booleans and variable widths: a block at a time)
+            sections.append(
+                [
+                    _section(members[a : a + n], heads[a : a + n], features, k)
+                    for a, n in zip(starts.tolist(), sizes.tolist())
+                ]
+            )
+    for i, parts in zip(usable, zip(*sections)):
+        out[i] = b"".join(parts)
+    return out
+
+
+_Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # each block's first row and its rows; each row's block
+
+
+def _split(data: bytes, lengths: np.ndarray) -> list[bytes]:
+    """``data`` cut into consecutive pieces of ``lengths``."""
+    stops = np.cumsum(lengths).tolist()
+    return [data[a:b] for a, b in zip([0, *stops[:-1]], stops)]
+
+
+def _byte_lengths(values: np.ndarray) -> np.ndarray:
+    """The bytes each uint64 needs (0 for 0): how many of its shifts by whole bytes are non-zero."""
+    return ((values[:, None] >> (_U64(8) * np.arange(8, dtype=_U64))) != 0).sum(axis=1)
+
+
+_BIT_LENGTHS = np.array([n.bit_length() for n in range(256)], np.int64)
+
+
+def _bit_lengths(values: np.ndarray) -> np.ndarray:
+    """``int.bit_length`` of each uint64."""
+    nbytes = _byte_lengths(values)
+    top = (values >> (_U64(8) * np.maximum(nbytes - 1, 0).astype(_U64))) & _U64(255)
+    return np.where(nbytes > 0, 8 * (nbytes - 1) + _BIT_LENGTHS[top.astype(np.int64)], 0)
+
+
+def _directories(ids: np.ndarray, times: np.ndarray, rows: _Rows) -> list[bytes]:
+    """``directory`` of each block's rows."""
+    starts, sizes, segment = rows
+    order = np.lexsort((times, ids, segment))
+    ids, times = ids[order], times[order]
+    low = np.minimum.reduceat(times, starts)
+    p = 8 - _byte_lengths(ids[starts] ^ ids[starts + sizes - 1])
+    offsets = (times - low[segment]).view(_U64)
+    exponent = np.zeros(len(starts), np.int64)
+    for e in (3, 6):  # (the largest unit every offset is a whole number of)
+        exponent[np.logical_and.reduceat(offsets % _U64(10**e) == 0, starts)] = e
+    units = offsets // (_U64(10) ** exponent.astype(_U64))[segment]
+    w = np.maximum(1, _byte_lengths(np.maximum.reduceat(units, starts)))
+    grid = np.hstack([_big_endian(ids), _big_endian(units)])
+    column = np.arange(8)
+    keep = np.hstack([column >= p[segment][:, None], column >= (8 - w)[segment][:, None]])
+    entries = _split(grid[keep].tobytes(), sizes * (8 - p + w))
+    out = []
+    for p_, first, w_, e, low_, body in zip(
+        p.tolist(), ids[starts].tolist(), w.tolist(), exponent.tolist(), low.tolist(), entries
+    ):
+        head = bytes([p_]) + first.to_bytes(8, "big")[:p_] + bytes([w_, e]) + (low_ + (1 << 63)).to_bytes(8, "big")
+        out.append(_LENGTH.pack(len(head) + len(body)) + head + body)
+    return out
+
+
+def _null_sections(nulls: np.ndarray, rows: _Rows) -> list[bytes]:
+    starts, sizes, _ = rows
+    width = nulls.shape[1]
+    some = np.logical_or.reduceat(nulls.any(axis=1), starts).tolist()
+    data = nulls.tobytes()
+    return [
+        b"\x01" + data[a * width : (a + n) * width] if s else b"\x00"
+        for a, n, s in zip(starts.tolist(), sizes.tolist(), some)
+    ]
+
+
+def _framed_many(values: np.ndarray, rows: _Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_framed``'s base, factor, width and offsets (divided by the factor) of each block's
+    values (int64, each block holding some)."""
+    starts, _, segment = rows
+    base = np.minimum.reduceat(values, starts)
+    offsets = values.view(_U64) - base.view(_U64)[segment]
+    width = _bit_lengths(np.maximum.reduceat(offsets, starts))
+    scale = np.where(width > 0, np.gcd.reduceat(offsets, starts), _U64(1))
+    scaled = scale > 1
+    if scaled.any():
+        offsets = offsets // scale[segment]
+        width = np.where(scaled, _bit_lengths(np.maximum.reduceat(offsets, starts)), width)
+    return base, scale, width, offsets
+
+
+def _ints_many(values: np.ndarray, rows: _Rows) -> list[bytes]:
+    """``_ints`` of each block's values (int64): the smaller of their frame and their first value
+    then their deltas' frame (blocks of two or more)."""
+    starts, sizes, segment = rows
+    base, scale, width, offsets = _framed_many(values, rows)
+    kind, lead = np.where(scale > 1, 2, 0), np.zeros(len(starts), np.int64)
+    length = _INT_HEAD_SIZES[kind] + (sizes * width + 7) // 8
+    several = np.flatnonzero(sizes >= 2)
+    by_delta = np.zeros(len(starts), bool)
+    if len(several):  # (each row's value less the one before it, mod 2^64)
+        later = np.ones(len(values), bool)
+        later[starts] = False
+        deltas = (values.view(_U64) - np.roll(values.view(_U64), 1))[later].view(np.int64)
+        d_rows = _rows_of(sizes[several] - 1)
+        d_base, d_scale, d_width, d_offsets = _framed_many(deltas, d_rows)
+        d_kind = np.where(d_scale > 1, 3, 1)
+        better = _INT_HEAD_SIZES[d_kind] + (d_rows[1] * d_width + 7) // 8 < length[several]
+        take = several[better]
+        by_delta[take] = True
+        kind[take], lead[take], base[take], scale[take], width[take] = (
+            d_kind[better],
+            values[starts[take]],
+            d_base[better],
+            d_scale[better],
+            d_width[better],
+        )
+    bits = [b""] * len(starts)
+    plain = np.flatnonzero(~by_delta)
+    for block, piece in zip(plain.tolist(), _bits_many(offsets[~by_delta[segment]], sizes[plain], width[plain])):
+        bits[block] = piece
+    if by_delta.any():
+        chosen = d_offsets[by_delta[several][d_rows[2]]]
+        for block, piece in zip(take.tolist(), _bits_many(chosen, sizes[take] - 1, width[take])):
+            bits[block] = piece
+    out = []
+    for k, first, b, s, w, body in zip(
+        kind.tolist(), lead.tolist(), base.tolist(), scale.tolist(), width.tolist(), bits
+    ):
+        fields = (k, *((first,) if k & 1 else ()), b, *((s,) if k & 2 else ()), w)
+        out.append(_INT_HEADS[k].pack(*fields) + body)
+    return out
+
+
+def _rows_of(sizes: np.ndarray) -> _Rows:
+    """The rows of consecutive blocks of ``sizes`` rows."""
+    return np.cumsum(sizes) - sizes, sizes, np.repeat(np.arange(len(sizes)), sizes)
+
+
+def _bits_many(values: np.ndarray, counts: np.ndarray, widths: np.ndarray) -> list[bytes]:
+    """``_bits`` of consecutive runs of ``values`` (uint64): ``counts[i]`` of them at ``widths[i]``."""
+    nbits = counts * widths
+    nbytes = (nbits + 7) // 8
+    if not nbits.any():
+        return [b""] * len(counts)
+    widest = int(widths.max())
+    bits = ((values[:, None] >> np.arange(widest, dtype=_U64)) & _U64(1)).astype(np.uint8)
+    taken = bits[np.arange(widest) < np.repeat(widths, counts)[:, None]]  # (each value's bits, in order)
+    first_bit = np.cumsum(nbits) - nbits
+    first_byte = np.cumsum(nbytes) - nbytes
+    at = np.arange(len(taken)) + np.repeat(8 * first_byte - first_bit, nbits)
+    spread = np.zeros(8 * int(nbytes.sum()), np.uint8)
+    spread[at] = taken
+    return _split(np.packbits(spread, bitorder="little").tobytes(), nbytes)
+
+
+_INT_HEAD_SIZES = np.array([_INT_HEADS[kind].size for kind in range(4)])
+_POWERS = np.array([10.0**e for e in range(7)])
+
+
+def _floats_many(values: np.ndarray, rows: _Rows) -> list[bytes]:
+    """``_floats`` of each block's values (float64 or float32): the smallest of raw, decimals, XOR."""
+    starts, sizes, segment = rows
+    width = values.dtype.itemsize
+    bits = values.view(np.uint64 if width == 8 else np.uint32)
+    raw = _split(bits.astype(f">u{width}").tobytes(), sizes * width)
+    decimals: dict[int, bytes] = {}
+    if width == 8:
+        exponent = np.full(len(starts), -1)
+        searching = np.logical_and.reduceat(np.isfinite(values), starts)
+        with np.errstate(all="ignore"):  # (the rows of blocks not searched)
+            for e in range(7):
+                if not searching.any():
+                    break
+                scaled = np.rint(values * _POWERS[e])
+                searching &= np.maximum.reduceat(np.abs(scaled), starts) < 2**53
+                same = (scaled.astype(np.int64).astype(np.float64) / _POWERS[e]).view(np.uint64) == bits
+                found = searching & np.logical_and.reduceat(same, starts)
+                exponent[found], searching = e, searching & ~found
+            blocks = np.flatnonzero(exponent >= 0)
+            if len(blocks):
+                picked = (exponent >= 0)[segment]
+                ints = np.rint(values[picked] * _POWERS[exponent[segment[picked]]]).astype(np.int64)
+                sections = _ints_many(ints, _rows_of(sizes[blocks]))
+                for block, e, section in zip(blocks.tolist(), exponent[blocks].tolist(), sections):
+                    decimals[block] = b"d" + bytes([e]) + section
+    previous = np.roll(bits, 1)
+    previous[starts] = 0
+    grid = (bits ^ previous).astype(f">u{width}").view(np.uint8).reshape(-1, width)
+    nonzero = grid != 0
+    any_set = nonzero.any(axis=1)
+    lead = np.where(any_set, nonzero.argmax(axis=1), width)
+    last = np.where(any_set, width - 1 - nonzero[:, ::-1].argmax(axis=1), width - 1)
+    length = np.where(any_set, last - lead + 1, 0)
+    column = np.arange(width)
+    shapes = _split(((lead << 4) | length).astype(np.uint8).tobytes(), sizes)
+    kept = _split(
+        grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])].tobytes(), np.add.reduceat(length, starts)
+    )
+    out = []
+    for block, (r, s, k) in enumerate(zip(raw, shapes, kept)):
+        candidates = [b"r" + r]
+        if block in decimals:
+            candidates.append(decimals[block])
+        candidates.append(b"x" + s + k)
+        out.append(min(candidates, key=len))
+    return out
