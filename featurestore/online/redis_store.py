@@ -290,17 +290,21 @@ class RedisOnlineStore:
             if sealer:
                 pipe.hgetall(key + SUMMARIES_SUFFIX)
         replies = iter(pipe.execute())
-        entries, blocks, events, summaries = {}, 0, 0, 0
+        read = []  # (key, its summaries' entries, its blocks holding plain events, whether its set is sparse)
         for key, members in zip(keys, replies):
             entry = []
             if sealer:  # (a summary under another tag, of aggregations since changed, is none)
                 sealed = {int(t) for t, summary in next(replies).items() if summary.startswith(sealer.tag)}
                 entry = _unsealed(members, sealed, sealer, features, tile_us)
+            read.append((key, entry, *_plain_groups(members, features, span, limit)))
+        found = _pack_groups([(groups, sparse) for _, _, groups, sparse in read], features, tile_us, least, limit)
+        entries, blocks, events, summaries = {}, 0, 0, 0
+        for (key, entry, groups, _), packs in zip(read, found):
             summaries += len(entry) // 5
-            found = list(_ended_blocks(members, features, tile_us, span, least, limit))
-            events += sum(n for _, _, n in found)
-            blocks += len(found)
-            entry += [x for block, _, _ in found for x in block]  # (after the summaries: they check plain members)
+            for (_, raw, _), pack in zip(groups, packs):
+                if pack:  # (after the summaries: they check plain members)
+                    entry += pack
+                    blocks, events = blocks + 1, events + packed.event_count(raw)
             if entry:
                 entries[key] = entry
         if entries:
@@ -639,12 +643,13 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
     ]
 
 
-def _ended_blocks(
-    members: list[bytes], features: Sequence, tile_us: int, span: int, least: int, limit: int
-) -> Iterator[tuple[list, int, int]]:
-    """``seal_tiles.lua``'s entries packing the ended tiles among ``members`` (a range of one
-    entity's events, in sorted-set order) that hold plain events, a block at a time (with the
-    block packed before, if any), as ``_pack_groups`` decides: ``(entry, block, events)``."""
+Group = tuple[int, list[bytes], list[bytes]]  # a block's number, the members Redis holds in it, their events
+
+
+def _plain_groups(members: list[bytes], features: Sequence, span: int, limit: int) -> tuple[list[Group], bool]:
+    """The blocks among ``members`` (a range of one entity's events, in sorted-set order) that
+    hold plain events, with the block packed before if any, and whether the sorted set holds a
+    member longer than ``limit`` (Redis's compact value limit: ``_pack_groups``)."""
 
     def block(member: bytes) -> int:
         if packed.is_block(member):
@@ -656,10 +661,7 @@ def _ended_blocks(
         raw = list(group)
         if not all(packed.is_block(m) for m in raw):
             groups.append((number, raw, packed.expand(raw, features)))
-    sparse = any(len(m) > limit for m in members)
-    for entry, (number, raw, _) in zip(_pack_groups(groups, features, tile_us, least, limit, sparse), groups):
-        if entry:
-            yield entry, number, packed.event_count(raw)
+    return groups, any(len(m) > limit for m in members)
 
 
 def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, least: int, limit: int) -> list:
@@ -670,43 +672,49 @@ def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, l
     for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
         members = [m for _, m in group]
         groups.append((block, members, members))
-    return [x for entry in _pack_groups(groups, features, tile_us, least, limit) for x in entry]
+    return [x for entry in _pack_groups([(groups, False)], features, tile_us, least, limit)[0] for x in entry]
 
 
 def _pack_groups(
-    groups: list[tuple[int, list[bytes], list[bytes]]],
-    features: Sequence,
-    tile_us: int,
-    least: int,
-    limit: int,
-    sparse: bool = False,
-) -> list[list]:
-    """The entry packing each group ``(block, members Redis holds, their events)`` of ``least``
-    events or more, or none; of ``packed.SPARSE_PACK_FROM`` where the sorted set holds
-    (``sparse``) or gets a member longer than ``limit``, Redis's compact value limit."""
-    entries = [_pack_entry(block, raw, events, features, tile_us, least) for block, raw, events in groups]
-    if sparse or any(entry and len(entry[4]) > limit for entry in entries):
-        entries = [
-            entry or _pack_entry(block, raw, events, features, tile_us, packed.SPARSE_PACK_FROM)
-            for entry, (block, raw, events) in zip(entries, groups)
-        ]
-    return entries
+    entities: Sequence[tuple[list[Group], bool]], features: Sequence, tile_us: int, least: int, limit: int
+) -> list[list[list]]:
+    """For each entity's groups, the entry packing each of ``least`` events or more, or none; of
+    ``packed.SPARSE_PACK_FROM`` where its sorted set holds (its flag) or gets a member longer than
+    ``limit``, Redis's compact value limit. All entities' blocks are packed at once."""
+    flat = _pack_entries([g for groups, _ in entities for g in groups], features, tile_us, least)
+    found, at = [], 0
+    for groups, _ in entities:
+        found.append(flat[at : at + len(groups)])
+        at += len(groups)
+    again = [
+        (k, j)
+        for k, (groups, sparse) in enumerate(entities)
+        if sparse or any(entry and len(entry[4]) > limit for entry in found[k])
+        for j, entry in enumerate(found[k])
+        if not entry
+    ]
+    redone = _pack_entries([entities[k][0][j] for k, j in again], features, tile_us, packed.SPARSE_PACK_FROM)
+    for (k, j), entry in zip(again, redone):
+        found[k][j] = entry
+    return found
 
 
-def _pack_entry(
-    block: int, raw: list[bytes], events: list[bytes], features: Sequence, tile_us: int, least: int
-) -> list:
-    """The entry packing ``events`` (``least`` or more), which Redis holds as the members ``raw``
-    in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of raw, the block, its id filter]``."""
-    if len(events) < least:
-        return []
-    ended = min(packed.BLOCK_TILES, time.time_ns() // 1000 // tile_us - block * packed.BLOCK_TILES)
-    try:
-        blob = packed.pack(events, features, tile_us)
-    except ValueError:  # (a tile too full to count in a block)
-        return []
-    id_filter = packed.id_filter(np.frombuffer(b"".join(m[:8] for m in events), dtype=">u8"))
-    return ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob, id_filter]
+def _pack_entries(groups: Sequence[Group], features: Sequence, tile_us: int, least: int) -> list[list]:
+    """The entry packing each group's events (``least`` or more, else none), which Redis holds as
+    its members in the block's ended tiles: ``["P", block, tiles ended, SHA-1 of its members, the
+    block, its id filter]``."""
+    wanted = [i for i, (_, _, events) in enumerate(groups) if len(events) >= least]
+    blobs = packed.pack_many([groups[i][2] for i in wanted], features, tile_us)  # (None: a tile too full to count)
+    done = [(i, blob) for i, blob in zip(wanted, blobs) if blob is not None]
+    ids = np.frombuffer(b"".join(m[:8] for i, _ in done for m in groups[i][2]), dtype=">u8")
+    filters = packed.id_filters(ids, np.array([len(groups[i][2]) for i, _ in done], np.int64))
+    now_tile = time.time_ns() // 1000 // tile_us
+    out: list[list] = [[] for _ in groups]
+    for (i, blob), id_filter in zip(done, filters):
+        block, raw, _ = groups[i]
+        ended = min(packed.BLOCK_TILES, now_tile - block * packed.BLOCK_TILES)
+        out[i] = ["P", block, ended, hashlib.sha1(b"".join(raw)).hexdigest(), blob, id_filter]
+    return out
 
 
 def _ended_rows(
