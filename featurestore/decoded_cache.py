@@ -28,8 +28,10 @@ class DecodedCache(Generic[K, V]):
     def get(self, key: K) -> V:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[K]) -> list[V]:
-        """Each key's value, in order (one lock for them all: a heavy card's lookup reads ~170 summaries)."""
+    def get_many(self, keys: Sequence[K], keep: bool = True) -> list[V]:
+        """Each key's value, in order (one lock for them all: a heavy card's lookup reads ~170
+        summaries); ``keep=False``: those not held are decoded, not kept (read once, as a block
+        about to be packed again is: kept, they would push out what lookups read)."""
         values = self._values
         with self._lock:
             kept = [values.get(key) for key in keys]
@@ -43,7 +45,7 @@ class DecodedCache(Generic[K, V]):
             with self._lock:
                 for i, value, size in zip(missing, decoded, sizes):
                     kept[i] = (value, size)
-                    if size <= self.most_bytes and keys[i] not in values:
+                    if keep and size <= self.most_bytes and keys[i] not in values:
                         values[keys[i]] = (value, size)
                         self.nbytes += size
                 while self.nbytes > self.most_bytes:

@@ -337,6 +337,27 @@ def test_decoded_blocks_stay_within_their_byte_bound(monkeypatch):
     assert packed.unpack(blobs[0][0], features) == blobs[0][1] and packed.decoded_blocks.nbytes == 0
 
 
+def test_a_block_read_to_be_packed_again_is_not_kept_decoded():
+    """A packing run reads each block it packs again with new events (``expand(..., keep=False)``):
+    kept, those dead blocks filled a pushing process's decoded blocks up to their bound and pushed
+    out what its lookups read. A block a lookup decoded is still read from the cache."""
+    blocks = []
+    for block in (0, 1):
+        start = block * packed.BLOCK_TILES * TILE
+        events = [(start + i * TILE // 3, block * 100 + i, i, i / 4, True) for i in range(30)]
+        members, features = _members(events, "decimal", False)
+        blocks.append((packed.pack(members[:20], features, TILE), members))
+    packed.decoded_blocks.clear()
+    (looked_up, members), (repacked, others) = blocks
+    assert packed.unpack(looked_up, features) == members[:20]  # a lookup's: kept
+    held = (len(packed.decoded_blocks), packed.decoded_blocks.nbytes)
+    assert packed.expand([repacked, *others[20:]], features, keep=False) == others  # a packing run's: not kept
+    assert packed.expand([looked_up, *members[20:]], features, keep=False) == members
+    assert (len(packed.decoded_blocks), packed.decoded_blocks.nbytes) == held and looked_up in {
+        key[0] for key in packed.decoded_blocks._values
+    }
+
+
 def test_typical_events_pack_small():
     """Money amounts (cents), sequential integer ids and times a few seconds apart: a few bytes an event."""
     rng = np.random.default_rng(0)

@@ -156,10 +156,12 @@ def expand(
     within: tuple[int, int] | None = None,
     tile_us: int = 0,
     skip_tiles: Collection[int] = (),
+    keep: bool = True,
 ) -> list[bytes]:
     """``members`` with each block (once, however often it comes) replaced by the events it holds
     with µs in ``within`` (``(low, high]``) outside the tiles ``skip_tiles``, in (time, id) order
-    (the order of plain members: a block's tiles may have had late events added since)."""
+    (the order of plain members: a block's tiles may have had late events added since);
+    ``keep``: as ``unpack``'s."""
     if not any(is_block(m) for m in members):
         return members
     pieces: list[list[bytes]] = []  # runs of plain members (each in order), and each block's events
@@ -174,7 +176,7 @@ def expand(
             plain = []
         if m not in blocks:
             blocks.add(m)
-            pieces.append(unpack(m, features, within, tile_us, skip_tiles))
+            pieces.append(unpack(m, features, within, tile_us, skip_tiles, keep))
     pieces.append(plain)
     pieces = [p for p in pieces if p]
     pieces.sort(key=lambda p: _order(p[0]))
@@ -247,16 +249,18 @@ def unpack(
     within: tuple[int, int] | None = None,
     tile_us: int = 0,
     skip_tiles: Collection[int] = (),
+    keep: bool = True,
 ) -> list[bytes]:
     """The members a block holds, byte for byte, in (time, id) order; those with µs in
     ``within`` (``(low, high]``) outside the tiles ``skip_tiles`` only, if given. Only those
     are built: a lookup reads a few tiles of the blocks at its window's edges. With tiles to skip
     (a heavy card's summarized ones), only the rows of the others are decoded: the newest block
-    of a heavy card's window holds thousands of events, most of them in summarized tiles."""
+    of a heavy card's window holds thousands of events, most of them in summarized tiles.
+    ``keep=False``: not kept decoded (a block about to be replaced)."""
     rows = _wanted_rows(blob, within, tile_us, skip_tiles) if skip_tiles else None
     if rows == ():
         return []
-    times, heads, var = decoded_blocks.get((blob, tuple(features), rows))
+    times, heads, var = decoded_blocks.get_many([(blob, tuple(features), rows)], keep)[0]
     if within is None:  # (the rows decoded are of tiles not skipped already)
         return _members(heads, var, None)
     return _members(heads, var, np.flatnonzero((times > within[0]) & (times <= within[1])))

@@ -629,7 +629,7 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
         return []
     holding = [m for m in dict.fromkeys(block_of[t] for t in wanted if t in block_of)]
     holding += [m for t in sorted(wanted) for m in plain.get(t, [])]
-    events = [m for m in packed.expand(holding, features) if packed.tile_of(m, tile_us) in wanted]
+    events = [m for m in packed.expand(holding, features, keep=False) if packed.tile_of(m, tile_us) in wanted]
     return [
         x
         for tile, count, summary in sealer.summarize(events)
@@ -660,7 +660,7 @@ def _plain_groups(members: list[bytes], features: Sequence, span: int, limit: in
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
         if not all(packed.is_block(m) for m in raw):
-            groups.append((number, raw, packed.expand(raw, features)))
+            groups.append((number, raw, packed.expand(raw, features, keep=False)))  # (replaced: not kept)
     return groups, any(len(m) > limit for m in members)
 
 
