@@ -12,8 +12,11 @@ whose first line is ``-- needs: _<library>.lua`` gets that library's text next (
 A script that writes ends with ``return garbage_taken_out(result)``: Redis's Lua collects garbage
 incrementally, as later scripts allocate, so the megabytes a large write leaves would be swept
 during the next scripts to run, a lookup's among them (the slowest of them several times their
-usual Redis time). The writer collects instead, once the heap holds more than the little a read
-leaves.
+usual Redis time). The writer collects instead, once it grew the heap by more than the little a
+read leaves. By its growth, not its size: the scripts' own code is most of the heap (its size
+after a collection grew with them, to about the bound that was set on the whole heap), and a
+whole collection on every small write (a packing run's, a few events each) cost it more than its
+own work.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import hashlib
 from dataclasses import dataclass
 from importlib import resources
 
-GARBAGE_KB = 256  # the Lua heap a writer may leave for the scripts after it to sweep (``garbage_taken_out``)
+GARBAGE_KB = 256  # the Lua garbage a writer may leave for the scripts after it to sweep (``garbage_taken_out``)
 PROLOGUE = """\
-local KEYS, ARGV = KEYS, ARGV
+local KEYS, ARGV, heap_at_start = KEYS, ARGV, collectgarbage('count')
 if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: see featurestore/online/lua.py)
   local n, keys, args = tonumber(ARGV[1]), {}, {}
   for i = 1, n do keys[i] = ARGV[i + 1] end
@@ -33,7 +36,7 @@ if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: s
   KEYS, ARGV = keys, args
 end
 local function garbage_taken_out(result)  -- (a writer's last step: see featurestore/online/lua.py)
-  if collectgarbage('count') > GARBAGE_KB then collectgarbage() end
+  if collectgarbage('count') - heap_at_start > GARBAGE_KB then collectgarbage() end
   return result
 end
 """.replace("GARBAGE_KB", str(GARBAGE_KB))
