@@ -1666,7 +1666,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     monkeypatch.setattr(packed, "PACK_FROM", 1)  # (a block of any size: few events here)
     offset = next(_cards) * 10 + 5_000_000
     cards = {"packed": offset, "plain": offset + 1}
-    never_pack = redis_store._blocks
+    never_pack = redis_store._written_groups
 
     def events_of(drawn, card, first_id):
         return [
@@ -1681,7 +1681,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
         ]
 
     def push(name: str, rows: list[dict]) -> None:
-        monkeypatch.setattr(redis_store, "_blocks", never_pack if name == "packed" else lambda *a: [])
+        monkeypatch.setattr(redis_store, "_written_groups", never_pack if name == "packed" else lambda *a: [])
         store.push("payments", _frame(rows), to="online_and_offline")
 
     key = b"fs:%s:{card_id=%d}:ev:%s" % (
@@ -1739,7 +1739,7 @@ def test_packed_blocks_answer_as_the_events_they_replaced(
     )
     history = con.sql(f"SELECT * FROM history WHERE card_id = {cards['packed']}").to_arrow_table()
     assert history.num_rows == len(pushed["packed"])
-    monkeypatch.setattr(redis_store, "_blocks", never_pack)
+    monkeypatch.setattr(redis_store, "_written_groups", never_pack)
     store.materializer().write_online(
         view, history.cast(store.definitions.history_schema(view)), datetime.now(UTC), whole_history=True
     )
@@ -1778,10 +1778,14 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
     monkeypatch.undo()  # (hypothesis runs every example in one call: each starts from the originals)
     monkeypatch.setattr(packed, "PACK_FROM", 1)
     if not filtered:  # (blocks packed before every block had a filter: each is read)
-        monkeypatch.setattr(packed, "id_filter", lambda ids: b"")
+        monkeypatch.setattr(packed, "id_filters", lambda ids, sizes: [b""] * len(sizes))
     offset = next(_cards) * 10 + 8_100_000
     cards = {"packed": offset, "plain": offset + 1}
-    never_pack, client, now = redis_store._blocks, store.online_store.client, datetime.now(UTC).replace(microsecond=0)
+    never_pack, client, now = (
+        redis_store._written_groups,
+        store.online_store.client,
+        datetime.now(UTC).replace(microsecond=0),
+    )
     field = store.layout("activity").online_field.encode()
     window = timedelta(hours=30)
     kept: set[tuple[int, datetime]] = set()
@@ -1793,7 +1797,7 @@ def test_a_write_is_judged_against_the_packed_writes_of_its_id_a_dedup_window_ei
                 kept.add((i, t))
             written.setdefault(i, []).append(t)
         for name, card in cards.items():
-            monkeypatch.setattr(redis_store, "_blocks", never_pack if name == "packed" else lambda *a: [])
+            monkeypatch.setattr(redis_store, "_written_groups", never_pack if name == "packed" else lambda *a: [])
             rows = _frame(
                 [
                     {"payment_id": i, "card_id": card, "amount": 1.0, "kind": "web", "event_timestamp": t}

@@ -13,10 +13,10 @@ A script that writes ends with ``return garbage_taken_out(result)``: Redis's Lua
 incrementally, as later scripts allocate, so the megabytes a large write leaves would be swept
 during the next scripts to run, a lookup's among them (the slowest of them several times their
 usual Redis time). The writer collects instead, once it grew the heap by more than the little a
-read leaves. By its growth, not its size: the scripts' own code is most of the heap (its size
-after a collection grew with them, to about the bound that was set on the whole heap), and a
-whole collection on every small write (a packing run's, a few events each) cost it more than its
-own work.
+read leaves, or left it larger than a few times what the scripts' own code holds. By its growth
+first: that code is most of the heap after a collection (it grew with the scripts to about the
+bound once set on the whole heap), and a whole collection after every small write (a packing
+run's, a few events each) cost Redis more than the write's own work.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 GARBAGE_KB = 256  # the Lua garbage a writer may leave for the scripts after it to sweep (``garbage_taken_out``)
+HEAP_MOST_KB = 1024  # the Lua heap a writer leaves at most (the scripts' code holds about a quarter)
 PROLOGUE = """\
 local KEYS, ARGV, heap_at_start = KEYS, ARGV, collectgarbage('count')
 if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: see featurestore/online/lua.py)
@@ -36,10 +37,11 @@ if #KEYS == 0 and #ARGV > 0 then  -- (keys undeclared, ahead of the arguments: s
   KEYS, ARGV = keys, args
 end
 local function garbage_taken_out(result)  -- (a writer's last step: see featurestore/online/lua.py)
-  if collectgarbage('count') - heap_at_start > GARBAGE_KB then collectgarbage() end
+  local heap = collectgarbage('count')
+  if heap - heap_at_start > GARBAGE_KB or heap > HEAP_MOST_KB then collectgarbage() end
   return result
 end
-""".replace("GARBAGE_KB", str(GARBAGE_KB))
+""".replace("GARBAGE_KB", str(GARBAGE_KB)).replace("HEAP_MOST_KB", str(HEAP_MOST_KB))
 
 
 @dataclass(frozen=True)

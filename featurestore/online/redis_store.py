@@ -54,6 +54,7 @@ from featurestore.online.resp import decimal, suffixed
 from featurestore.online.transport import UNAVAILABLE, Call, Transport
 
 CHUNK = 256  # rows per script call: Redis is busy ~5 ms at most for other clients
+PACK_BATCH = 256  # entities whose blocks are packed together (``packed.pack_many``), read together when packing
 PACKED_RETRIES = 3  # a whole-history write unpacks its entities' blocks, and again if a writer packed some meanwhile
 
 
@@ -167,16 +168,19 @@ class RedisOnlineStore:
                 )
             # (summarized and packed while Redis adds the last chunks)
             ended = _ended_rows(keys, times, accepted, cutoff_us, tile_us)
-            for key, events in _tile_members(keys, rows, times, features, event_ids, ended):
-                entries: list = []
-                if sealer is not None:
-                    full = _full_tiles(events, tile_us, cutoff_us, sealer.least)
-                    if full:
-                        summaries = _with_digests(sealer.summarize([m for _, m in full]), full, tile_us)
-                        entries += itertools.chain.from_iterable(summaries)
-                entries += _blocks(events, features, tile_us, least, limit)
-                if entries:
-                    yield ("seal_tiles", [key], [tile_us, *entries], [])
+            held = _tile_members(keys, rows, times, features, event_ids, ended)
+            for batch in iter(lambda: list(itertools.islice(held, PACK_BATCH)), []):  # (packed together)
+                groups = [(_written_groups(events, tile_us), False) for _, events in batch]
+                for (key, events), packs in zip(batch, _pack_groups(groups, features, tile_us, least, limit)):
+                    entries: list = []
+                    if sealer is not None:
+                        full = _full_tiles(events, tile_us, cutoff_us, sealer.least)
+                        if full:
+                            summaries = _with_digests(sealer.summarize([m for _, m in full]), full, tile_us)
+                            entries += itertools.chain.from_iterable(summaries)
+                    entries += [x for pack in packs for x in pack]
+                    if entries:
+                        yield ("seal_tiles", [key], [tile_us, *entries], [])
 
         first = 0 if horizon_call is None else 1  # (the adds' replies follow the horizon's)
         if not verdicts:
@@ -240,7 +244,7 @@ class RedisOnlineStore:
         pattern = glob_escaped(self.prefix) + b"*:ev:" + glob_escaped(view.encode())
         scan = self.client.scan_iter(match=pattern, count=1000)  # (lazy: it reads as the batches are taken)
         return self._pack_batches(
-            iter(lambda: list(itertools.islice(scan, 256)), []), features, tile_us, sealer, progress
+            iter(lambda: list(itertools.islice(scan, PACK_BATCH)), []), features, tile_us, sealer, progress
         )
 
     def pack_entities(
@@ -256,7 +260,7 @@ class RedisOnlineStore:
         """``pack_ended`` on the events of the entities of ``rows`` only (those pushes wrote, once
         their tiles have ended), from the block holding ``since_us`` on: bounded work, no scan."""
         keys = pc.unique(suffixed(entity_keys(self.project, rows, join_keys), events_key(b"", view))).to_pylist()
-        batches = (keys[i : i + 256] for i in range(0, len(keys), 256))
+        batches = (keys[i : i + PACK_BATCH] for i in range(0, len(keys), PACK_BATCH))
         return self._pack_batches(batches, features, tile_us, sealer, since_us=since_us)
 
     def _pack_batches(
@@ -664,15 +668,15 @@ def _plain_groups(members: list[bytes], features: Sequence, span: int, limit: in
     return groups, any(len(m) > limit for m in members)
 
 
-def _blocks(events: list[tuple[int, bytes]], features: Sequence, tile_us: int, least: int, limit: int) -> list:
-    """``seal_tiles.lua``'s entries packing the ended tiles whose events (``(µs, member)`` in
-    (time, id) order) a write holds, a block at a time, as ``_pack_groups`` decides."""
+def _written_groups(events: list[tuple[int, bytes]], tile_us: int) -> list[Group]:
+    """The blocks of the ended tiles whose events (``(µs, member)`` in (time, id) order) a write
+    holds, to pack as ``_pack_groups`` decides."""
     span = tile_us * packed.BLOCK_TILES
     groups = []
     for block, group in itertools.groupby(events, key=lambda e: e[0] // span):
         members = [m for _, m in group]
         groups.append((block, members, members))
-    return [x for entry in _pack_groups([(groups, False)], features, tile_us, least, limit)[0] for x in entry]
+    return groups
 
 
 def _pack_groups(
