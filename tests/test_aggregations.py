@@ -438,10 +438,12 @@ def test_a_late_event_drops_its_tiles_summary_and_lookups_stay_exact(activity_st
     # every tile with an event, but those holding the lookup time (22) and the 3 h window's start (10)
     assert sealed == {first_tile + 2 * i for i in range(12)} - {first_tile + 10, first_tile + 22}
     assert count_30h()["not_card_count_30h"] == [12]  # from the summaries
-    late = {**events[1], "payment_id": card * 100 + 50, "amount": 100.0}  # in the sealed tile of event 1
-    store.push("payments", _frame([late]), to="online")
-    assert first_tile + 2 not in {int(t) for t in client.hkeys(tiles_key)}
-    assert count_30h()["not_card_count_30h"] == [13]
+    late = [  # in the sealed tiles of events 1 and 3, in one write
+        {**events[k], "payment_id": card * 100 + 50 + k, "amount": 100.0 + k} for k in (1, 3)
+    ]
+    store.push("payments", _frame(late), to="online")
+    assert not {first_tile + 2, first_tile + 6} & {int(t) for t in client.hkeys(tiles_key)}
+    assert count_30h()["not_card_count_30h"] == [14]
     # a summary computed before an event landed is refused: its tile's event count has changed
     stale = [(first_tile + 4, 0, client.hget(tiles_key, str(first_tile + 4)))]
     client.hdel(tiles_key, str(first_tile + 4))
@@ -2353,7 +2355,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "acf9b355770a7e34"},
+        {10: "52f43effbbcfe0ae", 11: "e228fd780edd2a39"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

@@ -129,9 +129,12 @@ if verdicts then
     end
   end
 end
+local summarized = {}  -- events key -> whether it has summaries (read once: this script stores none)
 local function touched(events, us)  -- an event changed in an ended tile: its summary is stale
   local tile_no = math.floor(us / tile)
-  if (tile_no + 1) * tile <= now_ms * 1000 then redis.call('HDEL', events .. '|tiles', tile_no) end
+  if (tile_no + 1) * tile > now_ms * 1000 then return end
+  if summarized[events] == nil then summarized[events] = redis.call('EXISTS', events .. '|tiles') == 1 end
+  if summarized[events] then redis.call('HDEL', events .. '|tiles', tile_no) end
 end
 -- until when a write at us is needed: its ids (the duplicate rule), a lookup's record of lacking it
 local function needed_until_ms(us)
