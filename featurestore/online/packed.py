@@ -652,6 +652,16 @@ def _floats(values: np.ndarray) -> bytes:
                 candidates.append(b"d" + bytes([exponent]) + _ints(ints))
                 break
     xor = np.bitwise_xor(bits, np.concatenate([bits[:1] * 0, bits[:-1]]))
+    shape, kept, _ = _xor_shapes(xor)
+    candidates.append(b"x" + shape.tobytes() + kept.tobytes())
+    return min(candidates, key=len)
+
+
+def _xor_shapes(xor: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each XOR's shape byte (its first non-zero byte, big-endian, and how many bytes from there
+    to its last non-zero one; the width and 0 for none), those bytes of them all, and how many
+    of them each kept."""
+    width = xor.dtype.itemsize
     grid = xor.astype(f">u{width}").view(np.uint8).reshape(-1, width)
     nonzero = grid != 0
     any_set = nonzero.any(axis=1)
@@ -659,10 +669,8 @@ def _floats(values: np.ndarray) -> bytes:
     last = np.where(any_set, width - 1 - nonzero[:, ::-1].argmax(axis=1), width - 1)
     length = np.where(any_set, last - lead + 1, 0)
     column = np.arange(width)
-    mask = (column >= lead[:, None]) & (column < (lead + length)[:, None])
-    shape = ((lead << 4) | length).astype(np.uint8)
-    candidates.append(b"x" + shape.tobytes() + grid[mask].tobytes())
-    return min(candidates, key=len)
+    kept = grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])]
+    return ((lead << 4) | length).astype(np.uint8), kept, length
 
 
 def _few_floats(values: np.ndarray) -> bytes:
@@ -994,17 +1002,9 @@ def _floats_many(values: np.ndarray, rows: _Rows) -> list[bytes]:
                     decimals[block] = b"d" + bytes([e]) + section
     previous = np.roll(bits, 1)
     previous[starts] = 0
-    grid = (bits ^ previous).astype(f">u{width}").view(np.uint8).reshape(-1, width)
-    nonzero = grid != 0
-    any_set = nonzero.any(axis=1)
-    lead = np.where(any_set, nonzero.argmax(axis=1), width)
-    last = np.where(any_set, width - 1 - nonzero[:, ::-1].argmax(axis=1), width - 1)
-    length = np.where(any_set, last - lead + 1, 0)
-    column = np.arange(width)
-    shapes = _split(((lead << 4) | length).astype(np.uint8).tobytes(), sizes)
-    kept = _split(
-        grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])].tobytes(), np.add.reduceat(length, starts)
-    )
+    shape, kept_bytes, length = _xor_shapes(bits ^ previous)
+    shapes = _split(shape.tobytes(), sizes)
+    kept = _split(kept_bytes.tobytes(), np.add.reduceat(length, starts))
     out = []
     for block, (r, s, k) in enumerate(zip(raw, shapes, kept)):
         candidates = [b"r" + r]
