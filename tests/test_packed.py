@@ -264,10 +264,12 @@ def test_a_few_values_are_packed_in_python_byte_for_byte_as_numpy_packs_them(
     st.booleans(),
     st.lists(st.integers(0, 5), max_size=3),
 )
-def test_many_blocks_are_packed_at_once_byte_for_byte_as_one_at_a_time(groups, floats_kind, ids_from_column, refused):
+def test_many_blocks_are_packed_and_decoded_at_once_as_one_at_a_time(groups, floats_kind, ids_from_column, refused):
     """``pack_many`` (a packing run's hundreds of small blocks at once) gives each block ``pack``'s
     bytes: every column type, nulls, NaN payloads, ±inf, -0.0, decimals, blocks of one event and of
-    many, on any grid, before 1970; and None where ``pack`` refuses (empty, across two blocks)."""
+    many, on any grid, before 1970; and None where ``pack`` refuses (empty, across two blocks).
+    Decoded at once (``expand_many``: the blocks a packing run packs again), each gives what it
+    gives alone."""
     blocks, expected = [], []
     for events, block, grid in groups:
         start = block * packed.BLOCK_TILES * TILE
@@ -291,6 +293,17 @@ def test_many_blocks_are_packed_at_once_byte_for_byte_as_one_at_a_time(groups, f
         packed.FEW_BLOCKS = few
     ids = [np.frombuffer(b"".join(m[:8] for m in members), ">u8").astype(np.uint64) for members in blocks]
     assert packed.id_filters(np.concatenate(ids), [len(i) for i in ids]) == [packed.id_filter(i) for i in ids]
+    # and decoded at once as one at a time: each block's µs, head records and variable-width values
+    blobs = [blob for blob in expected if blob is not None]
+    for (times, heads, var), blob in zip(packed._decode_blocks(blobs, tuple(features)), blobs):
+        one_times, one_heads, one_var = packed._decode(blob, tuple(features))
+        assert times.tolist() == one_times.tolist()
+        for name in heads.dtype.names:
+            assert heads[name].tobytes() == one_heads[name].tobytes(), name
+        assert var == one_var
+    plain = [m for members in blocks for m in members[:2]]
+    lists = [[blob, *plain[: k % 3]] for k, blob in enumerate(blobs)] + [plain]
+    assert packed.expand_many(lists, features, keep=False) == [packed.expand(m, features) for m in lists]
 
 
 def test_counts_past_a_byte_read_back_in_python_and_lua(redis_url):

@@ -32,7 +32,7 @@ import contextlib
 import functools
 import math
 import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,6 +162,10 @@ def expand(
     with µs in ``within`` (``(low, high]``) outside the tiles ``skip_tiles``, in (time, id) order
     (the order of plain members: a block's tiles may have had late events added since);
     ``keep``: as ``unpack``'s."""
+    return _expanded(members, lambda block: unpack(block, features, within, tile_us, skip_tiles, keep))
+
+
+def _expanded(members: list[bytes], unpacked: Callable[[bytes], list[bytes]]) -> list[bytes]:
     if not any(is_block(m) for m in members):
         return members
     pieces: list[list[bytes]] = []  # runs of plain members (each in order), and each block's events
@@ -176,7 +180,7 @@ def expand(
             plain = []
         if m not in blocks:
             blocks.add(m)
-            pieces.append(unpack(m, features, within, tile_us, skip_tiles, keep))
+            pieces.append(unpacked(m))
     pieces.append(plain)
     pieces = [p for p in pieces if p]
     pieces.sort(key=lambda p: _order(p[0]))
@@ -313,7 +317,7 @@ def _decoded_size(key: _BlockKey, decoded: _Decoded) -> int:
 
 # the blocks a process decoded last (a block never changes): what they hold, not how many, is bounded
 decoded_blocks: DecodedCache[_BlockKey, _Decoded] = DecodedCache(
-    lambda keys: [_decode(*key) for key in keys], _decoded_size, DECODED_BLOCK_BYTES
+    lambda keys: _decode_many(keys), _decoded_size, DECODED_BLOCK_BYTES
 )
 
 
@@ -1012,4 +1016,223 @@ def _floats_many(values: np.ndarray, rows: _Rows) -> list[bytes]:
             candidates.append(decimals[block])
         candidates.append(b"x" + s + k)
         out.append(min(candidates, key=len))
+    return out
+
+
+# many blocks decoded at once: a packing run reads the blocks it packs again, hundreds of small
+# ones, where numpy's per-call costs per block and section were most of the decoding. The values
+# are ``_decode``'s; a pass in Python finds each block's sections, then each kind of section is
+# read for all blocks in one pass over their rows.
+
+
+def expand_many(
+    lists: Sequence[list[bytes]], features: Sequence[tuple[str, DType]], keep: bool = True
+) -> list[list[bytes]]:
+    """``expand`` of each list of members (whole blocks), their blocks decoded together."""
+    features = tuple(features)
+    blocks = list(dict.fromkeys(m for members in lists for m in members if is_block(m)))
+    decoded = dict(zip(blocks, decoded_blocks.get_many([(b, features, None) for b in blocks], keep)))
+    return [_expanded(members, lambda m: _members(decoded[m][1], decoded[m][2], None)) for members in lists]
+
+
+def _decode_many(keys: Sequence[_BlockKey]) -> list[_Decoded]:
+    """``_decode`` of each key: whole blocks of one layout together, where there are enough."""
+    together: dict[tuple[tuple[str, DType], ...], list[int]] = {}
+    for i, (_, features, rows) in enumerate(keys):
+        if rows is None:
+            together.setdefault(features, []).append(i)
+    out: list[_Decoded | None] = [None] * len(keys)
+    for features, indices in together.items():
+        if len(indices) >= max(1, FEW_BLOCKS):
+            for i, decoded in zip(indices, _decode_blocks([keys[i][0] for i in indices], features)):
+                out[i] = decoded
+    return [_decode(*key) if decoded is None else decoded for key, decoded in zip(keys, out)]
+
+
+def _decode_blocks(blobs: Sequence[bytes], features: tuple[tuple[str, DType], ...]) -> list[_Decoded]:
+    """``_decode`` of each whole block."""
+    head = _head_dtype(features)
+    nulls_width = head["nulls"].itemsize
+    sizes, directories, nulls = [], [], []
+    columns: dict[int, list] = {k: [] for k in range(len(features))}  # per feature, each block's section
+    for blob in blobs:
+        version, _, _, counts, at = _header(blob)
+        if version != _VERSION:
+            raise ValueError(f"a packed block of version {version}; this featurestore reads version {_VERSION}")
+        n = sum(counts)
+        sizes.append(n)
+        (length,) = _LENGTH.unpack_from(blob, at)
+        d = at + _LENGTH.size
+        p = blob[d]
+        directories.append((blob, p, blob[d + 1 : d + 1 + p], blob[d + 1 + p], blob[d + 2 + p], d + 11 + p))
+        at = d + length
+        nulls.append(at + 1 if blob[at] else None)
+        at += 1 + (n * nulls_width if blob[at] else 0)
+        for k, (_, dtype) in enumerate(features):
+            if dtype.name in ("Float64", "Float32"):
+                kind, at = chr(blob[at]), at + 1
+                if kind == "r":
+                    columns[k].append(("r", at))
+                    at += n * (8 if dtype.name == "Float64" else 4)
+                elif kind == "d":
+                    section = _int_section(blob, at + 1, n)
+                    columns[k].append(("d", blob[at], section))
+                    at = section[-1]
+                else:
+                    kept = sum(b & 15 for b in blob[at : at + n])
+                    columns[k].append(("x", at, kept))
+                    at += n + kept
+            elif dtype.name in _FIXED and dtype.name != "Bool":
+                section = _int_section(blob, at + 1, n)
+                columns[k].append(("i", section))
+                at = section[-1]
+            elif dtype.name in _FIXED:  # (booleans and variable widths: a block at a time)
+                boolean, at = _read_fixed(memoryview(blob), at, n, dtype.name, None)
+                columns[k].append(boolean)
+            elif variable_width(dtype):
+                values, at = _read_variable(memoryview(blob), at, n, None)
+                columns[k].append(values)
+    rows = _rows_of(np.array(sizes, np.int64))
+    starts, _, segment = rows
+    ids, times = _directories_read(directories, rows)
+    heads = np.zeros(len(segment), dtype=head)
+    heads["id"], heads["time"] = ids, times.view(_U64) ^ _U64(1 << 63)
+    for block, nulls_at in enumerate(nulls):
+        if nulls_at is not None:
+            a, n = int(starts[block]), sizes[block]
+            heads["nulls"][a : a + n] = np.frombuffer(blobs[block], np.uint8, n * nulls_width, nulls_at).reshape(
+                n, nulls_width
+            )
+    var: list[list[list[bytes]]] = [[] for _ in blobs]
+    for k, (_, dtype) in enumerate(features):
+        if dtype.name in ("Float64", "Float32"):
+            heads[f"f{k}"] = _floats_read(blobs, columns[k], rows, 8 if dtype.name == "Float64" else 4)
+        elif dtype.name in _FIXED and dtype.name != "Bool":
+            heads[f"f{k}"] = _ints_read([(blob, section) for blob, (_, section) in zip(blobs, columns[k])], rows)
+        elif dtype.name in _FIXED:
+            heads[f"f{k}"] = np.concatenate(columns[k])
+        elif variable_width(dtype):
+            heads[f"len{k}"] = [len(v) for values in columns[k] for v in values]
+            for block, values in enumerate(columns[k]):
+                var[block].append(values)
+    out = []
+    for block, (a, n) in enumerate(zip(starts.tolist(), sizes)):  # (copies: a view would keep the batch alive)
+        out.append((times[a : a + n].copy(), heads[a : a + n].copy(), var[block]))
+    return out
+
+
+_IntSection = tuple[int, tuple, int, int, int, int]  # kind, head fields, values, width, where its bits start, its end
+
+
+def _int_section(blob: bytes, at: int, n: int) -> _IntSection:
+    """Where an integer section of ``n`` values at ``at`` keeps what (``_read_ints``)."""
+    kind = blob[at]
+    head = _INT_HEADS[kind]
+    fields = head.unpack_from(blob, at)
+    count, width = n - (kind & 1), fields[-1]
+    bits_at = at + head.size
+    return kind, fields, count, width, bits_at, bits_at + (count * width + 7) // 8
+
+
+def _directories_read(directories: list, rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's ids (uint64) and µs (int64), in (µs, id) order, as ``_read_directory``."""
+    starts, sizes, segment = rows
+    p = np.array([d[1] for d in directories], np.int64)
+    w = np.array([d[3] for d in directories], np.int64)
+    grid = np.zeros((len(segment), 16), np.uint8)
+    prefixes = np.zeros((len(directories), 8), np.uint8)
+    for block, d in enumerate(directories):
+        prefixes[block, : d[1]] = np.frombuffer(d[2], np.uint8)
+    grid[:, :8] = prefixes[segment]
+    column = np.arange(8)
+    keep = np.hstack([column >= p[segment][:, None], column >= (8 - w)[segment][:, None]])
+    grid[keep] = np.frombuffer(
+        b"".join(blob[at : at + n * (8 - p_ + w_)] for (blob, p_, _, w_, _, at), n in zip(directories, sizes.tolist())),
+        np.uint8,
+    )
+    ids = grid[:, :8].copy().view(">u8").ravel().astype(_U64)
+    units = grid[:, 8:].copy().view(">u8").ravel().astype(np.int64)
+    scale = (np.int64(10) ** np.array([d[4] for d in directories], np.int64))[segment]
+    low = np.array(
+        [int.from_bytes(blob[at - 8 : at], "big") - (1 << 63) for blob, _, _, _, _, at in directories], np.int64
+    )
+    times = units * scale + low[segment]
+    order = np.lexsort((ids, times, segment))
+    return ids[order], times[order]
+
+
+def _unbits(sections: list[tuple[bytes, int, int, int]]) -> np.ndarray:
+    """The values bit-packed in each ``(block, where, count, width)``, one after the other (uint64)."""
+    counts = np.array([s[2] for s in sections], np.int64)
+    widths = np.array([s[3] for s in sections], np.int64)
+    widest, nbytes = int(widths.max(initial=0)), (counts * widths + 7) // 8
+    if not nbytes.any():
+        return np.zeros(int(counts.sum()), _U64)
+    data = np.frombuffer(
+        b"".join(blob[at : at + m] for (blob, at, _, _), m in zip(sections, nbytes.tolist())), np.uint8
+    )
+    bits = np.unpackbits(data, bitorder="little")
+    of, first = np.repeat(np.arange(len(sections)), counts), np.cumsum(counts) - counts
+    j = np.arange(len(of)) - first[of]
+    column = np.arange(widest)
+    held = column < widths[of][:, None]
+    at = np.where(held, ((np.cumsum(nbytes) - nbytes)[of] * 8 + j * widths[of])[:, None] + column, 0)
+    return ((bits[at] * held).astype(_U64) << column.astype(_U64)).sum(axis=1, dtype=_U64)
+
+
+def _ints_read(blocks: list[tuple[bytes, _IntSection]], rows: _Rows) -> np.ndarray:
+    """``_read_ints`` of each ``(block, its section)`` (int64, the blocks' rows one after the other)."""
+    starts, sizes, segment = rows
+    sections = [section for _, section in blocks]
+    kinds = np.array([s[0] for s in sections], np.int64)
+    offsets = _unbits([(blob, s[4], s[2], s[3]) for blob, s in blocks])
+    counts = np.array([s[2] for s in sections], np.int64)
+    of = np.repeat(np.arange(len(sections)), counts)
+    scale = np.array([s[1][-2] if s[0] & 2 else 1 for s in sections], np.int64).view(_U64)
+    base = np.array([s[1][1 + (s[0] & 1)] for s in sections], np.int64).view(_U64)
+    framed = offsets * scale[of] + base[of]
+    deltas = (kinds & 1).astype(bool)
+    values = np.zeros(len(segment), _U64)
+    values[np.repeat(starts + deltas, counts) + (np.arange(len(of)) - (np.cumsum(counts) - counts)[of])] = framed
+    if deltas.any():  # (a block's first value, then each row's delta from the one before: summed)
+        values[starts[deltas]] = np.array([s[1][1] for s, d in zip(sections, deltas) if d], np.int64).view(_U64)
+        summed = np.cumsum(np.where(deltas[segment], values, _U64(0)), dtype=_U64)
+        before = np.concatenate([[_U64(0)], summed])[starts]
+        values = np.where(deltas[segment], summed - before[segment], values)
+    return values.view(np.int64)
+
+
+def _floats_read(blobs: Sequence[bytes], sections: list, rows: _Rows, width: int) -> np.ndarray:
+    """``_read_floats`` of each block's section, the blocks' rows one after the other."""
+    starts, sizes, segment = rows
+    float_type, unsigned = (np.float64, np.uint64) if width == 8 else (np.float32, np.uint32)
+    out = np.zeros(len(segment), float_type)
+    by_kind: dict[str, list[int]] = {}
+    for block, section in enumerate(sections):
+        by_kind.setdefault(section[0], []).append(block)
+    for kind, blocks in by_kind.items():
+        picked = np.concatenate([np.arange(starts[b], starts[b] + sizes[b]) for b in blocks])
+        n = sizes[blocks]
+        if kind == "r":
+            raw = b"".join(blobs[b][sections[b][1] : sections[b][1] + sizes[b] * width] for b in blocks)
+            out[picked] = np.frombuffer(raw, f">f{width}")
+        elif kind == "d":
+            scaled = _ints_read([(blobs[b], sections[b][2]) for b in blocks], _rows_of(n))
+            exponents = np.repeat(np.array([sections[b][1] for b in blocks], np.int64), n)
+            out[picked] = scaled.astype(np.float64) / _POWERS[exponents]
+        else:
+            shape = np.frombuffer(
+                b"".join(blobs[b][sections[b][1] : sections[b][1] + sizes[b]] for b in blocks), np.uint8
+            )
+            kept = b"".join(
+                blobs[b][sections[b][1] + sizes[b] : sections[b][1] + sizes[b] + sections[b][2]] for b in blocks
+            )
+            lead, length = (shape >> 4).astype(np.int64), (shape & 15).astype(np.int64)
+            column = np.arange(width)
+            grid = np.zeros((len(shape), width), np.uint8)
+            grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])] = np.frombuffer(kept, np.uint8)
+            summed = np.bitwise_xor.accumulate(grid.view(f">u{width}").ravel().astype(unsigned))
+            first = np.cumsum(n) - n
+            before = np.concatenate([[unsigned(0)], summed])[first]
+            out[picked] = (summed ^ before[np.repeat(np.arange(len(blocks)), n)]).view(float_type)
     return out

@@ -300,7 +300,10 @@ class RedisOnlineStore:
             if sealer:  # (a summary under another tag, of aggregations since changed, is none)
                 sealed = {int(t) for t, summary in next(replies).items() if summary.startswith(sealer.tag)}
                 entry = _unsealed(members, sealed, sealer, features, tile_us)
-            read.append((key, entry, *_plain_groups(members, features, span, limit)))
+            read.append((key, entry, *_plain_groups(members, span, limit)))
+        every = [group for _, _, groups, _ in read for group in groups]
+        for (_, _, held), got in zip(every, packed.expand_many([raw for _, raw, _ in every], features, keep=False)):
+            held += got  # (the blocks of them all decoded together, not kept: they are packed again)
         found = _pack_groups([(groups, sparse) for _, _, groups, sparse in read], features, tile_us, least, limit)
         entries, blocks, events, summaries = {}, 0, 0, 0
         for (key, entry, groups, _), packs in zip(read, found):
@@ -650,21 +653,22 @@ def _unsealed(members: list[bytes], sealed: set[int], sealer: Sealer, features: 
 Group = tuple[int, list[bytes], list[bytes]]  # a block's number, the members Redis holds in it, their events
 
 
-def _plain_groups(members: list[bytes], features: Sequence, span: int, limit: int) -> tuple[list[Group], bool]:
+def _plain_groups(members: list[bytes], span: int, limit: int) -> tuple[list[Group], bool]:
     """The blocks among ``members`` (a range of one entity's events, in sorted-set order) that
-    hold plain events, with the block packed before if any, and whether the sorted set holds a
-    member longer than ``limit`` (Redis's compact value limit: ``_pack_groups``)."""
+    hold plain events, with the block packed before if any (their events to read: empty), and
+    whether the sorted set holds a member longer than ``limit`` (Redis's compact value limit:
+    ``_pack_groups``)."""
 
     def block(member: bytes) -> int:
         if packed.is_block(member):
             return packed.header(member)[0]
         return packed.tile_of(member, span)
 
-    groups = []
+    groups: list[Group] = []
     for number, group in itertools.groupby(members, key=block):
         raw = list(group)
         if not all(packed.is_block(m) for m in raw):
-            groups.append((number, raw, packed.expand(raw, features, keep=False)))  # (replaced: not kept)
+            groups.append((number, raw, []))
     return groups, any(len(m) > limit for m in members)
 
 
