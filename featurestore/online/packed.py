@@ -53,7 +53,7 @@ _HEAD = struct.Struct(">16sBqIB")  # then the counts of the tiles holding events
 _FIXED = {"Int32": ">i4", "Int64": ">i8", "Float32": ">f4", "Float64": ">f8", "UnixTimestamp": ">i8", "Bool": "u1"}
 _U64 = np.uint64
 SMALL = 32  # values up to which bit-unpacking runs in Python
-FEW_BLOCKS = 8  # blocks below which ``pack_many`` packs one at a time (its passes cost ~5 blocks' packing)
+FEW_BLOCKS = 8  # blocks below which ``pack_many`` and ``_decode_many`` go a block at a time (cheaper then)
 BIT_ROWS_MOST = 512  # values up to which it spreads bits into rows (fewer numpy calls), past it shifts words
 DECODED_BLOCK_BYTES = 256 << 20  # what a process's decoded blocks may hold (blocks, head records, values)
 
