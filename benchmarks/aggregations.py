@@ -714,7 +714,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
     from featurestore.online import packed, redis_store
     from featurestore.online.base import EVENT_SCORES
 
-    client, blocks, online = store.online_store.client, redis_store._blocks, store.online_store
+    client, blocks, online = store.online_store.client, redis_store._written_groups, store.online_store
     out: dict[int, dict[str, int]] = {}
     card = first_card
     for n in (10, 100, 1_000, 50_000):
@@ -724,7 +724,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
         any_micros = pa.array(ts.cast(pa.int64()).to_numpy() + rng.integers(0, 10**6, n)).cast(TS)
         for name, (ids, unit, limit, packing) in LAYOUTS.items():
             card += 1
-            redis_store._blocks = blocks if packing else lambda *a: []
+            redis_store._written_groups = blocks if packing else lambda *a: []
             for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
                 client.config_set(setting, limit)
             online._zset_value_limit = None  # (read again)
@@ -738,7 +738,7 @@ def memory_by_layout(store, first_card: int, rng, now: datetime) -> dict[int, di
                 )
                 store.push("payments", table, to="online")
             finally:
-                redis_store._blocks = blocks
+                redis_store._written_groups = blocks
                 for setting in ("zset-max-ziplist-value", "hash-max-ziplist-value"):
                     client.config_set(setting, 1024)
                 online._zset_value_limit = None
