@@ -722,14 +722,18 @@ def _read_floats(view: memoryview, at: int, n: int, dtype: str, rows: Runs | Non
         scaled, at = _read_ints(view, at + 1, n, rows)
         return scaled.astype(np.float64) / 10.0**exponent, at
     shape = np.frombuffer(view[at : at + n], np.uint8)  # (each value XORs the one before: all are read)
-    at += n
+    total = int((shape & 15).sum(dtype=np.int64))
+    xor = _xors(shape, view[at + n : at + n + total], width)
+    return _take(np.bitwise_xor.accumulate(xor).view(float_type), rows), at + n + total
+
+
+def _xors(shape: np.ndarray, kept: Any, width: int) -> np.ndarray:
+    """The XORs (unsigned, ``width`` bytes) that shape bytes and the bytes they kept (``_xor_shapes``) stand for."""
     lead, length = (shape >> 4).astype(np.int64), (shape & 15).astype(np.int64)
-    mask = (np.arange(width) >= lead[:, None]) & (np.arange(width) < (lead + length)[:, None])
-    total = int(length.sum())
-    grid = np.zeros((n, width), np.uint8)
-    grid[mask] = np.frombuffer(view[at : at + total], np.uint8)
-    xor = grid.view(f">u{width}").ravel().astype(np.uint64 if width == 8 else np.uint32)
-    return _take(np.bitwise_xor.accumulate(xor).view(float_type), rows), at + total
+    column = np.arange(width)
+    grid = np.zeros((len(shape), width), np.uint8)
+    grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])] = np.frombuffer(kept, np.uint8)
+    return grid.view(f">u{width}").ravel().astype(np.uint64 if width == 8 else np.uint32)
 
 
 # strings, bytes and arrays: their bytes, dictionary-encoded when values repeat
@@ -1172,7 +1176,7 @@ def _unbits(sections: list[tuple[bytes, int, int, int]]) -> np.ndarray:
         b"".join(blob[at : at + m] for (blob, at, _, _), m in zip(sections, nbytes.tolist())), np.uint8
     )
     bits = np.unpackbits(data, bitorder="little")
-    of, first = np.repeat(np.arange(len(sections)), counts), np.cumsum(counts) - counts
+    first, _, of = _rows_of(counts)
     j = np.arange(len(of)) - first[of]
     column = np.arange(widest)
     held = column < widths[of][:, None]
@@ -1182,18 +1186,17 @@ def _unbits(sections: list[tuple[bytes, int, int, int]]) -> np.ndarray:
 
 def _ints_read(blocks: list[tuple[bytes, _IntSection]], rows: _Rows) -> np.ndarray:
     """``_read_ints`` of each ``(block, its section)`` (int64, the blocks' rows one after the other)."""
-    starts, sizes, segment = rows
+    starts, _, segment = rows
     sections = [section for _, section in blocks]
     kinds = np.array([s[0] for s in sections], np.int64)
     offsets = _unbits([(blob, s[4], s[2], s[3]) for blob, s in blocks])
-    counts = np.array([s[2] for s in sections], np.int64)
-    of = np.repeat(np.arange(len(sections)), counts)
+    first, counts, of = _rows_of(np.array([s[2] for s in sections], np.int64))
     scale = np.array([s[1][-2] if s[0] & 2 else 1 for s in sections], np.int64).view(_U64)
     base = np.array([s[1][1 + (s[0] & 1)] for s in sections], np.int64).view(_U64)
     framed = offsets * scale[of] + base[of]
     deltas = (kinds & 1).astype(bool)
     values = np.zeros(len(segment), _U64)
-    values[np.repeat(starts + deltas, counts) + (np.arange(len(of)) - (np.cumsum(counts) - counts)[of])] = framed
+    values[np.repeat(starts + deltas, counts) + (np.arange(len(of)) - first[of])] = framed
     if deltas.any():  # (a block's first value, then each row's delta from the one before: summed)
         values[starts[deltas]] = np.array([s[1][1] for s, d in zip(sections, deltas) if d], np.int64).view(_U64)
         summed = np.cumsum(np.where(deltas[segment], values, _U64(0)), dtype=_U64)
@@ -1227,12 +1230,7 @@ def _floats_read(blobs: Sequence[bytes], sections: list, rows: _Rows, width: int
             kept = b"".join(
                 blobs[b][sections[b][1] + sizes[b] : sections[b][1] + sizes[b] + sections[b][2]] for b in blocks
             )
-            lead, length = (shape >> 4).astype(np.int64), (shape & 15).astype(np.int64)
-            column = np.arange(width)
-            grid = np.zeros((len(shape), width), np.uint8)
-            grid[(column >= lead[:, None]) & (column < (lead + length)[:, None])] = np.frombuffer(kept, np.uint8)
-            summed = np.bitwise_xor.accumulate(grid.view(f">u{width}").ravel().astype(unsigned))
-            first = np.cumsum(n) - n
-            before = np.concatenate([[unsigned(0)], summed])[first]
-            out[picked] = (summed ^ before[np.repeat(np.arange(len(blocks)), n)]).view(float_type)
+            summed = np.bitwise_xor.accumulate(_xors(shape, kept, width))
+            first, _, of = _rows_of(n)  # (each block's XORs from its own first value)
+            out[picked] = (summed ^ np.concatenate([[unsigned(0)], summed])[first][of]).view(float_type)
     return out
