@@ -296,3 +296,88 @@ def test_hash_slots_are_redis_pys_for_any_key():
         assert _slots(array).tolist() == [key_slot(k) for k in keys]
 
     check()
+
+
+def test_lookups_follow_a_slot_moving_between_masters_and_read_from_replicas(tmp_path, redis_url, cluster, monkeypatch):
+    """Reads go to each slot's node directly; a slot moving (its keys half migrated: ASK) and
+    moved (MOVED) are followed with no wrong value, and then read directly again. With
+    ``read_from_replicas`` the replicas answer lookups."""
+    import asyncio
+
+    from redis.crc import key_slot
+
+    from featurestore.online import redis_cluster
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ports, procs = cluster
+    ports = [p for p in ports if procs[p].poll() is None]  # (the tests before kill masters)
+    single, clustered = _stores(tmp_path, redis_url, ports, n=200)
+    redirected = []
+    for name in ("_read_redirected", "_read_redirected_async"):  # (counted: which way each read went)
+        slow_path = getattr(redis_cluster.ClusterRedis, name)
+        monkeypatch.setattr(
+            redis_cluster.ClusterRedis, name, lambda *a, slow_path=slow_path: redirected.append(1) or slow_path(*a)
+        )
+    refs = ["stats:score", "stats:segment", "activity:count_1h"]
+    cards = list(range(-3, 200))
+
+    def served() -> dict:  # the servers' path
+        query = OnlineQuery.prepare(
+            clustered.definitions, clustered.config.project, {"card_id": cards}, refs, None, False, now=NOW
+        )
+        return asyncio.run(OnlineReader(clustered.online_store).read_async(query)).to_dict()
+
+    try:
+        for store in (single, clustered):
+            store.push("payments", _payments(500, seed=6))
+        expected = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+        assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+        assert served() == expected
+        assert not redirected  # (read directly)
+        nodes = {p: redis.Redis(host="127.0.0.1", port=p) for p in ports}
+        masters = {p: c for p, c in nodes.items() if c.execute_command("ROLE")[0] == b"master"}
+        key = next(k for k in clustered.online_store.client.scan_iter(match=b"*card_id=7}*") if b"|" not in k)
+        slot = key_slot(key)
+        source = next(p for p, c in masters.items() if c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+        target = next(p for p in masters if p != source)
+        ids = {p: c.execute_command("CLUSTER", "MYID").decode() for p, c in masters.items()}
+        masters[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        masters[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        in_slot = masters[source].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        assert key in in_slot and len(in_slot) > 1
+        masters[source].execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", key)  # the rest stay
+        assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+        assert redirected  # (ASK)
+        redirected.clear()
+        assert served() == expected
+        assert redirected
+        masters[source].execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *(set(in_slot) - {key}))
+        for client in masters.values():
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+        redirected.clear()
+        assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+        assert redirected  # (MOVED: the slot map read again)
+        redirected.clear()
+        assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+        assert not redirected
+    finally:
+        clustered.close()
+    config = tmp_path / "cluster" / "featurestore.yaml"
+    config.write_text(
+        config.read_text().replace("type: redis_cluster,", "type: redis_cluster, read_from_replicas: true,")
+    )
+    replicas = [c for c in nodes.values() if c.execute_command("ROLE")[0] == b"slave"]
+    for client in masters.values():  # (the writes above reached the replicas)
+        if client.info("replication")["connected_slaves"]:
+            client.execute_command("WAIT", 1, 5000)
+    before = _reads(replicas)
+    with FeatureStore(tmp_path / "cluster") as from_replicas:
+        for _ in range(4):
+            assert from_replicas.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+    assert _reads(replicas) > before
+    single.close()
+
+
+def _reads(clients: list[redis.Redis]) -> int:
+    return sum(int(c.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)) for c in clients)

@@ -6,15 +6,20 @@ live on one slot. Writes are split by master: a call's keys, ordered by slot, ar
 the master changes, and each master runs its part as one script call over all the slots it
 holds (its keys undeclared, ahead of the arguments: declared keys must share one slot; see
 ``online.lua``), framed once per call (``resp.sliced``) and sent in one buffer per master,
-every master fed at once by a thread of its own, so the masters work concurrently. Reads go
-through redis-py's cluster pipeline (one batch per node, request order kept, MOVED/ASK
-followed), from replicas when ``read_from_replicas: true``. While a master is failing over,
-its slots answer errors: the store raises ``OnlineStoreUnavailable`` (a 503), refreshes its
-slot map, and serves again once a replica has taken over.
+every master fed at once by a thread of its own, so the masters work concurrently. Reads are
+routed by the same slot map: each node's commands packed in one buffer, sent to every node it
+touches before any reply is read, on connections of their own (on the servers, batched per node
+with the other lookups of the loop turn, as on one node); from replicas too when
+``read_from_replicas: true``. A read a node redirects (a slot moved or moving: MOVED / ASK) goes
+again through redis-py's cluster pipeline, which follows redirections, and the slot map is read
+again. While a master is failing over, its slots answer errors: the store raises
+``OnlineStoreUnavailable`` (a 503), refreshes its slot map, and serves again once a replica has
+taken over.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +33,24 @@ import redis.asyncio.cluster as aiocluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
 from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range, TiledRange
+from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.lua import scripts
-from featurestore.online.transport import UNAVAILABLE, Call, as_binary, listen, redact, summary_keys
+from featurestore.online.transport import (
+    UNAVAILABLE,
+    Call,
+    as_binary,
+    listen,
+    read_commands,
+    read_keys,
+    redact,
+    summary_keys,
+)
 
 SCHEME = CLUSTER_SCHEME
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
@@ -52,6 +67,8 @@ MOVING = (
     redis.exceptions.MovedError,
     redis.exceptions.AskError,
 )
+REDIRECTED = redis.exceptions.AskError  # (MovedError is one)
+Route = dict[str, list[int]]  # node name -> the indices of the commands it answers, in order
 
 
 def _queue(
@@ -118,7 +135,14 @@ class ClusterRedis:
             raise self.error(exc) from exc
         self._async: aiocluster.RedisCluster | None = None
         self._threads: ThreadPoolExecutor | None = None
-        self._master_of: tuple[object, np.ndarray, list[str]] | None = None  # (slot map it was read from, table, names)
+        # (the slot map it was read from, each slot's node group as an index into the groups (-1:
+        # none now) in numpy and as a list, the groups: the names of a slot's master, then its replicas)
+        self._slot_table: tuple[object, np.ndarray, list[int], list[tuple[str, ...]]] | None = None
+        self._turn = 0  # round robin over a slot's nodes, with read_from_replicas
+        self._readers: dict[str, ReadConnections] = {}
+        self._batched: dict[str, BatchedReads] = {}
+        self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop they serve
+        self._refreshing: asyncio.Future | None = None
 
     @property
     def async_client(self) -> aiocluster.RedisCluster:
@@ -145,13 +169,90 @@ class ClusterRedis:
         windows: Sequence[TiledRange],
         summaries: Sequence[bytes],
     ) -> list:
-        """Through redis-py's cluster pipeline: one batch per node, request order kept."""
+        """Each node's commands in one buffer, every node sent its own before a reply is read."""
+        commands = read_commands(lookups, ranges, windows, summaries)
+        connections: dict[str, Any] = {}
+        try:
+            route = self._route(read_keys(lookups, ranges, windows, summaries))
+            for name, indices in route.items():
+                connections[name] = self._node_readers(name).take()
+                connections[name].send_packed_command([b"".join([commands[i] for i in indices])], check_health=False)
+            replies: list = [None] * len(commands)
+            for name, indices in route.items():
+                for i in indices:
+                    try:
+                        replies[i] = connections[name].read_response()
+                    except redis.ResponseError as exc:  # (the replies after it still come)
+                        replies[i] = exc
+        except PIPELINE_FAILURES as exc:
+            self._forget_readers(connections)
+            self._refresh_slots()
+            raise self.error(exc) from exc
+        except BaseException:
+            self._forget_readers(connections)
+            raise
+        for name, connection in connections.items():
+            if not self._readers[name].give_back(connection):
+                connection.disconnect()
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if isinstance(error, REDIRECTED):
+            self._refresh_slots()
+            return self._read_redirected(lookups, ranges, windows, summaries)
+        if isinstance(error, PIPELINE_FAILURES):  # (CLUSTERDOWN, TRYAGAIN)
+            self._refresh_slots()
+            raise self.error(error)
+        if error is not None:
+            raise error
+        return replies
+
+    async def read_async(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
+    ) -> list:
+        """``read`` on the event loop: each node's part batched with the other lookups of the loop
+        turn that go to it (``BatchedReads``), the nodes read concurrently."""
+        commands = read_commands(lookups, ranges, windows, summaries)
+        try:
+            route = self._route(read_keys(lookups, ranges, windows, summaries))
+            parts = [
+                self._node_batches(name).read(b"".join([commands[i] for i in indices]), len(indices))
+                for name, indices in route.items()
+            ]
+            answers: list[Any] = [await parts[0]] if len(parts) == 1 else []
+            if len(parts) > 1:
+                answers = await asyncio.gather(*parts, return_exceptions=True)
+                for answer in answers:  # (each part ran to its end: none is left unread)
+                    if isinstance(answer, BaseException):
+                        raise answer
+        except REDIRECTED:
+            self._refresh_slots_in_background()
+            return await self._read_redirected_async(lookups, ranges, windows, summaries)
+        except PIPELINE_FAILURES as exc:
+            self._refresh_slots_in_background()
+            raise self.error(exc) from exc
+        replies: list = [None] * len(commands)
+        for indices, answered in zip(route.values(), answers):
+            for i, reply in zip(indices, answered):
+                replies[i] = reply
+        return replies
+
+    def _read_redirected(
+        self,
+        lookups: Sequence[Lookup],
+        ranges: Sequence[Range],
+        windows: Sequence[TiledRange],
+        summaries: Sequence[bytes],
+    ) -> list:
+        """A read a node redirected, through redis-py's cluster pipeline (it follows MOVED and ASK)."""
         try:
             return _queue(self.client.pipeline(transaction=False), lookups, ranges, windows, summaries).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
-    async def read_async(
+    async def _read_redirected_async(
         self,
         lookups: Sequence[Lookup],
         ranges: Sequence[Range],
@@ -164,6 +265,65 @@ class ClusterRedis:
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
+    def _route(self, keys: Sequence[bytes]) -> Route:
+        """Which node reads each key: its slot's master, or with ``read_from_replicas`` its
+        master and replicas in turn (a read's keys of one slot go to one node)."""
+        _, _, group_of, groups = self._slots()
+        route: Route = defaultdict(list)
+        turn = self._turn = self._turn + 1
+        for i, key in enumerate(keys):
+            group = group_of[key_slot(key)]
+            if group < 0:
+                raise redis.exceptions.SlotNotCoveredError(f"slot {key_slot(key)} has no master (failing over)")
+            nodes = groups[group]
+            route[nodes[turn % len(nodes)] if self._balancing else nodes[0]].append(i)
+        return route
+
+    def _node_readers(self, name: str) -> ReadConnections:
+        """Connections for reads to node ``name`` (``host:port``), made as redis-py's cluster client
+        makes its own (READONLY on each with ``read_from_replicas``)."""
+        readers = self._readers.get(name)
+        if readers is None:
+            node = self.client.get_node(node_name=name)
+            if node is None:  # gone from the slot map since it was routed to (a failover)
+                raise redis.ConnectionError(f"node {name} left the cluster")
+            pool = self.client.get_redis_connection(node).connection_pool
+            readers = self._readers.setdefault(
+                name, ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
+            )
+        return readers
+
+    def _forget_readers(self, connections: dict[str, Any]) -> None:
+        """After a failed read: its connections may hold unread replies, and the idle ones of
+        the same nodes may be to a server that is gone."""
+        for name, connection in connections.items():
+            connection.disconnect()
+            for idle in self._readers[name].drain():
+                idle.disconnect()
+
+    def _node_batches(self, name: str) -> BatchedReads:
+        """Node ``name``'s batched reads on the running event loop (connections belong to one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._batched_loop is not loop:
+            self._batched, self._batched_loop = {}, loop
+        batched = self._batched.get(name)
+        if batched is None:
+            host, _, port = name.rpartition(":")
+            timeout = self.read_timeout_ms / 1000
+            # no per-call timeouts (redis-py makes a task or a timer for every send and reply): BatchedReads' watchdog
+            options: dict[str, Any] = {
+                "host": host,
+                "port": int(port),
+                "socket_timeout": None,
+                "socket_connect_timeout": timeout,
+            }
+            if self._balancing is not None:
+                options["redis_connect_func"] = _read_only
+            batched = self._batched[name] = BatchedReads(
+                ReadConnections(lambda: aioredis.Connection(**options)), timeout
+            )
+        return batched
+
     def send(self, calls: Iterable[Call]) -> list:
         """Each call split by master, each part one script call over that master's slots; a call
         in parts replies the sum of its parts' replies (the write scripts return counts)."""
@@ -175,7 +335,7 @@ class ClusterRedis:
         every_slot = _slots(pa.concat_arrays([keys for _, keys, _, _ in binary])) if binary else np.array([])
         ends = np.cumsum([len(keys) for _, keys, _, _ in binary]).tolist()
         try:  # (the slot map and the connections fail during a failover too: all of it is the store's error)
-            table, names = self._masters()
+            _, table, _, groups = self._slots()
             for i, (name, keys, args, per_key) in enumerate(binary):
                 slots = every_slot[ends[i] - len(keys) : ends[i]]
                 if len(slots) > 1 and (np.diff(slots) < 0).any():  # one reorder per call, then slices per master
@@ -191,7 +351,7 @@ class ClusterRedis:
                 # keys undeclared (numkeys 0, then the count and the keys): one call spans a master's slots
                 pieces = resp.sliced(("EVALSHA", scripts()[name].sha, 0), keys, args, per_key, bounds)
                 for start, piece in zip(starts, pieces):
-                    queued[names[masters[start]]].append((i, piece))
+                    queued[groups[masters[start]][0]].append((i, piece))
             for name in queued:
                 owner = manager.get_node(node_name=name)
                 if owner is None:  # gone from the slot map since it was routed to (a failover)
@@ -260,24 +420,29 @@ class ClusterRedis:
         """(As ``recover``.)"""
 
     def close(self) -> None:
+        for readers in self._readers.values():
+            for connection in readers.drain():
+                connection.disconnect()
         self.client.close()
         if self._threads is not None:
             self._threads.shutdown(wait=False)
 
-    def _masters(self) -> tuple[np.ndarray, list[str]]:
-        """Each slot's master, as an index into the masters' names (-1: none now); read again
-        whenever redis-py's slot map is a new one (``_refresh_slots``). A slot that moved since
-        (redis-py patches its map in place on a read's MOVED) sends its keys to the old master,
-        which refuses them: a 503, the map read again, and the retry goes where they live."""
+    def _slots(self) -> tuple[object, np.ndarray, list[int], list[tuple[str, ...]]]:
+        """Each slot's nodes, as an index into the node groups (-1: no master now; as an array
+        for writes and a list for reads), and the groups (a master's name, then its replicas');
+        read again whenever redis-py's slot map is a new one (``_refresh_slots``). A slot that
+        moved since (redis-py patches its map in place on a MOVED of its own) sends its keys to
+        the old master: a write is refused (a 503, the map read again, and the retry goes where
+        they live), a read redirected (``_read_redirected``)."""
         slot_map = self.client.nodes_manager.slots_cache
-        if self._master_of is None or self._master_of[0] is not slot_map:
-            names = sorted({nodes[0].name for nodes in slot_map.values() if nodes})
+        if self._slot_table is None or self._slot_table[0] is not slot_map:
+            groups = sorted({tuple(node.name for node in nodes) for nodes in slot_map.values() if nodes})
             table = np.full(REDIS_CLUSTER_HASH_SLOTS, -1, dtype=np.int64)
             for slot, nodes in slot_map.items():
                 if nodes:
-                    table[slot] = names.index(nodes[0].name)
-            self._master_of = (slot_map, table, names)
-        return self._master_of[1], self._master_of[2]
+                    table[slot] = groups.index(tuple(node.name for node in nodes))
+            self._slot_table = (slot_map, table, table.tolist(), groups)
+        return self._slot_table
 
     def _node_threads(self) -> ThreadPoolExecutor:
         """A thread per master for writes (the sockets release the GIL while they wait)."""
@@ -290,6 +455,19 @@ class ClusterRedis:
             self.client.nodes_manager.initialize()
         except UNAVAILABLE:
             pass  # still failing over: the next call tries again
+
+    def _refresh_slots_in_background(self) -> None:
+        """``_refresh_slots`` off the event loop, one at a time (it connects to nodes that may hang)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().run_in_executor(None, self._refresh_slots)
+
+
+async def _read_only(connection: aioredis.Connection) -> None:
+    """A new connection's set-up, then READONLY: a replica answers reads of its slots."""
+    await connection.on_connect()
+    await connection.send_command("READONLY")
+    if await connection.read_response() != b"OK":
+        raise redis.ConnectionError("READONLY failed")
 
 
 def _exchange(connection: Any, commands: list[bytes]) -> list:

@@ -79,9 +79,9 @@ def sliced(
     return out
 
 
-def whole_hashes(keys: Sequence[bytes]) -> bytes:
-    """An HGETALL per key, as one buffer."""
-    return b"".join([b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(key), key) for key in keys])
+def whole_hash(key: bytes) -> bytes:
+    """An HGETALL of ``key``."""
+    return b"*2\r\n$7\r\nHGETALL\r\n$%d\r\n%b\r\n" % (len(key), key)
 
 
 def _one(value: Argument) -> bytes:
@@ -102,9 +102,9 @@ def _framed(values: pa.Array) -> tuple[bytes, list[int]]:
     return framed.buffers()[2].to_pybytes()[offsets[0] : offsets[-1]], (offsets - offsets[0]).tolist()
 
 
-def reads(lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[Range] = ()) -> bytes:
+def reads(lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[Range] = ()) -> list[bytes]:
     """An HMGET per lookup ``(key, fields)``, then a ZRANGEBYSCORE per range ``(key, low, high,
-    limit)`` (low exclusive; high may be ``math.inf``), as one buffer.
+    limit)`` (low exclusive; high may be ``math.inf``), a command each.
     Lookups of one group share their fields list: it is framed once (redis-py frames every argument
     of every command, ~3 µs a command)."""
     framed: dict[int, tuple[bytes, bytes]] = {}
@@ -125,4 +125,4 @@ def reads(lookups: Sequence[tuple[bytes, Sequence[str]]], ranges: Sequence[Range
             b"*%d\r\n$13\r\nZRANGEBYSCORE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n%b"
             % (7 if limit is not None else 4, len(key), key, len(bounds[0]), bounds[0], len(bounds[1]), bounds[1], tail)
         )
-    return b"".join(chunks)
+    return chunks

@@ -102,18 +102,29 @@ def as_binary(values: pa.Array | list) -> pa.Array:
     return values if isinstance(values, pa.Array) else pa.array(values, pa.binary())
 
 
-def window_reads(windows: Sequence[TiledRange]) -> bytes:
-    """``read_window.lua`` on each window, packed as EVALSHA commands."""
+def read_commands(
+    lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange], summaries: Sequence[bytes]
+) -> list[bytes]:
+    """``Transport.read``'s commands, each packed (``read_keys``: the key each one reads)."""
     sha = scripts()["read_window"].sha
-    return b"".join(resp.command("EVALSHA", sha, 1, key, *arguments) for key, arguments in windows)
+    commands = resp.reads(lookups, ranges)
+    commands += [resp.command("EVALSHA", sha, 1, key, *arguments) for key, arguments in windows]
+    return commands + [resp.whole_hash(key) for key in summary_keys(summaries)]
+
+
+def read_keys(
+    lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange], summaries: Sequence[bytes]
+) -> list[bytes]:
+    """The key each of ``read_commands``' commands reads."""
+    return [key for key, _ in lookups] + [r[0] for r in ranges] + [key for key, _ in windows] + summary_keys(summaries)
 
 
 def packed_reads(
     lookups: Sequence[Lookup], ranges: Sequence[Range], windows: Sequence[TiledRange], summaries: Sequence[bytes]
 ) -> tuple[bytes, int]:
     """``Transport.read``'s commands in one buffer, and how many replies they get."""
-    packed = resp.reads(lookups, ranges) + window_reads(windows) + resp.whole_hashes(summary_keys(summaries))
-    return packed, len(lookups) + len(ranges) + len(windows) + len(summaries)
+    commands = read_commands(lookups, ranges, windows, summaries)
+    return b"".join(commands), len(commands)
 
 
 def summary_keys(events_keys: Sequence[bytes]) -> list[bytes]:
