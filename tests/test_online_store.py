@@ -316,3 +316,29 @@ def test_dropping_a_view_removes_its_values_and_events_only(backend):
     assert got["score"] == [0.25, 0.5]
     assert got["count_1h"] == [0, 0] and got["amount_max_6h"] == [None, None]
     assert not any(backend.online_store.client.scan_iter(match=backend.online_store.prefix + b"*activity#*"))
+
+
+def test_a_store_serves_lookups_on_one_event_loop_after_another(backend, monkeypatch):
+    """An SDK user's ``asyncio.run`` twice (or a test's): connections made on a loop that has
+    closed are not reused on the next one (the cluster's async client failed with "Event loop
+    is closed")."""
+    events = _payments(range(9000, 10000))
+    backend.push("payments", events, to="online")
+    monkeypatch.setattr(tiles, "HEAVY_PER_TILE", 0)  # every card through tile summaries: sealed on the loop
+    monkeypatch.setattr(tiles, "SEAL_FROM", 1)
+    cards = list(range(0, 40))
+    want = {"card_id": cards, **_reference(events, cards)}
+    reader = OnlineReader(backend.online_store)
+
+    async def served() -> dict:
+        query = OnlineQuery.prepare(
+            backend.definitions, backend.config.project, {"card_id": cards}, REFS, None, False, now=NOW
+        )
+        got = (await reader.read_async(query)).to_dict()
+        await reader.drain()
+        assert await backend.online_store.ping_async()
+        assert await backend.online_store.newest_async()
+        return got
+
+    for _ in range(3):
+        assert asyncio.run(served()) == want

@@ -50,6 +50,7 @@ from featurestore.online.transport import (
     read_keys,
     redact,
     summary_keys,
+    under_way,
 )
 
 SCHEME = CLUSTER_SCHEME
@@ -134,6 +135,7 @@ class ClusterRedis:
         except UNAVAILABLE as exc:
             raise self.error(exc) from exc
         self._async: aiocluster.RedisCluster | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to
         self._threads: ThreadPoolExecutor | None = None
         # (the slot map it was read from, each slot's node group as an index into the groups (-1:
         # none now) in numpy and as a list, the groups: the names of a slot's master, then its replicas)
@@ -146,7 +148,10 @@ class ClusterRedis:
 
     @property
     def async_client(self) -> aiocluster.RedisCluster:
-        if self._async is None:
+        """(A new one on each event loop: a connection belongs to the loop it was made on.)"""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop:
+            self._async_loop = loop
             timeout = self.read_timeout_ms / 1000
             self._async = aiocluster.RedisCluster(
                 startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in self.nodes],
@@ -458,8 +463,9 @@ class ClusterRedis:
 
     def _refresh_slots_in_background(self) -> None:
         """``_refresh_slots`` off the event loop, one at a time (it connects to nodes that may hang)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.get_running_loop().run_in_executor(None, self._refresh_slots)
+        loop = asyncio.get_running_loop()
+        if not under_way(self._refreshing, loop):
+            self._refreshing = loop.run_in_executor(None, self._refresh_slots)
 
 
 async def _read_only(connection: aioredis.Connection) -> None:

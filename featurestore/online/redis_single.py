@@ -21,7 +21,7 @@ from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.embedded import EmbeddedRedis
-from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, packed_reads, redact
+from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, packed_reads, redact, under_way
 
 
 class SingleRedis:
@@ -36,6 +36,7 @@ class SingleRedis:
         self.embedded = embedded
         self.client = redis.Redis.from_url(url, socket_timeout=30)
         self._async: aioredis.Redis | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to
         self._readers: ReadConnections | None = None
         self._batched: BatchedReads | None = None
         self._batched_loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves
@@ -43,7 +44,10 @@ class SingleRedis:
 
     @property
     def async_client(self) -> aioredis.Redis:
-        if self._async is None:
+        """(A new one on each event loop: a connection belongs to the loop it was made on.)"""
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop:
+            self._async_loop = loop
             # short: during an outage a request answers 503 in about this long, never hangs the server
             timeout = self.read_timeout_ms / 1000
             self._async = aioredis.Redis.from_url(
@@ -167,9 +171,10 @@ class SingleRedis:
     def recover_in_background(self) -> None:
         """The failing request answers 503 at once and the others keep being served (a blocking
         restart froze the whole server for seconds)."""
-        if self.embedded is None or self._recovering is not None and not self._recovering.done():
+        loop = asyncio.get_running_loop()
+        if self.embedded is None or under_way(self._recovering, loop):
             return
-        self._recovering = asyncio.get_running_loop().run_in_executor(None, self.recover)
+        self._recovering = loop.run_in_executor(None, self.recover)
 
     def close(self) -> None:
         for connection in self._readers.drain() if self._readers else []:

@@ -9,6 +9,7 @@ error (``OnlineStoreUnavailable``, a 503 on the servers), never redis-py's.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -148,6 +149,12 @@ async def listen(client: aioredis.Redis, channel: bytes) -> AsyncIterator[str]:
                 yield message["data"].decode()
     finally:
         await pubsub.aclose()
+
+
+def under_way(work: asyncio.Future | None, loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``work`` (background work a transport started on an event loop) is still under way
+    on ``loop`` (work of a loop that has closed never ends)."""
+    return work is not None and work.get_loop() is loop and not work.done()
 
 
 def redact(text: str, url: str) -> str:
