@@ -1,5 +1,6 @@
-"""Redis Cluster against a single Redis: SDK lookups of 1 and 100 entities × 10 features, and the
-write (materialization to Redis), on the same machine in the same run.
+"""Redis Cluster against a single Redis: SDK lookups of 1 and 100 entities × 10 features, the
+servers' path (concurrent lookups on an event loop), and the write (materialization to Redis),
+on the same machine in the same run.
 
 The cluster is 3 masters + 3 replicas on this machine (``featurestore.online.local_cluster``);
 the single Redis is a plain redis-server on TCP too, so both pay the same network stack. The
@@ -13,6 +14,7 @@ hits both alike.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
 import tempfile
@@ -56,6 +58,26 @@ def redis_cpu(ports: list[int]) -> float:
         info = redis.Redis(host="127.0.0.1", port=port).info("cpu")
         total += info["used_cpu_user"] + info["used_cpu_sys"]
     return total
+
+
+async def served(store, refs: list[str], entities: int, seconds: float, concurrency: int = 64) -> tuple[float, float]:
+    """Lookups of one entity on the event loop, ``concurrency`` at a time, as the feature server
+    makes them: lookups a second and the p50 in ms."""
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    reader, rng, took = OnlineReader(store.online_store), np.random.default_rng(1), []
+
+    async def client() -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            entity = {"user_id": [int(rng.integers(0, entities))]}
+            query = OnlineQuery.prepare(store.definitions, store.config.project, entity, refs, None, False)
+            t0 = time.perf_counter()
+            await reader.read_async(query)
+            took.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return len(took) / seconds, float(np.percentile(took, 50)) * 1e3
 
 
 def main() -> None:
@@ -133,6 +155,10 @@ def main() -> None:
                         t0 = time.perf_counter()
                         store.get_online_features({"user_id": ids}, features=refs)
                         timings[(name, size)].append(time.perf_counter() - t0)
+        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in stores}
+        for _ in range(2):
+            for name, store in stores.items():
+                rates[name].append(asyncio.run(served(store, refs, n, 2.0)))
         print(f"materialize {n:,} entities × 10 features to Redis:")
         for name, seconds in writes.items():
             print(
@@ -150,6 +176,11 @@ def main() -> None:
                 f"  {size:>3} entities: single {a['p50']:.3f} ({a['p99']:.3f}) ms   cluster {b['p50']:.3f} ({b['p99']:.3f}) ms   "
                 f"ratio {b['p50'] / a['p50']:.2f}x p50, {b['p99'] / a['p99']:.2f}x p99"
             )
+        print("the servers' path: lookups of 1 entity × 10 features on an event loop, 64 at a time, 2 runs of 2 s:")
+        for name, runs in rates.items():
+            print(f"  {name:<22} " + ", ".join(f"{rate:,.0f} lookups/s (p50 {p50:.2f} ms)" for rate, p50 in runs))
+        ratios = [c[0] / s[0] for s, c in zip(*rates.values())]
+        print(f"  cluster / single: {', '.join(f'{r:.2f}x' for r in ratios)} the lookups/s")
         for store in [*stores.values(), replicated]:
             store.close()
     finally:
