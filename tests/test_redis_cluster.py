@@ -381,3 +381,46 @@ def test_lookups_follow_a_slot_moving_between_masters_and_read_from_replicas(tmp
 
 def _reads(clients: list[redis.Redis]) -> int:
     return sum(int(c.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)) for c in clients)
+
+
+def test_a_cluster_that_requires_a_password_is_reached_with_the_one_in_the_url(tmp_path, redis_url, monkeypatch):
+    """``redis+cluster://[user]:password@h:p,...`` (percent-encoded, as ``redis://``): writes,
+    lookups on both paths, pushes; without it or with a wrong one, the store's error, the
+    password never in it."""
+    import asyncio
+
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    secret = "s3cret/pa:ss@"
+    procs = start_local_cluster(tmp_path / "nodes", masters=3, replicas=0, password=secret)
+    try:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in list(procs)[:2])
+        single = FeatureStore(write_repo(tmp_path / "single", FEATURES, {"stats": _stats(100)}, url=redis_url))
+        root = write_repo(tmp_path / "cluster", FEATURES, {"stats": _stats(100)})
+        config = root / "featurestore.yaml"
+        plain = config.read_text()
+        config.write_text(plain + "online_store: {url: 'redis+cluster://:s3cret%2Fpa%3Ass%40@" + hosts + "'}\n")
+        refs = ["stats:score", "stats:segment", "activity:count_1h"]
+        cards = list(range(-2, 110))
+        with FeatureStore(root) as clustered:
+            for store in (single, clustered):
+                store.apply()
+                store.materialize(None, NOW)
+                store.push("payments", _payments(400, seed=8))
+            expected = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+            assert clustered.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+            query = OnlineQuery.prepare(
+                clustered.definitions, clustered.config.project, {"card_id": cards}, refs, None, False, now=NOW
+            )
+            assert asyncio.run(OnlineReader(clustered.online_store).read_async(query)).to_dict() == expected
+        single.close()
+        for userinfo in ("", ":wrong-one@"):
+            config.write_text(plain + f"online_store: {{url: 'redis+cluster://{userinfo}{hosts}'}}\n")
+            with pytest.raises(OnlineStoreUnavailable) as refused:
+                with FeatureStore(root) as store:
+                    store.get_online_features({"card_id": [1]}, features=refs)
+            assert "redis+cluster://" in str(refused.value) and "wrong-one" not in str(refused.value)
+            assert "refused" in str(refused.value) and "password@host:port" in str(refused.value), refused.value
+    finally:
+        stop_local_cluster(procs)

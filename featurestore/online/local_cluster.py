@@ -18,10 +18,12 @@ from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
 
 
 def start_local_cluster(
-    folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, password: str | None = None
 ) -> dict[int, subprocess.Popen]:
     """Start ``masters × (1 + replicas)`` nodes under ``folder`` and join them; returns {port: process}.
-    No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``."""
+    No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``. With
+    ``password``, every node requires it (``requirepass``; ``masterauth`` for its replicas)."""
+    secret = ["--requirepass", password, "--masterauth", password] if password else []
     server = Path(redis_server_binary())
     cli = server.with_name("redis-cli")
     ports = free_ports(masters * (1 + replicas))
@@ -50,13 +52,14 @@ def start_local_cluster(
                 "--cluster-replica-validity-factor",
                 "0",
                 *COMPACT_ENCODINGS,
+                *secret,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
     try:
         for port in ports:
-            wait_until(functools.partial(_ping, port))
+            wait_until(functools.partial(_ping, port, password))
         subprocess.run(
             [
                 str(cli),
@@ -66,13 +69,14 @@ def start_local_cluster(
                 "--cluster-replicas",
                 str(replicas),
                 "--cluster-yes",
+                *(["-a", password, "--no-auth-warning"] if password else []),
             ],
             check=True,
             capture_output=True,
             timeout=60,
         )
         # "create" returns before every node has heard which nodes are replicas: until then some see six masters
-        wait_until(lambda: all(_settled(port, masters, replicas) for port in ports))
+        wait_until(lambda: all(_settled(port, masters, replicas, password) for port in ports))
     except BaseException:
         stop_local_cluster(procs)
         raise
@@ -101,9 +105,9 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _settled(port: int, masters: int, replicas: int) -> bool:
+def _settled(port: int, masters: int, replicas: int, password: str | None) -> bool:
     """This node's cluster is ok and it sees ``masters`` healthy masters and their replicas, each replica linked."""
-    client = redis.Redis(host="127.0.0.1", port=port)
+    client = redis.Redis(host="127.0.0.1", port=port, password=password)
     if client.cluster("info")["cluster_state"] != "ok":
         return False
     healthy = [node["flags"].split(",") for node in client.cluster("nodes").values() if "fail" not in node["flags"]]
@@ -116,8 +120,8 @@ def _settled(port: int, masters: int, replicas: int) -> bool:
     )
 
 
-def _ping(port: int) -> bool:
-    return bool(redis.Redis(host="127.0.0.1", port=port).ping())
+def _ping(port: int, password: str | None) -> bool:
+    return bool(redis.Redis(host="127.0.0.1", port=port, password=password).ping())
 
 
 def wait_until(check: Callable[[], object], seconds: float = 30, errors: tuple[type[BaseException], ...] = ()) -> None:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
@@ -68,6 +69,15 @@ MOVING = (
     redis.exceptions.MovedError,
     redis.exceptions.AskError,
 )
+# what nodes answer a connection without the password they require, or with a wrong one
+AUTH_REFUSED = (
+    "NOAUTH",
+    "WRONGPASS",
+    "Authentication required",
+    "invalid username-password",
+    "without any password",
+    "client already authenticated",  # (HELLO before AUTH)
+)
 REDIRECTED = redis.exceptions.AskError  # (MovedError is one)
 Route = dict[str, list[int]]  # node name -> the indices of the commands it answers, in order
 
@@ -99,16 +109,30 @@ def cluster_url(nodes: list[str]) -> str:
 
 
 def parse_nodes(url: str) -> list[tuple[str, int]]:
-    hosts = url[len(SCHEME) :].strip("/").split("/")[0]
     nodes = []
-    for item in filter(None, hosts.split(",")):
+    for item in filter(None, _netloc(url).rpartition("@")[2].split(",")):
         host, _, port = item.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"{item!r} in {url!r} is not host:port")
+            raise ValueError(f"{redact(item, url)!r} in {redact(url, url)!r} is not host:port")
         nodes.append((host, int(port)))
     if not nodes:
-        raise ValueError(f"{url!r} names no node; write {SCHEME}host:port[,host:port...]")
+        raise ValueError(f"{redact(url, url)!r} names no node; write {SCHEME}host:port[,host:port...]")
     return nodes
+
+
+def credentials(url: str) -> dict[str, Any]:
+    """The username and password of ``redis+cluster://[user]:password@h:p,...`` (as ``redis://``
+    writes them, percent-encoded), as redis-py's keyword arguments."""
+    userinfo, at, _ = _netloc(url).rpartition("@")
+    if not at:
+        return {}
+    user, colon, password = userinfo.partition(":")
+    found = {"username": unquote(user)} if user else {}
+    return {**found, "password": unquote(password)} if colon else found
+
+
+def _netloc(url: str) -> str:
+    return url[len(SCHEME) :].strip("/").split("/")[0]
 
 
 class ClusterRedis:
@@ -120,6 +144,7 @@ class ClusterRedis:
         self.url = url
         self.safe_url = redact(url, url)
         self.nodes = parse_nodes(url)
+        self.credentials = credentials(url)
         self.read_timeout_ms = read_timeout_ms
         balancing = LoadBalancingStrategy.ROUND_ROBIN if read_from_replicas else None
         self._balancing = balancing
@@ -131,6 +156,7 @@ class ClusterRedis:
                 socket_timeout=30,
                 retry=Retry(NoBackoff(), 1),
                 load_balancing_strategy=balancing,
+                **self.credentials,
             )
         except UNAVAILABLE as exc:
             raise self.error(exc) from exc
@@ -159,6 +185,7 @@ class ClusterRedis:
                 socket_connect_timeout=timeout,
                 retry=AsyncRetry(NoBackoff(), 1),
                 load_balancing_strategy=self._balancing,
+                **self.credentials,
             )
         return self._async
 
@@ -321,6 +348,7 @@ class ClusterRedis:
                 "port": int(port),
                 "socket_timeout": None,
                 "socket_connect_timeout": timeout,
+                **self.credentials,
             }
             if self._balancing is not None:
                 options["redis_connect_func"] = _read_only
@@ -402,7 +430,9 @@ class ClusterRedis:
         """A cluster passes every message to every node, so one reachable node is enough (when it
         goes away, the caller subscribes again)."""
         for host, port in self.nodes:
-            node = aioredis.Redis(host=host, port=port, socket_connect_timeout=self.read_timeout_ms / 1000)
+            node = aioredis.Redis(
+                host=host, port=port, socket_connect_timeout=self.read_timeout_ms / 1000, **self.credentials
+            )
             try:
                 await node.ping()
             except UNAVAILABLE:
@@ -416,7 +446,14 @@ class ClusterRedis:
         raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
 
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
-        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+        text = redact(str(exc), self.url)
+        if any(refusal in text for refusal in AUTH_REFUSED):
+            given = "the password in its URL" if "password" in self.credentials else "no password"
+            return OnlineStoreUnavailable(
+                f"Redis Cluster at {self.safe_url} refused {given} ({text}); write the password in the URL: "
+                f"{SCHEME}[user]:password@host:port,... (percent-encoded)"
+            )
+        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {text}")
 
     def recover(self) -> None:
         """(Nothing to restart: a replica takes over a failed master.)"""
