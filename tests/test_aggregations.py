@@ -15,6 +15,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -2578,3 +2579,51 @@ def test_compact_stores_the_summaries_of_tiles_streamed_one_by_one(make_store, m
         resealed, again = lookup()
         assert not resealed.seals
         assert all(same(again[n][row], after[n][row], inexact=False) for n in TILED for row in (0, 1))
+
+
+def test_keys_gone_or_made_within_one_write_keep_an_expiry(redis_url):
+    """A key can go and come back within one ``add_events.lua`` call, without an expiry: a resend
+    that removes an entity's only event (its verdict) and adds another empties the events key
+    (Redis deletes it) and makes it again; a write before the cutoff into a light entity finds no
+    ids hash, and the writes that follow it make one (a resend's records its ids there); an entity
+    whose only member is its ledger loses it when the ledger is rewritten, after its events. Each
+    key must end with an expiry, or it lives forever (a memo of each key's expiry for the call,
+    tried, broke each of these in turn)."""
+    import redis
+
+    from featurestore.online.lua import scripts
+
+    client = redis.Redis.from_url(redis_url)
+    code = scripts()["add_events"].code
+    now_us = time.time_ns() // 1000
+    hour_ms = 3_600_000
+    cutoff = now_us - 30 * hour_ms * 1000
+    keys = [b"test-expiry:{card=%d}:ev" % (now_us + k) for k in range(3)]
+
+    def event(id_: int, us: int) -> bytes:
+        return id_.to_bytes(8, "big") + (us + (1 << 63)).to_bytes(8, "big") + b"value"
+
+    def write(key: bytes, writes: list[tuple[int, int]], verdicts: list[bytes] | None = None) -> None:
+        head = [cutoff, 30 * hour_ms, hour_ms, 3_600_000_000, 30 * hour_ms * 1000, "1" if verdicts else "0", 1024]
+        events = [event(i, us) for i, us in writes]
+        client.eval(
+            code, len(writes), *[key] * len(writes), *head, *[us for _, us in writes], *events, *(verdicts or [])
+        )
+
+    try:
+        emptied, made, ledger_only = keys
+        first, second = (1, now_us - 60_000_000), (2, now_us - 30_000_000)
+        write(emptied, [first])
+        write(emptied, [first, first, second], verdicts=[b"1", b"0", b"1"])  # kept, then removed: the key goes
+        assert client.zrange(emptied, 0, -1) == [event(*second)]
+        assert client.pttl(emptied) > 29 * hour_ms  # (-1: no expiry)
+        again = (5, cutoff + 2_000_000)
+        write(made, [again])
+        write(made, [(6, cutoff - 1_000_000), again], verdicts=[b"1", b"1"])  # no ids hash, then one (a resend's)
+        assert client.exists(made + b"|ids") and client.pttl(made + b"|ids") > 0
+        write(ledger_only, [(7, cutoff - 5_000_000)])  # before the cutoff: its only member is its ledger
+        assert client.zcard(ledger_only) == 1
+        write(ledger_only, [(7, cutoff + 5_000_000), (8, cutoff - 3_000_000)])  # its ledger rewritten: the key goes
+        assert client.zcard(ledger_only) == 1 and client.pttl(ledger_only) > 0
+    finally:
+        client.delete(*keys, *(k + suffix for k in keys for suffix in (b"|ids", b"|tiles")))
