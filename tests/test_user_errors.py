@@ -117,6 +117,42 @@ def test_a_url_that_is_no_redis_url_is_one_error_naming_where_it_came_from(tmp_p
         FeatureStore(tmp_path).online_store.ping()
 
 
+def test_a_redis_that_requires_a_password_says_so_and_how_to_give_it(tmp_path, monkeypatch):
+    """A Redis with ``requirepass``: reached with the password in the URL (percent-encoded); without
+    it or with a wrong one, the error says Redis refused it and where a password goes (it said
+    "unreachable", with redis-py's words about HELLO), never the password."""
+    import subprocess
+
+    import redis
+
+    from featurestore.online.embedded import redis_server_binary
+    from featurestore.online.local_cluster import wait_until
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    port, secret = free_port(), "s3cret/pa:ss@"
+    server = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--requirepass", secret],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: redis.Redis(port=port, password=secret).ping())
+        (tmp_path / "featurestore.yaml").write_text(
+            f"project: p\nonline_store: {{url: 'redis://:s3cret%2Fpa%3Ass%40@127.0.0.1:{port}'}}\n"
+        )
+        assert FeatureStore(tmp_path).online_store.ping()
+        for userinfo, refused in (("", "a connection without a password"), (":wrong-one@", "the password in its URL")):
+            (tmp_path / "featurestore.yaml").write_text(
+                f"project: p\nonline_store: {{url: 'redis://{userinfo}127.0.0.1:{port}'}}\n"
+            )
+            with pytest.raises(OnlineStoreUnavailable) as caught:
+                FeatureStore(tmp_path).online_store.ping()
+            assert f"refused {refused}" in str(caught.value) and "redis://[user]:password@" in str(caught.value)
+            assert "wrong-one" not in str(caught.value)
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_modules_as_a_string_is_one_module(tmp_path):
     (tmp_path / "featurestore.yaml").write_text("project: p\nmodules: features.py\n")
     assert FeatureStore(tmp_path).config.modules == ("features.py",)

@@ -51,6 +51,7 @@ from featurestore.online.transport import (
     read_keys,
     redact,
     summary_keys,
+    unavailable,
     under_way,
 )
 
@@ -68,15 +69,6 @@ MOVING = (
     redis.exceptions.TryAgainError,
     redis.exceptions.MovedError,
     redis.exceptions.AskError,
-)
-# what nodes answer a connection without the password they require, or with a wrong one
-AUTH_REFUSED = (
-    "NOAUTH",
-    "WRONGPASS",
-    "Authentication required",
-    "invalid username-password",
-    "without any password",
-    "client already authenticated",  # (HELLO before AUTH)
 )
 REDIRECTED = redis.exceptions.AskError  # (MovedError is one)
 Route = dict[str, list[int]]  # node name -> the indices of the commands it answers, in order
@@ -446,14 +438,7 @@ class ClusterRedis:
         raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
 
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
-        text = redact(str(exc), self.url)
-        if any(refusal in text for refusal in AUTH_REFUSED):
-            given = "the password in its URL" if "password" in self.credentials else "no password"
-            return OnlineStoreUnavailable(
-                f"Redis Cluster at {self.safe_url} refused {given} ({text}); write the password in the URL: "
-                f"{SCHEME}[user]:password@host:port,... (percent-encoded)"
-            )
-        return OnlineStoreUnavailable(f"Redis Cluster at {self.safe_url} is unreachable: {text}")
+        return unavailable("Redis Cluster", self.url, exc, f"{SCHEME}[user]:password@host:port,... (percent-encoded)")
 
     def recover(self) -> None:
         """(Nothing to restart: a replica takes over a failed master.)"""

@@ -21,7 +21,16 @@ from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.base import Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.embedded import EmbeddedRedis
-from featurestore.online.transport import UNAVAILABLE, Call, evalsha, listen, packed_reads, redact, under_way
+from featurestore.online.transport import (
+    UNAVAILABLE,
+    Call,
+    evalsha,
+    listen,
+    packed_reads,
+    redact,
+    unavailable,
+    under_way,
+)
 
 
 class SingleRedis:
@@ -155,7 +164,7 @@ class SingleRedis:
             yield message
 
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
-        return OnlineStoreUnavailable(f"Redis at {self.safe_url} is unreachable: {redact(str(exc), self.url)}")
+        return unavailable("Redis", self.url, exc, "redis://[user]:password@host:port (percent-encoded)")
 
     def _unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
         self.recover()

@@ -23,6 +23,16 @@ from featurestore.online import resp
 from featurestore.online.base import SUMMARIES_SUFFIX, Lookup, Range, TiledRange
 from featurestore.online.lua import scripts
 
+# what Redis answers a connection without the password it requires, or with a wrong one
+AUTH_REFUSED = (
+    "NOAUTH",
+    "WRONGPASS",
+    "Authentication required",
+    "invalid username-password",
+    "without any password",
+    "client already authenticated",  # (HELLO before AUTH)
+)
+
 # A script call: the script's name, its keys, its arguments, then its per-key argument columns.
 Call = tuple[str, "pa.Array | list", list, "list[pa.Array]"]
 
@@ -149,6 +159,18 @@ async def listen(client: aioredis.Redis, channel: bytes) -> AsyncIterator[str]:
                 yield message["data"].decode()
     finally:
         await pubsub.aclose()
+
+
+def unavailable(what: str, url: str, exc: BaseException, form: str) -> OnlineStoreUnavailable:
+    """The store's error for ``exc``: ``what`` at ``url`` is unreachable, or refused its password
+    (then how to give one: ``form``); the password never in it."""
+    text, safe = redact(str(exc), url), redact(url, url)
+    if any(refusal in text for refusal in AUTH_REFUSED):
+        given = "the password in its URL" if safe != url else "a connection without a password"
+        return OnlineStoreUnavailable(
+            f"{what} at {safe} refused {given} ({text}); write the password in the URL: {form}"
+        )
+    return OnlineStoreUnavailable(f"{what} at {safe} is unreachable: {text}")
 
 
 def under_way(work: asyncio.Future | None, loop: asyncio.AbstractEventLoop) -> bool:
