@@ -46,7 +46,8 @@ def _members(events, floats_kind: str, ids_from_column: bool) -> tuple[list[byte
             "_run_id": pa.array([1] * n, pa.int64()),
             "_row_id": pa.array(range(n), pa.int64()),
             "c0": pa.array([e[2] for e in events], pa.int32()),
-            "c1": pa.array([e[1] if ids_from_column else e[2] for e in events], pa.int64()),
+            # (else the ids' full int64 range too: offsets of up to 64 bits)
+            "c1": pa.array([e[1] if ids_from_column or e[2] is not None else None for e in events], pa.int64()),
             "c2": pa.array([e[3] for e in events], pa.float32()),
             "c3": pa.array(floats, pa.float64()),
             "c4": pa.array([e[4] for e in events], pa.bool_()),

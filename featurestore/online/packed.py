@@ -1139,49 +1139,50 @@ def _int_section(blob: bytes, at: int, n: int) -> _IntSection:
 
 
 def _directories_read(directories: list, rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
-    """Each block's ids (uint64) and µs (int64), in (µs, id) order, as ``_read_directory``."""
+    """Each block's ids (uint64) and µs (int64), in (µs, id) order, as ``_read_directory``: the
+    blocks whose entries have one shape (id bytes kept, time bytes) read together, a column of
+    bytes at a time (as ``_read_directory`` reads one block)."""
     starts, sizes, segment = rows
-    p = np.array([d[1] for d in directories], np.int64)
-    w = np.array([d[3] for d in directories], np.int64)
-    grid = np.zeros((len(segment), 16), np.uint8)
-    prefixes = np.zeros((len(directories), 8), np.uint8)
+    ids, units = np.zeros(len(segment), _U64), np.zeros(len(segment), _U64)
+    shapes: dict[tuple[int, int], list[int]] = {}
     for block, d in enumerate(directories):
-        prefixes[block, : d[1]] = np.frombuffer(d[2], np.uint8)
-    grid[:, :8] = prefixes[segment]
-    column = np.arange(8)
-    keep = np.hstack([column >= p[segment][:, None], column >= (8 - w)[segment][:, None]])
-    grid[keep] = np.frombuffer(
-        b"".join(blob[at : at + n * (8 - p_ + w_)] for (blob, p_, _, w_, _, at), n in zip(directories, sizes.tolist())),
-        np.uint8,
-    )
-    ids = grid[:, :8].copy().view(">u8").ravel().astype(_U64)
-    units = grid[:, 8:].copy().view(">u8").ravel().astype(np.int64)
+        shapes.setdefault((d[1], d[3]), []).append(block)
+    for (p, w), blocks in shapes.items():
+        grid = np.frombuffer(
+            b"".join(directories[k][0][directories[k][5] : directories[k][5] + sizes[k] * (8 - p + w)] for k in blocks),
+            np.uint8,
+        ).reshape(-1, 8 - p + w)
+        at = np.concatenate([np.arange(starts[k], starts[k] + sizes[k]) for k in blocks])
+        prefix = np.array([int.from_bytes(directories[k][2], "big") << (8 * (8 - p)) if p else 0 for k in blocks], _U64)
+        ids[at] = _from_bytes(grid[:, : 8 - p]) | np.repeat(prefix, sizes[blocks])
+        units[at] = _from_bytes(grid[:, 8 - p :])
     scale = (np.int64(10) ** np.array([d[4] for d in directories], np.int64))[segment]
     low = np.array(
         [int.from_bytes(blob[at - 8 : at], "big") - (1 << 63) for blob, _, _, _, _, at in directories], np.int64
     )
-    times = units * scale + low[segment]
+    times = units.astype(np.int64) * scale + low[segment]
     order = np.lexsort((ids, times, segment))
     return ids[order], times[order]
 
 
 def _unbits(sections: list[tuple[bytes, int, int, int]]) -> np.ndarray:
-    """The values bit-packed in each ``(block, where, count, width)``, one after the other (uint64)."""
+    """The values bit-packed in each ``(block, where, count, width)``, one after the other (uint64),
+    as ``_bits_between`` shifts words: each value from the word its first bit is in and the next."""
     counts = np.array([s[2] for s in sections], np.int64)
     widths = np.array([s[3] for s in sections], np.int64)
-    widest, nbytes = int(widths.max(initial=0)), (counts * widths + 7) // 8
+    nbytes = (counts * widths + 7) // 8
     if not nbytes.any():
         return np.zeros(int(counts.sum()), _U64)
-    data = np.frombuffer(
-        b"".join(blob[at : at + m] for (blob, at, _, _), m in zip(sections, nbytes.tolist())), np.uint8
-    )
-    bits = np.unpackbits(data, bitorder="little")
+    data = b"".join(blob[at : at + m] for (blob, at, _, _), m in zip(sections, nbytes.tolist()))
+    padded = np.zeros((len(data) // 8 + 2) * 8, np.uint8)  # as little-endian words, one spare
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    words = padded.view("<u8")
     first, _, of = _rows_of(counts)
-    j = np.arange(len(of)) - first[of]
-    column = np.arange(widest)
-    held = column < widths[of][:, None]
-    at = np.where(held, ((np.cumsum(nbytes) - nbytes)[of] * 8 + j * widths[of])[:, None] + column, 0)
-    return ((bits[at] * held).astype(_U64) << column.astype(_U64)).sum(axis=1, dtype=_U64)
+    width = widths[of].astype(_U64)
+    starts = ((np.cumsum(nbytes) - nbytes)[of] * 8).astype(_U64) + (np.arange(len(of)) - first[of]).astype(_U64) * width
+    index, shifts = (starts >> _U64(6)).astype(np.intp), starts & _U64(63)
+    high = words[index + 1] << (_U64(64) - shifts)  # (numpy's shift by 64 is 0: so is a width of 64's mask)
+    return ((words[index] >> shifts) | high) & ((_U64(1) << width) - _U64(1))
 
 
 def _ints_read(blocks: list[tuple[bytes, _IntSection]], rows: _Rows) -> np.ndarray:
@@ -1191,7 +1192,7 @@ def _ints_read(blocks: list[tuple[bytes, _IntSection]], rows: _Rows) -> np.ndarr
     kinds = np.array([s[0] for s in sections], np.int64)
     offsets = _unbits([(blob, s[4], s[2], s[3]) for blob, s in blocks])
     first, counts, of = _rows_of(np.array([s[2] for s in sections], np.int64))
-    scale = np.array([s[1][-2] if s[0] & 2 else 1 for s in sections], np.int64).view(_U64)
+    scale = np.array([s[1][-2] if s[0] & 2 else 1 for s in sections], _U64)  # (a factor may pass 2^63)
     base = np.array([s[1][1 + (s[0] & 1)] for s in sections], np.int64).view(_U64)
     framed = offsets * scale[of] + base[of]
     deltas = (kinds & 1).astype(bool)
