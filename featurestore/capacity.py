@@ -235,7 +235,7 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
         )
         for name, sizes in groups.items()
     ]
-    keys = int(client.dbsize())
+    keys = sum(int(n) for n in online.transport.each_node("DBSIZE"))
     own = int(client.exists(*(prefix + name for name in PROJECT_HASHES)))  # (no entity's)
     keys_per_entity = sum(held_keys) / len(held_keys) if held_keys and sum(held_keys) else 1.0
     project_keys = max(0, keys * _project_share(client, prefix) - own)
@@ -247,12 +247,12 @@ def measure(online, defs: Definitions, project: str, sample: int = 1000, probe: 
     return Capacity(
         url=online.transport.safe_url,
         keys=keys,
-        used_memory=int(client.info("memory")["used_memory"]),
+        used_memory=sum(int(node["used_memory"]) for node in online.transport.each_node("INFO", "memory")),
         entities_now=round(project_keys * (1 - earlier_share) / keys_per_entity) if entities else 0,
         sampled=len(entities),
         layouts=sorted(layouts, key=lambda c: c.name),
         lookup_us=_lookup_us(online, defs, project, lookups) if lookups else None,
-        event_write_us=_event_write_us(client, prefix, written, online.compact_value_limit()) if probe else None,
+        event_write_us=_event_write_us(online, prefix, written, online.compact_value_limit()) if probe else None,
         compact_value_limit=online.compact_value_limit(),
         earlier_layouts=earlier,
         earlier_event_keys=round(project_keys * earlier_share),
@@ -297,11 +297,9 @@ def _sample_entities(
 
 
 def _project_share(client, prefix: bytes, draws: int = 200) -> float:
-    """The share of the Redis's keys that are this project's, from ``draws`` RANDOMKEYs (1.0 when all are)."""
-    pipe = client.pipeline(transaction=False)
-    for _ in range(draws):
-        pipe.randomkey()
-    drawn = [key for key in pipe.execute() if key is not None]
+    """The share of the Redis's keys that are this project's, from ``draws`` RANDOMKEYs (1.0 when
+    all are); one at a time: a cluster client sends each to a node of its choosing, and refuses them pipelined."""
+    drawn = [key for key in (client.randomkey() for _ in range(draws)) if key is not None]
     return sum(key.startswith(prefix) for key in drawn) / len(drawn) if drawn else 0.0
 
 
@@ -311,12 +309,11 @@ def _key_values(entity: bytes) -> dict[str, str]:
     return dict(part.split("=", 1) for part in inside.split("\x1f") if "=" in part)
 
 
-def _redis_usec(client) -> float:
-    """The CPU time the Redis process has used so far, µs (every node's, for a cluster): commands
+def _redis_usec(online) -> float:
+    """The CPU time the Redis process has used so far, µs (every master's, for a cluster): commands
     and the network handling around them, what bounds a core's throughput."""
-    stats = client.info("cpu")
-    nodes = [stats] if "used_cpu_sys" in stats else [s for s in stats.values() if isinstance(s, dict)]
-    return sum(float(node["used_cpu_sys"]) + float(node["used_cpu_user"]) for node in nodes) * 1e6
+    stats = online.transport.each_node("INFO", "cpu")
+    return sum(float(node["used_cpu_sys"]) + float(node["used_cpu_user"]) for node in stats) * 1e6
 
 
 def _lookup_us(online, defs: Definitions, project: str, lookups: Sequence[tuple[dict, list[str]]]) -> float:
@@ -330,16 +327,16 @@ def _lookup_us(online, defs: Definitions, project: str, lookups: Sequence[tuple[
     for entity, refs in lookups:  # (connections and scripts warm, heavy entities known as a server knows them)
         lookup(entity, refs)
     timed = list(itertools.islice(itertools.cycle(lookups), LOOKUPS))  # (a few entities: each read again)
-    before = _redis_usec(online.client)
+    before = _redis_usec(online)
     for entity, refs in timed:
         lookup(entity, refs)
-    return (_redis_usec(online.client) - before) / len(timed)
+    return (_redis_usec(online) - before) / len(timed)
 
 
-def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]], limit: int) -> float | None:
+def _event_write_us(online, prefix: bytes, held: list[tuple[bytes, FeatureView]], limit: int) -> float | None:
     """Redis CPU per event: the sampled entities' events written again, as materialization writes
     them (``add_events.lua``, 256 a call), under ``PROBE_PROJECT``'s keys, deleted afterwards."""
-    probe = key_prefix(PROBE_PROJECT)
+    client, probe = online.client, key_prefix(PROBE_PROJECT)
     script = scripts()["add_events"]
     client.script_load(script.code)
     writes: list[tuple[bytes, FeatureView, list[bytes]]] = []
@@ -355,13 +352,13 @@ def _event_write_us(client, prefix: bytes, held: list[tuple[bytes, FeatureView]]
         return None
     now_ms = time.time_ns() // 1_000_000
     try:
-        before = _redis_usec(client)
+        before = _redis_usec(online)
         for calls in _chunks(writes, now_ms, limit):
             pipe = client.pipeline(transaction=False)
             for keys, arguments in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *arguments)
             pipe.execute()
-        return (_redis_usec(client) - before) / total
+        return (_redis_usec(online) - before) / total
     finally:
         for key, _, _ in writes:
             client.delete(*_parts(key))

@@ -41,6 +41,13 @@ def repo(tmp_path_factory):
     folder = tmp_path_factory.mktemp("capacity")
     server = EmbeddedRedis(folder / "redis")
     root = write_repo(folder / "repo", FEATURES, url=server.ensure_running())
+    _write_cards(root)
+    yield root
+    server.stop()
+
+
+def _write_cards(root) -> None:
+    """Card i has a profile and i + 1 payments in the last days."""
     now = datetime.now(UTC)
     with FeatureStore(root) as store:
         store.apply()
@@ -63,8 +70,6 @@ def repo(tmp_path_factory):
             ),
             to="online",
         )
-    yield root
-    server.stop()
 
 
 def test_capacity_measures_each_layout_of_the_repos_own_keys(repo):
@@ -101,6 +106,35 @@ def test_capacity_measures_each_layout_of_the_repos_own_keys(repo):
     assert f"→ {nodes:.0f} Redis nodes of 25.0 GB" in report and "lookups/s per Redis core" in report
     light_load = measured.describe(10**8, 100, capacity.parse_size("25GB"), lookups_per_second=1)
     assert f"size for {nodes:.0f} (the memory decides" in light_load
+
+
+def test_capacity_on_a_cluster_counts_every_masters_keys_memory_and_cpu(tmp_path, monkeypatch):
+    """On a Redis Cluster the measurement failed (redis-py refuses RANDOMKEY pipelined), and its
+    keys, memory and Redis CPU were one node's (the node redis-py's client chose): now every
+    master's, summed."""
+    import redis
+
+    from featurestore import capacity
+    from featurestore.online.local_cluster import start_local_cluster, stop_local_cluster
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    procs = start_local_cluster(tmp_path / "nodes", masters=3, replicas=0)
+    try:
+        root = write_repo(tmp_path / "repo", FEATURES)
+        nodes = ", ".join(f"'127.0.0.1:{p}'" for p in list(procs)[:2])
+        config = root / "featurestore.yaml"
+        config.write_text(config.read_text() + f"online_store: {{type: redis_cluster, nodes: [{nodes}]}}\n")
+        _write_cards(root)
+        with FeatureStore(root) as store:
+            measured = capacity.measure(store.online_store, store.definitions, store.config.project)
+        masters = [redis.Redis(port=port) for port in procs]
+        assert measured.keys == sum(m.dbsize() for m in masters) and measured.keys > max(m.dbsize() for m in masters)
+        assert measured.entities_now == CARDS and measured.sampled == CARDS
+        memory = sum(m.info("memory")["used_memory"] for m in masters)
+        assert abs(measured.used_memory - memory) < 0.1 * memory
+        assert measured.event_write_us is not None and measured.event_write_us > 0
+    finally:
+        stop_local_cluster(procs)
 
 
 def _cli(root, *args: str) -> subprocess.CompletedProcess:

@@ -437,6 +437,14 @@ class ClusterRedis:
                 await node.aclose()
         raise OnlineStoreUnavailable(f"no node of Redis Cluster {self.safe_url} answers")
 
+    def each_node(self, *command: str) -> list:
+        try:
+            return [
+                self.client.get_redis_connection(node).execute_command(*command) for node in self.client.get_primaries()
+            ]
+        except UNAVAILABLE as exc:
+            raise self.error(exc) from exc
+
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
         return unavailable("Redis Cluster", self.url, exc, f"{SCHEME}[user]:password@host:port,... (percent-encoded)")
 

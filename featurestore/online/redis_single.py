@@ -163,6 +163,9 @@ class SingleRedis:
         async for message in listen(self.async_client, channel):
             yield message
 
+    def each_node(self, *command: str) -> list:
+        return [self.client.execute_command(*command)]
+
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
         return unavailable("Redis", self.url, exc, "redis://[user]:password@host:port (percent-encoded)")
 

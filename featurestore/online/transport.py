@@ -94,6 +94,11 @@ class Transport(Protocol):
         """Messages published on ``channel``, as text; raises when Redis goes away."""
         ...
 
+    def each_node(self, *command: str) -> list:
+        """A plain command (``DBSIZE``, ``INFO memory``) on each node holding the data (the one
+        node, or each master: a cluster client sends it to one node of its choosing), their replies."""
+        ...
+
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
         """What a failed call raises."""
         ...
