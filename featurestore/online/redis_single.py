@@ -164,7 +164,10 @@ class SingleRedis:
             yield message
 
     def each_node(self, *command: str) -> list:
-        return [self.client.execute_command(*command)]
+        try:
+            return [self.client.execute_command(*command)]
+        except UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
 
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
         return unavailable("Redis", self.url, exc, "redis://[user]:password@host:port (percent-encoded)")
