@@ -263,29 +263,17 @@ class ClusterRedis:
                 replies[i] = reply
         return replies
 
-    def _read_redirected(
-        self,
-        lookups: Sequence[Lookup],
-        ranges: Sequence[Range],
-        windows: Sequence[TiledRange],
-        summaries: Sequence[bytes],
-    ) -> list:
-        """A read a node redirected, through redis-py's cluster pipeline (it follows MOVED and ASK)."""
+    def _read_redirected(self, *reads: Sequence) -> list:
+        """A read (``read``'s four arguments) a node redirected, through redis-py's cluster
+        pipeline (it follows MOVED and ASK)."""
         try:
-            return _queue(self.client.pipeline(transaction=False), lookups, ranges, windows, summaries).execute()
+            return _queue(self.client.pipeline(transaction=False), *reads).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
-    async def _read_redirected_async(
-        self,
-        lookups: Sequence[Lookup],
-        ranges: Sequence[Range],
-        windows: Sequence[TiledRange],
-        summaries: Sequence[bytes],
-    ) -> list:
+    async def _read_redirected_async(self, *reads: Sequence) -> list:
         try:
-            pipe = _queue(self.async_client.pipeline(transaction=False), lookups, ranges, windows, summaries)
-            return await pipe.execute()
+            return await _queue(self.async_client.pipeline(transaction=False), *reads).execute()
         except PIPELINE_FAILURES as exc:
             raise self.error(exc) from exc
 
