@@ -118,12 +118,15 @@ def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
     import time
 
     from featurestore import FeatureStore
+    from featurestore.streaming import GROUP, stream_key
 
     from .conftest import write_repo
     from .test_streaming import FEATURES
 
     root = write_repo(tmp_path / "repo", FEATURES)  # embedded Redis: no url
-    FeatureStore(root).apply()
+    with FeatureStore(root) as store:
+        store.apply()
+        stream_name = stream_key(store.config.project, store.definitions.push_source("payments"))
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     stream = subprocess.Popen(
         [sys.executable, "-m", "featurestore.cli", "stream", "payments", "--repo", str(root)],
@@ -135,7 +138,17 @@ def test_sigterm_to_a_cli_command_stops_the_redis_it_started(tmp_path):
     while not _server_pids(str(socket)) and time.time() < deadline and stream.poll() is None:
         time.sleep(0.05)
     assert _server_pids(str(socket)), "the command did not start the embedded Redis"
-    time.sleep(1.0)  # consuming
+
+    def consuming() -> bool:  # (its consumer has read: the command is past its start, a user of the server)
+        try:
+            groups = redis.Redis(unix_socket_path=str(socket)).xinfo_groups(stream_name)
+        except redis.RedisError:
+            return False
+        return any(g["name"] == GROUP.encode() and g["consumers"] for g in groups)
+
+    while not consuming() and time.time() < deadline and stream.poll() is None:
+        time.sleep(0.05)  # (a SIGTERM before it is a user leaves the server to its supervisor's idle stop)
+    assert consuming(), "the command did not start consuming"
     stream.send_signal(signal.SIGTERM)
     stream.wait(timeout=30)
     assert not _server_pids(str(socket))
