@@ -245,8 +245,10 @@ class ClusterRedis:
                 self._node_batches(name).read(b"".join([commands[i] for i in indices]), len(indices))
                 for name, indices in route.items()
             ]
-            answers: list[Any] = [await parts[0]] if len(parts) == 1 else []
-            if len(parts) > 1:
+            answers: list[Any]
+            if len(parts) == 1:
+                answers = [await parts[0]]
+            else:
                 answers = await asyncio.gather(*parts, return_exceptions=True)
                 for answer in answers:  # (each part ran to its end: none is left unread)
                     if isinstance(answer, BaseException):
