@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from featurestore.errors import FeatureStoreError
-from featurestore.online.base import EMBEDDED, OnlineStoreSettings
+from featurestore.online.base import CLUSTER_SCHEMES, EMBEDDED, OnlineStoreSettings
 from featurestore.storage import Location
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ def _server_section(server: dict, file: Path) -> ServerSection:
     )
 
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 
 def _redis_url(url: str, where: str) -> str:
@@ -267,8 +267,28 @@ def _redis_url(url: str, where: str) -> str:
 
         raise FeatureStoreError(
             f"{where}: {redact(url, url)!r} is not a Redis URL; write redis://host:port (rediss:// with TLS, "
-            "unix:///path/redis.sock, redis+cluster://host:port,host:port), or leave it out for the embedded Redis"
+            "unix:///path/redis.sock, redis+cluster://host:port,host:port, rediss+cluster:// with TLS), or leave it out "
+            "for the embedded Redis"
         )
+    # (read now, as its client will, without connecting: a typo is an error line here, not a
+    # traceback from redis-py at the first command)
+    import redis
+
+    try:
+        if url.startswith(CLUSTER_SCHEMES):
+            from featurestore.online.redis_cluster import parse_nodes, tls_settings
+
+            parse_nodes(url)
+            tls = tls_settings(url)
+            if tls:
+                redis.SSLConnection(**tls)
+        elif url != EMBEDDED:
+            pool = redis.ConnectionPool.from_url(url)
+            pool.connection_class(**pool.connection_kwargs)  # (its query's settings are the connection's arguments)
+    except (ValueError, TypeError, redis.RedisError) as exc:
+        from featurestore.online.transport import redact
+
+        raise FeatureStoreError(f"{where}: {redact(url, url)!r} does not read as a Redis URL: {exc}") from None
     return url
 
 

@@ -117,6 +117,43 @@ def test_a_url_that_is_no_redis_url_is_one_error_naming_where_it_came_from(tmp_p
         FeatureStore(tmp_path).online_store.ping()
 
 
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("redis://127.0.0.1:6379?sokcet_timeout=1", "unexpected keyword argument 'sokcet_timeout'"),
+        ("redis://127.0.0.1:99999", "Port out of range"),
+        ("redis://[::1", "Invalid IPv6 URL"),
+        ("redis://:secret@127.0.0.1:x", "Port could not be cast"),
+        ("rediss://127.0.0.1:6379?ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag"),
+        ("redis+cluster://127.0.0.1:6379,bad", "'bad' in 'redis+cluster://127.0.0.1:6379,bad' is not host:port"),
+        (
+            "redis+cluster://127.0.0.1:6379?ssl_ca_certs=/ca.pem",
+            "sets TLS settings without TLS; write rediss+cluster://",
+        ),
+        ("rediss+cluster://:secret@127.0.0.1:6379?ssl_ca_cert=/ca.pem", "['ssl_ca_cert'] in its query"),
+        ("rediss+cluster://127.0.0.1:6379?ssl_cert_reqs=bogus", "Invalid SSL Certificate Requirements Flag"),
+    ],
+)
+def test_a_redis_url_with_a_typo_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, url, says):
+    """A URL redis-py cannot read (a misspelt setting in its query, a port out of range) was a
+    traceback from redis-py (a TypeError, a ValueError) at the store's first command; a cluster's
+    a traceback from the URL's parser. Now the configuration's error, the password hidden."""
+    monkeypatch.setenv("REDIS_URL", url)
+    (tmp_path / "featurestore.yaml").write_text("project: p\n")
+    with pytest.raises(FeatureStoreError) as caught:
+        FeatureStore(tmp_path)
+    assert str(caught.value).startswith(f"REDIS_URL: {url.replace('secret', '***')!r} does not read as a Redis URL")
+    assert says in str(caught.value) and "secret" not in str(caught.value)
+    if "cluster" in url:  # (the command line: one error line)
+        done = subprocess.run(
+            [sys.executable, "-m", "featurestore.cli", "list", "--repo", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode != 0 and "Traceback" not in done.stderr and says in done.stderr, done.stderr
+
+
 def test_a_redis_that_requires_a_password_says_so_and_how_to_give_it(tmp_path, monkeypatch):
     """A Redis with ``requirepass``: reached with the password in the URL (percent-encoded); without
     it or with a wrong one, the error says Redis refused it and where a password goes (it said

@@ -73,7 +73,7 @@ EVENTS_LAYOUT = 11  # how an aggregated view's events are kept online (featurest
 # (tests/test_aggregations.py pins it to the code that writes it: change one, change the other)
 
 EMBEDDED = "embedded"
-CLUSTER_SCHEME = "redis+cluster://"
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # (the second: TLS)
 
 
 def layout_id(view: FeatureView, version: int) -> str:
@@ -108,7 +108,7 @@ def online_field(view: str, storage_id: str) -> str:
 @dataclass(frozen=True)
 class OnlineStoreSettings:
     """Where the online store is and how it is read: ``url`` is ``embedded`` (a redis-server under
-    ``data_dir``), ``redis://`` / ``rediss://``, or ``redis+cluster://h:p,h:p``."""
+    ``data_dir``), ``redis://`` / ``rediss://``, or ``redis+cluster://h:p,h:p`` (``rediss+cluster://``: TLS)."""
 
     project: str
     url: str = EMBEDDED
@@ -281,7 +281,7 @@ def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
     """The online store the settings name: Redis over one node (embedded or a URL), or over a cluster."""
     from featurestore.online.redis_store import RedisOnlineStore
 
-    if settings.url.startswith(CLUSTER_SCHEME):
+    if settings.url.startswith(CLUSTER_SCHEMES):
         from featurestore.online.redis_cluster import ClusterRedis
 
         return RedisOnlineStore(

@@ -18,17 +18,29 @@ from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
 
 
 def start_local_cluster(
-    folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, password: str | None = None
+    folder: Path,
+    masters: int = 3,
+    replicas: int = 1,
+    node_timeout_ms: int = 1000,
+    password: str | None = None,
+    announce: dict[int, int] | None = None,
 ) -> dict[int, subprocess.Popen]:
     """Start ``masters × (1 + replicas)`` nodes under ``folder`` and join them; returns {port: process}.
     No persistence: a test or benchmark cluster. Stop it with ``stop_local_cluster``. With
-    ``password``, every node requires it (``requirepass``; ``masterauth`` for its replicas)."""
+    ``password``, every node requires it (``requirepass``; ``masterauth`` for its replicas). With
+    ``announce`` (its ports, as ``free_ports`` gives them -> others), each node tells clients to
+    reach it on the other port (behind a proxy)."""
     secret = ["--requirepass", password, "--masterauth", password] if password else []
     server = Path(redis_server_binary())
     cli = server.with_name("redis-cli")
-    ports = free_ports(masters * (1 + replicas))
+    ports = list(announce) if announce else free_ports(masters * (1 + replicas))
     procs = {}
     for port in ports:
+        announced = (
+            ["--cluster-announce-port", str(announce[port]), "--cluster-announce-bus-port", str(port + 10000)]
+            if announce
+            else []
+        )
         (folder / str(port)).mkdir(parents=True, exist_ok=True)
         procs[port] = subprocess.Popen(
             [
@@ -53,6 +65,7 @@ def start_local_cluster(
                 "0",
                 *COMPACT_ENCODINGS,
                 *secret,
+                *announced,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +39,7 @@ from redis.retry import Retry
 
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online import resp
-from featurestore.online.base import CLUSTER_SCHEME, Lookup, Range, TiledRange
+from featurestore.online.base import CLUSTER_SCHEMES, Lookup, Range, TiledRange
 from featurestore.online.batched_reads import BatchedReads, ReadConnections
 from featurestore.online.lua import scripts
 from featurestore.online.transport import (
@@ -55,7 +55,16 @@ from featurestore.online.transport import (
     under_way,
 )
 
-SCHEME = CLUSTER_SCHEME
+SCHEME, TLS_SCHEME = CLUSTER_SCHEMES
+# what a ``rediss+cluster://`` URL's query may set (``rediss://``'s names, those every client of
+# redis-py takes): files of PEM, whether to check the certificate and the host name in it
+TLS_SETTINGS: dict[str, Callable[[str], Any]] = {
+    "ssl_ca_certs": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": str,
+    "ssl_check_hostname": lambda value: value.lower() not in ("false", "0", "no", "off"),
+}
 # what redis-py's cluster client raises while a master fails over: the usual errors, and from its
 # pipelines and slot map now and then a lookup on a node that has just gone (seen under failover)
 PIPELINE_FAILURES = (*UNAVAILABLE, AttributeError, KeyError, IndexError)
@@ -108,7 +117,8 @@ def parse_nodes(url: str) -> list[tuple[str, int]]:
             raise ValueError(f"{redact(item, url)!r} in {redact(url, url)!r} is not host:port")
         nodes.append((host, int(port)))
     if not nodes:
-        raise ValueError(f"{redact(url, url)!r} names no node; write {SCHEME}host:port[,host:port...]")
+        scheme = url.partition("://")[0]
+        raise ValueError(f"{redact(url, url)!r} names no node; write {scheme}://host:port[,host:port...]")
     return nodes
 
 
@@ -123,8 +133,26 @@ def credentials(url: str) -> dict[str, Any]:
     return {**found, "password": unquote(password)} if colon else found
 
 
+def tls_settings(url: str) -> dict[str, Any] | None:
+    """None for ``redis+cluster://``; for ``rediss+cluster://...[?ssl_ca_certs=...]`` the TLS
+    settings of every connection to the nodes, as redis-py's keyword arguments (the query's, as
+    ``rediss://`` takes them)."""
+    query = parse_qs(urlsplit(url.replace("+cluster", "", 1)).query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(TLS_SETTINGS))
+    if unknown or any(len(values) > 1 for values in query.values()):
+        raise ValueError(
+            f"{redact(url, url)!r}: {unknown or sorted(query)} in its query; a cluster's URL takes each of "
+            f"{sorted(TLS_SETTINGS)} once, with {TLS_SCHEME}"
+        )
+    if not url.startswith(TLS_SCHEME):
+        if query:
+            raise ValueError(f"{redact(url, url)!r} sets TLS settings without TLS; write {TLS_SCHEME}")
+        return None
+    return {name: TLS_SETTINGS[name](values[0]) for name, values in query.items()}
+
+
 def _netloc(url: str) -> str:
-    return url[len(SCHEME) :].strip("/").split("/")[0]
+    return url.partition("://")[2].strip("/").split("/")[0].split("?")[0]
 
 
 class ClusterRedis:
@@ -136,7 +164,10 @@ class ClusterRedis:
         self.url = url
         self.safe_url = redact(url, url)
         self.nodes = parse_nodes(url)
+        self.tls = tls_settings(url)
+        # every connection's: the password, and TLS (a client's ``ssl`` turns it on; a connection's class does)
         self.credentials = credentials(url)
+        self.secure = {"ssl": True, **self.tls} if self.tls is not None else {}
         self.read_timeout_ms = read_timeout_ms
         balancing = LoadBalancingStrategy.ROUND_ROBIN if read_from_replicas else None
         self._balancing = balancing
@@ -149,6 +180,7 @@ class ClusterRedis:
                 retry=Retry(NoBackoff(), 1),
                 load_balancing_strategy=balancing,
                 **self.credentials,
+                **self.secure,
             )
         except UNAVAILABLE as exc:
             raise self.error(exc) from exc
@@ -178,6 +210,7 @@ class ClusterRedis:
                 retry=AsyncRetry(NoBackoff(), 1),
                 load_balancing_strategy=self._balancing,
                 **self.credentials,
+                **self.secure,
             )
         return self._async
 
@@ -331,12 +364,12 @@ class ClusterRedis:
                 "socket_timeout": None,
                 "socket_connect_timeout": timeout,
                 **self.credentials,
+                **(self.tls or {}),
             }
             if self._balancing is not None:
                 options["redis_connect_func"] = _read_only
-            batched = self._batched[name] = BatchedReads(
-                ReadConnections(lambda: aioredis.Connection(**options)), timeout
-            )
+            connection_class = aioredis.Connection if self.tls is None else aioredis.SSLConnection
+            batched = self._batched[name] = BatchedReads(ReadConnections(lambda: connection_class(**options)), timeout)
         return batched
 
     def send(self, calls: Iterable[Call]) -> list:
@@ -413,7 +446,11 @@ class ClusterRedis:
         goes away, the caller subscribes again)."""
         for host, port in self.nodes:
             node = aioredis.Redis(
-                host=host, port=port, socket_connect_timeout=self.read_timeout_ms / 1000, **self.credentials
+                host=host,
+                port=port,
+                socket_connect_timeout=self.read_timeout_ms / 1000,
+                **self.credentials,
+                **self.secure,
             )
             try:
                 await node.ping()

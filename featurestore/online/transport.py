@@ -167,13 +167,19 @@ async def listen(client: aioredis.Redis, channel: bytes) -> AsyncIterator[str]:
 
 
 def unavailable(what: str, url: str, exc: BaseException, form: str) -> OnlineStoreUnavailable:
-    """The store's error for ``exc``: ``what`` at ``url`` is unreachable, or refused its password
-    (then how to give one: ``form``); the password never in it."""
+    """The store's error for ``exc``: ``what`` at ``url`` is unreachable, refused its password
+    (then how to give one: ``form``), or its TLS certificate is not trusted here (then how to
+    name the CA); the password never in it."""
     text, safe = redact(str(exc), url), redact(url, url)
     if any(refusal in text for refusal in AUTH_REFUSED):
         given = "the password in its URL" if safe != url else "a connection without a password"
         return OnlineStoreUnavailable(
             f"{what} at {safe} refused {given} ({text}); write the password in the URL: {form}"
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return OnlineStoreUnavailable(
+            f"{what} at {safe} presented a TLS certificate this host does not accept ({text}); name the file "
+            "of the CA that signed it in the URL's query: ?ssl_ca_certs=/path/to/ca.pem"
         )
     return OnlineStoreUnavailable(f"{what} at {safe} is unreachable: {text}")
 
