@@ -1,6 +1,7 @@
 """Redis Cluster as a transport: the same keys, values and scripts as one node.
 
-``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``.
+``online_store: {type: redis_cluster, nodes: [host:port, ...]}`` or ``url: redis+cluster://h:p,h:p``
+(``rediss+cluster://h:p,h:p?ssl_ca_certs=...``: TLS on every connection, as ``rediss://``).
 Keys carry a hash tag per entity (``{card_id=42}``), so all of an entity's views and events
 live on one slot. Writes are split by master: a call's keys, ordered by slot, are cut where
 the master changes, and each master runs its part as one script call over all the slots it
