@@ -75,6 +75,11 @@ AccessLogOption = typer.Option(True, help="Log every request (off saves a few µ
 LogFormatOption = typer.Option(
     "text", help="Server log lines as text, or json (one object per line, for log shippers)."
 )
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+TlsCertOption = typer.Option(
+    None, "--tls-cert", help="Serve HTTPS: the server's certificate chain, a PEM file (with --tls-key)."
+)
+TlsKeyOption = typer.Option(None, "--tls-key", help="The private key of --tls-cert, a PEM file.")
 GUARDED_HTTP = "serving.protocol:GuardedHttpProtocol"  # uvicorn's protocol with a deadline for request heads
 
 
@@ -406,6 +411,8 @@ def serve(
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
+    tls_cert: Path | None = TlsCertOption,
+    tls_key: Path | None = TlsKeyOption,
 ) -> None:
     """Run the feature server (OpenAPI docs at /docs)."""
     _run_server(
@@ -418,6 +425,7 @@ def serve(
         access_log,
         log_format,
         keep_alive=keep_alive,
+        tls=_tls(tls_cert, tls_key),
     )
 
 
@@ -427,6 +435,8 @@ def ui(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(8765, help="Port.", min=1, max=65535),
     log_level: str = LogLevelOption,
+    tls_cert: Path | None = TlsCertOption,
+    tls_key: Path | None = TlsKeyOption,
 ) -> None:
     """Run the web UI: catalogue, view freshness, runs and curves, models and lineage (at /ui/)."""
     _run_server(
@@ -440,12 +450,31 @@ def ui(
         "text",
         what="serving the web UI of",
         path="/ui/",
+        tls=_tls(tls_cert, tls_key),
     )
+
+
+def _tls(cert: Path | None, key: Path | None) -> dict[str, str]:
+    """uvicorn's settings for ``--tls-cert`` / ``--tls-key`` (none: plain HTTP), loaded once here:
+    a missing or mismatched file is an error line, not a traceback in every worker."""
+    if cert is None and key is None:
+        return {}
+    if cert is None or key is None:
+        raise FeatureStoreError("--tls-cert and --tls-key go together: the certificate chain and its private key")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise FeatureStoreError(
+            f"--tls-cert {cert} and --tls-key {key} do not load as a certificate chain and its key (PEM): {exc}"
+        ) from None
+    return {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
 
 
 def _require_auth_off_loopback(host: str, config: Any) -> None:
     """Binding beyond loopback needs API keys, or an explicit ``server: {auth: off}``."""
-    if host not in ("127.0.0.1", "localhost", "::1") and config.server.api_keys is None and not config.server.auth_off:
+    if host not in LOOPBACK and config.server.api_keys is None and not config.server.auth_off:
         raise FeatureStoreError(
             f"serving on {host} exposes every route without authentication; configure `server.auth.keys` "
             "(`featurestore api-key` prints an entry) or set `server: {auth: off}` to accept that"
@@ -464,6 +493,7 @@ def _run_server(
     what: str = "serving",
     path: str = "",
     keep_alive: float = 5.0,
+    tls: dict[str, str] | None = None,
 ) -> None:
     import os
 
@@ -494,8 +524,13 @@ def _run_server(
     )
     started = (
         f"featurestore: {what} {repo.resolve()} (registry v{store.registry.current()['version']}) on "
-        f"http://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs"
+        f"{'https' if tls else 'http'}://{host}:{port}{path} with {workers} worker(s), {auth}; docs at /docs"
     )
+    if store.config.server.api_keys is not None and not tls and host not in LOOPBACK:
+        started += (
+            "\nnote: API keys cross the network in clear text: serve HTTPS (--tls-cert, --tls-key), or end TLS "
+            "in front of this server"
+        )
     from featurestore.logs import LOG_FORMATS, JsonFormatter, uvicorn_log_config
 
     if log_format not in LOG_FORMATS:
@@ -519,6 +554,7 @@ def _run_server(
         "http": GUARDED_HTTP,
         "timeout_keep_alive": keep_alive,
         **({"log_config": uvicorn_log_config(log_format)} if log_format != "text" else {}),
+        **(tls or {}),
     }
     if workers > 1 and serve_workers.supported():  # a listening socket per worker: connections spread evenly
         serve_workers.serve(factory, workers=workers, host=host, port=port, **options)
@@ -602,6 +638,8 @@ def serve_model(
     log_level: str = LogLevelOption,
     access_log: bool = AccessLogOption,
     log_format: str = LogFormatOption,
+    tls_cert: Path | None = TlsCertOption,
+    tls_key: Path | None = TlsKeyOption,
 ) -> None:
     """Run the inference server: POST /predict scores from online features."""
     from featurestore.training.distributed import pick_device
@@ -610,7 +648,17 @@ def serve_model(
     launch = ServerLaunch(
         str(repo.resolve()), model=model, stage=stage, device=device, source=source, broadcast_host=broadcast_host
     )
-    _run_server("serving.inference_server:app_factory", launch, host, port, workers, log_level, access_log, log_format)
+    _run_server(
+        "serving.inference_server:app_factory",
+        launch,
+        host,
+        port,
+        workers,
+        log_level,
+        access_log,
+        log_format,
+        tls=_tls(tls_cert, tls_key),
+    )
 
 
 @app.command("train", rich_help_panel="Training and models")

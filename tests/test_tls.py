@@ -120,3 +120,93 @@ def test_every_path_of_the_store_works_over_tls_and_an_untrusted_one_says_what_t
         with FeatureStore(root) as store:
             store.get_online_features({"card_id": [1]}, features=refs)
     assert "ssl_ca_certs=" in str(untrusted.value) and "certificate" in str(untrusted.value), untrusted.value
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # (uvicorn's own server; a listening socket per worker)
+def test_the_feature_server_serves_https_with_a_certificate_and_its_key(tmp_path, redis_url, monkeypatch, workers):
+    """``featurestore serve --tls-cert --tls-key``: lookups over HTTPS, verified against the CA, equal
+    the SDK's; plain HTTP gets no answer; a key that is not the certificate's is an error line."""
+    import ssl
+    import time
+
+    import httpx
+
+    from .conftest import free_port
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ca, cert, key = certificates(tmp_path)
+    root = write_repo(tmp_path / "repo", FEATURES, {"stats": _stats(50)}, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+        store.materialize(None, NOW)
+        expected = store.get_online_features({"card_id": [1, 2, 99]}, features=["stats:score"]).to_dict()
+    assert expected["score"][0] is not None and expected["score"][2] is None
+    trusting = ssl.create_default_context(cafile=str(ca))
+    port = free_port()
+    command = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, "--workers", workers, "--tls-cert", str(cert), "--tls-key", str(key)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", verify=trusting, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and server.poll() is None, server.stderr.read()
+                time.sleep(0.2)
+        body = {"features": ["stats:score"], "entities": {"card_id": [1, 2, 99]}}
+        reply = httpx.post(url + "/get-online-features", json=body, verify=trusting, timeout=10).json()
+        assert reply["results"][1]["values"] == expected["score"]
+        with pytest.raises(httpx.HTTPError):  # (no HTTP answer on a TLS port)
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA refuses it
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        server.terminate()
+        server.wait(30)
+    _, other_cert, _ = certificates(tmp_path / "other")
+    refused = subprocess.run(
+        [*command, "--tls-cert", str(other_cert), "--tls-key", str(key)], capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
+    assert "do not load as a certificate chain and its key" in refused.stderr, refused.stderr
+
+
+def test_api_keys_served_beyond_loopback_without_tls_are_noted_at_start(tmp_path, redis_url, monkeypatch):
+    """Keys in clear text on the network: the start line says so and what to do (a server behind
+    a proxy that ends TLS is fine, so it is a note, not a refusal)."""
+    import json
+    import time
+
+    import httpx
+
+    from featurestore.auth import hash_key
+
+    from .conftest import free_port
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", FEATURES, {"stats": _stats(5)}, url=redis_url)
+    entries = [{"name": "svc", "sha256": hash_key("key-svc"), "scopes": ["read"]}]
+    with open(root / "featurestore.yaml", "a") as config:
+        config.write("server:\n  auth:\n    keys: " + json.dumps(entries) + "\n")
+    FeatureStore(root).apply()
+    port = free_port()
+    command = [sys.executable, "-m", "featurestore.cli", "serve", "--repo", str(root), "--host", "0.0.0.0"]
+    server = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server.poll() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", headers={"X-API-Key": "key-svc"}).status_code == 200:
+                    break
+            time.sleep(0.2)
+    finally:
+        server.terminate()
+        stderr = server.communicate(timeout=30)[1].decode()
+    assert "API keys cross the network in clear text" in stderr and "--tls-cert" in stderr, stderr

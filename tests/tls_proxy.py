@@ -43,6 +43,7 @@ def certificates(folder: Path) -> tuple[Path, Path, Path]:
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "featurestore test CA")])
     ca = issued("featurestore test CA", ca_key, ca_name, ca_key, ca=True)
     server = issued("localhost", server_key, ca_name, ca_key, ca=False)
+    folder.mkdir(parents=True, exist_ok=True)
     paths = folder / "ca.pem", folder / "server.pem", folder / "server.key"
     paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
