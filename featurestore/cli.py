@@ -850,12 +850,15 @@ def checkpoint_engine(
     host: str = typer.Option("127.0.0.1", help="Interface to bind (elsewhere needs server.auth.keys, as for `serve`)."),
     port: int = typer.Option(8600, help="Port.", min=1, max=65535),
     repo: Path = RepoOption,
+    tls_cert: Path | None = TlsCertOption,
+    tls_key: Path | None = TlsKeyOption,
 ) -> None:
     """Serve this repo's model versions to replicas; with --source, also keep this repo's registry in step with it.
 
     With API keys configured every route needs the `read` scope; a replica presents the key in
     FEATURESTORE_API_KEY to its source and upstream, and an inference server to the source whose
-    broadcasts it joins."""
+    broadcasts it joins. An https:// source or upstream is trusted by the CAs in SSL_CERT_FILE when
+    set, else the system's."""
 
     import uvicorn
 
@@ -863,6 +866,7 @@ def checkpoint_engine(
     from featurestore.serve_workers import raise_open_files_limit
 
     _one_of(transport, Transport, "--transport")
+    tls = _tls(tls_cert, tls_key)
     store = _store(repo)
     _require_auth_off_loopback(host, store.config)
     if models_from and not source:
@@ -881,7 +885,8 @@ def checkpoint_engine(
         if store.config.server.api_keys is not None
         else "no authentication"
     )
-    err_console.print(f"checkpoint engine for {model!r} ({role}) on http://{host}:{port}, {auth}", markup=False)
+    scheme = "https" if tls else "http"
+    err_console.print(f"checkpoint engine for {model!r} ({role}) on {scheme}://{host}:{port}, {auth}", markup=False)
     ServerLaunch(
         str(repo.resolve()),
         model=model,
@@ -902,6 +907,7 @@ def checkpoint_engine(
         port=port,
         log_level="warning",
         http=GUARDED_HTTP,
+        **tls,
     )
 
 

@@ -210,3 +210,67 @@ def test_api_keys_served_beyond_loopback_without_tls_are_noted_at_start(tmp_path
         server.terminate()
         stderr = server.communicate(timeout=30)[1].decode()
     assert "API keys cross the network in clear text" in stderr and "--tls-cert" in stderr, stderr
+
+
+def test_a_replica_takes_versions_from_a_checkpoint_engine_over_https(tmp_path, redis_url, run, monkeypatch):
+    """``checkpoint-engine --tls-cert --tls-key`` at the source; a replica given its https:// URL,
+    trusting its CA through SSL_CERT_FILE, copies and serves each promotion."""
+    import os
+    import ssl
+    import time
+
+    import httpx
+
+    from .conftest import free_port
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ca, cert, key = certificates(tmp_path)
+    ports = free_port(), free_port()
+    engine = [sys.executable, "-m", "featurestore.cli", "checkpoint-engine", "--model", "m"]
+    roots = [write_repo(tmp_path / name, "", url=redis_url) for name in ("source", "replica")]
+    processes = [
+        subprocess.Popen(
+            [*engine, "--repo", str(roots[0]), "--port", str(ports[0]), "--tls-cert", str(cert), "--tls-key", str(key)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        ),
+        subprocess.Popen(
+            [*engine, "--repo", str(roots[1]), "--port", str(ports[1]), "--source", f"https://127.0.0.1:{ports[0]}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "SSL_CERT_FILE": str(ca)},
+        ),
+    ]
+    trusting = ssl.create_default_context(cafile=str(ca))
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            for process in processes:
+                assert process.poll() is None, process.stderr.read().decode()[-2000:] if process.stderr else ""
+            assert time.monotonic() < deadline, "not in time"
+            time.sleep(0.1)
+
+    def answers(url: str, **options) -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url + "/stats", **options).status_code == 200
+        return False
+
+    try:
+        until(lambda: answers(f"https://127.0.0.1:{ports[0]}", verify=trusting))
+        until(lambda: answers(f"http://127.0.0.1:{ports[1]}"))
+        source = FeatureStore(roots[0]).model_registry()
+        version = source.register("m", run)
+        source.promote("m", version, "production")
+
+        def serves() -> bool:
+            with contextlib.suppress(OSError, ValueError):
+                return FeatureStore(roots[1]).model_registry().aliases("m").get("production") == version
+            return False
+
+        until(serves)
+        assert FeatureStore(roots[1]).model_registry().hashes("m")[version] == source.hashes("m")[version]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
