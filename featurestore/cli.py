@@ -454,7 +454,7 @@ def ui(
     )
 
 
-def _tls(cert: Path | None, key: Path | None) -> dict[str, str]:
+def _tls(cert: Path | None, key: Path | None) -> dict[str, Any]:
     """uvicorn's settings for ``--tls-cert`` / ``--tls-key`` (none: plain HTTP), loaded once here:
     a missing or mismatched file is an error line, not a traceback in every worker."""
     if cert is None and key is None:
@@ -493,7 +493,7 @@ def _run_server(
     what: str = "serving",
     path: str = "",
     keep_alive: float = 5.0,
-    tls: dict[str, str] | None = None,
+    tls: dict[str, Any] | None = None,
 ) -> None:
     import os
 
