@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from featurestore.errors import FeatureStoreError
-from featurestore.online.base import CLUSTER_SCHEMES, EMBEDDED, OnlineStoreSettings
+from featurestore.online.base import CLUSTER_SCHEMES, EMBEDDED, SENTINEL_SCHEME, OnlineStoreSettings
 from featurestore.storage import Location
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ def _server_section(server: dict, file: Path) -> ServerSection:
     )
 
 
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES, SENTINEL_SCHEME)
 
 
 def _redis_url(url: str, where: str) -> str:
@@ -267,7 +267,8 @@ def _redis_url(url: str, where: str) -> str:
 
         raise FeatureStoreError(
             f"{where}: {redact(url, url)!r} is not a Redis URL; write redis://host:port (rediss:// with TLS, "
-            "unix:///path/redis.sock, redis+cluster://host:port,host:port, rediss+cluster:// with TLS), or leave it out "
+            "unix:///path/redis.sock, redis+cluster://host:port,host:port, rediss+cluster:// with TLS, "
+            "redis+sentinel://host:port,host:port/service), or leave it out "
             "for the embedded Redis"
         )
     # (read now, as its client will, without connecting: a typo is an error line here, not a
@@ -282,6 +283,10 @@ def _redis_url(url: str, where: str) -> str:
             tls = tls_settings(url)
             if tls:
                 redis.SSLConnection(**tls)
+        elif url.startswith(SENTINEL_SCHEME):
+            from featurestore.online.redis_sentinel import parse
+
+            parse(url)
         elif url != EMBEDDED:
             pool = redis.ConnectionPool.from_url(url)
             pool.connection_class(**pool.connection_kwargs)  # (its query's settings are the connection's arguments)

@@ -74,6 +74,7 @@ EVENTS_LAYOUT = 11  # how an aggregated view's events are kept online (featurest
 
 EMBEDDED = "embedded"
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")  # (the second: TLS)
+SENTINEL_SCHEME = "redis+sentinel://"
 
 
 def layout_id(view: FeatureView, version: int) -> str:
@@ -108,7 +109,8 @@ def online_field(view: str, storage_id: str) -> str:
 @dataclass(frozen=True)
 class OnlineStoreSettings:
     """Where the online store is and how it is read: ``url`` is ``embedded`` (a redis-server under
-    ``data_dir``), ``redis://`` / ``rediss://``, or ``redis+cluster://h:p,h:p`` (``rediss+cluster://``: TLS)."""
+    ``data_dir``), ``redis://`` / ``rediss://``, ``redis+cluster://h:p,h:p`` (``rediss+cluster://``: TLS),
+    or ``redis+sentinel://h:p,h:p/service``."""
 
     project: str
     url: str = EMBEDDED
@@ -289,6 +291,15 @@ def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
         )
     from featurestore.online.embedded import EmbeddedRedis
     from featurestore.online.redis_single import SingleRedis
+
+    if settings.url.startswith(SENTINEL_SCHEME):
+        from featurestore.online import redis_sentinel
+
+        clients = redis_sentinel.sentinel_clients(settings.url)
+        return RedisOnlineStore(
+            SingleRedis(settings.url, settings.read_timeout_ms, clients=clients, password_form=redis_sentinel.FORM),
+            settings.project,
+        )
 
     if settings.url == EMBEDDED:
         embedded = EmbeddedRedis(settings.data_dir)

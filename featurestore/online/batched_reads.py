@@ -94,6 +94,7 @@ class BatchedReads:
             async with self._slots:
                 connection = self.readers.take()
                 try:
+                    await connection.connect()  # (as a pool does: a Sentinel-managed one asks for the master here)
                     await connection.send_packed_command([packed for packed, _, _ in batch], check_health=False)
                     for _, count, future in batch:
                         replies = []

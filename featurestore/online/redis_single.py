@@ -1,4 +1,5 @@
-"""One Redis node (the embedded redis-server, or any ``redis://`` / ``rediss://`` URL) as a transport.
+"""One Redis node (the embedded redis-server, any ``redis://`` / ``rediss://`` URL, or the master
+Sentinel names: ``redis_sentinel``) as a transport.
 
 Script calls go down one connection, each sent as soon as it is packed, so Redis runs one while
 the next is encoded; then the replies are read. Lookups are one round trip of HMGETs and
@@ -10,7 +11,8 @@ to resend, so they are. An embedded server that died is restarted by whoever not
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,18 +34,40 @@ from featurestore.online.transport import (
     under_way,
 )
 
+# redis-py's clients of the node: (asynchronous, the clients' options) -> a client; their
+# connections are made as the client's pool makes its own (``connection_class``)
+Clients = Callable[..., Any]
+
+
+def url_clients(url: str) -> Clients:
+    """The clients of the Redis at ``url``."""
+
+    def make(asynchronous: bool, **options: Any) -> Any:
+        return (aioredis.Redis if asynchronous else redis.Redis).from_url(url, **options)
+
+    return make
+
 
 class SingleRedis:
     """A ``Transport`` to one Redis node."""
 
     failures: tuple[type[BaseException], ...] = UNAVAILABLE
 
-    def __init__(self, url: str, read_timeout_ms: int = 500, embedded: EmbeddedRedis | None = None):
+    def __init__(
+        self,
+        url: str,
+        read_timeout_ms: int = 500,
+        embedded: EmbeddedRedis | None = None,
+        clients: Clients | None = None,
+        password_form: str = "redis://[user]:password@host:port (percent-encoded)",
+    ):
         self.url = url
         self.safe_url = redact(url, url)
         self.read_timeout_ms = read_timeout_ms
         self.embedded = embedded
-        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        self._clients = clients or url_clients(url)
+        self._password_form = password_form  # (where a password goes, in an error that says one was refused)
+        self.client = self._clients(False, socket_timeout=30)
         self._async: aioredis.Redis | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to
         self._readers: ReadConnections | None = None
@@ -59,8 +83,8 @@ class SingleRedis:
             self._async_loop = loop
             # short: during an outage a request answers 503 in about this long, never hangs the server
             timeout = self.read_timeout_ms / 1000
-            self._async = aioredis.Redis.from_url(
-                self.url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256
+            self._async = self._clients(
+                True, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=256
             )
         return self._async
 
@@ -106,6 +130,7 @@ class SingleRedis:
         for attempt in (1, 2):  # a connection Redis dropped (a restart) fails once; reads are safe to resend
             connection = readers.take()
             try:
+                connection.connect()  # (as a pool does: a Sentinel-managed one asks for the master here)
                 connection.send_packed_command([packed], check_health=False)
                 replies = []
                 for _ in range(count):
@@ -170,7 +195,7 @@ class SingleRedis:
             raise self._unavailable(exc) from exc
 
     def error(self, exc: BaseException) -> OnlineStoreUnavailable:
-        return unavailable("Redis", self.url, exc, "redis://[user]:password@host:port (percent-encoded)")
+        return unavailable("Redis", self.url, exc, self._password_form)
 
     def _unavailable(self, exc: BaseException) -> OnlineStoreUnavailable:
         self.recover()

@@ -1,0 +1,60 @@
+"""Redis behind Sentinel: ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``.
+
+The sentinels name the service's master; every connection asks them for it as it connects
+(redis-py's ``SentinelConnectionPool``), so after a failover new connections reach the
+promoted replica, and one still open to the old master fails (its writes answer READONLY, which
+redis-py turns into a connection error): the store's error, a 503, then the next call serves
+again, with no restart. Everything else is one node's transport (``redis_single``). The password
+is the Redis nodes'; sentinels are reached without one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
+
+import redis.asyncio.sentinel as aiosentinel
+import redis.sentinel
+
+from featurestore.online.redis_single import Clients
+from featurestore.online.transport import redact
+
+SCHEME = "redis+sentinel://"
+FORM = f"{SCHEME}[user]:password@host:port,host:port/service (percent-encoded)"
+# a sentinel that does not answer in this long is skipped for the next (each is asked in turn)
+SENTINEL_TIMEOUT_S = 1.0
+
+
+def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
+    """The sentinels, the service's name, the database and the credentials of ``url``."""
+    rest = url[len(SCHEME) :] if url.startswith(SCHEME) else ""
+    location, _, path = rest.partition("/")
+    userinfo, at, hosts = location.rpartition("@")
+    sentinels = []
+    for item in filter(None, hosts.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{redact(item, url)!r} in {redact(url, url)!r} is not host:port")
+        sentinels.append((host, int(port)))
+    service, _, db = path.strip("/").partition("/")
+    if not sentinels or not service or (db and not db.isdigit()):
+        raise ValueError(f"{redact(url, url)!r} does not name sentinels and a service; write {FORM}")
+    credentials: dict[str, Any] = {}
+    if at:
+        user, colon, password = userinfo.partition(":")
+        credentials = {"username": unquote(user)} if user else {}
+        if colon:
+            credentials["password"] = unquote(password)
+    return sentinels, unquote(service), int(db or 0), credentials
+
+
+def sentinel_clients(url: str) -> Clients:
+    """Clients of the master the sentinels of ``url`` name now (asked again on every connection)."""
+    sentinels, service, db, credentials = parse(url)
+    asked = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+
+    def make(asynchronous: bool, **options: Any) -> Any:
+        kind = aiosentinel.Sentinel if asynchronous else redis.sentinel.Sentinel
+        return kind(sentinels, sentinel_kwargs=asked).master_for(service, db=db, **credentials, **options)
+
+    return make

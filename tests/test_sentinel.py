@@ -1,0 +1,184 @@
+"""Redis behind Sentinel (``redis+sentinel://``): real processes (a master, its replica, three
+sentinels, the redis-server this project ships); every path of the store equals a plain Redis's,
+and a master killed under lookups and writes fails over with no wrong value served: the
+store's error (a 503) while no master answers, then the promoted replica serves the same values
+and takes writes, with no restart."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from featurestore import FeatureStore, capacity
+from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable
+from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
+from featurestore.online.local_cluster import free_ports, wait_until
+from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+from .conftest import write_repo
+from .test_redis_cluster import FEATURES, NOW, _payments, _stats
+
+SERVICE = "features"
+REFS = ["stats:score", "stats:segment", "activity:count_1h", "activity:amount_sum_24h"]
+CARDS = list(range(-2, 110))
+
+
+class Sentinels:
+    """A master, its replica and three sentinels watching them (quorum 2), on loopback."""
+
+    def __init__(self, folder: Path):
+        self.master, self.replica, *self.sentinels = free_ports(5)
+        self.processes: dict[int, subprocess.Popen] = {}
+        server = redis_server_binary()
+        for port in (self.master, self.replica):
+            (folder / str(port)).mkdir(parents=True)
+            follow = ["--replicaof", "127.0.0.1", str(self.master)] if port == self.replica else []
+            self.processes[port] = subprocess.Popen(
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(folder / str(port))]
+                + [*COMPACT_ENCODINGS, *follow],
+                stdout=subprocess.DEVNULL,
+            )
+        for port in self.sentinels:
+            config = folder / f"sentinel-{port}.conf"
+            config.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.master} 2\n"
+                f"sentinel down-after-milliseconds {SERVICE} 500\nsentinel failover-timeout {SERVICE} 3000\n"
+            )
+            self.processes[port] = subprocess.Popen([server, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
+        sentinel = redis.Redis(port=self.sentinels[0])
+        wait_until(lambda: redis.Redis(port=self.replica).info("replication")["master_link_status"] == "up")
+        wait_until(
+            lambda: len(sentinel.sentinel_slaves(SERVICE)) == 1 and len(sentinel.sentinel_sentinels(SERVICE)) == 2
+        )
+
+    @property
+    def url(self) -> str:
+        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinels[:2]) + f"/{SERVICE}"
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture
+def sentinels(tmp_path) -> Iterator[Sentinels]:
+    started = Sentinels(tmp_path / "nodes")
+    yield started
+    started.stop()
+
+
+def _stores(tmp_path: Path, redis_url: str, url: str) -> tuple[FeatureStore, FeatureStore]:
+    plain = FeatureStore(write_repo(tmp_path / "plain", FEATURES, {"stats": _stats(100)}, url=redis_url))
+    watched = FeatureStore(write_repo(tmp_path / "sentinel", FEATURES, {"stats": _stats(100)}, url=url))
+    for store in (plain, watched):
+        store.apply()
+        store.materialize(None, NOW)
+        store.push("payments", _payments(400, seed=8))
+    return plain, watched
+
+
+def _lookup(store: FeatureStore) -> dict:
+    return store.get_online_features({"card_id": CARDS}, features=REFS, at=NOW).to_dict()
+
+
+def test_every_path_of_the_store_works_through_sentinel(sentinels, tmp_path, redis_url, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    plain, watched = _stores(tmp_path, redis_url, sentinels.url)
+    try:
+        expected = _lookup(plain)
+        assert _lookup(watched) == expected
+        assert redis.Redis(port=sentinels.master).dbsize() > 0  # (on the master the sentinels name)
+        online = watched.online_store
+        plan = OnlineQuery.prepare(
+            watched.definitions, watched.config.project, {"card_id": CARDS}, REFS, None, False, now=NOW
+        )
+
+        async def served() -> tuple[dict, str]:  # (one event loop, as a server's)
+            read = (await OnlineReader(online).read_async(plan)).to_dict()
+            messages = online.subscribe(b"models")
+            listening = asyncio.ensure_future(messages.__anext__())
+            for _ in range(100):  # until the subscription is in place
+                await asyncio.sleep(0.02)
+                online.publish(b"models", "m:1:production")
+                if listening.done():
+                    break
+            message = await asyncio.wait_for(listening, 5)
+            await messages.aclose()
+            return read, message
+
+        assert asyncio.run(served()) == (expected, "m:1:production")
+        assert capacity.measure(online, watched.definitions, watched.config.project).keys > 0
+    finally:
+        plain.close()
+        watched.close()
+
+
+def test_a_master_killed_under_load_fails_over_with_no_wrong_value_and_no_restart(
+    sentinels, tmp_path, redis_url, monkeypatch
+):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    plain, watched = _stores(tmp_path, redis_url, sentinels.url)
+    try:
+        expected = _lookup(plain)
+        assert _lookup(watched) == expected
+        redis.Redis(port=sentinels.master).execute_command("WAIT", 1, 5000)  # (the replica has every write)
+        online = watched.online_store
+        plan = OnlineQuery.prepare(
+            watched.definitions, watched.config.project, {"card_id": CARDS}, REFS, None, False, now=NOW
+        )
+
+        async def lookups_until_served_again() -> tuple[int, int]:  # (a server's path, on one loop)
+            failed = served = 0
+            deadline = time.monotonic() + 60
+            while served < 20:
+                assert time.monotonic() < deadline, "no lookup served after the failover"
+                try:
+                    assert (await OnlineReader(online).read_async(plan)).to_dict() == expected
+                    served += failed > 0
+                except OnlineStoreUnavailable:
+                    failed += 1
+                    await asyncio.sleep(0.05)
+            return failed, served
+
+        sentinels.processes[sentinels.master].kill()
+        failed, _ = asyncio.run(lookups_until_served_again())
+        assert failed > 0  # (the master was gone a while: an error, never a wrong value)
+        master = redis.Redis(port=sentinels.sentinels[0]).sentinel_get_master_addr_by_name(SERVICE)
+        assert int(master[1]) == sentinels.replica
+        deadline = time.monotonic() + 30
+        while True:  # the SDK's connections too, and writes, reach the promoted replica
+            try:
+                for store in (plain, watched):
+                    store.push("payments", _payments(50, seed=9))
+                break
+            except OnlineStoreUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert _lookup(watched) == _lookup(plain) != expected
+    finally:
+        plain.close()
+        watched.close()
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("redis+sentinel://127.0.0.1:26379", "does not name sentinels and a service"),
+        ("redis+sentinel://127.0.0.1:26379/features/x", "does not name sentinels and a service"),
+        ("redis+sentinel://:secret@127.0.0.1:x/features", "is not host:port"),
+    ],
+)
+def test_a_sentinel_url_with_a_typo_is_one_error(tmp_path, monkeypatch, url, says):
+    monkeypatch.setenv("REDIS_URL", url)
+    (tmp_path / "featurestore.yaml").write_text("project: p\n")
+    with pytest.raises(FeatureStoreError) as caught:
+        FeatureStore(tmp_path)
+    assert says in str(caught.value) and "secret" not in str(caught.value)
