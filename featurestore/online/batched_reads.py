@@ -94,7 +94,8 @@ class BatchedReads:
             async with self._slots:
                 connection = self.readers.take()
                 try:
-                    await connection.connect()  # (as a pool does: a Sentinel-managed one asks for the master here)
+                    if not connection.is_connected:  # (as a pool does: a Sentinel-managed one asks for the master)
+                        await connection.connect()
                     await connection.send_packed_command([packed for packed, _, _ in batch], check_health=False)
                     for _, count, future in batch:
                         replies = []

@@ -130,7 +130,8 @@ class SingleRedis:
         for attempt in (1, 2):  # a connection Redis dropped (a restart) fails once; reads are safe to resend
             connection = readers.take()
             try:
-                connection.connect()  # (as a pool does: a Sentinel-managed one asks for the master here)
+                if not connection.is_connected:  # (as a pool does: a Sentinel-managed one asks for the master)
+                    connection.connect()
                 connection.send_packed_command([packed], check_health=False)
                 replies = []
                 for _ in range(count):
