@@ -42,6 +42,11 @@ class OnlineSection:
     # pushes pack and summarize the tiles they wrote once those have ended (off: `featurestore compact` does,
     # when it runs; packing costs the pushing process CPU, and Redis some: see the README's capacity section)
     pack_pushes: bool = True
+    # each write returns once this many replicas (of each master written) have it, within
+    # wait_timeout_ms, else fails (a 503; writes are idempotent, a retry converges): a failover
+    # then loses no write acknowledged (Redis replicates asynchronously)
+    wait_for_replicas: int = 0
+    wait_timeout_ms: int = 1000
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,13 @@ class RepoConfig:
         """What opening the online store takes (``online.base.open_online_store``)."""
         online = self.online
         return OnlineStoreSettings(
-            self.project, online.url, self.data_dir, online.read_timeout_ms, online.read_from_replicas
+            self.project,
+            online.url,
+            self.data_dir,
+            online.read_timeout_ms,
+            online.read_from_replicas,
+            online.wait_for_replicas,
+            online.wait_timeout_ms,
         )
 
     def with_engine(self, engine: str | None = None, ray_address: str | None = None) -> RepoConfig:
@@ -198,6 +209,8 @@ def _online_section(online: dict, file: Path) -> OnlineSection:
         expire_after_ttl=bool(online.get("expire_after_ttl", False)),
         event_retention=parse_duration(online.get("event_retention", 0), f"{where}.event_retention"),
         pack_pushes=bool(online.get("pack_pushes", True)),
+        wait_for_replicas=_non_negative_int(online.get("wait_for_replicas", 0), f"{where}.wait_for_replicas"),
+        wait_timeout_ms=_positive_int(online.get("wait_timeout_ms", 1000), f"{where}.wait_timeout_ms"),
     )
 
 
@@ -366,6 +379,8 @@ _KEYS = {
         "event_retention",
         "read_timeout_ms",
         "pack_pushes",
+        "wait_for_replicas",
+        "wait_timeout_ms",
     },
     "offline_store": {
         "path",

@@ -146,6 +146,34 @@ def test_lookups_equal_a_single_redis(tmp_path, redis_url, cluster, monkeypatch)
         clustered.close()
 
 
+def test_writes_wait_for_each_masters_replicas_when_asked(tmp_path, redis_url, cluster, monkeypatch):
+    """``online_store.wait_for_replicas`` on a cluster: each master written waits for its replicas
+    (one each here); asked for two, every write is the store's error naming the master."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    ports, _ = cluster
+    single, clustered = _stores(tmp_path, redis_url, ports, n=50)
+    config = tmp_path / "cluster" / "featurestore.yaml"
+    written = config.read_text()
+    try:
+        refs = ["stats:score", "activity:count_1h", "activity:amount_sum_24h"]
+        for wait, error in (("1", None), ("2, wait_timeout_ms: 200", "1 of the 2 replicas")):
+            config.write_text(written.replace("]}", f"], wait_for_replicas: {wait}}}"))
+            with FeatureStore(config.parent) as store:
+                if error is None:
+                    for each in (single, store):
+                        each.push("payments", _payments(400, seed=4), to="online")
+                    cards = list(range(-2, 600))
+                    expected = single.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+                    assert store.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
+                    continue
+                with pytest.raises(OnlineStoreUnavailable) as short:
+                    store.push("payments", _payments(400, seed=5), to="online")
+                assert "Redis Cluster master 127.0.0.1:" in str(short.value) and error in str(short.value)
+    finally:
+        single.close()
+        clustered.close()
+
+
 def _script_calls(clients: list[redis.Redis]) -> int:
     return sum(int(c.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)) for c in clients)
 

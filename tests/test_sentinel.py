@@ -34,16 +34,11 @@ class Sentinels:
 
     def __init__(self, folder: Path):
         self.master, self.replica, *self.sentinels = free_ports(5)
+        self.folder = folder
         self.processes: dict[int, subprocess.Popen] = {}
         server = redis_server_binary()
-        for port in (self.master, self.replica):
-            (folder / str(port)).mkdir(parents=True)
-            follow = ["--replicaof", "127.0.0.1", str(self.master)] if port == self.replica else []
-            self.processes[port] = subprocess.Popen(
-                [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(folder / str(port))]
-                + [*COMPACT_ENCODINGS, *follow],
-                stdout=subprocess.DEVNULL,
-            )
+        self.start(self.master)
+        self.start(self.replica, "--replicaof", "127.0.0.1", str(self.master))
         for port in self.sentinels:
             config = folder / f"sentinel-{port}.conf"
             config.write_text(
@@ -57,6 +52,19 @@ class Sentinels:
         wait_until(
             lambda: len(sentinel.sentinel_slaves(SERVICE)) == 1 and len(sentinel.sentinel_sentinels(SERVICE)) == 2
         )
+
+    def start(self, port: int, *options: str) -> None:
+        """(Again after a kill: empty, as with no persistence; the sentinels make it a replica.)"""
+        (self.folder / str(port)).mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            + ["--dir", str(self.folder / str(port)), *COMPACT_ENCODINGS, *options],
+            stdout=subprocess.DEVNULL,
+        )
+
+    def kill(self, port: int) -> None:
+        self.processes[port].kill()
+        self.processes[port].wait()
 
     @property
     def url(self) -> str:
@@ -75,9 +83,10 @@ def sentinels(tmp_path) -> Iterator[Sentinels]:
     started.stop()
 
 
-def _stores(tmp_path: Path, redis_url: str, url: str) -> tuple[FeatureStore, FeatureStore]:
+def _stores(tmp_path: Path, redis_url: str, url: str, options: str = "") -> tuple[FeatureStore, FeatureStore]:
     plain = FeatureStore(write_repo(tmp_path / "plain", FEATURES, {"stats": _stats(100)}, url=redis_url))
-    watched = FeatureStore(write_repo(tmp_path / "sentinel", FEATURES, {"stats": _stats(100)}, url=url))
+    root = write_repo(tmp_path / "sentinel", FEATURES, {"stats": _stats(100)}, url=url, online_options=options)
+    watched = FeatureStore(root)
     for store in (plain, watched):
         store.apply()
         store.materialize(None, NOW)
@@ -124,12 +133,13 @@ def test_every_path_of_the_store_works_through_sentinel(sentinels, tmp_path, red
 def test_a_master_killed_under_load_fails_over_with_no_wrong_value_and_no_restart(
     sentinels, tmp_path, redis_url, monkeypatch
 ):
+    """With ``wait_for_replicas: 1`` every write the store acknowledged is on the replica: the
+    master is killed right after the last one, and the promoted replica serves all of them."""
     monkeypatch.delenv("REDIS_URL", raising=False)
-    plain, watched = _stores(tmp_path, redis_url, sentinels.url)
+    plain, watched = _stores(tmp_path, redis_url, sentinels.url, ", wait_for_replicas: 1")
     try:
         expected = _lookup(plain)
         assert _lookup(watched) == expected
-        redis.Redis(port=sentinels.master).execute_command("WAIT", 1, 5000)  # (the replica has every write)
         online = watched.online_store
         plan = OnlineQuery.prepare(
             watched.definitions, watched.config.project, {"card_id": CARDS}, REFS, None, False, now=NOW
@@ -148,12 +158,15 @@ def test_a_master_killed_under_load_fails_over_with_no_wrong_value_and_no_restar
                     await asyncio.sleep(0.05)
             return failed, served
 
-        sentinels.processes[sentinels.master].kill()
+        sentinels.kill(sentinels.master)
         failed, _ = asyncio.run(lookups_until_served_again())
         assert failed > 0  # (the master was gone a while: an error, never a wrong value)
         master = redis.Redis(port=sentinels.sentinels[0]).sentinel_get_master_addr_by_name(SERVICE)
         assert int(master[1]) == sentinels.replica
-        deadline = time.monotonic() + 30
+        with pytest.raises(OnlineStoreUnavailable, match="0 of the 1 replicas"):  # (none left to acknowledge)
+            watched.push("payments", _payments(50, seed=9))
+        sentinels.start(sentinels.master)  # back, empty: the sentinels make it the new master's replica
+        deadline = time.monotonic() + 60
         while True:  # the SDK's connections too, and writes, reach the promoted replica
             try:
                 for store in (plain, watched):
@@ -182,3 +195,32 @@ def test_a_sentinel_url_with_a_typo_is_one_error(tmp_path, monkeypatch, url, say
     with pytest.raises(FeatureStoreError) as caught:
         FeatureStore(tmp_path)
     assert says in str(caught.value) and "secret" not in str(caught.value)
+
+
+def test_writes_wait_for_the_replicas_asked_for_and_fail_without_them(sentinels, tmp_path, monkeypatch):
+    """``online_store.wait_for_replicas``: a write returns once that many replicas have it (the
+    replica holds every key the master does the moment it returns); asked for more replicas than
+    answer within ``wait_timeout_ms``, the write is the store's error saying so (a 503 on the
+    servers), and a retry once they are back converges (writes are idempotent)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", FEATURES, {"stats": _stats(100)}, url=sentinels.url)
+    config = root / "featurestore.yaml"
+    written = config.read_text()
+    master, replica = redis.Redis(port=sentinels.master), redis.Redis(port=sentinels.replica)
+    config.write_text(written.replace("}", ", wait_for_replicas: 1}", 1))
+    with FeatureStore(root) as store:
+        store.apply()
+        for seed in range(3):
+            store.push("payments", _payments(300, seed=seed), to="online")
+            assert sorted(replica.keys()) == sorted(master.keys())  # (no sleep: the write waited for it)
+        expected = _lookup(store)
+    config.write_text(written.replace("}", ", wait_for_replicas: 2, wait_timeout_ms: 200}", 1))
+    with FeatureStore(root) as store:
+        with pytest.raises(OnlineStoreUnavailable) as short:
+            store.push("payments", _payments(300, seed=7), to="online")
+        assert "1 of the 2 replicas online_store.wait_for_replicas asks for" in str(short.value), short.value
+        assert "within 200 ms" in str(short.value) and "retry" in str(short.value)
+    config.write_text(written.replace("}", ", wait_for_replicas: 1}", 1))
+    with FeatureStore(root) as store:
+        store.push("payments", _payments(300, seed=7), to="online")  # (the retry)
+        assert _lookup(store) != expected

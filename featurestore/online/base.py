@@ -117,6 +117,8 @@ class OnlineStoreSettings:
     data_dir: Path = Path("data")
     read_timeout_ms: int = 500  # past it a server's lookup answers 503: an outage never hangs it
     read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master)
+    wait_for_replicas: int = 0  # writes return once this many replicas have them (WAIT), else fail
+    wait_timeout_ms: int = 1000
 
 
 class OnlineWrites(Protocol):
@@ -282,13 +284,14 @@ class OnlineStore(OnlineWrites, OnlineReads, Protocol):
 def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
     """The online store the settings name: Redis over one node (embedded or a URL), or over a cluster."""
     from featurestore.online.redis_store import RedisOnlineStore
+    from featurestore.online.transport import ReplicaWait
 
+    wait = ReplicaWait(settings.wait_for_replicas, settings.wait_timeout_ms) if settings.wait_for_replicas else None
     if settings.url.startswith(CLUSTER_SCHEMES):
         from featurestore.online.redis_cluster import ClusterRedis
 
-        return RedisOnlineStore(
-            ClusterRedis(settings.url, settings.read_timeout_ms, settings.read_from_replicas), settings.project
-        )
+        cluster = ClusterRedis(settings.url, settings.read_timeout_ms, settings.read_from_replicas, wait)
+        return RedisOnlineStore(cluster, settings.project)
     from featurestore.online.embedded import EmbeddedRedis
     from featurestore.online.redis_single import SingleRedis
 
@@ -296,14 +299,17 @@ def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
         from featurestore.online import redis_sentinel
 
         clients = redis_sentinel.sentinel_clients(settings.url)
-        return RedisOnlineStore(
-            SingleRedis(settings.url, settings.read_timeout_ms, clients=clients, password_form=redis_sentinel.FORM),
-            settings.project,
+        transport = SingleRedis(
+            settings.url,
+            settings.read_timeout_ms,
+            clients=clients,
+            password_form=redis_sentinel.FORM,
+            replica_wait=wait,
         )
+        return RedisOnlineStore(transport, settings.project)
 
     if settings.url == EMBEDDED:
         embedded = EmbeddedRedis(settings.data_dir)
-        return RedisOnlineStore(
-            SingleRedis(embedded.ensure_running(), settings.read_timeout_ms, embedded), settings.project
-        )
-    return RedisOnlineStore(SingleRedis(settings.url, settings.read_timeout_ms), settings.project)
+        transport = SingleRedis(embedded.ensure_running(), settings.read_timeout_ms, embedded, replica_wait=wait)
+        return RedisOnlineStore(transport, settings.project)
+    return RedisOnlineStore(SingleRedis(settings.url, settings.read_timeout_ms, replica_wait=wait), settings.project)

@@ -46,6 +46,7 @@ from featurestore.online.lua import scripts
 from featurestore.online.transport import (
     UNAVAILABLE,
     Call,
+    ReplicaWait,
     as_binary,
     listen,
     read_commands,
@@ -161,8 +162,15 @@ class ClusterRedis:
 
     failures: tuple[type[BaseException], ...] = PIPELINE_FAILURES
 
-    def __init__(self, url: str, read_timeout_ms: int = 500, read_from_replicas: bool = False):
+    def __init__(
+        self,
+        url: str,
+        read_timeout_ms: int = 500,
+        read_from_replicas: bool = False,
+        replica_wait: ReplicaWait | None = None,
+    ):
         self.url = url
+        self.replica_wait = replica_wait
         self.safe_url = redact(url, url)
         self.nodes = parse_nodes(url)
         self.tls = tls_settings(url)
@@ -408,7 +416,8 @@ class ClusterRedis:
                 pools[name] = self.client.get_redis_connection(owner).connection_pool
             for name in queued:
                 connections[name] = pools[name].get_connection()
-            exchanges = [(connections[name], [c for _, c in commands]) for name, commands in queued.items()]
+            wait = [self.replica_wait.command] if self.replica_wait is not None else []
+            exchanges = [(connections[name], [c for _, c in commands] + wait) for name, commands in queued.items()]
             if len(exchanges) > 1:  # every master fed at once: a blocking send to one would hold back the others
                 answers = list(self._node_threads().map(lambda e: _exchange(*e), exchanges))
             else:
@@ -417,6 +426,9 @@ class ClusterRedis:
             for commands, answered in zip(queued.values(), answers):
                 for (i, _), reply in zip(commands, answered):
                     replies[i].append(reply)
+            if self.replica_wait is not None:  # (each master's last reply: its replicas')
+                for name, answered in zip(queued, answers):
+                    self.replica_wait.check(answered[-1], f"Redis Cluster master {name}")
         except PIPELINE_FAILURES as exc:
             for connection in connections.values():  # replies may be left unread on them
                 connection.disconnect()

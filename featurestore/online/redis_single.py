@@ -26,6 +26,7 @@ from featurestore.online.embedded import EmbeddedRedis
 from featurestore.online.transport import (
     UNAVAILABLE,
     Call,
+    ReplicaWait,
     evalsha,
     listen,
     packed_reads,
@@ -60,6 +61,7 @@ class SingleRedis:
         embedded: EmbeddedRedis | None = None,
         clients: Clients | None = None,
         password_form: str = "redis://[user]:password@host:port (percent-encoded)",
+        replica_wait: ReplicaWait | None = None,
     ):
         self.url = url
         self.safe_url = redact(url, url)
@@ -67,6 +69,7 @@ class SingleRedis:
         self.embedded = embedded
         self._clients = clients or url_clients(url)
         self._password_form = password_form  # (where a password goes, in an error that says one was refused)
+        self.replica_wait = replica_wait
         self.client = self._clients(False, socket_timeout=30)
         self._async: aioredis.Redis | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to
@@ -102,12 +105,16 @@ class SingleRedis:
             for call in calls:
                 connection.send_packed_command([evalsha(call)])
                 sent += 1
+            if self.replica_wait is not None:
+                connection.send_packed_command([self.replica_wait.command])
             results: list = []
-            for _ in range(sent):
+            for _ in range(sent + (self.replica_wait is not None)):
                 try:
                     results.append(connection.read_response())
                 except redis.ResponseError as exc:
                     results.append(exc)
+            if self.replica_wait is not None:
+                self.replica_wait.check(results.pop(), f"Redis at {self.safe_url}")
             return results
         except UNAVAILABLE as exc:
             connection.disconnect()

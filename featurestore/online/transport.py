@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,6 +46,31 @@ UNAVAILABLE = (
     redis.exceptions.RedisClusterException,
     OSError,
 )
+
+
+@dataclass(frozen=True)
+class ReplicaWait:
+    """Writes return once ``replicas`` replicas of each master written have them (Redis's WAIT
+    after a write's commands, on their connection), waiting at most ``timeout_ms``; else the
+    store's error: a failover then loses no write it acknowledged."""
+
+    replicas: int
+    timeout_ms: int
+
+    @property
+    def command(self) -> bytes:
+        return resp.command("WAIT", self.replicas, self.timeout_ms)
+
+    def check(self, reply: Any, where: str) -> None:
+        """``reply``: WAIT's (the replicas that acknowledged), or the error it answered."""
+        if isinstance(reply, int) and reply >= self.replicas:
+            return
+        got = f"{reply} of the {self.replicas}" if isinstance(reply, int) else f"none of the {self.replicas} ({reply})"
+        raise OnlineStoreUnavailable(
+            f"{where} has the write, but {got} replicas online_store.wait_for_replicas asks for acknowledged it "
+            f"within {self.timeout_ms} ms (a failover now could lose it); retry once the replicas are back: "
+            "writes are idempotent"
+        )
 
 
 class Transport(Protocol):
