@@ -32,9 +32,13 @@ CARDS = list(range(-2, 110))
 class Sentinels:
     """A master, its replica and three sentinels watching them (quorum 2), on loopback."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, password: str | None = None, sentinel_password: str | None = None):
+        """With ``password`` the nodes require it; with ``sentinel_password`` the sentinels require theirs."""
         self.master, self.replica, *self.sentinels = free_ports(5)
-        self.folder = folder
+        self.folder, self.password = folder, password
+        secret = f"sentinel auth-pass {SERVICE} {password}\n" if password else ""
+        if sentinel_password:
+            secret += f"requirepass {sentinel_password}\nsentinel sentinel-pass {sentinel_password}\n"
         self.processes: dict[int, subprocess.Popen] = {}
         server = redis_server_binary()
         self.start(self.master)
@@ -44,11 +48,12 @@ class Sentinels:
             config.write_text(
                 f"port {port}\nbind 127.0.0.1\ndir {folder}\n"
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.master} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} 500\nsentinel failover-timeout {SERVICE} 3000\n"
+                f"sentinel down-after-milliseconds {SERVICE} 500\nsentinel failover-timeout {SERVICE} 3000\n{secret}"
             )
             self.processes[port] = subprocess.Popen([server, str(config), "--sentinel"], stdout=subprocess.DEVNULL)
-        sentinel = redis.Redis(port=self.sentinels[0])
-        wait_until(lambda: redis.Redis(port=self.replica).info("replication")["master_link_status"] == "up")
+        sentinel = redis.Redis(port=self.sentinels[0], password=sentinel_password)
+        replica = redis.Redis(port=self.replica, password=password)
+        wait_until(lambda: replica.info("replication")["master_link_status"] == "up")
         wait_until(
             lambda: len(sentinel.sentinel_slaves(SERVICE)) == 1 and len(sentinel.sentinel_sentinels(SERVICE)) == 2
         )
@@ -56,9 +61,10 @@ class Sentinels:
     def start(self, port: int, *options: str) -> None:
         """(Again after a kill: empty, as with no persistence; the sentinels make it a replica.)"""
         (self.folder / str(port)).mkdir(parents=True, exist_ok=True)
+        secret = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
         self.processes[port] = subprocess.Popen(
             [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            + ["--dir", str(self.folder / str(port)), *COMPACT_ENCODINGS, *options],
+            + ["--dir", str(self.folder / str(port)), *COMPACT_ENCODINGS, *secret, *options],
             stdout=subprocess.DEVNULL,
         )
 
@@ -224,3 +230,28 @@ def test_writes_wait_for_the_replicas_asked_for_and_fail_without_them(sentinels,
     with FeatureStore(root) as store:
         store.push("payments", _payments(300, seed=7), to="online")  # (the retry)
         assert _lookup(store) != expected
+
+
+def test_nodes_and_sentinels_that_require_passwords_take_the_ones_in_the_url(tmp_path, redis_url, monkeypatch):
+    """The nodes' password in the URL (percent-encoded), the sentinels' own in its query; a
+    sentinel password missing is the store's error, neither password in it."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    watched = Sentinels(tmp_path / "nodes", password="n0de/pw", sentinel_password="s3nt:pw")
+    try:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in watched.sentinels)
+        url = f"redis+sentinel://:n0de%2Fpw@{hosts}/{SERVICE}"
+        plain, store = _stores(tmp_path, redis_url, url + "?sentinel_password=s3nt%3Apw")
+        try:
+            assert _lookup(store) == _lookup(plain)
+        finally:
+            plain.close()
+            store.close()
+        (tmp_path / "sentinel" / "featurestore.yaml").write_text(f"project: p\nonline_store: {{url: '{url}'}}\n")
+        with pytest.raises(OnlineStoreUnavailable) as refused:
+            with FeatureStore(tmp_path / "sentinel") as store:
+                store.online_store.ping()
+        assert "n0de" not in str(refused.value) and "s3nt" not in str(refused.value), refused.value
+        assert "refused" in str(refused.value) and "sentinel_password=" in str(refused.value), refused.value
+        assert "<redis.client" not in str(refused.value)  # (each sentinel by its address, not redis-py's repr)
+    finally:
+        watched.stop()

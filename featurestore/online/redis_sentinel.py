@@ -1,17 +1,18 @@
-"""Redis behind Sentinel: ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``.
+"""Redis behind Sentinel: ``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``
+(``?sentinel_password=...``, and ``sentinel_username``, where the sentinels require their own).
 
 The sentinels name the service's master; every connection asks them for it as it connects
 (redis-py's ``SentinelConnectionPool``), so after a failover new connections reach the
 promoted replica, and one still open to the old master fails (its writes answer READONLY, which
 redis-py turns into a connection error): the store's error, a 503, then the next call serves
-again, with no restart. Everything else is one node's transport (``redis_single``). The password
-is the Redis nodes'; sentinels are reached without one.
+again, with no restart. Everything else is one node's transport (``redis_single``). The URL's
+password is the Redis nodes'; the sentinels take the query's, when given.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
@@ -20,14 +21,21 @@ from featurestore.online.redis_single import Clients
 from featurestore.online.transport import redact
 
 SCHEME = "redis+sentinel://"
-FORM = f"{SCHEME}[user]:password@host:port,host:port/service (percent-encoded)"
+FORM = (
+    f"{SCHEME}[user]:password@host:port,host:port/service (percent-encoded; the sentinels' own: ?sentinel_password=...)"
+)
+SENTINEL_SETTINGS = ("sentinel_password", "sentinel_username")
 # a sentinel that does not answer in this long is skipped for the next (each is asked in turn)
 SENTINEL_TIMEOUT_S = 1.0
 
 
-def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
-    """The sentinels, the service's name, the database and the credentials of ``url``."""
-    rest = url[len(SCHEME) :] if url.startswith(SCHEME) else ""
+def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any], dict[str, Any]]:
+    """The sentinels, the service's name, the database, the nodes' credentials and the sentinels'."""
+    rest, _, query = (url[len(SCHEME) :] if url.startswith(SCHEME) else "").partition("?")
+    settings = parse_qs(query, keep_blank_values=True)
+    if set(settings) - set(SENTINEL_SETTINGS) or any(len(values) > 1 for values in settings.values()):
+        raise ValueError(f"{redact(url, url)!r}: its query may set each of {list(SENTINEL_SETTINGS)} once")
+    asked = {name.removeprefix("sentinel_"): values[0] for name, values in settings.items()}
     location, _, path = rest.partition("/")
     userinfo, at, hosts = location.rpartition("@")
     sentinels = []
@@ -45,13 +53,13 @@ def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
         credentials = {"username": unquote(user)} if user else {}
         if colon:
             credentials["password"] = unquote(password)
-    return sentinels, unquote(service), int(db or 0), credentials
+    return sentinels, unquote(service), int(db or 0), credentials, asked
 
 
 def sentinel_clients(url: str) -> Clients:
     """Clients of the master the sentinels of ``url`` name now (asked again on every connection)."""
-    sentinels, service, db, credentials = parse(url)
-    asked = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    sentinels, service, db, credentials, sentinel_credentials = parse(url)
+    asked = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S, **sentinel_credentials}
 
     def make(asynchronous: bool, **options: Any) -> Any:
         kind = aiosentinel.Sentinel if asynchronous else redis.sentinel.Sentinel

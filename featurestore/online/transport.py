@@ -10,6 +10,7 @@ error (``OnlineStoreUnavailable``, a 503 on the servers), never redis-py's.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,6 +34,9 @@ AUTH_REFUSED = (
     "without any password",
     "client already authenticated",  # (HELLO before AUTH)
 )
+
+# a redis-py client as its repr names it (Sentinel's errors list one per sentinel asked): its host:port
+_CLIENT_REPR = re.compile(r"<redis\.client\.Redis\(<.*?host=([^,)]+),port=(\d+).*?\)>\)>\)>")
 
 # A script call: the script's name, its keys, its arguments, then its per-key argument columns.
 Call = tuple[str, "pa.Array | list", list, "list[pa.Array]"]
@@ -196,7 +200,7 @@ def unavailable(what: str, url: str, exc: BaseException, form: str) -> OnlineSto
     """The store's error for ``exc``: ``what`` at ``url`` is unreachable, refused its password
     (then how to give one: ``form``), or its TLS certificate is not trusted here (then how to
     name the CA); the password never in it."""
-    text, safe = redact(str(exc), url), redact(url, url)
+    text, safe = _CLIENT_REPR.sub(r"\1:\2", redact(str(exc), url)), redact(url, url)
     if any(refusal in text for refusal in AUTH_REFUSED):
         given = "the password in its URL" if safe != url else "a connection without a password"
         return OnlineStoreUnavailable(
@@ -217,11 +221,19 @@ def under_way(work: asyncio.Future | None, loop: asyncio.AbstractEventLoop) -> b
 
 
 def redact(text: str, url: str) -> str:
-    """``text`` with the password of ``url`` (``redis://user:secret@host``) replaced by ``***``."""
-    from urllib.parse import urlsplit
+    """``text`` with the passwords of ``url`` (``redis://user:secret@host``, and a query's
+    ``...password=secret``) replaced by ``***``, as written and decoded."""
+    from urllib.parse import unquote, urlsplit
 
     try:
-        password = urlsplit(url).password
+        parts = urlsplit(url)
+        secrets = [parts.password or ""]
     except ValueError:
         return text
-    return text.replace(password, "***") if password else text
+    for setting in parts.query.split("&"):
+        name, _, value = setting.partition("=")
+        if "password" in name:
+            secrets.append(value)
+    for secret in sorted({*secrets, *map(unquote, secrets)} - {""}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
