@@ -23,6 +23,7 @@ from featurestore.errors import OnlineStoreUnavailable
 
 if TYPE_CHECKING:
     from featurestore.definitions import FeatureView
+    from featurestore.online.transport import Transport
 
 # One lookup: an entity key and the view fields wanted from it.
 Lookup = tuple[bytes, Sequence[str]]
@@ -282,34 +283,31 @@ class OnlineStore(OnlineWrites, OnlineReads, Protocol):
 
 
 def open_online_store(settings: OnlineStoreSettings) -> OnlineStore:
-    """The online store the settings name: Redis over one node (embedded or a URL), or over a cluster."""
+    """The online store the settings name: Redis over one node (embedded, a URL, or the master
+    Sentinel names), or over a cluster."""
     from featurestore.online.redis_store import RedisOnlineStore
+
+    return RedisOnlineStore(_transport(settings), settings.project)
+
+
+def _transport(settings: OnlineStoreSettings) -> Transport:
     from featurestore.online.transport import ReplicaWait
 
     wait = ReplicaWait(settings.wait_for_replicas, settings.wait_timeout_ms) if settings.wait_for_replicas else None
     if settings.url.startswith(CLUSTER_SCHEMES):
         from featurestore.online.redis_cluster import ClusterRedis
 
-        cluster = ClusterRedis(settings.url, settings.read_timeout_ms, settings.read_from_replicas, wait)
-        return RedisOnlineStore(cluster, settings.project)
+        return ClusterRedis(settings.url, settings.read_timeout_ms, settings.read_from_replicas, wait)
     from featurestore.online.embedded import EmbeddedRedis
     from featurestore.online.redis_single import SingleRedis
 
     if settings.url.startswith(SENTINEL_SCHEME):
         from featurestore.online import redis_sentinel
 
-        clients = redis_sentinel.sentinel_clients(settings.url)
-        transport = SingleRedis(
-            settings.url,
-            settings.read_timeout_ms,
-            clients=clients,
-            password_form=redis_sentinel.FORM,
-            replica_wait=wait,
+        clients, form = redis_sentinel.sentinel_clients(settings.url), redis_sentinel.FORM
+        return SingleRedis(
+            settings.url, settings.read_timeout_ms, clients=clients, password_form=form, replica_wait=wait
         )
-        return RedisOnlineStore(transport, settings.project)
-
-    if settings.url == EMBEDDED:
-        embedded = EmbeddedRedis(settings.data_dir)
-        transport = SingleRedis(embedded.ensure_running(), settings.read_timeout_ms, embedded, replica_wait=wait)
-        return RedisOnlineStore(transport, settings.project)
-    return RedisOnlineStore(SingleRedis(settings.url, settings.read_timeout_ms, replica_wait=wait), settings.project)
+    embedded = EmbeddedRedis(settings.data_dir) if settings.url == EMBEDDED else None
+    url = embedded.ensure_running() if embedded is not None else settings.url
+    return SingleRedis(url, settings.read_timeout_ms, embedded, replica_wait=wait)
