@@ -209,7 +209,10 @@ def test_writes_wait_for_the_replicas_asked_for_and_fail_without_them(sentinels,
     answer within ``wait_timeout_ms``, the write is the store's error saying so (a 503 on the
     servers), and a retry once they are back converges (writes are idempotent)."""
     monkeypatch.delenv("REDIS_URL", raising=False)
-    root = write_repo(tmp_path / "repo", FEATURES, {"stats": _stats(100)}, url=sentinels.url)
+    # (pack_pushes off: no packing in the background, a write of its own, between a push and the check)
+    root = write_repo(
+        tmp_path / "repo", FEATURES, {"stats": _stats(100)}, url=sentinels.url, online_options=", pack_pushes: false"
+    )
     config = root / "featurestore.yaml"
     written = config.read_text()
     master, replica = redis.Redis(port=sentinels.master), redis.Redis(port=sentinels.replica)
@@ -219,6 +222,8 @@ def test_writes_wait_for_the_replicas_asked_for_and_fail_without_them(sentinels,
         for seed in range(3):
             store.push("payments", _payments(300, seed=seed), to="online")
             assert sorted(replica.keys()) == sorted(master.keys())  # (no sleep: the write waited for it)
+        assert store.online_store.first_use("retry-1", "a", 10, 60) == (10, "a")  # (a push's idempotency key)
+        assert any(b"idem:retry-1" in key for key in replica.keys())
         expected = _lookup(store)
     config.write_text(written.replace("}", ", wait_for_replicas: 2, wait_timeout_ms: 200}", 1))
     with FeatureStore(root) as store:

@@ -417,10 +417,11 @@ class RedisOnlineStore:
         """Record ``(now_us, fingerprint)`` under an idempotency key unless already there; return what is
         recorded (a retry gets the first attempt's time and fingerprint)."""
         name = self.prefix + b"idem:" + key.encode()
-        with self._calling():
-            recorded = self.client.eval(
-                scripts()["first_use"].code, 1, name, f"{now_us}:{fingerprint}", keep_seconds
-            ).decode()
+        with self._calling():  # (a write call: with wait_for_replicas, the replicas have it when it returns)
+            (recorded,) = self._run(
+                lambda: [("first_use", [name], [f"{now_us}:{fingerprint}", keep_seconds], [])], None
+            )
+        recorded = recorded.decode()
         first, _, recorded_fingerprint = recorded.partition(":")
         return int(first), recorded_fingerprint
 
