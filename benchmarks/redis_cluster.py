@@ -5,8 +5,9 @@ on the same machine in the same run.
 The cluster is 3 masters + 3 replicas on this machine (``featurestore.online.local_cluster``);
 the single Redis is a plain redis-server on TCP too, so both pay the same network stack. The
 write is also timed to a single Redis with a replica: every write applied twice on the same
-cores, as the cluster's replicas do. Lookups alternate between the stores in blocks so drift
-hits both alike.
+cores, as the cluster's replicas do; and there with ``wait_for_replicas: 1`` (every write call
+waits for the replica: WAIT), materializing and writing one row at a time, alternating with the
+same writes without it. Lookups alternate between the stores in blocks so drift hits both alike.
 
     python benchmarks/redis_cluster.py [--entities 100000]
 """
@@ -132,19 +133,31 @@ def main() -> None:
             warm.apply()
             warm.materialize(None, datetime.now(UTC))
         replicated = FeatureStore(repo(work / "replicated", f"{{url: 'redis://127.0.0.1:{primary}'}}", table))
+        waited = FeatureStore(
+            repo(work / "waited", f"{{url: 'redis://127.0.0.1:{primary}/2', wait_for_replicas: 1}}", table)
+        )
         writes, cpu = {}, {}
         servers_of = {
             "single Redis": [port],
             "Redis Cluster (3+3)": list(procs),
             "single Redis + replica": [primary, replica],
+            "  … wait_for_replicas: 1": [primary, replica],
         }
-        for name, store in [*stores.items(), ("single Redis + replica", replicated)]:
+        pairs = [*stores.items(), ("single Redis + replica", replicated), ("  … wait_for_replicas: 1", waited)]
+        for name, store in pairs:
             store.apply()
             before = redis_cpu(servers_of[name])
             t0 = time.perf_counter()
             store.materialize(None, datetime.now(UTC))
             writes[name] = time.perf_counter() - t0
             cpu[name] = redis_cpu(servers_of[name]) - before
+        one_row: dict[str, list[float]] = {"without": [], "with": []}  # (one-row writes, alternating)
+        for i in range(400):
+            for kind, store in (("without", replicated), ("with", waited)):
+                row = table.slice(i, 1)
+                t0 = time.perf_counter()
+                store.write_to_online_store("stats", row)
+                one_row[kind].append(time.perf_counter() - t0)
         refs = [f"stats:{f}" for f in FEATURES]
         timings = {(name, size): [] for name in stores for size in (1, 100)}
         for block in range(args.blocks):
@@ -169,6 +182,14 @@ def main() -> None:
             f"  cluster / single: {cluster / writes['single Redis']:.2f}x; "
             f"cluster / single + replica: {cluster / writes['single Redis + replica']:.2f}x"
         )
+        print(
+            f"  wait_for_replicas: 1 / without: {writes['  … wait_for_replicas: 1'] / writes['single Redis + replica']:.2f}x"
+        )
+        a, b = percentiles(one_row["without"]), percentiles(one_row["with"])
+        print(
+            f"one-row writes to the single Redis + replica, p50 (p99): {a['p50']:.3f} ({a['p99']:.3f}) ms; with "
+            f"wait_for_replicas: 1 {b['p50']:.3f} ({b['p99']:.3f}) ms: {b['p50'] / a['p50']:.2f}x p50"
+        )
         print("SDK lookups, 10 features, p50 (p99):")
         for size in (1, 100):
             a, b = (percentiles(timings[(name, size)]) for name in stores)
@@ -181,7 +202,7 @@ def main() -> None:
             print(f"  {name:<22} " + ", ".join(f"{rate:,.0f} lookups/s (p50 {p50:.2f} ms)" for rate, p50 in runs))
         ratios = [c[0] / s[0] for s, c in zip(*rates.values())]
         print(f"  cluster / single: {', '.join(f'{r:.2f}x' for r in ratios)} the lookups/s")
-        for store in [*stores.values(), replicated]:
+        for store in [*stores.values(), replicated, waited]:
             store.close()
     finally:
         for server in servers:

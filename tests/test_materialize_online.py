@@ -10,6 +10,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from featurestore.catalog import view_status
 from featurestore.errors import BadRowsError, RequestError
@@ -799,3 +801,41 @@ def test_concurrent_server_lookups_are_batched_and_each_gets_its_own_values(user
     assert sum(sent[:-1]) == len(batches) and max(sent) > 10  # few round trips carried them all
     assert isinstance(mixed[0], redis.ResponseError)  # the failing lookup's own error ...
     assert mixed[1:] == beside  # ... and the lookups sent with it unharmed
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_the_newest_row_of_each_entity_of_a_few_rows_is_the_querys(data):
+    """A few rows' newest per entity is picked in Python (a query's set-up cost more than a small
+    push's whole write): the same rows as DuckDB's arg_max over (event, created, run, row id),
+    with ties at every level, one- and two-column keys of every non-float key type."""
+    from featurestore.materialization import compute
+
+    kinds = {
+        "int": (st.integers(-3, 3), pa.int64()),
+        "str": (st.sampled_from(["a", "b", "", "é"]), pa.string()),
+        "bytes": (st.sampled_from([b"", b"\x00", b"a"]), pa.binary()),
+        "bool": (st.booleans(), pa.bool_()),
+        "time": (st.sampled_from([NOW, NOW + timedelta(microseconds=1)]), TS),
+    }
+    key_kinds = data.draw(st.lists(st.sampled_from(sorted(kinds)), min_size=1, max_size=2), label="keys")
+    n = data.draw(st.integers(1, 40), label="rows")
+    small = st.integers(0, 2)
+    columns: dict[str, pa.Array] = {}
+    for i, kind in enumerate(key_kinds):
+        values, arrow = kinds[kind]
+        columns[f"k{i}"] = pa.array(data.draw(st.lists(values, min_size=n, max_size=n)), arrow)
+    for name in ("event_timestamp", "created_timestamp"):
+        offsets = data.draw(st.lists(small, min_size=n, max_size=n))
+        columns[name] = pa.array([NOW + timedelta(seconds=o) for o in offsets], TS)
+    columns["_run_id"] = pa.array(data.draw(st.lists(small, min_size=n, max_size=n)), pa.int64())
+    columns["_row_id"] = pa.array(range(n), pa.int64())  # (a row's run and row id name it: no two alike)
+    columns["value"] = pa.array(range(n), pa.int64())
+    rows = pa.table(columns)
+    keys = [f"k{i}" for i in range(len(key_kinds))]
+
+    def picked(table: pa.Table) -> list[tuple]:
+        return sorted(tuple(r.values()) for r in table.to_pylist())
+
+    assert rows.num_rows <= compute.FEW_ROWS
+    assert picked(compute.latest_per_entity(rows, keys)) == picked(compute._latest_by_query(rows, keys))

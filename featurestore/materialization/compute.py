@@ -185,24 +185,51 @@ def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
     ).to_arrow_table()
 
 
+# up to this many rows, ``latest_per_entity`` picks in Python: a query's set-up (a connection, a
+# registration) costs more than a small push's whole write (``benchmarks/online.py``)
+FEW_ROWS = 256
+ORDER = ("event_timestamp", "created_timestamp", "_run_id", "_row_id")  # the join's tie-break, in order
+
+
 def latest_per_entity(rows: pa.Table, join_keys: list[str]) -> pa.Table:
     """Each entity's newest row by (event, created, run, row id): the join's tie-break order.
     The rows are taken from ``rows`` by position, so every value keeps its bits (a struct through
     DuckDB's ``arg_max`` came back with -0.0 as 0.0)."""
     if rows.num_rows == 0:
         return rows
+    if (
+        rows.num_rows <= FEW_ROWS
+        and not any(pa.types.is_floating(rows.schema.field(k).type) for k in join_keys)  # (a query's key equality)
+        and not any(rows[c].null_count for c in (*join_keys, *ORDER))
+    ):
+        return _latest_of_few(rows, join_keys)
+    return _latest_by_query(rows, join_keys)
+
+
+def _latest_by_query(rows: pa.Table, join_keys: list[str]) -> pa.Table:
+    """``latest_per_entity`` through DuckDB's hash aggregate (any size, any key type)."""
     con = connection()
     con.register(
         "r",
-        rows.select([*join_keys, "event_timestamp", "created_timestamp", "_run_id", "_row_id"]).append_column(
-            "__i", pa.array(np.arange(rows.num_rows, dtype=np.int64))
-        ),
+        rows.select([*join_keys, *ORDER]).append_column("__i", pa.array(np.arange(rows.num_rows, dtype=np.int64))),
     )
     keys = ", ".join(ident(k) for k in join_keys)
     positions = con.sql(
         f"SELECT arg_max(__i, (event_timestamp, created_timestamp, _run_id, _row_id)) FROM r GROUP BY {keys}"
     )
     return rows.take(positions.to_arrow_table().column(0))
+
+
+def _latest_of_few(rows: pa.Table, join_keys: list[str]) -> pa.Table:
+    """``latest_per_entity`` of a few rows with neither nulls nor float keys, in Python; in the
+    rows' order."""
+    keys = list(zip(*(rows[k].to_pylist() for k in join_keys)))
+    order = list(zip(*(numpy_values(rows[c]).view(np.int64).tolist() for c in ORDER)))
+    newest: dict[tuple, int] = {}
+    for i, key in enumerate(keys):
+        if key not in newest or order[i] > order[newest[key]]:
+            newest[key] = i
+    return rows if len(newest) == rows.num_rows else rows.take(pa.array(sorted(newest.values())))
 
 
 def latest_sql(relation: str, join_keys: list[str], columns: list[str]) -> str:

@@ -182,12 +182,25 @@ def write_online_only(
     }
     for name, dtype in declared.items():  # (as a push converts them: SQL's casts would round 1.5 to key 2)
         table = table.set_column(table.column_names.index(name), name, as_declared(name, table[name], dtype))
-    con = connection()
-    con.register("view_rows", table)
-    try:
-        materializer.write_view(con, view, start=None, end=None, online=True, offline=False, on_bad_rows="fail")
-    except BadRowsError as exc:
-        raise RequestError(str(exc)) from exc
+    now = datetime.now(UTC)
+    rows = None
+    if view.transformation is None and table.num_rows:  # typed in Arrow, as a push's rows: no query, no run to record
+        n, run_id = table.num_rows, push_run_id(now)
+        ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
+        arrived = table.append_column(INGESTED_AT, ingested_at).append_column(PUSH_ID, _push_ids(n, None, now))
+        defs, config = materializer.defs, materializer.config
+        rows = pushed_rows(
+            arrived, view, defs.key_types[view.name], defs.history_schema(view), now, config.future_tolerance
+        )
+    if rows is not None:
+        materializer.write_online(view, rows, now)
+    else:  # something only the full check (a query) can type or explain
+        con = connection()
+        con.register("view_rows", table)
+        try:
+            materializer.write_view(con, view, start=None, end=None, online=True, offline=False, on_bad_rows="fail")
+        except BadRowsError as exc:
+            raise RequestError(str(exc)) from exc
     if written is not None:
         written.note(view, table, view.source.timestamp_field)
     return table.num_rows
