@@ -225,3 +225,33 @@ def make_store(tmp_path, redis_url, monkeypatch):
     yield make
     for s in stores:
         s.close()
+
+
+def assert_every_path_serves(store: FeatureStore, entities: dict, refs: list[str], at, expected: dict) -> None:
+    """Through ``store``'s online store: the SDK's lookups and the servers' (on one event loop)
+    equal ``expected``, a message published comes to a subscriber, and ``featurestore capacity``'s
+    commands to each node answer (a transport's every way to Redis)."""
+    import asyncio
+
+    from featurestore import capacity
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    assert store.get_online_features(entities, features=refs, at=at).to_dict() == expected
+    online = store.online_store
+    plan = OnlineQuery.prepare(store.definitions, store.config.project, entities, refs, None, False, now=at)
+
+    async def served() -> tuple[dict, str]:
+        read = (await OnlineReader(online).read_async(plan)).to_dict()
+        messages = online.subscribe(b"models")
+        listening = asyncio.ensure_future(messages.__anext__())
+        for _ in range(100):  # until the subscription is in place
+            await asyncio.sleep(0.02)
+            online.publish(b"models", "m:1:production")
+            if listening.done():
+                break
+        message = await asyncio.wait_for(listening, 5)
+        await messages.aclose()
+        return read, message
+
+    assert asyncio.run(served()) == (expected, "m:1:production")
+    assert capacity.measure(online, store.definitions, store.config.project).keys > 0

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from featurestore import FeatureStore, capacity
+from featurestore import FeatureStore
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable
 from featurestore.online.embedded import COMPACT_ENCODINGS, redis_server_binary
 from featurestore.online.local_cluster import free_ports, wait_until
 from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
-from .conftest import write_repo
+from .conftest import assert_every_path_serves, write_repo
 from .test_redis_cluster import FEATURES, NOW, _payments, _stats
 
 SERVICE = "features"
@@ -108,29 +108,8 @@ def test_every_path_of_the_store_works_through_sentinel(sentinels, tmp_path, red
     monkeypatch.delenv("REDIS_URL", raising=False)
     plain, watched = _stores(tmp_path, redis_url, sentinels.url)
     try:
-        expected = _lookup(plain)
-        assert _lookup(watched) == expected
         assert redis.Redis(port=sentinels.master).dbsize() > 0  # (on the master the sentinels name)
-        online = watched.online_store
-        plan = OnlineQuery.prepare(
-            watched.definitions, watched.config.project, {"card_id": CARDS}, REFS, None, False, now=NOW
-        )
-
-        async def served() -> tuple[dict, str]:  # (one event loop, as a server's)
-            read = (await OnlineReader(online).read_async(plan)).to_dict()
-            messages = online.subscribe(b"models")
-            listening = asyncio.ensure_future(messages.__anext__())
-            for _ in range(100):  # until the subscription is in place
-                await asyncio.sleep(0.02)
-                online.publish(b"models", "m:1:production")
-                if listening.done():
-                    break
-            message = await asyncio.wait_for(listening, 5)
-            await messages.aclose()
-            return read, message
-
-        assert asyncio.run(served()) == (expected, "m:1:production")
-        assert capacity.measure(online, watched.definitions, watched.config.project).keys > 0
+        assert_every_path_serves(watched, {"card_id": CARDS}, REFS, NOW, _lookup(plain))
     finally:
         plain.close()
         watched.close()

@@ -7,7 +7,6 @@ store's error saying what to change. The project's redis-server has no TLS: a TL
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import subprocess
 import sys
@@ -17,13 +16,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from featurestore import FeatureStore, capacity
+from featurestore import FeatureStore
 from featurestore.errors import OnlineStoreUnavailable
 from featurestore.online.embedded import redis_server_binary
 from featurestore.online.local_cluster import free_ports, start_local_cluster, stop_local_cluster, wait_until
-from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
-from .conftest import write_repo
+from .conftest import assert_every_path_serves, write_repo
 from .test_redis_cluster import FEATURES, NOW, _payments, _stats
 from .tls_proxy import certificates
 
@@ -89,28 +87,7 @@ def test_every_path_of_the_store_works_over_tls_and_an_untrusted_one_says_what_t
             store.materialize(None, NOW)
             store.push("payments", _payments(400, seed=8))
         expected = plain.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
-        assert secure.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict() == expected
-        query_plan = OnlineQuery.prepare(
-            secure.definitions, secure.config.project, {"card_id": cards}, refs, None, False, now=NOW
-        )
-        online = secure.online_store
-
-        async def served() -> tuple[dict, str]:  # (one event loop, as a server's)
-            read = (await OnlineReader(online).read_async(query_plan)).to_dict()
-            messages = online.subscribe(b"models")
-            listening = asyncio.ensure_future(messages.__anext__())
-            for _ in range(100):  # until the subscription is in place
-                await asyncio.sleep(0.02)
-                online.publish(b"models", "m:1:production")
-                if listening.done():
-                    break
-            message = await asyncio.wait_for(listening, 5)
-            await messages.aclose()
-            return read, message
-
-        assert asyncio.run(served()) == (expected, "m:1:production")
-        measured = capacity.measure(online, secure.definitions, secure.config.project)  # (commands to each node)
-        assert measured.keys > 0 and measured.entities_now > 0
+        assert_every_path_serves(secure, {"card_id": cards}, refs, NOW, expected)
     plain.close()
 
     config = root / "featurestore.yaml"
