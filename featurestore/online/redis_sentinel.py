@@ -17,10 +17,10 @@ from urllib.parse import parse_qs, unquote
 import redis.asyncio.sentinel as aiosentinel
 import redis.sentinel
 
+from featurestore.online.base import SENTINEL_SCHEME as SCHEME
 from featurestore.online.redis_single import Clients
 from featurestore.online.transport import redact
 
-SCHEME = "redis+sentinel://"
 FORM = (
     f"{SCHEME}[user]:password@host:port,host:port/service (percent-encoded; the sentinels' own: ?sentinel_password=...)"
 )
