@@ -839,3 +839,21 @@ def test_the_newest_row_of_each_entity_of_a_few_rows_is_the_querys(data):
 
     assert rows.num_rows <= compute.FEW_ROWS
     assert picked(compute.latest_per_entity(rows, keys)) == picked(compute._latest_by_query(rows, keys))
+
+
+def test_write_to_online_store_refuses_a_view_not_served_online(make_store):
+    """A view with ``online=False`` has no online values: ``write_to_online_store`` into it says so
+    (it returned the rows' count and wrote nothing), and Redis gains no key."""
+    store = make_store(
+        """
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, UnixTimestamp
+
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+src = PushSource(name="p", schema=[Field("user_id", Int64), Field("x", Float64), Field("event_timestamp", UnixTimestamp)])
+archive = FeatureView(name="archive", entities=[user], source=src, schema=[Field("x", Float64)], online=False)
+"""
+    )
+    with pytest.raises(RequestError, match="not served online"):
+        store.write_to_online_store("archive", {"user_id": [1], "x": [2.0], "event_timestamp": [NOW]})
+    assert not store.online_store.client.keys(store.online_store.prefix + b"*user_id=1*")

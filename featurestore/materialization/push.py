@@ -167,6 +167,8 @@ def write_online_only(
 ) -> int:
     """A view's rows straight to Redis (Feast's ``write_to_online_store``); returns the row count.
     ``written`` notes the entities written, if the view is aggregated, to pack."""
+    if not view.online:
+        raise RequestError(f"view {view.name!r} is not served online (online=False): there is nothing to write to")
     try:
         table = _as_table(df)
     except Exception as exc:
