@@ -71,6 +71,53 @@ def test_arrow_typing_of_pushed_rows_equals_the_sql_one(make_store):
         assert fast is not None and fast.equals(slow), seed
 
 
+def test_arrow_typing_of_pushed_rows_with_a_created_time_equals_the_sql_one(make_store):
+    """A push source with ``created_timestamp_field`` (corrections: "as known at"): its rows took
+    the query path on every push (~6 ms for one row); typed in Arrow they equal the query's, the
+    created column as each row's created time. A null created time (the query gives it the ingest
+    time) takes the query path."""
+    store = make_store(
+        """
+from featurestore import Entity, FeatureView, Field, PushSource
+from featurestore.types import Float64, Int64, String, UnixTimestamp
+
+user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
+src = PushSource(name="scores", schema=[Field("user_id", Int64), Field("score", Float64), Field("tag", String),
+                 Field("event_timestamp", UnixTimestamp), Field("known_at", UnixTimestamp)],
+                 created_timestamp_field="known_at")
+scores = FeatureView(name="scores", entities=[user], source=src, schema=[Field("score", Float64), Field("tag", String)])
+"""
+    )
+    view, defs = store.definitions.view("scores"), store.definitions
+    schema, keys = defs.history_schema(view), defs.key_types["scores"]
+    rnd = random.Random(3)
+    for seed in range(30):
+        n = 1 + seed % 9
+        events = [NOW - timedelta(minutes=rnd.randint(0, 50)) for _ in range(n)]
+        table = pa.table(
+            {
+                "user_id": pa.array([rnd.randint(1, 4) for _ in range(n)], pa.int64()),
+                "score": pa.array([rnd.choice([None, 1.5, -0.0, 7.0]) for _ in range(n)], pa.float64()),
+                "tag": pa.array([rnd.choice([None, "a", "b"]) for _ in range(n)], pa.string()),
+                "event_timestamp": pa.array(events, TS),
+                "known_at": pa.array([e + timedelta(seconds=rnd.choice([0, 1, 90])) for e in events], TS),
+                INGESTED_AT: pa.array([NOW] * n, TS),
+                PUSH_ID: pa.array(range(seed, seed + n), pa.int64()),
+            }
+        )
+        fast = pushed_rows(table, view, keys, schema, NOW, timedelta(seconds=5))
+        con = connection()
+        con.register("view_rows", table)
+        slow = compute(con, view, keys, schema, 77, NOW, future_tolerance=timedelta(seconds=5)).rows
+        assert fast is not None and fast.equals(slow), seed
+        unknown = table.set_column(4, "known_at", pa.array([None] * n, TS))
+        assert pushed_rows(unknown, view, keys, schema, NOW, timedelta(seconds=5)) is None
+    store.push("scores", table.drop_columns([INGESTED_AT, PUSH_ID]), to="online")
+    assert store.get_online_features({"user_id": [1, 2, 3, 4]}, features=["scores:score"]).statuses[1].count(
+        "PRESENT"
+    ) == len(set(table["user_id"].to_pylist()))
+
+
 def test_rows_that_need_explaining_take_the_sql_path(make_store):
     store = make_store(FEATURES)
     with pytest.raises(Exception, match="null join key card_id"):

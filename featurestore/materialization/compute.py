@@ -139,17 +139,17 @@ def pushed_rows(
 ) -> pa.Table | None:
     """``compute``'s result for pushed rows (typed to the push source, with ``INGESTED_AT`` and
     ``PUSH_ID``), in Arrow alone: a push then pays no query. None when a row needs ``compute``'s
-    checks to be explained (a null key, time or event id; a future event) or a column needs a cast."""
-    if view.source.created_timestamp_field:
-        return None
+    checks to be explained (a null key, time or event id; a future event) or a column needs a cast
+    (or a null created time its ingest time)."""
     have = dict(zip(table.schema.names, table.schema.types))
     stored = dict(zip(history_schema.names, history_schema.types))
     for name in [*key_types, *(f.name for f in view.schema)]:
         if have.get(name) != stored[name]:
             return None
-    time_column = view.source.timestamp_field
-    must_be_set = [*key_types, time_column, *([view.event_id] if view.event_id else [])]
-    if have[time_column] != stored["event_timestamp"] or any(table[c].null_count for c in must_be_set):
+    time_column, created_column = view.source.timestamp_field, view.source.created_timestamp_field
+    times = [time_column, *([created_column] if created_column else [])]
+    must_be_set = [*key_types, *times, *([view.event_id] if view.event_id else [])]
+    if any(have.get(c) != stored["event_timestamp"] for c in times) or any(table[c].null_count for c in must_be_set):
         return None
     if max_micros(table[time_column]) > datetime_to_micros(ingest_time + future_tolerance):
         return None
@@ -157,7 +157,7 @@ def pushed_rows(
     runs = numpy_values(table[INGESTED_AT]).view(np.int64)
     columns = {
         "event_timestamp": table[time_column],
-        "created_timestamp": table[INGESTED_AT],
+        "created_timestamp": table[created_column or INGESTED_AT],
         "_row_id": table[PUSH_ID],
         "_run_id": pa.array(runs, pa.int64()),
     }

@@ -177,9 +177,11 @@ def write_online_only(
     missing = [c for c in needed if c not in table.column_names]
     if missing:
         raise RequestError(f"rows for view {view.name!r} lack column(s) {missing}; it takes {needed}")
+    created = view.source.created_timestamp_field
     declared = {
         **materializer.defs.key_types[view.name],
         view.source.timestamp_field: UnixTimestamp,
+        **({created: UnixTimestamp} if created and created in table.column_names else {}),
         **{f.name: f.dtype for f in view.schema},
     }
     for name, dtype in declared.items():  # (as a push converts them: SQL's casts would round 1.5 to key 2)
