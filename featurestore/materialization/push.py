@@ -95,8 +95,7 @@ def push(
     if arrival is not None:  # (each row's run is its own ingest time: see compute)
         ingested_at, push_ids = arrival[0].cast(TIMESTAMP), arrival[1].cast(pa.int64())
     else:
-        ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
-        push_ids = _push_ids(n, idempotency_key, ingested)
+        ingested_at, push_ids = _arrival(n, ingested, idempotency_key)
     table = pa.table([*columns, ingested_at, push_ids], names=[*expected, INGESTED_AT, PUSH_ID])
     typed: list[tuple[FeatureView, pa.Table]] = []  # views whose rows Arrow typed (the usual case)
     for view in defs.feature_views.values():
@@ -189,9 +188,8 @@ def write_online_only(
     now = datetime.now(UTC)
     rows = None
     if view.transformation is None and table.num_rows:  # typed in Arrow, as a push's rows: no query, no run to record
-        n, run_id = table.num_rows, push_run_id(now)
-        ingested_at = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, run_id, np.int64))])
-        arrived = table.append_column(INGESTED_AT, ingested_at).append_column(PUSH_ID, _push_ids(n, None, now))
+        ingested_at, push_ids = _arrival(table.num_rows, now)
+        arrived = table.append_column(INGESTED_AT, ingested_at).append_column(PUSH_ID, push_ids)
         defs, config = materializer.defs, materializer.config
         rows = pushed_rows(
             arrived, view, defs.key_types[view.name], defs.history_schema(view), now, config.future_tolerance
@@ -208,6 +206,12 @@ def write_online_only(
     if written is not None:
         written.note(view, table, view.source.timestamp_field)
     return table.num_rows
+
+
+def _arrival(n: int, ingested: datetime, idempotency_key: str | None = None) -> tuple[pa.Array, pa.Array]:
+    """``n`` pushed rows' ingest time (their run: ``push_run_id``) and push ids."""
+    times = pa.Array.from_buffers(TIMESTAMP, n, [None, pa.py_buffer(np.full(n, push_run_id(ingested), np.int64))])
+    return times, _push_ids(n, idempotency_key, ingested)
 
 
 def _push_ids(n: int, idempotency_key: str | None, ingested: datetime) -> pa.Array:
