@@ -190,6 +190,72 @@ def test_a_redis_that_requires_a_password_says_so_and_how_to_give_it(tmp_path, m
         server.wait()
 
 
+def test_a_redis_user_its_acl_limits_says_what_to_grant_and_that_grant_suffices(tmp_path, redis_url, monkeypatch):
+    """A Redis user (ACL) without scripts, or without the store's keys: a traceback from redis-py
+    (NOPERM) at the first command, and a 500 on the servers' lookups. Now the store's error, naming
+    what to grant (``redis_store.ACL_NEEDED``); and a user granted just that runs every path."""
+    import asyncio
+    import subprocess
+
+    import redis
+
+    from featurestore.online.embedded import redis_server_binary
+    from featurestore.online.local_cluster import wait_until
+    from featurestore.online.redis_store import ACL_NEEDED
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    from .conftest import assert_every_path_serves
+    from .test_redis_cluster import FEATURES, NOW, _payments, _stats
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    port = free_port()
+    server = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""], stdout=subprocess.DEVNULL
+    )
+    try:
+        wait_until(lambda: redis.Redis(port=port).ping())
+        admin = redis.Redis(port=port)
+        admin.execute_command("ACL", "SETUSER", "app", "on", ">pw", *ACL_NEEDED.split())
+        admin.execute_command("ACL", "SETUSER", "no-scripts", "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+        admin.execute_command("ACL", "SETUSER", "other-keys", "on", ">pw", "~other:*", "&*", "+@all")
+        plain = FeatureStore(write_repo(tmp_path / "plain", FEATURES, {"stats": _stats(60)}, url=redis_url))
+        granted = FeatureStore(
+            write_repo(tmp_path / "app", FEATURES, {"stats": _stats(60)}, url=f"redis://app:pw@127.0.0.1:{port}")
+        )
+        for store in (plain, granted):
+            store.apply()
+            store.materialize(None, NOW)
+            store.push("payments", _payments(200, seed=3))
+        cards = list(range(-2, 70))
+        refs = ["stats:score", "activity:count_1h"]
+        expected = plain.get_online_features({"card_id": cards}, features=refs, at=NOW).to_dict()
+        assert_every_path_serves(granted, {"card_id": cards}, refs, NOW, expected)
+        plain.close()
+        granted.close()
+        config = tmp_path / "app" / "featurestore.yaml"
+        for user in ("no-scripts", "other-keys"):  # (writes run scripts; lookups read the store's keys)
+            config.write_text(config.read_text().replace("//app:", f"//{user}:").replace("//no-scripts:", f"//{user}:"))
+            with FeatureStore(tmp_path / "app") as store:
+                with pytest.raises(OnlineStoreUnavailable) as refused:
+                    if user == "no-scripts":
+                        store.push("payments", _payments(5, seed=4), to="online")
+                    else:
+                        store.get_online_features({"card_id": cards}, features=refs, at=NOW)
+                if user == "other-keys":  # (the servers' lookups: a 503 saying so, not a 500)
+                    entities, project = {"card_id": cards}, store.config.project
+                    plan = OnlineQuery.prepare(store.definitions, project, entities, refs, None, False, now=NOW)
+                    with pytest.raises(OnlineStoreUnavailable, match="grant it"):
+                        asyncio.run(OnlineReader(store.online_store).read_async(plan))
+            assert "refuses the URL's user a command or key" in str(refused.value), refused.value
+            assert ACL_NEEDED in str(refused.value) and ":pw@" not in str(refused.value)
+            done = _cli(tmp_path / "app", "materialize-incremental", "--rebuild-online")  # (writes: scripts)
+            assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+            assert "grant it" in done.stderr
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_modules_as_a_string_is_one_module(tmp_path):
     (tmp_path / "featurestore.yaml").write_text("project: p\nmodules: features.py\n")
     assert FeatureStore(tmp_path).config.modules == ("features.py",)

@@ -58,6 +58,11 @@ PACK_BATCH = 256  # entities whose blocks are packed together (``packed.pack_man
 PACKED_RETRIES = 3  # a whole-history write unpacks its entities' blocks, and again if a writer packed some meanwhile
 
 
+# what the store runs, for a Redis user of its own (``ACL SETUSER``): every key, scripts, pub/sub
+# (promotions), WAIT, TIME (in the scripts), and INFO / MEMORY / SCAN for ``featurestore capacity``
+ACL_NEEDED = "~* &* +@read +@write +@scripting +@pubsub +@keyspace +@connection +time +info +memory"
+
+
 class RedisOnlineStore:
     """Latest values, window events and tile summaries of a project's views, in Redis."""
 
@@ -370,7 +375,8 @@ class RedisOnlineStore:
         then for each events key in ``summaries``, its tile summaries (its hash, as HGETALL replies).
         A Redis that lost its scripts (a restart) gets them, and the read goes again."""
         try:
-            return self.transport.read(lookups, ranges, windows, summaries)
+            with self._calling():  # (a refusal: the store's error)
+                return self.transport.read(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             self._load_scripts()
             return self.transport.read(lookups, ranges, windows, summaries)
@@ -384,7 +390,8 @@ class RedisOnlineStore:
     ) -> list:
         """``read`` on the event loop (on one node, batched with the other lookups of the loop turn)."""
         try:
-            return await self.transport.read_async(lookups, ranges, windows, summaries)
+            with self._calling():
+                return await self.transport.read_async(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             try:
                 await self.transport.async_client.script_load(scripts()["read_window"].code)
@@ -503,7 +510,8 @@ class RedisOnlineStore:
 
     def _refused(self, exc: BaseException) -> OnlineStoreUnavailable | None:
         """The store's error when Redis is up but takes no writes (full, under ``noeviction``; a
-        replica; or it cannot save its snapshots); None for any other error."""
+        replica; or it cannot save its snapshots), or refuses the URL's user a command or key (its
+        ACL); None for any other error."""
         text = str(exc)  # (a script's command refused: its error carries the refusal, "-OOM …")
         if isinstance(exc, redis.exceptions.OutOfMemoryError) or "-OOM " in text:
             why = "is full (used memory past maxmemory) and refuses writes: raise maxmemory or add nodes"
@@ -512,6 +520,8 @@ class RedisOnlineStore:
             why = "is a read-only replica: point `online_store.url` at its master"
         elif isinstance(exc, redis.ResponseError) and (text.startswith("MISCONF") or "-MISCONF " in text):
             why = "refuses writes: it cannot save its snapshots (MISCONF; its log says why)"
+        elif isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in text:
+            why = f"refuses the URL's user a command or key ({text}): grant it {ACL_NEEDED}"
         else:
             return None
         return OnlineStoreUnavailable(f"Redis at {self.transport.safe_url} {why}")
