@@ -186,7 +186,7 @@ def _rejects(bad: pa.Table, run_id: int) -> pa.Table:
 
 
 # up to this many rows, ``latest_per_entity`` picks in Python: a query's set-up (a connection, a
-# registration) costs more than a small push's whole write (``benchmarks/online.py``)
+# registration) costs more than a small push's whole write (``benchmarks/small_writes.py``)
 FEW_ROWS = 256
 ORDER = ("event_timestamp", "created_timestamp", "_run_id", "_row_id")  # the join's tie-break, in order
 
