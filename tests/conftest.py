@@ -241,17 +241,24 @@ def assert_every_path_serves(store: FeatureStore, entities: dict, refs: list[str
     plan = OnlineQuery.prepare(store.definitions, store.config.project, entities, refs, None, False, now=at)
 
     async def served() -> tuple[dict, str]:
-        read = (await OnlineReader(online).read_async(plan)).to_dict()
-        messages = online.subscribe(b"models")
-        listening = asyncio.ensure_future(messages.__anext__())
-        for _ in range(100):  # until the subscription is in place
-            await asyncio.sleep(0.02)
-            online.publish(b"models", "m:1:production")
-            if listening.done():
-                break
-        message = await asyncio.wait_for(listening, 5)
-        await messages.aclose()
-        return read, message
+        return (await OnlineReader(online).read_async(plan)).to_dict(), await a_message_published(online)
 
     assert asyncio.run(served()) == (expected, "m:1:production")
     assert capacity.measure(online, store.definitions, store.config.project).keys > 0
+
+
+async def a_message_published(online) -> str:
+    """What a subscriber to ``online``'s channel ``models`` hears of a message published there
+    (published until the subscription is in place), on the running event loop."""
+    import asyncio
+
+    messages = online.subscribe(b"models")
+    listening = asyncio.ensure_future(messages.__anext__())
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        online.publish(b"models", "m:1:production")
+        if listening.done():
+            break
+    message = await asyncio.wait_for(listening, 5)
+    await messages.aclose()
+    return message

@@ -20,7 +20,7 @@ from featurestore.online.local_cluster import start_local_cluster, stop_local_cl
 from featurestore.online.lua import HEAP_MOST_KB
 from featurestore.retrieval.online import OnlineQuery, OnlineReader
 
-from .conftest import write_repo
+from .conftest import a_message_published, write_repo
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 
@@ -225,17 +225,7 @@ def test_freshness_health_broadcast_and_idempotency(backend):
     assert token is not None and store.sync_token("stats") == token and store.sync_token("nope") is None
 
     async def served():  # (one event loop, as a server's: the async clients belong to it)
-        newest, healthy = await store.newest_async(), await store.ping_async()
-        messages = store.subscribe(b"models")
-        listening = asyncio.ensure_future(messages.__anext__())
-        for _ in range(100):  # until the subscription is in place
-            await asyncio.sleep(0.02)
-            store.publish(b"models", "m:1:production")
-            if listening.done():
-                break
-        message = await asyncio.wait_for(listening, 5)
-        await messages.aclose()
-        return newest, healthy, message
+        return await store.newest_async(), await store.ping_async(), await a_message_published(store)
 
     assert asyncio.run(served()) == (store.newest(), True, "m:1:production")
 
