@@ -239,3 +239,31 @@ def test_nodes_and_sentinels_that_require_passwords_take_the_ones_in_the_url(tmp
         assert "<redis.client" not in str(refused.value)  # (each sentinel by its address, not redis-py's repr)
     finally:
         watched.stop()
+
+
+def test_lookups_read_the_replicas_with_read_from_replicas(sentinels, tmp_path, redis_url, monkeypatch):
+    """``read_from_replicas: true`` through Sentinel: the SDK's and the servers' lookups read a
+    replica the sentinels name (its reads grow, the master's do not), equal to a plain Redis's."""
+    import asyncio
+
+    from featurestore.retrieval.online import OnlineQuery, OnlineReader
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    options = ", wait_for_replicas: 1, read_from_replicas: true"  # (the replica has every write: no lag to wait out)
+    plain, watched = _stores(tmp_path, redis_url, sentinels.url, options)
+    master, replica = redis.Redis(port=sentinels.master), redis.Redis(port=sentinels.replica)
+
+    def reads(client: redis.Redis) -> int:
+        return int(client.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+    try:
+        before = reads(master), reads(replica)
+        assert _lookup(watched) == _lookup(plain)
+        plan = OnlineQuery.prepare(
+            watched.definitions, watched.config.project, {"card_id": CARDS}, REFS, None, False, now=NOW
+        )
+        assert asyncio.run(OnlineReader(watched.online_store).read_async(plan)).to_dict() == _lookup(plain)
+        assert reads(master) == before[0] and reads(replica) >= before[1] + 2
+    finally:
+        plain.close()
+        watched.close()

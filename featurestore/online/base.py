@@ -117,7 +117,7 @@ class OnlineStoreSettings:
     url: str = EMBEDDED
     data_dir: Path = Path("data")
     read_timeout_ms: int = 500  # past it a server's lookup answers 503: an outage never hangs it
-    read_from_replicas: bool = False  # Redis Cluster: lookups may read replicas (may lag their master)
+    read_from_replicas: bool = False  # Redis Cluster or Sentinel: lookups may read replicas (may lag their master)
     wait_for_replicas: int = 0  # writes return once this many replicas have them (WAIT), else fail
     wait_timeout_ms: int = 1000
 
@@ -304,9 +304,13 @@ def _transport(settings: OnlineStoreSettings) -> Transport:
     if settings.url.startswith(SENTINEL_SCHEME):
         from featurestore.online import redis_sentinel
 
-        clients, form = redis_sentinel.sentinel_clients(settings.url), redis_sentinel.FORM
         return SingleRedis(
-            settings.url, settings.read_timeout_ms, clients=clients, password_form=form, replica_wait=wait
+            settings.url,
+            settings.read_timeout_ms,
+            clients=redis_sentinel.sentinel_clients(settings.url),
+            password_form=redis_sentinel.FORM,
+            replica_wait=wait,
+            read_from_replicas=settings.read_from_replicas,
         )
     embedded = EmbeddedRedis(settings.data_dir) if settings.url == EMBEDDED else None
     url = embedded.ensure_running() if embedded is not None else settings.url

@@ -57,12 +57,14 @@ def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any], di
 
 
 def sentinel_clients(url: str) -> Clients:
-    """Clients of the master the sentinels of ``url`` name now (asked again on every connection)."""
+    """Clients of the master the sentinels of ``url`` name now, or of its replicas (asked again on
+    every connection)."""
     sentinels, service, db, credentials, sentinel_credentials = parse(url)
     asked = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S, **sentinel_credentials}
 
-    def make(asynchronous: bool, **options: Any) -> Any:
-        kind = aiosentinel.Sentinel if asynchronous else redis.sentinel.Sentinel
-        return kind(sentinels, sentinel_kwargs=asked).master_for(service, db=db, **credentials, **options)
+    def make(asynchronous: bool, replica: bool = False, **options: Any) -> Any:
+        manager = (aiosentinel.Sentinel if asynchronous else redis.sentinel.Sentinel)(sentinels, sentinel_kwargs=asked)
+        connect = manager.slave_for if replica else manager.master_for  # (a replica: each in turn, else the master)
+        return connect(service, db=db, **credentials, **options)
 
     return make

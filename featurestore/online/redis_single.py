@@ -35,15 +35,16 @@ from featurestore.online.transport import (
     under_way,
 )
 
-# redis-py's clients of the node: (asynchronous, the clients' options) -> a client; their
-# connections are made as the client's pool makes its own (``connection_class``)
+# redis-py's clients of the node: (asynchronous, replica, the clients' options) -> a client (of
+# one of its replicas, where it has any and ``replica``); their connections are made as the
+# client's pool makes its own (``connection_class``)
 Clients = Callable[..., Any]
 
 
 def url_clients(url: str) -> Clients:
-    """The clients of the Redis at ``url``."""
+    """The clients of the Redis at ``url`` (its replicas unknown: the node's own)."""
 
-    def make(asynchronous: bool, **options: Any) -> Any:
+    def make(asynchronous: bool, replica: bool = False, **options: Any) -> Any:
         return (aioredis.Redis if asynchronous else redis.Redis).from_url(url, **options)
 
     return make
@@ -62,6 +63,7 @@ class SingleRedis:
         clients: Clients | None = None,
         password_form: str = "redis://[user]:password@host:port (percent-encoded)",
         replica_wait: ReplicaWait | None = None,
+        read_from_replicas: bool = False,
     ):
         self.url = url
         self.safe_url = redact(url, url)
@@ -70,7 +72,11 @@ class SingleRedis:
         self._clients = clients or url_clients(url)
         self._password_form = password_form  # (where a password goes, in an error that says one was refused)
         self.replica_wait = replica_wait
+        self.read_from_replicas = read_from_replicas  # lookups read a replica (may lag the master)
         self.client = self._clients(False, socket_timeout=30)
+        # (the client whose pool the reads' connections are made as: kept, its connections refer to it)
+        self._read_client: Any = self._clients(False, True, socket_timeout=30) if read_from_replicas else self.client
+        self._async_read_client: Any = None
         self._async: aioredis.Redis | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None  # the event loop its connections belong to
         self._readers: ReadConnections | None = None
@@ -131,7 +137,7 @@ class SingleRedis:
     ) -> list:
         packed, count = packed_reads(lookups, ranges, windows, summaries)
         if self._readers is None:
-            pool = self.client.connection_pool
+            pool = self._read_client.connection_pool
             self._readers = ReadConnections(lambda: pool.connection_class(**pool.connection_kwargs))
         readers = self._readers
         for attempt in (1, 2):  # a connection Redis dropped (a restart) fails once; reads are safe to resend
@@ -173,7 +179,11 @@ class SingleRedis:
         """``read``, batched with the other lookups of the same loop turn."""
         loop = asyncio.get_running_loop()
         if self._batched is None or self._batched_loop is not loop:  # connections and timers belong to one loop
-            pool = self.async_client.connection_pool
+            client = self.async_client
+            if self.read_from_replicas:
+                timeout = self.read_timeout_ms / 1000
+                client = self._clients(True, True, socket_timeout=timeout, socket_connect_timeout=timeout)
+            self._async_read_client, pool = client, client.connection_pool
             # no per-call timeouts (redis-py makes a task or a timer for every send and reply): BatchedReads' watchdog
             untimed = {**pool.connection_kwargs, "socket_timeout": None}
             self._batched = BatchedReads(
