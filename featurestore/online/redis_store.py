@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -375,11 +375,12 @@ class RedisOnlineStore:
         then for each events key in ``summaries``, its tile summaries (its hash, as HGETALL replies).
         A Redis that lost its scripts (a restart) gets them, and the read goes again."""
         try:
-            with self._calling():  # (a refusal: the store's error)
-                return self.transport.read(lookups, ranges, windows, summaries)
+            return self.transport.read(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             self._load_scripts()
             return self.transport.read(lookups, ranges, windows, summaries)
+        except redis.ResponseError as exc:  # (no context manager: a lookup's path pays nothing for it)
+            self._raise_refused(exc)
 
     async def read_async(
         self,
@@ -390,14 +391,15 @@ class RedisOnlineStore:
     ) -> list:
         """``read`` on the event loop (on one node, batched with the other lookups of the loop turn)."""
         try:
-            with self._calling():
-                return await self.transport.read_async(lookups, ranges, windows, summaries)
+            return await self.transport.read_async(lookups, ranges, windows, summaries)
         except redis.exceptions.NoScriptError:
             try:
                 await self.transport.async_client.script_load(scripts()["read_window"].code)
             except self.transport.failures as exc:
                 raise self.transport.error(exc) from exc
             return await self.transport.read_async(lookups, ranges, windows, summaries)
+        except redis.ResponseError as exc:
+            self._raise_refused(exc)
 
     def seal(self, seals: Sequence[Seal]) -> None:
         """Store tile summaries a lookup computed (``seal_tiles.lua``: only where the tile still holds as many events)."""
@@ -533,10 +535,14 @@ class RedisOnlineStore:
         except UNAVAILABLE as exc:
             raise self.unavailable(exc) from exc
         except redis.ResponseError as exc:
-            refused = self._refused(exc)
-            if refused is None:
-                raise
-            raise refused from exc
+            self._raise_refused(exc)
+
+    def _raise_refused(self, exc: redis.ResponseError) -> NoReturn:
+        """``exc`` as the store's error where it is a refusal (``_refused``), else as it is."""
+        refused = self._refused(exc)
+        if refused is None:
+            raise exc
+        raise refused from exc
 
     def _run(self, calls: Callable[[], Iterable[Call]], newest: tuple[str, int] | None) -> list:
         """Run script calls in one round trip (per node), then note the view's newest event time
