@@ -464,6 +464,18 @@ def _read_directory(view: memoryview, at: int, n: int, rows: Runs | None = None)
     w, exponent = view[at + 1 + p], view[at + 2 + p]
     low = int.from_bytes(view[at + 3 + p : at + 11 + p], "big") - (1 << 63)
     grid = np.frombuffer(view, np.uint8, n * (8 - p + w), at + 11 + p).reshape(n, 8 - p + w)
+    prefix = int.from_bytes(view[at + 1 : at + 1 + p], "big") << (8 * (8 - p)) if p else 0
+    if rows is None and w + 8 - p <= 8:  # (an entry's time then id bytes make one integer: one sort)
+        keys = np.zeros((n, 8), np.uint8)
+        keys[:, p - w : p] = grid[:, 8 - p :]
+        keys[:, p:] = grid[:, : 8 - p]
+        ordered = np.sort(keys.view(">u8").ravel()).astype(_U64)
+        id_bits = 8 * (8 - p)
+        if id_bits:
+            units, ids = ordered >> _U64(id_bits), (ordered & _U64((1 << id_bits) - 1)) | _U64(prefix)
+        else:  # (one id, all prefix: numpy's shift by 64 would not clear the units)
+            units, ids = ordered, np.full(n, prefix, _U64)
+        return ids, units.astype(np.int64) * 10**exponent + low, at + length
     times = _from_bytes(grid[:, 8 - p :]).astype(np.int64) * 10**exponent + low
     if rows is not None:  # (a run is whole tiles, so its entries are those whose µs lie between
         # its first and last row's: found by selection, and only they are decoded and sorted)
@@ -473,7 +485,6 @@ def _read_directory(view: memoryview, at: int, n: int, rows: Runs | None = None)
             wanted |= (times >= edges[first]) & (times <= edges[stop - 1])
         picked = np.flatnonzero(wanted)
         grid, times = grid[picked], times[picked]
-    prefix = int.from_bytes(view[at + 1 : at + 1 + p], "big") << (8 * (8 - p)) if p else 0
     ids = _from_bytes(grid[:, : 8 - p]) | _U64(prefix)
     order = np.lexsort((ids, times))
     return ids[order], times[order], at + length
