@@ -2356,7 +2356,7 @@ def test_a_whole_history_write_unpacks_again_blocks_packed_meanwhile(activity_st
 PINNED_FORMATS = {
     ("featurestore.online.base", "EVENTS_LAYOUT"): (
         ["online/scripts/*.lua", "online/codec.py", "online/packed.py"],
-        {10: "52f43effbbcfe0ae", 11: "8fa6e40e8db7814d"},
+        {10: "52f43effbbcfe0ae", 11: "975b5905eeaf344b"},
     ),
     ("featurestore.aggregation.tiles", "SUMMARY_FORMAT"): (
         ["aggregation/tiles.py", "aggregation/functions.py", "aggregation/exact_sum.py"],

@@ -43,6 +43,7 @@ NOTED_MOST = 200_000  # rows a process keeps to pack (an event each as noted, an
 # their times, the events packed for it in the block of the wall clock ``_BLOCK`` (-1: none)
 _EVENTS, _SINCE, _PACKED, _BLOCK = "__events", "__since", "__packed", "__block"
 _NONE_SINCE = 1 << 62
+_MICROS = pa.timestamp("us", tz="UTC")
 
 
 @dataclass
@@ -86,15 +87,16 @@ class PushedEntities:
             return
         n = rows.num_rows
         try:  # (the rows are written: whatever noting them meets, the push stands)
-            times = pc.cast(rows[time_column], pa.timestamp("us", tz="UTC")).cast(pa.int64())
+            times = rows[time_column]
+            if times.type != _MICROS:  # (a push's rows are typed already: a cast costs more than the rest)
+                times = pc.cast(times, _MICROS)
+            times = pa.chunked_array([chunk.view(pa.int64()) for chunk in times.chunks], pa.int64())
         except pa.ArrowException as exc:
             log.warning("cannot note what a push wrote to %s to pack it (%s): compact will", view.name, exc)
             return
-        # a row an event, as written: merged per entity later, off the pushing call (or at the bound)
-        columns = [np.ones(n, np.int64), times, np.zeros(n, np.int64), np.full(n, -1, np.int64)]
-        written = pa.table(
-            [*(rows[k] for k in view.join_keys), *columns], names=[*view.join_keys, _EVENTS, _SINCE, _PACKED, _BLOCK]
-        )
+        # a row an event, as written (its other columns made as it is merged per entity, off the
+        # pushing call, or at the bound)
+        written = pa.table([*(rows[k] for k in view.join_keys), times], names=[*view.join_keys, _SINCE])
         size = tile_us(view)
         self._after_fork()
         with self._lock:
@@ -241,9 +243,27 @@ class PushedEntities:
         self._merged_to = self._rows
 
 
+def _counted(part: pa.Table) -> pa.Table:
+    """A part as merged: a push's notes (keys and times) an event each, nothing packed."""
+    if _EVENTS in part.column_names:
+        return part
+    n, keys = part.num_rows, [k for k in part.column_names if k != _SINCE]
+    return pa.table(
+        {
+            **{k: part[k] for k in keys},
+            _EVENTS: np.ones(n, np.int64),
+            _SINCE: part[_SINCE],
+            _PACKED: np.zeros(n, np.int64),
+            _BLOCK: np.full(n, -1, np.int64),
+        }
+    )
+
+
 def _merged(parts: list[pa.Table]) -> pa.Table:
     """One row an entity: its events and what was packed added, the earliest time and latest block kept."""
-    table = pa.concat_tables(parts, promote_options="permissive")  # (a push's and a view write's key types)
+    table = pa.concat_tables(
+        map(_counted, parts), promote_options="permissive"
+    )  # (a push's and a view write's key types)
     keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE, _PACKED, _BLOCK)]
     aggregations = [(_EVENTS, "sum"), (_SINCE, "min"), (_PACKED, "sum"), (_BLOCK, "max")]
     merged = table.group_by(keys, use_threads=False).aggregate(aggregations)

@@ -748,12 +748,14 @@ def _ended_rows(
     """The rows (event µs ``times``) stored in ended tiles (at or after the cutoff): those a
     writer may summarize or pack. Sorted by entity, then time."""
     tile = times // tile_us
-    entity = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False)
     usable = (tile < time.time_ns() // 1000 // tile_us) & (times >= cutoff_us)
     if accepted is not None:  # a write the history found a duplicate is not stored
         usable &= accepted.astype(bool)
     candidates = np.flatnonzero(usable)
-    return candidates[np.lexsort((times[candidates], entity[candidates]))]
+    if len(candidates) < 2:  # (most often none: a stream's events are in the tile of now)
+        return candidates
+    entity = pc.dictionary_encode(keys.take(pa.array(candidates))).indices.to_numpy(zero_copy_only=False)
+    return candidates[np.lexsort((times[candidates], entity))]
 
 
 def _full_tiles(events: list[tuple[int, bytes]], tile_us: int, cutoff_us: int, least: int) -> list[tuple[int, bytes]]:
