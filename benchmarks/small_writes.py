@@ -1,6 +1,8 @@
 """Small writes to a latest-values view: a push of 1 and 10 rows and Feast's ``write_to_online_store``
 of 1 row (typed, ordered, compare-and-set in Redis), against redis-py writing the same encoded
-values by hand (an HSET, a pipeline of 10), in the same run, alternating.
+values by hand (an HSET, a pipeline of 10); and a push of 1 event to an aggregated view against
+redis-py sending the script call it makes (``add_events.lua``, captured from a push, each time
+with a new event id and card); in the same run, alternating.
 
 A REST push or a stream's entries are a few rows at a time: what each write costs beyond its
 round trip is the store's own work.
@@ -25,14 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import percentiles  # noqa: E402
 
 DEFS = """
-from featurestore import Entity, FeatureView, Field, PushSource
+from datetime import timedelta
+from featurestore import Aggregation, Entity, FeatureView, Field, PushSource
 from featurestore.types import *
 
 user = Entity(name="user", join_keys=["user_id"], value_type=Int64)
 FIELDS = [Field("f1", Float64), Field("f2", Float64), Field("f3", Int64), Field("f4", String), Field("f5", Bool)]
 pushed = PushSource(name="user_push", schema=[Field("user_id", Int64), *FIELDS, Field("event_timestamp", UnixTimestamp)])
 stats = FeatureView(name="stats", entities=[user], source=pushed, schema=FIELDS)
+
+card = Entity(name="card", join_keys=["card_id"], value_type=Int64)
+payments = PushSource(name="payments", schema=[Field("tx_id", Int64), Field("card_id", Int64), Field("amount", Float64),
+                                               Field("event_timestamp", UnixTimestamp)])
+activity = FeatureView(name="activity", entities=[card], source=payments, event_id="tx_id",
+    schema=[Field("tx_id", Int64), Field("amount", Float64)],
+    aggregations=[Aggregation("count", timedelta(hours=1)), Aggregation("sum", timedelta(days=1), "amount"),
+                  Aggregation("max", timedelta(days=7), "amount")])
 """
+CARDS = 2000  # the cards one-event pushes spread over
 
 
 def rows(first: int, n: int) -> pa.Table:
@@ -50,6 +62,17 @@ def rows(first: int, n: int) -> pa.Table:
     )
 
 
+def payment(i: int) -> pa.Table:
+    return pa.table(
+        {
+            "tx_id": [i],
+            "card_id": [i % CARDS],
+            "amount": [float(i % 1000) / 10],
+            "event_timestamp": pa.array([datetime.now(UTC)], pa.timestamp("us", tz="UTC")),
+        }
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writes", type=int, default=500)
@@ -58,6 +81,7 @@ def main() -> None:
 
     from featurestore import FeatureStore
     from featurestore.online.codec import encode_values, entity_keys
+    from featurestore.online.lua import scripts
 
     root = Path(tempfile.mkdtemp(prefix="bench-small-writes-"))
     (root / "featurestore.yaml").write_text("project: bench_small\nmodules: [features.py]\n")
@@ -90,7 +114,24 @@ def main() -> None:
 
             return write
 
+        def ours_event(i: int) -> None:
+            store.push("payments", payment(i), to="online")
+
+        events_call = captured_add_events(store, payment(3 * 10**7))
+        name, keys, arguments, (scores, events) = events_call
+        suffix = keys[0].as_py()[len(entity_keys("bench_small", payment(3 * 10**7), ["card_id"])[0].as_py()) :]
+        card_keys = [
+            k + suffix for k in entity_keys("bench_small", pa.table({"card_id": range(CARDS)}), ["card_id"]).to_pylist()
+        ]
+        sha, score, member = scripts()[name].sha, scores[0].as_py(), events[0].as_py()
+
+        def raw_event(i: int) -> None:  # the script call a push sends, of a new event id and card
+            event_id = 4 * 10**7 + i
+            event = event_id.to_bytes(8, "big") + member[8:]
+            client.evalsha(sha, 1, card_keys[event_id % CARDS], *arguments, score, event)
+
         cases = {
+            "push of 1 event (aggregated)": (ours_event, raw_event),
             "push of 1 row": (ours_push(1), raw(1)),
             "push of 10 rows": (ours_push(10), raw(10)),
             "write_to_online_store of 1 row": (ours_write, raw(1)),
@@ -106,13 +147,28 @@ def main() -> None:
                     t0 = time.perf_counter()
                     write(i)
                     timings.setdefault((name, kind), []).append(time.perf_counter() - t0)
-    print(f"small writes to a latest-values view of 5 features, {args.writes} each, p50 (p99) ms:")
+    print(
+        f"small writes to a latest-values view of 5 features and an aggregated view of 3, {args.writes} each, p50 (p99) ms:"
+    )
     for name in cases:
         a, b = percentiles(timings[(name, "ours")]), percentiles(timings[(name, "raw")])
         print(
             f"  {name:<32} ours {a['p50']:.3f} ({a['p99']:.3f})   redis-py by hand {b['p50']:.3f} ({b['p99']:.3f})   "
             f"{a['p50'] / b['p50']:.2f}x"
         )
+
+
+def captured_add_events(store, table: pa.Table) -> tuple:
+    """The ``add_events.lua`` call a push of ``table`` sends (script, keys, arguments, per-key columns)."""
+    from featurestore.online import redis_single
+
+    sent, send = [], redis_single.evalsha
+    redis_single.evalsha = lambda call: (sent.append(call), send(call))[1]
+    try:
+        store.push("payments", table, to="online")
+    finally:
+        redis_single.evalsha = send
+    return next(call for call in sent if call[0] == "add_events")
 
 
 if __name__ == "__main__":
