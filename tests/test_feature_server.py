@@ -503,6 +503,55 @@ def test_no_push_body_gets_a_500(client, body):
     assert response.status_code in (200, 404, 422), (body, response.text)
 
 
+feast_times = st.one_of(  # a materialization's bounds: valid, at the range's edges, not times
+    st.datetimes(timezones=st.just(UTC)).map(lambda t: t.isoformat()),
+    st.sampled_from(["0001-01-01T00:00:00Z", "9999-12-31T23:59:59.999999Z", "2024-13-01", "now", ""]),
+    json_values,
+)
+
+
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    write=st.one_of(
+        st.fixed_dictionaries(
+            {
+                "feature_view_name": st.sampled_from(["spend", "nope", ""]),
+                "df": st.one_of(
+                    st.dictionaries(
+                        st.sampled_from(["card_id", "amount", "country", "event_timestamp", "other"]),
+                        st.lists(json_scalars, max_size=3),
+                        max_size=5,
+                    ),
+                    json_values,
+                ),
+            },
+            optional={"allow_registry_cache": json_values, "transform_on_write": json_values},
+        ),
+        json_values,
+    ),
+    materialize=st.one_of(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "start_ts": feast_times,
+                "end_ts": feast_times,
+                "feature_views": st.one_of(st.lists(st.sampled_from(["spend", "nope", ""]), max_size=2), json_values),
+                "disable_event_timestamp": json_values,
+            },
+        ),
+        json_values,
+    ),
+    incremental=st.booleans(),
+)
+def test_no_write_or_materialize_body_gets_a_500(client, write, materialize, incremental):
+    """Feast's other writes (``/write-to-online-store``, ``/materialize``, ``/materialize-incremental``)."""
+    response = client.post("/write-to-online-store", json=write)
+    assert response.status_code in (200, 404, 422), (write, response.text)
+    path = "/materialize-incremental" if incremental else "/materialize"
+    response = client.post(path, json=materialize)
+    assert response.status_code in (200, 202, 404, 409, 422), (path, materialize, response.text)
+
+
 def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, monkeypatch):
     from featurestore.consistency import check_service_log
 
