@@ -162,6 +162,14 @@ class Location:
         with fs.open_input_stream(f"{path}/{name}") as source, open(local, "wb") as out:
             shutil.copyfileobj(source, out, COPY_CHUNK)
 
+    def remove(self, name: str) -> None:
+        """Delete ``name`` under this location, if it is there."""
+        import pyarrow.fs as pafs
+
+        fs, path = self.filesystem()
+        if fs.get_file_info(f"{path}/{name}").type != pafs.FileType.NotFound:
+            fs.delete_file(f"{path}/{name}")
+
     def objects(self) -> Objects:
         """This location as a key-value store of small objects with compare-and-swap."""
         return LocalObjects(self.path) if self.is_local else S3Objects(self)

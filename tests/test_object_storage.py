@@ -390,9 +390,10 @@ def test_concurrent_registrations_and_promotions_lose_nothing(backend, tmp_path,
     assert registry.rollback("m") != aliases["production"]
 
 
-def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store, s3_endpoint, tmp_path):
+def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store, s3_endpoint, tmp_path, monkeypatch):
     """An export written to ``s3://`` (manifest last), reproduced from its manifest on S3 into S3 and
-    onto disk with the same bytes, and fetched to a local cache for training, checked by hash."""
+    onto disk with the same bytes, and fetched to a local cache for training, checked by hash; one
+    replacing a dataset whose upload fails midway leaves no manifest naming other files."""
     import boto3
 
     from featurestore.retrieval.export import fetch_dataset
@@ -438,6 +439,28 @@ def test_exports_on_s3_reproduce_byte_for_byte_and_fetch_for_training(make_store
     s3.put_object(Bucket=bucket, Key="datasets/two/data-00000.parquet", Body=original[:-10])
     with pytest.raises(FeatureStoreError, match="does not match its manifest's hash"):
         fetch_dataset(store.location(f"s3://{bucket}/datasets/two"), tmp_path / "other-cache")
+
+    # the upload of an export replacing datasets/one lost after its first file: the earlier
+    # manifest stayed beside the new file (fetching it then failed on a hash); now it goes first
+    from featurestore.storage import Location
+
+    upload, uploaded = Location.upload, []
+
+    def lost_after_one(self, local, name):
+        uploaded.append(name)
+        if len(uploaded) == 2:
+            raise OSError("Connection reset by peer")
+        upload(self, local, name)
+
+    monkeypatch.setattr(Location, "upload", lost_after_one)
+    with pytest.raises(OSError, match="Connection reset"):
+        store.export_training_dataset(entities.head(2), "svc", f"s3://{bucket}/datasets/one")
+    with pytest.raises(FeatureStoreError, match="no manifest at"):
+        fetch_dataset(store.location(f"s3://{bucket}/datasets/one"), tmp_path / "cache-3")
+    monkeypatch.setattr(Location, "upload", upload)
+    store.export_training_dataset(entities.head(2), "svc", f"s3://{bucket}/datasets/one")
+    fetched = fetch_dataset(store.location(f"s3://{bucket}/datasets/one"), tmp_path / "cache-4")
+    assert pq.read_table(fetched / "data-00000.parquet").num_rows == 2
     with pytest.raises(FeatureStoreError, match="no manifest at s3://"):
         store.reproduce_training_dataset(f"s3://{bucket}/datasets/none/manifest.json", tmp_path / "x")
 
@@ -1024,7 +1047,9 @@ def test_object_requests_are_counted_as_the_server_sees_them(make_store, s3_endp
             deadline = time.monotonic() + 60
             for seed in itertools.count():  # pushes drain in the background once the buffer is due
                 rows = _frame(_payments(5, seed=seed, first_id=5 * seed, now=NOW)).to_pydict()
-                body = {"push_source_name": "payments", "df": {k: [str(v) for v in vs] for k, vs in rows.items()}}
+                # (JSON's own types; times as ISO text)
+                df = {k: [v.isoformat() if isinstance(v, datetime) else v for v in vs] for k, vs in rows.items()}
+                body = {"push_source_name": "payments", "df": df}
                 pushed_ok = httpx.post(f"http://127.0.0.1:{port}/push", json={**body, "to": "offline"})
                 assert pushed_ok.status_code == 200, pushed_ok.text
                 metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text

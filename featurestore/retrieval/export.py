@@ -4,8 +4,9 @@ The entity input is first written into the export folder (``entities.parquet``),
 join always reads it from there, so a reproduction runs the very same plan. Delta time
 travel pins every history table to the version the original export read.
 
-An export to ``s3://`` is written in a local scratch folder and uploaded, the manifest last: a
-reader that finds the manifest finds every file it names. Reproducing from ``s3://…/manifest.json``
+An export is written in a folder of its own and published once every file is written (into the
+output folder, or uploaded to ``s3://``), the earlier manifest removed first and the new one
+published last: a reader that finds a manifest finds the files it names. Reproducing from ``s3://…/manifest.json``
 downloads the manifest and the entity input first; ``fetch_dataset`` brings a dataset to a local
 cache (checked against the manifest's hashes) for training.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from featurestore.errors import FeatureStoreError
-from featurestore.files import atomic_write
+from featurestore.files import atomic_write, fsync
 from featurestore.offline.base import OfflineStore
 from featurestore.progress import progress_bar
 from featurestore.registry.loader import Definitions
@@ -43,21 +45,43 @@ STATISTICS_FILE = "statistics.parquet"  # each column summarized per entity even
 
 @contextlib.contextmanager
 def _written_to(out: Location, scratch: Path | None) -> Iterator[Path]:
-    """A local folder whose files end up in ``out``: the folder itself on disk; on object storage a
-    scratch folder uploaded once everything in it is written (the manifest last), then removed."""
+    """A local folder whose files replace those in ``out`` once all are written (the block ends
+    without an error): ``out``'s manifest removed first, then the files moved in (on disk: the
+    folder is beside ``out``, on its file system) or uploaded (``scratch`` holds them), the
+    manifest last. So a manifest names the files beside it: an export that fails or dies before
+    publishing leaves the earlier dataset whole, one that dies while publishing leaves no
+    manifest (no dataset) where it was, never one naming other files."""
     if out.is_local:
-        out.path.mkdir(parents=True, exist_ok=True)
-        yield out.path
-        return
-    if scratch is not None:
-        scratch.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="export-", dir=scratch))
+        out.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f".{out.path.name}.export-", dir=out.path.parent))
+    else:
+        if scratch is not None:
+            scratch.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="export-", dir=scratch))
     try:
         yield folder
-        for file in sorted(folder.iterdir(), key=lambda f: f.name == MANIFEST_FILE):
-            out.upload(file, file.name)
+        _publish(folder, out)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _publish(folder: Path, out: Location) -> None:
+    """The files of ``folder`` into ``out`` (``_written_to``), durable before the manifest names them."""
+    files = sorted(folder.iterdir(), key=lambda f: f.name == MANIFEST_FILE)
+    if not out.is_local:
+        out.remove(MANIFEST_FILE)
+        for file in files:
+            out.upload(file, file.name)
+        return
+    out.path.mkdir(parents=True, exist_ok=True)
+    for file in files:
+        fsync(file)
+    with contextlib.suppress(FileNotFoundError):
+        (out.path / MANIFEST_FILE).unlink()
+    fsync(out.path)
+    for file in files:
+        os.replace(file, out.path / file.name)
+    fsync(out.path)
 
 
 def summarize_dataset(data: Path, out: Path, time_column: str) -> None:
@@ -208,8 +232,7 @@ def reproduce(
             join,
         )
         mismatched = [f["path"] for f, g in zip(manifest["files"], new["files"]) if f["sha256"] != g["sha256"]]
-        if mismatched:
-            (folder / MANIFEST_FILE).unlink()  # what does not match is not published as a dataset
+        if mismatched:  # (not published: the block ends with an error)
             raise FeatureStoreError(f"reproduced files {mismatched} differ from the manifest's hashes")
     return new
 
