@@ -171,7 +171,7 @@ def test_an_export_that_fails_midway_leaves_the_previous_one_whole(make_store, t
 
     second = store.export_training_dataset(entity_rows(200), "svc", tmp_path / "ds")
     assert _published(tmp_path / "ds") == second["manifest_hash"] != first["manifest_hash"]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no scratch left
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")) == []  # no scratch left
 
 
 def test_an_export_killed_at_random_points_never_leaves_a_manifest_naming_other_files(make_store, tmp_path):
@@ -204,3 +204,4 @@ def test_an_export_killed_at_random_points_never_leaves_a_manifest_naming_other_
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert _published(tmp_path / "ds") is not None
+    assert [p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")] == []  # the killed ones' folders went

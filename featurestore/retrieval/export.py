@@ -14,6 +14,7 @@ cache (checked against the manifest's hashes) for training.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -46,23 +47,44 @@ STATISTICS_FILE = "statistics.parquet"  # each column summarized per entity even
 @contextlib.contextmanager
 def _written_to(out: Location, scratch: Path | None) -> Iterator[Path]:
     """A local folder whose files replace those in ``out`` once all are written (the block ends
-    without an error): ``out``'s manifest removed first, then the files moved in (on disk: the
-    folder is beside ``out``, on its file system) or uploaded (``scratch`` holds them), the
+    without an error): ``out``'s manifest removed first, then the files moved in (on disk: a
+    hidden folder inside ``out``, on its file system) or uploaded (``scratch`` holds them), the
     manifest last. So a manifest names the files beside it: an export that fails or dies before
     publishing leaves the earlier dataset whole, one that dies while publishing leaves no
     manifest (no dataset) where it was, never one naming other files."""
     if out.is_local:
-        out.path.parent.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=f".{out.path.name}.export-", dir=out.path.parent))
-    else:
-        if scratch is not None:
-            scratch.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="export-", dir=scratch))
+        out.path.mkdir(parents=True, exist_ok=True)
+        for abandoned in out.path.glob(f"{_SCRATCH}*"):
+            _remove_unless_held(abandoned)
+    elif scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=_SCRATCH, dir=out.path if out.is_local else scratch))
+    held = os.open(folder, os.O_RDONLY)
     try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # (held while it is written: a folder no process holds is abandoned)
         yield folder
         _publish(folder, out)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        os.close(held)
+
+
+_SCRATCH = ".export-"  # an export's folder while it is written
+
+
+def _remove_unless_held(folder: Path) -> None:
+    """Remove an export's folder that no process holds: a killed export's."""
+    try:
+        held = os.open(folder, os.O_RDONLY)
+    except OSError:  # (gone meanwhile)
+        return
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        shutil.rmtree(folder, ignore_errors=True)
+    except BlockingIOError:  # another export is writing it
+        pass
+    finally:
+        os.close(held)
 
 
 def _publish(folder: Path, out: Location) -> None:
@@ -73,7 +95,6 @@ def _publish(folder: Path, out: Location) -> None:
         for file in files:
             out.upload(file, file.name)
         return
-    out.path.mkdir(parents=True, exist_ok=True)
     for file in files:
         fsync(file)
     with contextlib.suppress(FileNotFoundError):
