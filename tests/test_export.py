@@ -204,4 +204,5 @@ def test_an_export_killed_at_random_points_never_leaves_a_manifest_naming_other_
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert _published(tmp_path / "ds") is not None
-    assert [p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")] == []  # the killed ones' folders went
+    left = [p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")]
+    assert left == []  # the killed exports' folders went
