@@ -1211,11 +1211,6 @@ def main() -> None:
     except FeatureStoreError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
-        # (a path the user gave, or a file a command needs first: one line says which)
-        said = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
-        err_console.print(f"[bold red]error:[/] {escape(said)}", highlight=False, soft_wrap=True)
-        sys.exit(1)
     except ModuleNotFoundError as exc:
         if exc.name not in TRAINING_MODULES:
             raise
@@ -1227,13 +1222,23 @@ def main() -> None:
         )
         sys.exit(1)
     except Exception as exc:
-        from featurestore.storage import explain
-
-        explained = explain(exc)
-        if explained is None:
+        said = _said(exc)
+        if said is None:
             raise
-        err_console.print(f"[bold red]error:[/] {escape(str(explained))}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(said)}", highlight=False, soft_wrap=True)
         sys.exit(1)
+
+
+def _said(exc: Exception) -> str | None:
+    """The error line for an exception the user can act on; None for one that is a bug (its traceback)."""
+    from featurestore.storage import explain
+
+    paths = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+    if isinstance(exc, OSError) and (exc.filename or isinstance(exc, paths)):
+        # (a path the user gave, or a file a command needs first or writes: one line says which)
+        return f"{exc.strerror}: {exc.filename}" if exc.filename and exc.strerror else str(exc)
+    explained = explain(exc)
+    return None if explained is None else str(explained)
 
 
 _SERVING: list[str] = []  # set by a command that ran a server: its counts are in /metrics, its logs its own

@@ -67,6 +67,17 @@ def test_export_reads_csv_entities(repo, tmp_path):
     assert pd.read_parquet(tmp_path / "out" / "data-00000.parquet")["conv_rate"].tolist() == [0.5, 0.7]
 
 
+def test_a_file_system_error_is_one_line_naming_the_path(repo, tmp_path):
+    """An export whose --out names a file, not a folder, was a FileExistsError traceback: every
+    file-system error naming a path is one line (the disk full, a read-only file system...)."""
+    labels = tmp_path / "labels.csv"
+    labels.write_text("driver_id,event_timestamp\n1,2024-01-02T00:00:00Z\n")
+    (tmp_path / "taken").write_text("a file")
+    result = _cli(repo, "export", "--service", "svc", "--entities", str(labels), "--out", str(tmp_path / "taken"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"error: File exists: {tmp_path / 'taken'}" in result.stderr.replace("\n", ""), result.stderr
+
+
 def test_api_entity_inputs_that_are_not_data_are_request_errors(repo):
     store = FeatureStore(repo)
     for bad in ["labels.csv", "missing.parquet", "SELEC 1"]:
