@@ -16,6 +16,7 @@ does the same on a folder (under one advisory lock), so the registry has one wri
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -473,15 +474,26 @@ def _as_pattern(word: str) -> str:
     return rf"(?<![\d.]){word}(?!\d)" if word.isdigit() else re.escape(word)
 
 
+# a local disk refusing a write: full, over a quota or a file-size limit, mounted read-only
+_DISK_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
 def explain(exc: BaseException) -> StorageUnavailable | None:
     """A one-line error saying what to do, when ``exc`` (or what caused it) is object storage
-    failing; None for anything else."""
+    failing, or a local disk refusing a write; None for anything else."""
     chain: list[BaseException] = []
     while exc is not None and exc not in chain and len(chain) < 10:
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     if isinstance(chain[0], StorageUnavailable):
         return chain[0]
+    refused = next((e for e in chain if isinstance(e, OSError) and e.errno in _DISK_REFUSED), None)
+    if refused is not None:
+        where = f": {refused.filename}" if refused.filename else ""
+        return StorageUnavailable(
+            f"the disk refused a write ({refused.strerror}{where}): free space, or raise the quota or the "
+            "file-size limit, or mount it writable; what failed was not kept, so run it again then"
+        )
     from_storage = [e for e in chain if type(e).__module__.split(".")[0] in _STORAGE_MODULES or type(e) is OSError]
     text = " ".join(f"{type(e).__name__} {e}" for e in from_storage).lower()
     for words, advice in _CAUSES if from_storage else ():

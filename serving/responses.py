@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, cast
@@ -21,6 +22,8 @@ from featurestore.errors import (
     StorageUnavailable,
 )
 from featurestore.storage import explain
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from serving.metrics import Metrics
@@ -123,8 +126,22 @@ def json_handler(
             if isinstance(exc, OnlineStoreUnavailable):
                 metrics.redis_errors.inc()
             return error_status(exc), error_body(exc, feast_errors)
+        except Exception as exc:
+            explained = unavailable(exc)
+            if explained is None:
+                raise
+            return 503, error_body(explained, feast_errors)
 
     return run
+
+
+def unavailable(exc: Exception) -> FeatureStoreError | None:
+    """``exc`` as a 503's error where storage failed (object storage, a local disk refusing a
+    write: ``storage.explain``), said in the log too; None for anything else (a 500: a bug)."""
+    explained = explain(exc)
+    if explained is not None:
+        log.warning("answered 503: %s", explained)
+    return explained
 
 
 async def respond(handler: JsonHandler, request: Request) -> Response:
@@ -142,7 +159,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics, feast_errors: bool = 
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        explained = explain(exc)  # object storage failing (history reads, the registry): 503 saying why
+        explained = unavailable(exc)  # storage failing (history reads, the registry, a full disk): 503 saying why
         if explained is not None:
             return Response(error_body(explained, feast_errors), status_code=503, media_type="application/json")
         return json_response({"detail": "internal error; the server's log has the details"}, 500)

@@ -281,6 +281,71 @@ def test_redis_stopped_and_restarted_under_a_running_server(own_redis):
     assert up.status_code == 200 and up.json()["results"][1]["values"] == [3.0]
 
 
+def test_a_full_disk_is_a_503_saying_so_and_a_push_it_refused_is_nowhere(tmp_path, redis_url, monkeypatch):
+    """A feature server whose disk takes no more bytes (a file-size limit on its process: writes
+    fail with EFBIG, as a full disk's with ENOSPC): a push to both stores was a bare 500. Now a
+    503 saying the disk refused the write; the refused rows are in neither store, and once the
+    disk has room a push is kept, once."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from deltalake import DeltaTable
+
+    from featurestore.sources import open_push_log
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+
+    def no_room() -> None:  # (in the server's process, before it starts)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    port = free_port()
+    command = [sys.executable, "-m", "featurestore", "serve", "--repo", str(root), "--port", str(port)]
+    server = subprocess.Popen(command, preexec_fn=no_room, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None, "the feature server did not start"
+                time.sleep(0.2)
+
+        def pushed(card: int) -> httpx.Response:
+            rows = {"card_id": [card], "amount": [float(card)], "country": ["FR"], "event_timestamp": [NOW.isoformat()]}
+            return httpx.post(
+                url + "/push", json={"push_source_name": "events", "df": rows, "to": "online_and_offline"}
+            )
+
+        refused = pushed(1)
+        assert refused.status_code == 503 and "the disk refused a write" in refused.json()["detail"], refused.text
+        lookup = {"features": ["spend:amount"], "entities": {"card_id": [1, 2]}}
+        assert (
+            httpx.post(url + "/get-online-features", json=lookup).json()["results"][1]["statuses"] == ["NOT_FOUND"] * 2
+        )
+        resource.prlimit(server.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert pushed(2).status_code == 200
+        assert httpx.post(url + "/get-online-features", json=lookup).json()["results"][1]["values"] == [None, 2.0]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        log = server.communicate(timeout=60)[1].decode()
+    assert "answered 503: the disk refused a write" in log and "Traceback" not in log, log
+    with FeatureStore(root) as store:
+        store.flush()
+        history = DeltaTable(str(store.offline_store.table_path(store.layout("spend").history_table)))
+        log = open_push_log(store.config.push_logs, "events")
+        assert history.to_pyarrow_table()["card_id"].to_pylist() == log.to_pyarrow_table()["card_id"].to_pylist() == [2]
+
+
 def test_every_write_during_a_redis_outage_is_a_503_and_the_sdk_raises_the_stores_error(own_redis, tmp_path):
     """With Redis killed, some ``/push`` got 500 and the SDK raised redis-py's ``ConnectionError``
     (the write path connected outside the ``try`` that maps store errors)."""
