@@ -261,9 +261,8 @@ def _counted(part: pa.Table) -> pa.Table:
 
 def _merged(parts: list[pa.Table]) -> pa.Table:
     """One row an entity: its events and what was packed added, the earliest time and latest block kept."""
-    table = pa.concat_tables(
-        map(_counted, parts), promote_options="permissive"
-    )  # (a push's and a view write's key types)
+    # (promoted: a push's and a view write's key types)
+    table = pa.concat_tables(map(_counted, parts), promote_options="permissive")
     keys = [c for c in table.column_names if c not in (_EVENTS, _SINCE, _PACKED, _BLOCK)]
     aggregations = [(_EVENTS, "sum"), (_SINCE, "min"), (_PACKED, "sum"), (_BLOCK, "max")]
     merged = table.group_by(keys, use_threads=False).aggregate(aggregations)

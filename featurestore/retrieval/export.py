@@ -4,11 +4,12 @@ The entity input is first written into the export folder (``entities.parquet``),
 join always reads it from there, so a reproduction runs the very same plan. Delta time
 travel pins every history table to the version the original export read.
 
-An export is written in a folder of its own and published once every file is written (into the
-output folder, or uploaded to ``s3://``), the earlier manifest removed first and the new one
-published last: a reader that finds a manifest finds the files it names. Reproducing from ``s3://…/manifest.json``
-downloads the manifest and the entity input first; ``fetch_dataset`` brings a dataset to a local
-cache (checked against the manifest's hashes) for training.
+An export is written in a folder of its own and published once every file is written (moved
+into the output folder, or uploaded to ``s3://``), the earlier manifest removed first and the
+new one published last: a reader that finds a manifest finds the files it names. Reproducing
+from ``s3://…/manifest.json`` downloads the manifest and the entity input first;
+``fetch_dataset`` brings a dataset to a local cache (checked against the manifest's hashes) for
+training.
 """
 
 from __future__ import annotations
