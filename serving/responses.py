@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from featurestore.errors import (
@@ -156,6 +158,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics, feast_errors: bool = 
         if isinstance(exc, OnlineStoreUnavailable):
             metrics.redis_errors.inc()
         return Response(error_body(exc, feast_errors), status_code=error_status(exc), media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own answer, written by orjson: it echoes the input, and a body's 1e400 or NaN
+        # (which JSON parsers read as infinities) made its json.dumps raise: a 500
+        return json_response({"detail": jsonable_encoder(exc.errors())}, 422)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

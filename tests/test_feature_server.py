@@ -617,6 +617,47 @@ def test_no_write_or_materialize_body_gets_a_500(client, write, materialize, inc
     assert response.status_code in (200, 202, 404, 409, 422), (path, materialize, response.text)
 
 
+def test_no_route_answers_a_500_to_numbers_json_cannot_hold(tmp_path, redis_url, monkeypatch):
+    """A body with ``1e400``, ``NaN`` or ``-Infinity`` (JSON parsers read them as infinities) to
+    ``/write-to-online-store`` was a 500: FastAPI's answer to a body its model refuses echoes the
+    input through a ``json.dumps`` that refuses infinities. Every route of the server and of its
+    UI (the MLflow API included) that takes a body, with those and with bodies that are no JSON."""
+    import re
+
+    from serving.ui import create_app as create_ui
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+
+    def routes(app, prefix=""):  # (method, path) of every route, mounted apps' included
+        for route in getattr(getattr(app, "app", app), "routes", []):
+            path = prefix + getattr(route, "path", "")
+            if hasattr(route, "app") and not hasattr(route, "endpoint"):
+                yield from routes(route.app, path)
+            else:
+                yield from ((method, path) for method in getattr(route, "methods", None) or ())
+
+    fields = ("df", "feature_view_name", "push_source_name", "features", "entities", "name", "run_id", "key", "value")
+    bodies = [
+        "{" + ", ".join(f'"{field}": {number}' for field in fields) + "}"
+        for number in ("1e400", "NaN", "-Infinity", "[1e400]", '{"card_id": [1e400]}')
+    ] + ["[" * 5000 + "]" * 5000, b"\xff\xfe{", ""]
+    sent = 0
+    for app in (create_app(root), create_ui(root)):
+        with TestClient(app, raise_server_exceptions=False) as client:
+            for method, path in sorted(set(routes(app))):
+                if method not in ("POST", "PUT", "PATCH"):
+                    continue
+                for body in bodies:
+                    url = re.sub(r"\{[^}]+\}", "x", path)
+                    response = client.request(method, url, content=body, headers={"content-type": "application/json"})
+                    assert response.status_code < 500, (method, path, body[:40], response.text)
+                    sent += 1
+    assert sent >= 19 * len(bodies)  # (the server's 5 routes and the MLflow API's 14)
+
+
 def test_feature_server_logs_service_lookups_when_asked(tmp_path, redis_url, monkeypatch):
     from featurestore.consistency import check_service_log
 
