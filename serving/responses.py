@@ -152,6 +152,22 @@ async def respond(handler: JsonHandler, request: Request) -> Response:
     return Response(payload, status_code=status, media_type="application/json")
 
 
+def document_errors(app: FastAPI) -> None:
+    """``app``'s OpenAPI document with its 422s as they are answered: FastAPI's list of validation
+    errors, or this project's one message (``{"detail": "..."}``: a ``RequestError``)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            refused = build().get("components", {}).get("schemas", {}).get("HTTPValidationError")
+            if refused is not None:
+                listed = refused["properties"]["detail"]
+                refused["properties"]["detail"] = {"anyOf": [listed, {"type": "string"}], "title": "Detail"}
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI, metrics: Metrics, feast_errors: bool = False) -> None:
     @app.exception_handler(FeatureStoreError)
     async def _feature_store_error(request: Request, exc: FeatureStoreError) -> Response:

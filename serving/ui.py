@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse, Response
+from pydantic import StringConstraints
 
 from featurestore import FeatureStore
 from featurestore.auth import Authenticator
@@ -31,15 +33,23 @@ from featurestore.launch import ServerLaunch
 from featurestore.statistics import HOUR, bucket_start
 from featurestore.tracking import compare, curve, list_runs, read_run
 from featurestore.tracking.lineage import model_lineage
+from featurestore.training.model_registry import NAME_PATTERN as MODEL_NAME
 from serving.fast_lane import FastLane
 from serving.metrics import Metrics
 from serving.mlflow_api import mlflow_app
 from serving.reload import RegistryWatcher
-from serving.responses import install_error_handlers, json_response
+from serving.responses import document_errors, install_error_handlers, json_response
 
 STATIC = Path(__file__).parent / "ui_static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
-_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,200}")
+NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,200}$"
+_NAME = re.compile(NAME_PATTERN)
+Name = Annotated[str, PathParam(pattern=NAME_PATTERN, description="A run id or a view's name.")]
+ModelName = Annotated[str, PathParam(pattern=MODEL_NAME, description="A registered model's name.")]
+Sha256 = Annotated[
+    str, PathParam(pattern="^[0-9a-f]{64}$", description="The artifact's SHA-256: 64 lower-case hex digits.")
+]
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No such view, run, model version or artifact."}}
 RUNS_REFRESH_SECONDS = 5  # runs on object storage are pulled at most this often
 MAX_POINTS = 5000
 
@@ -58,6 +68,7 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         description="Read-only: catalogue, view status, runs, curves, models, lineage.",
         version="0.1.0",
     )
+    document_errors(app)
 
     pulled = [0.0]
 
@@ -92,9 +103,11 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         return json_response(found)
 
     @app.get(
-        "/api/views/{name}", summary="One view: its definition, freshness, volume, and consistency checks covering it"
+        "/api/views/{name}",
+        summary="One view: its definition, freshness, volume, and consistency checks covering it",
+        responses=NOT_FOUND,
     )
-    async def view(name: str) -> Response:
+    async def view(name: Name) -> Response:
         current = store()
         found = next((v for v in catalogue(current.registry)["views"] if v["name"] == _name(name, "view")), None)
         if found is None:
@@ -117,9 +130,10 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         "/api/views/{name}/statistics",
         summary="A view's values: per feature its figures, history and served histograms on the same bins, "
         "rows / null rate / mean / median over time; served NOT_FOUND and null rates over time; drift reports",
+        responses=NOT_FOUND,
     )
     async def view_statistics(
-        name: str,
+        name: Name,
         days: int | None = Query(None, ge=1, le=36600, description="Only the last this many days (default: all)."),
         points: int = Query(DEFAULT_POINTS, ge=3, le=MAX_POINTS, description="The most points a series holds."),
     ) -> Response:
@@ -131,23 +145,33 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
         return json_response(await asyncio.to_thread(view_profile, current, name, since, None, points))
 
     @app.get("/api/runs", summary="Runs newest first; q searches ids, tags and services; tag=key=value filters")
-    def runs(q: str = "", tag: list[str] | None = Query(None)) -> Response:
-        tags = dict(t.split("=", 1) for t in tag or [] if "=" in t)
+    def runs(
+        q: str = "",
+        tag: list[Annotated[str, StringConstraints(pattern=r"^[^=]+=")]] | None = Query(
+            None, description="Runs with this tag, as key=value (repeat for several)."
+        ),
+    ) -> Response:
+        tags = dict(t.split("=", 1) for t in tag or [])
         return json_response({"runs": list_runs(runs_root(), q, tags)})
 
-    @app.get("/api/runs/{run_id}", summary="A run's params, tags, final metrics, logged metrics, artifacts")
-    def run(run_id: str) -> Response:
+    @app.get(
+        "/api/runs/{run_id}",
+        summary="A run's params, tags, final metrics, logged metrics, artifacts",
+        responses=NOT_FOUND,
+    )
+    def run(run_id: Name) -> Response:
         return json_response(read_run(runs_root() / _name(run_id, "run")))
 
     @app.get(
         "/api/runs/{run_id}/curve",
         summary="One metric downsampled to at most `points` (Largest-Triangle-Three-Buckets)",
+        responses=NOT_FOUND,
     )
     def run_curve(
-        run_id: str,
-        metric: str,
+        run_id: Name,
+        metric: str = Query(..., description="The metric's name."),
         points: int = Query(500, ge=3, le=MAX_POINTS),
-        writer: str | None = None,
+        writer: str | None = Query(None, pattern=NAME_PATTERN),
         x: Literal["step", "epoch", "samples", "wall_time"] = Query(
             "step", description="Against the step, the epoch, samples seen, or seconds since the run started."
         ),
@@ -157,10 +181,12 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
             raise NotFoundError(f"no run {run_id!r}")
         return json_response(curve(path, metric, points, _name(writer, "writer") if writer else None, x))
 
-    @app.get("/api/compare", summary="Runs side by side: differing params first, final metrics")
-    def compare_runs(runs: list[str] = Query(..., description="Two or more run ids.")) -> Response:
-        if len(runs) < 2:
-            raise RequestError("compare takes two or more runs (runs=a&runs=b)")
+    @app.get("/api/compare", summary="Runs side by side: differing params first, final metrics", responses=NOT_FOUND)
+    def compare_runs(
+        runs: list[Annotated[str, StringConstraints(pattern=NAME_PATTERN)]] = Query(
+            ..., min_length=2, description="Two or more run ids."
+        ),
+    ) -> Response:
         return json_response(compare([read_run(runs_root() / _name(r, "run")) for r in runs]))
 
     @app.get("/api/models", summary="Registered models: versions, stages, metrics, the run that trained each")
@@ -188,8 +214,9 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
     @app.get(
         "/api/models/{name}/{version}/lineage",
         summary="Model version → run → dataset manifest → definitions → Delta table versions, each hop checked",
+        responses=NOT_FOUND,
     )
-    def lineage(name: str, version: int) -> Response:
+    def lineage(name: ModelName, version: Annotated[int, PathParam(ge=1)]) -> Response:
         current = store()
         registry = current.model_registry()
         if version not in registry.versions(_name(name, "model")):
@@ -198,16 +225,20 @@ def ui_app(store: Callable[[], FeatureStore]) -> FastAPI:
             model_lineage(registry, name, version, runs_root(), current.registry, current.offline_store)
         )
 
-    @app.get("/api/artifacts/{sha256}", summary="An artifact's bytes, by its SHA-256 (verify with any sha256 tool)")
-    def artifact(sha256: str) -> Response:
+    @app.get(
+        "/api/artifacts/{sha256}",
+        summary="An artifact's bytes, by its SHA-256 (verify with any sha256 tool)",
+        responses=NOT_FOUND,
+    )
+    def artifact(sha256: Sha256) -> Response:
         artifacts = store().artifacts()
         headers = {"X-Content-SHA256": sha256, "Content-Disposition": f'attachment; filename="{sha256}"'}
         if artifacts.location.is_local:
             return FileResponse(artifacts.path(sha256), media_type="application/octet-stream", headers=headers)
         return Response(artifacts.read(sha256), media_type="application/octet-stream", headers=headers)
 
-    @app.get("/api/artifacts/{sha256}/verify", summary="Recompute an artifact's hash")
-    def verify(sha256: str) -> Response:
+    @app.get("/api/artifacts/{sha256}/verify", summary="Recompute an artifact's hash", responses=NOT_FOUND)
+    def verify(sha256: Sha256) -> Response:
         return json_response({"sha256": sha256, "ok": store().artifacts().verify(sha256)})
 
     @app.get(

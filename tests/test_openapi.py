@@ -108,3 +108,20 @@ def test_the_checkpoint_engines_document_matches_it(tmp_path, redis_url):
     finally:
         engine.terminate()
         engine.wait(30)
+
+
+def test_the_uis_document_matches_it(tmp_path, redis_url, monkeypatch):
+    """The UI's API (``/ui/api``): its 404s were undocumented, its names' and hashes' patterns
+    unsaid (refused as 422s the document did not foresee), its one-message 422s outside the
+    document's shape of FastAPI's list, and a model name the registry refuses a 400."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    root = write_repo(tmp_path / "repo", DEFS, url=redis_url)
+    with FeatureStore(root) as store:
+        store.apply()
+    port = free_port()
+    ui = serving([sys.executable, "-m", "featurestore.cli", "ui", "--repo", str(root), "--port", str(port)], port)
+    try:
+        schemathesis(f"http://127.0.0.1:{port}/ui")
+    finally:
+        ui.terminate()
+        ui.wait(30)

@@ -20,10 +20,16 @@ function h(tag, attrs, ...children) {
   return el;
 }
 
+// an error's message: ours is one line; FastAPI's validation errors are a list (where, what)
+function said(detail) {
+  if (!Array.isArray(detail)) return detail;
+  return detail.map((e) => `${(e.loc || []).slice(1).join(".")}: ${e.msg}`).join("; ");
+}
+
 async function api(path) {
   const response = await fetch("api/" + path, { headers: { Accept: "application/json" } });
   const body = await response.json().catch(() => ({}));
-  if (!response.ok) throw new Error(body.detail || `${response.status} ${response.statusText}`);
+  if (!response.ok) throw new Error(said(body.detail) || `${response.status} ${response.statusText}`);
   return body;
 }
 
