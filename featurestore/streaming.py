@@ -7,6 +7,12 @@ once idle for ``claim_idle_ms`` (``XAUTOCLAIM``), and a consumer first re-reads 
 ones. Pushing an entry twice changes nothing: each row's ingest time and push id come from its
 entry id, so a redelivered entry is the same row everywhere (the push log included).
 
+Consumed entries do not stay in Redis: every few seconds (and as a run ends) the consumer trims
+the stream of the entries every consumer group of it has acknowledged (``XTRIM MINID``), so its
+memory is what is still to be read; a stream named by the source (``StreamSource(stream=...)``)
+is its owner's to bound and is left as it is. The dead-letter stream keeps its newest
+``DEAD_LETTERS_KEPT`` entries.
+
 Entries map column names to text (``XADD s * card_id 17 amount 12.5 event_timestamp
 2024-05-01T10:00:00Z``). An entry that does not fit the source's schema goes to the dead-letter
 stream ``<stream>:dead`` with the reason, and is acknowledged: one bad entry never blocks the rest.
@@ -19,6 +25,7 @@ consumer's loop also calls, so a tile ending while the stream is quiet is not le
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -43,6 +50,8 @@ if TYPE_CHECKING:
     from featurestore.materialization.push import PushTarget
 
 GROUP = "featurestore"
+TRIM_SECONDS = 5.0  # how often a consumer trims the stream of what every group has acknowledged
+DEAD_LETTERS_KEPT = 100_000  # the newest entries the dead-letter stream keeps
 log = logging.getLogger(__name__)
 
 
@@ -110,6 +119,8 @@ class StreamConsumer:
             claim_idle_ms  # how long another consumer's entry waits unacknowledged before this one takes it
         )
         self._claimed_at = 0.0
+        self._trimmed_at = time.monotonic()
+        self._trims = not source.stream  # (a stream the source names is its owner's)
         try:
             self.client.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as exc:
@@ -147,6 +158,8 @@ class StreamConsumer:
                 if entries:
                     self._handle(entries)
                 self._measure()
+                if time.monotonic() - self._trimmed_at >= TRIM_SECONDS:
+                    self._trim()
                 self.store.pack_pushed()
                 retry = 0.1
             except (OnlineStoreUnavailable, redis.ConnectionError, redis.TimeoutError) as exc:
@@ -159,6 +172,8 @@ class StreamConsumer:
                 on_progress(self.stats)
             if not entries and until_idle:
                 break
+        with contextlib.suppress(OnlineStoreUnavailable, redis.ConnectionError, redis.TimeoutError):
+            self._trim()  # (what this run acknowledged: the next run, or another consumer, trims it otherwise)
         return self.stats
 
     def _handle(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
@@ -205,9 +220,27 @@ class StreamConsumer:
     def _dead_letter(self, entry: tuple[bytes, dict[bytes, bytes]], reason: str) -> None:
         entry_id, fields = entry
         dead: dict[Any, Any] = {**fields, b"_reason": reason[:2000], b"_entry_id": entry_id}
-        self.client.xadd(self.stream + ":dead", dead)
+        self.client.xadd(self.stream + ":dead", dead, maxlen=DEAD_LETTERS_KEPT, approximate=False)
         self.client.xack(self.stream, GROUP, entry_id)
         self.stats.dead += 1
+
+    def _trim(self) -> None:
+        """Drop the entries every consumer group of the stream has acknowledged: those before each
+        group's oldest pending entry, or past its last delivered one when none is pending."""
+        self._trimmed_at = time.monotonic()
+        if not self._trims:
+            return
+        keep_from: list[tuple[int, int]] = []
+        for group in self.client.xinfo_groups(self.stream):
+            if group["pending"]:
+                oldest = self.client.xpending(self.stream, group["name"])["min"]
+                keep_from.append(_entry_id(oldest))
+            else:
+                ms, seq = _entry_id(group["last-delivered-id"])
+                keep_from.append((ms, seq + 1))
+        if keep_from:  # (no group: nothing read yet, nothing to trim)
+            ms, seq = min(keep_from)
+            self.client.xtrim(self.stream, minid=f"{ms}-{seq}", approximate=False)
 
     def _measure(self) -> None:
         summary = self.client.xpending(self.stream, GROUP)
@@ -231,8 +264,14 @@ def arrival(stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tup
 
 
 def _ms(entry_id: bytes | str) -> int:
+    return _entry_id(entry_id)[0]
+
+
+def _entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    """An entry id's (milliseconds, sequence number)."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-")[0])
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def entries_to_table(entries: list[tuple[bytes, dict[bytes, bytes]]], source: StreamSource) -> pa.Table:

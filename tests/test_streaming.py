@@ -59,6 +59,12 @@ def stream_repo(tmp_path, redis_url, monkeypatch):
     store.close()
 
 
+def _entry_id(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id in order: (milliseconds, sequence)."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq)
+
+
 def _expected(events: list[dict]) -> dict[int, tuple[int, float]]:
     out: dict[int, tuple[int, float]] = {}
     for e in {e["payment_id"]: e for e in events}.values():
@@ -86,13 +92,17 @@ def test_consumer_killed_mid_stream_resumes_without_loss_or_double_counting(stre
     events = _events(3000, seed=1)
     stream = stream_key(store.config.project, store.definitions.push_source("payments"))
     retried = events + random.Random(2).sample(events, 200)  # producers retry: duplicate entries
-    publish(store.online_store.client, stream, retried[:1500])
+    ids = publish(store.online_store.client, stream, retried[:1500])
     bad = publish(
         store.online_store.client,
         stream,
         [{"payment_id": 99999, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()}],
     )
-    publish(store.online_store.client, stream, retried[1500:])
+    ids += bad + publish(store.online_store.client, stream, retried[1500:])
+
+    def delivered() -> int:  # (entries consumed are trimmed from the stream: counted by their ids)
+        last = _entry_id(client.xinfo_groups(stream)[0]["last-delivered-id"])
+        return sum(1 for i in ids if _entry_id(i) <= last)
 
     command = [
         sys.executable,
@@ -112,16 +122,14 @@ def test_consumer_killed_mid_stream_resumes_without_loss_or_double_counting(stre
     client = store.online_store.client
     deadline = time.time() + 120
     while time.time() < deadline:  # kill it once it is well under way
-        groups = client.xinfo_groups(stream)  # the consumer creates the group when it starts
-        if groups and len(client.xrange(stream, min="-", max=groups[0]["last-delivered-id"])) > 600:
+        if client.xinfo_groups(stream) and delivered() > 600:  # (the consumer creates the group when it starts)
             break
         if first.poll() is not None:
             pytest.fail(first.stderr.read().decode()[-2000:])
         time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    delivered = len(client.xrange(stream, min="-", max=client.xinfo_groups(stream)[0]["last-delivered-id"]))
-    assert delivered < len(retried), "the consumer finished before it was killed: nothing was tested"
+    assert delivered() < len(ids), "the consumer finished before it was killed: nothing was tested"
 
     second = subprocess.run([*command, "--until-idle"], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -200,6 +208,58 @@ def test_a_push_source_is_not_a_stream(stream_repo, tmp_path):
         )
 
 
+def test_consumed_entries_leave_the_stream_once_every_group_has_them(stream_repo, tmp_path, monkeypatch):
+    """Consumed entries stayed in the stream for good: Redis's memory grew with every event ever
+    streamed, and the dead-letter stream with every bad one. A consumer now trims what every
+    consumer group has acknowledged (another application's group included: its pending entries
+    and those after them stay), and the dead letters keep their newest ``DEAD_LETTERS_KEPT``; a
+    stream the source names is its owner's and is left whole."""
+    from featurestore import streaming
+
+    _, store = stream_repo
+    client = store.online_store.client
+    stream = stream_key(store.config.project, store.definitions.push_source("payments"))
+    events = _events(300, seed=8)
+    consumer = StreamConsumer(store, "payments", batch=50)
+    client.xgroup_create(stream, "other", id="0")  # another application reading the stream
+    publish(client, stream, events)
+    consumer.run(until_idle=True)
+    assert consumer.stats.consumed == 300 and client.xlen(stream) == 300  # ("other" read none)
+
+    read = client.xreadgroup("other", "o1", {stream: ">"}, count=100)[0][1]
+    client.xack(stream, "other", *[entry_id for entry_id, _ in read[:60]])
+    consumer.run(until_idle=True)
+    assert client.xrange(stream, count=1)[0][0] == read[60][0] and client.xlen(stream) == 240
+    client.xack(stream, "other", *[entry_id for entry_id, _ in read[60:]])
+    rest = client.xreadgroup("other", "o1", {stream: ">"})[0][1]
+    client.xack(stream, "other", *[entry_id for entry_id, _ in rest])
+    consumer.run(until_idle=True)
+    assert client.xlen(stream) == 0
+    _assert_stores_match(store, events)
+
+    monkeypatch.setattr(streaming, "DEAD_LETTERS_KEPT", 10)
+    bad = [
+        {"payment_id": 10**6 + i, "card_id": 1, "amount": "lots", "event_timestamp": NOW.isoformat()} for i in range(25)
+    ]
+    ids = publish(client, stream, bad)
+    consumer.run(until_idle=True)
+    assert [fields[b"_entry_id"] for _, fields in client.xrange(stream + ":dead")] == ids[-10:]
+
+    named = FeatureStore(
+        write_repo(
+            tmp_path / "named",
+            FEATURES.replace('name="payments",', 'name="payments", stream="owned",'),
+            url=store.config.online.url,
+        )
+    )
+    named.apply()
+    publish(client, "owned", events[:40])
+    owned = StreamConsumer(named, "payments")
+    owned.run(until_idle=True)
+    assert owned.stats.consumed == 40 and client.xlen("owned") == 40
+    named.close()
+
+
 def test_view_status_shows_the_consumer_groups_lag(stream_repo):
     """The web UI's freshness for a stream view: entries not yet consumed, newest online event."""
     from featurestore.catalog import view_status
@@ -211,8 +271,8 @@ def test_view_status_shows_the_consumer_groups_lag(stream_repo):
     publish(store.online_store.client, stream_key(store.config.project, source), _events(50, seed=4))
     consumer.run(stop=lambda: consumer.stats.consumed >= 20)
     status = view_status(store.registry, store.offline_store, store.online_store, store.config.project, "activity")
-    (group,) = status["stream"]["groups"]
-    assert status["stream"]["length"] == 50 and group["pending"] == 0 and group["lag"] == 30
+    (group,) = status["stream"]["groups"]  # (the 20 consumed trimmed from the stream)
+    assert status["stream"]["length"] == 30 and group["pending"] == 0 and group["lag"] == 30
     assert status["newest_online_event"] is not None and status["online_error"] is None
 
 
