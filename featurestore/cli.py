@@ -337,9 +337,12 @@ def compact(
     Pushes do the offline part on their own past offline_store.compact_after_files and
     vacuum_after_hours (featurestore.yaml), and the online part for what they wrote once its
     tiles end (online_store.pack_pushes); run this from a scheduler for what a stopped or
-    overloaded process left."""
+    overloaded process left. Without --view, also merge the servers' feature logs."""
     with _store(repo) as store:
-        for name, r in store.compact(views or None, vacuum_hours).items():
+        compacted = store.compact(views or None, vacuum_hours)
+        if not views:  # (the servers' feature logs: a file a second each while serving)
+            compacted |= store.compact_feature_logs()
+        for name, r in compacted.items():
             console.print(
                 f"{name}: {r['files_before']} → {r['files_after']} data files, {r['files_vacuumed']} vacuumed",
                 markup=False,

@@ -7,6 +7,13 @@ the thread keeps trying every second (a cheap probe first, so an outage costs no
 rows flow again within a second of the folder being writable. Past the bound the oldest entries
 are dropped: counted (``dropped_rows``, and in the servers' ``/metrics``) and logged. Serving
 never blocks or fails on logging.
+
+A flush a second is a file a second (86,400 a day, each a Delta commit): every
+``COMPACT_EVERY`` flushes the thread merges the table's small files (``offline.compaction``,
+safe beside other writers) and deletes the files merged away ``VACUUM_HOURS`` ago, so the
+folder holds what the log holds and reading it (``check-consistency``, ``monitor``, the UI's
+served statistics) does not slow down day after day; ``featurestore compact`` does the same for
+every log.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
+from featurestore.files import file_lock
+from featurestore.offline.compaction import compact
 from featurestore.offline.statistics import SERVED, CommitStatistics
 from featurestore.offline.tables import Tables
 from featurestore.online.codec import micros_to_datetime
@@ -36,6 +45,9 @@ if TYPE_CHECKING:
     from featurestore.statistics import Summary
 
 MODEL_COLUMNS = ("model_name", "model_version", "score")
+COMPACT_EVERY = 600  # flushes between merges of a log's small files (a flush a second: ten minutes)
+VACUUM_HOURS = 1  # how long files merged away stay for readers that opened an older version
+WRITERS_LOCK = ".writers.lock"  # held shared by each append, exclusive by a merge (a hidden file: Delta ignores it)
 log = logging.getLogger(__name__)
 
 
@@ -124,6 +136,7 @@ class FeatureLogger:
         self.logged_rows = 0
         self.dropped_rows = 0
         self.failed_flushes = 0
+        self._flushes = 0
         self._reported_drops = 0
         self._count = count or (lambda outcome, n: None)
         # the log's statistics per hour served, caught up in the background after flushes
@@ -155,9 +168,10 @@ class FeatureLogger:
                 for name, column in merged.items():
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
-            write_deltalake(
-                str(self.path), table, mode="append", schema_mode="merge"
-            )  # (logs from before a column was added)
+            with file_lock(self.path / WRITERS_LOCK, shared=True):  # (a merge waits for appends in flight)
+                write_deltalake(
+                    str(self.path), table, mode="append", schema_mode="merge"
+                )  # (logs from before a column was added)
         except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
             with self._lock:
                 for entry in reversed(pending):
@@ -177,6 +191,12 @@ class FeatureLogger:
         self.logged_rows += table.num_rows
         self._count("logged", table.num_rows)
         self.statistics.soon(self.path.name)
+        self._flushes += 1
+        if self._flushes % COMPACT_EVERY == 0:
+            try:  # (a merge that fails, another writer's commits coming first, waits for the next turn)
+                compact_log(self.path)
+            except Exception as exc:  # noqa: BLE001 - merging saves reads and files; logging goes on
+                log.warning("feature log %s: merging its small files failed (%s); retried later", self.path, exc)
         return table.num_rows
 
     def _unwritable(self) -> str | None:
@@ -254,6 +274,24 @@ def served_statistics_versioned(
 def _log_statistics(folder: str) -> CommitStatistics:
     """One per folder of logs: its table handles follow their logs (read only the commits since)."""
     return CommitStatistics(Tables(Location(folder)), SERVED)
+
+
+def compact_log(path: Path) -> dict[str, int]:
+    """Merge a log's small files (``offline.compaction``) and delete those merged away over
+    ``VACUUM_HOURS`` ago: ``files_before``, ``files_after``, ``files_vacuumed``."""
+    where = Location(str(Path(path).resolve()))
+    with file_lock(Path(path) / WRITERS_LOCK):  # (the servers' appends wait: none overtakes the merge's plan)
+        before = len(DeltaTable(where.url).file_uris())
+        compact(where)
+    table = DeltaTable(where.url)
+    vacuumed = table.vacuum(retention_hours=VACUUM_HOURS, dry_run=False, enforce_retention_duration=False)
+    return {"files_before": before, "files_after": len(table.file_uris()), "files_vacuumed": len(vacuumed)}
+
+
+def logs(data_dir: Path) -> list[Path]:
+    """Every feature log under ``data_dir`` (models' and services')."""
+    root = Path(data_dir) / "feature_logs"
+    return sorted(p.parent for p in [*root.glob("*/_delta_log"), *root.glob("services/*/_delta_log")])
 
 
 def read_log(path: Path) -> pa.Table:

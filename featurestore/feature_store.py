@@ -379,6 +379,14 @@ class FeatureStore:
             }
         return report
 
+    def compact_feature_logs(self) -> dict[str, dict]:
+        """Merge the small files of every feature log (a server writes one a second) and delete
+        those merged away over an hour ago (``feature_logging.compact_log``): ``{"feature log <path>": report}``."""
+        from featurestore.feature_logging import compact_log, logs
+
+        root = self.config.data_dir / "feature_logs"
+        return {f"feature log {path.relative_to(root)}": compact_log(path) for path in logs(self.config.data_dir)}
+
     def drop_old_layouts(
         self, views: Sequence[str] | None = None, progress: Callable[[int], None] | None = None
     ) -> dict[str, int]:

@@ -107,3 +107,57 @@ def test_the_feature_log_loses_only_past_its_bound_says_so_and_recovers_promptly
         "flush failed" in r.message for r in caplog.records
     )
     assert any("written again" in r.message for r in caplog.records)
+
+
+def test_a_feature_log_flushed_every_second_stays_a_few_files(make_store, monkeypatch):
+    """A server flushes its feature log every second, a Delta commit and a file each: 86,400
+    files a day, every read of the log (``check-consistency``, ``monitor``, the UI) slower day
+    after day. The logger now merges them every ``COMPACT_EVERY`` flushes, beside another
+    process's appends (a lock they share), and ``compact`` merges every log; each row reads back
+    once."""
+    import multiprocessing
+
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    from featurestore import feature_logging
+    from featurestore.feature_logging import FeatureLogger, read_log
+
+    store = make_store(
+        "from featurestore import Entity\nfrom featurestore.types import Int64\n"
+        'card = Entity(name="card", join_keys=["card_id"], value_type=Int64)\n'
+    )
+    path = feature_logging.log_path(store.config.data_dir, "service:svc")
+    schema = pa.schema([("x", pa.int64())])
+    monkeypatch.setattr(feature_logging, "COMPACT_EVERY", 10)
+    spawn = multiprocessing.get_context("spawn")  # (deltalake's runtime does not survive a fork)
+    appending = spawn.Event()
+    other = spawn.Process(target=_log_from_another_worker, args=(path, schema, appending))
+    other.start()  # a second server worker appending to the same log meanwhile
+    assert appending.wait(60)
+    logger = FeatureLogger(path, schema, flush_interval=3600)
+    for i in range(25):
+        logger.log({"x": [i, i + 1000]})
+        assert logger.flush() == 2
+    other.join(60)
+    assert other.exitcode == 0
+    logger.close()
+    expected = sorted([i for i in range(25)] + [i + 1000 for i in range(25)] + list(range(5000, 5200)))
+    assert sorted(read_log(path)["x"].to_pylist()) == expected
+    assert len(DeltaTable(str(path)).file_uris()) < 25 + 100  # (merged while both appended)
+
+    monkeypatch.setattr(feature_logging, "VACUUM_HOURS", 0)
+    (report,) = store.compact_feature_logs().values()
+    assert report["files_after"] == 1 < report["files_before"] and report["files_vacuumed"] > 0
+    assert len(list(path.glob("*.parquet"))) == 1 and sorted(read_log(path)["x"].to_pylist()) == expected
+
+
+def _log_from_another_worker(path, schema, appending) -> None:
+    from featurestore.feature_logging import FeatureLogger
+
+    logger = FeatureLogger(path, schema, flush_interval=3600)
+    for i in range(100):
+        logger.log({"x": [5000 + 2 * i, 5001 + 2 * i]})
+        logger.flush()
+        appending.set()
+    logger.close()
