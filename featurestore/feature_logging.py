@@ -10,7 +10,7 @@ never blocks or fails on logging.
 
 A flush a second is a file a second (86,400 a day, each a Delta commit): every
 ``COMPACT_EVERY`` flushes the thread merges the table's small files (``offline.compaction``,
-safe beside other writers) and deletes the files merged away ``VACUUM_HOURS`` ago, so the
+safe beside other writers) and deletes the files merged away ``VACUUM_HOURS`` before, so the
 folder holds what the log holds and reading it (``check-consistency``, ``monitor``, the UI's
 served statistics) does not slow down day after day; ``featurestore compact`` does the same for
 every log.
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 MODEL_COLUMNS = ("model_name", "model_version", "score")
 COMPACT_EVERY = 600  # flushes between merges of a log's small files (a flush a second: ten minutes)
-VACUUM_HOURS = 1  # how long files merged away stay for readers that opened an older version
+VACUUM_HOURS = 24  # how long files merged away stay (for readers of an older version, a late statistics catch-up)
 WRITERS_LOCK = ".writers.lock"  # held shared by each append, exclusive by a merge (a hidden file: Delta ignores it)
 log = logging.getLogger(__name__)
 

@@ -381,7 +381,7 @@ class FeatureStore:
 
     def compact_feature_logs(self) -> dict[str, dict]:
         """Merge the small files of every feature log (a server writes one a second) and delete
-        those merged away over an hour ago (``feature_logging.compact_log``): ``{"feature log <path>": report}``."""
+        those merged away over a day ago (``feature_logging.compact_log``): ``{"feature log <path>": report}``."""
         from featurestore.feature_logging import compact_log, logs
 
         root = self.config.data_dir / "feature_logs"

@@ -218,6 +218,27 @@ def test_a_commit_whose_statistics_failed_is_covered_by_the_next_read(make_store
     _assert_statistics_equal_history(store)
 
 
+def test_a_catch_up_after_a_vacuum_skips_the_files_gone_and_goes_on(make_store, caplog):
+    """Statistics that had not caught up when a compaction's vacuum deleted the files of the
+    commits they had yet to cover failed on each catch-up for good (the first missing file
+    raised), so no later commit was ever summarized. The files gone go unsummarized, said in the
+    log, and the commits after them are."""
+    store = make_store(FEATURES)
+    history = store.offline_store
+    table = store.definitions.layout("activity").history_table
+    for seed in range(3):
+        store.push("payments", _payments(80, seed=seed, first_id=1000 * seed), to="offline")
+        store.flush()
+    history.statistics.drop(table)  # (as if the catch-ups had not run: a process killed after its commits)
+    store.compact(vacuum_hours=0)  # the pushes' files merged away and deleted
+    store.push("payments", _payments(50, seed=9, first_id=9000), to="offline")
+    store.flush()
+    history.statistics.catch_up(table)
+    assert "is gone (vacuumed); its rows go unsummarized" in caplog.text
+    summarized = sum(summary.rows for _, name, summary in store.statistics("activity") if name == "card_id")
+    assert summarized == 50  # the commit after the vacuum
+
+
 def test_catch_ups_at_once_count_each_commit_once(make_store):
     store = make_store(FEATURES)
     history = store.offline_store

@@ -114,8 +114,11 @@ class CommitStatistics:
             # a file at a time: memory stays bounded by a file (and a history file holds one event day)
             parts = []
             for path in added:
-                with fs.open_input_file(f"{root}/{name}/{path}") as file:
-                    parts.append(self._summaries(pq.read_table(file)))
+                try:
+                    with fs.open_input_file(f"{root}/{name}/{path}") as file:
+                        parts.append(self._summaries(pq.read_table(file)))
+                except FileNotFoundError:  # (vacuumed since: the commit was merged away long ago)
+                    log.warning("statistics of %s: %s is gone (vacuumed); its rows go unsummarized", name, path)
             summaries = pa.concat_tables(parts) if parts else _marker()
             found.append(_tagged(summaries, version, writer))
         write_deltalake(self.uri(name), pa.concat_tables(found), mode="append", storage_options=self.tables.options)
