@@ -9,8 +9,8 @@ are dropped: counted (``dropped_rows``, and in the servers' ``/metrics``) and lo
 never blocks or fails on logging.
 
 A flush a second is a file a second (86,400 a day, each a Delta commit): every
-``COMPACT_EVERY`` flushes the thread merges the table's small files (``offline.compaction``,
-safe beside other writers) and deletes the files merged away ``VACUUM_HOURS`` before, so the
+``COMPACT_EVERY`` flushes the thread merges the table's small files (``offline.compaction``;
+the servers' appends wait meanwhile, ``WRITERS_LOCK``) and deletes the files merged away ``VACUUM_HOURS`` before, so the
 folder holds what the log holds and reading it (``check-consistency``, ``monitor``, the UI's
 served statistics) does not slow down day after day; ``featurestore compact`` does the same for
 every log.
@@ -193,7 +193,7 @@ class FeatureLogger:
         self.statistics.soon(self.path.name)
         self._flushes += 1
         if self._flushes % COMPACT_EVERY == 0:
-            try:  # (a merge that fails, another writer's commits coming first, waits for the next turn)
+            try:  # (a merge that fails waits for the next turn)
                 compact_log(self.path)
             except Exception as exc:  # noqa: BLE001 - merging saves reads and files; logging goes on
                 log.warning("feature log %s: merging its small files failed (%s); retried later", self.path, exc)
