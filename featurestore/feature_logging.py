@@ -25,13 +25,14 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
+from featurestore.errors import FeatureStoreError
 from featurestore.files import file_lock
 from featurestore.offline.compaction import compact
 from featurestore.offline.statistics import SERVED, CommitStatistics
@@ -168,6 +169,7 @@ class FeatureLogger:
                 for name, column in merged.items():
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
+            self._check_columns()
             with file_lock(self.path / WRITERS_LOCK, shared=True):  # (a merge waits for appends in flight)
                 write_deltalake(
                     str(self.path), table, mode="append", schema_mode="merge"
@@ -198,6 +200,40 @@ class FeatureLogger:
             except Exception as exc:  # noqa: BLE001 - merging saves reads and files; logging goes on
                 log.warning("feature log %s: merging its small files failed (%s); retried later", self.path, exc)
         return table.num_rows
+
+    def _check_columns(self) -> None:
+        """Raise where the log's table holds a column of this logger's under another type: Delta
+        would cast the values (a float to an integer: a wrong value logged) or refuse them. A
+        logger's first flush, that of definitions applied since, moves that table aside
+        (``<name>.until-<time>``) and starts the log anew; a later one's rows wait (bounded) until
+        its server has reloaded the definitions."""
+        changed = self._changed_columns()
+        if not changed:
+            return
+        if self._flushes == 0:
+            with file_lock(self.path / WRITERS_LOCK):  # (another worker may have moved it already)
+                if self._changed_columns():
+                    aside = self.path.with_name(f"{self.path.name}.until-{datetime.now(UTC):%Y%m%dT%H%M%S%f}")
+                    self.path.rename(aside)
+                    self.path.mkdir()
+                    log.warning(
+                        "feature log %s: columns %s changed type; the log so far moved to %s, a new one starts",
+                        self.path,
+                        changed,
+                        aside,
+                    )
+            return
+        raise FeatureStoreError(
+            f"the log's columns {changed} hold another type since a newer server wrote them; "
+            "these rows wait until this server reloads the definitions"
+        )
+
+    def _changed_columns(self) -> list[str]:
+        """This logger's columns the log's table holds under another type."""
+        if not (self.path / "_delta_log").exists():
+            return []
+        held = {f.name: _plain(f.type) for f in pa.schema(DeltaTable(str(self.path)).schema().to_arrow())}
+        return [f.name for f in self.schema if f.name in held and held[f.name] != _plain(f.type)]
 
     def _unwritable(self) -> str | None:
         """Why the table's folder cannot be written now (a file made and removed there), or None."""
@@ -248,6 +284,47 @@ class FeatureLogger:
         self._thread.join(timeout=10)
         self.flush()
         self.statistics.stop()  # (what is not summarized yet, the next read of the statistics is)
+
+
+class FollowedLog:
+    """A server's log at ``path`` whose columns follow what it serves under: the same
+    ``FeatureLogger`` while the ``key`` given (the definitions, the model version) is equal, a
+    new one once it changes and the columns with it (the previous one closed first: its rows go
+    into the log as it was, and the new one's first flush starts a new one where columns changed
+    type)."""
+
+    def __init__(self, path: Path, count: Counts | None = None):
+        self.path, self.count = path, count
+        self._key: object = None
+        self._logger: FeatureLogger | None = None
+
+    def logger(self, key: object, schema: Callable[[], pa.Schema]) -> FeatureLogger:
+        if self._logger is not None and key == self._key:
+            return self._logger
+        columns = schema()
+        if self._logger is None or columns != self._logger.schema:
+            if self._logger is not None:
+                self._logger.close()
+            self._logger = FeatureLogger(self.path, columns, count=self.count)
+        self._key = key
+        return self._logger
+
+    def close(self) -> None:
+        if self._logger is not None:
+            self._logger.close()
+
+
+def _plain(dtype: pa.DataType) -> pa.DataType:
+    """A type as compared across Arrow and Delta: large and view variants as the plain one."""
+    if pa.types.is_large_string(dtype) or pa.types.is_string_view(dtype):
+        return pa.string()
+    if pa.types.is_large_binary(dtype) or pa.types.is_binary_view(dtype):
+        return pa.binary()
+    if pa.types.is_large_list(dtype) or pa.types.is_list_view(dtype) or pa.types.is_list(dtype):
+        return pa.list_(_plain(dtype.value_type))
+    if pa.types.is_timestamp(dtype):
+        return pa.timestamp("us", tz="UTC" if dtype.tz else None)
+    return dtype
 
 
 def _rows(columns: dict[str, list[Any]]) -> int:

@@ -30,7 +30,7 @@ from featurestore.catalog import online_behind
 from featurestore.definitions import PushSource
 from featurestore.drift import read_drift
 from featurestore.errors import FeatureStoreError, ForbiddenError, OnlineStoreUnavailable, RequestError
-from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
+from featurestore.feature_logging import FeatureLogger, FollowedLog, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
 from featurestore.materialization.engine import MaterializationReport
 from featurestore.retrieval.online import OnlineQuery
@@ -239,7 +239,7 @@ class Lookups:
 
     def __init__(self, watcher: RegistryWatcher, metrics: Metrics, log_features: bool):
         self.watcher, self.metrics, self.log_features = watcher, metrics, log_features
-        self.loggers: dict[str, FeatureLogger] = {}
+        self.loggers: dict[str, FollowedLog] = {}
 
     async def answer(self, raw_body: bytes, scope: dict) -> bytes:
         body = _parse_lookup(raw_body)
@@ -264,14 +264,14 @@ class Lookups:
         return response.to_rest_json(dumps)
 
     def _logger(self, service: str) -> FeatureLogger:
+        """The service's log, its columns those of the definitions served now (an apply may change them)."""
+        store = self.watcher.current
         if service not in self.loggers:
-            store = self.watcher.current
-            self.loggers[service] = FeatureLogger(
+            self.loggers[service] = FollowedLog(
                 log_path(store.config.data_dir, f"service:{service}"),
-                vector_schema(store, service),
                 count=self.metrics.feature_log_counts(f"service:{service}"),
             )
-        return self.loggers[service]
+        return self.loggers[service].logger(store, lambda: vector_schema(store, service))
 
     def close(self) -> None:
         for logger in self.loggers.values():

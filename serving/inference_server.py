@@ -34,7 +34,7 @@ from featurestore.auth import Authenticator
 from featurestore.broadcast_rounds import JOIN_SECONDS, Member
 from featurestore.checkpoint_engine import key_headers, version_files
 from featurestore.errors import FeatureStoreError, OnlineStoreUnavailable, RequestError
-from featurestore.feature_logging import FeatureLogger, log_path, vector_entry, vector_schema
+from featurestore.feature_logging import FollowedLog, log_path, vector_entry, vector_schema
 from featurestore.launch import ServerLaunch
 from featurestore.retrieval.online import PRESENT, OnlineQuery, json_number
 from featurestore.shared_tensors import machine_id
@@ -259,14 +259,11 @@ def create_app(
     store = watcher.current
     holder = ModelHolder(watcher, model_name, stage, device)
     metrics = Metrics("featurestore_inference_server")
-    logger = None
-    if log_features:
-        schema = vector_schema(
-            store, holder.loaded.card["feature_service"], holder.loaded.card["request_inputs"], with_model=True
-        )
-        logger = FeatureLogger(
-            log_path(store.config.data_dir, model_name), schema, count=metrics.feature_log_counts(model_name)
-        )
+    logger = (
+        FollowedLog(log_path(store.config.data_dir, model_name), count=metrics.feature_log_counts(model_name))
+        if log_features
+        else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -353,7 +350,7 @@ def _instances(raw_body: bytes) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 async def _predict(
-    watcher: RegistryWatcher, holder: ModelHolder, logger: FeatureLogger | None, raw_body: bytes, scope: dict
+    watcher: RegistryWatcher, holder: ModelHolder, logger: FollowedLog | None, raw_body: bytes, scope: dict
 ) -> dict[str, Any]:
     """``/predict``: the instances' online features, scored by the model serving now."""
     body, instances = _instances(raw_body)
@@ -388,8 +385,11 @@ async def _predict(
     model_columns = dict(zip(response.feature_names[keys:], response.values[keys:]))
     keys_used = {k: columns.get(k, [None] * n) for k in loaded.preprocessor.hashed}  # entity-key embeddings
     scores = loaded.predict({**model_columns, **inputs, **keys_used})
-    if logger:
-        logger.log(
+    if logger:  # (its columns those of the definitions and the model serving now)
+        logged = partial(
+            vector_schema, current, loaded.card["feature_service"], loaded.card["request_inputs"], with_model=True
+        )
+        logger.logger((current, loaded.version), logged).log(
             vector_entry(
                 query,
                 response,

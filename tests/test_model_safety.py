@@ -161,3 +161,39 @@ def _log_from_another_worker(path, schema, appending) -> None:
         logger.flush()
         appending.set()
     logger.close()
+
+
+def test_a_feature_logs_columns_follow_the_definitions_and_no_value_is_cast(tmp_path, caplog):
+    """After an apply changed a served feature's type (Int64 to Float64), a server's log kept the
+    columns it started with: Delta cast what it appended (1.5 logged as 1, a wrong value for
+    ``check-consistency``) or refused it (text: every row past the bound lost). A server's log now
+    follows the definitions it serves under (``FollowedLog``), a logger whose columns changed type
+    starts the log anew (the log so far moved aside), and a logger still on the older columns
+    (another worker not reloaded yet) never casts: its rows wait."""
+    import logging
+
+    import pyarrow as pa
+
+    from featurestore.feature_logging import FeatureLogger, FollowedLog, read_log
+
+    path = tmp_path / "log"
+    ints, floats = pa.schema([("amount", pa.int64())]), pa.schema([("amount", pa.float64())])
+    followed = FollowedLog(path)
+    first = followed.logger("definitions v1", lambda: ints)
+    first.log({"amount": [1, 2]})
+    assert first.flush() == 2 and followed.logger("definitions v1", lambda: floats) is first  # (same definitions)
+    stale = FeatureLogger(path, ints, flush_interval=3600)  # another worker, on v1 still
+    stale.log({"amount": [3]})
+    assert stale.flush() == 1
+    with caplog.at_level(logging.WARNING, logger="featurestore.feature_logging"):
+        now = followed.logger("definitions v2", lambda: floats)
+        now.log({"amount": [1.5]})
+        assert now is not first and now.flush() == 1
+        stale.log({"amount": [4]})
+        assert stale.flush() == 0 and stale.failed_flushes == 1  # not cast into the new log
+    assert read_log(path)["amount"].to_pylist() == [1.5]
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("log.until-")]
+    assert sorted(read_log(aside)["amount"].to_pylist()) == [1, 2, 3]
+    assert "columns ['amount'] changed type" in caplog.text and "wait until this server reloads" in caplog.text
+    followed.close()
+    stale._stop.set()
