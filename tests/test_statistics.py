@@ -218,18 +218,25 @@ def test_a_commit_whose_statistics_failed_is_covered_by_the_next_read(make_store
     _assert_statistics_equal_history(store)
 
 
+def _uncovered_pushes(make_store, pushes: int):
+    """A store whose history holds ``pushes`` pushes of 80 rows that its statistics do not cover:
+    (store, its offline store, the history table)."""
+    store = make_store(FEATURES)
+    history = store.offline_store
+    table = store.definitions.layout("activity").history_table
+    for seed in range(pushes):
+        store.push("payments", _payments(80, seed=seed, first_id=1000 * seed), to="offline")
+        store.flush()
+    history.statistics.drop(table)
+    return store, history, table
+
+
 def test_a_catch_up_after_a_vacuum_skips_the_files_gone_and_goes_on(make_store, caplog):
     """Statistics that had not caught up when a compaction's vacuum deleted the files of the
     commits they had yet to cover failed on each catch-up for good (the first missing file
     raised), so no later commit was ever summarized. The files gone go unsummarized, said in the
     log, and the commits after them are."""
-    store = make_store(FEATURES)
-    history = store.offline_store
-    table = store.definitions.layout("activity").history_table
-    for seed in range(3):
-        store.push("payments", _payments(80, seed=seed, first_id=1000 * seed), to="offline")
-        store.flush()
-    history.statistics.drop(table)  # (as if the catch-ups had not run: a process killed after its commits)
+    store, history, table = _uncovered_pushes(make_store, 3)  # (as if a process was killed after its commits)
     store.compact(vacuum_hours=0)  # the pushes' files merged away and deleted
     store.push("payments", _payments(50, seed=9, first_id=9000), to="offline")
     store.flush()
@@ -240,13 +247,7 @@ def test_a_catch_up_after_a_vacuum_skips_the_files_gone_and_goes_on(make_store, 
 
 
 def test_catch_ups_at_once_count_each_commit_once(make_store):
-    store = make_store(FEATURES)
-    history = store.offline_store
-    table = store.definitions.layout("activity").history_table
-    for seed in range(4):
-        store.push("payments", _payments(80, seed=seed, first_id=1000 * seed), to="offline")
-        store.flush()
-    history.statistics.drop(table)  # nothing covered: two readers catch up at once
+    store, history, table = _uncovered_pushes(make_store, 4)  # two readers catch up at once
     threads = [threading.Thread(target=history.statistics.catch_up, args=(table,)) for _ in range(2)]
     for t in threads:
         t.start()
