@@ -248,8 +248,8 @@ class StreamConsumer:
         groups = {g["name"]: g for g in self.client.xinfo_groups(self.stream)}
         last: bytes | str = groups.get(GROUP.encode(), groups.get(GROUP, {})).get("last-delivered-id", b"0-0")
         newest: Any = self.client.xrevrange(self.stream, count=1)
-        if newest:
-            self.stats.lag_ms = float(_ms(newest[0][0]) - _ms(last))
+        # (none: every entry read, acknowledged and trimmed)
+        self.stats.lag_ms = float(_ms(newest[0][0]) - _ms(last)) if newest else 0.0
 
 
 def arrival(stream: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[pa.Array, pa.Array]:
