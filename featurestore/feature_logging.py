@@ -169,10 +169,10 @@ class FeatureLogger:
                 for name, column in merged.items():
                     column.extend(entry[name])
             table = pa.table({f.name: pa.array(merged[f.name], f.type) for f in self.schema}, schema=self.schema)
-            self._check_columns()
+            held = self._table_to_append()
             with file_lock(self.path / WRITERS_LOCK, shared=True):  # (a merge waits for appends in flight)
                 write_deltalake(
-                    str(self.path), table, mode="append", schema_mode="merge"
+                    held if held is not None else str(self.path), table, mode="append", schema_mode="merge"
                 )  # (logs from before a column was added)
         except Exception as exc:  # never let logging hurt serving; keep the rows (within the bound) for the next try
             with self._lock:
@@ -201,18 +201,19 @@ class FeatureLogger:
                 log.warning("feature log %s: merging its small files failed (%s); retried later", self.path, exc)
         return table.num_rows
 
-    def _check_columns(self) -> None:
-        """Raise where the log's table holds a column of this logger's under another type: Delta
-        would cast the values (a float to an integer: a wrong value logged) or refuse them. A
-        logger's first flush, that of definitions applied since, moves that table aside
-        (``<name>.until-<time>``) and starts the log anew; a later one's rows wait (bounded) until
-        its server has reloaded the definitions."""
-        changed = self._changed_columns()
+    def _table_to_append(self) -> DeltaTable | None:
+        """The log's table (None: none yet), opened once for the check and the append. Raises where
+        it holds a column of this logger's under another type: Delta would cast the values (a
+        float to an integer: a wrong value logged) or refuse them. A logger's first flush, that of
+        definitions applied since, moves that table aside (``<name>.until-<time>``) and starts the
+        log anew; a later one's rows wait (bounded) until its server has reloaded the definitions."""
+        held = self._opened()
+        changed = self._changed_columns(held)
         if not changed:
-            return
+            return held
         if self._flushes == 0:
             with file_lock(self.path / WRITERS_LOCK):  # (another worker may have moved it already)
-                if self._changed_columns():
+                if self._changed_columns(self._opened()):
                     aside = self.path.with_name(f"{self.path.name}.until-{datetime.now(UTC):%Y%m%dT%H%M%S%f}")
                     self.path.rename(aside)
                     self.path.mkdir()
@@ -222,17 +223,20 @@ class FeatureLogger:
                         changed,
                         aside,
                     )
-            return
+            return self._opened()
         raise FeatureStoreError(
             f"the log's columns {changed} hold another type since a newer server wrote them; "
             "these rows wait until this server reloads the definitions"
         )
 
-    def _changed_columns(self) -> list[str]:
-        """This logger's columns the log's table holds under another type."""
-        if not (self.path / "_delta_log").exists():
+    def _opened(self) -> DeltaTable | None:
+        return DeltaTable(str(self.path)) if (self.path / "_delta_log").exists() else None
+
+    def _changed_columns(self, table: DeltaTable | None) -> list[str]:
+        """This logger's columns ``table`` holds under another type."""
+        if table is None:
             return []
-        held = {f.name: _plain(f.type) for f in pa.schema(DeltaTable(str(self.path)).schema().to_arrow())}
+        held = {f.name: _plain(f.type) for f in pa.schema(table.schema().to_arrow())}
         return [f.name for f in self.schema if f.name in held and held[f.name] != _plain(f.type)]
 
     def _unwritable(self) -> str | None:
